@@ -1,0 +1,13 @@
+// The `carry` command: subcommands dispatch to the framework (see `carry --help`).
+#include <cstdio>
+#include <cstring>
+#include <string>
+
+int main(int argc, char** argv) {
+  if (argc < 2 || !std::strcmp(argv[1], "--help")) {
+    std::puts("usage: carry <command> [args]\n  mixer   run a mixer on tensors from a safetensors file");
+    return argc < 2 ? 2 : 0;
+  }
+  std::fprintf(stderr, "carry: unknown command '%s' (see carry --help)\n", argv[1]);
+  return 2;
+}

@@ -1,0 +1,106 @@
+// The mixer registry, the input-bundle helpers and the default input validation of the contract.
+#include "layers/mixer.h"
+
+#include "layers/common.h"
+
+#include <map>
+
+namespace carry {
+
+namespace {
+std::map<std::string, std::unique_ptr<Mixer>>& registry() {
+  static std::map<std::string, std::unique_ptr<Mixer>> r;
+  return r;
+}
+}  // namespace
+
+bool register_mixer(std::unique_ptr<Mixer> mixer) {
+  auto name = mixer->name();
+  TORCH_INTERNAL_ASSERT(!registry().count(name), "mixer registered twice: ", name);
+  registry()[name] = std::move(mixer);
+  return true;
+}
+
+const Mixer& get_mixer(const std::string& name) {
+  auto it = registry().find(name);
+  if (it == registry().end()) {
+    std::string known;
+    for (auto& [n, m] : registry()) known += (known.empty() ? "" : ", ") + n;
+    TORCH_CHECK(false, "unknown mixer family '", name, "'; known families: ", known);
+  }
+  return *it->second;
+}
+
+std::vector<std::string> mixer_names() {
+  std::vector<std::string> names;
+  for (auto& [n, m] : registry()) names.push_back(n);
+  return names;
+}
+
+const Tensor& MixerInputs::get(const std::string& name) const {
+  return const_cast<MixerInputs*>(this)->get(name);
+}
+
+Tensor& MixerInputs::get(const std::string& name) {
+  if (name == "q") return q;
+  if (name == "k") return k;
+  if (name == "v") return v;
+  if (name == "g") return g;
+  if (name == "gk") return gk;
+  if (name == "beta") return beta;
+  if (name == "l") return l;
+  TORCH_CHECK(false, "unknown mixer input '", name, "'; inputs are q, k, v, g, gk, beta, l");
+}
+
+MixerInputs MixerInputs::slice(int64_t start, int64_t len) const {
+  MixerInputs out;
+  for (const char* n : {"q", "k", "v", "g", "gk", "beta", "l"}) {
+    const Tensor& t = get(n);
+    if (t.defined()) out.get(n) = t.narrow(1, start, len);
+  }
+  return out;
+}
+
+double MixerOptions::scale_for(int64_t dk) const {
+  return scale > 0 ? scale : 1.0 / std::sqrt(static_cast<double>(dk));
+}
+
+void Mixer::check(const MixerInputs& in, const MixerOptions& opt, bool chunked) const {
+  auto names = input_names();
+  for (auto& n : names)
+    TORCH_CHECK(in.get(n).defined(), name(), ": input '", n, "' is required (the family reads ",
+                c10::Join(", ", names), ")");
+  const Tensor& q = in.get(names[0]);
+  TORCH_CHECK(q.dim() == 4, name(), ": '", names[0], "' must be [B, T, H, D], got shape ",
+              shape_str(q.sizes()));
+  int64_t B = q.size(0), T = q.size(1), H = q.size(2), dk = q.size(3);
+  for (auto& n : names) {
+    const Tensor& t = in.get(n);
+    if (n == "q" || n == "k" || n == "gk") check_tensor(t, name() + ": '" + n + "'", {B, T, H, dk});
+    else if (n == "v") check_tensor(t, name() + ": 'v'", {B, T, H, -1});
+    else if (n == "g" || n == "beta") check_tensor(t, name() + ": '" + n + "'", {B, T, H});
+    else if (n == "l") check_tensor(t, name() + ": 'l'", {B, T, H, -1});
+    TORCH_CHECK(t.scalar_type() == q.scalar_type(), name(), ": '", n, "' has dtype ",
+                t.scalar_type(), " but '", names[0], "' has ", q.scalar_type(),
+                "; all inputs must share one dtype");
+    if (n == "g" || n == "gk") check_log_gate(t, name() + ": '" + n + "'");
+    else check_finite(t, name() + ": '" + n + "'");
+  }
+  if (chunked) {
+    TORCH_CHECK(opt.chunk_size > 0, name(), ": chunk_size must be positive, got ", opt.chunk_size);
+    TORCH_CHECK(T % opt.chunk_size == 0, name(), ": sequence length T=", T,
+                " must be a multiple of chunk_size=", opt.chunk_size, " in the chunkwise form");
+  }
+}
+
+Summary Mixer::summarize(const MixerInputs&, const MixerOptions&) const {
+  TORCH_CHECK(false, name(), " has no recurrent state, so no state summary");
+}
+Summary Mixer::compose(const Summary&, const Summary&) const {
+  TORCH_CHECK(false, name(), " has no recurrent state, so no state summary");
+}
+State Mixer::apply(const Summary&, const State&) const {
+  TORCH_CHECK(false, name(), " has no recurrent state, so no state summary");
+}
+
+}  // namespace carry

@@ -1,0 +1,106 @@
+// The mixer contract (DESIGN.md §2): every token-mixer family implements, per head, on one slice of
+// T tokens, three forms side by side -- `naive` (the definition: token recurrence or materialized
+// masked T×T mixing), `chunkwise` (ATen ops, an explicit initial state, autograd for free) and, on
+// GPU, a kernel form -- plus the state-summary algebra: the effect of a slice on the recurrent state
+// is an affine map S_out = A·S_in + B (`summarize`), maps compose associatively (`compose`), and a
+// map acts on a state (`apply`). `parallel/` scans whatever implements this; it never sees a family.
+//
+// Conventions (flash-linear-attention's): inputs are [B, T, H, D]; gates are log values (g: [B,T,H],
+// gk: [B,T,H,dk]); beta: [B,T,H]; level weights l: [B,T,H,L]; outputs o: [B,T,H,dv]; states are
+// [B, H, dk, dv]-like tensors in fp32 (fp64 in fp64 runs). A State is a tuple of tensors whose meaning
+// the family names in `state_names()`; an empty State means "zero initial state".
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+namespace carry {
+
+using at::Tensor;
+
+// Inputs by flash-linear-attention's names; a family uses the subset listed in `input_names()`.
+struct MixerInputs {
+  Tensor q, k, v;  // [B,T,H,dk], [B,T,H,dk], [B,T,H,dv]
+  Tensor g;        // scalar log decay per token and head        [B,T,H]
+  Tensor gk;       // log decay per key dimension (GLA, S6 dt·A) [B,T,H,dk]
+  Tensor beta;     // delta-rule write strength                  [B,T,H]
+  Tensor l;        // log-linear per-level weights λ             [B,T,H,L]
+
+  const Tensor& get(const std::string& name) const;
+  Tensor& get(const std::string& name);
+  // The slice [start, start+len) along T of every defined tensor.
+  MixerInputs slice(int64_t start, int64_t len) const;
+};
+
+// Hyperparameters. A value <= 0 for `scale` means the default 1/sqrt(dk).
+struct MixerOptions {
+  double scale = 0;
+  bool normalize = false;    // linear attention / HLA: divide by the normalizer
+  double eps = 1e-6;         // normalizer epsilon
+  int64_t window = 0;        // sliding-window attention: keys t-window < s <= t; 0 = full causal
+  int64_t chunk_size = 64;   // chunkwise form
+  int64_t offset = 0;        // absolute position of the slice's first token (log-linear levels)
+
+  double scale_for(int64_t dk) const;
+};
+
+using State = std::vector<Tensor>;
+
+// The affine map of a slice: S_out = transport(S_in) + state. `state` is the slice's final state from
+// the zero initial state; `transport` holds A in the family's cheapest exact form (scalar, diagonal,
+// dense, structured), with entries the family documents. Both are family-defined tuples.
+struct Summary {
+  std::vector<Tensor> transport;
+  State state;
+};
+
+struct MixerOutput {
+  Tensor o;           // [B,T,H,dv]
+  State final_state;  // same tuple layout as the initial state
+};
+
+class Mixer {
+ public:
+  virtual ~Mixer() = default;
+  virtual std::string name() const = 0;
+  // Inputs the family reads, in MixerInputs names, e.g. {"q","k","v","gk"}.
+  virtual std::vector<std::string> input_names() const = 0;
+  // Names of the State tuple's entries, e.g. {"S"} or {"S","C","m","G","h"}; empty if stateless.
+  virtual std::vector<std::string> state_names() const = 0;
+  // The zero initial state for these inputs (shapes and dtype follow the inputs).
+  virtual State zero_state(const MixerInputs& in, const MixerOptions& opt) const = 0;
+
+  // Validates shapes, dtypes, gates and options; throws c10::Error with a message that names the
+  // tensor, what was expected and what was found. Every form calls it first.
+  virtual void check(const MixerInputs& in, const MixerOptions& opt, bool chunked) const;
+
+  virtual MixerOutput naive(const MixerInputs& in, const State& initial_state,
+                            const MixerOptions& opt) const = 0;
+  virtual MixerOutput chunkwise(const MixerInputs& in, const State& initial_state,
+                                const MixerOptions& opt) const = 0;
+
+  // State-summary algebra. Families without a recurrent state (softmax attention) return false.
+  virtual bool has_summary() const { return true; }
+  virtual Summary summarize(const MixerInputs& in, const MixerOptions& opt) const;
+  // first then second: (A2∘A1, A2·B1 + B2).
+  virtual Summary compose(const Summary& first, const Summary& second) const;
+  virtual State apply(const Summary& summary, const State& state) const;
+};
+
+// Registry. Families register themselves at static-initialization time with CARRY_REGISTER_MIXER
+// (layers is an OBJECT library, so every registration is linked).
+const Mixer& get_mixer(const std::string& name);
+std::vector<std::string> mixer_names();
+bool register_mixer(std::unique_ptr<Mixer> mixer);
+
+#define CARRY_CONCAT_INNER(a, b) a##b
+#define CARRY_CONCAT(a, b) CARRY_CONCAT_INNER(a, b)
+#define CARRY_REGISTER_MIXER(Type)                      \
+  static const bool CARRY_CONCAT(carry_registered_, __LINE__) = \
+      ::carry::register_mixer(std::make_unique<Type>())
+
+}  // namespace carry

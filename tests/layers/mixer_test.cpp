@@ -1,0 +1,167 @@
+// The mixer contract, checked for every registered family in fp64 on random inputs: chunkwise equals
+// naive (outputs, final state, gradients of every input and of the initial state) at two chunk sizes
+// over many chunks; a sequence cut into 2, 3 and 5 pieces with the state passed along equals the
+// whole; compose is associative; apply(summarize(x), S) equals forward(x, S)'s final state; bad inputs
+// are refused with a message naming the problem.
+#include "tests/layers/mixer_testing.h"
+
+#include <gtest/gtest.h>
+
+namespace carry::testing {
+namespace {
+
+class MixerContract : public ::testing::TestWithParam<std::string> {
+ protected:
+  const Mixer& mixer() const { return get_mixer(GetParam()); }
+};
+
+TEST_P(MixerContract, ChunkwiseEqualsNaiveWithGradients) {
+  const Mixer& m = mixer();
+  for (int64_t C : {16, 32}) {
+    Shape s;
+    s.T = 128;
+    s.offset = 7 * 64;
+    MixerOptions opt;
+    opt.chunk_size = C;
+    opt.offset = s.offset;
+    for (bool normalize : {false, true}) {
+      opt.normalize = normalize;
+      auto in = random_inputs(m, s, at::kDouble, 1000 + C);
+      auto st = random_state(m, in, opt, 2000 + C);
+      auto a = run_with_grads(m, Form::chunkwise, in, st, opt);
+      auto b = run_with_grads(m, Form::naive, in, st, opt);
+      double eo = max_rel_err(a.outputs, b.outputs), eg = max_rel_err(a.grads, b.grads);
+      std::cout << "[ errors   ] " << m.name() << " C=" << C << (normalize ? " normalized" : "")
+                << " forward " << eo << " gradients " << eg << "\n";
+      EXPECT_LE(eo, 1e-10);
+      EXPECT_LE(eg, 1e-10);
+      ASSERT_EQ(a.grads.size(), b.grads.size());
+      for (auto& g : a.grads) EXPECT_GT(g.abs().max().item<double>(), 0) << "a gradient is all zeros";
+    }
+  }
+}
+
+TEST_P(MixerContract, PiecesWithStatePassedEqualWhole) {
+  const Mixer& m = mixer();
+  if (!m.has_summary()) GTEST_SKIP() << m.name() << " has no recurrent state";
+  const int64_t C = 16;
+  Shape s;
+  s.T = 30 * C;
+  s.offset = 3 * 64;
+  MixerOptions opt;
+  opt.chunk_size = C;
+  opt.offset = s.offset;
+  auto in = random_inputs(m, s, at::kDouble, 7);
+  auto st = random_state(m, in, opt, 8);
+  auto whole = m.chunkwise(in, st, opt);
+  for (int pieces : {2, 3, 5}) {
+    // Uneven cuts on chunk boundaries: piece i gets (i+1) shares.
+    std::vector<int64_t> len;
+    int64_t shares = pieces * (pieces + 1) / 2, used = 0;
+    for (int i = 0; i < pieces; ++i) {
+      int64_t n = i + 1 == pieces ? s.T / C - used : (s.T / C) * (i + 1) / shares;
+      len.push_back(n * C);
+      used += n;
+    }
+    State cur = st;
+    std::vector<Tensor> outs;
+    int64_t start = 0;
+    for (int64_t n : len) {
+      MixerOptions po = opt;
+      po.offset = s.offset + start;
+      auto r = m.chunkwise(in.slice(start, n), cur, po);
+      outs.push_back(r.o);
+      cur = r.final_state;
+      start += n;
+    }
+    double eo = rel_err(at::cat(outs, 1), whole.o), es = max_rel_err(cur, whole.final_state);
+    std::cout << "[ errors   ] " << m.name() << " " << pieces << " pieces: output " << eo
+              << " state " << es << "\n";
+    EXPECT_LE(eo, 1e-12);
+    EXPECT_LE(es, 1e-12);
+  }
+}
+
+TEST_P(MixerContract, SummaryAlgebra) {
+  const Mixer& m = mixer();
+  if (!m.has_summary()) GTEST_SKIP() << m.name() << " has no recurrent state";
+  const int64_t C = 16;
+  Shape s;
+  s.T = 12 * C;
+  s.offset = 5 * 64;
+  MixerOptions opt;
+  opt.chunk_size = C;
+  opt.offset = s.offset;
+  auto in = random_inputs(m, s, at::kDouble, 21);
+  auto st = random_state(m, in, opt, 22);
+  int64_t cuts[] = {0, 3 * C, 7 * C, 12 * C};
+  std::vector<Summary> sum;
+  for (int i = 0; i < 3; ++i) {
+    MixerOptions po = opt;
+    po.offset = s.offset + cuts[i];
+    sum.push_back(m.summarize(in.slice(cuts[i], cuts[i + 1] - cuts[i]), po));
+  }
+  // Associativity, on the state part and on the transport's action on a random state.
+  auto left = m.compose(m.compose(sum[0], sum[1]), sum[2]);
+  auto right = m.compose(sum[0], m.compose(sum[1], sum[2]));
+  double ea = max_rel_err(left.state, right.state);
+  double et = max_rel_err(m.apply(left, st), m.apply(right, st));
+  // apply(summarize(x), S) == forward(x, S).final_state, for one slice and for the composition.
+  auto whole = m.chunkwise(in, st, opt);
+  double e1 = max_rel_err(m.apply(left, st), whole.final_state);
+  auto first = m.chunkwise(in.slice(0, cuts[1]), st, opt);
+  double e2 = max_rel_err(m.apply(sum[0], st), first.final_state);
+  std::cout << "[ errors   ] " << m.name() << " associativity " << ea << " / " << et
+            << " apply(summary) " << e1 << " / " << e2 << "\n";
+  EXPECT_LE(ea, 1e-12);
+  EXPECT_LE(et, 1e-12);
+  EXPECT_LE(e1, 1e-12);
+  EXPECT_LE(e2, 1e-12);
+}
+
+// Expects `f` to throw a c10::Error whose message contains `needle`.
+template <class F>
+void expect_error(F f, const std::string& needle) {
+  try {
+    f();
+    ADD_FAILURE() << "expected an error mentioning '" << needle << "'";
+  } catch (const c10::Error& e) {
+    EXPECT_NE(std::string(e.what_without_backtrace()).find(needle), std::string::npos)
+        << "message was: " << e.what_without_backtrace();
+  }
+}
+
+TEST_P(MixerContract, BadInputsAreRefusedClearly) {
+  const Mixer& m = mixer();
+  Shape s;
+  s.T = 64;
+  MixerOptions opt;
+  opt.chunk_size = 16;
+  auto in = random_inputs(m, s, at::kDouble, 5);
+  // Length not a multiple of the chunk size.
+  expect_error([&] { m.chunkwise(in.slice(0, 40), {}, opt); }, "multiple of chunk_size");
+  // Mismatched heads.
+  auto bad = in;
+  bad.v = at::randn({s.B, s.T, s.H + 1, s.dv}, at::kDouble);
+  expect_error([&] { m.chunkwise(bad, {}, opt); }, "'v'");
+  // NaN in a gate (or in k for families without gates).
+  auto names = m.input_names();
+  std::string gate = "k";
+  for (auto n : {"g", "gk", "beta"})
+    if (std::find(names.begin(), names.end(), n) != names.end()) gate = n;
+  auto nan = in;
+  nan.get(gate) = in.get(gate).clone();
+  nan.get(gate).view(-1)[3] = std::nan("");
+  expect_error([&] { m.chunkwise(nan, {}, opt); }, "NaN");
+  expect_error([&] { m.naive(nan, {}, opt); }, "NaN");
+}
+
+INSTANTIATE_TEST_SUITE_P(AllFamilies, MixerContract, ::testing::ValuesIn(mixer_names()),
+                         [](const auto& info) { return info.param; });
+
+TEST(MixerRegistry, UnknownFamilyNamesTheKnownOnes) {
+  expect_error([] { get_mixer("nope"); }, "linear_attn");
+}
+
+}  // namespace
+}  // namespace carry::testing
