@@ -74,6 +74,8 @@ void Mixer::check(const MixerInputs& in, const MixerOptions& opt, bool chunked) 
   TORCH_CHECK(q.dim() == 4, name(), ": '", names[0], "' must be [B, T, H, D], got shape ",
               shape_str(q.sizes()));
   int64_t B = q.size(0), T = q.size(1), H = q.size(2), dk = q.size(3);
+  for (auto& n : optional_input_names())
+    if (in.get(n).defined()) names.push_back(n);
   for (auto& n : names) {
     const Tensor& t = in.get(n);
     if (n == "q" || n == "k" || n == "gk") check_tensor(t, name() + ": '" + n + "'", {B, T, H, dk});

@@ -69,6 +69,8 @@ class Mixer {
   virtual std::string name() const = 0;
   // Inputs the family reads, in MixerInputs names, e.g. {"q","k","v","gk"}.
   virtual std::vector<std::string> input_names() const = 0;
+  // Inputs the family reads when given and does without otherwise (e.g. HLA's gate g: none = no decay).
+  virtual std::vector<std::string> optional_input_names() const { return {}; }
   // Names of the State tuple's entries, e.g. {"S"} or {"S","C","m","G","h"}; empty if stateless.
   virtual std::vector<std::string> state_names() const = 0;
   // The zero initial state for these inputs (shapes and dtype follow the inputs).

@@ -25,13 +25,14 @@ inline int64_t num_levels(const Shape& s) {
   return L + 1;
 }
 
-// Random inputs for the family's input_names(): q, k, v ~ N(0,1); log gates log σ(x+3) (decays around
+// Random inputs for the family's input_names() and optional_input_names(): q, k, v ~ N(0,1); log gates log σ(x+3) (decays around
 // 0.95); beta = σ(x); level weights σ(x)+0.1. Families that read beta get L2-normalized keys.
 inline MixerInputs random_inputs(const Mixer& m, const Shape& s, at::ScalarType dtype, uint64_t seed) {
   auto gen = at::make_generator<at::CPUGeneratorImpl>(seed);
   auto opt = at::TensorOptions().dtype(dtype);
   MixerInputs in;
   auto names = m.input_names();
+  for (auto& n : m.optional_input_names()) names.push_back(n);
   bool delta = std::find(names.begin(), names.end(), "beta") != names.end();
   for (auto& n : names) {
     Tensor t;
