@@ -1,0 +1,33 @@
+// CUDA device discovery: counts usable devices without failing on machines that have the toolkit but
+// no GPU or driver (the CPU machines compile and link this file; nothing runs there).
+#include "layers/cuda/device.cuh"
+
+#include <cuda_runtime.h>
+
+#include <cstdio>
+
+namespace carry::cuda {
+
+int device_count() {
+  int n = 0;
+  if (cudaGetDeviceCount(&n) != cudaSuccess) {
+    cudaGetLastError();  // clear the sticky "no driver / no device" error
+    return 0;
+  }
+  return n;
+}
+
+const char* device_name(int index) {
+  static thread_local char buf[256];
+  cudaDeviceProp p{};
+  if (cudaGetDeviceProperties(&p, index) != cudaSuccess) {
+    cudaGetLastError();
+    std::snprintf(buf, sizeof buf, "CUDA device %d (unavailable)", index);
+  } else {
+    std::snprintf(buf, sizeof buf, "%s, sm_%d%d, %.1f GiB", p.name, p.major, p.minor,
+                  p.totalGlobalMem / double(1 << 30));
+  }
+  return buf;
+}
+
+}  // namespace carry::cuda

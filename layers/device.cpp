@@ -1,0 +1,23 @@
+// Device discovery behind the CUDA build option (see device.h).
+#include "layers/device.h"
+
+#ifdef CARRY_WITH_CUDA
+#include "layers/cuda/device.cuh"
+#endif
+
+namespace carry {
+int cuda_device_count() {
+#ifdef CARRY_WITH_CUDA
+  return cuda::device_count();
+#else
+  return 0;
+#endif
+}
+std::string cuda_device_name(int index) {
+#ifdef CARRY_WITH_CUDA
+  return cuda::device_name(index);
+#else
+  return "no CUDA in this build (index " + std::to_string(index) + ")";
+#endif
+}
+}  // namespace carry
