@@ -5,6 +5,8 @@
 #include "layers/mamba1.h"
 #include "tests/layers/mixer_testing.h"
 
+#include <torch/csrc/autograd/autograd.h>
+
 #include <gtest/gtest.h>
 
 namespace carry::testing {
