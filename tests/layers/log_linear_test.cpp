@@ -268,17 +268,6 @@ TEST(LogLinear, ReachedStatesHoldSetBitsOnly) {
   }
 }
 
-template <class F>
-void expect_error(F f, const std::string& needle) {
-  try {
-    f();
-    ADD_FAILURE() << "expected an error mentioning '" << needle << "'";
-  } catch (const c10::Error& e) {
-    EXPECT_NE(std::string(e.what_without_backtrace()).find(needle), std::string::npos)
-        << "message was: " << e.what_without_backtrace();
-  }
-}
-
 TEST(LogLinear, BadOptionsAreRefusedClearly) {
   for (std::string family : {"loglinear_mamba2", "loglinear_gdn"}) {
     const Mixer& m = get_mixer(family);

@@ -101,17 +101,6 @@ TEST(Mamba1, S6GradientsChunkwiseEqualNaive) {
   for (auto& g : grads[1]) EXPECT_GT(g.abs().max().item<double>(), 0);
 }
 
-template <class F>
-void expect_error(F f, const std::string& needle) {
-  try {
-    f();
-    ADD_FAILURE() << "expected an error mentioning '" << needle << "'";
-  } catch (const c10::Error& e) {
-    EXPECT_NE(std::string(e.what_without_backtrace()).find(needle), std::string::npos)
-        << "message was: " << e.what_without_backtrace();
-  }
-}
-
 TEST(Mamba1, BadS6TensorsAreRefused) {
   auto s = random_s6(2, 16, 3, 4, 7);
   expect_error([&] { mamba1_inputs(s.x, s.dt, -s.A, s.B, s.C); }, "'A'");

@@ -119,18 +119,6 @@ TEST_P(MixerContract, SummaryAlgebra) {
   EXPECT_LE(e2, 1e-12);
 }
 
-// Expects `f` to throw a c10::Error whose message contains `needle`.
-template <class F>
-void expect_error(F f, const std::string& needle) {
-  try {
-    f();
-    ADD_FAILURE() << "expected an error mentioning '" << needle << "'";
-  } catch (const c10::Error& e) {
-    EXPECT_NE(std::string(e.what_without_backtrace()).find(needle), std::string::npos)
-        << "message was: " << e.what_without_backtrace();
-  }
-}
-
 TEST_P(MixerContract, BadInputsAreRefusedClearly) {
   const Mixer& m = mixer();
   Shape s;

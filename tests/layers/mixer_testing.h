@@ -18,4 +18,16 @@ using carry::run_with_grads;
 using carry::Shape;
 using Result = carry::FormResult;
 
+// Expects `f` to throw a c10::Error whose message contains `needle`.
+template <class F>
+void expect_error(F f, const std::string& needle) {
+  try {
+    f();
+    ADD_FAILURE() << "expected an error mentioning '" << needle << "'";
+  } catch (const c10::Error& e) {
+    EXPECT_NE(std::string(e.what_without_backtrace()).find(needle), std::string::npos)
+        << "message was: " << e.what_without_backtrace();
+  }
+}
+
 }  // namespace carry::testing
