@@ -13,7 +13,7 @@
 //               read, then merge p -> p+1 and put w_t into its entry);
 //   chunkwise — per chunk (chunk_size C a power of two, chunks at multiples of C in absolute
 //               position) the base model's chunk pieces (ChunkPieces below): o = (M ⊙ Λ) V + Σ_j
-//               (λ_t[level of entry j] P_t) S_j; then every entry is transported by the chunk's A, the
+//               (λ_t[level of entry j] P_t) S_j (Gated DeltaNet pieces from layers/delta_rule.h); then every entry is transported by the chunk's A, the
 //               blocks merge to the boundary a+C and the chunk's own contribution joins the entry
 //               msb((a+C) xor a). Gate cumulative sums restart at every chunk, the states go chunk to
 //               chunk in order, and level weights are picked by exact one-hot products (no gather, whose
@@ -23,6 +23,7 @@
 #include "layers/log_linear.h"
 
 #include "layers/common.h"
+#include "layers/delta_rule.h"
 #include "layers/fenwick.h"
 
 #include <limits>
@@ -70,34 +71,11 @@ ChunkPieces mamba2_chunk(const Tensor& q, const Tensor& k, const Tensor& v, cons
   return c;
 }
 
-// Gated DeltaNet in the WY/UT form. With the chunk-local state recurrence S_t = A_t S_{t−1} + w_t and an
-// incoming state S, the written values are Ṽ = U − W S, where (I + A_kk) Ṽ = diag(β)(V − diag(e^G) K S),
-// A_kk[t,s] = β_t (k_t·k_s) e^{G_t−G_s} (s < t). With T_β = (I + A_kk)⁻¹ diag(β) (one triangular solve):
-// U = T_β V, W = T_β (e^G ⊙ K); o = (e^G ⊙ Q) S + Attn Ṽ with Attn[t,s] = (q_t·k_s) e^{G_t−G_s} (s ≤ t),
-// so M = Attn T_β, P = e^G ⊙ Q − Attn W; S_out = A S + D with A = e^{G_last} I − K̃ᵀ W,
-// D = K̃ᵀ U, K̃ = e^{G_last − G} ⊙ K.
-// This is the delta rule's per-chunk function, private here until layers/delta_rule.* provides one.
+// Gated DeltaNet: the delta rule's chunk pieces (layers/delta_rule.h, WY/UT form); q carries the scale.
 ChunkPieces gated_delta_chunk(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& g,
-                              const Tensor& beta, const Tensor& mask, const Tensor& strict) {
-  int64_t C = q.size(-2);
-  auto G = g.cumsum(-1);
-  auto last = G.narrow(-1, C - 1, 1);  // [B,H,1]
-  auto kt = k.transpose(-1, -2);
-  auto eye = at::eye(C, q.options());
-  auto a_kk = beta.unsqueeze(-1) * at::matmul(k, kt) * pair_decay(G, strict);
-  auto t_beta = at::linalg_solve_triangular(eye + a_kk, at::diag_embed(beta), /*upper=*/false,
-                                            /*left=*/true, /*unitriangular=*/true);
-  auto w = at::matmul(t_beta, k * G.exp().unsqueeze(-1));
-  auto u = at::matmul(t_beta, v);
-  auto attn = at::matmul(q, kt) * pair_decay(G, mask);
-  auto kd = k * (last - G).exp().unsqueeze(-1);
-  ChunkPieces c;
-  c.mixing = at::matmul(attn, t_beta);
-  c.query = q * G.exp().unsqueeze(-1) - at::matmul(attn, w);
-  c.transport = last.exp().unsqueeze(-1) * at::eye(k.size(-1), q.options()) -
-                at::matmul(kd.transpose(-1, -2), w);
-  c.contribution = at::matmul(kd.transpose(-1, -2), u);
-  return c;
+                              const Tensor& beta) {
+  auto d = delta_rule_chunk(q, k, v, beta, g, /*scale=*/1.0);
+  return {d.mixing, d.query_state, d.transport, d.state};
 }
 
 // One-hot [rows, cols, L] of integer levels `idx` [rows, cols], in the options' dtype and device.
@@ -280,7 +258,7 @@ class LogLinear : public Mixer {
     auto k = split_chunks(to_bhtd(in.k), C), v = split_chunks(to_bhtd(in.v), C);
     auto g = split_chunks(to_bhtd(in.g), C), lam = split_chunks(to_bhtd(in.l), C);
     Tensor beta = base_ == Base::gated_deltanet ? split_chunks(to_bhtd(in.beta), C) : Tensor();
-    auto mask = causal_mask(C, false, fopt), strict = causal_mask(C, true, fopt);
+    auto mask = causal_mask(C, false, fopt);
     // Levels inside a chunk: chunks start at multiples of C, so level(t,s) = bit_width(t xor s) in
     // chunk-local positions (above the diagonal M is zero; level 0 is as good as any there).
     std::vector<int64_t> pair_levels(C * C, 0);
@@ -294,7 +272,7 @@ class LogLinear : public Mixer {
       auto qc = q.select(2, n), kc = k.select(2, n), vc = v.select(2, n), gc = g.select(2, n);
       auto piece = base_ == Base::mamba2
                        ? mamba2_chunk(qc, kc, vc, gc, mask)
-                       : gated_delta_chunk(qc, kc, vc, gc, beta.select(2, n), mask, strict);
+                       : gated_delta_chunk(qc, kc, vc, gc, beta.select(2, n));
       auto lc = lam.select(2, n);  // [B,H,C,L]
       auto o = at::matmul(piece.mixing * pick_levels(lc, pair_hot), vc);
       // The incoming entries, each read at its level by every token of the chunk.
