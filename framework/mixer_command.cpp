@@ -42,22 +42,21 @@ std::string join(const std::vector<std::string>& v, const std::string& sep = ", 
   return s;
 }
 
-// Names of a state tuple's entries in the file: prefix.<entry>.
-std::vector<std::string> state_keys(const Mixer& m, const std::string& prefix) {
+// prefix.<entry> for each entry name.
+std::vector<std::string> prefixed(const std::string& prefix, const std::vector<std::string>& entries) {
   std::vector<std::string> keys;
-  for (auto& s : m.state_names()) keys.push_back(prefix + "." + s);
+  for (auto& e : entries) keys.push_back(prefix + "." + e);
   return keys;
 }
 
-// "q, k, v; optional g; state initial_state.S, initial_state.z; gradients do, dfinal_state.S, ..."
-std::string what_family_reads(const Mixer& m) {
+// "q, k, v; optional g; optional initial state initial_state.S, ...; for gradients do, dfinal_state.S"
+std::string what_family_reads(const Mixer& m, const std::vector<std::string>& entries) {
   std::string s = join(m.input_names());
   if (!m.optional_input_names().empty()) s += "; optional " + join(m.optional_input_names());
-  if (!m.state_names().empty()) s += "; optional initial state " + join(state_keys(m, "initial_state"));
-  auto grads = state_keys(m, "dfinal_state");
+  if (!entries.empty()) s += "; optional initial state " + join(prefixed("initial_state", entries));
+  auto grads = prefixed("dfinal_state", entries);
   grads.insert(grads.begin(), "do");
-  s += "; for gradients " + join(grads);
-  return s;
+  return s + "; for gradients " + join(grads);
 }
 
 std::string usage() {
@@ -70,7 +69,7 @@ std::string usage() {
        "  --input PATH      inputs [B,T,H,D] by name: q, k, v, g, gk, beta, l (those the family reads);\n"
        "                    initial_state.<entry> (all entries, or none for the zero state; a state\n"
        "                    of one entry may be named plain initial_state); for gradients do and/or\n"
-       "                    dfinal_state.<entry> (a missing one counts as zero)\n"
+       "                    dfinal_state.<entry> (all entries): the one left out counts as zero\n"
        "  --output PATH     written: o, final_state.<entry>; with gradients also d<input> for every\n"
        "                    input read and dinitial_state.<entry>: autograd of\n"
        "                    sum(o*do) + sum(final_state*dfinal_state)\n"
@@ -84,7 +83,11 @@ std::string usage() {
        "  --help            this text\n"
        "\n"
        "Families and the tensors they read:\n";
-  for (auto& name : mixer_names()) s << "  " << name << ": " << what_family_reads(get_mixer(name)) << "\n";
+  for (auto& name : mixer_names()) {
+    const Mixer& m = get_mixer(name);
+    s << "  " << name << ": " << what_family_reads(m, m.state_names()) << "\n";
+  }
+  s << "(a family whose state holds one entry per level names them <entry>.0, <entry>.1, ...)\n";
   return s.str();
 }
 
@@ -190,16 +193,12 @@ Args parse_args(int argc, char** argv) {
   return a;
 }
 
-// Reads the state tuple `prefix` (initial_state / dfinal_state) from the file: all entries, or none
-// (an empty State). A state of one entry may be named plain `prefix`.
+// Reads the state tuple `prefix` (initial_state / dfinal_state) with these entry names from the file:
+// all entries, or none (an empty State). A state of one entry may be named plain `prefix`.
 State read_state(const Mixer& m, std::map<std::string, Tensor>& file, const std::string& prefix,
-                 const std::string& path) {
-  auto names = m.state_names();
-  auto keys = state_keys(m, prefix);
-  if (file.count(prefix)) {
-    TORCH_CHECK(names.size() == 1, path, ": '", prefix, "' names a state of one entry, but ", m.name(),
-                names.empty() ? " has no state" : "'s state has entries " + join(names),
-                names.empty() ? "" : "; give " + join(keys));
+                 const std::vector<std::string>& entries, const std::string& path) {
+  auto keys = prefixed(prefix, entries);
+  if (file.count(prefix) && entries.size() == 1) {
     TORCH_CHECK(!file.count(keys[0]), path, ": both '", prefix, "' and '", keys[0],
                 "' are given; give one of them");
     file[keys[0]] = file.at(prefix);
@@ -209,7 +208,7 @@ State read_state(const Mixer& m, std::map<std::string, Tensor>& file, const std:
   for (auto& k : keys) (file.count(k) ? given : missing).push_back(k);
   if (given.empty()) return {};
   TORCH_CHECK(missing.empty(), path, ": ", join(given), " given but ", join(missing), " missing; ",
-              m.name(), "'s ", prefix, " has entries ", join(names), ": give all of ", join(keys),
+              m.name(), "'s ", prefix, " has entries ", join(entries), ": give all of ", join(keys),
               prefix == "initial_state" ? ", or none for the zero state" : ", or none");
   State s;
   for (auto& k : keys) s.push_back(file.at(k));
@@ -231,38 +230,11 @@ int run(const Args& a) {
 
   for (auto& n : m.input_names())
     TORCH_CHECK(file.count(n), path, ": required tensor '", n, "' is missing; ", m.name(), " reads ",
-                what_family_reads(m));
-  // Every tensor must be one the family reads.
-  std::vector<std::string> inputs = m.input_names();
-  for (auto& n : m.optional_input_names())
-    if (file.count(n)) inputs.push_back(n);
-  std::sort(inputs.begin(), inputs.end(), [](const std::string& x, const std::string& y) {
-    auto rank = [](const std::string& n) {
-      return std::find(std::begin(kInputOrder), std::end(kInputOrder), n) - std::begin(kInputOrder);
-    };
-    return rank(x) < rank(y);
-  });
-  std::set<std::string> known(inputs.begin(), inputs.end());
-  for (auto& n : m.optional_input_names()) known.insert(n);
-  known.insert("do");
-  for (auto prefix : {"initial_state", "dfinal_state"}) {
-    for (auto& k : state_keys(m, prefix)) known.insert(k);
-    if (m.state_names().size() == 1) known.insert(prefix);
-  }
-  for (auto& [name, t] : file) {
-    if (known.count(name)) continue;
-    bool tuple = (name == "initial_state" || name == "dfinal_state") && !m.state_names().empty();
-    TORCH_CHECK(false, path, ": tensor '", name, "' is not read by ", m.name(),
-                tuple ? " (its state has entries " + join(m.state_names()) + ": name them " + name +
-                            ".<entry>)"
-                      : std::string(),
-                "; ", m.name(), " reads ", what_family_reads(m));
-  }
+                what_family_reads(m, m.state_names()));
   for (auto& [name, t] : file)
     TORCH_CHECK(at::isFloatingType(t.scalar_type()), path, ": tensor '", name, "' has dtype ",
                 dtype_name(t.scalar_type()),
                 "; expected a floating-point tensor (float64, float32, float16 or bfloat16)");
-
   const Tensor& q0 = file.at(m.input_names()[0]);
   at::ScalarType dtype = a.dtype.value_or(q0.scalar_type());
   TORCH_CHECK(dtype == at::kDouble || dtype == at::kFloat, path, ": '", m.input_names()[0],
@@ -270,6 +242,14 @@ int run(const Args& a) {
               " but the mixer computes in float64 or float32; pass --dtype float64 or --dtype float32");
   for (auto& [name, t] : file) t = t.to(dtype);
 
+  // The inputs, in MixerInputs order.
+  std::vector<std::string> inputs;
+  auto required = m.input_names(), optional = m.optional_input_names();
+  for (auto n : kInputOrder) {
+    bool is_required = std::find(required.begin(), required.end(), n) != required.end();
+    bool is_optional = std::find(optional.begin(), optional.end(), n) != optional.end();
+    if (is_required || (is_optional && file.count(n))) inputs.push_back(n);
+  }
   MixerInputs in;
   for (auto& n : inputs) in.get(n) = file.at(n);
   bool chunked = a.form == "chunkwise";
@@ -278,14 +258,33 @@ int run(const Args& a) {
   } catch (const c10::Error& e) {
     TORCH_CHECK(false, path, ": ", e.what_without_backtrace());
   }
-
   State zero = m.zero_state(in, a.opt);
-  State init = read_state(m, file, "initial_state", path);
-  check_state_shapes(init, zero, state_keys(m, "initial_state"), path,
+  auto entries = state_entry_names(m, zero.size());
+
+  // Every tensor must be one the family reads.
+  std::set<std::string> known(inputs.begin(), inputs.end());
+  for (auto& n : m.optional_input_names()) known.insert(n);
+  known.insert("do");
+  for (auto prefix : {"initial_state", "dfinal_state"}) {
+    for (auto& k : prefixed(prefix, entries)) known.insert(k);
+    if (entries.size() == 1) known.insert(prefix);
+  }
+  for (auto& [name, t] : file) {
+    if (known.count(name)) continue;
+    bool tuple = (name == "initial_state" || name == "dfinal_state") && !entries.empty();
+    TORCH_CHECK(false, path, ": tensor '", name, "' is not read by ", m.name(),
+                tuple ? " (its state has entries " + join(entries) + ": name them " + name +
+                            ".<entry>)"
+                      : std::string(),
+                "; ", m.name(), " reads ", what_family_reads(m, entries));
+  }
+
+  State init = read_state(m, file, "initial_state", entries, path);
+  check_state_shapes(init, zero, prefixed("initial_state", entries), path,
                      m.name() + "'s state for these inputs");
   Tensor d_o = file.count("do") ? file.at("do") : Tensor();
-  State d_final = read_state(m, file, "dfinal_state", path);
-  check_state_shapes(d_final, zero, state_keys(m, "dfinal_state"), path,
+  State d_final = read_state(m, file, "dfinal_state", entries, path);
+  check_state_shapes(d_final, zero, prefixed("dfinal_state", entries), path,
                      "the shape of the final state");
   bool grads = d_o.defined() || !d_final.empty();
 
@@ -304,12 +303,13 @@ int run(const Args& a) {
   }
   c10::AutoGradMode grad_mode(grads);
   MixerOutput out = chunked ? m.chunkwise(in, init, a.opt) : m.naive(in, init, a.opt);
-  TORCH_INTERNAL_ASSERT(out.final_state.size() == m.state_names().size(), m.name(), " returned ",
-                        out.final_state.size(), " state entries but names ", m.state_names().size());
+  TORCH_INTERNAL_ASSERT(out.final_state.size() == zero.size(), m.name(), " returned ",
+                        out.final_state.size(), " final state entries but its zero state has ",
+                        zero.size());
 
   std::map<std::string, Tensor> result;
   result["o"] = out.o.detach();
-  auto final_keys = state_keys(m, "final_state");
+  auto final_keys = prefixed("final_state", entries);
   for (size_t i = 0; i < final_keys.size(); ++i) result[final_keys[i]] = out.final_state[i].detach();
 
   if (grads) {
@@ -324,7 +324,7 @@ int run(const Args& a) {
                                 /*allow_unused=*/true);
     std::vector<std::string> names;
     for (auto& n : inputs) names.push_back("d" + n);
-    for (auto& k : state_keys(m, "dinitial_state")) names.push_back(k);
+    for (auto& k : prefixed("dinitial_state", entries)) names.push_back(k);
     for (size_t i = 0; i < leaves.size(); ++i)
       result[names[i]] = d[i].defined() ? d[i].detach() : at::zeros_like(leaves[i]).detach();
   }
@@ -348,6 +348,15 @@ int run(const Args& a) {
 }
 
 }  // namespace
+
+std::vector<std::string> state_entry_names(const Mixer& m, size_t entries) {
+  auto names = m.state_names();
+  if (names.size() == entries) return names;
+  std::vector<std::string> out;
+  for (size_t j = 0; j < entries; ++j)
+    out.push_back(names.size() == 1 ? names[0] + "." + std::to_string(j) : std::to_string(j));
+  return out;
+}
 
 int run_mixer_command(int argc, char** argv) {
   try {

@@ -349,7 +349,7 @@ void save_safetensors(const std::string& path, const std::map<std::string, at::T
     const DtypeInfo* d = dtype_by_type(t.scalar_type());
     TORCH_CHECK(d, path, ": tensor '", name, "' has dtype ", t.scalar_type(),
                 ", which safetensors files here do not hold (", dtype_list(), ")");
-    items.push_back({name, t.detach().to(at::kCPU).contiguous(), d});
+    items.push_back({name, t.detach().to(at::kCPU).resolve_neg().contiguous(), d});
   }
   for (const auto& [key, value] : metadata)
     TORCH_CHECK(invalid_utf8_at(key) == std::string::npos &&

@@ -99,7 +99,7 @@ TEST(MixerCommand, EqualsDirectCallForEveryFamily) {
 
       // The same through the command.
       std::map<std::string, Tensor> file;
-      auto names = m.state_names();
+      auto names = state_entry_names(m, m.zero_state(in, opt).size());
       auto state_key = [&](const std::string& prefix, size_t i) {
         return names.size() == 1 && c.plain_state_name ? prefix : prefix + "." + names[i];
       };
