@@ -1,18 +1,47 @@
-// The `carry` command: subcommands dispatch to the framework (see `carry --help`).
+// The `carry` command: a thin dispatcher. `carry --help` lists the commands, `carry --version` prints
+// the version and whether CUDA is compiled in; each command lives in framework/<name>_command.
 #include "framework/check_command.h"
+#include "framework/mixer_command.h"
+#include "framework/scan_bench_command.h"
 #include "framework/tokenize_command.h"
+#include "framework/version.h"
 
 #include <cstdio>
-#include <cstring>
 #include <string>
 
+namespace {
+const char* const kUsage =
+    "usage: carry <command> [args]\n"
+    "\n"
+    "commands:\n"
+    "  check       check every mixer family's forms and state summaries (the main job's default)\n"
+    "  mixer       run a mixer family on tensors from a safetensors file (carry mixer --help)\n"
+    "  scan-bench  sequence-parallel forward vs the serial run, under mpirun (carry scan-bench --help)\n"
+    "  tokenize    turn text files into a token file (byte-level)\n"
+    "\n"
+    "  --help      this text\n"
+    "  --version   the version and whether CUDA is compiled in\n";
+}  // namespace
+
 int main(int argc, char** argv) {
-  if (argc < 2 || !std::strcmp(argv[1], "--help")) {
-    std::puts("usage: carry <command> [args]\n  mixer   run a mixer on tensors from a safetensors file");
-    return argc < 2 ? 2 : 0;
+  if (argc < 2) {
+    std::fputs(kUsage, stderr);
+    return 2;
   }
-  if (!std::strcmp(argv[1], "tokenize")) return carry::run_tokenize_command(argc - 1, argv + 1);
-  if (!std::strcmp(argv[1], "check")) return carry::run_check_command(argc - 1, argv + 1);
+  std::string command = argv[1];
+  if (command == "--help" || command == "-h" || command == "help") {
+    std::fputs(kUsage, stdout);
+    return 0;
+  }
+  if (command == "--version") {
+    std::printf("carry %s (CUDA %s)\n", carry::version(),
+                carry::built_with_cuda() ? "compiled in" : "not compiled in");
+    return 0;
+  }
+  if (command == "check") return carry::run_check_command(argc - 1, argv + 1);
+  if (command == "mixer") return carry::run_mixer_command(argc - 1, argv + 1);
+  // SCANBENCH if (command == "scan-bench") return carry::run_scan_bench_command(argc - 1, argv + 1);
+  if (command == "tokenize") return carry::run_tokenize_command(argc - 1, argv + 1);
   std::fprintf(stderr, "carry: unknown command '%s' (see carry --help)\n", argv[1]);
   return 2;
 }
