@@ -1,12 +1,12 @@
 // The NCCL backend of the Communicator interface: one GPU a rank, the NCCL id made on rank 0 and
 // broadcast over MPI. Built only with CUDA (CARRY_WITH_CUDA) and nccl.h; otherwise the factory says
-// so. NCCL itself is loaded at run time (dlopen of libnccl.so.2, normally the copy libtorch_cuda already
-// loaded), so no link flag is needed and one process never holds two NCCLs.
+// so. NCCL itself is loaded at run time (dlopen of libnccl.so.2, normally the copy libtorch_cuda
+// already loaded), so no link flag is needed and one process never holds two NCCLs.
 //
-// Timeouts: the communicator is nonblocking (ncclConfig_t::blocking = 0), so no NCCL call blocks the
-// host; every operation is enqueued on the current CUDA stream and then polled (ncclCommGetAsyncError
-// and a CUDA event) against the timeout. On timeout the NCCL communicator is aborted (ncclCommAbort)
-// and the failure handled as CommOptions says (MPI_Abort, or CommError).
+// Timeouts: the communicator is nonblocking (ncclConfig_t::blocking = 0), so no NCCL call blocks
+// the host; every operation is enqueued on the current CUDA stream and then polled
+// (ncclCommGetAsyncError and a CUDA event) against the timeout. On timeout the NCCL communicator is
+// aborted (ncclCommAbort) and the failure handled as CommOptions says (MPI_Abort, or CommError).
 #include "parallel/process_group.h"
 
 #include <c10/util/Exception.h>
@@ -84,15 +84,24 @@ const NcclApi& nccl() {
 
 ncclDataType_t nccl_type_of(at::ScalarType t) {
   switch (t) {
-    case at::kDouble: return ncclFloat64;
-    case at::kFloat: return ncclFloat32;
-    case at::kHalf: return ncclFloat16;
-    case at::kBFloat16: return ncclBfloat16;
-    case at::kLong: return ncclInt64;
-    case at::kInt: return ncclInt32;
-    case at::kChar: return ncclInt8;
-    case at::kByte: return ncclUint8;
-    default: TORCH_CHECK(false, "all_reduce_sum: dtype ", t, " is not supported by the NCCL backend");
+    case at::kDouble:
+      return ncclFloat64;
+    case at::kFloat:
+      return ncclFloat32;
+    case at::kHalf:
+      return ncclFloat16;
+    case at::kBFloat16:
+      return ncclBfloat16;
+    case at::kLong:
+      return ncclInt64;
+    case at::kInt:
+      return ncclInt32;
+    case at::kChar:
+      return ncclInt8;
+    case at::kByte:
+      return ncclUint8;
+    default:
+      TORCH_CHECK(false, "all_reduce_sum: dtype ", t, " is not supported by the NCCL backend");
   }
 }
 
@@ -100,7 +109,11 @@ class NcclCommunicator final : public Communicator {
  public:
   NcclCommunicator(ncclComm_t comm, int rank, int size, int device, std::vector<int> world_ranks,
                    CommOptions opt)
-      : comm_(comm), rank_(rank), size_(size), device_(device), world_ranks_(std::move(world_ranks)),
+      : comm_(comm),
+        rank_(rank),
+        size_(size),
+        device_(device),
+        world_ranks_(std::move(world_ranks)),
         opt_(std::move(opt)) {}
 
   ~NcclCommunicator() override {
@@ -149,18 +162,20 @@ class NcclCommunicator final : public Communicator {
     if (src >= 0) {
       check_peer(src, "recv");
       rbuf = direct ? in : at::empty(in.sizes(), in.options().device(device()));
-      op += std::string(op.empty() ? "" : " and ") + describe("recv", rbuf.nbytes(), tag, "from", src);
+      op += std::string(op.empty() ? "" : " and ") +
+            describe("recv", rbuf.nbytes(), tag, "from", src);
       if (src != dst) peers.push_back(src);
     }
     if (peers.empty()) return;
     run(op, peers, [&](cudaStream_t s) {
       ncclResult_t r = nccl().GroupStart();
       if (r != ncclSuccess) return r;
-      if (dst >= 0) {
+      // Zero-byte messages are skipped on both sides (both know the size).
+      if (dst >= 0 && sbuf.nbytes() > 0) {
         r = nccl().Send(sbuf.data_ptr(), sbuf.nbytes(), ncclUint8, dst, comm_, s);
         if (r != ncclSuccess && r != ncclInProgress) return r;
       }
-      if (src >= 0) {
+      if (src >= 0 && rbuf.nbytes() > 0) {
         r = nccl().Recv(rbuf.data_ptr(), rbuf.nbytes(), ncclUint8, src, comm_, s);
         if (r != ncclSuccess && r != ncclInProgress) return r;
       }
@@ -193,9 +208,11 @@ class NcclCommunicator final : public Communicator {
   void broadcast(Tensor& t, int root) override {
     check_peer(root, "broadcast");
     Tensor buf = on_device(t).clone();
-    run(describe("broadcast", buf.nbytes(), -1, "from root", root), all_peers(), [&](cudaStream_t s) {
-      return nccl().Broadcast(buf.data_ptr(), buf.data_ptr(), buf.nbytes(), ncclUint8, root, comm_, s);
-    });
+    run(describe("broadcast", buf.nbytes(), -1, "from root", root), all_peers(),
+        [&](cudaStream_t s) {
+          return nccl().Broadcast(buf.data_ptr(), buf.data_ptr(), buf.nbytes(), ncclUint8, root,
+                                  comm_, s);
+        });
     t.copy_(buf);
   }
 
@@ -210,7 +227,9 @@ class NcclCommunicator final : public Communicator {
   static double elapsed(std::chrono::steady_clock::time_point start) {
     return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   }
-  double timeout_s() const { return opt_.timeout_s > 0 ? opt_.timeout_s : default_comm_timeout_s(); }
+  double timeout_s() const {
+    return opt_.timeout_s > 0 ? opt_.timeout_s : default_comm_timeout_s();
+  }
 
   Tensor on_device(const Tensor& t) const { return t.to(device()).contiguous(); }
 
@@ -229,8 +248,9 @@ class NcclCommunicator final : public Communicator {
   }
 
   void check_peer(int peer, const char* op) const {
-    TORCH_CHECK(peer >= 0 && peer < size_, op, ": peer rank ", peer, " is not a rank of communicator '",
-                opt_.name, "' (ranks 0..", size_ - 1, ", this is rank ", rank_, ")");
+    TORCH_CHECK(peer >= 0 && peer < size_, op, ": peer rank ", peer,
+                " is not a rank of communicator '", opt_.name, "' (ranks 0..", size_ - 1,
+                ", this is rank ", rank_, ")");
   }
 
   // Enqueues one operation on the current stream of our device and waits for it, polling NCCL's
@@ -238,9 +258,8 @@ class NcclCommunicator final : public Communicator {
   template <class Enqueue>
   void run(const std::string& op, const std::vector<int>& peers, Enqueue enqueue) {
     if (!broken_.empty())
-      fail(detail::comm_error_message(*this, op, peers,
-                                      "communicator unusable after an earlier failure (" + broken_ +
-                                          ")"));
+      fail(detail::comm_error_message(
+          *this, op, peers, "communicator unusable after an earlier failure (" + broken_ + ")"));
     c10::cuda::CUDAGuard guard(device_);
     cudaStream_t stream = c10::cuda::getCurrentCUDAStream(device_).stream();
     auto start = std::chrono::steady_clock::now();
@@ -283,9 +302,10 @@ class NcclCommunicator final : public Communicator {
     cudaEventDestroy(ev);
   }
 
-  [[noreturn]] void nccl_fail(const std::string& op, const std::vector<int>& peers, ncclResult_t r) {
-    std::string msg = detail::comm_error_message(*this, op, peers,
-                                                 std::string("NCCL error: ") + nccl().GetErrorString(r));
+  [[noreturn]] void nccl_fail(const std::string& op, const std::vector<int>& peers,
+                              ncclResult_t r) {
+    std::string msg = detail::comm_error_message(
+        *this, op, peers, std::string("NCCL error: ") + nccl().GetErrorString(r));
     nccl().CommAbort(comm_);
     broken_ = op + " failed";
     fail(msg);
@@ -313,9 +333,18 @@ class NcclCommunicator final : public Communicator {
 bool nccl_available() { return true; }
 
 std::shared_ptr<Communicator> make_nccl_communicator(MPI_Comm comm, int device, CommOptions opt) {
-  // NVLink multicast (NVLS) can take a host's GPUs out of service on the machines we run on; keep it
-  // off unless the user asks for it explicitly.
+  // NVLink multicast (NVLS) can take a host's GPUs out of service on the machines we run on; keep
+  // it off unless the user asks for it explicitly.
   setenv("NCCL_NVLS_ENABLE", "0", /*overwrite=*/0);
+  int devices = 0;
+  if (cudaGetDeviceCount(&devices) != cudaSuccess) {
+    cudaGetLastError();
+    devices = 0;
+  }
+  TORCH_CHECK(device >= 0 && device < devices, "communicator '", opt.name,
+              "': the NCCL backend needs ", "CUDA device ", device,
+              " (one GPU a rank, by local rank) but this process sees ", devices,
+              " CUDA device(s); start at most as many ranks a host as it has GPUs");
   CommOptions bo = opt;
   bo.name = opt.name + " (NCCL bootstrap over MPI)";
   auto boot = make_mpi_communicator(comm, bo);
@@ -339,24 +368,25 @@ std::shared_ptr<Communicator> make_nccl_communicator(MPI_Comm comm, int device, 
   cfg.blocking = 0;
   ncclComm_t c = nullptr;
   ncclResult_t r = nccl().CommInitRankConfig(&c, boot->size(), id, boot->rank(), &cfg);
-  TORCH_CHECK(r == ncclSuccess || r == ncclInProgress, "ncclCommInitRankConfig failed for communicator '",
-              opt.name, "': ", nccl().GetErrorString(r));
+  TORCH_CHECK(r == ncclSuccess || r == ncclInProgress,
+              "ncclCommInitRankConfig failed for communicator '", opt.name,
+              "': ", nccl().GetErrorString(r));
   double timeout = opt.timeout_s > 0 ? opt.timeout_s : default_comm_timeout_s();
   auto start = std::chrono::steady_clock::now();
   ncclResult_t st = ncclInProgress;
   while (nccl().CommGetAsyncError(c, &st) == ncclSuccess && st == ncclInProgress) {
     if (std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count() > timeout) {
       nccl().CommAbort(c);
-      detail::comm_fail(*boot, detail::comm_error_message(*boot, "NCCL communicator initialization", {},
-                                                          "timeout"));
+      detail::comm_fail(*boot, detail::comm_error_message(*boot, "NCCL communicator initialization",
+                                                          {}, "timeout"));
     }
     std::this_thread::sleep_for(std::chrono::microseconds(100));
   }
   if (st != ncclSuccess) {
     nccl().CommAbort(c);
-    detail::comm_fail(*boot, detail::comm_error_message(*boot, "NCCL communicator initialization", {},
-                                                        std::string("NCCL error: ") +
-                                                            nccl().GetErrorString(st)));
+    detail::comm_fail(
+        *boot, detail::comm_error_message(*boot, "NCCL communicator initialization", {},
+                                          std::string("NCCL error: ") + nccl().GetErrorString(st)));
   }
   return std::make_shared<NcclCommunicator>(c, boot->rank(), boot->size(), device,
                                             std::move(world_ranks), std::move(opt));
@@ -371,9 +401,10 @@ namespace carry::parallel {
 bool nccl_available() { return false; }
 
 std::shared_ptr<Communicator> make_nccl_communicator(MPI_Comm, int, CommOptions opt) {
-  TORCH_CHECK(false, "communicator '", opt.name,
-              "': the NCCL backend is not in this build of carry (it needs CUDA and nccl.h at build "
-              "time); use the MPI backend");
+  TORCH_CHECK(
+      false, "communicator '", opt.name,
+      "': the NCCL backend is not in this build of carry (it needs CUDA and nccl.h at build "
+      "time); use the MPI backend");
 }
 
 }  // namespace carry::parallel

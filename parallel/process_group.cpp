@@ -1,5 +1,5 @@
-// The MPI bootstrap, the MPI backend of the Communicator interface, lists of tensors as messages, and
-// the dp × sp grid (see process_group.h). Every MPI call that waits is nonblocking (MPI_Issend,
+// The MPI bootstrap, the MPI backend of the Communicator interface, lists of tensors as messages,
+// and the dp × sp grid (see process_group.h). Every MPI call that waits is nonblocking (MPI_Issend,
 // MPI_Irecv, MPI_Iallgather, MPI_Iallreduce, MPI_Ibcast, MPI_Ibarrier, MPI_Comm_idup) and is polled
 // against the communicator's timeout; sends are synchronous-mode so that a send, like a receive,
 // completes only once its peer takes part (a missing receiver is then caught too).
@@ -39,7 +39,8 @@ std::string mpi_error_string(int code) {
 }
 
 // Polls `reqs` until all complete (true) or `timeout_s` passes (false). Yields, then sleeps with a
-// growing pause, so that waiting ranks leave the cores to working ones. MPI errors go to `on_error`.
+// growing pause, so that waiting ranks leave the cores to working ones. MPI errors go to
+// `on_error`.
 template <class OnError>
 bool poll_requests(std::vector<MPI_Request>& reqs, std::vector<MPI_Status>& st, double timeout_s,
                    OnError on_error) {
@@ -74,14 +75,22 @@ constexpr int64_t kMaxPiece = int64_t{1} << 30;  // bytes per MPI call (counts a
 
 MPI_Datatype mpi_type_of(at::ScalarType t) {
   switch (t) {
-    case at::kDouble: return MPI_DOUBLE;
-    case at::kFloat: return MPI_FLOAT;
-    case at::kLong: return MPI_INT64_T;
-    case at::kInt: return MPI_INT32_T;
-    case at::kShort: return MPI_INT16_T;
-    case at::kChar: return MPI_INT8_T;
-    case at::kByte: return MPI_UINT8_T;
-    default: return MPI_DATATYPE_NULL;
+    case at::kDouble:
+      return MPI_DOUBLE;
+    case at::kFloat:
+      return MPI_FLOAT;
+    case at::kLong:
+      return MPI_INT64_T;
+    case at::kInt:
+      return MPI_INT32_T;
+    case at::kShort:
+      return MPI_INT16_T;
+    case at::kChar:
+      return MPI_INT8_T;
+    case at::kByte:
+      return MPI_UINT8_T;
+    default:
+      return MPI_DATATYPE_NULL;
   }
 }
 
@@ -145,7 +154,9 @@ class MpiCommunicator final : public Communicator {
     std::vector<MPI_Request> reqs;
     std::vector<int> expect;  // bytes of each receive piece; -1 for send pieces
     bool direct = src < 0 || (in.device().is_cpu() && in.is_contiguous());
-    Tensor rbuf = src < 0 ? Tensor() : direct ? in : at::empty(in.sizes(), in.options().device(at::kCPU));
+    Tensor rbuf = src < 0  ? Tensor()
+                  : direct ? in
+                           : at::empty(in.sizes(), in.options().device(at::kCPU));
     if (src >= 0) post(rbuf, src, tag, /*send=*/false, reqs, expect, op, peers);
     Tensor sbuf = dst < 0 ? Tensor() : host_contiguous(out);
     if (dst >= 0) post(sbuf, dst, tag, /*send=*/true, reqs, expect, op, peers);
@@ -156,8 +167,9 @@ class MpiCommunicator final : public Communicator {
       MPI_Get_count(&st[i], MPI_BYTE, &got);
       if (got != expect[i])
         fail(detail::comm_error_message(*this, op, peers,
-                                        "message size mismatch: expected " + std::to_string(expect[i]) +
-                                            " bytes, got " + std::to_string(got)));
+                                        "message size mismatch: expected " +
+                                            std::to_string(expect[i]) + " bytes, got " +
+                                            std::to_string(got)));
     }
     if (src >= 0 && !direct) in.copy_(rbuf);
   }
@@ -260,16 +272,16 @@ class MpiCommunicator final : public Communicator {
   }
 
   void check_peer(int peer, const char* op) const {
-    TORCH_CHECK(peer >= 0 && peer < size_, op, ": peer rank ", peer, " is not a rank of communicator '",
-                opt_.name, "' (ranks 0..", size_ - 1, ", this is rank ", rank_, ")");
+    TORCH_CHECK(peer >= 0 && peer < size_, op, ": peer rank ", peer,
+                " is not a rank of communicator '", opt_.name, "' (ranks 0..", size_ - 1,
+                ", this is rank ", rank_, ")");
   }
 
   // Refuses work after an earlier failure.
   void enter(const std::string& op, const std::vector<int>& peers) const {
     if (!broken_.empty())
-      fail(detail::comm_error_message(*this, op, peers,
-                                      "communicator unusable after an earlier failure (" + broken_ +
-                                          ")"));
+      fail(detail::comm_error_message(
+          *this, op, peers, "communicator unusable after an earlier failure (" + broken_ + ")"));
   }
 
   void call(int rc, const char* op, const std::vector<int>& peers) {
@@ -287,8 +299,8 @@ class MpiCommunicator final : public Communicator {
     why << "timeout after " << timeout_s() << " s";
     std::string msg = detail::comm_error_message(*this, op, peers, why.str());
     if (opt_.on_timeout == CommOptions::OnTimeout::throw_error) {
-      // Leave MPI clean enough to go on: cancel what can be cancelled (receives), free point-to-point
-      // requests, keep collective ones (they may be neither cancelled nor freed).
+      // Leave MPI clean enough to go on: cancel what can be cancelled (receives), free
+      // point-to-point requests, keep collective ones (they may be neither cancelled nor freed).
       for (auto& r : reqs) {
         if (r == MPI_REQUEST_NULL) continue;
         if (p2p) {
@@ -307,7 +319,9 @@ class MpiCommunicator final : public Communicator {
 
   [[noreturn]] void fail(const std::string& msg) const { detail::comm_fail(*this, msg); }
 
-  double timeout_s() const { return opt_.timeout_s > 0 ? opt_.timeout_s : default_comm_timeout_s(); }
+  double timeout_s() const {
+    return opt_.timeout_s > 0 ? opt_.timeout_s : default_comm_timeout_s();
+  }
 
   MPI_Comm comm_;
   CommOptions opt_;
@@ -329,10 +343,10 @@ void init_mpi(int* argc, char*** argv) {
     int rc = MPI_Init_thread(argc, argv, MPI_THREAD_MULTIPLE, &provided);
     TORCH_CHECK(rc == MPI_SUCCESS, "MPI_Init_thread failed: ", mpi_error_string(rc));
     g_we_initialized = true;
-    TORCH_CHECK(provided >= MPI_THREAD_SERIALIZED,
-                "MPI provides thread level ", provided,
-                " but carry needs at least MPI_THREAD_SERIALIZED (autograd may call it from another "
-                "thread); use an MPI built with thread support");
+    TORCH_CHECK(
+        provided >= MPI_THREAD_SERIALIZED, "MPI provides thread level ", provided,
+        " but carry needs at least MPI_THREAD_SERIALIZED (autograd may call it from another "
+        "thread); use an MPI built with thread support");
   }
   if (!g_world_ready) {
     MPI_Comm_rank(MPI_COMM_WORLD, &g_world.rank);
@@ -426,7 +440,8 @@ std::shared_ptr<Communicator> make_mpi_communicator(MPI_Comm comm, CommOptions o
     MPI_Comm_rank(comm, &r);
     MPI_Comm_size(comm, &n);
     std::ostringstream s;
-    s << "carry: communication failure: " << (ok ? err : "timeout after " + std::to_string(timeout) + " s")
+    s << "carry: communication failure: "
+      << (ok ? err : "timeout after " + std::to_string(timeout) + " s")
       << " in creating communicator '" << opt.name << "' (MPI_Comm_idup) on rank " << r << " of "
       << n << " (world rank " << world_info().rank << "); every rank of the parent must take part";
     if (opt.on_timeout == CommOptions::OnTimeout::throw_error) throw CommError(s.str());
@@ -547,7 +562,8 @@ std::vector<Tensor> recv_tensors(Communicator& comm, const std::vector<Tensor>& 
                                  int tag) {
   std::vector<int64_t> off;
   int64_t total = layout_bytes(like, off);
-  Tensor buf = at::empty({total}, at::TensorOptions().dtype(at::kByte).device(device_of_list(like)));
+  Tensor buf =
+      at::empty({total}, at::TensorOptions().dtype(at::kByte).device(device_of_list(like)));
   if (total > 0) comm.recv(buf, src, tag);
   return unpack_bytes(buf, like);
 }
@@ -571,7 +587,8 @@ std::vector<Tensor> exchange_packed(Communicator& comm, const std::vector<Tensor
     like = parse_header(rheader);
     std::vector<int64_t> off;
     int64_t total = layout_bytes(like, off);
-    TORCH_INTERNAL_ASSERT(total == rlens[1].item<int64_t>(), "packed message: header and payload disagree");
+    TORCH_INTERNAL_ASSERT(total == rlens[1].item<int64_t>(),
+                          "packed message: header and payload disagree");
     rpayload = at::empty({total}, at::TensorOptions().dtype(at::kByte).device(device_of.device()));
   }
   comm.send_recv(payload, dst, rpayload, src, tag);
@@ -588,7 +605,8 @@ std::vector<Tensor> recv_packed(Communicator& comm, int src, const at::TensorOpt
   return exchange_packed(comm, {}, -1, src, device_of, tag);
 }
 
-std::vector<std::vector<Tensor>> all_gather_packed(Communicator& comm, const std::vector<Tensor>& ts,
+std::vector<std::vector<Tensor>> all_gather_packed(Communicator& comm,
+                                                   const std::vector<Tensor>& ts,
                                                    const at::TensorOptions& device_of) {
   Tensor header = make_header(ts);
   Tensor payload = pack_bytes(ts, device_of.device());
@@ -601,7 +619,8 @@ std::vector<std::vector<Tensor>> all_gather_packed(Communicator& comm, const std
   }
   auto headers = comm.all_gather(at::constant_pad_nd(header, {0, max_h - header.numel()}, 0));
   std::vector<Tensor> payloads;
-  if (max_p > 0) payloads = comm.all_gather(at::constant_pad_nd(payload, {0, max_p - payload.numel()}, 0));
+  if (max_p > 0)
+    payloads = comm.all_gather(at::constant_pad_nd(payload, {0, max_p - payload.numel()}, 0));
   std::vector<std::vector<Tensor>> out;
   for (int r = 0; r < comm.size(); ++r) {
     auto like = parse_header(headers[r]);
@@ -614,12 +633,13 @@ std::vector<std::vector<Tensor>> all_gather_packed(Communicator& comm, const std
 
 ProcessGroups make_process_groups(ParallelLayout layout, Backend backend, CommOptions opt) {
   const WorldInfo& w = world_info();
-  TORCH_CHECK(layout.dp >= 1 && layout.sp >= 1, "parallel layout: dp and sp must be at least 1, got dp=",
-              layout.dp, ", sp=", layout.sp);
-  TORCH_CHECK(static_cast<int64_t>(layout.dp) * layout.sp == w.size, "parallel layout: dp=", layout.dp,
-              " × sp=", layout.sp, " = ", static_cast<int64_t>(layout.dp) * layout.sp,
-              " ranks, but the job has ", w.size, " ranks (the MPI world size); dp·sp must equal ",
-              w.size);
+  TORCH_CHECK(layout.dp >= 1 && layout.sp >= 1,
+              "parallel layout: dp and sp must be at least 1, got dp=", layout.dp,
+              ", sp=", layout.sp);
+  TORCH_CHECK(static_cast<int64_t>(layout.dp) * layout.sp == w.size,
+              "parallel layout: dp=", layout.dp, " × sp=", layout.sp, " = ",
+              static_cast<int64_t>(layout.dp) * layout.sp, " ranks, but the job has ", w.size,
+              " ranks (the MPI world size); dp·sp must equal ", w.size);
   ProcessGroups g;
   g.world_info = w;
   g.layout = layout;
@@ -631,7 +651,8 @@ ProcessGroups make_process_groups(ParallelLayout layout, Backend backend, CommOp
   wo.name = "world";
   auto mpi_world = make_mpi_communicator(MPI_COMM_WORLD, wo);
   {
-    CommContext ctx("building the dp × sp process groups (all ranks must call make_process_groups)");
+    CommContext ctx(
+        "building the dp × sp process groups (all ranks must call make_process_groups)");
     mpi_world->barrier();
   }
   MPI_Comm sp_comm, dp_comm;

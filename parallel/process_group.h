@@ -1,12 +1,13 @@
 // Process groups: the MPI bootstrap, the dp × sp grid of ranks, and the Communicator interface with
-// its backends (MPI for CPU tensors here; NCCL for CUDA tensors in nccl_backend.cpp, built when CUDA
-// and nccl.h are present).
+// its backends (MPI for CPU tensors here; NCCL for CUDA tensors in nccl_backend.cpp, built when
+// CUDA and nccl.h are present).
 //
-// The one rule every backend keeps: no rank waits forever. Every blocking operation is a nonblocking
-// call polled against a timeout (CommOptions::timeout_s, default from CARRY_COMM_TIMEOUT_S or 300 s);
-// on timeout the error names the operation, this rank and the peer ranks, and then either the whole
-// job stops (MPI_Abort, the default, so no other rank hangs either) or, for tests and callers that
-// recover, a CommError is thrown and the communicator refuses further work.
+// The one rule every backend keeps: no rank waits forever. Every blocking operation is a
+// nonblocking call polled against a timeout (CommOptions::timeout_s, default from
+// CARRY_COMM_TIMEOUT_S or 300 s); on timeout the error names the operation, this rank and the peer
+// ranks, and then either the whole job stops (MPI_Abort, the default, so no other rank hangs
+// either) or, for tests and callers that recover, a CommError is thrown and the communicator
+// refuses further work.
 //
 // Grid: world = dp × sp ranks; an sp group is `sp` consecutive ranks (same host first), so
 // sp_rank = world_rank % sp and dp_rank = world_rank / sp; a dp group joins the ranks with the same
@@ -59,8 +60,8 @@ class CommError : public std::runtime_error {
   using std::runtime_error::runtime_error;
 };
 
-// While alive, adds a line of context ("ordered scan forward of gla: S_in from the previous rank") to
-// every communication error raised on this thread.
+// While alive, adds a line of context ("ordered scan forward of gla: S_in from the previous rank")
+// to every communication error raised on this thread.
 class CommContext {
  public:
   explicit CommContext(std::string what);
@@ -69,10 +70,10 @@ class CommContext {
   CommContext& operator=(const CommContext&) = delete;
 };
 
-// Ranks are ranks of this communicator (0..size-1). Tensors may live on any device: a backend stages
-// them through its own device when needed (MPI: host memory; NCCL: its GPU). Every call is blocking
-// (returns when the data has arrived or left this rank's buffers) and collective calls must be made
-// by every rank of the communicator in the same order.
+// Ranks are ranks of this communicator (0..size-1). Tensors may live on any device: a backend
+// stages them through its own device when needed (MPI: host memory; NCCL: its GPU). Every call is
+// blocking (returns when the data has arrived or left this rank's buffers) and collective calls
+// must be made by every rank of the communicator in the same order.
 class Communicator {
  public:
   virtual ~Communicator() = default;
@@ -86,8 +87,8 @@ class Communicator {
   // Point to point. `recv` fills `t` (its shape and dtype say what is expected).
   virtual void send(const Tensor& t, int dst, int tag = 0) = 0;
   virtual void recv(Tensor& t, int src, int tag = 0) = 0;
-  // Sends `out` to `dst` while receiving `in` from `src` (either may be -1: none), so that shifts and
-  // rings cannot deadlock.
+  // Sends `out` to `dst` while receiving `in` from `src` (either may be -1: none), so that shifts
+  // and rings cannot deadlock.
   virtual void send_recv(const Tensor& out, int dst, Tensor& in, int src, int tag = 0) = 0;
   // Collectives. all_gather returns size() tensors shaped like `t`, entry i from rank i.
   virtual std::vector<Tensor> all_gather(const Tensor& t) = 0;
@@ -96,12 +97,13 @@ class Communicator {
   virtual void barrier() = 0;
 };
 
-// A communicator over a duplicate of `comm` (MPI_Comm_idup, so it never shares message matching with
-// other users of `comm`). Collective over `comm`.
+// A communicator over a duplicate of `comm` (MPI_Comm_idup, so it never shares message matching
+// with other users of `comm`). Collective over `comm`.
 std::shared_ptr<Communicator> make_mpi_communicator(MPI_Comm comm, CommOptions opt = {});
 // An NCCL communicator over the ranks of `comm` on CUDA device `device` (one GPU a rank): rank 0
 // creates the NCCL id and broadcasts it over MPI. Throws on builds without CUDA or nccl.h.
-std::shared_ptr<Communicator> make_nccl_communicator(MPI_Comm comm, int device, CommOptions opt = {});
+std::shared_ptr<Communicator> make_nccl_communicator(MPI_Comm comm, int device,
+                                                     CommOptions opt = {});
 bool nccl_available();  // compiled in (says nothing about GPUs being present)
 
 // ---- Lists of tensors as single messages ----
@@ -116,12 +118,13 @@ std::vector<Tensor> recv_tensors(Communicator& comm, const std::vector<Tensor>& 
 void send_packed(Communicator& comm, const std::vector<Tensor>& ts, int dst, int tag = 0);
 std::vector<Tensor> recv_packed(Communicator& comm, int src, const at::TensorOptions& device_of,
                                 int tag = 0);
-// Both at once (send_recv): sends `ts` to `dst` and returns the list received from `src` (either -1).
+// Both at once (send_recv): sends `ts` to `dst`, returns the list from `src` (either may be -1).
 std::vector<Tensor> exchange_packed(Communicator& comm, const std::vector<Tensor>& ts, int dst,
                                     int src, const at::TensorOptions& device_of, int tag = 0);
-// Every rank's list, entry i from rank i; lists may differ in layout between ranks. Received tensors
-// are placed on the device of `device_of`.
-std::vector<std::vector<Tensor>> all_gather_packed(Communicator& comm, const std::vector<Tensor>& ts,
+// Every rank's list, entry i from rank i; lists may differ in layout between ranks. Received
+// tensors are placed on the device of `device_of`.
+std::vector<std::vector<Tensor>> all_gather_packed(Communicator& comm,
+                                                   const std::vector<Tensor>& ts,
                                                    const at::TensorOptions& device_of);
 
 // ---- The dp × sp grid ----

@@ -1,8 +1,8 @@
-// The sequence-parallel state scan over the ranks of an sp communicator, forward and backward, for any
-// mixer with a state summary (see state_scan.h for the math). The local work of each rank is the
-// family's chunkwise form on its slice with autograd; this file adds only what crosses ranks: states
-// and summaries going right in the forward, state gradients and transposed transports going left in
-// the backward. The backward is a custom autograd node holding the rank's local graph.
+// The sequence-parallel state scan over the ranks of an sp communicator, forward and backward, for
+// any mixer with a state summary (see state_scan.h for the math). The local work of each rank is
+// the family's chunkwise form on its slice with autograd; this file adds only what crosses ranks:
+// states and summaries going right in the forward, state gradients and transposed transports going
+// left in the backward. The backward is a custom autograd node holding the rank's local graph.
 #include "parallel/state_scan.h"
 
 #include <torch/csrc/autograd/autograd.h>
@@ -123,15 +123,17 @@ Agreement agree_layout(const Mixer& m, Communicator& sp, const MixerInputs& in, 
   }
   int64_t total = 0;
   for (auto l : lengths) total += std::max<int64_t>(l, 0);
-  TORCH_CHECK(ok, what, ": every rank's slice must have the same length, a multiple of chunk_size=", C,
-              " (the sequence length T must be a multiple of sp·chunk_size = ", P, "·", C, " = ", P * C,
-              "); got slice lengths ", join(lengths), " over sp=", P, " ranks (T=", total, ")");
+  TORCH_CHECK(
+      ok, what, ": every rank's slice must have the same length, a multiple of chunk_size=", C,
+      " (the sequence length T must be a multiple of sp·chunk_size = ", P, "·", C, " = ", P * C,
+      "); got slice lengths ", join(lengths), " over sp=", P, " ranks (T=", total, ")");
   // 2. Shapes (except T) and dtypes: equal.
   for (int i = 1; i < P; ++i) {
-    bool same = std::equal(recs[i].begin() + kHeadFields, recs[i].end(), recs[0].begin() + kHeadFields);
-    TORCH_CHECK(same, what, ": the ranks' slices differ in inputs, shapes or dtypes: sp rank 0 has ",
-                describe_layout(recs[0].data()), "; sp rank ", i, " has ",
-                describe_layout(recs[i].data()));
+    bool same =
+        std::equal(recs[i].begin() + kHeadFields, recs[i].end(), recs[0].begin() + kHeadFields);
+    TORCH_CHECK(
+        same, what, ": the ranks' slices differ in inputs, shapes or dtypes: sp rank 0 has ",
+        describe_layout(recs[0].data()), "; sp rank ", i, " has ", describe_layout(recs[i].data()));
   }
   // 3. Every rank's check() passed.
   std::vector<int64_t> refused;
@@ -159,7 +161,8 @@ std::vector<Tensor> flatten(const Summary& s) {
     TORCH_INTERNAL_ASSERT(t.defined(), "a summary's state has an undefined entry");
     out.push_back(t);
   }
-  for (auto& t : s.transport) TORCH_INTERNAL_ASSERT(t.defined(), "a transport has an undefined entry");
+  for (auto& t : s.transport)
+    TORCH_INTERNAL_ASSERT(t.defined(), "a transport has an undefined entry");
   return out;
 }
 
@@ -167,8 +170,10 @@ std::vector<Tensor> flatten(const Summary& s) {
 std::vector<std::vector<Tensor>> split_at_undefined(const std::vector<Tensor>& ts) {
   std::vector<std::vector<Tensor>> parts(1);
   for (auto& t : ts) {
-    if (t.defined()) parts.back().push_back(t);
-    else parts.emplace_back();
+    if (t.defined())
+      parts.back().push_back(t);
+    else
+      parts.emplace_back();
   }
   return parts;
 }
@@ -179,8 +184,8 @@ Summary unflatten_summary(const std::vector<Tensor>& ts) {
   return {parts[0], parts[1]};
 }
 
-// The backward scan's element: the map x ↦ c + Mᵀx (M a forward summary over a range of ranks, c the
-// gradient at the range's incoming state).
+// The backward scan's element: the map x ↦ c + Mᵀx (M a forward summary over a range of ranks, c
+// the gradient at the range's incoming state).
 struct Adjoint {
   Summary M;
   State c;
@@ -260,8 +265,8 @@ struct ScanContext {
   State s_in;                  // leaves requiring grad
   Tensor o;                    // local graph outputs
   State s_out;
-  size_t n_init = 0;           // initial-state entries among the node's inputs (rank 0)
-  Summary summary;             // tree / allgather: this rank's summary (rank 0: initial state folded)
+  size_t n_init = 0;  // initial-state entries among the node's inputs (rank 0)
+  Summary summary;    // tree / allgather: this rank's summary (rank 0: initial state folded)
   std::vector<Summary> all_summaries;  // allgather: every rank's
 };
 
@@ -344,11 +349,12 @@ class ScanBackward final : public torch::autograd::Node {
   std::string name() const override { return "carry::parallel::ScanBackward"; }
   void release_variables() override { ctx_.reset(); }
 
-  // grads: d(o), then d(final state entries). Returns the gradients of the node's inputs: the defined
-  // mixer inputs, then (rank 0) the initial-state entries.
+  // grads: d(o), then d(final state entries). Returns the gradients of the node's inputs: the
+  // defined mixer inputs, then (rank 0) the initial-state entries.
   variable_list apply(variable_list&& grads) override {
-    TORCH_CHECK(ctx_, "sequence-parallel scan: backward called twice (the local graph is freed after "
-                      "the first; retain_graph is not supported)");
+    TORCH_CHECK(ctx_,
+                "sequence-parallel scan: backward called twice (the local graph is freed after "
+                "the first; retain_graph is not supported)");
     at::NoGradGuard no_grad;  // what we build here is not differentiated again
     auto c = std::move(ctx_);
     const int r = c->r, P = c->P;
@@ -400,9 +406,12 @@ ScanMode parse_scan_mode(const std::string& name) {
 
 std::string scan_mode_name(ScanMode mode) {
   switch (mode) {
-    case ScanMode::ordered: return "ordered";
-    case ScanMode::tree: return "tree";
-    case ScanMode::allgather: return "allgather";
+    case ScanMode::ordered:
+      return "ordered";
+    case ScanMode::tree:
+      return "tree";
+    case ScanMode::allgather:
+      return "allgather";
   }
   return "?";
 }
@@ -431,7 +440,8 @@ MixerOutput sp_mixer_forward(const Mixer& mixer, Communicator& sp, const MixerIn
   // Rank-independent, so that layout errors read the same on every rank.
   std::string what = "sequence-parallel " + scan_mode_name(mode) + " scan of " + mixer.name() +
                      " over sp=" + std::to_string(P) + " ranks";
-  TORCH_CHECK(mixer.has_summary(), what, ": the family has no recurrent state to pass between ranks");
+  TORCH_CHECK(mixer.has_summary(), what,
+              ": the family has no recurrent state to pass between ranks");
   State init = r == 0 ? initial_state : State{};
   for (auto& t : init) TORCH_CHECK(t.defined(), what, ": initial_state has an undefined entry");
   const Agreement agreed = agree_layout(mixer, sp, in, init, opt, what);
@@ -502,7 +512,8 @@ MixerOutput sp_mixer_forward(const Mixer& mixer, Communicator& sp, const MixerIn
         for (int j = 0; j < r; ++j)
           prefix = prefix ? mixer.compose(*prefix, c->all_summaries[j]) : c->all_summaries[j];
       }
-      // S_in of rank r is the state part of the prefix (the zero state before rank 0, S_init folded).
+      // S_in of rank r is the state part of the prefix (the zero state before rank 0, S_init
+      // folded).
       s_in = r == 0 ? init_det : detached(prefix->state);
       c->summary = mine;
     }

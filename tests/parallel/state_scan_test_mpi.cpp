@@ -1,16 +1,18 @@
-// Sequence parallelism over MPI ranks (CTest runs this binary under mpirun -np 1, 2 and 4; it has its
-// own main, and every rank agrees on the verdict). For every registered family with a state summary,
-// plus a dense-transport family defined here (so that transposes and the order of compose are
-// exercised before such families are registered), and for every scan mode: the outputs, the final
-// state and the gradients of every input and of the initial state, gathered over the sp group, equal
-// one serial chunkwise run (ordered: bit for bit; tree/allgather: 1e-12 in fp64, 1e-5 in fp32), also
-// on a dp × sp grid. Also: the communicators' operations, the same clear error on every rank for bad
-// layouts, and a timeout that names the operation instead of hanging.
+// Sequence parallelism over MPI ranks (CTest runs this binary under mpirun -np 1, 2 and 4; it has
+// its own main, and every rank agrees on the verdict). For every registered family with a state
+// summary, plus a dense-transport family defined here (so that transposes and the order of compose
+// are exercised before such families are registered), and for every scan mode: the outputs, the
+// final state and the gradients of every input and of the initial state, gathered over the sp
+// group, equal one serial chunkwise run (ordered: bit for bit; tree/allgather: 1e-12 in fp64, 1e-5
+// in fp32), also on a dp × sp grid. Also: the communicators' operations, the same clear error on
+// every rank for bad layouts, and a timeout that names the operation instead of hanging.
 #include "parallel/process_group.h"
 #include "parallel/state_scan.h"
 #include "tests/layers/mixer_testing.h"
 
 #include <gtest/gtest.h>
+#include <torch/csrc/autograd/autograd.h>
+#include <torch/cuda.h>
 
 #include <ATen/Parallel.h>
 
@@ -23,8 +25,6 @@
 namespace carry::parallel {
 namespace {
 
-using carry::testing::Leaves;
-using carry::testing::make_leaves;
 using carry::testing::random_inputs;
 using carry::testing::random_state;
 using carry::testing::rel_err;
@@ -36,8 +36,9 @@ using carry::testing::Shape;
 // offset: k'_t = (1 + 0.05·((offset+t) mod 7))·k_t,
 //   S_t = γ_t (I − β_t k'_t k'_tᵀ) S_{t−1} + β_t k'_t v_tᵀ,  z_t = γ_t z_{t−1} + k'_t,
 //   o_t = s·S_tᵀ q_t + s·(q_t·z_t).
-// State (S [B,H,dk,dv], z [B,H,dk]); transport (A [B,H,dk,dk] = Π γ_t(I − β_t k'k'ᵀ), a [B,H] = Π γ_t).
-// Token recurrence inside each chunk, chunks in order: the chunkwise exactness rules hold trivially.
+// State (S [B,H,dk,dv], z [B,H,dk]); transport (A [B,H,dk,dk] = Π γ_t(I − β_t k'k'ᵀ), a [B,H] = Π
+// γ_t). Token recurrence inside each chunk, chunks in order: the chunkwise exactness rules hold
+// trivially.
 class DenseDeltaForTests final : public Mixer {
  public:
   std::string name() const override { return "test_dense_delta"; }
@@ -47,7 +48,8 @@ class DenseDeltaForTests final : public Mixer {
     int64_t B = in.q.size(0), H = in.q.size(2), dk = in.q.size(3), dv = in.v.size(3);
     return {at::zeros({B, H, dk, dv}, in.q.options()), at::zeros({B, H, dk}, in.q.options())};
   }
-  MixerOutput naive(const MixerInputs& in, const State& init, const MixerOptions& opt) const override {
+  MixerOutput naive(const MixerInputs& in, const State& init,
+                    const MixerOptions& opt) const override {
     check(in, opt, false);
     return run(in, init, opt, in.q.size(1), nullptr);
   }
@@ -91,14 +93,14 @@ class DenseDeltaForTests final : public Mixer {
         auto q = in.q.select(1, t) * scale, k = in.k.select(1, t) * f, v = in.v.select(1, t);
         auto gamma = at::exp(in.g.select(1, t)), beta = in.beta.select(1, t);
         auto kS = at::matmul(k.unsqueeze(-2), S);  // [B,H,1,dv]
-        S = gamma.unsqueeze(-1).unsqueeze(-1) *
-                (S - (beta.unsqueeze(-1) * k).unsqueeze(-1) * kS) +
+        S = gamma.unsqueeze(-1).unsqueeze(-1) * (S - (beta.unsqueeze(-1) * k).unsqueeze(-1) * kS) +
             (beta.unsqueeze(-1) * k).unsqueeze(-1) * v.unsqueeze(-2);
         z = gamma.unsqueeze(-1) * z + k;
         outs.push_back(at::matmul(q.unsqueeze(-2), S).squeeze(-2) + (q * z).sum(-1, true));
         if (transport) {
           auto kk = k.unsqueeze(-1) * k.unsqueeze(-2);
-          A = gamma.unsqueeze(-1).unsqueeze(-1) * (A - beta.unsqueeze(-1).unsqueeze(-1) * at::matmul(kk, A));
+          A = gamma.unsqueeze(-1).unsqueeze(-1) *
+              (A - beta.unsqueeze(-1).unsqueeze(-1) * at::matmul(kk, A));
           a = gamma * a;
         }
       }
@@ -127,7 +129,14 @@ const Mixer& family(const std::string& name) {
 
 // ---- helpers: process groups, agreement between ranks ----
 
+const char* const kInputNames[] = {"q", "k", "v", "g", "gk", "beta", "l"};
+
 std::map<std::pair<int, int>, ProcessGroups>& group_cache() {
+  static std::map<std::pair<int, int>, ProcessGroups> cache;
+  return cache;
+}
+
+std::map<std::pair<int, int>, ProcessGroups>& nccl_group_cache() {
   static std::map<std::pair<int, int>, ProcessGroups> cache;
   return cache;
 }
@@ -142,6 +151,34 @@ ProcessGroups& groups(int dp, int sp) {
     cache[key] = make_process_groups({dp, sp}, Backend::mpi, opt);
   }
   return cache.at(key);
+}
+
+// NCCL groups (one GPU a rank, device = local rank).
+ProcessGroups& nccl_groups(int dp, int sp) {
+  auto key = std::make_pair(dp, sp);
+  auto& cache = nccl_group_cache();
+  if (!cache.count(key)) {
+    CommOptions opt;
+    opt.on_timeout = CommOptions::OnTimeout::throw_error;
+    cache[key] = make_process_groups({dp, sp}, Backend::nccl, opt);
+  }
+  return cache.at(key);
+}
+
+// The same answer on every rank: NCCL built in and a CUDA device for each rank of this host.
+bool gpus_for_every_rank() {
+  bool ok = nccl_available() &&
+            torch::cuda::device_count() >= static_cast<size_t>(world_info().local_size);
+  double any_missing = 0, mine = ok ? 0 : 1;
+  MPI_Allreduce(&mine, &any_missing, 1, MPI_DOUBLE, MPI_MAX, MPI_COMM_WORLD);
+  return any_missing == 0;
+}
+
+MixerInputs to_device(const MixerInputs& in, at::Device device) {
+  MixerInputs out;
+  for (const char* n : kInputNames)
+    if (in.get(n).defined()) out.get(n) = in.get(n).to(device);
+  return out;
 }
 
 int world_size() { return world_info().size; }
@@ -165,8 +202,20 @@ std::string error_of(const std::function<void()>& f) {
   return "";
 }
 
-// Every rank threw, with `needle` in the message, and (when `same`) the very same message everywhere.
-void expect_same_error_everywhere(const std::string& msg, const std::string& needle, bool same = true) {
+// The message of a CommError thrown by `f`, or "".
+std::string error_of_comm(const std::function<void()>& f) {
+  try {
+    f();
+  } catch (const CommError& e) {
+    return e.what();
+  }
+  return "";
+}
+
+// Every rank threw, with `needle` in the message, and (when `same`) the very same message
+// everywhere.
+void expect_same_error_everywhere(const std::string& msg, const std::string& needle,
+                                  bool same = true) {
   bool ok = !msg.empty() && msg.find(needle) != std::string::npos;
   EXPECT_TRUE(ok) << "rank " << world_rank() << ": expected an error mentioning '" << needle
                   << "', got: '" << msg << "'";
@@ -177,10 +226,32 @@ void expect_same_error_everywhere(const std::string& msg, const std::string& nee
     MPI_Allreduce(&h, &hi, 1, MPI_INT64_T, MPI_MAX, MPI_COMM_WORLD);
     EXPECT_EQ(lo, hi) << "the ranks' messages differ; rank " << world_rank() << " has: " << msg;
   }
-  if (world_rank() == 0 && ok) std::cout << "[ message  ] " << msg.substr(0, msg.find('\n')) << "\n";
+  if (world_rank() == 0 && ok)
+    std::cout << "[ message  ] " << msg.substr(0, msg.find('\n')) << "\n";
 }
 
 // ---- the scan against the serial run ----
+
+// Copies of the inputs and a state that require grad, so that each can be differentiated.
+struct Leaves {
+  MixerInputs in;
+  State state;
+  std::vector<Tensor> all() const {  // defined inputs in kInputNames order, then the state entries
+    std::vector<Tensor> v;
+    for (const char* n : kInputNames)
+      if (in.get(n).defined()) v.push_back(in.get(n));
+    for (auto& t : state) v.push_back(t);
+    return v;
+  }
+};
+
+Leaves make_leaves(const MixerInputs& in, const State& state) {
+  Leaves l;
+  for (const char* n : kInputNames)
+    if (in.get(n).defined()) l.in.get(n) = in.get(n).detach().clone().requires_grad_(true);
+  for (auto& t : state) l.state.push_back(t.detach().clone().requires_grad_(true));
+  return l;
+}
 
 struct Weights {
   Tensor o;                       // [B,T,H,dv]
@@ -215,10 +286,10 @@ Tensor weighted(const State& s, const State& w) {
   return l;
 }
 
-// One process, the whole sequence: a single chunkwise call, or (with boundary weights) P pieces with
-// the state passed along, so that the loss can see the states at the boundaries.
-ScanRun serial_run(const Mixer& m, const MixerInputs& in, const State& init, const MixerOptions& opt,
-               const Weights& w, int P) {
+// One process, the whole sequence: a single chunkwise call, or (with boundary weights) P pieces
+// with the state passed along, so that the loss can see the states at the boundaries.
+ScanRun serial_run(const Mixer& m, const MixerInputs& in, const State& init,
+                   const MixerOptions& opt, const Weights& w, int P) {
   Leaves leaves = make_leaves(in, init);
   ScanRun run;
   Tensor loss;
@@ -247,21 +318,24 @@ ScanRun serial_run(const Mixer& m, const MixerInputs& in, const State& init, con
   }
   auto xs = leaves.all();
   auto gs = torch::autograd::grad({loss}, xs, {}, false, false, true);
-  for (size_t i = 0; i < gs.size(); ++i) run.grads.push_back(gs[i].defined() ? gs[i] : at::zeros_like(xs[i]));
+  for (size_t i = 0; i < gs.size(); ++i)
+    run.grads.push_back(gs[i].defined() ? gs[i] : at::zeros_like(xs[i]));
   return run;
 }
 
 // The sp group, each rank its slice; results gathered on every rank of the group.
 ScanRun parallel_run(const Mixer& m, Communicator& sp, const MixerInputs& whole, const State& init,
-                 const MixerOptions& opt, const Weights& w, ScanMode mode) {
+                     const MixerOptions& opt, const Weights& w, ScanMode mode) {
   const int r = sp.rank(), P = sp.size();
   MixerInputs local = sp_slice(whole, r, P, opt.chunk_size);
   int64_t len = local.q.size(1);
   Leaves leaves = make_leaves(local, r == 0 ? init : State{});
   auto out = sp_mixer_forward(m, sp, leaves.in, leaves.state, opt, mode);
   Tensor loss = (out.o * w.o.narrow(1, r * len, len)).sum();
-  if (r == P - 1) loss = loss + weighted(out.final_state, w.final_state);
-  else if (!w.boundaries.empty()) loss = loss + weighted(out.final_state, w.boundaries[r]);
+  if (r == P - 1)
+    loss = loss + weighted(out.final_state, w.final_state);
+  else if (!w.boundaries.empty())
+    loss = loss + weighted(out.final_state, w.boundaries[r]);
   auto xs = leaves.all();
   auto gs = torch::autograd::grad({loss}, xs, {}, false, false, true);
 
@@ -274,7 +348,8 @@ ScanRun parallel_run(const Mixer& m, Communicator& sp, const MixerInputs& whole,
     run.outputs.push_back(x);
   }
   size_t n_in = xs.size() - leaves.state.size();
-  for (size_t i = 0; i < n_in; ++i) run.grads.push_back(gather_T(gs[i].defined() ? gs[i] : at::zeros_like(xs[i])));
+  for (size_t i = 0; i < n_in; ++i)
+    run.grads.push_back(gather_T(gs[i].defined() ? gs[i] : at::zeros_like(xs[i])));
   // The initial state's gradient, from rank 0.
   for (size_t i = 0; i < init.size(); ++i) {
     Tensor x = r == 0 ? gs[n_in + i].detach().clone() : at::zeros_like(init[i]);
@@ -291,6 +366,69 @@ bool bitwise_equal(const std::vector<Tensor>& a, const std::vector<Tensor>& b) {
   return true;
 }
 
+// Every mode, fp64 and fp32, with and without a loss on the boundary states (and normalized): the
+// sp groups of `g` against serial runs on each group's sp rank 0, on `device`.
+void check_scan_against_serial(const Mixer& m, ProcessGroups& g, at::Device device,
+                               const std::string& where) {
+  const int sp_size = g.layout.sp;
+  for (ScanMode mode : {ScanMode::ordered, ScanMode::tree, ScanMode::allgather}) {
+    for (auto dtype : {at::kDouble, at::kFloat}) {
+      for (int variant = 0; variant < (dtype == at::kDouble ? 4 : 2); ++variant) {
+        bool boundaries = variant & 1, normalize = variant & 2;
+        const int64_t C = 16;
+        Shape s;
+        s.B = 2;
+        s.T = 128;
+        s.H = 2;
+        s.dk = 8;
+        s.dv = 6;
+        s.offset = 3 * 64;
+        MixerOptions opt;
+        opt.chunk_size = C;
+        opt.offset = s.offset;
+        opt.normalize = normalize;
+        uint64_t seed = 1000 * g.dp_rank + 10 * variant + (dtype == at::kFloat);
+        auto in_cpu = random_inputs(m, s, dtype, seed);
+        auto in = to_device(in_cpu, device);
+        State init;
+        for (auto& t : random_state(m, in_cpu, opt, seed + 1)) init.push_back(t.to(device));
+        auto w = random_weights(m, in_cpu, opt, sp_size, boundaries, seed + 2);
+        w.o = w.o.to(device);
+        for (auto& t : w.final_state) t = t.to(device);
+        for (auto& b : w.boundaries)
+          for (auto& t : b) t = t.to(device);
+
+        ScanRun par = parallel_run(m, *g.sp, in, init, opt, w, mode);
+        double e_out = 0, e_grad = 0, not_bitwise = 0, zero_grad = 0;
+        if (g.sp_rank == 0) {
+          ScanRun ser = serial_run(m, in, init, opt, w, sp_size);
+          e_out = carry::testing::max_rel_err(par.outputs, ser.outputs);
+          e_grad = carry::testing::max_rel_err(par.grads, ser.grads);
+          not_bitwise =
+              !(bitwise_equal(par.outputs, ser.outputs) && bitwise_equal(par.grads, ser.grads));
+          for (auto& t : par.grads) zero_grad += t.abs().max().item<double>() == 0;
+        }
+        e_out = max_over_world(e_out);
+        e_grad = max_over_world(e_grad);
+        not_bitwise = max_over_world(not_bitwise);
+        zero_grad = max_over_world(zero_grad);
+        std::string tag =
+            m.name() + " " + scan_mode_name(mode) + " " + (dtype == at::kDouble ? "fp64" : "fp32") +
+            " dp=" + std::to_string(g.layout.dp) + " sp=" + std::to_string(sp_size) + where +
+            (boundaries ? " +boundary-loss" : "") + (normalize ? " normalized" : "");
+        if (world_rank() == 0)
+          std::cout << "[ errors   ] " << tag << ": forward " << e_out << " gradients " << e_grad
+                    << (not_bitwise ? "" : " (bitwise equal)") << "\n";
+        double tol = dtype == at::kDouble ? 1e-12 : 1e-5;
+        EXPECT_LE(e_out, tol) << tag;
+        EXPECT_LE(e_grad, tol) << tag;
+        EXPECT_EQ(zero_grad, 0) << tag << ": a gradient is all zeros";
+        if (mode == ScanMode::ordered) EXPECT_EQ(not_bitwise, 0) << tag << ": not bit-identical";
+      }
+    }
+  }
+}
+
 class SequenceParallel : public ::testing::TestWithParam<std::string> {};
 
 TEST_P(SequenceParallel, ScanEqualsSerialWithGradients) {
@@ -298,58 +436,17 @@ TEST_P(SequenceParallel, ScanEqualsSerialWithGradients) {
   const int W = world_size();
   std::vector<std::pair<int, int>> layouts{{1, W}};
   if (W >= 4 && W % 2 == 0) layouts.push_back({2, W / 2});
-  for (auto [dp, sp_size] : layouts) {
-    ProcessGroups& g = groups(dp, sp_size);
-    for (ScanMode mode : {ScanMode::ordered, ScanMode::tree, ScanMode::allgather}) {
-      for (auto dtype : {at::kDouble, at::kFloat}) {
-        for (int variant = 0; variant < (dtype == at::kDouble ? 4 : 2); ++variant) {
-          bool boundaries = variant & 1, normalize = variant & 2;
-          const int64_t C = 16;
-          Shape s;
-          s.B = 2;
-          s.T = 128;
-          s.H = 2;
-          s.dk = 8;
-          s.dv = 6;
-          s.offset = 3 * 64;
-          MixerOptions opt;
-          opt.chunk_size = C;
-          opt.offset = s.offset;
-          opt.normalize = normalize;
-          uint64_t seed = 1000 * g.dp_rank + 10 * variant + (dtype == at::kFloat);
-          auto in = random_inputs(m, s, dtype, seed);
-          auto init = random_state(m, in, opt, seed + 1);
-          auto w = random_weights(m, in, opt, sp_size, boundaries, seed + 2);
+  for (auto [dp, sp_size] : layouts)
+    check_scan_against_serial(m, groups(dp, sp_size), at::kCPU, "");
+}
 
-          ScanRun par = parallel_run(m, *g.sp, in, init, opt, w, mode);
-          double e_out = 0, e_grad = 0, not_bitwise = 0, zero_grad = 0;
-          if (g.sp_rank == 0) {
-            ScanRun ser = serial_run(m, in, init, opt, w, sp_size);
-            e_out = carry::testing::max_rel_err(par.outputs, ser.outputs);
-            e_grad = carry::testing::max_rel_err(par.grads, ser.grads);
-            not_bitwise = !(bitwise_equal(par.outputs, ser.outputs) && bitwise_equal(par.grads, ser.grads));
-            for (auto& t : par.grads) zero_grad += t.abs().max().item<double>() == 0;
-          }
-          e_out = max_over_world(e_out);
-          e_grad = max_over_world(e_grad);
-          not_bitwise = max_over_world(not_bitwise);
-          zero_grad = max_over_world(zero_grad);
-          std::string tag = m.name() + " " + scan_mode_name(mode) + " " +
-                            (dtype == at::kDouble ? "fp64" : "fp32") + " dp=" + std::to_string(dp) +
-                            " sp=" + std::to_string(sp_size) + (boundaries ? " +boundary-loss" : "") +
-                            (normalize ? " normalized" : "");
-          if (world_rank() == 0)
-            std::cout << "[ errors   ] " << tag << ": forward " << e_out << " gradients " << e_grad
-                      << (not_bitwise ? "" : " (bitwise equal)") << "\n";
-          double tol = dtype == at::kDouble ? 1e-12 : 1e-5;
-          EXPECT_LE(e_out, tol) << tag;
-          EXPECT_LE(e_grad, tol) << tag;
-          EXPECT_EQ(zero_grad, 0) << tag << ": a gradient is all zeros";
-          if (mode == ScanMode::ordered) EXPECT_EQ(not_bitwise, 0) << tag << ": not bit-identical";
-        }
-      }
-    }
-  }
+// The same over NCCL, one GPU a rank (skips unless every rank has its own GPU and NCCL is built
+// in).
+TEST_P(SequenceParallel, ScanOverNcclOnGpus) {
+  if (!gpus_for_every_rank()) GTEST_SKIP() << "needs NCCL and one CUDA device a rank";
+  const Mixer& m = family(GetParam());
+  ProcessGroups& g = nccl_groups(1, world_size());
+  check_scan_against_serial(m, g, at::Device(at::kCUDA, world_info().local_rank), " nccl/cuda");
 }
 
 INSTANTIATE_TEST_SUITE_P(AllFamilies, SequenceParallel, ::testing::ValuesIn(family_names()),
@@ -357,10 +454,9 @@ INSTANTIATE_TEST_SUITE_P(AllFamilies, SequenceParallel, ::testing::ValuesIn(fami
 
 // ---- communicators ----
 
-TEST(Communicator, PointToPointAndCollectives) {
-  auto& c = *groups(1, world_size()).world;
+void check_communicator(Communicator& c, at::Device dev) {
   const int r = c.rank(), P = c.size();
-  auto opt = at::TensorOptions().dtype(at::kDouble);
+  auto opt = at::TensorOptions().dtype(at::kDouble).device(dev);
   // A ring with send_recv (no deadlock whatever P), and a shift with an end.
   Tensor mine = at::full({3, 5}, r, opt), got = at::empty({3, 5}, opt);
   c.send_recv(mine, (r + 1) % P, got, (r + P - 1) % P, 7);
@@ -372,39 +468,53 @@ TEST(Communicator, PointToPointAndCollectives) {
   Tensor sum = at::full({4}, r + 1, opt);
   c.all_reduce_sum(sum);
   EXPECT_TRUE(at::equal(sum, at::full({4}, P * (P + 1) / 2, opt)));
-  Tensor half = at::full({4}, r + 1, at::kBFloat16);
+  Tensor half = at::full({4}, r + 1, at::TensorOptions().dtype(at::kBFloat16).device(dev));
   c.all_reduce_sum(half);
-  EXPECT_TRUE(at::equal(half, at::full({4}, P * (P + 1) / 2, at::kBFloat16)));
+  EXPECT_TRUE(at::equal(
+      half, at::full({4}, P * (P + 1) / 2, at::TensorOptions().dtype(at::kBFloat16).device(dev))));
   Tensor b = r == P - 1 ? at::arange(6, opt) : at::zeros({6}, opt);
   c.broadcast(b, P - 1);
   EXPECT_TRUE(at::equal(b, at::arange(6, opt)));
   c.barrier();
   // Lists: mixed dtypes, an undefined entry, a scalar; with a known layout and self-described.
-  std::vector<Tensor> list{at::full({2, 3}, r, opt), Tensor(), at::full({}, r, at::kLong),
-                           at::full({5}, r, at::kFloat)};
+  std::vector<Tensor> list{at::full({2, 3}, r, opt), Tensor(),
+                           at::full({}, r, at::TensorOptions().dtype(at::kLong).device(dev)),
+                           at::full({5}, r, opt.dtype(at::kFloat))};
   if (P > 1) {
     if (r == 0) send_tensors(c, list, 1, 3);
     if (r == 1) {
       auto x = recv_tensors(c, list, 0, 3);
-      EXPECT_TRUE(at::equal(x[0], at::zeros({2, 3}, opt)) && !x[1].defined() && x[2].item<int64_t>() == 0 &&
-                  at::equal(x[3], at::zeros({5}, at::kFloat)));
+      EXPECT_TRUE(at::equal(x[0], at::zeros({2, 3}, opt)) && !x[1].defined() &&
+                  x[2].item<int64_t>() == 0 &&
+                  at::equal(x[3], at::zeros({5}, opt.dtype(at::kFloat))));
     }
   }
   // Self-described lists whose layout differs between ranks.
-  std::vector<Tensor> var{at::full({r + 1}, r, opt), Tensor(), at::full({2, r + 1}, r, at::kFloat)};
-  auto got_list = exchange_packed(c, var, (r + 1) % P, (r + P - 1) % P, at::TensorOptions(), 4);
+  std::vector<Tensor> var{at::full({r + 1}, r, opt), Tensor(),
+                          at::full({2, r + 1}, r, opt.dtype(at::kFloat))};
+  auto got_list = exchange_packed(c, var, (r + 1) % P, (r + P - 1) % P, opt, 4);
   int prev = (r + P - 1) % P;
   ASSERT_EQ(got_list.size(), 3u);
   EXPECT_TRUE(at::equal(got_list[0], at::full({prev + 1}, prev, opt)));
   EXPECT_FALSE(got_list[1].defined());
-  EXPECT_TRUE(at::equal(got_list[2], at::full({2, prev + 1}, prev, at::kFloat)));
-  auto lists = all_gather_packed(c, var, at::TensorOptions());
+  EXPECT_TRUE(at::equal(got_list[2], at::full({2, prev + 1}, prev, opt.dtype(at::kFloat))));
+  auto lists = all_gather_packed(c, var, opt);
   ASSERT_EQ(static_cast<int>(lists.size()), P);
   for (int i = 0; i < P; ++i) {
     EXPECT_TRUE(at::equal(lists[i][0], at::full({i + 1}, i, opt)));
     EXPECT_FALSE(lists[i][1].defined());
-    EXPECT_TRUE(at::equal(lists[i][2], at::full({2, i + 1}, i, at::kFloat)));
+    EXPECT_TRUE(at::equal(lists[i][2], at::full({2, i + 1}, i, opt.dtype(at::kFloat))));
   }
+}
+
+TEST(Communicator, PointToPointAndCollectives) {
+  check_communicator(*groups(1, world_size()).world, at::kCPU);
+}
+
+TEST(Communicator, NcclOnGpus) {
+  if (!gpus_for_every_rank()) GTEST_SKIP() << "needs NCCL and one CUDA device a rank";
+  check_communicator(*nccl_groups(1, world_size()).world,
+                     at::Device(at::kCUDA, world_info().local_rank));
 }
 
 TEST(ProcessGroups, GridOfConsecutiveSpGroups) {
@@ -434,7 +544,9 @@ TEST(InvalidLayouts, SameErrorOnEveryRank) {
   const int W = world_size();
   // dp·sp != world size.
   int dp = W == 6 ? 2 : 3;
-  expect_same_error_everywhere(error_of([&] { make_process_groups({dp, 2}); }),
+  expect_same_error_everywhere(error_of([&] {
+                                 make_process_groups({dp, 2});
+                               }),
                                "dp=" + std::to_string(dp) + " × sp=2");
   expect_same_error_everywhere(error_of([&] { make_process_groups({0, W}); }), "at least 1");
 
@@ -474,9 +586,11 @@ TEST(InvalidLayouts, SameErrorOnEveryRank) {
       nan.k = nan.k.clone();
       nan.k.view(-1)[3] = std::nan("");
     }
-    std::string msg = error_of([&] { sp_mixer_forward(m, *g.sp, nan, {}, opt, ScanMode::ordered); });
-    expect_same_error_everywhere(msg, r == P - 1 ? "NaN" : "sp rank(s) [" + std::to_string(P - 1) + "] refused",
-                                 /*same=*/false);
+    std::string msg =
+        error_of([&] { sp_mixer_forward(m, *g.sp, nan, {}, opt, ScanMode::ordered); });
+    expect_same_error_everywhere(
+        msg, r == P - 1 ? "NaN" : "sp rank(s) [" + std::to_string(P - 1) + "] refused",
+        /*same=*/false);
   }
 }
 
@@ -504,10 +618,12 @@ TEST(Timeouts, MissingPeerGivesAnErrorNamingTheOperation) {
       } catch (const CommError& e) {
         msg = e.what();
       }
-      double waited = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+      double waited =
+          std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
       EXPECT_GE(waited, 0.9);
       EXPECT_LT(waited, 30);
-      EXPECT_NE(msg.find("timeout after 1 s in send of 131072 bytes (tag 9) to rank " + std::to_string(W - 1)),
+      EXPECT_NE(msg.find("timeout after 1 s in send of 131072 bytes (tag 9) to rank " +
+                         std::to_string(W - 1)),
                 std::string::npos)
           << msg;
       EXPECT_NE(msg.find("on rank " + std::to_string(W - 2) + " of communicator 'timeout-test'"),
@@ -524,12 +640,14 @@ TEST(Timeouts, MissingPeerGivesAnErrorNamingTheOperation) {
       if (r == 0) std::cout << "[ message  ] " << msg.substr(0, msg.find('\n')) << "\n";
     }
     world.barrier();
-    if (r == W - 1) c->recv(big, W - 2, 9);  // the late receive drains the abandoned send
+    // The late receive drains the abandoned send (an MPI that cancelled it leaves nothing to
+    // drain).
+    if (r == W - 1) error_of_comm([&] { c->recv(big, W - 2, 9); });
     world.barrier();
   }
 
-  // 2. The last rank never joins a tree scan: every other rank stops in the layout agreement with an
-  // error that names the collective and what the scan was doing.
+  // 2. The last rank never joins a tree scan: every other rank stops in the layout agreement with
+  // an error that names the collective and what the scan was doing.
   {
     auto c = make_mpi_communicator(MPI_COMM_WORLD, quick);
     const Mixer& m = dense_delta_for_tests();
@@ -556,7 +674,8 @@ TEST(Timeouts, MissingPeerGivesAnErrorNamingTheOperation) {
       if (r == 0) std::cout << "[ message  ] " << msg << "\n";
     }
     world.barrier();
-    if (r == W - 1) c->all_gather(at::zeros({3 + 7 * 6}, at::kLong));  // completes the abandoned one
+    // The late contribution completes the collective the others abandoned.
+    if (r == W - 1) error_of_comm([&] { c->all_gather(at::zeros({3 + 7 * 6}, at::kLong)); });
     world.barrier();
   }
 }
@@ -593,8 +712,10 @@ int main(int argc, char** argv) {
   }
   int rc = RUN_ALL_TESTS(), worst = 0;
   MPI_Allreduce(&rc, &worst, 1, MPI_INT, MPI_MAX, MPI_COMM_WORLD);
-  if (rank == 0 && worst != rc) std::cout << "some rank other than 0 failed (see its [rank r] lines)\n";
+  if (rank == 0 && worst != rc)
+    std::cout << "some rank other than 0 failed (see its [rank r] lines)\n";
   group_cache().clear();
+  nccl_group_cache().clear();
   finalize_mpi();
   return worst;
 }
