@@ -1,0 +1,412 @@
+// The NCCL backend of the Communicator interface: one GPU a rank, the NCCL id made on rank 0 and
+// broadcast over MPI. Built only with CUDA (CARRY_WITH_CUDA) and nccl.h; otherwise the factory says
+// so. NCCL itself is loaded at run time (dlopen of libnccl.so.2, normally the copy libtorch_cuda
+// already loaded), so no link flag is needed and one process never holds two NCCLs.
+//
+// Timeouts: the communicator is nonblocking (ncclConfig_t::blocking = 0), so no NCCL call blocks
+// the host; every operation is enqueued on the current CUDA stream and then polled
+// (ncclCommGetAsyncError and a CUDA event) against the timeout. On timeout the NCCL communicator is
+// aborted (ncclCommAbort) and the failure handled as CommOptions says (MPI_Abort, or CommError).
+#include "parallel/process_group.h"
+
+#include <c10/util/Exception.h>
+
+#if defined(CARRY_WITH_CUDA) && defined(__has_include)
+#if __has_include(<nccl.h>) && __has_include(<c10/cuda/CUDAStream.h>)
+#define CARRY_HAVE_NCCL 1
+#endif
+#endif
+
+#ifdef CARRY_HAVE_NCCL
+
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <cuda_runtime_api.h>
+#include <dlfcn.h>
+#include <nccl.h>
+
+#include <chrono>
+#include <cstdlib>
+#include <cstring>
+#include <thread>
+
+namespace carry::parallel {
+
+namespace {
+
+// NCCL entry points, resolved from the loaded libnccl.
+struct NcclApi {
+  decltype(&ncclGetUniqueId) GetUniqueId;
+  decltype(&ncclCommInitRankConfig) CommInitRankConfig;
+  decltype(&ncclCommGetAsyncError) CommGetAsyncError;
+  decltype(&ncclCommFinalize) CommFinalize;
+  decltype(&ncclCommDestroy) CommDestroy;
+  decltype(&ncclCommAbort) CommAbort;
+  decltype(&ncclGetErrorString) GetErrorString;
+  decltype(&ncclSend) Send;
+  decltype(&ncclRecv) Recv;
+  decltype(&ncclAllGather) AllGather;
+  decltype(&ncclAllReduce) AllReduce;
+  decltype(&ncclBroadcast) Broadcast;
+  decltype(&ncclGroupStart) GroupStart;
+  decltype(&ncclGroupEnd) GroupEnd;
+};
+
+const NcclApi& nccl() {
+  static NcclApi api = [] {
+    void* h = dlopen("libnccl.so.2", RTLD_NOW | RTLD_NOLOAD);
+    if (!h) h = dlopen("libnccl.so.2", RTLD_NOW | RTLD_GLOBAL);
+    if (!h) h = dlopen("libnccl.so", RTLD_NOW | RTLD_GLOBAL);
+    TORCH_CHECK(h, "NCCL backend: cannot load libnccl.so.2 (", dlerror(), ")");
+    NcclApi a{};
+    auto sym = [&](auto& f, const char* name) {
+      f = reinterpret_cast<std::remove_reference_t<decltype(f)>>(dlsym(h, name));
+      TORCH_CHECK(f, "NCCL backend: libnccl has no ", name, " (NCCL 2.14 or later is needed)");
+    };
+    sym(a.GetUniqueId, "ncclGetUniqueId");
+    sym(a.CommInitRankConfig, "ncclCommInitRankConfig");
+    sym(a.CommGetAsyncError, "ncclCommGetAsyncError");
+    sym(a.CommFinalize, "ncclCommFinalize");
+    sym(a.CommDestroy, "ncclCommDestroy");
+    sym(a.CommAbort, "ncclCommAbort");
+    sym(a.GetErrorString, "ncclGetErrorString");
+    sym(a.Send, "ncclSend");
+    sym(a.Recv, "ncclRecv");
+    sym(a.AllGather, "ncclAllGather");
+    sym(a.AllReduce, "ncclAllReduce");
+    sym(a.Broadcast, "ncclBroadcast");
+    sym(a.GroupStart, "ncclGroupStart");
+    sym(a.GroupEnd, "ncclGroupEnd");
+    return a;
+  }();
+  return api;
+}
+
+ncclDataType_t nccl_type_of(at::ScalarType t) {
+  switch (t) {
+    case at::kDouble:
+      return ncclFloat64;
+    case at::kFloat:
+      return ncclFloat32;
+    case at::kHalf:
+      return ncclFloat16;
+    case at::kBFloat16:
+      return ncclBfloat16;
+    case at::kLong:
+      return ncclInt64;
+    case at::kInt:
+      return ncclInt32;
+    case at::kChar:
+      return ncclInt8;
+    case at::kByte:
+      return ncclUint8;
+    default:
+      TORCH_CHECK(false, "all_reduce_sum: dtype ", t, " is not supported by the NCCL backend");
+  }
+}
+
+class NcclCommunicator final : public Communicator {
+ public:
+  NcclCommunicator(ncclComm_t comm, int rank, int size, int device, std::vector<int> world_ranks,
+                   CommOptions opt)
+      : comm_(comm),
+        rank_(rank),
+        size_(size),
+        device_(device),
+        world_ranks_(std::move(world_ranks)),
+        opt_(std::move(opt)) {}
+
+  ~NcclCommunicator() override {
+    if (!broken_.empty() || comm_ == nullptr) return;
+    // Finalize (flushes outstanding work), bounded by the timeout; abort if it does not finish.
+    ncclResult_t r = nccl().CommFinalize(comm_);
+    if (r == ncclSuccess || r == ncclInProgress) {
+      auto start = std::chrono::steady_clock::now();
+      ncclResult_t st = ncclInProgress;
+      while (nccl().CommGetAsyncError(comm_, &st) == ncclSuccess && st == ncclInProgress &&
+             elapsed(start) < timeout_s())
+        std::this_thread::sleep_for(std::chrono::microseconds(100));
+      if (st == ncclSuccess) {
+        nccl().CommDestroy(comm_);
+        return;
+      }
+    }
+    nccl().CommAbort(comm_);
+  }
+
+  int rank() const override { return rank_; }
+  int size() const override { return size_; }
+  int world_rank_of(int r) const override { return world_ranks_.at(r); }
+  std::string backend() const override { return "nccl"; }
+  at::Device device() const override { return at::Device(at::kCUDA, device_); }
+  const CommOptions& options() const override { return opt_; }
+
+  void send(const Tensor& t, int dst, int tag) override {
+    Tensor none;
+    send_recv(t, dst, none, -1, tag);
+  }
+
+  void recv(Tensor& t, int src, int tag) override { send_recv(Tensor(), -1, t, src, tag); }
+
+  void send_recv(const Tensor& out, int dst, Tensor& in, int src, int tag) override {
+    std::string op;
+    std::vector<int> peers;
+    Tensor sbuf, rbuf;
+    if (dst >= 0) {
+      check_peer(dst, "send");
+      sbuf = on_device(out);
+      op = describe("send", sbuf.nbytes(), tag, "to", dst);
+      peers.push_back(dst);
+    }
+    bool direct = src < 0 || (in.device() == device() && in.is_contiguous());
+    if (src >= 0) {
+      check_peer(src, "recv");
+      rbuf = direct ? in : at::empty(in.sizes(), in.options().device(device()));
+      op += std::string(op.empty() ? "" : " and ") +
+            describe("recv", rbuf.nbytes(), tag, "from", src);
+      if (src != dst) peers.push_back(src);
+    }
+    if (peers.empty()) return;
+    run(op, peers, [&](cudaStream_t s) {
+      ncclResult_t r = nccl().GroupStart();
+      if (r != ncclSuccess) return r;
+      // Zero-byte messages are skipped on both sides (both know the size).
+      if (dst >= 0 && sbuf.nbytes() > 0) {
+        r = nccl().Send(sbuf.data_ptr(), sbuf.nbytes(), ncclUint8, dst, comm_, s);
+        if (r != ncclSuccess && r != ncclInProgress) return r;
+      }
+      if (src >= 0 && rbuf.nbytes() > 0) {
+        r = nccl().Recv(rbuf.data_ptr(), rbuf.nbytes(), ncclUint8, src, comm_, s);
+        if (r != ncclSuccess && r != ncclInProgress) return r;
+      }
+      return nccl().GroupEnd();
+    });
+    if (src >= 0 && !direct) in.copy_(rbuf);
+  }
+
+  std::vector<Tensor> all_gather(const Tensor& t) override {
+    Tensor buf = on_device(t);
+    auto sizes = t.sizes().vec();
+    sizes.insert(sizes.begin(), size_);
+    Tensor out = at::empty(sizes, buf.options());
+    run(describe("all_gather", buf.nbytes(), -1, "", -1), all_peers(), [&](cudaStream_t s) {
+      return nccl().AllGather(buf.data_ptr(), out.data_ptr(), buf.nbytes(), ncclUint8, comm_, s);
+    });
+    if (t.device() != device()) out = out.to(t.device());
+    return out.unbind(0);
+  }
+
+  void all_reduce_sum(Tensor& t) override {
+    Tensor buf = on_device(t).clone();
+    auto type = nccl_type_of(buf.scalar_type());
+    run(describe("all_reduce_sum", buf.nbytes(), -1, "", -1), all_peers(), [&](cudaStream_t s) {
+      return nccl().AllReduce(buf.data_ptr(), buf.data_ptr(), buf.numel(), type, ncclSum, comm_, s);
+    });
+    t.copy_(buf);
+  }
+
+  void broadcast(Tensor& t, int root) override {
+    check_peer(root, "broadcast");
+    Tensor buf = on_device(t).clone();
+    run(describe("broadcast", buf.nbytes(), -1, "from root", root), all_peers(),
+        [&](cudaStream_t s) {
+          return nccl().Broadcast(buf.data_ptr(), buf.data_ptr(), buf.nbytes(), ncclUint8, root,
+                                  comm_, s);
+        });
+    t.copy_(buf);
+  }
+
+  void barrier() override {
+    Tensor one = at::ones({1}, at::TensorOptions().dtype(at::kFloat).device(device()));
+    run("barrier", all_peers(), [&](cudaStream_t s) {
+      return nccl().AllReduce(one.data_ptr(), one.data_ptr(), 1, ncclFloat32, ncclSum, comm_, s);
+    });
+  }
+
+ private:
+  static double elapsed(std::chrono::steady_clock::time_point start) {
+    return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  }
+  double timeout_s() const {
+    return opt_.timeout_s > 0 ? opt_.timeout_s : default_comm_timeout_s();
+  }
+
+  Tensor on_device(const Tensor& t) const { return t.to(device()).contiguous(); }
+
+  std::vector<int> all_peers() const {
+    std::vector<int> p;
+    for (int i = 0; i < size_; ++i)
+      if (i != rank_) p.push_back(i);
+    return p;
+  }
+
+  std::string describe(const char* op, int64_t bytes, int tag, const char* dir, int peer) const {
+    std::string s = std::string(op) + " of " + std::to_string(bytes) + " bytes";
+    if (tag >= 0) s += " (tag " + std::to_string(tag) + "; NCCL ignores tags, order decides)";
+    if (peer >= 0) s += std::string(" ") + dir + " rank " + std::to_string(peer);
+    return s;
+  }
+
+  void check_peer(int peer, const char* op) const {
+    TORCH_CHECK(peer >= 0 && peer < size_, op, ": peer rank ", peer,
+                " is not a rank of communicator '", opt_.name, "' (ranks 0..", size_ - 1,
+                ", this is rank ", rank_, ")");
+  }
+
+  // Enqueues one operation on the current stream of our device and waits for it, polling NCCL's
+  // async error and a CUDA event against the timeout.
+  template <class Enqueue>
+  void run(const std::string& op, const std::vector<int>& peers, Enqueue enqueue) {
+    if (!broken_.empty())
+      fail(detail::comm_error_message(
+          *this, op, peers, "communicator unusable after an earlier failure (" + broken_ + ")"));
+    c10::cuda::CUDAGuard guard(device_);
+    cudaStream_t stream = c10::cuda::getCurrentCUDAStream(device_).stream();
+    auto start = std::chrono::steady_clock::now();
+    ncclResult_t r = enqueue(stream);
+    if (r != ncclSuccess && r != ncclInProgress) nccl_fail(op, peers, r);
+    // A nonblocking communicator may still be enqueuing.
+    for (;;) {
+      ncclResult_t st = ncclSuccess;
+      nccl().CommGetAsyncError(comm_, &st);
+      if (st == ncclSuccess) break;
+      if (st != ncclInProgress) nccl_fail(op, peers, st);
+      if (elapsed(start) > timeout_s()) time_out(op, peers);
+      std::this_thread::sleep_for(std::chrono::microseconds(20));
+    }
+    cudaEvent_t ev;
+    TORCH_CHECK(cudaEventCreateWithFlags(&ev, cudaEventDisableTiming) == cudaSuccess,
+                "NCCL backend: cudaEventCreate failed");
+    cudaEventRecord(ev, stream);
+    int spins = 0;
+    for (;;) {
+      cudaError_t q = cudaEventQuery(ev);
+      if (q == cudaSuccess) break;
+      if (q != cudaErrorNotReady) {
+        cudaEventDestroy(ev);
+        fail(detail::comm_error_message(*this, op, peers,
+                                        std::string("CUDA error: ") + cudaGetErrorString(q)));
+      }
+      ncclResult_t st = ncclSuccess;
+      nccl().CommGetAsyncError(comm_, &st);
+      if (st != ncclSuccess && st != ncclInProgress) {
+        cudaEventDestroy(ev);
+        nccl_fail(op, peers, st);
+      }
+      if (elapsed(start) > timeout_s()) {
+        cudaEventDestroy(ev);
+        time_out(op, peers);
+      }
+      if (++spins > 100) std::this_thread::sleep_for(std::chrono::microseconds(20));
+    }
+    cudaEventDestroy(ev);
+  }
+
+  [[noreturn]] void nccl_fail(const std::string& op, const std::vector<int>& peers,
+                              ncclResult_t r) {
+    std::string msg = detail::comm_error_message(
+        *this, op, peers, std::string("NCCL error: ") + nccl().GetErrorString(r));
+    nccl().CommAbort(comm_);
+    broken_ = op + " failed";
+    fail(msg);
+  }
+
+  [[noreturn]] void time_out(const std::string& op, const std::vector<int>& peers) {
+    std::string msg = detail::comm_error_message(
+        *this, op, peers, "timeout after " + std::to_string(timeout_s()) + " s");
+    nccl().CommAbort(comm_);
+    broken_ = op + " timed out";
+    fail(msg);
+  }
+
+  [[noreturn]] void fail(const std::string& msg) const { detail::comm_fail(*this, msg); }
+
+  ncclComm_t comm_;
+  int rank_, size_, device_;
+  std::vector<int> world_ranks_;
+  CommOptions opt_;
+  std::string broken_;
+};
+
+}  // namespace
+
+bool nccl_available() { return true; }
+
+std::shared_ptr<Communicator> make_nccl_communicator(MPI_Comm comm, int device, CommOptions opt) {
+  // NVLink multicast (NVLS) can take a host's GPUs out of service on the machines we run on; keep
+  // it off unless the user asks for it explicitly.
+  setenv("NCCL_NVLS_ENABLE", "0", /*overwrite=*/0);
+  int devices = 0;
+  if (cudaGetDeviceCount(&devices) != cudaSuccess) {
+    cudaGetLastError();
+    devices = 0;
+  }
+  TORCH_CHECK(device >= 0 && device < devices, "communicator '", opt.name,
+              "': the NCCL backend needs ", "CUDA device ", device,
+              " (one GPU a rank, by local rank) but this process sees ", devices,
+              " CUDA device(s); start at most as many ranks a host as it has GPUs");
+  CommOptions bo = opt;
+  bo.name = opt.name + " (NCCL bootstrap over MPI)";
+  auto boot = make_mpi_communicator(comm, bo);
+  ncclUniqueId id;
+  Tensor idt = at::zeros({static_cast<int64_t>(sizeof(id))}, at::kByte);
+  if (boot->rank() == 0) {
+    ncclResult_t r = nccl().GetUniqueId(&id);
+    TORCH_CHECK(r == ncclSuccess, "ncclGetUniqueId failed: ", nccl().GetErrorString(r));
+    std::memcpy(idt.data_ptr(), &id, sizeof(id));
+  }
+  {
+    CommContext ctx("broadcasting the NCCL id of communicator '" + opt.name + "'");
+    boot->broadcast(idt, 0);
+  }
+  std::memcpy(&id, idt.data_ptr(), sizeof(id));
+  std::vector<int> world_ranks;
+  for (int i = 0; i < boot->size(); ++i) world_ranks.push_back(boot->world_rank_of(i));
+
+  c10::cuda::CUDAGuard guard(device);
+  ncclConfig_t cfg = NCCL_CONFIG_INITIALIZER;
+  cfg.blocking = 0;
+  ncclComm_t c = nullptr;
+  ncclResult_t r = nccl().CommInitRankConfig(&c, boot->size(), id, boot->rank(), &cfg);
+  TORCH_CHECK(r == ncclSuccess || r == ncclInProgress,
+              "ncclCommInitRankConfig failed for communicator '", opt.name,
+              "': ", nccl().GetErrorString(r));
+  double timeout = opt.timeout_s > 0 ? opt.timeout_s : default_comm_timeout_s();
+  auto start = std::chrono::steady_clock::now();
+  ncclResult_t st = ncclInProgress;
+  while (nccl().CommGetAsyncError(c, &st) == ncclSuccess && st == ncclInProgress) {
+    if (std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count() > timeout) {
+      nccl().CommAbort(c);
+      detail::comm_fail(*boot, detail::comm_error_message(*boot, "NCCL communicator initialization",
+                                                          {}, "timeout"));
+    }
+    std::this_thread::sleep_for(std::chrono::microseconds(100));
+  }
+  if (st != ncclSuccess) {
+    nccl().CommAbort(c);
+    detail::comm_fail(
+        *boot, detail::comm_error_message(*boot, "NCCL communicator initialization", {},
+                                          std::string("NCCL error: ") + nccl().GetErrorString(st)));
+  }
+  return std::make_shared<NcclCommunicator>(c, boot->rank(), boot->size(), device,
+                                            std::move(world_ranks), std::move(opt));
+}
+
+}  // namespace carry::parallel
+
+#else  // no CUDA or no nccl.h
+
+namespace carry::parallel {
+
+bool nccl_available() { return false; }
+
+std::shared_ptr<Communicator> make_nccl_communicator(MPI_Comm, int, CommOptions opt) {
+  TORCH_CHECK(
+      false, "communicator '", opt.name,
+      "': the NCCL backend is not in this build of carry (it needs CUDA and nccl.h at build "
+      "time); use the MPI backend");
+}
+
+}  // namespace carry::parallel
+
+#endif

@@ -1,0 +1,159 @@
+// Process groups: the MPI bootstrap, the dp × sp grid of ranks, and the Communicator interface with
+// its backends (MPI for CPU tensors here; NCCL for CUDA tensors in nccl_backend.cpp, built when
+// CUDA and nccl.h are present).
+//
+// The one rule every backend keeps: no rank waits forever. Every blocking operation is a
+// nonblocking call polled against a timeout (CommOptions::timeout_s, default from
+// CARRY_COMM_TIMEOUT_S or 300 s); on timeout the error names the operation, this rank and the peer
+// ranks, and then either the whole job stops (MPI_Abort, the default, so no other rank hangs
+// either) or, for tests and callers that recover, a CommError is thrown and the communicator
+// refuses further work.
+//
+// Grid: world = dp × sp ranks; an sp group is `sp` consecutive ranks (same host first), so
+// sp_rank = world_rank % sp and dp_rank = world_rank / sp; a dp group joins the ranks with the same
+// sp_rank.
+#pragma once
+
+#include <ATen/ATen.h>
+#include <mpi.h>
+
+#include <memory>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+namespace carry::parallel {
+
+using at::Tensor;
+
+// ---- MPI bootstrap ----
+
+// Initializes MPI (MPI_Init_thread asking for MPI_THREAD_MULTIPLE, at least MPI_THREAD_SERIALIZED
+// required, since autograd may run a backward on another thread) unless it already is. Idempotent.
+void init_mpi(int* argc = nullptr, char*** argv = nullptr);
+// MPI_Finalize if we initialized MPI and nobody finalized it yet.
+void finalize_mpi();
+
+struct WorldInfo {
+  int rank = 0, size = 1;              // in MPI_COMM_WORLD
+  int local_rank = 0, local_size = 1;  // among the ranks on this host (MPI_COMM_TYPE_SHARED)
+  std::string host;
+};
+// Calls init_mpi() first; computed once.
+const WorldInfo& world_info();
+
+// ---- Communicators ----
+
+// The default timeout: CARRY_COMM_TIMEOUT_S if set (seconds, > 0), else 300.
+double default_comm_timeout_s();
+
+struct CommOptions {
+  double timeout_s = -1;  // <= 0: default_comm_timeout_s()
+  // On timeout: abort the whole job (default) or throw CommError (tests, callers that recover).
+  enum class OnTimeout { abort, throw_error } on_timeout = OnTimeout::abort;
+  std::string name = "world";  // shown in error messages: "world", "sp", "dp", ...
+};
+
+// A communication failure: a timeout, or any operation on a communicator that already timed out.
+class CommError : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+
+// While alive, adds a line of context ("ordered scan forward of gla: S_in from the previous rank")
+// to every communication error raised on this thread.
+class CommContext {
+ public:
+  explicit CommContext(std::string what);
+  ~CommContext();
+  CommContext(const CommContext&) = delete;
+  CommContext& operator=(const CommContext&) = delete;
+};
+
+// Ranks are ranks of this communicator (0..size-1). Tensors may live on any device: a backend
+// stages them through its own device when needed (MPI: host memory; NCCL: its GPU). Every call is
+// blocking (returns when the data has arrived or left this rank's buffers) and collective calls
+// must be made by every rank of the communicator in the same order.
+class Communicator {
+ public:
+  virtual ~Communicator() = default;
+  virtual int rank() const = 0;
+  virtual int size() const = 0;
+  virtual int world_rank_of(int rank) const = 0;
+  virtual std::string backend() const = 0;  // "mpi", "nccl"
+  virtual at::Device device() const = 0;    // where tensors travel without staging
+  virtual const CommOptions& options() const = 0;
+
+  // Point to point. `recv` fills `t` (its shape and dtype say what is expected).
+  virtual void send(const Tensor& t, int dst, int tag = 0) = 0;
+  virtual void recv(Tensor& t, int src, int tag = 0) = 0;
+  // Sends `out` to `dst` while receiving `in` from `src` (either may be -1: none), so that shifts
+  // and rings cannot deadlock.
+  virtual void send_recv(const Tensor& out, int dst, Tensor& in, int src, int tag = 0) = 0;
+  // Collectives. all_gather returns size() tensors shaped like `t`, entry i from rank i.
+  virtual std::vector<Tensor> all_gather(const Tensor& t) = 0;
+  virtual void all_reduce_sum(Tensor& t) = 0;
+  virtual void broadcast(Tensor& t, int root) = 0;
+  virtual void barrier() = 0;
+};
+
+// A communicator over a duplicate of `comm` (MPI_Comm_idup, so it never shares message matching
+// with other users of `comm`). Collective over `comm`.
+std::shared_ptr<Communicator> make_mpi_communicator(MPI_Comm comm, CommOptions opt = {});
+// An NCCL communicator over the ranks of `comm` on CUDA device `device` (one GPU a rank): rank 0
+// creates the NCCL id and broadcasts it over MPI. Throws on builds without CUDA or nccl.h.
+std::shared_ptr<Communicator> make_nccl_communicator(MPI_Comm comm, int device,
+                                                     CommOptions opt = {});
+bool nccl_available();  // compiled in (says nothing about GPUs being present)
+
+// ---- Lists of tensors as single messages ----
+
+// Known layout: the receiver passes tensors of the right shapes and dtypes (e.g. a zero_state) and
+// gets freshly received tensors of the same layout. Undefined entries are skipped on both sides.
+void send_tensors(Communicator& comm, const std::vector<Tensor>& ts, int dst, int tag = 0);
+std::vector<Tensor> recv_tensors(Communicator& comm, const std::vector<Tensor>& like, int src,
+                                 int tag = 0);
+// Self-describing: the number of tensors, their dtypes and shapes travel first (undefined entries
+// stay undefined), so the receiver needs no template.
+void send_packed(Communicator& comm, const std::vector<Tensor>& ts, int dst, int tag = 0);
+std::vector<Tensor> recv_packed(Communicator& comm, int src, const at::TensorOptions& device_of,
+                                int tag = 0);
+// Both at once (send_recv): sends `ts` to `dst`, returns the list from `src` (either may be -1).
+std::vector<Tensor> exchange_packed(Communicator& comm, const std::vector<Tensor>& ts, int dst,
+                                    int src, const at::TensorOptions& device_of, int tag = 0);
+// Every rank's list, entry i from rank i; lists may differ in layout between ranks. Received
+// tensors are placed on the device of `device_of`.
+std::vector<std::vector<Tensor>> all_gather_packed(Communicator& comm,
+                                                   const std::vector<Tensor>& ts,
+                                                   const at::TensorOptions& device_of);
+
+// ---- The dp × sp grid ----
+
+enum class Backend { mpi, nccl };
+
+struct ParallelLayout {
+  int dp = 1;  // data-parallel replicas
+  int sp = 1;  // ranks sharing one sequence
+};
+
+struct ProcessGroups {
+  WorldInfo world_info;
+  ParallelLayout layout;
+  int dp_rank = 0, sp_rank = 0;
+  std::shared_ptr<Communicator> world, sp, dp;
+};
+
+// Checks dp·sp == world size (the same clear error on every rank otherwise), then builds the world,
+// sp and dp communicators. For Backend::nccl, every rank uses CUDA device local_rank.
+ProcessGroups make_process_groups(ParallelLayout layout, Backend backend = Backend::mpi,
+                                  CommOptions opt = {});
+
+namespace detail {
+// The message of a communication error: the operation, this rank, the peers, the context lines.
+std::string comm_error_message(const Communicator& comm, const std::string& op,
+                               const std::vector<int>& peers, const std::string& why);
+// Handles a failure as the communicator's options say: print and MPI_Abort, or throw CommError.
+[[noreturn]] void comm_fail(const Communicator& comm, const std::string& message);
+}  // namespace detail
+
+}  // namespace carry::parallel

@@ -1,0 +1,563 @@
+// The sequence-parallel state scan over the ranks of an sp communicator, forward and backward, for
+// any mixer with a state summary (see state_scan.h for the math). The local work of each rank is
+// the family's chunkwise form on its slice with autograd; this file adds only what crosses ranks:
+// states and summaries going right in the forward, state gradients and transposed transports going
+// left in the backward. The backward is a custom autograd node holding the rank's local graph.
+#include "parallel/state_scan.h"
+
+#include <torch/csrc/autograd/autograd.h>
+#include <torch/csrc/autograd/function.h>
+#include <torch/csrc/autograd/functions/utils.h>
+
+#include <optional>
+#include <sstream>
+
+namespace carry::parallel {
+
+using torch::autograd::variable_list;
+
+namespace {
+
+const char* const kInputNames[] = {"q", "k", "v", "g", "gk", "beta", "l"};
+
+// Message tags: distinct per direction and scan round, so a mismatch shows in error messages.
+constexpr int kTagStateForward = 1;
+constexpr int kTagStateBackward = 2;
+constexpr int kTagTreeForward = 100;   // + round
+constexpr int kTagTreeBackward = 200;  // + round
+
+std::string join(const std::vector<int64_t>& v) {
+  std::ostringstream s;
+  s << "[";
+  for (size_t i = 0; i < v.size(); ++i) s << (i ? ", " : "") << v[i];
+  s << "]";
+  return s.str();
+}
+
+std::vector<Tensor> detached(const std::vector<Tensor>& ts) {
+  std::vector<Tensor> out;
+  for (auto& t : ts) out.push_back(t.defined() ? t.detach() : t);
+  return out;
+}
+
+Summary detached(const Summary& s) { return {detached(s.transport), detached(s.state)}; }
+
+// ---- layout agreement: every rank learns every rank's slice layout and check() verdict ----
+
+// Per rank: [check ok, T, wants grad, then per input name: defined, dtype, dim, sizes without T
+// (dims 0, 2, 3)].
+constexpr int64_t kFieldsPerInput = 6;
+constexpr int64_t kHeadFields = 3;
+
+std::string describe_layout(const int64_t* rec) {
+  std::ostringstream s;
+  bool first = true;
+  for (int i = 0; i < 7; ++i) {
+    const int64_t* f = rec + kHeadFields + i * kFieldsPerInput;
+    if (!f[0]) continue;
+    s << (first ? "" : ", ") << "'" << kInputNames[i] << "' [" << f[3] << ", *";
+    for (int d = 2; d < f[2]; ++d) s << ", " << f[2 + d];
+    s << "] " << static_cast<at::ScalarType>(f[1]);
+    first = false;
+  }
+  return s.str();
+}
+
+struct Agreement {
+  int64_t T = 0;            // every rank's slice length
+  bool wants_grad = false;  // some rank differentiates (the backward is collective)
+};
+
+// Throws the same message on every rank for layout errors.
+Agreement agree_layout(const Mixer& m, Communicator& sp, const MixerInputs& in, const State& init,
+                       const MixerOptions& opt, const std::string& what) {
+  const int P = sp.size(), r = sp.rank();
+  const int64_t C = opt.chunk_size;
+  TORCH_CHECK(C > 0, what, ": chunk_size must be positive, got ", C);
+  std::vector<int64_t> rec(kHeadFields + 7 * kFieldsPerInput, 0);
+  int64_t T = -1;
+  bool wants_grad = false;
+  if (at::GradMode::is_enabled())
+    for (auto& t : init) wants_grad = wants_grad || (t.defined() && t.requires_grad());
+  for (int i = 0; i < 7; ++i) {
+    const Tensor& t = in.get(kInputNames[i]);
+    int64_t* f = rec.data() + kHeadFields + i * kFieldsPerInput;
+    if (!t.defined()) continue;
+    wants_grad = wants_grad || (at::GradMode::is_enabled() && t.requires_grad());
+    f[0] = 1;
+    f[1] = static_cast<int64_t>(t.scalar_type());
+    f[2] = t.dim();
+    for (int d = 0; d < std::min<int64_t>(t.dim(), 4); ++d)
+      if (d != 1) f[3 + (d == 0 ? 0 : d - 1)] = t.size(d);
+    if (T < 0 && t.dim() >= 2) T = t.size(1);
+  }
+  rec[1] = T;
+  rec[2] = wants_grad;
+  std::string local_error;
+  if (T > 0 && T % C == 0) {
+    MixerOptions lopt = opt;
+    lopt.offset = opt.offset + r * T;
+    try {
+      m.check(in, lopt, /*chunked=*/true);
+    } catch (const c10::Error& e) {
+      local_error = e.what_without_backtrace();
+    }
+  }
+  rec[0] = local_error.empty();
+  std::vector<Tensor> all;
+  {
+    CommContext ctx(what + ": agreeing on the slice layout");
+    all = sp.all_gather(at::tensor(rec, at::kLong));
+  }
+  std::vector<std::vector<int64_t>> recs;
+  for (auto& t : all) {
+    auto c = t.contiguous();
+    recs.emplace_back(c.data_ptr<int64_t>(), c.data_ptr<int64_t>() + c.numel());
+  }
+  // 1. Lengths: equal, whole chunks.
+  std::vector<int64_t> lengths;
+  bool ok = true;
+  for (auto& x : recs) {
+    lengths.push_back(x[1]);
+    ok = ok && x[1] > 0 && x[1] == recs[0][1] && x[1] % C == 0;
+  }
+  int64_t total = 0;
+  for (auto l : lengths) total += std::max<int64_t>(l, 0);
+  TORCH_CHECK(
+      ok, what, ": every rank's slice must have the same length, a multiple of chunk_size=", C,
+      " (the sequence length T must be a multiple of sp·chunk_size = ", P, "·", C, " = ", P * C,
+      "); got slice lengths ", join(lengths), " over sp=", P, " ranks (T=", total, ")");
+  // 2. Shapes (except T) and dtypes: equal.
+  for (int i = 1; i < P; ++i) {
+    bool same =
+        std::equal(recs[i].begin() + kHeadFields, recs[i].end(), recs[0].begin() + kHeadFields);
+    TORCH_CHECK(
+        same, what, ": the ranks' slices differ in inputs, shapes or dtypes: sp rank 0 has ",
+        describe_layout(recs[0].data()), "; sp rank ", i, " has ", describe_layout(recs[i].data()));
+  }
+  // 3. Every rank's check() passed.
+  std::vector<int64_t> refused;
+  for (int i = 0; i < P; ++i)
+    if (!recs[i][0]) refused.push_back(i);
+  if (!refused.empty()) {
+    if (!local_error.empty())
+      TORCH_CHECK(false, what, ": sp rank ", r, " refused its slice: ", local_error);
+    TORCH_CHECK(false, what, ": sp rank(s) ", join(refused),
+                " refused their slices (their error says why); this rank's slice was accepted");
+  }
+  Agreement a;
+  a.T = recs[0][1];
+  for (auto& x : recs) a.wants_grad = a.wants_grad || x[2];
+  return a;
+}
+
+// ---- summaries and states as messages ----
+
+// A summary as one list: transport..., (undefined), state....
+std::vector<Tensor> flatten(const Summary& s) {
+  std::vector<Tensor> out = s.transport;
+  out.emplace_back();
+  for (auto& t : s.state) {
+    TORCH_INTERNAL_ASSERT(t.defined(), "a summary's state has an undefined entry");
+    out.push_back(t);
+  }
+  for (auto& t : s.transport)
+    TORCH_INTERNAL_ASSERT(t.defined(), "a transport has an undefined entry");
+  return out;
+}
+
+// Splits at undefined entries.
+std::vector<std::vector<Tensor>> split_at_undefined(const std::vector<Tensor>& ts) {
+  std::vector<std::vector<Tensor>> parts(1);
+  for (auto& t : ts) {
+    if (t.defined())
+      parts.back().push_back(t);
+    else
+      parts.emplace_back();
+  }
+  return parts;
+}
+
+Summary unflatten_summary(const std::vector<Tensor>& ts) {
+  auto parts = split_at_undefined(ts);
+  TORCH_INTERNAL_ASSERT(parts.size() == 2, "malformed summary message");
+  return {parts[0], parts[1]};
+}
+
+// The backward scan's element: the map x ↦ c + Mᵀx (M a forward summary over a range of ranks, c
+// the gradient at the range's incoming state).
+struct Adjoint {
+  Summary M;
+  State c;
+};
+
+std::vector<Tensor> flatten(const Adjoint& a) {
+  auto out = flatten(a.M);
+  out.emplace_back();
+  for (auto& t : a.c) out.push_back(t);
+  return out;
+}
+
+Adjoint unflatten_adjoint(const std::vector<Tensor>& ts) {
+  auto parts = split_at_undefined(ts);
+  TORCH_INTERNAL_ASSERT(parts.size() == 3, "malformed adjoint message");
+  return {{parts[0], parts[1]}, parts[2]};
+}
+
+State zeros_like_state(const State& s) {
+  State z;
+  for (auto& t : s) z.push_back(at::zeros_like(t));
+  return z;
+}
+
+// Elementwise a + b; undefined entries count as zero.
+State add(const State& a, const State& b) {
+  if (a.empty()) return b;
+  if (b.empty()) return a;
+  TORCH_INTERNAL_ASSERT(a.size() == b.size());
+  State out;
+  for (size_t i = 0; i < a.size(); ++i)
+    out.push_back(!a[i].defined() ? b[i] : !b[i].defined() ? a[i] : a[i] + b[i]);
+  return out;
+}
+
+// Aᵀ·c for the transport of `M`: the vector-Jacobian product of S ↦ apply(M, S) with cotangent `c`.
+// `like` gives the layout of the state M acts on (it equals the layout of the gradient there).
+State apply_transposed(const Mixer& m, const Summary& M, const State& c, const State& like) {
+  at::AutoGradMode grad_on(true);
+  State S;
+  for (auto& t : like) S.push_back(at::zeros_like(t).requires_grad_(true));
+  State y = m.apply(detached(M), S);
+  TORCH_INTERNAL_ASSERT(y.size() == c.size(), m.name(), ": apply returned ", y.size(),
+                        " state entries, the gradient has ", c.size());
+  variable_list outs, cots;
+  for (size_t i = 0; i < y.size(); ++i)
+    if (y[i].defined() && y[i].requires_grad() && c[i].defined()) {
+      outs.push_back(y[i]);
+      cots.push_back(c[i]);
+    }
+  if (outs.empty()) return zeros_like_state(like);
+  auto g = torch::autograd::grad(outs, S, cots, /*retain_graph=*/false, /*create_graph=*/false,
+                                 /*allow_unused=*/true);
+  for (size_t i = 0; i < g.size(); ++i)
+    if (!g[i].defined()) g[i] = at::zeros_like(like[i]);
+  return g;
+}
+
+// a then b (a covers the ranks just left of b's): x ↦ c_a + M_aᵀ(c_b + M_bᵀx).
+Adjoint combine(const Mixer& m, const Adjoint& a, const Adjoint& b, bool need_transport) {
+  Adjoint out;
+  out.c = add(a.c, apply_transposed(m, a.M, b.c, a.c));
+  if (need_transport) out.M = m.compose(a.M, b.M);
+  return out;
+}
+
+// ---- the autograd node ----
+
+struct ScanContext {
+  const Mixer* mixer = nullptr;
+  Communicator* sp = nullptr;
+  ScanMode mode = ScanMode::ordered;
+  MixerOptions opt;  // this rank's (offset of the slice)
+  std::string what;
+  int r = 0, P = 1;
+  std::vector<Tensor> leaves;  // the defined inputs, kInputNames order, detached
+  State s_in;                  // leaves requiring grad
+  Tensor o;                    // local graph outputs
+  State s_out;
+  size_t n_init = 0;  // initial-state entries among the node's inputs (rank 0)
+  Summary summary;    // tree / allgather: this rank's summary (rank 0: initial state folded)
+  std::vector<Summary> all_summaries;  // allgather: every rank's
+};
+
+// Gradients of the local graph with cotangents (d_o, d_s_out) for `inputs`; zeros for unused ones.
+variable_list local_vjp(const ScanContext& c, const Tensor& d_o, const State& d_s_out,
+                        const variable_list& inputs, bool retain) {
+  variable_list outs, cots;
+  if (d_o.defined() && c.o.requires_grad()) {
+    outs.push_back(c.o);
+    cots.push_back(d_o);
+  }
+  for (size_t i = 0; i < c.s_out.size(); ++i)
+    if (i < d_s_out.size() && d_s_out[i].defined() && c.s_out[i].requires_grad()) {
+      outs.push_back(c.s_out[i]);
+      cots.push_back(d_s_out[i]);
+    }
+  variable_list wanted;
+  std::vector<size_t> where;
+  for (size_t i = 0; i < inputs.size(); ++i)
+    if (inputs[i].requires_grad()) {
+      wanted.push_back(inputs[i]);
+      where.push_back(i);
+    }
+  variable_list res(inputs.size());
+  if (!outs.empty() && !wanted.empty()) {
+    auto g = torch::autograd::grad(outs, wanted, cots, retain, /*create_graph=*/false,
+                                   /*allow_unused=*/true);
+    for (size_t j = 0; j < g.size(); ++j) res[where[j]] = g[j];
+  }
+  for (size_t i = 0; i < inputs.size(); ++i)
+    if (!res[i].defined()) res[i] = at::zeros_like(inputs[i]);
+  return res;
+}
+
+// Λ_{r+1} by the mirrored Hillis-Steele scan: round d sends this rank's inclusive adjoint (covering
+// ranks r..r+d-1) to r-d and receives r+d's; E accumulates ranks r+1.. .
+State reverse_tree_scan(const ScanContext& c, const State& g) {
+  const Mixer& m = *c.mixer;
+  Adjoint X{c.summary, g};
+  std::optional<Adjoint> E;
+  auto dev = at::TensorOptions().device(g.empty() ? at::Device(at::kCPU) : g[0].device());
+  int round = 0;
+  for (int d = 1; d < c.P; d *= 2, ++round) {
+    int dst = c.r - d >= 0 ? c.r - d : -1, src = c.r + d < c.P ? c.r + d : -1;
+    std::vector<Tensor> got;
+    {
+      CommContext ctx(c.what + ": tree scan backward, round " + std::to_string(round));
+      got = exchange_packed(*c.sp, dst >= 0 ? flatten(X) : std::vector<Tensor>{}, dst, src, dev,
+                            kTagTreeBackward + round);
+    }
+    if (src < 0) continue;
+    Adjoint Y = unflatten_adjoint(got);
+    bool more = c.r + 2 * d < c.P;  // a later round will receive again
+    E = E ? combine(m, *E, Y, more) : Y;
+    if (c.r - 2 * d >= 0) X = combine(m, X, Y, true);  // a later round will send X
+  }
+  return E ? E->c : State{};
+}
+
+// Λ_{r+1} from every rank's (summary, g): fold from the right.
+State reverse_allgather(const ScanContext& c, const State& g) {
+  const Mixer& m = *c.mixer;
+  auto dev = at::TensorOptions().device(g.empty() ? at::Device(at::kCPU) : g[0].device());
+  std::vector<std::vector<Tensor>> all;
+  {
+    CommContext ctx(c.what + ": allgather backward");
+    all = all_gather_packed(*c.sp, g, dev);
+  }
+  State lambda;
+  for (int j = c.P - 1; j > c.r; --j) {
+    const State& gj = all[j];
+    lambda = lambda.empty() ? gj : add(gj, apply_transposed(m, c.all_summaries[j], lambda, gj));
+  }
+  return lambda;
+}
+
+class ScanBackward final : public torch::autograd::Node {
+ public:
+  explicit ScanBackward(std::shared_ptr<ScanContext> ctx) : ctx_(std::move(ctx)) {}
+  std::string name() const override { return "carry::parallel::ScanBackward"; }
+  void release_variables() override { ctx_.reset(); }
+
+  // grads: d(o), then d(final state entries). Returns the gradients of the node's inputs: the
+  // defined mixer inputs, then (rank 0) the initial-state entries.
+  variable_list apply(variable_list&& grads) override {
+    TORCH_CHECK(ctx_,
+                "sequence-parallel scan: backward called twice (the local graph is freed after "
+                "the first; retain_graph is not supported)");
+    at::NoGradGuard no_grad;  // what we build here is not differentiated again
+    auto c = std::move(ctx_);
+    const int r = c->r, P = c->P;
+    Tensor d_o = grads.at(0);
+    State direct(grads.begin() + 1, grads.end());
+
+    // Λ_{r+1}: the gradient at the state leaving this rank, from the ranks after it.
+    State lambda_next;
+    if (c->mode == ScanMode::ordered) {
+      if (r < P - 1) {
+        CommContext ctx(c->what + ": ordered backward, state gradient from the next rank");
+        lambda_next = recv_tensors(*c->sp, zeros_like_state(c->s_out), r + 1, kTagStateBackward);
+      }
+    } else {
+      // g_r: the gradient at S_in of this rank's own outputs and direct final-state gradient.
+      State g = local_vjp(*c, d_o, direct, c->s_in, /*retain=*/true);
+      lambda_next = c->mode == ScanMode::tree ? reverse_tree_scan(*c, g) : reverse_allgather(*c, g);
+    }
+    State d_s_out = add(direct, lambda_next);
+
+    variable_list inputs = c->leaves;
+    inputs.insert(inputs.end(), c->s_in.begin(), c->s_in.end());
+    auto g = local_vjp(*c, d_o, d_s_out, inputs, /*retain=*/false);
+    State d_s_in(g.end() - c->s_in.size(), g.end());
+    if (c->mode == ScanMode::ordered && r > 0) {
+      CommContext ctx(c->what + ": ordered backward, state gradient to the previous rank");
+      send_tensors(*c->sp, d_s_in, r - 1, kTagStateBackward);
+    }
+    variable_list out;
+    for (size_t i = 0; i < c->leaves.size(); ++i)
+      out.push_back(c->leaves[i].requires_grad() ? g[i] : Tensor());
+    for (size_t i = 0; i < c->n_init; ++i) out.push_back(d_s_in[i]);
+    return out;
+  }
+
+ private:
+  std::shared_ptr<ScanContext> ctx_;
+};
+
+}  // namespace
+
+ScanMode parse_scan_mode(const std::string& name) {
+  if (name == "ordered") return ScanMode::ordered;
+  if (name == "tree") return ScanMode::tree;
+  if (name == "allgather") return ScanMode::allgather;
+  TORCH_CHECK(false, "unknown sequence-parallel scan mode '", name,
+              "'; modes are ordered, tree, allgather");
+}
+
+std::string scan_mode_name(ScanMode mode) {
+  switch (mode) {
+    case ScanMode::ordered:
+      return "ordered";
+    case ScanMode::tree:
+      return "tree";
+    case ScanMode::allgather:
+      return "allgather";
+  }
+  return "?";
+}
+
+MixerInputs sp_slice(const MixerInputs& whole, int sp_rank, int sp_size, int64_t chunk_size) {
+  TORCH_CHECK(sp_size >= 1 && sp_rank >= 0 && sp_rank < sp_size, "sp_slice: rank ", sp_rank,
+              " is not in 0..", sp_size - 1);
+  TORCH_CHECK(chunk_size > 0, "sp_slice: chunk_size must be positive, got ", chunk_size);
+  int64_t T = -1;
+  for (const char* n : kInputNames)
+    if (whole.get(n).defined() && whole.get(n).dim() >= 2) {
+      T = whole.get(n).size(1);
+      break;
+    }
+  TORCH_CHECK(T > 0, "sp_slice: no input with a sequence dimension");
+  TORCH_CHECK(T % (sp_size * chunk_size) == 0, "sequence parallelism: the sequence length T=", T,
+              " must be a multiple of sp·chunk_size = ", sp_size, "·", chunk_size, " = ",
+              sp_size * chunk_size, " (every rank gets T/sp tokens, a whole number of chunks)");
+  int64_t len = T / sp_size;
+  return whole.slice(sp_rank * len, len);
+}
+
+MixerOutput sp_mixer_forward(const Mixer& mixer, Communicator& sp, const MixerInputs& in,
+                             const State& initial_state, const MixerOptions& opt, ScanMode mode) {
+  const int r = sp.rank(), P = sp.size();
+  // Rank-independent, so that layout errors read the same on every rank.
+  std::string what = "sequence-parallel " + scan_mode_name(mode) + " scan of " + mixer.name() +
+                     " over sp=" + std::to_string(P) + " ranks";
+  TORCH_CHECK(mixer.has_summary(), what,
+              ": the family has no recurrent state to pass between ranks");
+  State init = r == 0 ? initial_state : State{};
+  for (auto& t : init) TORCH_CHECK(t.defined(), what, ": initial_state has an undefined entry");
+  const Agreement agreed = agree_layout(mixer, sp, in, init, opt, what);
+  const int64_t T = agreed.T;
+  const bool wants_grad = agreed.wants_grad;
+  MixerOptions lopt = opt;
+  lopt.offset = opt.offset + r * T;
+
+  std::vector<Tensor> xs;
+  for (const char* n : kInputNames)
+    if (in.get(n).defined()) xs.push_back(in.get(n));
+
+  State zero = mixer.zero_state(in, lopt);
+  auto c = std::make_shared<ScanContext>();
+  c->mixer = &mixer;
+  c->sp = &sp;
+  c->mode = mode;
+  c->opt = lopt;
+  c->what = what;
+  c->r = r;
+  c->P = P;
+
+  // S_in, outside autograd (its gradient is routed by our backward).
+  State s_in;
+  {
+    at::NoGradGuard no_grad;
+    MixerInputs det;
+    for (const char* n : kInputNames)
+      if (in.get(n).defined()) det.get(n) = in.get(n).detach();
+    State init_det = init.empty() ? zero : detached(init);
+    if (mode == ScanMode::ordered) {
+      if (r > 0) {
+        CommContext ctx(what + ": ordered forward, state from the previous rank");
+        s_in = recv_tensors(sp, zero, r - 1, kTagStateForward);
+      } else {
+        s_in = init_det;
+      }
+    } else {
+      Summary mine = mixer.summarize(det, lopt);
+      if (r == 0 && !init.empty()) mine.state = mixer.apply(mine, init_det);  // fold S_init in
+      mine = detached(mine);
+      auto dev = at::TensorOptions().device(zero.empty() ? at::Device(at::kCPU) : zero[0].device());
+      std::optional<Summary> prefix;  // ranks 0..r-1
+      if (mode == ScanMode::tree) {
+        // Exclusive Hillis-Steele scan: X covers ranks max(0, r-d+1)..r before round d.
+        Summary X = mine;
+        int round = 0;
+        for (int d = 1; d < P; d *= 2, ++round) {
+          int dst = r + d < P ? r + d : -1, src = r - d >= 0 ? r - d : -1;
+          std::vector<Tensor> got;
+          {
+            CommContext ctx(what + ": tree scan forward, round " + std::to_string(round));
+            got = exchange_packed(sp, dst >= 0 ? flatten(X) : std::vector<Tensor>{}, dst, src, dev,
+                                  kTagTreeForward + round);
+          }
+          if (src < 0) continue;
+          Summary Y = unflatten_summary(got);  // ranks max(0, r-2d+1)..r-d
+          prefix = prefix ? mixer.compose(Y, *prefix) : Y;
+          if (r + 2 * d < P) X = mixer.compose(Y, X);  // a later round sends X
+        }
+      } else {
+        std::vector<std::vector<Tensor>> all;
+        {
+          CommContext ctx(what + ": allgather forward");
+          all = all_gather_packed(sp, flatten(mine), dev);
+        }
+        for (auto& a : all) c->all_summaries.push_back(unflatten_summary(a));
+        for (int j = 0; j < r; ++j)
+          prefix = prefix ? mixer.compose(*prefix, c->all_summaries[j]) : c->all_summaries[j];
+      }
+      // S_in of rank r is the state part of the prefix (the zero state before rank 0, S_init
+      // folded).
+      s_in = r == 0 ? init_det : detached(prefix->state);
+      c->summary = mine;
+    }
+  }
+
+  // The local forward: with autograd on leaves that stand for this rank's inputs and S_in.
+  MixerOutput out;
+  if (wants_grad) {
+    at::AutoGradMode grad_on(true);
+    MixerInputs leaf_in;
+    for (const char* n : kInputNames) {
+      const Tensor& t = in.get(n);
+      if (!t.defined()) continue;
+      leaf_in.get(n) = t.detach().requires_grad_(t.requires_grad());
+      c->leaves.push_back(leaf_in.get(n));
+    }
+    for (auto& t : s_in) c->s_in.push_back(t.detach().requires_grad_(true));
+    out = mixer.chunkwise(leaf_in, c->s_in, lopt);
+  } else {
+    at::NoGradGuard no_grad;
+    out = mixer.chunkwise(in, s_in, lopt);
+  }
+  if (mode == ScanMode::ordered && r < P - 1) {
+    CommContext ctx(what + ": ordered forward, state to the next rank");
+    send_tensors(sp, detached(out.final_state), r + 1, kTagStateForward);
+  }
+  if (!wants_grad) return out;
+
+  // Attach the node: outputs are detached aliases of the local graph's outputs.
+  c->o = out.o;
+  c->s_out = out.final_state;
+  c->n_init = init.size();
+  variable_list node_inputs = xs;
+  node_inputs.insert(node_inputs.end(), init.begin(), init.end());
+  auto node = std::shared_ptr<ScanBackward>(new ScanBackward(c), torch::autograd::deleteNode);
+  node->set_next_edges(torch::autograd::collect_next_edges(node_inputs));
+  MixerOutput res;
+  res.o = out.o.detach();
+  torch::autograd::set_history(res.o, node);
+  for (auto& t : out.final_state) {
+    res.final_state.push_back(t.detach());
+    torch::autograd::set_history(res.final_state.back(), node);
+  }
+  return res;
+}
+
+}  // namespace carry::parallel

@@ -1,0 +1,53 @@
+// Sequence parallelism for any mixer with a state summary (DESIGN.md §3). The sequence is cut into
+// P equal slices, one per rank of the sp communicator, each a whole number of chunks; rank r holds
+// tokens [r·T/P, (r+1)·T/P). The affine map of a slice, S_out = A_r·S_in + B_r (`summarize`), lets
+// the ranks find their incoming states S_in by a scan over ranks, and the chunkwise form then runs
+// on each slice with its S_in (MixerOptions::offset = the slice's absolute position).
+//
+// Forward modes:
+//   ordered   rank r receives S_in from r−1, runs its chunkwise form, sends S_out to r+1. The same
+//             chunk operations in the same order as one serial run: bit-identical to it.
+//   tree      every rank summarizes its slice (rank 0 folds the initial state in with apply); an
+//             exclusive Hillis-Steele scan over ranks with compose(first, second) gives S_in in
+//             ⌈log2 P⌉ rounds; then the local chunkwise form. Equal to serial up to rounding.
+//   allgather every rank gathers all summaries and folds those of the ranks before it.
+// Backward mirrors it right to left. With g_r the gradient at S_in of rank r's forward for its own
+// output cotangents (dS_out = its direct final-state gradient), and Λ_r the full gradient at S_in,
+//   Λ_r = g_r + A_rᵀ·Λ_{r+1},  Λ_P = 0,
+// and rank r's local backward with dS_out = (direct) + Λ_{r+1} gives every input gradient (and, on
+// rank 0, Λ_0 = the initial state's). ordered passes Λ along the chain; tree runs the mirrored
+// log-depth scan of the maps x ↦ g + Aᵀx; allgather gathers the g's. Aᵀ·x is the vector-Jacobian
+// product of apply(summary, S) in S (apply is affine in S), so no family needs transpose code.
+#pragma once
+
+#include "layers/mixer.h"
+#include "parallel/process_group.h"
+
+#include <string>
+
+namespace carry::parallel {
+
+enum class ScanMode { ordered, tree, allgather };
+ScanMode parse_scan_mode(const std::string& name);  // "ordered" | "tree" | "allgather"
+std::string scan_mode_name(ScanMode mode);
+
+// This rank's slice of a whole sequence: tokens [r·T/P, (r+1)·T/P) of every defined input. Checks
+// that T is a multiple of P·chunk_size (the same message on every rank).
+MixerInputs sp_slice(const MixerInputs& whole, int sp_rank, int sp_size, int64_t chunk_size);
+
+// The mixer over a sequence split across the ranks of `sp` (one call on every rank of it,
+// collective). `in`: this rank's slice (every rank the same length, a multiple of opt.chunk_size);
+// `opt` as for a serial run over the whole sequence (opt.offset = position of the sequence's first
+// token; rank r runs at opt.offset + r·T/P). `initial_state`: the state before the first token,
+// read on sp rank 0 only (other ranks' is ignored and gets no gradient); {} = zeros. Returns this
+// rank's outputs and the state at the end of its slice (on the last rank the sequence's final
+// state). Differentiable in every input and in rank 0's initial state when autograd is on: the
+// backward is collective too (every rank of `sp` must run it, and in the same order as the
+// forwards; `sp` and `mixer` must outlive it; it runs once: no retain_graph, no double backward).
+// The backward needs the local graph of the forward, kept until then. Layout errors (lengths, shapes, dtypes differ or are not whole chunks) are detected
+// together, so every rank throws the same message; an input refused by one rank's check() is
+// reported on all.
+MixerOutput sp_mixer_forward(const Mixer& mixer, Communicator& sp, const MixerInputs& in,
+                             const State& initial_state, const MixerOptions& opt, ScanMode mode);
+
+}  // namespace carry::parallel

@@ -1,0 +1,721 @@
+// Sequence parallelism over MPI ranks (CTest runs this binary under mpirun -np 1, 2 and 4; it has
+// its own main, and every rank agrees on the verdict). For every registered family with a state
+// summary, plus a dense-transport family defined here (so that transposes and the order of compose
+// are exercised before such families are registered), and for every scan mode: the outputs, the
+// final state and the gradients of every input and of the initial state, gathered over the sp
+// group, equal one serial chunkwise run (ordered: bit for bit; tree/allgather: 1e-12 in fp64, 1e-5
+// in fp32), also on a dp × sp grid. Also: the communicators' operations, the same clear error on
+// every rank for bad layouts, and a timeout that names the operation instead of hanging.
+#include "parallel/process_group.h"
+#include "parallel/state_scan.h"
+#include "tests/layers/mixer_testing.h"
+
+#include <gtest/gtest.h>
+#include <torch/csrc/autograd/autograd.h>
+#include <torch/cuda.h>
+
+#include <ATen/Parallel.h>
+
+#include <chrono>
+#include <cstdlib>
+#include <functional>
+#include <map>
+#include <thread>
+
+namespace carry::parallel {
+namespace {
+
+using carry::testing::random_inputs;
+using carry::testing::random_state;
+using carry::testing::rel_err;
+using carry::testing::Shape;
+
+// ---- a family with a dense transport, for these tests only (not registered) ----
+
+// Gated delta rule with a position-dependent key scale, so that a summary depends on the slice's
+// offset: k'_t = (1 + 0.05·((offset+t) mod 7))·k_t,
+//   S_t = γ_t (I − β_t k'_t k'_tᵀ) S_{t−1} + β_t k'_t v_tᵀ,  z_t = γ_t z_{t−1} + k'_t,
+//   o_t = s·S_tᵀ q_t + s·(q_t·z_t).
+// State (S [B,H,dk,dv], z [B,H,dk]); transport (A [B,H,dk,dk] = Π γ_t(I − β_t k'k'ᵀ), a [B,H] = Π
+// γ_t). Token recurrence inside each chunk, chunks in order: the chunkwise exactness rules hold
+// trivially.
+class DenseDeltaForTests final : public Mixer {
+ public:
+  std::string name() const override { return "test_dense_delta"; }
+  std::vector<std::string> input_names() const override { return {"q", "k", "v", "g", "beta"}; }
+  std::vector<std::string> state_names() const override { return {"S", "z"}; }
+  State zero_state(const MixerInputs& in, const MixerOptions&) const override {
+    int64_t B = in.q.size(0), H = in.q.size(2), dk = in.q.size(3), dv = in.v.size(3);
+    return {at::zeros({B, H, dk, dv}, in.q.options()), at::zeros({B, H, dk}, in.q.options())};
+  }
+  MixerOutput naive(const MixerInputs& in, const State& init,
+                    const MixerOptions& opt) const override {
+    check(in, opt, false);
+    return run(in, init, opt, in.q.size(1), nullptr);
+  }
+  MixerOutput chunkwise(const MixerInputs& in, const State& init,
+                        const MixerOptions& opt) const override {
+    check(in, opt, true);
+    return run(in, init, opt, opt.chunk_size, nullptr);
+  }
+  Summary summarize(const MixerInputs& in, const MixerOptions& opt) const override {
+    check(in, opt, true);
+    std::vector<Tensor> transport;
+    auto out = run(in, {}, opt, opt.chunk_size, &transport);
+    return {transport, out.final_state};
+  }
+  Summary compose(const Summary& a, const Summary& b) const override {
+    return {{at::matmul(b.transport[0], a.transport[0]), b.transport[1] * a.transport[1]},
+            {at::matmul(b.transport[0], a.state[0]) + b.state[0],
+             b.transport[1].unsqueeze(-1) * a.state[1] + b.state[1]}};
+  }
+  State apply(const Summary& s, const State& x) const override {
+    return {at::matmul(s.transport[0], x[0]) + s.state[0],
+            s.transport[1].unsqueeze(-1) * x[1] + s.state[1]};
+  }
+
+ private:
+  MixerOutput run(const MixerInputs& in, const State& init, const MixerOptions& opt, int64_t chunk,
+                  std::vector<Tensor>* transport) const {
+    int64_t B = in.q.size(0), T = in.q.size(1), H = in.q.size(2), dk = in.q.size(3);
+    State z0 = zero_state(in, opt);
+    Tensor S = init.empty() ? z0[0] : init[0], z = init.empty() ? z0[1] : init[1];
+    Tensor A, a;
+    if (transport) {
+      A = at::eye(dk, in.q.options()).expand({B, H, dk, dk});
+      a = at::ones({B, H}, in.q.options());
+    }
+    double scale = opt.scale_for(dk);
+    std::vector<Tensor> outs;
+    for (int64_t c0 = 0; c0 < T; c0 += chunk) {
+      for (int64_t t = c0; t < c0 + chunk; ++t) {
+        double f = 1 + 0.05 * ((opt.offset + t) % 7);
+        auto q = in.q.select(1, t) * scale, k = in.k.select(1, t) * f, v = in.v.select(1, t);
+        auto gamma = at::exp(in.g.select(1, t)), beta = in.beta.select(1, t);
+        auto kS = at::matmul(k.unsqueeze(-2), S);  // [B,H,1,dv]
+        S = gamma.unsqueeze(-1).unsqueeze(-1) * (S - (beta.unsqueeze(-1) * k).unsqueeze(-1) * kS) +
+            (beta.unsqueeze(-1) * k).unsqueeze(-1) * v.unsqueeze(-2);
+        z = gamma.unsqueeze(-1) * z + k;
+        outs.push_back(at::matmul(q.unsqueeze(-2), S).squeeze(-2) + (q * z).sum(-1, true));
+        if (transport) {
+          auto kk = k.unsqueeze(-1) * k.unsqueeze(-2);
+          A = gamma.unsqueeze(-1).unsqueeze(-1) *
+              (A - beta.unsqueeze(-1).unsqueeze(-1) * at::matmul(kk, A));
+          a = gamma * a;
+        }
+      }
+    }
+    if (transport) *transport = {A, a};
+    return {at::stack(outs, 1), {S, z}};
+  }
+};
+
+const Mixer& dense_delta_for_tests() {
+  static DenseDeltaForTests m;
+  return m;
+}
+
+std::vector<std::string> family_names() {
+  std::vector<std::string> names;
+  for (auto& n : mixer_names())
+    if (get_mixer(n).has_summary()) names.push_back(n);
+  names.push_back(dense_delta_for_tests().name());
+  return names;
+}
+
+const Mixer& family(const std::string& name) {
+  return name == dense_delta_for_tests().name() ? dense_delta_for_tests() : get_mixer(name);
+}
+
+// ---- helpers: process groups, agreement between ranks ----
+
+const char* const kInputNames[] = {"q", "k", "v", "g", "gk", "beta", "l"};
+
+std::map<std::pair<int, int>, ProcessGroups>& group_cache() {
+  static std::map<std::pair<int, int>, ProcessGroups> cache;
+  return cache;
+}
+
+std::map<std::pair<int, int>, ProcessGroups>& nccl_group_cache() {
+  static std::map<std::pair<int, int>, ProcessGroups> cache;
+  return cache;
+}
+
+// Collective on the world (every rank asks for the same layouts in the same order).
+ProcessGroups& groups(int dp, int sp) {
+  auto key = std::make_pair(dp, sp);
+  auto& cache = group_cache();
+  if (!cache.count(key)) {
+    CommOptions opt;
+    opt.on_timeout = CommOptions::OnTimeout::throw_error;
+    cache[key] = make_process_groups({dp, sp}, Backend::mpi, opt);
+  }
+  return cache.at(key);
+}
+
+// NCCL groups (one GPU a rank, device = local rank).
+ProcessGroups& nccl_groups(int dp, int sp) {
+  auto key = std::make_pair(dp, sp);
+  auto& cache = nccl_group_cache();
+  if (!cache.count(key)) {
+    CommOptions opt;
+    opt.on_timeout = CommOptions::OnTimeout::throw_error;
+    cache[key] = make_process_groups({dp, sp}, Backend::nccl, opt);
+  }
+  return cache.at(key);
+}
+
+// The same answer on every rank: NCCL built in and a CUDA device for each rank of this host.
+bool gpus_for_every_rank() {
+  bool ok = nccl_available() &&
+            torch::cuda::device_count() >= static_cast<size_t>(world_info().local_size);
+  double any_missing = 0, mine = ok ? 0 : 1;
+  MPI_Allreduce(&mine, &any_missing, 1, MPI_DOUBLE, MPI_MAX, MPI_COMM_WORLD);
+  return any_missing == 0;
+}
+
+MixerInputs to_device(const MixerInputs& in, at::Device device) {
+  MixerInputs out;
+  for (const char* n : kInputNames)
+    if (in.get(n).defined()) out.get(n) = in.get(n).to(device);
+  return out;
+}
+
+int world_size() { return world_info().size; }
+int world_rank() { return world_info().rank; }
+
+double max_over_world(double x) {
+  double y = 0;
+  MPI_Allreduce(&x, &y, 1, MPI_DOUBLE, MPI_MAX, MPI_COMM_WORLD);
+  return y;
+}
+
+bool all_ranks(bool ok) { return max_over_world(ok ? 0 : 1) == 0; }
+
+// The error message of `f`, or "" if it did not throw a c10::Error.
+std::string error_of(const std::function<void()>& f) {
+  try {
+    f();
+  } catch (const c10::Error& e) {
+    return e.what_without_backtrace();
+  }
+  return "";
+}
+
+// The message of a CommError thrown by `f`, or "".
+std::string error_of_comm(const std::function<void()>& f) {
+  try {
+    f();
+  } catch (const CommError& e) {
+    return e.what();
+  }
+  return "";
+}
+
+// Every rank threw, with `needle` in the message, and (when `same`) the very same message
+// everywhere.
+void expect_same_error_everywhere(const std::string& msg, const std::string& needle,
+                                  bool same = true) {
+  bool ok = !msg.empty() && msg.find(needle) != std::string::npos;
+  EXPECT_TRUE(ok) << "rank " << world_rank() << ": expected an error mentioning '" << needle
+                  << "', got: '" << msg << "'";
+  EXPECT_TRUE(all_ranks(ok)) << "some rank did not get the expected error";
+  if (same) {
+    int64_t h = static_cast<int64_t>(std::hash<std::string>{}(msg) >> 1), lo = 0, hi = 0;
+    MPI_Allreduce(&h, &lo, 1, MPI_INT64_T, MPI_MIN, MPI_COMM_WORLD);
+    MPI_Allreduce(&h, &hi, 1, MPI_INT64_T, MPI_MAX, MPI_COMM_WORLD);
+    EXPECT_EQ(lo, hi) << "the ranks' messages differ; rank " << world_rank() << " has: " << msg;
+  }
+  if (world_rank() == 0 && ok)
+    std::cout << "[ message  ] " << msg.substr(0, msg.find('\n')) << "\n";
+}
+
+// ---- the scan against the serial run ----
+
+// Copies of the inputs and a state that require grad, so that each can be differentiated.
+struct Leaves {
+  MixerInputs in;
+  State state;
+  std::vector<Tensor> all() const {  // defined inputs in kInputNames order, then the state entries
+    std::vector<Tensor> v;
+    for (const char* n : kInputNames)
+      if (in.get(n).defined()) v.push_back(in.get(n));
+    for (auto& t : state) v.push_back(t);
+    return v;
+  }
+};
+
+Leaves make_leaves(const MixerInputs& in, const State& state) {
+  Leaves l;
+  for (const char* n : kInputNames)
+    if (in.get(n).defined()) l.in.get(n) = in.get(n).detach().clone().requires_grad_(true);
+  for (auto& t : state) l.state.push_back(t.detach().clone().requires_grad_(true));
+  return l;
+}
+
+struct Weights {
+  Tensor o;                       // [B,T,H,dv]
+  State final_state;              // on the sequence's final state
+  std::vector<State> boundaries;  // on the state after slice r (r < P-1); empty: not in the loss
+};
+
+Weights random_weights(const Mixer& m, const MixerInputs& in, const MixerOptions& opt, int P,
+                       bool boundaries, uint64_t seed) {
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(seed);
+  Weights w;
+  auto zero = m.zero_state(in, opt);
+  w.o = at::randn(in.v.sizes(), gen, in.v.options());
+  for (auto& t : zero) w.final_state.push_back(at::randn(t.sizes(), gen, t.options()));
+  if (boundaries)
+    for (int r = 0; r + 1 < P; ++r) {
+      State b;
+      for (auto& t : zero) b.push_back(at::randn(t.sizes(), gen, t.options()));
+      w.boundaries.push_back(b);
+    }
+  return w;
+}
+
+struct ScanRun {
+  std::vector<Tensor> outputs;  // o, then the final state entries
+  std::vector<Tensor> grads;    // inputs in Leaves::all() order, then the initial state entries
+};
+
+Tensor weighted(const State& s, const State& w) {
+  Tensor l = at::zeros({}, s[0].options());
+  for (size_t i = 0; i < s.size(); ++i) l = l + (s[i] * w[i]).sum();
+  return l;
+}
+
+// One process, the whole sequence: a single chunkwise call, or (with boundary weights) P pieces
+// with the state passed along, so that the loss can see the states at the boundaries.
+ScanRun serial_run(const Mixer& m, const MixerInputs& in, const State& init,
+                   const MixerOptions& opt, const Weights& w, int P) {
+  Leaves leaves = make_leaves(in, init);
+  ScanRun run;
+  Tensor loss;
+  if (w.boundaries.empty()) {
+    auto out = m.chunkwise(leaves.in, leaves.state, opt);
+    loss = (out.o * w.o).sum() + weighted(out.final_state, w.final_state);
+    run.outputs.push_back(out.o.detach());
+    for (auto& t : out.final_state) run.outputs.push_back(t.detach());
+  } else {
+    int64_t len = in.q.size(1) / P;
+    State cur = leaves.state;
+    std::vector<Tensor> os;
+    loss = at::zeros({}, in.q.options());
+    for (int r = 0; r < P; ++r) {
+      MixerOptions po = opt;
+      po.offset = opt.offset + r * len;
+      auto out = m.chunkwise(leaves.in.slice(r * len, len), cur, po);
+      os.push_back(out.o);
+      cur = out.final_state;
+      if (r + 1 < P) loss = loss + weighted(cur, w.boundaries[r]);
+    }
+    Tensor o = at::cat(os, 1);
+    loss = loss + (o * w.o).sum() + weighted(cur, w.final_state);
+    run.outputs.push_back(o.detach());
+    for (auto& t : cur) run.outputs.push_back(t.detach());
+  }
+  auto xs = leaves.all();
+  auto gs = torch::autograd::grad({loss}, xs, {}, false, false, true);
+  for (size_t i = 0; i < gs.size(); ++i)
+    run.grads.push_back(gs[i].defined() ? gs[i] : at::zeros_like(xs[i]));
+  return run;
+}
+
+// The sp group, each rank its slice; results gathered on every rank of the group.
+ScanRun parallel_run(const Mixer& m, Communicator& sp, const MixerInputs& whole, const State& init,
+                     const MixerOptions& opt, const Weights& w, ScanMode mode) {
+  const int r = sp.rank(), P = sp.size();
+  MixerInputs local = sp_slice(whole, r, P, opt.chunk_size);
+  int64_t len = local.q.size(1);
+  Leaves leaves = make_leaves(local, r == 0 ? init : State{});
+  auto out = sp_mixer_forward(m, sp, leaves.in, leaves.state, opt, mode);
+  Tensor loss = (out.o * w.o.narrow(1, r * len, len)).sum();
+  if (r == P - 1)
+    loss = loss + weighted(out.final_state, w.final_state);
+  else if (!w.boundaries.empty())
+    loss = loss + weighted(out.final_state, w.boundaries[r]);
+  auto xs = leaves.all();
+  auto gs = torch::autograd::grad({loss}, xs, {}, false, false, true);
+
+  auto gather_T = [&](const Tensor& t) { return at::cat(sp.all_gather(t.contiguous()), 1); };
+  ScanRun run;
+  run.outputs.push_back(gather_T(out.o.detach()));
+  for (auto& t : out.final_state) {
+    Tensor x = r == P - 1 ? t.detach().clone() : at::zeros_like(t);
+    sp.broadcast(x, P - 1);
+    run.outputs.push_back(x);
+  }
+  size_t n_in = xs.size() - leaves.state.size();
+  for (size_t i = 0; i < n_in; ++i)
+    run.grads.push_back(gather_T(gs[i].defined() ? gs[i] : at::zeros_like(xs[i])));
+  // The initial state's gradient, from rank 0.
+  for (size_t i = 0; i < init.size(); ++i) {
+    Tensor x = r == 0 ? gs[n_in + i].detach().clone() : at::zeros_like(init[i]);
+    sp.broadcast(x, 0);
+    run.grads.push_back(x);
+  }
+  return run;
+}
+
+bool bitwise_equal(const std::vector<Tensor>& a, const std::vector<Tensor>& b) {
+  if (a.size() != b.size()) return false;
+  for (size_t i = 0; i < a.size(); ++i)
+    if (!at::equal(a[i], b[i])) return false;
+  return true;
+}
+
+// Every mode, fp64 and fp32, with and without a loss on the boundary states (and normalized): the
+// sp groups of `g` against serial runs on each group's sp rank 0, on `device`.
+void check_scan_against_serial(const Mixer& m, ProcessGroups& g, at::Device device,
+                               const std::string& where) {
+  const int sp_size = g.layout.sp;
+  for (ScanMode mode : {ScanMode::ordered, ScanMode::tree, ScanMode::allgather}) {
+    for (auto dtype : {at::kDouble, at::kFloat}) {
+      for (int variant = 0; variant < (dtype == at::kDouble ? 4 : 2); ++variant) {
+        bool boundaries = variant & 1, normalize = variant & 2;
+        const int64_t C = 16;
+        Shape s;
+        s.B = 2;
+        s.T = 128;
+        s.H = 2;
+        s.dk = 8;
+        s.dv = 6;
+        s.offset = 3 * 64;
+        MixerOptions opt;
+        opt.chunk_size = C;
+        opt.offset = s.offset;
+        opt.normalize = normalize;
+        uint64_t seed = 1000 * g.dp_rank + 10 * variant + (dtype == at::kFloat);
+        auto in_cpu = random_inputs(m, s, dtype, seed);
+        auto in = to_device(in_cpu, device);
+        State init;
+        for (auto& t : random_state(m, in_cpu, opt, seed + 1)) init.push_back(t.to(device));
+        auto w = random_weights(m, in_cpu, opt, sp_size, boundaries, seed + 2);
+        w.o = w.o.to(device);
+        for (auto& t : w.final_state) t = t.to(device);
+        for (auto& b : w.boundaries)
+          for (auto& t : b) t = t.to(device);
+
+        ScanRun par = parallel_run(m, *g.sp, in, init, opt, w, mode);
+        double e_out = 0, e_grad = 0, not_bitwise = 0, zero_grad = 0;
+        if (g.sp_rank == 0) {
+          ScanRun ser = serial_run(m, in, init, opt, w, sp_size);
+          e_out = carry::testing::max_rel_err(par.outputs, ser.outputs);
+          e_grad = carry::testing::max_rel_err(par.grads, ser.grads);
+          not_bitwise =
+              !(bitwise_equal(par.outputs, ser.outputs) && bitwise_equal(par.grads, ser.grads));
+          for (auto& t : par.grads) zero_grad += t.abs().max().item<double>() == 0;
+        }
+        e_out = max_over_world(e_out);
+        e_grad = max_over_world(e_grad);
+        not_bitwise = max_over_world(not_bitwise);
+        zero_grad = max_over_world(zero_grad);
+        std::string tag =
+            m.name() + " " + scan_mode_name(mode) + " " + (dtype == at::kDouble ? "fp64" : "fp32") +
+            " dp=" + std::to_string(g.layout.dp) + " sp=" + std::to_string(sp_size) + where +
+            (boundaries ? " +boundary-loss" : "") + (normalize ? " normalized" : "");
+        if (world_rank() == 0)
+          std::cout << "[ errors   ] " << tag << ": forward " << e_out << " gradients " << e_grad
+                    << (not_bitwise ? "" : " (bitwise equal)") << "\n";
+        double tol = dtype == at::kDouble ? 1e-12 : 1e-5;
+        EXPECT_LE(e_out, tol) << tag;
+        EXPECT_LE(e_grad, tol) << tag;
+        EXPECT_EQ(zero_grad, 0) << tag << ": a gradient is all zeros";
+        if (mode == ScanMode::ordered) EXPECT_EQ(not_bitwise, 0) << tag << ": not bit-identical";
+      }
+    }
+  }
+}
+
+class SequenceParallel : public ::testing::TestWithParam<std::string> {};
+
+TEST_P(SequenceParallel, ScanEqualsSerialWithGradients) {
+  const Mixer& m = family(GetParam());
+  const int W = world_size();
+  std::vector<std::pair<int, int>> layouts{{1, W}};
+  if (W >= 4 && W % 2 == 0) layouts.push_back({2, W / 2});
+  for (auto [dp, sp_size] : layouts)
+    check_scan_against_serial(m, groups(dp, sp_size), at::kCPU, "");
+}
+
+// The same over NCCL, one GPU a rank (skips unless every rank has its own GPU and NCCL is built
+// in).
+TEST_P(SequenceParallel, ScanOverNcclOnGpus) {
+  if (!gpus_for_every_rank()) GTEST_SKIP() << "needs NCCL and one CUDA device a rank";
+  const Mixer& m = family(GetParam());
+  ProcessGroups& g = nccl_groups(1, world_size());
+  check_scan_against_serial(m, g, at::Device(at::kCUDA, world_info().local_rank), " nccl/cuda");
+}
+
+INSTANTIATE_TEST_SUITE_P(AllFamilies, SequenceParallel, ::testing::ValuesIn(family_names()),
+                         [](const auto& info) { return info.param; });
+
+// ---- communicators ----
+
+void check_communicator(Communicator& c, at::Device dev) {
+  const int r = c.rank(), P = c.size();
+  auto opt = at::TensorOptions().dtype(at::kDouble).device(dev);
+  // A ring with send_recv (no deadlock whatever P), and a shift with an end.
+  Tensor mine = at::full({3, 5}, r, opt), got = at::empty({3, 5}, opt);
+  c.send_recv(mine, (r + 1) % P, got, (r + P - 1) % P, 7);
+  EXPECT_TRUE(at::equal(got, at::full({3, 5}, (r + P - 1) % P, opt)));
+  // all_gather, all_reduce_sum (fp64 and bf16 through fp32), broadcast, barrier.
+  auto all = c.all_gather(at::full({2}, r, opt));
+  ASSERT_EQ(static_cast<int>(all.size()), P);
+  for (int i = 0; i < P; ++i) EXPECT_TRUE(at::equal(all[i], at::full({2}, i, opt)));
+  Tensor sum = at::full({4}, r + 1, opt);
+  c.all_reduce_sum(sum);
+  EXPECT_TRUE(at::equal(sum, at::full({4}, P * (P + 1) / 2, opt)));
+  Tensor half = at::full({4}, r + 1, at::TensorOptions().dtype(at::kBFloat16).device(dev));
+  c.all_reduce_sum(half);
+  EXPECT_TRUE(at::equal(
+      half, at::full({4}, P * (P + 1) / 2, at::TensorOptions().dtype(at::kBFloat16).device(dev))));
+  Tensor b = r == P - 1 ? at::arange(6, opt) : at::zeros({6}, opt);
+  c.broadcast(b, P - 1);
+  EXPECT_TRUE(at::equal(b, at::arange(6, opt)));
+  c.barrier();
+  // Lists: mixed dtypes, an undefined entry, a scalar; with a known layout and self-described.
+  std::vector<Tensor> list{at::full({2, 3}, r, opt), Tensor(),
+                           at::full({}, r, at::TensorOptions().dtype(at::kLong).device(dev)),
+                           at::full({5}, r, opt.dtype(at::kFloat))};
+  if (P > 1) {
+    if (r == 0) send_tensors(c, list, 1, 3);
+    if (r == 1) {
+      auto x = recv_tensors(c, list, 0, 3);
+      EXPECT_TRUE(at::equal(x[0], at::zeros({2, 3}, opt)) && !x[1].defined() &&
+                  x[2].item<int64_t>() == 0 &&
+                  at::equal(x[3], at::zeros({5}, opt.dtype(at::kFloat))));
+    }
+  }
+  // Self-described lists whose layout differs between ranks.
+  std::vector<Tensor> var{at::full({r + 1}, r, opt), Tensor(),
+                          at::full({2, r + 1}, r, opt.dtype(at::kFloat))};
+  auto got_list = exchange_packed(c, var, (r + 1) % P, (r + P - 1) % P, opt, 4);
+  int prev = (r + P - 1) % P;
+  ASSERT_EQ(got_list.size(), 3u);
+  EXPECT_TRUE(at::equal(got_list[0], at::full({prev + 1}, prev, opt)));
+  EXPECT_FALSE(got_list[1].defined());
+  EXPECT_TRUE(at::equal(got_list[2], at::full({2, prev + 1}, prev, opt.dtype(at::kFloat))));
+  auto lists = all_gather_packed(c, var, opt);
+  ASSERT_EQ(static_cast<int>(lists.size()), P);
+  for (int i = 0; i < P; ++i) {
+    EXPECT_TRUE(at::equal(lists[i][0], at::full({i + 1}, i, opt)));
+    EXPECT_FALSE(lists[i][1].defined());
+    EXPECT_TRUE(at::equal(lists[i][2], at::full({2, i + 1}, i, opt.dtype(at::kFloat))));
+  }
+}
+
+TEST(Communicator, PointToPointAndCollectives) {
+  check_communicator(*groups(1, world_size()).world, at::kCPU);
+}
+
+TEST(Communicator, NcclOnGpus) {
+  if (!gpus_for_every_rank()) GTEST_SKIP() << "needs NCCL and one CUDA device a rank";
+  check_communicator(*nccl_groups(1, world_size()).world,
+                     at::Device(at::kCUDA, world_info().local_rank));
+}
+
+TEST(ProcessGroups, GridOfConsecutiveSpGroups) {
+  const int W = world_size();
+  EXPECT_EQ(world_info().local_size, W);  // one host in these tests
+  EXPECT_EQ(world_info().local_rank, world_rank());
+  for (int sp = 1; sp <= W; ++sp) {
+    if (W % sp) continue;
+    ProcessGroups& g = groups(W / sp, sp);
+    EXPECT_EQ(g.sp_rank, world_rank() % sp);
+    EXPECT_EQ(g.dp_rank, world_rank() / sp);
+    // Sums of world ranks over each group: sp groups are consecutive ranks, dp groups stride sp.
+    Tensor x = at::full({1}, world_rank(), at::kLong);
+    g.sp->all_reduce_sum(x);
+    int64_t first = g.dp_rank * sp;
+    EXPECT_EQ(x.item<int64_t>(), sp * first + sp * (sp - 1) / 2);
+    Tensor y = at::full({1}, world_rank(), at::kLong);
+    g.dp->all_reduce_sum(y);
+    int64_t dp = W / sp;
+    EXPECT_EQ(y.item<int64_t>(), dp * g.sp_rank + sp * dp * (dp - 1) / 2);
+  }
+}
+
+// ---- the same clear error on every rank ----
+
+TEST(InvalidLayouts, SameErrorOnEveryRank) {
+  const int W = world_size();
+  // dp·sp != world size.
+  int dp = W == 6 ? 2 : 3;
+  expect_same_error_everywhere(error_of([&] {
+                                 make_process_groups({dp, 2});
+                               }),
+                               "dp=" + std::to_string(dp) + " × sp=2");
+  expect_same_error_everywhere(error_of([&] { make_process_groups({0, W}); }), "at least 1");
+
+  ProcessGroups& g = groups(1, W);
+  const Mixer& m = dense_delta_for_tests();
+  const int r = g.sp_rank, P = W;
+  const int64_t C = 16;
+  MixerOptions opt;
+  opt.chunk_size = C;
+  Shape s;
+  s.T = 2 * P * C + 8;  // not a multiple of P·C
+  auto in = random_inputs(m, s, at::kDouble, 5);
+  expect_same_error_everywhere(error_of([&] { sp_slice(in, r, P, C); }),
+                               "multiple of sp·chunk_size = " + std::to_string(P) + "·16");
+  // Each rank's slice not a whole number of chunks.
+  auto odd = in.slice(0, C + 8);
+  expect_same_error_everywhere(
+      error_of([&] { sp_mixer_forward(m, *g.sp, odd, {}, opt, ScanMode::tree); }),
+      "every rank's slice must have the same length, a multiple of chunk_size=16");
+  if (P > 1) {
+    // Lengths that differ between ranks.
+    auto uneven = in.slice(0, r == 1 ? 2 * C : C);
+    expect_same_error_everywhere(
+        error_of([&] { sp_mixer_forward(m, *g.sp, uneven, {}, opt, ScanMode::ordered); }),
+        "got slice lengths [16, 32");
+    // Heads that differ between ranks.
+    Shape s2 = s;
+    s2.T = C;
+    s2.H = r == P - 1 ? 3 : 2;
+    auto heads = random_inputs(m, s2, at::kDouble, 6);
+    expect_same_error_everywhere(
+        error_of([&] { sp_mixer_forward(m, *g.sp, heads, {}, opt, ScanMode::allgather); }),
+        "differ in inputs, shapes or dtypes");
+    // A NaN on the last rank: that rank says why, the others name it.
+    auto nan = in.slice(0, C);
+    if (r == P - 1) {
+      nan.k = nan.k.clone();
+      nan.k.view(-1)[3] = std::nan("");
+    }
+    std::string msg =
+        error_of([&] { sp_mixer_forward(m, *g.sp, nan, {}, opt, ScanMode::ordered); });
+    expect_same_error_everywhere(
+        msg, r == P - 1 ? "NaN" : "sp rank(s) [" + std::to_string(P - 1) + "] refused",
+        /*same=*/false);
+  }
+}
+
+// ---- timeouts: an error naming the operation, not a hang ----
+
+TEST(Timeouts, MissingPeerGivesAnErrorNamingTheOperation) {
+  const int W = world_size();
+  if (W < 2) GTEST_SKIP() << "needs two ranks";
+  const int r = world_rank();
+  auto& world = *groups(1, W).world;  // generous timeout, used to line the ranks up again
+  CommOptions quick;
+  quick.timeout_s = 1;
+  quick.on_timeout = CommOptions::OnTimeout::throw_error;
+  quick.name = "timeout-test";
+
+  // 1. The last rank skips a receive: its sender gives up after 1 s, naming the send and the peer.
+  {
+    auto c = make_mpi_communicator(MPI_COMM_WORLD, quick);
+    Tensor big = at::ones({1 << 14}, at::kDouble);  // 128 KiB
+    std::string msg;
+    auto start = std::chrono::steady_clock::now();
+    if (r == W - 2) {
+      try {
+        c->send(big, W - 1, 9);
+      } catch (const CommError& e) {
+        msg = e.what();
+      }
+      double waited =
+          std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+      EXPECT_GE(waited, 0.9);
+      EXPECT_LT(waited, 30);
+      EXPECT_NE(msg.find("timeout after 1 s in send of 131072 bytes (tag 9) to rank " +
+                         std::to_string(W - 1)),
+                std::string::npos)
+          << msg;
+      EXPECT_NE(msg.find("on rank " + std::to_string(W - 2) + " of communicator 'timeout-test'"),
+                std::string::npos)
+          << msg;
+      // The communicator refuses further work rather than mixing up messages.
+      std::string again;
+      try {
+        c->barrier();
+      } catch (const CommError& e) {
+        again = e.what();
+      }
+      EXPECT_NE(again.find("unusable after an earlier failure"), std::string::npos) << again;
+      if (r == 0) std::cout << "[ message  ] " << msg.substr(0, msg.find('\n')) << "\n";
+    }
+    world.barrier();
+    // The late receive drains the abandoned send (an MPI that cancelled it leaves nothing to
+    // drain).
+    if (r == W - 1) error_of_comm([&] { c->recv(big, W - 2, 9); });
+    world.barrier();
+  }
+
+  // 2. The last rank never joins a tree scan: every other rank stops in the layout agreement with
+  // an error that names the collective and what the scan was doing.
+  {
+    auto c = make_mpi_communicator(MPI_COMM_WORLD, quick);
+    const Mixer& m = dense_delta_for_tests();
+    MixerOptions opt;
+    opt.chunk_size = 16;
+    Shape s;
+    s.T = 32;
+    auto in = random_inputs(m, s, at::kDouble, 3);
+    std::string msg;
+    if (r != W - 1) {
+      try {
+        sp_mixer_forward(m, *c, in, {}, opt, ScanMode::tree);
+      } catch (const CommError& e) {
+        msg = e.what();
+      }
+      EXPECT_NE(msg.find("timeout after 1 s in all_gather"), std::string::npos) << msg;
+      EXPECT_NE(msg.find("on rank " + std::to_string(r) + " of communicator 'timeout-test'"),
+                std::string::npos)
+          << msg;
+      EXPECT_NE(msg.find("while: sequence-parallel tree scan of test_dense_delta over sp=" +
+                         std::to_string(W) + " ranks: agreeing on the slice layout"),
+                std::string::npos)
+          << msg;
+      if (r == 0) std::cout << "[ message  ] " << msg << "\n";
+    }
+    world.barrier();
+    // The late contribution completes the collective the others abandoned.
+    if (r == W - 1) error_of_comm([&] { c->all_gather(at::zeros({3 + 7 * 6}, at::kLong)); });
+    world.barrier();
+  }
+}
+
+// Prints only failures, prefixed with the rank (ranks other than 0).
+class FailurePrinter : public ::testing::EmptyTestEventListener {
+ public:
+  explicit FailurePrinter(int rank) : rank_(rank) {}
+  void OnTestPartResult(const ::testing::TestPartResult& r) override {
+    if (r.failed())
+      std::cerr << "[rank " << rank_ << "] " << (r.file_name() ? r.file_name() : "") << ":"
+                << r.line_number() << ": " << r.summary() << "\n";
+  }
+
+ private:
+  int rank_;
+};
+
+}  // namespace
+}  // namespace carry::parallel
+
+int main(int argc, char** argv) {
+  using namespace carry::parallel;
+  // A broken test must not hang CTest for the default 300 s.
+  setenv("CARRY_COMM_TIMEOUT_S", "60", /*overwrite=*/0);
+  init_mpi(&argc, &argv);
+  at::set_num_threads(1);
+  ::testing::InitGoogleTest(&argc, argv);
+  int rank = world_info().rank;
+  auto& listeners = ::testing::UnitTest::GetInstance()->listeners();
+  if (rank != 0) {
+    delete listeners.Release(listeners.default_result_printer());
+    listeners.Append(new FailurePrinter(rank));
+  }
+  int rc = RUN_ALL_TESTS(), worst = 0;
+  MPI_Allreduce(&rc, &worst, 1, MPI_INT, MPI_MAX, MPI_COMM_WORLD);
+  if (rank == 0 && worst != rc)
+    std::cout << "some rank other than 0 failed (see its [rank r] lines)\n";
+  group_cache().clear();
+  nccl_group_cache().clear();
+  finalize_mpi();
+  return worst;
+}
