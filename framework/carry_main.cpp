@@ -40,7 +40,7 @@ int main(int argc, char** argv) {
   }
   if (command == "check") return carry::run_check_command(argc - 1, argv + 1);
   if (command == "mixer") return carry::run_mixer_command(argc - 1, argv + 1);
-  // SCANBENCH if (command == "scan-bench") return carry::run_scan_bench_command(argc - 1, argv + 1);
+  if (command == "scan-bench") return carry::run_scan_bench_command(argc - 1, argv + 1);
   if (command == "tokenize") return carry::run_tokenize_command(argc - 1, argv + 1);
   std::fprintf(stderr, "carry: unknown command '%s' (see carry --help)\n", argv[1]);
   return 2;

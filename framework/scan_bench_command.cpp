@@ -9,6 +9,8 @@
 #include "parallel/process_group.h"
 #include "parallel/state_scan.h"
 
+#include <c10/core/InferenceMode.h>
+
 #include <chrono>
 #include <cstdio>
 #include <sstream>
@@ -109,6 +111,8 @@ MixerInputs to_device(const MixerInputs& in, at::Device dev, bool round_bf16, at
   return out;
 }
 
+int run_bench(const Args& args);
+
 }  // namespace
 
 int run_scan_bench_command(int argc, char** argv) {
@@ -121,6 +125,13 @@ int run_scan_bench_command(int argc, char** argv) {
     std::fprintf(stderr, "carry scan-bench: %s\n%s", e.what(), kUsage);
     return 2;
   }
+  int rc = run_bench(args);
+  parallel::finalize_mpi();
+  return rc;
+}
+
+namespace {
+int run_bench(const Args& args) {
   const auto& world = parallel::world_info();
   int P = world.size;
   auto groups = parallel::make_process_groups({1, P}, args.cuda ? parallel::Backend::nccl
@@ -140,7 +151,7 @@ int run_scan_bench_command(int argc, char** argv) {
                 "bitwise", "serial ms", "sp fwd ms", "local fwd ms", "scan ms");
     std::fflush(stdout);
   }
-  at::NoGradGuard no_grad;
+  c10::InferenceMode no_grad;
   for (auto& family : args.families) {
     const Mixer& m = get_mixer(family);
     Shape shape{1, args.T, args.H, args.D, args.D, 0};
@@ -198,5 +209,6 @@ int run_scan_bench_command(int argc, char** argv) {
   }
   return 0;
 }
+}  // namespace
 
 }  // namespace carry
