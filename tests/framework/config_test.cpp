@@ -4,6 +4,8 @@
 // file under configs/ loading and validating.
 #include "framework/config.h"
 
+#include "tests/framework/temp_dir.h"
+
 #include <gtest/gtest.h>
 #include <google/protobuf/text_format.h>
 #include <google/protobuf/util/message_differencer.h>
@@ -20,28 +22,10 @@
 namespace carry {
 namespace {
 
-// Temporary directories with POSIX calls: libtorch.so exports its own std::filesystem symbols, which
-// the dynamic linker may bind in place of libstdc++'s (remove_all crashes), so tests avoid it.
-std::string make_temp_dir(const std::string& prefix) {
-  std::string tmpl = "/tmp/" + prefix + "_XXXXXX";
-  if (!::mkdtemp(tmpl.data())) throw std::runtime_error("mkdtemp failed");
-  return tmpl;
-}
-
-void make_dirs(const std::string& path) {
-  for (size_t i = 1; i <= path.size(); ++i)
-    if (i == path.size() || path[i] == '/') ::mkdir(path.substr(0, i).c_str(), 0755);
-}
-
-void remove_tree(const std::string& path) {
-  ::nftw(path.c_str(), [](const char* p, const struct stat*, int, struct FTW*) { return ::remove(p); }, 16,
-         FTW_DEPTH | FTW_PHYS);
-}
-
-bool exists(const std::string& path) {
-  struct stat st;
-  return ::stat(path.c_str(), &st) == 0;
-}
+using testing::exists;
+using testing::make_dirs;
+using testing::make_temp_dir;
+using testing::remove_tree;
 
 class ConfigTest : public ::testing::Test {
  protected:
