@@ -62,16 +62,50 @@ State diag_decay_apply(const Summary& summary, const State& state) {
 }
 
 namespace {
+std::vector<int64_t> diag_state_shape(const MixerInputs& in) {
+  return {in.q.size(0), in.q.size(2), in.q.size(3), in.v.size(3)};
+}
+}  // namespace
 
-class GatedLinearAttention final : public Mixer {
+State DiagonalDecayMixer::zero_state(const MixerInputs& in, const MixerOptions&) const {
+  return {at::zeros(diag_state_shape(in), in.q.options())};
+}
+
+Tensor DiagonalDecayMixer::initial(const MixerInputs& in, const State& init) const {
+  TORCH_CHECK(init.size() <= 1, name(), ": initial_state has one entry (", state_names()[0], "), got ",
+              init.size());
+  return state_or_zeros(init, 0, diag_state_shape(in), in.q.options());
+}
+
+MixerOutput DiagonalDecayMixer::chunkwise(const MixerInputs& in, const State& init,
+                                          const MixerOptions& opt) const {
+  check(in, opt, true);
+  auto r = diag_decay_chunkwise(in.q, in.k, in.v, in.gk, initial(in, init), opt.chunk_size,
+                                output_scale(in, opt));
+  return {r.o, {r.S}};
+}
+
+Summary DiagonalDecayMixer::summarize(const MixerInputs& in, const MixerOptions& opt) const {
+  check(in, opt, true);
+  auto r = diag_decay_chunkwise(in.q, in.k, in.v, in.gk, initial(in, {}), opt.chunk_size,
+                                output_scale(in, opt));
+  return {{r.transport}, {r.S}};
+}
+
+Summary DiagonalDecayMixer::compose(const Summary& a, const Summary& b) const {
+  return diag_decay_compose(a, b);
+}
+
+State DiagonalDecayMixer::apply(const Summary& s, const State& x) const {
+  return diag_decay_apply(s, x);
+}
+
+namespace {
+
+class GatedLinearAttention final : public DiagonalDecayMixer {
  public:
   std::string name() const override { return "gla"; }
-  std::vector<std::string> input_names() const override { return {"q", "k", "v", "gk"}; }
   std::vector<std::string> state_names() const override { return {"S"}; }
-
-  State zero_state(const MixerInputs& in, const MixerOptions&) const override {
-    return {at::zeros(state_shape(in), in.q.options())};
-  }
 
   MixerOutput naive(const MixerInputs& in, const State& init, const MixerOptions& opt) const override {
     check(in, opt, false);
@@ -87,33 +121,9 @@ class GatedLinearAttention final : public Mixer {
     return {from_bhtd(at::stack(outs, 2)), {S}};
   }
 
-  MixerOutput chunkwise(const MixerInputs& in, const State& init,
-                        const MixerOptions& opt) const override {
-    check(in, opt, true);
-    auto r = diag_decay_chunkwise(in.q, in.k, in.v, in.gk, initial(in, init), opt.chunk_size,
-                                  opt.scale_for(in.q.size(3)));
-    return {r.o, {r.S}};
-  }
-
-  Summary summarize(const MixerInputs& in, const MixerOptions& opt) const override {
-    check(in, opt, true);
-    auto zero = at::zeros(state_shape(in), in.q.options());
-    auto r = diag_decay_chunkwise(in.q, in.k, in.v, in.gk, zero, opt.chunk_size,
-                                  opt.scale_for(in.q.size(3)));
-    return {{r.transport}, {r.S}};
-  }
-  Summary compose(const Summary& a, const Summary& b) const override {
-    return diag_decay_compose(a, b);
-  }
-  State apply(const Summary& s, const State& x) const override { return diag_decay_apply(s, x); }
-
- private:
-  static std::vector<int64_t> state_shape(const MixerInputs& in) {
-    return {in.q.size(0), in.q.size(2), in.q.size(3), in.v.size(3)};
-  }
-  static Tensor initial(const MixerInputs& in, const State& init) {
-    TORCH_CHECK(init.size() <= 1, "gla: initial_state has one entry (S), got ", init.size());
-    return state_or_zeros(init, 0, state_shape(in), in.q.options());
+ protected:
+  double output_scale(const MixerInputs& in, const MixerOptions& opt) const override {
+    return opt.scale_for(in.q.size(3));
   }
 };
 

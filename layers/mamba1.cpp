@@ -1,8 +1,8 @@
 // Mamba-1 (S6) / H3 diagonal SSM, family "mamba1": per channel d (a head), h_t = exp(Δ_t A) ⊙ h_{t-1}
 // + (Δ_t B_t) x_tᵀ, y_t = C_tᵀ h_t, in the contract's names q = C, k = Δ·B, v = x, gk = Δ·A (see
 // mamba1.h). State {h [B,D,N,dv]}; transport diagonal, Π_t exp(Δ_t A) per state dimension, [B,D,N].
-// Forms: naive = the selective-scan token recurrence; chunkwise = GLA's diag_decay_chunkwise with scale 1
-// (the same exact per-chunk algorithm, not a copy). MixerOptions::scale and ::normalize are ignored.
+// Forms: naive = the selective-scan token recurrence; chunkwise, state and summary algebra = GLA's
+// DiagonalDecayMixer with scale 1 (the same exact per-chunk algorithm, not a copy). MixerOptions::scale and ::normalize are ignored.
 #include "layers/mamba1.h"
 
 #include "layers/common.h"
@@ -44,15 +44,10 @@ MixerInputs mamba1_inputs(const Tensor& x, const Tensor& dt, const Tensor& A, co
 
 namespace {
 
-class Mamba1 final : public Mixer {
+class Mamba1 final : public DiagonalDecayMixer {
  public:
   std::string name() const override { return "mamba1"; }
-  std::vector<std::string> input_names() const override { return {"q", "k", "v", "gk"}; }
   std::vector<std::string> state_names() const override { return {"h"}; }
-
-  State zero_state(const MixerInputs& in, const MixerOptions&) const override {
-    return {at::zeros(state_shape(in), in.q.options())};
-  }
 
   // The selective scan: per token, discretize (dA = exp(Δ A), dB x = Δ B x), update, read out with C.
   MixerOutput naive(const MixerInputs& in, const State& init, const MixerOptions& opt) const override {
@@ -69,32 +64,9 @@ class Mamba1 final : public Mixer {
     return {from_bhtd(at::stack(ys, 2)), {h}};
   }
 
-  MixerOutput chunkwise(const MixerInputs& in, const State& init,
-                        const MixerOptions& opt) const override {
-    check(in, opt, true);
-    auto r = diag_decay_chunkwise(in.q, in.k, in.v, in.gk, initial(in, init), opt.chunk_size, 1.0);
-    return {r.o, {r.S}};
-  }
-
-  Summary summarize(const MixerInputs& in, const MixerOptions& opt) const override {
-    check(in, opt, true);
-    auto zero = at::zeros(state_shape(in), in.q.options());
-    auto r = diag_decay_chunkwise(in.q, in.k, in.v, in.gk, zero, opt.chunk_size, 1.0);
-    return {{r.transport}, {r.S}};
-  }
-  Summary compose(const Summary& a, const Summary& b) const override {
-    return diag_decay_compose(a, b);
-  }
-  State apply(const Summary& s, const State& x) const override { return diag_decay_apply(s, x); }
-
- private:
-  static std::vector<int64_t> state_shape(const MixerInputs& in) {
-    return {in.q.size(0), in.q.size(2), in.q.size(3), in.v.size(3)};
-  }
-  static Tensor initial(const MixerInputs& in, const State& init) {
-    TORCH_CHECK(init.size() <= 1, "mamba1: initial_state has one entry (h), got ", init.size());
-    return state_or_zeros(init, 0, state_shape(in), in.q.options());
-  }
+  // y = Cᵀh exactly: no scale.
+ protected:
+  double output_scale(const MixerInputs&, const MixerOptions&) const override { return 1.0; }
 };
 
 CARRY_REGISTER_MIXER(Mamba1);

@@ -141,13 +141,6 @@ class NcclCommunicator final : public Communicator {
   at::Device device() const override { return at::Device(at::kCUDA, device_); }
   const CommOptions& options() const override { return opt_; }
 
-  void send(const Tensor& t, int dst, int tag) override {
-    Tensor none;
-    send_recv(t, dst, none, -1, tag);
-  }
-
-  void recv(Tensor& t, int src, int tag) override { send_recv(Tensor(), -1, t, src, tag); }
-
   void send_recv(const Tensor& out, int dst, Tensor& in, int src, int tag) override {
     std::string op;
     std::vector<int> peers;

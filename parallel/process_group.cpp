@@ -17,6 +17,13 @@
 
 namespace carry::parallel {
 
+void Communicator::send(const Tensor& t, int dst, int tag) {
+  Tensor none;
+  send_recv(t, dst, none, -1, tag);
+}
+
+void Communicator::recv(Tensor& t, int src, int tag) { send_recv(Tensor(), -1, t, src, tag); }
+
 namespace {
 
 bool g_we_initialized = false;
@@ -128,13 +135,6 @@ class MpiCommunicator final : public Communicator {
   std::string backend() const override { return "mpi"; }
   at::Device device() const override { return at::kCPU; }
   const CommOptions& options() const override { return opt_; }
-
-  void send(const Tensor& t, int dst, int tag) override {
-    Tensor none;
-    send_recv(t, dst, none, -1, tag);
-  }
-
-  void recv(Tensor& t, int src, int tag) override { send_recv(Tensor(), -1, t, src, tag); }
 
   void send_recv(const Tensor& out, int dst, Tensor& in, int src, int tag) override {
     std::string op;

@@ -85,8 +85,9 @@ class Communicator {
   virtual const CommOptions& options() const = 0;
 
   // Point to point. `recv` fills `t` (its shape and dtype say what is expected).
-  virtual void send(const Tensor& t, int dst, int tag = 0) = 0;
-  virtual void recv(Tensor& t, int src, int tag = 0) = 0;
+  // Both are send_recv with one side empty.
+  void send(const Tensor& t, int dst, int tag = 0);
+  void recv(Tensor& t, int src, int tag = 0);
   // Sends `out` to `dst` while receiving `in` from `src` (either may be -1: none), so that shifts
   // and rings cannot deadlock.
   virtual void send_recv(const Tensor& out, int dst, Tensor& in, int src, int tag = 0) = 0;
