@@ -591,7 +591,7 @@ void check_model(const ModelConfig& m, const std::string& p, Errors& e) {
 }
 
 std::string path_of_option(const ModelConfig& m, const std::string& kind, const std::string& field) {
-  auto* f = MixerOptions::descriptor()->FindFieldByName(field);
+  auto* f = config::MixerOptions::descriptor()->FindFieldByName(field);
   int found = -1;
   for (int i = 0; i < m.mixer_options_size(); ++i) {
     auto& o = m.mixer_options(i);

@@ -24,9 +24,10 @@ namespace carry {
 
 using config::ClusterConfig;
 using config::DataConfig;
-using config::MixerOptions;
 using config::ModelConfig;
 using config::RunConfig;
+// config::MixerOptions is not brought into carry:: (layers/mixer.h defines carry::MixerOptions, the
+// mixer hyperparameters), so this header and the layers' headers can be included together.
 
 // Bad config files, overrides or values. what() is the complete message for the user (it may span
 // several lines: one per validation error).
@@ -77,7 +78,7 @@ const std::vector<std::string>& known_mixer_kinds();
 // kind's entry applied (see carry.proto, MixerOptions).
 struct LayerMixer {
   std::string kind;
-  MixerOptions options;  // every field set
+  config::MixerOptions options;  // every field set
 };
 LayerMixer layer_mixer(const ModelConfig& model, int64_t layer);
 
