@@ -1,0 +1,330 @@
+// The token-mixer layer (mixer_layer.h): projections, short causal convolutions, gates and the output
+// norm around a registered family, per config kind (the table `kKinds` below). The family's forward
+// over the slice goes through MixerLayerContext::run_mixer (default: chunkwise), the tokens before the
+// slice through MixerLayerContext::halo (default: none, the slice starts the sequence).
+#include "layers/mixer_layer.h"
+
+#include "layers/common.h"
+#include "layers/fenwick.h"
+#include "layers/linear_attn.h"
+#include "layers/mamba1.h"
+
+#include <c10/util/Exception.h>
+
+#include <algorithm>
+#include <cmath>
+
+namespace carry {
+
+namespace {
+
+enum class Decay { none, retnet, mamba, gla };
+
+// What a kind adds around its family.
+struct KindTraits {
+  const char* kind;
+  const char* family;
+  Decay decay;
+  bool beta;        // beta = sigmoid(W x)
+  bool levels;      // l = softplus(W x) over L levels
+  bool silu_qkv;    // silu after the (optional) convolutions
+  bool l2_qk;       // L2-normalized q, k
+  bool elu_qk;      // φ = elu + 1 on q, k
+  bool mamba2;      // k = B·dt, scale 1, skip o += D·v
+  bool gated_norm;  // y = o_proj(gated_rms_norm(o, z)); false: y = o_proj(o)
+};
+
+// clang-format off
+const KindTraits kKinds[] = {
+  //  kind               family              decay          beta   levels silu   l2     elu    mamba2 norm
+  {"linear_attn",      "linear_attn",      Decay::none,   false, false, false, false, true,  false, true},
+  {"retnet",           "scalar_decay",     Decay::retnet, false, false, false, false, false, false, true},
+  {"gla",              "gla",              Decay::gla,    false, false, false, false, false, false, true},
+  {"deltanet",         "deltanet",         Decay::none,   true,  false, true,  true,  false, false, true},
+  {"gated_deltanet",   "gated_deltanet",   Decay::mamba,  true,  false, true,  true,  false, false, true},
+  {"mamba1",           "mamba1",           Decay::none,   false, false, true,  false, false, false, false},
+  {"mamba2",           "scalar_decay",     Decay::mamba,  false, false, true,  false, false, true,  true},
+  {"hla2",             "hla2",             Decay::mamba,  false, false, false, true,  false, false, true},
+  {"ahla",             "ahla",             Decay::mamba,  false, false, false, true,  false, false, true},
+  {"loglinear_mamba2", "loglinear_mamba2", Decay::mamba,  false, true,  true,  false, false, true,  true},
+  {"loglinear_gdn",    "loglinear_gdn",    Decay::mamba,  true,  true,  true,  true,  false, false, true},
+  {"softmax_attn",     "softmax_attn",     Decay::none,   false, false, false, false, false, false, false},
+};
+// clang-format on
+
+constexpr int64_t kGlaGateRank = 16;
+constexpr double kGlaGateNormalizer = 16.0;
+
+const KindTraits* find_kind(const std::string& kind) {
+  for (auto& k : kKinds)
+    if (kind == k.kind) return &k;
+  return nullptr;
+}
+
+const KindTraits& traits_of(const std::string& kind) {
+  auto* t = find_kind(kind);
+  TORCH_CHECK(t, "mixer layer: unknown mixer kind '", kind, "'; kinds with a layer: ",
+              c10::Join(", ", mixer_layer_kinds()));
+  return *t;
+}
+
+bool is_mamba1(const MixerLayerSpec& s) { return s.kind == "mamba1"; }
+
+Tensor l2_normalize(const Tensor& x) { return x * at::rsqrt(x.pow(2).sum(-1, /*keepdim=*/true) + 1e-6); }
+
+// softplus⁻¹(y) = y + log(−expm1(−y)), y > 0.
+Tensor inverse_softplus(const Tensor& y) { return y + at::log(-at::expm1(-y)); }
+
+int64_t ceil_to(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
+
+}  // namespace
+
+const std::vector<std::string>& mixer_layer_kinds() {
+  static const std::vector<std::string> kinds = [] {
+    std::vector<std::string> k;
+    for (auto& t : kKinds) k.push_back(t.kind);
+    return k;
+  }();
+  return kinds;
+}
+
+std::string mixer_layer_family(const std::string& kind) {
+  auto* t = find_kind(kind);
+  return t ? t->family : "";
+}
+
+Tensor causal_conv1d(const Tensor& x, const Tensor& weight, const Tensor& halo) {
+  TORCH_CHECK(x.dim() == 3, "causal_conv1d: x must be [B, T, C], got ", shape_str(x.sizes()));
+  int64_t B = x.size(0), C = x.size(2);
+  TORCH_CHECK(weight.dim() == 2 && weight.size(0) == C && weight.size(1) >= 1,
+              "causal_conv1d: weight must be [", C, ", K], got ", shape_str(weight.sizes()));
+  int64_t K = weight.size(1), T = x.size(1);
+  Tensor before = halo.defined() ? halo : at::zeros({B, K - 1, C}, x.options());
+  TORCH_CHECK(before.dim() == 3 && before.size(0) == B && before.size(1) == K - 1 && before.size(2) == C,
+              "causal_conv1d: halo must be [", B, ", ", K - 1, ", ", C, "] (the K-1 tokens before the "
+              "slice), got ", shape_str(before.sizes()));
+  auto xp = at::cat({before.to(x.scalar_type()), x}, 1);  // [B, K-1+T, C]
+  // Taps in a fixed order j = 0..K-1 (oldest token first); each output depends on tokens ≤ t only.
+  Tensor y;
+  for (int64_t j = 0; j < K; ++j) {
+    auto term = xp.narrow(1, j, T) * weight.select(1, j);
+    y = y.defined() ? y + term : term;
+  }
+  return y;
+}
+
+// ---------------------------------------------------------------------------------------------
+
+struct MixerLayer::Projected {
+  MixerInputs in;
+  Tensor z;       // output gate [B,T,H,dv] (mamba1: [B,T,D])
+  Tensor skip;    // what D multiplies (Mamba-2: v [B,T,H,dv]; Mamba-1: x [B,T,D])
+  int64_t kv_halo = 0;  // softmax_attn: tokens of halo prepended to q, k, v (outputs dropped)
+};
+
+MixerLayer::MixerLayer(const MixerLayerSpec& spec, ParameterInit& init) : spec_(spec) {
+  const auto& tr = traits_of(spec.kind);
+  mixer_ = &get_mixer(tr.family);
+  const int64_t d = spec.d_model, H = spec.n_heads, dk = spec.head_dim_k, dv = spec.head_dim_v;
+  TORCH_CHECK(d > 0 && H > 0 && dk > 0 && dv > 0, "mixer layer '", spec.kind, "': d_model, n_heads, "
+              "head_dim_k and head_dim_v must be positive, got ", d, ", ", H, ", ", dk, ", ", dv);
+  TORCH_CHECK(spec.conv_size >= 0, "mixer layer '", spec.kind, "': conv_size must be >= 0, got ",
+              spec.conv_size);
+  TORCH_CHECK(spec.levels >= 0 && spec.levels <= kMaxLogLinearLevels, "mixer layer '", spec.kind,
+              "': levels must lie in [0, ", kMaxLogLinearLevels, "], got ", spec.levels);
+  const double std = spec.init_std;
+  const double out_std = std / std::sqrt(2.0 * static_cast<double>(std::max<int64_t>(spec.n_layers, 1)));
+  const int64_t K = spec.conv_size;
+  const double conv_bound = K > 0 ? 1.0 / std::sqrt(static_cast<double>(K)) : 0.0;
+  auto add = [&](const std::string& name, Tensor t) {
+    params_.emplace_back(name, t);
+    return t;
+  };
+  // dt ~ log-uniform on [1e-3, 1e-1], as its softplus pre-image.
+  auto dt_bias = [&](int64_t n) {
+    auto u = init.uniform_cpu({n}, std::log(1e-3), std::log(1e-1));
+    return init.leaf(inverse_softplus(at::exp(u)));
+  };
+
+  if (is_mamba1(spec)) {
+    const int64_t D = H * dv, N = dk, R = (d + 15) / 16;
+    v_proj_ = add("v_proj.weight", init.normal({D, d}, std));
+    if (K > 0) v_conv_ = add("v_conv.weight", init.uniform({D, K}, -conv_bound, conv_bound));
+    q_proj_ = add("q_proj.weight", init.normal({N, D}, std));  // C
+    k_proj_ = add("k_proj.weight", init.normal({N, D}, std));  // B
+    dt_proj0_ = add("dt_proj.0.weight", init.normal({R, D}, std));
+    dt_proj1_ = add("dt_proj.1.weight", init.normal({D, R}, std));
+    dt_bias_ = add("dt_bias", dt_bias(D));
+    A_log_ = add("A_log", init.leaf(at::log(at::arange(1, N + 1, at::kFloat)).expand({D, N}).clone()));
+    D_ = add("D", init.full({D}, 1.0));
+    z_proj_ = add("z_proj.weight", init.normal({D, d}, std));
+    o_proj_ = add("o_proj.weight", init.normal({d, D}, out_std));
+    return;
+  }
+
+  q_proj_ = add("q_proj.weight", init.normal({H * dk, d}, std));
+  k_proj_ = add("k_proj.weight", init.normal({H * dk, d}, std));
+  v_proj_ = add("v_proj.weight", init.normal({H * dv, d}, std));
+  if (K > 0) {
+    q_conv_ = add("q_conv.weight", init.uniform({H * dk, K}, -conv_bound, conv_bound));
+    k_conv_ = add("k_conv.weight", init.uniform({H * dk, K}, -conv_bound, conv_bound));
+    v_conv_ = add("v_conv.weight", init.uniform({H * dv, K}, -conv_bound, conv_bound));
+  }
+  if (tr.decay == Decay::mamba) {
+    a_proj_ = add("a_proj.weight", init.normal({H, d}, std));
+    dt_bias_ = add("dt_bias", dt_bias(H));
+    A_log_ = add("A_log", init.leaf(at::log(init.uniform_cpu({H}, 1.0, 16.0))));
+  } else if (tr.decay == Decay::gla) {
+    gk_proj0_ = add("gk_proj.0.weight", init.normal({kGlaGateRank, d}, std));
+    gk_proj1_ = add("gk_proj.1.weight", init.normal({H * dk, kGlaGateRank}, std));
+    gk_bias_ = add("gk_proj.1.bias", init.full({H * dk}, 0.0));
+  }
+  if (tr.beta) b_proj_ = add("b_proj.weight", init.normal({H, d}, std));
+  if (tr.levels) {
+    int64_t L = spec.levels > 0 ? spec.levels : kMaxLogLinearLevels;
+    l_proj_ = add("l_proj.weight", init.normal({H * L, d}, std));
+  }
+  if (tr.mamba2) D_ = add("D", init.full({H}, 1.0));
+  if (tr.gated_norm) {
+    z_proj_ = add("z_proj.weight", init.normal({H * dv, d}, std));
+    o_norm_ = RMSNorm(dv, spec.norm_eps, init);
+    add("o_norm.weight", o_norm_.weight);
+    has_o_norm_ = true;
+  }
+  o_proj_ = add("o_proj.weight", init.normal({d, H * dv}, out_std));
+}
+
+NamedParameters MixerLayer::parameters() const { return params_; }
+
+int64_t MixerLayer::levels_for(int64_t length, const MixerLayerContext& ctx) const {
+  if (spec_.levels > 0) return spec_.levels;
+  int64_t total = ctx.sequence_length > 0 ? ctx.sequence_length : ctx.offset + length;
+  int64_t L = fenwick_levels_needed(total);
+  TORCH_CHECK(L <= kMaxLogLinearLevels, "mixer layer '", spec_.kind, "': a sequence of ", total,
+              " tokens needs ", L, " log-linear levels, more than the ", kMaxLogLinearLevels,
+              " this layer provides");
+  return L;
+}
+
+MixerOptions MixerLayer::mixer_options(int64_t, const MixerLayerContext& ctx) const {
+  const auto& tr = traits_of(spec_.kind);
+  MixerOptions opt;
+  opt.chunk_size = spec_.chunk_size;
+  opt.window = spec_.window;
+  opt.normalize = spec_.normalize;
+  opt.offset = ctx.offset;
+  if (tr.mamba2) opt.scale = 1.0;  // Mamba-2 reads C·h unscaled
+  return opt;
+}
+
+MixerLayer::Projected MixerLayer::project(const Tensor& x, const MixerLayerContext& ctx) const {
+  const auto& tr = traits_of(spec_.kind);
+  TORCH_CHECK(x.dim() == 3 && x.size(2) == spec_.d_model, "mixer layer '", spec_.kind,
+              "': x must be [B, T, ", spec_.d_model, "], got ", shape_str(x.sizes()));
+  const int64_t B = x.size(0), T = x.size(1), H = spec_.n_heads, dk = spec_.head_dim_k,
+                dv = spec_.head_dim_v, K = spec_.conv_size;
+  // The K-1 tokens before the slice of `pre` (concatenated channels), split back per tensor.
+  auto convolve = [&](std::vector<Tensor> pre, std::vector<Tensor> weights) {
+    if (K == 0) return pre;
+    Tensor halo;
+    if (K > 1 && ctx.halo) halo = ctx.halo(pre.size() == 1 ? pre[0] : at::cat(pre, -1), K - 1);
+    std::vector<Tensor> out;
+    int64_t c0 = 0;
+    for (size_t i = 0; i < pre.size(); ++i) {
+      int64_t c = pre[i].size(-1);
+      out.push_back(causal_conv1d(pre[i], weights[i], halo.defined() ? halo.narrow(-1, c0, c) : Tensor()));
+      c0 += c;
+    }
+    return out;
+  };
+  Projected p;
+
+  if (is_mamba1(spec_)) {
+    auto xc = at::silu(convolve({at::linear(x, v_proj_)}, {v_conv_})[0]);  // [B,T,D]
+    auto Bm = at::linear(xc, k_proj_), Cm = at::linear(xc, q_proj_);      // [B,T,N]
+    auto dt = at::softplus(at::linear(at::linear(xc, dt_proj0_), dt_proj1_) + dt_bias_);
+    p.in = mamba1_inputs(xc, dt, -at::exp(A_log_), Bm, Cm);
+    p.skip = xc;
+    p.z = at::linear(x, z_proj_);
+    return p;
+  }
+
+  auto qkv = convolve({at::linear(x, q_proj_), at::linear(x, k_proj_), at::linear(x, v_proj_)},
+                      {q_conv_, k_conv_, v_conv_});
+  auto q = qkv[0], k = qkv[1], v = qkv[2];
+  if (tr.silu_qkv) q = at::silu(q), k = at::silu(k), v = at::silu(v);
+  q = q.view({B, T, H, dk}), k = k.view({B, T, H, dk}), v = v.view({B, T, H, dv});
+  if (tr.elu_qk) q = elu_feature_map(q), k = elu_feature_map(k);
+  if (tr.l2_qk) q = l2_normalize(q), k = l2_normalize(k);
+
+  MixerInputs& in = p.in;
+  switch (tr.decay) {
+    case Decay::none: break;
+    case Decay::retnet: {
+      std::vector<double> g(H);
+      for (int64_t h = 0; h < H; ++h) g[h] = std::log1p(-std::pow(2.0, -5.0 - static_cast<double>(h)));
+      in.g = at::tensor(g, at::TensorOptions().dtype(at::kDouble)).to(x.options()).view({1, 1, H}).expand({B, T, H});
+      break;
+    }
+    case Decay::mamba: {
+      auto dt = at::softplus(at::linear(x, a_proj_) + dt_bias_);  // [B,T,H]
+      in.g = -at::exp(A_log_) * dt;                               // dt·A, A = −exp(A_log)
+      if (tr.mamba2) k = k * dt.unsqueeze(-1);                    // B·dt
+      break;
+    }
+    case Decay::gla:
+      in.gk = (at::log_sigmoid(at::linear(at::linear(x, gk_proj0_), gk_proj1_, gk_bias_)) / kGlaGateNormalizer)
+                  .view({B, T, H, dk});
+      break;
+  }
+  if (tr.beta) in.beta = at::sigmoid(at::linear(x, b_proj_));
+  if (tr.levels) {
+    int64_t L = levels_for(T, ctx), Lp = l_proj_.size(0) / H;
+    auto w = l_proj_.view({H, Lp, spec_.d_model}).narrow(1, 0, L).reshape({H * L, spec_.d_model});
+    in.l = at::softplus(at::linear(x, w)).view({B, T, H, L});
+  }
+  if (tr.mamba2) p.skip = v;
+  if (tr.gated_norm) p.z = at::linear(x, z_proj_).view({B, T, H, dv});
+
+  // Sliding window across slices: prepend the previous slice's last keys and values (rounded up to
+  // whole chunks); their query rows are zeros and their outputs are dropped.
+  if (spec_.kind == "softmax_attn" && spec_.window > 1 && ctx.halo) {
+    int64_t h = ceil_to(spec_.window - 1, spec_.chunk_size);
+    auto kv = at::cat({k.reshape({B, T, H * dk}), v.reshape({B, T, H * dv})}, -1);
+    auto halo = ctx.halo(kv, h);
+    if (halo.defined()) {
+      k = at::cat({halo.narrow(-1, 0, H * dk).view({B, h, H, dk}), k}, 1);
+      v = at::cat({halo.narrow(-1, H * dk, H * dv).view({B, h, H, dv}), v}, 1);
+      q = at::cat({at::zeros({B, h, H, dk}, q.options()), q}, 1);
+      p.kv_halo = h;
+    }
+  }
+  in.q = q, in.k = k, in.v = v;
+  return p;
+}
+
+MixerInputs MixerLayer::mixer_inputs(const Tensor& x, const MixerLayerContext& ctx) const {
+  return project(x, ctx).in;
+}
+
+MixerLayerOutput MixerLayer::forward(const Tensor& x, const State& initial_state,
+                                     const MixerLayerContext& ctx) const {
+  auto p = project(x, ctx);
+  const int64_t B = x.size(0), T = x.size(1);
+  auto opt = mixer_options(T, ctx);
+  MixerOutput out = ctx.run_mixer ? ctx.run_mixer(*mixer_, p.in, initial_state, opt)
+                                  : mixer_->chunkwise(p.in, initial_state, opt);
+  Tensor o = out.o;
+  if (p.kv_halo > 0) o = o.narrow(1, p.kv_halo, T);
+  o = o.to(x.scalar_type());
+
+  if (is_mamba1(spec_)) {
+    auto y = o.squeeze(-1) + D_ * p.skip;  // [B,T,D]
+    return {at::linear(y * at::silu(p.z), o_proj_), out.final_state};
+  }
+  if (p.skip.defined()) o = o + D_.view({1, 1, -1, 1}) * p.skip;
+  if (has_o_norm_) o = o_norm_.forward_gated(o, p.z);
+  return {at::linear(o.reshape({B, T, -1}), o_proj_), out.final_state};
+}
+
+}  // namespace carry

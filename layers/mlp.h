@@ -1,0 +1,20 @@
+// SwiGLU MLP: y = W2 (silu(W1 x) ⊙ W3 x), W1, W3: d_model -> hidden, W2: hidden -> d_model, no biases.
+// Initialization: W1, W3 ~ N(0, init_std²); W2 ~ N(0, (init_std / sqrt(2·n_layers))²), the GPT-2 scaling
+// of projections that write into the residual stream.
+#pragma once
+
+#include "layers/parameters.h"
+
+namespace carry {
+
+struct SwiGLU {
+  SwiGLU() = default;
+  SwiGLU(int64_t d_model, int64_t hidden, double init_std, int64_t n_layers, ParameterInit& init);
+  Tensor forward(const Tensor& x) const;
+  // "w1.weight" [hidden, d], "w3.weight" [hidden, d], "w2.weight" [d, hidden].
+  NamedParameters parameters() const;
+
+  Tensor w1, w3, w2;
+};
+
+}  // namespace carry

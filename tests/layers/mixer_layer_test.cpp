@@ -1,0 +1,242 @@
+// Tests of layers/mixer_layer.*: for every kind, the layer with the family's chunkwise form equals it
+// with the naive form (fp64, outputs and input gradients); the short convolution and the whole layer
+// are causal; a sequence cut in two slices, the second given the first's final state, its halo and its
+// offset, gives the whole sequence's outputs (what sequence parallelism will rely on); bad kinds and
+// inputs are refused with clear messages.
+#include "layers/mixer_layer.h"
+
+#include "layers/common.h"
+
+#include <gtest/gtest.h>
+
+#include <torch/csrc/autograd/autograd.h>
+
+namespace carry {
+namespace {
+
+constexpr int64_t kD = 16, kT = 32, kB = 2;
+
+MixerLayerSpec small_spec(const std::string& kind, int64_t conv_size, int64_t window = 0) {
+  MixerLayerSpec s;
+  s.kind = kind;
+  s.d_model = kD;
+  s.n_heads = 2;
+  s.head_dim_k = 8;
+  s.head_dim_v = 6;
+  s.chunk_size = 8;
+  s.conv_size = conv_size;
+  s.window = window;
+  s.normalize = kind == "linear_attn";
+  s.n_layers = 2;
+  s.init_std = 0.3;  // larger than a model's 0.02, so that every term matters in the comparisons
+  return s;
+}
+
+struct Case {
+  std::string kind;
+  int64_t conv_size;
+  int64_t window;
+};
+
+std::vector<Case> all_cases() {
+  std::vector<Case> cases;
+  for (auto& k : mixer_layer_kinds()) {
+    if (k == "softmax_attn") {
+      cases.push_back({k, 0, 0});
+      cases.push_back({k, 0, 11});
+    } else {
+      cases.push_back({k, 4, 0});
+    }
+  }
+  cases.push_back({"gla", 0, 0});
+  return cases;
+}
+
+std::string case_name(const Case& c) {
+  return c.kind + " conv " + std::to_string(c.conv_size) + " window " + std::to_string(c.window);
+}
+
+Tensor random_x(uint64_t seed, int64_t T = kT) {
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(seed);
+  return at::randn({kB, T, kD}, gen, at::TensorOptions().dtype(at::kDouble));
+}
+
+double rel(const Tensor& a, const Tensor& b) {
+  return (a - b).abs().max().item<double>() / std::max(b.abs().max().item<double>(), 1e-300);
+}
+
+MixerLayerContext naive_context() {
+  MixerLayerContext c;
+  c.run_mixer = [](const Mixer& m, const MixerInputs& in, const State& s, const MixerOptions& o) {
+    return m.naive(in, s, o);
+  };
+  return c;
+}
+
+TEST(MixerLayer, EveryConfigKindHasARegisteredFamily) {
+  auto names = mixer_names();
+  for (auto& k : mixer_layer_kinds()) {
+    auto f = mixer_layer_family(k);
+    EXPECT_NE(std::find(names.begin(), names.end(), f), names.end()) << k << " -> " << f;
+  }
+  EXPECT_EQ(mixer_layer_family("mamba2"), "scalar_decay");
+  EXPECT_EQ(mixer_layer_family("nonsense"), "");
+}
+
+TEST(MixerLayer, ChunkwiseEqualsNaiveForEveryKind) {
+  for (auto& c : all_cases()) {
+    ParameterInit init(3, at::TensorOptions().dtype(at::kDouble));
+    MixerLayer layer(small_spec(c.kind, c.conv_size, c.window), init);
+    auto x = random_x(5).set_requires_grad(true);
+    auto w = random_x(6);
+    auto y_chunk = layer.forward(x).y;
+    auto y_naive = layer.forward(x, {}, naive_context()).y;
+    auto g_chunk = torch::autograd::grad({(y_chunk * w).sum()}, {x})[0];
+    auto g_naive = torch::autograd::grad({(y_naive * w).sum()}, {x})[0];
+    double ey = rel(y_chunk, y_naive), eg = rel(g_chunk, g_naive);
+    std::printf("[ errors   ] mixer layer %-36s chunkwise vs naive: y %.2e, dx %.2e\n", case_name(c).c_str(), ey,
+                eg);
+    EXPECT_LE(ey, 1e-10) << case_name(c);
+    EXPECT_LE(eg, 1e-10) << case_name(c);
+    EXPECT_GT(y_chunk.abs().max().item<double>(), 1e-3) << case_name(c) << ": outputs all but zero";
+  }
+}
+
+TEST(MixerLayer, ConvolutionIsCausalAndTakesItsHaloExactly) {
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(1);
+  auto opt = at::TensorOptions().dtype(at::kDouble);
+  auto x = at::randn({2, 12, 5}, gen, opt), w = at::randn({5, 4}, gen, opt);
+  auto y = causal_conv1d(x, w);
+  for (int64_t t0 = 0; t0 < 12; ++t0) {
+    auto x2 = x.clone();
+    x2.narrow(1, t0 + 1, 12 - t0 - 1).add_(at::randn({2, 12 - t0 - 1, 5}, gen, opt));
+    auto y2 = causal_conv1d(x2, w);
+    EXPECT_TRUE(at::equal(y2.narrow(1, 0, t0 + 1), y.narrow(1, 0, t0 + 1))) << "t0 " << t0;
+    if (t0 + 1 < 12) EXPECT_FALSE(at::equal(y2, y));  // the perturbation is seen later
+  }
+  // A slice with the 3 tokens before it as halo gives the whole sequence's outputs, bit for bit.
+  auto tail = causal_conv1d(x.narrow(1, 5, 7), w, x.narrow(1, 2, 3));
+  EXPECT_TRUE(at::equal(tail, y.narrow(1, 5, 7)));
+  // Known values: y_t = Σ_j w[:,j] x_{t-3+j}.
+  auto expect = w.select(1, 3) * x.select(1, 2) + w.select(1, 2) * x.select(1, 1) + w.select(1, 1) * x.select(1, 0);
+  EXPECT_LE((y.select(1, 2) - expect).abs().max().item<double>(), 1e-14);
+  try {
+    causal_conv1d(x, w, at::zeros({2, 2, 5}, opt));
+    ADD_FAILURE() << "a halo of the wrong length was accepted";
+  } catch (const c10::Error& e) {
+    EXPECT_NE(std::string(e.what_without_backtrace()).find("halo must be [2, 3, 5]"), std::string::npos)
+        << e.what_without_backtrace();
+  }
+}
+
+TEST(MixerLayer, LayerIsCausalForEveryKind) {
+  for (auto& c : all_cases()) {
+    ParameterInit init(4, at::TensorOptions().dtype(at::kDouble));
+    MixerLayer layer(small_spec(c.kind, c.conv_size, c.window), init);
+    auto x = random_x(7);
+    auto y = layer.forward(x).y;
+    for (int64_t t0 : {3, 8, 20}) {
+      auto x2 = x.clone();
+      x2.narrow(1, t0 + 1, kT - t0 - 1).mul_(-2.0).add_(0.5);
+      auto y2 = layer.forward(x2).y;
+      double before = (y2.narrow(1, 0, t0 + 1) - y.narrow(1, 0, t0 + 1)).abs().max().item<double>();
+      double after = (y2 - y).abs().max().item<double>();
+      EXPECT_LE(before, 1e-13 * y.abs().max().item<double>()) << case_name(c) << " t0 " << t0;
+      EXPECT_GT(after, 1e-6) << case_name(c) << ": later inputs change nothing";
+    }
+  }
+}
+
+// The sequence in two slices: the second gets the first's final state, the tokens before it through
+// `halo`, its absolute offset and the whole sequence's length. Same outputs as one slice (softmax_attn
+// only with a window, whose keys the halo brings; full causal attention cannot be cut).
+TEST(MixerLayer, TwoSlicesWithStateHaloAndOffsetEqualTheWholeSequence) {
+  for (auto& c : all_cases()) {
+    if (c.kind == "softmax_attn" && c.window == 0) continue;
+    ParameterInit init(8, at::TensorOptions().dtype(at::kDouble));
+    MixerLayer layer(small_spec(c.kind, c.conv_size, c.window), init);
+    auto x = random_x(9);
+    auto whole = layer.forward(x).y;
+    const int64_t T1 = kT / 2;
+    std::vector<Tensor> seen;  // what the first slice handed to `halo`, in call order
+    MixerLayerContext first;
+    first.sequence_length = kT;
+    first.halo = [&](const Tensor& t, int64_t) {
+      seen.push_back(t);
+      return Tensor();  // the first slice starts the sequence
+    };
+    auto a = layer.forward(x.narrow(1, 0, T1), {}, first);
+    size_t call = 0;
+    MixerLayerContext second;
+    second.offset = T1;
+    second.sequence_length = kT;
+    second.halo = [&](const Tensor& t, int64_t n) {
+      EXPECT_LT(call, seen.size());
+      auto& prev = seen.at(call++);
+      EXPECT_EQ(prev.sizes(), t.sizes());
+      return prev.narrow(1, prev.size(1) - n, n);
+    };
+    auto b = layer.forward(x.narrow(1, T1, kT - T1), a.final_state, second);
+    EXPECT_EQ(call, seen.size()) << case_name(c);
+    auto cut = at::cat({a.y, b.y}, 1);
+    double e = rel(cut, whole);
+    std::printf("[ errors   ] mixer layer %-36s two slices vs whole: %.2e\n", case_name(c).c_str(), e);
+    EXPECT_LE(e, 1e-12) << case_name(c);
+  }
+}
+
+TEST(MixerLayer, ParametersAreNamedLeavesInAFixedOrder) {
+  ParameterInit init(1, at::TensorOptions().dtype(at::kDouble));
+  MixerLayer layer(small_spec("gated_deltanet", 4), init);
+  std::vector<std::string> names;
+  for (auto& [n, t] : layer.parameters()) {
+    names.push_back(n);
+    EXPECT_TRUE(t.requires_grad() && t.is_leaf()) << n;
+    EXPECT_EQ(t.scalar_type(), at::kDouble) << n;
+  }
+  std::vector<std::string> expect = {"q_proj.weight", "k_proj.weight", "v_proj.weight", "q_conv.weight",
+                                     "k_conv.weight", "v_conv.weight", "a_proj.weight", "dt_bias",
+                                     "A_log",         "b_proj.weight", "z_proj.weight", "o_norm.weight",
+                                     "o_proj.weight"};
+  EXPECT_EQ(names, expect);
+  // Decays at initialization: exp(−A·softplus(dt_bias)) within [exp(−16·0.1), exp(−0.001)] (zero input).
+  MixerLayer mamba(small_spec("mamba2", 4), init);
+  auto p = mamba.parameters();
+  Tensor A_log, dt_bias;
+  for (auto& [n, t] : p) {
+    if (n == "A_log") A_log = t;
+    if (n == "dt_bias") dt_bias = t;
+  }
+  auto decay = at::exp(-at::exp(A_log) * at::softplus(dt_bias));
+  EXPECT_GE(decay.min().item<double>(), std::exp(-1.6) - 1e-12);
+  EXPECT_LE(decay.max().item<double>(), std::exp(-0.001) + 1e-12);
+}
+
+TEST(MixerLayer, RefusesUnknownKindsAndBadInputs) {
+  ParameterInit init(1, at::TensorOptions().dtype(at::kDouble));
+  try {
+    MixerLayer layer(small_spec("mamba3", 0), init);
+    ADD_FAILURE() << "unknown kind accepted";
+  } catch (const c10::Error& e) {
+    std::string m = e.what_without_backtrace();
+    EXPECT_NE(m.find("unknown mixer kind 'mamba3'"), std::string::npos) << m;
+    EXPECT_NE(m.find("gated_deltanet"), std::string::npos) << m;
+  }
+  MixerLayer layer(small_spec("gla", 0), init);
+  try {
+    layer.forward(at::randn({2, 16, kD + 1}, at::kDouble));
+    ADD_FAILURE() << "wrong width accepted";
+  } catch (const c10::Error& e) {
+    EXPECT_NE(std::string(e.what_without_backtrace()).find("x must be [B, T, 16]"), std::string::npos);
+  }
+  try {
+    layer.forward(at::randn({2, 12, kD}, at::kDouble));  // 12 is not a multiple of chunk_size 8
+    ADD_FAILURE() << "partial chunk accepted";
+  } catch (const c10::Error& e) {
+    EXPECT_NE(std::string(e.what_without_backtrace()).find("multiple of chunk_size=8"), std::string::npos)
+        << e.what_without_backtrace();
+  }
+}
+
+}  // namespace
+}  // namespace carry
