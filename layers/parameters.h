@@ -27,13 +27,18 @@ class ParameterInit {
 
   // N(0, std²) entries.
   Tensor normal(at::IntArrayRef shape, double std) {
+    if (meta()) return shape_only(shape);
     return leaf(at::empty(shape, at::kFloat).normal_(0.0, std, gen_));
   }
   // U(low, high) entries.
   Tensor uniform(at::IntArrayRef shape, double low, double high) {
+    if (meta()) return shape_only(shape);
     return leaf(at::empty(shape, at::kFloat).uniform_(low, high, gen_));
   }
-  Tensor full(at::IntArrayRef shape, double value) { return leaf(at::full(shape, value, at::kFloat)); }
+  Tensor full(at::IntArrayRef shape, double value) {
+    if (meta()) return shape_only(shape);
+    return leaf(at::full(shape, value, at::kFloat));
+  }
   // A value computed in fp32 on the CPU (e.g. from uniform_cpu) made a parameter.
   Tensor leaf(const Tensor& cpu_fp32) {
     return cpu_fp32.to(options_).detach().set_requires_grad(true);
@@ -43,8 +48,12 @@ class ParameterInit {
     return at::empty(shape, at::kFloat).uniform_(low, high, gen_);
   }
   const at::TensorOptions& options() const { return options_; }
+  // On the meta device (shapes only, no storage: parameter counts of full-size models) nothing is drawn.
+  bool meta() const { return options_.device().is_meta(); }
 
  private:
+  Tensor shape_only(at::IntArrayRef shape) { return at::empty(shape, options_).set_requires_grad(true); }
+
   at::Generator gen_;
   at::TensorOptions options_;
 };
