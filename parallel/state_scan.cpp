@@ -106,8 +106,7 @@ Agreement agree_layout(const Mixer& m, Communicator& sp, const MixerInputs& in, 
       if (!init.empty()) {  // rank 0: the initial state must be laid out like a state
         State zero = m.zero_state(in, lopt);
         bool same = zero.size() == init.size();
-        for (size_t i = 0; same && i < init.size(); ++i)
-          same = init[i].sizes() == zero[i].sizes();
+        for (size_t i = 0; same && i < init.size(); ++i) same = init[i].sizes() == zero[i].sizes();
         if (!same) {
           std::ostringstream msg;
           msg << "initial_state must have " << zero.size() << " entries shaped";
@@ -280,7 +279,7 @@ Adjoint combine(const Mixer& m, const Adjoint& a, const Adjoint& b, bool need_tr
 
 // One head group's local graph (all heads when the heads are not grouped).
 struct HeadGroup {
-  std::vector<Tensor> leaves;  // the defined inputs' heads of the group, kInputNames order, detached
+  std::vector<Tensor> leaves;  // the group's heads of the defined inputs (kInputNames order)
   State s_in;                  // leaves requiring grad
   Tensor o;                    // local graph outputs
   State s_out;
@@ -293,11 +292,11 @@ struct ScanContext {
   MixerOptions opt;  // this rank's (offset of the slice)
   std::string what;
   int r = 0, P = 1;
-  int64_t heads_per_group = 0;     // heads of each group (inputs: dim 2, states: dim 1)
-  std::vector<HeadGroup> groups;   // ordered: G groups in order; tree / allgather: one
+  int64_t heads_per_group = 0;         // heads of each group (inputs: dim 2, states: dim 1)
+  std::vector<HeadGroup> groups;       // ordered: G groups in order; tree / allgather: one
   std::vector<bool> input_wants_grad;  // per defined input, kInputNames order
-  size_t n_init = 0;  // initial-state entries among the node's inputs (rank 0)
-  Summary summary;    // tree / allgather: this rank's summary (rank 0: initial state folded)
+  size_t n_init = 0;                   // initial-state entries among the node's inputs (rank 0)
+  Summary summary;  // tree / allgather: this rank's summary (rank 0: initial state folded)
   std::vector<Summary> all_summaries;  // allgather: every rank's
 };
 
@@ -570,9 +569,8 @@ MixerOutput sp_mixer_forward(const Mixer& mixer, Communicator& sp, const MixerIn
     // is the zero state of all heads narrowed on dim 1.
     State part = mixer.zero_state(heads_of(in, 0, n_heads), lopt);
     auto names = mixer.state_names();
-    TORCH_CHECK(part.size() == zero.size(), what, ": head_groups=", G,
-                ": the family's state has ", zero.size(), " entries for all heads but ",
-                part.size(), " for a group of heads");
+    TORCH_CHECK(part.size() == zero.size(), what, ": head_groups=", G, ": the family's state has ",
+                zero.size(), " entries for all heads but ", part.size(), " for a group of heads");
     for (size_t i = 0; i < zero.size(); ++i) {
       auto expect = zero[i].sizes().vec();
       bool ok = zero[i].dim() >= 2 && zero[i].size(1) == H;

@@ -4,9 +4,9 @@
 // are exercised before such families are registered), and for every scan mode: the outputs, the
 // final state and the gradients of every input and of the initial state, gathered over the sp
 // group, equal one serial chunkwise run (ordered: bit for bit; tree/allgather: 1e-12 in fp64, 1e-5
-// in fp32), also on a dp × sp grid; ordered pipelined over G = 1, 2 and H head groups is bit for bit
-// the serial run too. Also: the communicators' operations, the same clear error on every rank for
-// bad layouts and head groups, and a timeout that names the operation instead of hanging.
+// in fp32), also on a dp × sp grid; ordered pipelined over G = 1, 2 and H head groups is bit for
+// bit the serial run too. Also: the communicators' operations, the same clear error on every rank
+// for bad layouts and head groups, and a timeout that names the operation instead of hanging.
 #include "parallel/process_group.h"
 #include "parallel/state_scan.h"
 #include "tests/layers/mixer_testing.h"
@@ -702,11 +702,11 @@ TEST(InvalidHeadGroups, SameErrorOnEveryRank) {
       "shape [2, 8, 4, 6]");
   if (W > 1) {
     // Ranks asking for different groupings.
-    expect_same_error_everywhere(
-        error_of([&] {
-          sp_mixer_forward(m, *g.sp, in, {}, opt, ScanMode::ordered, r == W - 1 ? 2 : 4);
-        }),
-        "every rank must ask for the same head_groups; got [4, ");
+    expect_same_error_everywhere(error_of([&] {
+                                   sp_mixer_forward(m, *g.sp, in, {}, opt, ScanMode::ordered,
+                                                    r == W - 1 ? 2 : 4);
+                                 }),
+                                 "every rank must ask for the same head_groups; got [4, ");
   }
   // The default: the largest divisor of H up to 4.
   EXPECT_EQ(default_head_groups(1), 1);
