@@ -3,10 +3,17 @@
 // so. NCCL itself is loaded at run time (dlopen of libnccl.so.2, normally the copy libtorch_cuda
 // already loaded), so no link flag is needed and one process never holds two NCCLs.
 //
+// Streams: every operation runs on the communicator's own CUDA stream (a high-priority stream from
+// c10's pool), ordered after the caller's current stream by an event (what the caller enqueued
+// before, e.g. the tensors' computation, comes first), and the caller's stream waits for it by
+// another event (what the caller enqueues after sees the data). Every buffer the NCCL stream
+// touches is recorded on it (CUDACachingAllocator::recordStream), so the allocator never hands its
+// memory out while NCCL may still use it.
+//
 // Timeouts: the communicator is nonblocking (ncclConfig_t::blocking = 0), so no NCCL call blocks
-// the host; every operation is enqueued on the current CUDA stream and then polled
-// (ncclCommGetAsyncError and a CUDA event) against the timeout. On timeout the NCCL communicator is
-// aborted (ncclCommAbort) and the failure handled as CommOptions says (MPI_Abort, or CommError).
+// the host; every operation is enqueued and then polled (ncclCommGetAsyncError and the event that
+// follows it on the NCCL stream) against the timeout. On timeout the NCCL communicator is aborted
+// (ncclCommAbort) and the failure handled as CommOptions says (MPI_Abort, or CommError).
 #include "parallel/process_group.h"
 
 #include <c10/util/Exception.h>
@@ -19,6 +26,7 @@
 
 #ifdef CARRY_HAVE_NCCL
 
+#include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #include <cuda_runtime_api.h>
@@ -105,6 +113,22 @@ ncclDataType_t nccl_type_of(at::ScalarType t) {
   }
 }
 
+// A CUDA event without timing, destroyed on every path out.
+class CudaEvent {
+ public:
+  CudaEvent() {
+    cudaError_t e = cudaEventCreateWithFlags(&event_, cudaEventDisableTiming);
+    TORCH_CHECK(e == cudaSuccess, "NCCL backend: cudaEventCreate failed: ", cudaGetErrorString(e));
+  }
+  ~CudaEvent() { cudaEventDestroy(event_); }
+  CudaEvent(const CudaEvent&) = delete;
+  CudaEvent& operator=(const CudaEvent&) = delete;
+  cudaEvent_t get() const { return event_; }
+
+ private:
+  cudaEvent_t event_ = nullptr;
+};
+
 class NcclCommunicator final : public Communicator {
  public:
   NcclCommunicator(ncclComm_t comm, int rank, int size, int device, std::vector<int> world_ranks,
@@ -114,7 +138,9 @@ class NcclCommunicator final : public Communicator {
         size_(size),
         device_(device),
         world_ranks_(std::move(world_ranks)),
-        opt_(std::move(opt)) {}
+        opt_(std::move(opt)),
+        stream_(c10::cuda::getStreamFromPool(/*isHighPriority=*/true,
+                                             static_cast<c10::DeviceIndex>(device))) {}
 
   ~NcclCommunicator() override {
     if (!broken_.empty() || comm_ == nullptr) return;
@@ -160,7 +186,7 @@ class NcclCommunicator final : public Communicator {
       if (src != dst) peers.push_back(src);
     }
     if (peers.empty()) return;
-    run(op, peers, [&](cudaStream_t s) {
+    run(op, peers, {sbuf, rbuf}, [&](cudaStream_t s) {
       ncclResult_t r = nccl().GroupStart();
       if (r != ncclSuccess) return r;
       // Zero-byte messages are skipped on both sides (both know the size).
@@ -182,9 +208,11 @@ class NcclCommunicator final : public Communicator {
     auto sizes = t.sizes().vec();
     sizes.insert(sizes.begin(), size_);
     Tensor out = at::empty(sizes, buf.options());
-    run(describe("all_gather", buf.nbytes(), -1, "", -1), all_peers(), [&](cudaStream_t s) {
-      return nccl().AllGather(buf.data_ptr(), out.data_ptr(), buf.nbytes(), ncclUint8, comm_, s);
-    });
+    run(describe("all_gather", buf.nbytes(), -1, "", -1), all_peers(), {buf, out},
+        [&](cudaStream_t s) {
+          return nccl().AllGather(buf.data_ptr(), out.data_ptr(), buf.nbytes(), ncclUint8, comm_,
+                                  s);
+        });
     if (t.device() != device()) out = out.to(t.device());
     return out.unbind(0);
   }
@@ -192,16 +220,18 @@ class NcclCommunicator final : public Communicator {
   void all_reduce_sum(Tensor& t) override {
     Tensor buf = on_device(t).clone();
     auto type = nccl_type_of(buf.scalar_type());
-    run(describe("all_reduce_sum", buf.nbytes(), -1, "", -1), all_peers(), [&](cudaStream_t s) {
-      return nccl().AllReduce(buf.data_ptr(), buf.data_ptr(), buf.numel(), type, ncclSum, comm_, s);
-    });
+    run(describe("all_reduce_sum", buf.nbytes(), -1, "", -1), all_peers(), {buf},
+        [&](cudaStream_t s) {
+          return nccl().AllReduce(buf.data_ptr(), buf.data_ptr(), buf.numel(), type, ncclSum, comm_,
+                                  s);
+        });
     t.copy_(buf);
   }
 
   void broadcast(Tensor& t, int root) override {
     check_peer(root, "broadcast");
     Tensor buf = on_device(t).clone();
-    run(describe("broadcast", buf.nbytes(), -1, "from root", root), all_peers(),
+    run(describe("broadcast", buf.nbytes(), -1, "from root", root), all_peers(), {buf},
         [&](cudaStream_t s) {
           return nccl().Broadcast(buf.data_ptr(), buf.data_ptr(), buf.nbytes(), ncclUint8, root,
                                   comm_, s);
@@ -211,7 +241,7 @@ class NcclCommunicator final : public Communicator {
 
   void barrier() override {
     Tensor one = at::ones({1}, at::TensorOptions().dtype(at::kFloat).device(device()));
-    run("barrier", all_peers(), [&](cudaStream_t s) {
+    run("barrier", all_peers(), {one}, [&](cudaStream_t s) {
       return nccl().AllReduce(one.data_ptr(), one.data_ptr(), 1, ncclFloat32, ncclSum, comm_, s);
     });
   }
@@ -246,15 +276,32 @@ class NcclCommunicator final : public Communicator {
                 ", this is rank ", rank_, ")");
   }
 
-  // Enqueues one operation on the current stream of our device and waits for it, polling NCCL's
-  // async error and a CUDA event against the timeout.
+  // Runs one operation on our NCCL stream, after the work already on the caller's current stream,
+  // and waits for it, polling NCCL's async error and a CUDA event against the timeout; the
+  // caller's stream then waits for it too. `buffers`: the tensors the operation reads or writes
+  // (undefined entries skipped).
   template <class Enqueue>
-  void run(const std::string& op, const std::vector<int>& peers, Enqueue enqueue) {
+  void run(const std::string& op, const std::vector<int>& peers,
+           std::initializer_list<Tensor> buffers, Enqueue enqueue) {
     if (!broken_.empty())
       fail(detail::comm_error_message(
           *this, op, peers, "communicator unusable after an earlier failure (" + broken_ + ")"));
     c10::cuda::CUDAGuard guard(device_);
-    cudaStream_t stream = c10::cuda::getCurrentCUDAStream(device_).stream();
+    const cudaStream_t caller =
+        c10::cuda::getCurrentCUDAStream(static_cast<c10::DeviceIndex>(device_)).stream();
+    const cudaStream_t stream = stream_.stream();
+    auto cuda_check = [&](cudaError_t e, const char* what) {
+      if (e != cudaSuccess)
+        fail(detail::comm_error_message(*this, op, peers,
+                                        std::string(what) + ": " + cudaGetErrorString(e)));
+    };
+    // The NCCL stream starts after what the caller has enqueued (the buffers' contents).
+    CudaEvent ready, done;
+    cuda_check(cudaEventRecord(ready.get(), caller), "cudaEventRecord on the caller's stream");
+    cuda_check(cudaStreamWaitEvent(stream, ready.get(), 0), "cudaStreamWaitEvent");
+    for (const Tensor& t : buffers)
+      if (t.defined() && t.is_cuda() && t.storage().data_ptr().get() != nullptr)
+        c10::cuda::CUDACachingAllocator::recordStream(t.storage().data_ptr(), stream_);
     auto start = std::chrono::steady_clock::now();
     ncclResult_t r = enqueue(stream);
     if (r != ncclSuccess && r != ncclInProgress) nccl_fail(op, peers, r);
@@ -267,32 +314,20 @@ class NcclCommunicator final : public Communicator {
       if (elapsed(start) > timeout_s()) time_out(op, peers);
       std::this_thread::sleep_for(std::chrono::microseconds(20));
     }
-    cudaEvent_t ev;
-    TORCH_CHECK(cudaEventCreateWithFlags(&ev, cudaEventDisableTiming) == cudaSuccess,
-                "NCCL backend: cudaEventCreate failed");
-    cudaEventRecord(ev, stream);
+    cuda_check(cudaEventRecord(done.get(), stream), "cudaEventRecord on the NCCL stream");
     int spins = 0;
     for (;;) {
-      cudaError_t q = cudaEventQuery(ev);
+      cudaError_t q = cudaEventQuery(done.get());
       if (q == cudaSuccess) break;
-      if (q != cudaErrorNotReady) {
-        cudaEventDestroy(ev);
-        fail(detail::comm_error_message(*this, op, peers,
-                                        std::string("CUDA error: ") + cudaGetErrorString(q)));
-      }
+      if (q != cudaErrorNotReady) cuda_check(q, "CUDA error");
       ncclResult_t st = ncclSuccess;
       nccl().CommGetAsyncError(comm_, &st);
-      if (st != ncclSuccess && st != ncclInProgress) {
-        cudaEventDestroy(ev);
-        nccl_fail(op, peers, st);
-      }
-      if (elapsed(start) > timeout_s()) {
-        cudaEventDestroy(ev);
-        time_out(op, peers);
-      }
+      if (st != ncclSuccess && st != ncclInProgress) nccl_fail(op, peers, st);
+      if (elapsed(start) > timeout_s()) time_out(op, peers);
       if (++spins > 100) std::this_thread::sleep_for(std::chrono::microseconds(20));
     }
-    cudaEventDestroy(ev);
+    // What the caller enqueues next (reading received data) comes after the operation.
+    cuda_check(cudaStreamWaitEvent(caller, done.get(), 0), "cudaStreamWaitEvent");
   }
 
   [[noreturn]] void nccl_fail(const std::string& op, const std::vector<int>& peers,
@@ -318,6 +353,7 @@ class NcclCommunicator final : public Communicator {
   int rank_, size_, device_;
   std::vector<int> world_ranks_;
   CommOptions opt_;
+  c10::cuda::CUDAStream stream_;  // where every NCCL operation of this communicator runs
   std::string broken_;
 };
 

@@ -9,6 +9,7 @@
 #include <torch/csrc/autograd/function.h>
 #include <torch/csrc/autograd/functions/utils.h>
 
+#include <algorithm>
 #include <optional>
 #include <sstream>
 
@@ -20,11 +21,13 @@ namespace {
 
 const char* const kInputNames[] = {"q", "k", "v", "g", "gk", "beta", "l"};
 
-// Message tags: distinct per direction and scan round, so a mismatch shows in error messages.
-constexpr int kTagStateForward = 1;
-constexpr int kTagStateBackward = 2;
+// Message tags: distinct per direction, scan round and head group, so that groups never mix and a
+// mismatch shows in error messages.
 constexpr int kTagTreeForward = 100;   // + round
 constexpr int kTagTreeBackward = 200;  // + round
+constexpr int kTagOrdered = 1000;      // + 2·group (forward), + 2·group + 1 (backward)
+constexpr int kMaxHeadGroups = 8192;   // keeps the ordered tags below MPI's least tag bound 32767
+int ordered_tag(int group, bool backward) { return kTagOrdered + 2 * group + (backward ? 1 : 0); }
 
 std::string join(const std::vector<int64_t>& v) {
   std::ostringstream s;
@@ -44,10 +47,10 @@ Summary detached(const Summary& s) { return {detached(s.transport), detached(s.s
 
 // ---- layout agreement: every rank learns every rank's slice layout and check() verdict ----
 
-// Per rank: [check ok, T, wants grad, then per input name: defined, dtype, dim, sizes without T
-// (dims 0, 2, 3)].
+// Per rank: [check ok, T, wants grad, head_groups, then per input name: defined, dtype, dim, sizes
+// without T (dims 0, 2, 3)].
 constexpr int64_t kFieldsPerInput = 6;
-constexpr int64_t kHeadFields = 3;
+constexpr int64_t kHeadFields = 4;
 
 std::string describe_layout(const int64_t* rec) {
   std::ostringstream s;
@@ -70,7 +73,7 @@ struct Agreement {
 
 // Throws the same message on every rank for layout errors.
 Agreement agree_layout(const Mixer& m, Communicator& sp, const MixerInputs& in, const State& init,
-                       const MixerOptions& opt, const std::string& what) {
+                       const MixerOptions& opt, int head_groups, const std::string& what) {
   const int P = sp.size(), r = sp.rank();
   const int64_t C = opt.chunk_size;
   TORCH_CHECK(C > 0, what, ": chunk_size must be positive, got ", C);
@@ -93,12 +96,26 @@ Agreement agree_layout(const Mixer& m, Communicator& sp, const MixerInputs& in, 
   }
   rec[1] = T;
   rec[2] = wants_grad;
+  rec[3] = head_groups;
   std::string local_error;
   if (T > 0 && T % C == 0) {
     MixerOptions lopt = opt;
     lopt.offset = opt.offset + r * T;
     try {
       m.check(in, lopt, /*chunked=*/true);
+      if (!init.empty()) {  // rank 0: the initial state must be laid out like a state
+        State zero = m.zero_state(in, lopt);
+        bool same = zero.size() == init.size();
+        for (size_t i = 0; same && i < init.size(); ++i) same = init[i].sizes() == zero[i].sizes();
+        if (!same) {
+          std::ostringstream msg;
+          msg << "initial_state must have " << zero.size() << " entries shaped";
+          for (auto& t : zero) msg << " " << t.sizes();
+          msg << "; got " << init.size() << " entries shaped";
+          for (auto& t : init) msg << " " << t.sizes();
+          TORCH_CHECK(false, msg.str());
+        }
+      }
     } catch (const c10::Error& e) {
       local_error = e.what_without_backtrace();
     }
@@ -135,7 +152,13 @@ Agreement agree_layout(const Mixer& m, Communicator& sp, const MixerInputs& in, 
         same, what, ": the ranks' slices differ in inputs, shapes or dtypes: sp rank 0 has ",
         describe_layout(recs[0].data()), "; sp rank ", i, " has ", describe_layout(recs[i].data()));
   }
-  // 3. Every rank's check() passed.
+  // 3. The same head_groups.
+  std::vector<int64_t> groups;
+  for (auto& x : recs) groups.push_back(x[3]);
+  TORCH_CHECK(std::all_of(groups.begin(), groups.end(), [&](int64_t g) { return g == groups[0]; }),
+              what, ": every rank must ask for the same head_groups; got ", join(groups),
+              " (sp ranks 0..", P - 1, ")");
+  // 4. Every rank's check() passed.
   std::vector<int64_t> refused;
   for (int i = 0; i < P; ++i)
     if (!recs[i][0]) refused.push_back(i);
@@ -254,6 +277,14 @@ Adjoint combine(const Mixer& m, const Adjoint& a, const Adjoint& b, bool need_tr
 
 // ---- the autograd node ----
 
+// One head group's local graph (all heads when the heads are not grouped).
+struct HeadGroup {
+  std::vector<Tensor> leaves;  // the group's heads of the defined inputs (kInputNames order)
+  State s_in;                  // leaves requiring grad
+  Tensor o;                    // local graph outputs
+  State s_out;
+};
+
 struct ScanContext {
   const Mixer* mixer = nullptr;
   Communicator* sp = nullptr;
@@ -261,17 +292,16 @@ struct ScanContext {
   MixerOptions opt;  // this rank's (offset of the slice)
   std::string what;
   int r = 0, P = 1;
-  std::vector<Tensor> leaves;  // the defined inputs, kInputNames order, detached
-  State s_in;                  // leaves requiring grad
-  Tensor o;                    // local graph outputs
-  State s_out;
-  size_t n_init = 0;  // initial-state entries among the node's inputs (rank 0)
-  Summary summary;    // tree / allgather: this rank's summary (rank 0: initial state folded)
+  int64_t heads_per_group = 0;         // heads of each group (inputs: dim 2, states: dim 1)
+  std::vector<HeadGroup> groups;       // ordered: G groups in order; tree / allgather: one
+  std::vector<bool> input_wants_grad;  // per defined input, kInputNames order
+  size_t n_init = 0;                   // initial-state entries among the node's inputs (rank 0)
+  Summary summary;  // tree / allgather: this rank's summary (rank 0: initial state folded)
   std::vector<Summary> all_summaries;  // allgather: every rank's
 };
 
-// Gradients of the local graph with cotangents (d_o, d_s_out) for `inputs`; zeros for unused ones.
-variable_list local_vjp(const ScanContext& c, const Tensor& d_o, const State& d_s_out,
+// Gradients of a local graph with cotangents (d_o, d_s_out) for `inputs`; zeros for unused ones.
+variable_list local_vjp(const HeadGroup& c, const Tensor& d_o, const State& d_s_out,
                         const variable_list& inputs, bool retain) {
   variable_list outs, cots;
   if (d_o.defined() && c.o.requires_grad()) {
@@ -343,6 +373,32 @@ State reverse_allgather(const ScanContext& c, const State& g) {
   return lambda;
 }
 
+// Heads [g·n, (g+1)·n) of every entry along `dim`; undefined entries stay undefined.
+std::vector<Tensor> heads_of(const std::vector<Tensor>& ts, int64_t dim, int g, int64_t n) {
+  std::vector<Tensor> out;
+  for (auto& t : ts) out.push_back(t.defined() ? t.narrow(dim, g * n, n) : t);
+  return out;
+}
+
+MixerInputs heads_of(const MixerInputs& in, int g, int64_t n) {
+  MixerInputs out;
+  for (const char* name : kInputNames)
+    if (in.get(name).defined()) out.get(name) = in.get(name).narrow(2, g * n, n);
+  return out;
+}
+
+// Entry i of every list, concatenated along `dim` (a single list is returned as it is).
+std::vector<Tensor> cat_entries(const std::vector<std::vector<Tensor>>& lists, int64_t dim) {
+  if (lists.size() == 1) return lists[0];
+  std::vector<Tensor> out;
+  for (size_t i = 0; i < lists[0].size(); ++i) {
+    std::vector<Tensor> parts;
+    for (auto& l : lists) parts.push_back(l[i]);
+    out.push_back(at::cat(parts, dim));
+  }
+  return out;
+}
+
 class ScanBackward final : public torch::autograd::Node {
  public:
   explicit ScanBackward(std::shared_ptr<ScanContext> ctx) : ctx_(std::move(ctx)) {}
@@ -357,36 +413,64 @@ class ScanBackward final : public torch::autograd::Node {
                 "the first; retain_graph is not supported)");
     at::NoGradGuard no_grad;  // what we build here is not differentiated again
     auto c = std::move(ctx_);
-    const int r = c->r, P = c->P;
+    const int r = c->r, P = c->P, G = static_cast<int>(c->groups.size());
+    const int64_t n = c->heads_per_group;
     Tensor d_o = grads.at(0);
     State direct(grads.begin() + 1, grads.end());
 
-    // Λ_{r+1}: the gradient at the state leaving this rank, from the ranks after it.
-    State lambda_next;
-    if (c->mode == ScanMode::ordered) {
-      if (r < P - 1) {
-        CommContext ctx(c->what + ": ordered backward, state gradient from the next rank");
-        lambda_next = recv_tensors(*c->sp, zeros_like_state(c->s_out), r + 1, kTagStateBackward);
+    // Per head group: the gradients of its leaves (inputs, then S_in).
+    std::vector<variable_list> in_grads;
+    std::vector<State> d_s_in;
+    for (int gi = 0; gi < G; ++gi) {
+      HeadGroup& hg = c->groups[gi];
+      Tensor d_o_g = G > 1 && d_o.defined() ? d_o.narrow(2, gi * n, n) : d_o;
+      State direct_g = G > 1 ? heads_of(direct, 1, gi, n) : direct;
+      // Λ_{r+1}: the gradient at the state leaving this rank, from the ranks after it.
+      State lambda_next;
+      if (c->mode == ScanMode::ordered) {
+        if (r < P - 1) {
+          CommContext ctx(c->what + ": ordered backward, state gradient of head group " +
+                          std::to_string(gi) + " from the next rank");
+          lambda_next =
+              recv_tensors(*c->sp, zeros_like_state(hg.s_out), r + 1, ordered_tag(gi, true));
+        }
+      } else {
+        TORCH_INTERNAL_ASSERT(G == 1, "only the ordered scan groups heads");
+        // g_r: the gradient at S_in of this rank's own outputs and direct final-state gradient.
+        State g = local_vjp(hg, d_o_g, direct_g, hg.s_in, /*retain=*/true);
+        lambda_next =
+            c->mode == ScanMode::tree ? reverse_tree_scan(*c, g) : reverse_allgather(*c, g);
       }
-    } else {
-      // g_r: the gradient at S_in of this rank's own outputs and direct final-state gradient.
-      State g = local_vjp(*c, d_o, direct, c->s_in, /*retain=*/true);
-      lambda_next = c->mode == ScanMode::tree ? reverse_tree_scan(*c, g) : reverse_allgather(*c, g);
-    }
-    State d_s_out = add(direct, lambda_next);
+      State d_s_out = add(direct_g, lambda_next);
 
-    variable_list inputs = c->leaves;
-    inputs.insert(inputs.end(), c->s_in.begin(), c->s_in.end());
-    auto g = local_vjp(*c, d_o, d_s_out, inputs, /*retain=*/false);
-    State d_s_in(g.end() - c->s_in.size(), g.end());
-    if (c->mode == ScanMode::ordered && r > 0) {
-      CommContext ctx(c->what + ": ordered backward, state gradient to the previous rank");
-      send_tensors(*c->sp, d_s_in, r - 1, kTagStateBackward);
+      variable_list inputs = hg.leaves;
+      inputs.insert(inputs.end(), hg.s_in.begin(), hg.s_in.end());
+      auto g = local_vjp(hg, d_o_g, d_s_out, inputs, /*retain=*/false);
+      State d_s_in_g(g.end() - hg.s_in.size(), g.end());
+      if (c->mode == ScanMode::ordered && r > 0) {
+        CommContext ctx(c->what + ": ordered backward, state gradient of head group " +
+                        std::to_string(gi) + " to the previous rank");
+        send_tensors(*c->sp, d_s_in_g, r - 1, ordered_tag(gi, true));
+      }
+      g.resize(hg.leaves.size());
+      in_grads.push_back(std::move(g));
+      d_s_in.push_back(std::move(d_s_in_g));
+      hg = HeadGroup{};  // frees the group's graph
     }
     variable_list out;
-    for (size_t i = 0; i < c->leaves.size(); ++i)
-      out.push_back(c->leaves[i].requires_grad() ? g[i] : Tensor());
-    for (size_t i = 0; i < c->n_init; ++i) out.push_back(d_s_in[i]);
+    for (size_t i = 0; i < c->input_wants_grad.size(); ++i) {
+      if (!c->input_wants_grad[i]) {
+        out.emplace_back();
+        continue;
+      }
+      std::vector<Tensor> parts;
+      for (auto& g : in_grads) parts.push_back(g[i]);
+      out.push_back(G == 1 ? parts[0] : at::cat(parts, 2));
+    }
+    if (c->n_init > 0) {
+      State d_init = cat_entries(d_s_in, 1);
+      for (size_t i = 0; i < c->n_init; ++i) out.push_back(d_init[i]);
+    }
     return out;
   }
 
@@ -434,17 +518,27 @@ MixerInputs sp_slice(const MixerInputs& whole, int sp_rank, int sp_size, int64_t
   return whole.slice(sp_rank * len, len);
 }
 
+int default_head_groups(int64_t heads) {
+  for (int g = 4; g > 1; --g)
+    if (heads % g == 0) return g;
+  return 1;
+}
+
 MixerOutput sp_mixer_forward(const Mixer& mixer, Communicator& sp, const MixerInputs& in,
-                             const State& initial_state, const MixerOptions& opt, ScanMode mode) {
+                             const State& initial_state, const MixerOptions& opt, ScanMode mode,
+                             int head_groups) {
   const int r = sp.rank(), P = sp.size();
   // Rank-independent, so that layout errors read the same on every rank.
   std::string what = "sequence-parallel " + scan_mode_name(mode) + " scan of " + mixer.name() +
                      " over sp=" + std::to_string(P) + " ranks";
   TORCH_CHECK(mixer.has_summary(), what,
               ": the family has no recurrent state to pass between ranks");
+  TORCH_CHECK(head_groups >= 0 && head_groups <= kMaxHeadGroups, what,
+              ": head_groups must be in 0..", kMaxHeadGroups, " (0 = the default), got ",
+              head_groups);
   State init = r == 0 ? initial_state : State{};
   for (auto& t : init) TORCH_CHECK(t.defined(), what, ": initial_state has an undefined entry");
-  const Agreement agreed = agree_layout(mixer, sp, in, init, opt, what);
+  const Agreement agreed = agree_layout(mixer, sp, in, init, opt, head_groups, what);
   const int64_t T = agreed.T;
   const bool wants_grad = agreed.wants_grad;
   MixerOptions lopt = opt;
@@ -455,6 +549,40 @@ MixerOutput sp_mixer_forward(const Mixer& mixer, Communicator& sp, const MixerIn
     if (in.get(n).defined()) xs.push_back(in.get(n));
 
   State zero = mixer.zero_state(in, lopt);
+
+  // Head groups. From here on every check depends only on the agreed layout and head_groups, so it
+  // fails alike on every rank.
+  int64_t H = 0;
+  for (auto& x : xs)
+    if (x.dim() >= 3) {
+      H = x.size(2);
+      break;
+    }
+  TORCH_CHECK(H > 0, what, ": no input has a head dimension (dim 2 of [B, T, H, ...])");
+  TORCH_CHECK(head_groups == 0 || H % head_groups == 0, what, ": head_groups=", head_groups,
+              " must divide the number of heads H=", H);
+  int G = head_groups == 0 ? default_head_groups(H) : head_groups;
+  if (mode != ScanMode::ordered) G = 1;  // only the ordered chain is pipelined
+  const int64_t n_heads = H / G;
+  if (G > 1) {
+    // Every state entry must hold the heads at dim 1, whole: the zero state of the group's heads
+    // is the zero state of all heads narrowed on dim 1.
+    State part = mixer.zero_state(heads_of(in, 0, n_heads), lopt);
+    auto names = mixer.state_names();
+    TORCH_CHECK(part.size() == zero.size(), what, ": head_groups=", G, ": the family's state has ",
+                zero.size(), " entries for all heads but ", part.size(), " for a group of heads");
+    for (size_t i = 0; i < zero.size(); ++i) {
+      auto expect = zero[i].sizes().vec();
+      bool ok = zero[i].dim() >= 2 && zero[i].size(1) == H;
+      if (ok) expect[1] = n_heads;
+      ok = ok && part[i].sizes().vec() == expect;
+      TORCH_CHECK(ok, what, ": head_groups=", G, " needs every state entry to hold the heads at ",
+                  "dim 1, but entry ", i, (i < names.size() ? " ('" + names[i] + "')" : ""),
+                  " has shape ", zero[i].sizes(), " for H=", H, " heads and ", part[i].sizes(),
+                  " for ", n_heads, "; use head_groups=1 for this family");
+    }
+  }
+
   auto c = std::make_shared<ScanContext>();
   c->mixer = &mixer;
   c->sp = &sp;
@@ -463,23 +591,65 @@ MixerOutput sp_mixer_forward(const Mixer& mixer, Communicator& sp, const MixerIn
   c->what = what;
   c->r = r;
   c->P = P;
+  c->heads_per_group = n_heads;
+  c->groups.resize(G);
+  for (auto& x : xs) c->input_wants_grad.push_back(x.requires_grad());
 
-  // S_in, outside autograd (its gradient is routed by our backward).
-  State s_in;
-  {
-    at::NoGradGuard no_grad;
-    MixerInputs det;
-    for (const char* n : kInputNames)
-      if (in.get(n).defined()) det.get(n) = in.get(n).detach();
-    State init_det = init.empty() ? zero : detached(init);
-    if (mode == ScanMode::ordered) {
+  MixerInputs det;
+  for (const char* n : kInputNames)
+    if (in.get(n).defined()) det.get(n) = in.get(n).detach();
+  State init_det = init.empty() ? zero : detached(init);
+
+  // The local forward of one head group with its S_in: with autograd on leaves that stand for the
+  // group's inputs and S_in when some rank differentiates.
+  auto local_forward = [&](int gi, const State& s_in) {
+    const MixerInputs in_g = G > 1 ? heads_of(in, gi, n_heads) : in;
+    if (!wants_grad) {
+      at::NoGradGuard no_grad;
+      return mixer.chunkwise(in_g, s_in, lopt);
+    }
+    at::AutoGradMode grad_on(true);
+    HeadGroup& hg = c->groups[gi];
+    MixerInputs leaf_in;
+    for (const char* n : kInputNames) {
+      const Tensor& t = in_g.get(n);
+      if (!t.defined()) continue;
+      leaf_in.get(n) = t.detach().requires_grad_(t.requires_grad());
+      hg.leaves.push_back(leaf_in.get(n));
+    }
+    for (auto& t : s_in) hg.s_in.push_back(t.detach().requires_grad_(true));
+    MixerOutput out = mixer.chunkwise(leaf_in, hg.s_in, lopt);
+    hg.o = out.o;
+    hg.s_out = out.final_state;
+    return out;
+  };
+
+  std::vector<MixerOutput> outs;
+  if (mode == ScanMode::ordered) {
+    // Per head group: S_in from r−1 (rank 0: the initial state), the local forward, S_out to r+1.
+    for (int gi = 0; gi < G; ++gi) {
+      State s_in;
       if (r > 0) {
-        CommContext ctx(what + ": ordered forward, state from the previous rank");
-        s_in = recv_tensors(sp, zero, r - 1, kTagStateForward);
+        at::NoGradGuard no_grad;
+        CommContext ctx(what + ": ordered forward, state of head group " + std::to_string(gi) +
+                        " from the previous rank");
+        s_in = recv_tensors(sp, G > 1 ? heads_of(zero, 1, gi, n_heads) : zero, r - 1,
+                            ordered_tag(gi, false));
       } else {
-        s_in = init_det;
+        s_in = G > 1 ? heads_of(init_det, 1, gi, n_heads) : init_det;
       }
-    } else {
+      outs.push_back(local_forward(gi, s_in));
+      if (r < P - 1) {
+        CommContext ctx(what + ": ordered forward, state of head group " + std::to_string(gi) +
+                        " to the next rank");
+        send_tensors(sp, detached(outs.back().final_state), r + 1, ordered_tag(gi, false));
+      }
+    }
+  } else {
+    // S_in, outside autograd (its gradient is routed by our backward).
+    State s_in;
+    {
+      at::NoGradGuard no_grad;
       Summary mine = mixer.summarize(det, lopt);
       if (r == 0 && !init.empty()) mine.state = mixer.apply(mine, init_det);  // fold S_init in
       mine = detached(mine);
@@ -517,34 +687,27 @@ MixerOutput sp_mixer_forward(const Mixer& mixer, Communicator& sp, const MixerIn
       s_in = r == 0 ? init_det : detached(prefix->state);
       c->summary = mine;
     }
+    outs.push_back(local_forward(0, s_in));
   }
 
-  // The local forward: with autograd on leaves that stand for this rank's inputs and S_in.
+  // This rank's outputs: the groups' heads side by side.
   MixerOutput out;
-  if (wants_grad) {
-    at::AutoGradMode grad_on(true);
-    MixerInputs leaf_in;
-    for (const char* n : kInputNames) {
-      const Tensor& t = in.get(n);
-      if (!t.defined()) continue;
-      leaf_in.get(n) = t.detach().requires_grad_(t.requires_grad());
-      c->leaves.push_back(leaf_in.get(n));
-    }
-    for (auto& t : s_in) c->s_in.push_back(t.detach().requires_grad_(true));
-    out = mixer.chunkwise(leaf_in, c->s_in, lopt);
+  if (G == 1) {
+    out = outs[0];
   } else {
-    at::NoGradGuard no_grad;
-    out = mixer.chunkwise(in, s_in, lopt);
-  }
-  if (mode == ScanMode::ordered && r < P - 1) {
-    CommContext ctx(what + ": ordered forward, state to the next rank");
-    send_tensors(sp, detached(out.final_state), r + 1, kTagStateForward);
+    std::vector<Tensor> os;
+    std::vector<State> finals;
+    for (auto& o : outs) {
+      os.push_back(o.o);
+      finals.push_back(o.final_state);
+    }
+    at::NoGradGuard no_grad;  // the node below carries the gradient
+    out.o = at::cat(os, 2);
+    out.final_state = cat_entries(finals, 1);
   }
   if (!wants_grad) return out;
 
-  // Attach the node: outputs are detached aliases of the local graph's outputs.
-  c->o = out.o;
-  c->s_out = out.final_state;
+  // Attach the node: outputs are detached aliases of the local graphs' outputs.
   c->n_init = init.size();
   variable_list node_inputs = xs;
   node_inputs.insert(node_inputs.end(), init.begin(), init.end());

@@ -6,7 +6,13 @@
 //
 // Forward modes:
 //   ordered   rank r receives S_in from r−1, runs its chunkwise form, sends S_out to r+1. The same
-//             chunk operations in the same order as one serial run: bit-identical to it.
+//             chunk operations in the same order as one serial run: bit-identical to it (on CPU;
+//             see DESIGN.md §3 for what that needs). Pipelined by head groups (ZeCO's All-Scan):
+//             the heads are cut into G groups and, per group g = 0..G−1, rank r receives group g's
+//             S_in, runs the chunkwise form on those heads and sends their S_out on at once, so
+//             rank r+1 starts group g while rank r computes group g+1: about (G+P−1)/G local
+//             forwards instead of P. Heads are independent in every family (inputs narrow on dim
+//             2, every state entry has the heads at dim 1).
 //   tree      every rank summarizes its slice (rank 0 folds the initial state in with apply); an
 //             exclusive Hillis-Steele scan over ranks with compose(first, second) gives S_in in
 //             ⌈log2 P⌉ rounds; then the local chunkwise form. Equal to serial up to rounding.
@@ -16,8 +22,10 @@
 //   Λ_r = g_r + A_rᵀ·Λ_{r+1},  Λ_P = 0,
 // and rank r's local backward with dS_out = (direct) + Λ_{r+1} gives every input gradient (and, on
 // rank 0, Λ_0 = the initial state's). ordered passes Λ along the chain; tree runs the mirrored
-// log-depth scan of the maps x ↦ g + Aᵀx; allgather gathers the g's. Aᵀ·x is the vector-Jacobian
-// product of apply(summary, S) in S (apply is affine in S), so no family needs transpose code.
+// log-depth scan of the maps x ↦ g + Aᵀx; allgather gathers the g's. ordered runs per head group
+// too: group g's Λ arrives from r+1, its local backward runs, its Λ_r leaves for r−1 at once. Aᵀ·x
+// is the vector-Jacobian product of apply(summary, S) in S (apply is affine in S), so no family
+// needs transpose code.
 #pragma once
 
 #include "layers/mixer.h"
@@ -44,10 +52,18 @@ MixerInputs sp_slice(const MixerInputs& whole, int sp_rank, int sp_size, int64_t
 // state). Differentiable in every input and in rank 0's initial state when autograd is on: the
 // backward is collective too (every rank of `sp` must run it, and in the same order as the
 // forwards; `sp` and `mixer` must outlive it; it runs once: no retain_graph, no double backward).
-// The backward needs the local graph of the forward, kept until then. Layout errors (lengths, shapes, dtypes differ or are not whole chunks) are detected
-// together, so every rank throws the same message; an input refused by one rank's check() is
-// reported on all.
+// The backward needs the local graph of the forward, kept until then. Layout errors (lengths,
+// shapes, dtypes differ or are not whole chunks) are detected together, so every rank throws the
+// same message; an input refused by one rank's check() (or a wrongly shaped initial_state on
+// rank 0) is reported on all.
+// `head_groups` (ordered mode; the other modes check it and run all heads at once): the number G
+// of head groups the chain is pipelined over; it must divide the number of heads H and be the same
+// on every rank. 1 = no pipelining; 0 = default_head_groups(H).
 MixerOutput sp_mixer_forward(const Mixer& mixer, Communicator& sp, const MixerInputs& in,
-                             const State& initial_state, const MixerOptions& opt, ScanMode mode);
+                             const State& initial_state, const MixerOptions& opt, ScanMode mode,
+                             int head_groups = 0);
+
+// The default number of head groups for H heads: the largest divisor of H that is at most 4.
+int default_head_groups(int64_t heads);
 
 }  // namespace carry::parallel

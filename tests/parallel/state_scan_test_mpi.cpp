@@ -4,8 +4,9 @@
 // are exercised before such families are registered), and for every scan mode: the outputs, the
 // final state and the gradients of every input and of the initial state, gathered over the sp
 // group, equal one serial chunkwise run (ordered: bit for bit; tree/allgather: 1e-12 in fp64, 1e-5
-// in fp32), also on a dp × sp grid. Also: the communicators' operations, the same clear error on
-// every rank for bad layouts, and a timeout that names the operation instead of hanging.
+// in fp32), also on a dp × sp grid; ordered pipelined over G = 1, 2 and H head groups is bit for
+// bit the serial run too. Also: the communicators' operations, the same clear error on every rank
+// for bad layouts and head groups, and a timeout that names the operation instead of hanging.
 #include "parallel/process_group.h"
 #include "parallel/state_scan.h"
 #include "tests/layers/mixer_testing.h"
@@ -114,6 +115,29 @@ const Mixer& dense_delta_for_tests() {
   static DenseDeltaForTests m;
   return m;
 }
+
+// test_dense_delta with its state's heads moved to dim 2 (S [B,dk,H,dv]): only zero_state is
+// consulted before the scan refuses to cut its heads into groups.
+class HeadsNotAtDim1ForTests final : public Mixer {
+ public:
+  std::string name() const override { return "test_heads_not_at_dim1"; }
+  std::vector<std::string> input_names() const override { return base().input_names(); }
+  std::vector<std::string> state_names() const override { return base().state_names(); }
+  State zero_state(const MixerInputs& in, const MixerOptions& opt) const override {
+    State z = base().zero_state(in, opt);
+    return {z[0].transpose(1, 2).contiguous(), z[1]};
+  }
+  MixerOutput naive(const MixerInputs& in, const State& s, const MixerOptions& o) const override {
+    return base().naive(in, s, o);
+  }
+  MixerOutput chunkwise(const MixerInputs& in, const State& s,
+                        const MixerOptions& o) const override {
+    return base().chunkwise(in, s, o);
+  }
+
+ private:
+  static const Mixer& base() { return dense_delta_for_tests(); }
+};
 
 std::vector<std::string> family_names() {
   std::vector<std::string> names;
@@ -325,12 +349,13 @@ ScanRun serial_run(const Mixer& m, const MixerInputs& in, const State& init,
 
 // The sp group, each rank its slice; results gathered on every rank of the group.
 ScanRun parallel_run(const Mixer& m, Communicator& sp, const MixerInputs& whole, const State& init,
-                     const MixerOptions& opt, const Weights& w, ScanMode mode) {
+                     const MixerOptions& opt, const Weights& w, ScanMode mode,
+                     int head_groups = 0) {
   const int r = sp.rank(), P = sp.size();
   MixerInputs local = sp_slice(whole, r, P, opt.chunk_size);
   int64_t len = local.q.size(1);
   Leaves leaves = make_leaves(local, r == 0 ? init : State{});
-  auto out = sp_mixer_forward(m, sp, leaves.in, leaves.state, opt, mode);
+  auto out = sp_mixer_forward(m, sp, leaves.in, leaves.state, opt, mode, head_groups);
   Tensor loss = (out.o * w.o.narrow(1, r * len, len)).sum();
   if (r == P - 1)
     loss = loss + weighted(out.final_state, w.final_state);
@@ -447,6 +472,61 @@ TEST_P(SequenceParallel, ScanOverNcclOnGpus) {
   const Mixer& m = family(GetParam());
   ProcessGroups& g = nccl_groups(1, world_size());
   check_scan_against_serial(m, g, at::Device(at::kCUDA, world_info().local_rank), " nccl/cuda");
+}
+
+// ordered pipelined over G head groups (H = 4 heads; G = 1, 2, 4): outputs, final state and every
+// gradient bit for bit those of one serial chunkwise run over all heads.
+TEST_P(SequenceParallel, OrderedHeadGroupsBitwiseEqualSerial) {
+  const Mixer& m = family(GetParam());
+  ProcessGroups& g = groups(1, world_size());
+  const int P = g.layout.sp;
+  struct Variant {
+    at::ScalarType dtype;
+    bool boundaries, normalize;
+  };
+  for (int G : {1, 2, 4}) {
+    for (auto v : {Variant{at::kDouble, false, false}, Variant{at::kDouble, true, true},
+                   Variant{at::kFloat, true, false}}) {
+      Shape s;
+      s.B = 2;
+      s.T = 128;
+      s.H = 4;
+      s.dk = 8;
+      s.dv = 6;
+      s.offset = 64;
+      MixerOptions opt;
+      opt.chunk_size = 16;
+      opt.offset = s.offset;
+      opt.normalize = v.normalize;
+      uint64_t seed = 77 + G + 10 * v.boundaries;
+      auto in = random_inputs(m, s, v.dtype, seed);
+      State init = random_state(m, in, opt, seed + 1);
+      auto w = random_weights(m, in, opt, P, v.boundaries, seed + 2);
+      ScanRun par = parallel_run(m, *g.sp, in, init, opt, w, ScanMode::ordered, G);
+      double e_out = 0, e_grad = 0, not_bitwise = 0, zero_grad = 0;
+      if (g.sp_rank == 0) {
+        ScanRun ser = serial_run(m, in, init, opt, w, P);
+        e_out = carry::testing::max_rel_err(par.outputs, ser.outputs);
+        e_grad = carry::testing::max_rel_err(par.grads, ser.grads);
+        not_bitwise =
+            !(bitwise_equal(par.outputs, ser.outputs) && bitwise_equal(par.grads, ser.grads));
+        for (auto& t : par.grads) zero_grad += t.abs().max().item<double>() == 0;
+      }
+      e_out = max_over_world(e_out);
+      e_grad = max_over_world(e_grad);
+      not_bitwise = max_over_world(not_bitwise);
+      zero_grad = max_over_world(zero_grad);
+      std::string tag = m.name() + " ordered head_groups=" + std::to_string(G) + " of H=4 " +
+                        (v.dtype == at::kDouble ? "fp64" : "fp32") + " sp=" + std::to_string(P) +
+                        (v.boundaries ? " +boundary-loss" : "") +
+                        (v.normalize ? " normalized" : "");
+      if (world_rank() == 0)
+        std::cout << "[ errors   ] " << tag << ": forward " << e_out << " gradients " << e_grad
+                  << (not_bitwise ? "" : " (bitwise equal)") << "\n";
+      EXPECT_EQ(not_bitwise, 0) << tag << ": not bit-identical";
+      EXPECT_EQ(zero_grad, 0) << tag << ": a gradient is all zeros";
+    }
+  }
 }
 
 INSTANTIATE_TEST_SUITE_P(AllFamilies, SequenceParallel, ::testing::ValuesIn(family_names()),
@@ -594,6 +674,47 @@ TEST(InvalidLayouts, SameErrorOnEveryRank) {
   }
 }
 
+TEST(InvalidHeadGroups, SameErrorOnEveryRank) {
+  const int W = world_size();
+  ProcessGroups& g = groups(1, W);
+  const Mixer& m = dense_delta_for_tests();
+  const int r = g.sp_rank;
+  MixerOptions opt;
+  opt.chunk_size = 16;
+  Shape s;
+  s.T = 16 * W;
+  s.H = 4;
+  auto whole = random_inputs(m, s, at::kDouble, 8);
+  auto in = sp_slice(whole, r, W, opt.chunk_size);
+  // Not a divisor of the heads, in every mode.
+  for (ScanMode mode : {ScanMode::ordered, ScanMode::tree, ScanMode::allgather})
+    expect_same_error_everywhere(
+        error_of([&] { sp_mixer_forward(m, *g.sp, in, {}, opt, mode, 3); }),
+        "head_groups=3 must divide the number of heads H=4");
+  expect_same_error_everywhere(
+      error_of([&] { sp_mixer_forward(m, *g.sp, in, {}, opt, ScanMode::ordered, -1); }),
+      "head_groups must be in 0..");
+  // A state without its heads at dim 1 cannot be cut into head groups (but runs with one group).
+  HeadsNotAtDim1ForTests heads_last;
+  expect_same_error_everywhere(
+      error_of([&] { sp_mixer_forward(heads_last, *g.sp, in, {}, opt, ScanMode::ordered, 2); }),
+      "head_groups=2 needs every state entry to hold the heads at dim 1, but entry 0 ('S') has "
+      "shape [2, 8, 4, 6]");
+  if (W > 1) {
+    // Ranks asking for different groupings.
+    expect_same_error_everywhere(error_of([&] {
+                                   sp_mixer_forward(m, *g.sp, in, {}, opt, ScanMode::ordered,
+                                                    r == W - 1 ? 2 : 4);
+                                 }),
+                                 "every rank must ask for the same head_groups; got [4, ");
+  }
+  // The default: the largest divisor of H up to 4.
+  EXPECT_EQ(default_head_groups(1), 1);
+  EXPECT_EQ(default_head_groups(6), 3);
+  EXPECT_EQ(default_head_groups(7), 1);
+  EXPECT_EQ(default_head_groups(16), 4);
+}
+
 // ---- timeouts: an error naming the operation, not a hang ----
 
 TEST(Timeouts, MissingPeerGivesAnErrorNamingTheOperation) {
@@ -675,7 +796,7 @@ TEST(Timeouts, MissingPeerGivesAnErrorNamingTheOperation) {
     }
     world.barrier();
     // The late contribution completes the collective the others abandoned.
-    if (r == W - 1) error_of_comm([&] { c->all_gather(at::zeros({3 + 7 * 6}, at::kLong)); });
+    if (r == W - 1) error_of_comm([&] { c->all_gather(at::zeros({4 + 7 * 6}, at::kLong)); });
     world.barrier();
   }
 }
