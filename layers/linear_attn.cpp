@@ -75,7 +75,7 @@ class LinearAttention final : public Mixer {
       }
       outs.push_back(o);
       S = S + at::matmul(kc.transpose(-1, -2), vc);
-      z = z + kc.sum(-2);
+      z = z + kc.contiguous().sum(-2);  // contiguous: the same summation order for any head count
     }
     return {from_bhtd(merge_chunks(at::stack(outs, 2))), {S, z}};
   }
