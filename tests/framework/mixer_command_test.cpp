@@ -3,14 +3,14 @@
 // the mixer directly with autograd, in fp64; every usage and data error gives its message and exit code.
 #include "framework/mixer_command.h"
 #include "framework/safetensors.h"
+#include "tests/framework/temp_dir.h"
 #include "tests/layers/mixer_testing.h"
 
 #include <torch/csrc/autograd/autograd.h>
 
 #include <gtest/gtest.h>
 
-#include <filesystem>
-#include <unistd.h>
+#include <cstdio>
 
 namespace carry::testing {
 namespace {
@@ -18,11 +18,14 @@ namespace {
 #define EXPECT_CONTAINS(text, part) \
   EXPECT_NE(std::string(text).find(part), std::string::npos) << "missing '" << (part) << "' in: " << (text)
 
+// A file in this process's temporary directory (removed at exit).
 std::string temp_path(const std::string& name) {
-  auto dir = std::filesystem::path(::testing::TempDir()) /
-             ("carry_mixer_command_" + std::to_string(::getpid()));
-  std::filesystem::create_directories(dir);
-  return (dir / name).string();
+  struct Dir {
+    std::string path = make_temp_dir("carry_mixer_command");
+    ~Dir() { remove_tree(path); }
+  };
+  static Dir dir;
+  return dir.path + "/" + name;
 }
 
 // Runs `carry mixer <args>` in-process; returns the exit code, stderr in *err.
@@ -185,6 +188,7 @@ TEST(MixerCommand, HelpAndUsage) {
   std::string out = ::testing::internal::GetCapturedStdout();
   EXPECT_CONTAINS(out, "usage: carry mixer --family NAME");
   EXPECT_CONTAINS(out, "linear_attn: q, k, v; optional initial state initial_state.S, initial_state.z");
+  EXPECT_CONTAINS(out, "--sp-mode M       sequence parallelism over the MPI ranks");
 }
 
 TEST(MixerCommand, ErrorsGiveMessageAndExitCode) {
@@ -258,13 +262,13 @@ TEST(MixerCommand, ErrorsGiveMessageAndExitCode) {
   for (auto& c : cases) {
     SCOPED_TRACE(c.what);
     save_safetensors(input, c.file);
-    std::filesystem::remove(output);
+    std::remove(output.c_str());
     std::string err;
     EXPECT_EQ(run_command(c.args, &err), c.rc) << err;
     EXPECT_EQ(err.rfind("carry mixer: ", 0), 0u) << err;
     EXPECT_EQ(std::count(err.begin(), err.end(), '\n'), 1) << "one line: " << err;
     for (auto& part : c.message) EXPECT_CONTAINS(err, part);
-    EXPECT_FALSE(std::filesystem::exists(output)) << "an output was written despite the error";
+    EXPECT_FALSE(exists(output)) << "an output was written despite the error";
   }
 }
 
