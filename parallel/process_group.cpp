@@ -617,6 +617,8 @@ std::vector<std::vector<Tensor>> all_gather_packed(Communicator& comm,
     max_h = std::max(max_h, l[0].item<int64_t>());
     max_p = std::max(max_p, l[1].item<int64_t>());
   }
+  // Every rank's payload starts 16-byte aligned in the gathered buffer, so any dtype can view it.
+  max_p = (max_p + 15) / 16 * 16;
   auto headers = comm.all_gather(at::constant_pad_nd(header, {0, max_h - header.numel()}, 0));
   std::vector<Tensor> payloads;
   if (max_p > 0)

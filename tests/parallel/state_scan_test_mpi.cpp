@@ -585,6 +585,13 @@ void check_communicator(Communicator& c, at::Device dev) {
     EXPECT_FALSE(lists[i][1].defined());
     EXPECT_TRUE(at::equal(lists[i][2], at::full({2, i + 1}, i, opt.dtype(at::kFloat))));
   }
+  // Payloads of odd byte lengths (ending in bytes): the next rank's int64 must still be readable.
+  std::vector<Tensor> odd{at::full({2}, r, opt.dtype(at::kLong)), at::full({2 * r + 3}, r, opt.dtype(at::kByte))};
+  auto odd_lists = all_gather_packed(c, odd, opt);
+  for (int i = 0; i < P; ++i) {
+    EXPECT_TRUE(at::equal(odd_lists[i][0], at::full({2}, i, opt.dtype(at::kLong))));
+    EXPECT_TRUE(at::equal(odd_lists[i][1], at::full({2 * i + 3}, i, opt.dtype(at::kByte))));
+  }
 }
 
 TEST(Communicator, PointToPointAndCollectives) {
