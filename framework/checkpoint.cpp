@@ -7,6 +7,7 @@
 #include "framework/proto/carry.pb.h"
 #include "framework/safetensors.h"
 
+#include <google/protobuf/io/tokenizer.h>
 #include <google/protobuf/text_format.h>
 
 #include <algorithm>
