@@ -2,8 +2,10 @@
 #include "framework/optimizer.h"
 
 #include <ATen/ATen.h>
+#include <ATen/core/grad_mode.h>
 #include <c10/util/Exception.h>
 
+#include <algorithm>
 #include <cmath>
 #include <map>
 
@@ -40,8 +42,8 @@ double clip_grad_norm(const NamedParameters& params, double max_norm) {
 AdamW::AdamW(NamedParameters params, const config::OptimizerConfig& opt)
     : params_(std::move(params)), opt_(opt) {
   for (auto& [name, p] : params_) {
-    exp_avg_.push_back(at::zeros_like(p, at::MemoryFormat::Contiguous).detach());
-    exp_avg_sq_.push_back(at::zeros_like(p, at::MemoryFormat::Contiguous).detach());
+    exp_avg_.push_back(at::zeros(p.sizes(), p.options()));
+    exp_avg_sq_.push_back(at::zeros(p.sizes(), p.options()));
   }
 }
 

@@ -9,8 +9,10 @@
 #include "parallel/halo.h"
 #include "parallel/state_scan.h"
 
+#include <ATen/core/grad_mode.h>
 #include <c10/util/Exception.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstdarg>
@@ -240,10 +242,10 @@ StepStats Trainer::train_step() {
       flat.push_back(p.grad().defined() ? p.grad().reshape({-1}) : at::zeros({p.numel()}, p.options()));
     auto buffer = at::cat(flat);
     groups_->world->all_reduce_sum(buffer);
-    int64_t at = 0;
+    int64_t offset = 0;
     for (auto& [name, p] : params) {
-      p.mutable_grad() = buffer.narrow(0, at, p.numel()).view(p.sizes()).clone();
-      at += p.numel();
+      p.mutable_grad() = buffer.narrow(0, offset, p.numel()).view(p.sizes()).clone();
+      offset += p.numel();
     }
   }
   const double grad_norm = clip_grad_norm(params, config_.optimizer().grad_clip());
