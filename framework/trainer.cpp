@@ -224,7 +224,8 @@ StepStats Trainer::train_step() {
   auto batch = batch_for(step_, false);
   for (auto& [name, p] : model_.parameters()) p.mutable_grad() = at::Tensor();
 
-  auto ce = model_.token_losses(batch.tokens, batch.targets, context());
+  // Ignored targets (kIgnoreIndex) are gathered as token 0 and then weighted by the mask's 0.
+  auto ce = model_.token_losses(batch.tokens, batch.targets.clamp_min(0), context());
   auto w = batch.loss_mask.to(ce.options());
   // [Σ ce·mask, Σ mask] over all ranks; the loss each rank back-propagates is its share of the mean.
   auto sums = at::stack({(ce.detach() * w).sum(), w.sum()}).to(at::kDouble);
