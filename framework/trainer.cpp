@@ -182,7 +182,7 @@ Trainer::Batch Trainer::batch_for(int64_t step, bool eval) const {
   return {slice(tokens), slice(targets), slice(mask)};
 }
 
-ModelContext Trainer::context() const {
+ModelContext Trainer::context(std::vector<at::Tensor>* unused_halos) const {
   ModelContext ctx;
   if (sp_ == 1) return ctx;
   const int64_t T = config_.data().seq_len(), Tp = T / sp_;
@@ -206,13 +206,18 @@ ModelContext Trainer::context() const {
   };
   // The tokens before this slice. Convolutions treat the zeros sp rank 0 receives like the
   // sequence's start; a sliding window must see none there, so rank 0 returns an undefined tensor
-  // for softmax layers (it still takes part in the exchange, collective on every rank).
+  // for softmax layers. It still takes part in the exchange (collective), and its exchange's backward
+  // must still run to receive the gradient of its last tokens from rank 1: the unused halo is kept in
+  // `unused_halos`, which the step adds to its loss times 0.
   std::vector<bool> window_layer;
   for (int64_t i = 0; i < config_.model().n_layers(); ++i)
     window_layer.push_back(layer_mixer(config_.model(), i).kind == "softmax_attn");
-  ctx.halo = [sp, sp_rank, window_layer](int64_t layer, const at::Tensor& x, int64_t n) -> at::Tensor {
+  ctx.halo = [sp, sp_rank, window_layer, unused_halos](int64_t layer, const at::Tensor& x, int64_t n) -> at::Tensor {
     auto got = parallel::halo_exchange(*sp, x, n);
-    if (sp_rank == 0 && window_layer[static_cast<size_t>(layer)]) return at::Tensor();
+    if (sp_rank == 0 && window_layer[static_cast<size_t>(layer)]) {
+      if (unused_halos && got.requires_grad()) unused_halos->push_back(got);
+      return at::Tensor();
+    }
     return got;
   };
   return ctx;
@@ -225,7 +230,8 @@ StepStats Trainer::train_step() {
   for (auto& [name, p] : model_.parameters()) p.mutable_grad() = at::Tensor();
 
   // Ignored targets (kIgnoreIndex) are gathered as token 0 and then weighted by the mask's 0.
-  auto ce = model_.token_losses(batch.tokens, batch.targets.clamp_min(0), context());
+  std::vector<at::Tensor> unused_halos;
+  auto ce = model_.token_losses(batch.tokens, batch.targets.clamp_min(0), context(&unused_halos));
   auto w = batch.loss_mask.to(ce.options());
   // [Σ ce·mask, Σ mask] over all ranks; the loss each rank back-propagates is its share of the mean.
   auto sums = at::stack({(ce.detach() * w).sum(), w.sum()}).to(at::kDouble);
@@ -233,6 +239,7 @@ StepStats Trainer::train_step() {
   const double loss_sum = sums[0].item<double>(), count = sums[1].item<double>();
   TORCH_CHECK(count > 0, "trainer: step ", step_, ": the loss mask selects no token in the global batch");
   auto local = (ce * w).sum() / count;
+  for (auto& h : unused_halos) local = local + 0 * h.sum();  // see context()
   local.backward();
 
   // Sum the gradients over all ranks in one message.

@@ -29,6 +29,7 @@
 #include <cstdio>
 #include <memory>
 #include <string>
+#include <vector>
 
 namespace carry {
 
@@ -93,7 +94,9 @@ class Trainer {
     at::Tensor tokens, targets, loss_mask;  // this rank's slice [B, T/sp]
   };
   Batch batch_for(int64_t step, bool eval) const;
-  ModelContext context() const;
+  // The model context of this rank's slice; halos this rank receives but does not use (sp rank 0,
+  // sliding windows) are appended to `unused_halos` when given.
+  ModelContext context(std::vector<at::Tensor>* unused_halos = nullptr) const;
   void all_reduce(at::Tensor& t, bool sp_only = false) const;
   void log(const char* fmt, ...) const;
   void write_metrics(const std::string& json_line) const;
