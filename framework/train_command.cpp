@@ -7,6 +7,7 @@
 #include "parallel/process_group.h"
 
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <string>
 #include <vector>
@@ -60,7 +61,11 @@ int run_train_command(int argc, char** argv) {
   try {
     config = load_run_config(path, overrides);
   } catch (const std::exception& e) {
-    std::fprintf(stderr, "carry train: %s\n", e.what());
+    // Before MPI starts: every rank has the same error; the rank mpirun numbers 0 (or a lone
+    // process) says it.
+    const char* launched_rank = std::getenv("OMPI_COMM_WORLD_RANK");
+    if (!launched_rank) launched_rank = std::getenv("PMI_RANK");
+    if (!launched_rank || std::string(launched_rank) == "0") std::fprintf(stderr, "carry train: %s\n", e.what());
     return 1;
   }
   if (print_world_size) {
