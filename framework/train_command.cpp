@@ -1,0 +1,106 @@
+// `carry train` (see train_command.h): argument parsing, MPI start, process groups, Trainer::run.
+#include "framework/train_command.h"
+
+#include "framework/config.h"
+#include "framework/trainer.h"
+#include "layers/device.h"
+#include "parallel/process_group.h"
+
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <string>
+#include <vector>
+
+namespace carry {
+
+namespace {
+
+const char* kUsage =
+    "usage: carry train RUN.textproto [--set field.path=value ...] [--print-world-size]\n"
+    "  Trains the model of a run config on dp x sp ranks (start them with mpirun -np dp*sp, or use\n"
+    "  launcher/train RUN.textproto, which does). --set overrides config fields (repeatable), e.g.\n"
+    "  --set optimizer.lr=1e-3 --set parallel.sp=2. --print-world-size prints dp*sp and exits.\n";
+
+}  // namespace
+
+int run_train_command(int argc, char** argv) {
+  std::string path;
+  std::vector<std::string> overrides;
+  bool print_world_size = false;
+  for (int i = 1; i < argc; ++i) {
+    std::string a = argv[i];
+    if (a == "--help" || a == "-h") {
+      std::fputs(kUsage, stdout);
+      return 0;
+    } else if (a == "--set") {
+      if (i + 1 >= argc) {
+        std::fprintf(stderr, "carry train: --set needs a value field.path=value\n%s", kUsage);
+        return 2;
+      }
+      overrides.push_back(argv[++i]);
+    } else if (a.rfind("--set=", 0) == 0) {
+      overrides.push_back(a.substr(6));
+    } else if (a == "--print-world-size") {
+      print_world_size = true;
+    } else if (!a.empty() && a[0] == '-') {
+      std::fprintf(stderr, "carry train: unknown flag '%s'\n%s", a.c_str(), kUsage);
+      return 2;
+    } else if (path.empty()) {
+      path = a;
+    } else {
+      std::fprintf(stderr, "carry train: one run config expected, got '%s' and '%s'\n", path.c_str(), a.c_str());
+      return 2;
+    }
+  }
+  if (path.empty()) {
+    std::fputs(kUsage, stderr);
+    return 2;
+  }
+  RunConfig config;
+  try {
+    config = load_run_config(path, overrides);
+  } catch (const std::exception& e) {
+    // Before MPI starts: every rank has the same error; the rank mpirun numbers 0 (or a lone
+    // process) says it.
+    const char* launched_rank = std::getenv("OMPI_COMM_WORLD_RANK");
+    if (!launched_rank) launched_rank = std::getenv("PMI_RANK");
+    if (!launched_rank || std::string(launched_rank) == "0") std::fprintf(stderr, "carry train: %s\n", e.what());
+    return 1;
+  }
+  if (print_world_size) {
+    std::printf("%lld\n", static_cast<long long>(config.parallel().dp() * config.parallel().sp()));
+    return 0;
+  }
+  int rc = 1;
+  try {
+    parallel::init_mpi(&argc, &argv);
+    validate_layout(config, parallel::world_info().size);
+  } catch (const std::exception& e) {
+    // The same on every rank: rank 0 says it.
+    if (parallel::world_info().rank == 0) std::fprintf(stderr, "carry train: %s\n", e.what());
+    parallel::finalize_mpi();
+    return 1;
+  }
+  try {
+    const bool gpu = cuda_device_count() > 0 && parallel::nccl_available();
+    parallel::CommOptions opt;
+    auto groups = std::make_shared<parallel::ProcessGroups>(parallel::make_process_groups(
+        {static_cast<int>(config.parallel().dp()), static_cast<int>(config.parallel().sp())},
+        gpu ? parallel::Backend::nccl : parallel::Backend::mpi, opt));
+    TrainerOptions topt;
+    topt.force_cpu = !gpu;
+    Trainer trainer(config, groups, topt);
+    rc = trainer.run();
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "carry train (rank %d): %s\n", parallel::world_info().rank, e.what());
+    std::fflush(stderr);
+    // The other ranks may be waiting for this one in a collective: stop the whole job.
+    if (parallel::world_info().size > 1) MPI_Abort(MPI_COMM_WORLD, 1);
+    rc = 1;
+  }
+  parallel::finalize_mpi();
+  return rc;
+}
+
+}  // namespace carry

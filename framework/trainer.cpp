@@ -1,0 +1,416 @@
+// The training loop (see trainer.h): batches, the sequence-parallel model context, the global masked
+// loss, the gradient all-reduce, AdamW, logging, evaluation and checkpoints.
+#include "framework/trainer.h"
+
+#include "framework/checkpoint.h"
+#include "framework/synthetic.h"
+#include "framework/token_file.h"
+#include "layers/device.h"
+#include "parallel/halo.h"
+#include "parallel/state_scan.h"
+
+#include <ATen/core/grad_mode.h>
+#include <c10/util/Exception.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdarg>
+#include <cstdio>
+#include <map>
+#include <sstream>
+#include <sys/stat.h>
+#include <unistd.h>
+
+namespace carry {
+
+namespace {
+
+double now_s() {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
+}
+
+// Resident set size of this process in MiB (Linux /proc/self/statm), 0 if unreadable.
+double rss_mib() {
+  std::FILE* f = std::fopen("/proc/self/statm", "r");
+  if (!f) return 0;
+  long pages_total = 0, pages_resident = 0;
+  int got = std::fscanf(f, "%ld %ld", &pages_total, &pages_resident);
+  std::fclose(f);
+  if (got != 2) return 0;
+  return static_cast<double>(pages_resident) * static_cast<double>(::sysconf(_SC_PAGESIZE)) / (1024.0 * 1024.0);
+}
+
+parallel::ScanMode scan_mode_of(config::ParallelConfig::ScanMode m) {
+  switch (m) {
+    case config::ParallelConfig::TREE: return parallel::ScanMode::tree;
+    case config::ParallelConfig::ALLGATHER: return parallel::ScanMode::allgather;
+    default: return parallel::ScanMode::ordered;
+  }
+}
+
+// Creates the parent directories of `path` (POSIX mkdir; existing ones are fine).
+void make_parent_dirs(const std::string& path) {
+  for (size_t i = 1; i < path.size(); ++i)
+    if (path[i] == '/') ::mkdir(path.substr(0, i).c_str(), 0755);
+}
+
+std::string json_number(double x) {
+  if (!std::isfinite(x)) return "null";
+  char buf[64];
+  std::snprintf(buf, sizeof buf, "%.9g", x);
+  return buf;
+}
+
+}  // namespace
+
+// Several token files read as one stream; windows of seq_len+1 tokens at stride seq_len, wrapping
+// around at the end.
+struct Trainer::TokenStream {
+  std::vector<TokenFile> files;
+  std::vector<int64_t> starts;  // first stream position of each file
+  int64_t total = 0;
+
+  explicit TokenStream(const google::protobuf::RepeatedPtrField<std::string>& paths) {
+    for (auto& p : paths) {
+      starts.push_back(total);
+      files.emplace_back(p);
+      total += files.back().size();
+    }
+  }
+  int64_t windows(int64_t seq_len) const { return (total - 1) / seq_len; }
+  void read(int64_t pos, int64_t count, int64_t* out) const {
+    for (size_t i = 0; i < files.size() && count > 0; ++i) {
+      int64_t begin = starts[i], end = starts[i] + files[i].size();
+      if (pos >= end) continue;
+      int64_t n = std::min(count, end - pos);
+      files[i].read(pos - begin, n, out);
+      pos += n, out += n, count -= n;
+    }
+    TORCH_INTERNAL_ASSERT(count == 0, "token stream read past its end");
+  }
+};
+
+Trainer::Trainer(const RunConfig& config, std::shared_ptr<parallel::ProcessGroups> groups,
+                 TrainerOptions options)
+    : config_(config), groups_(std::move(groups)), options_(options) {
+  const auto& par = config_.parallel();
+  if (groups_) {
+    TORCH_CHECK(groups_->layout.dp == par.dp() && groups_->layout.sp == par.sp(),
+                "trainer: the process groups are dp=", groups_->layout.dp, " sp=", groups_->layout.sp,
+                " but the config's parallel section says dp=", par.dp(), " sp=", par.sp());
+    dp_ = groups_->layout.dp, sp_ = groups_->layout.sp;
+    dp_rank_ = groups_->dp_rank, sp_rank_ = groups_->sp_rank;
+  } else {
+    TORCH_CHECK(par.dp() == 1 && par.sp() == 1, "trainer: without process groups the config must say "
+                "parallel { dp: 1 sp: 1 }, got dp=", par.dp(), " sp=", par.sp());
+  }
+  if (!options_.force_cpu && cuda_device_count() > 0) {
+    // One GPU per rank: the communicators were made for device local_rank (Backend::nccl).
+    int local = groups_ ? groups_->world_info.local_rank : 0;
+    device_ = at::Device(at::kCUDA, static_cast<c10::DeviceIndex>(local % cuda_device_count()));
+  }
+  model_ = build_model(config_.model(), config_.seed(), at::TensorOptions().dtype(options_.dtype).device(device_));
+  optimizer_ = std::make_unique<AdamW>(model_.parameters(), config_.optimizer());
+  if (config_.data().has_token_files()) {
+    train_stream_ = std::make_shared<TokenStream>(config_.data().token_files().paths());
+    TORCH_CHECK(train_stream_->windows(config_.data().seq_len()) > 0, "data.token_files.paths: ",
+                train_stream_->total, " tokens are fewer than one window of data.seq_len+1 = ",
+                config_.data().seq_len() + 1);
+    if (config_.data().token_files().eval_paths_size() > 0) {
+      eval_stream_ = std::make_shared<TokenStream>(config_.data().token_files().eval_paths());
+      TORCH_CHECK(eval_stream_->windows(config_.data().seq_len()) > 0, "data.token_files.eval_paths: ",
+                  eval_stream_->total, " tokens are fewer than one window of data.seq_len+1");
+    }
+  }
+}
+
+int Trainer::rank() const { return groups_ ? groups_->world_info.rank : 0; }
+
+void Trainer::log(const char* fmt, ...) const {
+  if (rank() != 0 || !options_.log) return;
+  va_list args;
+  va_start(args, fmt);
+  std::vfprintf(options_.log, fmt, args);
+  va_end(args);
+  std::fflush(options_.log);
+}
+
+void Trainer::write_metrics(const std::string& json_line) const {
+  if (rank() != 0 || !config_.logging().has_metrics_file() || config_.logging().metrics_file().empty()) return;
+  const std::string& path = config_.logging().metrics_file();
+  make_parent_dirs(path);
+  std::FILE* f = std::fopen(path.c_str(), "a");
+  TORCH_CHECK(f, "logging.metrics_file: cannot open '", path, "' for appending");
+  std::fprintf(f, "%s\n", json_line.c_str());
+  std::fclose(f);
+}
+
+void Trainer::all_reduce(at::Tensor& t, bool sp_only) const {
+  if (!groups_) return;
+  auto& comm = sp_only ? *groups_->sp : *groups_->world;
+  if (comm.size() > 1) comm.all_reduce_sum(t);
+}
+
+Trainer::Batch Trainer::batch_for(int64_t step, bool eval) const {
+  const auto& data = config_.data();
+  const int64_t B = data.batch_size(), T = data.seq_len();
+  const auto split = eval ? Split::eval : Split::train;
+  at::Tensor tokens, targets, mask;
+  if (data.has_mqar() || data.has_needle()) {
+    auto b = data.has_mqar() ? mqar_batch(mqar_spec(data), config_.seed(), step, dp_rank_, B, split)
+                             : needle_batch(needle_spec(data), config_.seed(), step, dp_rank_, B, split);
+    tokens = b.tokens, targets = b.targets, mask = b.loss_mask;
+  } else {
+    const TokenStream* stream = eval ? eval_stream_.get() : train_stream_.get();
+    TORCH_CHECK(stream, "trainer: evaluation needs data.token_files.eval_paths");
+    const int64_t windows = stream->windows(T);
+    auto window = at::empty({B, T + 1}, at::kLong);
+    for (int64_t b = 0; b < B; ++b) {
+      int64_t w = ((step * dp_ + dp_rank_) * B + b) % windows;
+      stream->read(w * T, T + 1, window[b].data_ptr<int64_t>());
+    }
+    const int64_t V = config_.model().vocab_size();
+    auto hi = window.max().item<int64_t>();
+    TORCH_CHECK(hi < V, "data.token_files: token id ", hi, " does not fit model.vocab_size = ", V);
+    tokens = window.narrow(1, 0, T).contiguous();
+    targets = window.narrow(1, 1, T).contiguous();
+    mask = at::ones({B, T}, at::kBool);
+  }
+  const int64_t Tp = T / sp_;
+  auto slice = [&](const at::Tensor& x) { return x.narrow(1, sp_rank_ * Tp, Tp).contiguous().to(device_); };
+  return {slice(tokens), slice(targets), slice(mask)};
+}
+
+ModelContext Trainer::context(std::vector<at::Tensor>* unused_halos) const {
+  ModelContext ctx;
+  if (sp_ == 1) return ctx;
+  const int64_t T = config_.data().seq_len(), Tp = T / sp_;
+  ctx.offset = sp_rank_ * Tp;
+  ctx.sequence_length = T;
+  auto sp = groups_->sp;
+  const auto mode = scan_mode_of(config_.parallel().scan_mode());
+  const int sp_rank = sp_rank_;
+  ctx.run_mixer = [sp, mode](int64_t layer, const Mixer& mixer, const MixerInputs& in, const State& s,
+                             const MixerOptions& o) -> MixerOutput {
+    if (mixer.has_summary()) {
+      MixerOptions whole = o;
+      whole.offset = 0;  // sp_mixer_forward wants the sequence's first position; rank r runs at r·T/P
+      return parallel::sp_mixer_forward(mixer, *sp, in, s, whole, mode);
+    }
+    // Softmax attention: local, its sliding window reaches the previous rank through the halo.
+    TORCH_CHECK(o.window > 0, "trainer: layer ", layer, " is full causal softmax attention, which "
+                "cannot run sequence-parallel (parallel.sp = ", sp->size(), "); give it a window "
+                "(mixer_options { kind: \"softmax_attn\" window: ... }) or use sp = 1");
+    return mixer.chunkwise(in, s, o);
+  };
+  // The tokens before this slice. Convolutions treat the zeros sp rank 0 receives like the
+  // sequence's start; a sliding window must see none there, so rank 0 returns an undefined tensor
+  // for softmax layers. It still takes part in the exchange (collective), and its exchange's backward
+  // must still run to receive the gradient of its last tokens from rank 1: the unused halo is kept in
+  // `unused_halos`, which the step adds to its loss times 0.
+  std::vector<bool> window_layer;
+  for (int64_t i = 0; i < config_.model().n_layers(); ++i)
+    window_layer.push_back(layer_mixer(config_.model(), i).kind == "softmax_attn");
+  ctx.halo = [sp, sp_rank, window_layer, unused_halos](int64_t layer, const at::Tensor& x, int64_t n) -> at::Tensor {
+    auto got = parallel::halo_exchange(*sp, x, n);
+    if (sp_rank == 0 && window_layer[static_cast<size_t>(layer)]) {
+      if (unused_halos && got.requires_grad()) unused_halos->push_back(got);
+      return at::Tensor();
+    }
+    return got;
+  };
+  return ctx;
+}
+
+StepStats Trainer::train_step() {
+  const double t0 = now_s();
+  const auto& data = config_.data();
+  auto batch = batch_for(step_, false);
+  for (auto& [name, p] : model_.parameters()) p.mutable_grad() = at::Tensor();
+
+  // Ignored targets (kIgnoreIndex) are gathered as token 0 and then weighted by the mask's 0.
+  std::vector<at::Tensor> unused_halos;
+  auto ce = model_.token_losses(batch.tokens, batch.targets.clamp_min(0), context(&unused_halos));
+  auto w = batch.loss_mask.to(ce.options());
+  // [Σ ce·mask, Σ mask] over all ranks; the loss each rank back-propagates is its share of the mean.
+  auto sums = at::stack({(ce.detach() * w).sum(), w.sum()}).to(at::kDouble);
+  all_reduce(sums);
+  const double loss_sum = sums[0].item<double>(), count = sums[1].item<double>();
+  TORCH_CHECK(count > 0, "trainer: step ", step_, ": the loss mask selects no token in the global batch");
+  auto local = (ce * w).sum() / count;
+  for (auto& h : unused_halos) local = local + 0 * h.sum();  // see context()
+  local.backward();
+
+  // Sum the gradients over all ranks in one message.
+  auto params = model_.parameters();
+  if (groups_ && groups_->world->size() > 1) {
+    std::vector<at::Tensor> flat;
+    for (auto& [name, p] : params)
+      flat.push_back(p.grad().defined() ? p.grad().reshape({-1}) : at::zeros({p.numel()}, p.options()));
+    auto buffer = at::cat(flat);
+    groups_->world->all_reduce_sum(buffer);
+    int64_t offset = 0;
+    for (auto& [name, p] : params) {
+      p.mutable_grad() = buffer.narrow(0, offset, p.numel()).view(p.sizes()).clone();
+      offset += p.numel();
+    }
+  }
+  const double grad_norm = clip_grad_norm(params, config_.optimizer().grad_clip());
+  const double lr = learning_rate(config_.optimizer(), step_);
+  optimizer_->step(lr);
+  ++step_;
+  const int64_t tokens = static_cast<int64_t>(dp_) * data.batch_size() * data.seq_len();
+  tokens_seen_ += tokens;
+  StepStats s;
+  s.step = step_;
+  s.loss = loss_sum / count;
+  s.grad_norm = grad_norm;
+  s.lr = lr;
+  s.tokens = tokens;
+  s.seconds = now_s() - t0;
+  return s;
+}
+
+EvalStats Trainer::evaluate() {
+  at::NoGradGuard no_grad;
+  const int64_t batches = config_.data().eval_batches();
+  // Per rank: [Σ ce·mask, Σ mask, correct]; per sequence (summed over sp): [masked, correct].
+  auto totals = at::zeros({3}, at::kDouble);
+  double sequences = 0, sequences_correct = 0;
+  for (int64_t e = 0; e < batches; ++e) {
+    auto batch = batch_for(e, true);
+    auto logits = model_.forward(batch.tokens, context());
+    auto dt = at::promote_types(logits.scalar_type(), at::kFloat);
+    auto logp = at::log_softmax(logits.to(dt), -1);
+    auto safe_targets = batch.targets.clamp_min(0);
+    auto ce = -logp.gather(-1, safe_targets.unsqueeze(-1)).squeeze(-1);
+    auto w = batch.loss_mask.to(ce.options());
+    auto right = (logits.argmax(-1) == batch.targets).logical_and(batch.loss_mask).to(at::kDouble);
+    auto per_seq = at::stack({batch.loss_mask.to(at::kDouble).sum(1), right.sum(1)}, 1).cpu();  // [B,2]
+    all_reduce(per_seq, /*sp_only=*/true);
+    auto masked = per_seq.select(1, 0), correct = per_seq.select(1, 1);
+    auto has = masked > 0;
+    double n_seq = has.sum().item<double>();
+    double n_ok = (has.logical_and(correct == masked)).sum().item<double>();
+    // Sequences count once per dp rank: only sp rank 0 contributes them to the world sum below.
+    if (sp_rank_ == 0) sequences += n_seq, sequences_correct += n_ok;
+    totals += at::stack({(ce * w).sum().to(at::kDouble).cpu(), w.sum().to(at::kDouble).cpu(),
+                         right.sum().cpu()});
+  }
+  auto all = at::cat({totals, at::tensor({sequences, sequences_correct}, at::kDouble)});
+  all_reduce(all);
+  EvalStats r;
+  double count = all[1].item<double>();
+  r.positions = static_cast<int64_t>(count);
+  r.loss = count > 0 ? all[0].item<double>() / count : 0;
+  r.accuracy = count > 0 ? all[2].item<double>() / count : 0;
+  r.sequence_accuracy = all[3].item<double>() > 0 ? all[4].item<double>() / all[3].item<double>() : 0;
+  return r;
+}
+
+// ---- checkpoints ----
+
+void Trainer::save_checkpoint() {
+  const auto& ck = config_.checkpoint();
+  if (!ck.has_dir() || ck.dir().empty()) return;
+  if (rank() == 0) {
+    CheckpointData d;
+    d.step = step_;
+    d.tokens_seen = tokens_seen_;
+    d.data_cursor = step_;  // the next batch index: batches are functions of (seed, step, dp rank)
+    d.rng_seed = config_.seed();
+    d.config_text = config_to_text(config_);
+    for (auto& [name, p] : model_.parameters()) d.model.emplace_back(name, p.detach());
+    d.optimizer = optimizer_->state();
+    d.extra["world_size"] = std::to_string(dp_ * sp_);
+    carry::save_checkpoint(ck.dir(), d, static_cast<int>(ck.keep_last()));
+  }
+  if (groups_) groups_->world->barrier();
+}
+
+bool Trainer::resume() {
+  const auto& ck = config_.checkpoint();
+  if (!ck.has_dir() || ck.dir().empty()) return false;
+  auto loaded = load_latest_checkpoint(ck.dir());
+  if (!loaded) return false;
+  auto& d = *loaded;
+  auto params = model_.parameters();
+  std::map<std::string, at::Tensor> by_name(d.model.begin(), d.model.end());
+  TORCH_CHECK(by_name.size() == params.size(), "resume from ", ck.dir(), ": the checkpoint holds ",
+              by_name.size(), " model tensors, the model has ", params.size(), " parameters");
+  at::NoGradGuard no_grad;
+  for (auto& [name, p] : params) {
+    auto it = by_name.find(name);
+    TORCH_CHECK(it != by_name.end(), "resume from ", ck.dir(), ": parameter '", name,
+                "' is not in the checkpoint (a different model?)");
+    TORCH_CHECK(it->second.sizes() == p.sizes(), "resume from ", ck.dir(), ": parameter '", name,
+                "' has shape ", it->second.sizes(), " in the checkpoint, the model's is ", p.sizes());
+    p.copy_(it->second);
+  }
+  optimizer_->load_state(d.optimizer, d.step);
+  step_ = d.step;
+  tokens_seen_ = d.tokens_seen;
+  TORCH_CHECK(d.data_cursor == d.step, "resume from ", ck.dir(), ": data_cursor ", d.data_cursor,
+              " differs from step ", d.step, " (this trainer keeps them equal)");
+  return true;
+}
+
+// ---- the run ----
+
+int Trainer::run() {
+  log("config (resolved):\n%s", config_to_text(config_).c_str());
+  log("%s\n", model_.summary().c_str());
+  log("parameters: %lld, ranks: dp %d x sp %d (%s, %s), scan mode %s\n",
+      static_cast<long long>(model_.num_parameters()), dp_, sp_,
+      groups_ ? groups_->world->backend().c_str() : "single process", device_.str().c_str(),
+      parallel::scan_mode_name(scan_mode_of(config_.parallel().scan_mode())).c_str());
+  if (config_.parallel().recompute())
+    log("note: parallel.recompute is not implemented yet; activations are kept\n");
+  if (config_.precision() == RunConfig::BF16)
+    log("note: precision BF16 is not implemented yet; training in fp32\n");
+  if (resume()) log("resumed from %s at step %lld\n", config_.checkpoint().dir().c_str(), static_cast<long long>(step_));
+
+  const int64_t total = config_.optimizer().total_steps();
+  const int64_t log_every = std::max<int64_t>(1, config_.logging().every_steps());
+  const int64_t eval_every = config_.logging().eval_every_steps();
+  const int64_t ckpt_every = config_.checkpoint().every_steps();
+  const double peak = (device_.is_cuda() ? kAssumedGpuPeakFlopsPerRank : kAssumedCpuPeakFlopsPerRank) * dp_ * sp_;
+  const double flops_per_token = 6.0 * static_cast<double>(model_.num_parameters());
+  int64_t window_tokens = 0;
+  double window_seconds = 0;
+  while (step_ < total) {
+    auto s = train_step();
+    window_tokens += s.tokens, window_seconds += s.seconds;
+    if (s.step % log_every == 0 || s.step == total || s.step == 1) {
+      const double tps = window_seconds > 0 ? window_tokens / window_seconds : 0;
+      const double mfu = flops_per_token * tps / peak;
+      const double rss = rss_mib();
+      log("step %6lld/%lld | loss %.4f | grad norm %.3f | lr %.3e | %.0f tok/s | MFU %.2f%% | rss %.0f MiB\n",
+          static_cast<long long>(s.step), static_cast<long long>(total), s.loss, s.grad_norm, s.lr, tps,
+          100 * mfu, rss);
+      std::ostringstream js;
+      js << "{\"step\":" << s.step << ",\"loss\":" << json_number(s.loss) << ",\"grad_norm\":"
+         << json_number(s.grad_norm) << ",\"lr\":" << json_number(s.lr) << ",\"tokens_per_s\":"
+         << json_number(tps) << ",\"mfu\":" << json_number(mfu) << ",\"rss_mib\":" << json_number(rss)
+         << ",\"tokens_seen\":" << tokens_seen_ << "}";
+      write_metrics(js.str());
+      window_tokens = 0, window_seconds = 0;
+    }
+    if (eval_every > 0 && (s.step % eval_every == 0 || s.step == total)) {
+      auto e = evaluate();
+      log("eval step %lld | loss %.4f | accuracy %.4f | sequences all right %.4f | %lld positions\n",
+          static_cast<long long>(s.step), e.loss, e.accuracy, e.sequence_accuracy,
+          static_cast<long long>(e.positions));
+      std::ostringstream js;
+      js << "{\"step\":" << s.step << ",\"eval_loss\":" << json_number(e.loss) << ",\"eval_accuracy\":"
+         << json_number(e.accuracy) << ",\"eval_sequence_accuracy\":" << json_number(e.sequence_accuracy) << "}";
+      write_metrics(js.str());
+    }
+    if (ckpt_every > 0 && s.step % ckpt_every == 0 && s.step != total) save_checkpoint();
+  }
+  save_checkpoint();
+  return 0;
+}
+
+}  // namespace carry

@@ -1,0 +1,116 @@
+// The training loop (DESIGN.md §4): a dp × sp grid of ranks, every rank holding the full parameters.
+// Per step:
+//   batch     dp rank d takes sequences [d·B, (d+1)·B) of the step's global batch (MQAR / needle:
+//             pure functions of (seed, step, global index); token files: consecutive windows of
+//             seq_len+1 tokens from the data cursor); sp rank r keeps tokens [r·T/P, (r+1)·T/P);
+//   forward   the model with a ModelContext whose run_mixer is parallel::sp_mixer_forward over the sp
+//             communicator (scan_mode from the config) and whose halo is parallel::halo_exchange
+//             (sp == 1: the plain chunkwise forward);
+//   loss      the global mean Σ ce·mask / Σ mask over all dp × sp ranks: Σ mask is all-reduced first,
+//             each rank back-propagates its own Σ ce·mask / N_global (the sp backward passes the
+//             state gradients between the sp ranks), so the gradients summed over all ranks are
+//             those of the global loss;
+//   update    all-reduce (sum) of the flattened gradients over the world, clip to grad_clip, AdamW
+//             with the warmup + cosine learning rate.
+// Checkpoints (framework/checkpoint.h): rank 0 writes model + optimizer every checkpoint.every_steps
+// and at the end; a run starts from the latest checkpoint in checkpoint.dir when there is one and
+// continues bit-identically (the batches depend only on the step, the state is stored exactly).
+// Rank 0 prints one log line per logging.every_steps and appends a JSON line to
+// logging.metrics_file; every logging.eval_every_steps it evaluates data.eval_batches fixed held-out
+// batches (split "eval") and prints the loss and the accuracy at the masked positions.
+#pragma once
+
+#include "framework/config.h"
+#include "framework/model.h"
+#include "framework/optimizer.h"
+#include "parallel/process_group.h"
+
+#include <cstdint>
+#include <cstdio>
+#include <memory>
+#include <string>
+#include <vector>
+
+namespace carry {
+
+// The peak rates the MFU estimate divides by (per rank): an assumed figure, not a measurement.
+constexpr double kAssumedCpuPeakFlopsPerRank = 1.0e11;  // one x86 core, fp32 FMA: ~100 GFLOP/s
+constexpr double kAssumedGpuPeakFlopsPerRank = 9.89e14; // H100 SXM, dense bf16
+
+struct TrainerOptions {
+  // Parameter dtype (fp32 for training; fp64 for exactness tests). Undefined device = pick: CUDA
+  // device local_rank when the build has CUDA and GPUs are present, else the CPU.
+  at::ScalarType dtype = at::kFloat;
+  bool force_cpu = false;
+  // Where rank 0 prints its lines (nullptr: silent).
+  std::FILE* log = stdout;
+};
+
+struct StepStats {
+  int64_t step = 0;           // steps done after this one
+  double loss = 0;            // global mean loss of the step
+  double grad_norm = 0;       // global gradient norm before clipping
+  double lr = 0;
+  int64_t tokens = 0;         // tokens of the step's global batch
+  double seconds = 0;
+};
+
+struct EvalStats {
+  double loss = 0;
+  double accuracy = 0;           // masked positions predicted right / masked positions
+  double sequence_accuracy = 0;  // sequences with every masked position right / sequences
+  int64_t positions = 0;
+};
+
+class Trainer {
+ public:
+  // `groups`: the dp × sp grid (its layout must equal config.parallel's), or null for one process
+  // on its own (then dp = sp = 1 is required). The config must be resolved (load_run_config).
+  Trainer(const RunConfig& config, std::shared_ptr<parallel::ProcessGroups> groups,
+          TrainerOptions options = {});
+
+  // Loads the latest checkpoint of checkpoint.dir if there is one; returns whether it did.
+  bool resume();
+  // One optimizer step on the next batch.
+  StepStats train_step();
+  // The held-out evaluation (every rank calls it).
+  EvalStats evaluate();
+  // Writes a checkpoint of the current step (rank 0 writes; every rank calls it). No-op without
+  // checkpoint.dir.
+  void save_checkpoint();
+  // The whole run: prints the resolved config and the model, resumes, trains to
+  // optimizer.total_steps with logging, evaluation and checkpoints. Returns 0.
+  int run();
+
+  int64_t step() const { return step_; }
+  int64_t tokens_seen() const { return tokens_seen_; }
+  const Model& model() const { return model_; }
+  const AdamW& optimizer() const { return *optimizer_; }
+  const RunConfig& config() const { return config_; }
+  int rank() const;  // world rank
+
+ private:
+  struct Batch {
+    at::Tensor tokens, targets, loss_mask;  // this rank's slice [B, T/sp]
+  };
+  Batch batch_for(int64_t step, bool eval) const;
+  // The model context of this rank's slice; halos this rank receives but does not use (sp rank 0,
+  // sliding windows) are appended to `unused_halos` when given.
+  ModelContext context(std::vector<at::Tensor>* unused_halos = nullptr) const;
+  void all_reduce(at::Tensor& t, bool sp_only = false) const;
+  void log(const char* fmt, ...) const;
+  void write_metrics(const std::string& json_line) const;
+
+  RunConfig config_;
+  std::shared_ptr<parallel::ProcessGroups> groups_;
+  TrainerOptions options_;
+  at::Device device_ = at::kCPU;
+  Model model_;
+  std::unique_ptr<AdamW> optimizer_;
+  int dp_ = 1, sp_ = 1, dp_rank_ = 0, sp_rank_ = 0;
+  int64_t step_ = 0, tokens_seen_ = 0;
+  struct TokenStream;
+  std::shared_ptr<TokenStream> train_stream_, eval_stream_;
+};
+
+}  // namespace carry

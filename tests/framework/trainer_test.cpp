@@ -1,0 +1,192 @@
+// The trainer on one process (CPU, fp32): 10 steps straight equal 5 steps + checkpoint + resume + 5
+// steps bit for bit (losses and parameters); the loss falls on MQAR; AdamW against a hand-computed
+// update (decay only on 2+-dim parameters); the warmup + cosine schedule; gradient clipping; layout
+// errors. Multi-rank equality (sp, dp) is in trainer_test_mpi.cpp.
+#include "framework/optimizer.h"
+#include "framework/trainer.h"
+#include "tests/framework/temp_dir.h"
+
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstring>
+
+namespace carry::testing {
+namespace {
+
+const char* kTinyMqar = R"(
+name: "trainer_test"
+seed: 7
+model {
+  vocab_size: 32 d_model: 32 n_layers: 2 n_heads: 2
+  mixers: "gated_deltanet"
+  mixer_options { chunk_size: 16 conv_size: 4 }
+}
+data { mqar { num_kv_pairs: 4 num_queries: 4 vocab_size: 32 } seq_len: 64 batch_size: 4 eval_batches: 2 }
+optimizer { lr: 1e-2 warmup_steps: 2 total_steps: 10 }
+logging { every_steps: 1 }
+)";
+
+RunConfig tiny_config(const std::vector<std::string>& overrides = {}) {
+  return run_config_from_text(kTinyMqar, "trainer_test.textproto", overrides);
+}
+
+TrainerOptions quiet() {
+  TrainerOptions o;
+  o.log = nullptr;
+  o.force_cpu = true;
+  return o;
+}
+
+TEST(Trainer, ResumeContinuesBitIdentically) {
+  auto dir = make_temp_dir("carry_trainer_resume");
+  std::vector<double> straight, resumed;
+  Trainer a(tiny_config(), nullptr, quiet());
+  for (int i = 0; i < 10; ++i) straight.push_back(a.train_step().loss);
+  auto cfg = tiny_config({"checkpoint.dir=" + dir});
+  {
+    Trainer b(cfg, nullptr, quiet());
+    EXPECT_FALSE(b.resume());
+    for (int i = 0; i < 5; ++i) resumed.push_back(b.train_step().loss);
+    b.save_checkpoint();
+  }
+  Trainer c(cfg, nullptr, quiet());
+  ASSERT_TRUE(c.resume());
+  EXPECT_EQ(c.step(), 5);
+  EXPECT_EQ(c.tokens_seen(), 5 * 4 * 64);
+  for (int i = 0; i < 5; ++i) resumed.push_back(c.train_step().loss);
+  ASSERT_EQ(straight.size(), resumed.size());
+  for (size_t i = 0; i < straight.size(); ++i)
+    EXPECT_EQ(std::memcmp(&straight[i], &resumed[i], sizeof(double)), 0)
+        << "step " << i + 1 << ": " << straight[i] << " vs " << resumed[i];
+  auto pa = a.model().parameters(), pc = c.model().parameters();
+  for (size_t i = 0; i < pa.size(); ++i) EXPECT_TRUE(at::equal(pa[i].second, pc[i].second)) << pa[i].first;
+  auto sa = a.optimizer().state(), sc = c.optimizer().state();
+  for (size_t i = 0; i < sa.size(); ++i) EXPECT_TRUE(at::equal(sa[i].second, sc[i].second)) << sa[i].first;
+  EXPECT_NE(straight.front(), straight.back());
+  remove_tree(dir);
+}
+
+TEST(Trainer, LossFallsOnMqar) {
+  auto cfg = tiny_config({"optimizer.total_steps=40", "optimizer.warmup_steps=5"});
+  Trainer t(cfg, nullptr, quiet());
+  double first = 0, last = 0;
+  for (int i = 0; i < 40; ++i) {
+    auto s = t.train_step();
+    ASSERT_TRUE(std::isfinite(s.loss) && std::isfinite(s.grad_norm));
+    if (i == 0) first = s.loss;
+    last = s.loss;
+  }
+  EXPECT_LT(last, first - 0.3) << "loss " << first << " -> " << last;
+  auto e = t.evaluate();
+  EXPECT_EQ(e.positions, 2 * 4 * 4);  // eval_batches × batch × queries
+  EXPECT_GE(e.accuracy, 0.0);
+  EXPECT_LE(e.accuracy, 1.0);
+}
+
+TEST(Trainer, RunWritesMetricsAndCheckpoints) {
+  auto dir = make_temp_dir("carry_trainer_run");
+  auto cfg = tiny_config({"checkpoint.dir=" + dir + "/ck", "checkpoint.every_steps=4",
+                          "logging.metrics_file=" + dir + "/m/metrics.jsonl", "logging.eval_every_steps=5"});
+  {
+    Trainer t(cfg, nullptr, quiet());
+    EXPECT_EQ(t.run(), 0);
+    EXPECT_EQ(t.step(), 10);
+  }
+  std::FILE* f = std::fopen((dir + "/m/metrics.jsonl").c_str(), "r");
+  ASSERT_TRUE(f);
+  int lines = 0, evals = 0;
+  char buf[1024];
+  while (std::fgets(buf, sizeof buf, f)) {
+    ++lines;
+    if (std::strstr(buf, "eval_accuracy")) ++evals;
+  }
+  std::fclose(f);
+  EXPECT_EQ(lines, 12);  // 10 steps + 2 evaluations
+  EXPECT_EQ(evals, 2);
+  EXPECT_TRUE(exists(dir + "/ck/latest"));
+  // A finished run resumes at its last step and does nothing more.
+  Trainer again(cfg, nullptr, quiet());
+  ASSERT_TRUE(again.resume());
+  EXPECT_EQ(again.step(), 10);
+  remove_tree(dir);
+}
+
+TEST(Trainer, WithoutProcessGroupsNeedsOneRank) {
+  try {
+    Trainer t(tiny_config({"parallel.sp=2"}), nullptr, quiet());
+    FAIL() << "expected an error";
+  } catch (const c10::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("dp=1 sp=2"), std::string::npos) << e.what();
+  }
+}
+
+TEST(Optimizer, ScheduleWarmupThenCosine) {
+  config::OptimizerConfig o;
+  o.set_lr(1.0), o.set_warmup_steps(4), o.set_total_steps(14), o.set_min_lr_ratio(0.1);
+  EXPECT_DOUBLE_EQ(learning_rate(o, 0), 0.25);
+  EXPECT_DOUBLE_EQ(learning_rate(o, 3), 1.0);
+  EXPECT_DOUBLE_EQ(learning_rate(o, 4), 1.0);
+  EXPECT_NEAR(learning_rate(o, 9), 0.55, 1e-15);  // halfway: 0.1 + 0.9·0.5
+  EXPECT_NEAR(learning_rate(o, 14), 0.1, 1e-15);
+  EXPECT_NEAR(learning_rate(o, 100), 0.1, 1e-15);
+}
+
+TEST(Optimizer, AdamWMatchesHandComputedSteps) {
+  auto opts = at::TensorOptions().dtype(at::kDouble);
+  auto w = at::tensor({1.0, -2.0, 0.5, 3.0}, opts).view({2, 2}).set_requires_grad(true);
+  auto b = at::tensor({0.25, -0.75}, opts).set_requires_grad(true);
+  config::OptimizerConfig o;
+  o.set_beta1(0.9), o.set_beta2(0.95), o.set_eps(1e-8), o.set_weight_decay(0.1);
+  AdamW adam({{"w", w}, {"b", b}}, o);
+  auto w_ref = w.detach().clone(), b_ref = b.detach().clone();
+  auto mw = at::zeros_like(w_ref), vw = at::zeros_like(w_ref), mb = at::zeros_like(b_ref), vb = at::zeros_like(b_ref);
+  for (int t = 1; t <= 3; ++t) {
+    auto gw = at::tensor({0.1 * t, -0.3, 0.7, -0.2 * t}, opts).view({2, 2});
+    auto gb = at::tensor({-0.4, 0.05 * t}, opts);
+    w.mutable_grad() = gw.clone(), b.mutable_grad() = gb.clone();
+    const double lr = 0.01 * t;
+    adam.step(lr);
+    auto ref = [&](at::Tensor& p, at::Tensor& m, at::Tensor& v, const at::Tensor& g, bool decay) {
+      if (decay) p = p * (1 - lr * 0.1);
+      m = 0.9 * m + 0.1 * g;
+      v = 0.95 * v + 0.05 * g * g;
+      auto mh = m / (1 - std::pow(0.9, t)), vh = v / (1 - std::pow(0.95, t));
+      p = p - lr * mh / (vh.sqrt() + 1e-8);
+    };
+    ref(w_ref, mw, vw, gw, true);
+    ref(b_ref, mb, vb, gb, false);
+  }
+  EXPECT_LT((w.detach() - w_ref).abs().max().item<double>(), 1e-14);
+  EXPECT_LT((b.detach() - b_ref).abs().max().item<double>(), 1e-14);
+  EXPECT_EQ(adam.steps(), 3);
+  auto st = adam.state();
+  ASSERT_EQ(st.size(), 4u);
+  EXPECT_EQ(st[0].first, "exp_avg.w");
+  EXPECT_EQ(st[3].first, "exp_avg_sq.b");
+  EXPECT_LT((st[0].second - mw).abs().max().item<double>(), 1e-15);
+  // Restoring the state into a fresh optimizer copies it (and refuses a missing tensor).
+  AdamW other({{"w", w}, {"b", b}}, o);
+  other.load_state(st, 3);
+  EXPECT_TRUE(at::equal(other.state()[3].second, st[3].second));
+  EXPECT_EQ(other.steps(), 3);
+  auto partial = st;
+  partial.pop_back();
+  EXPECT_THROW(other.load_state(partial, 3), c10::Error);
+}
+
+TEST(Optimizer, ClipGradNormScalesToTheLimit) {
+  auto a = at::zeros({2}, at::kDouble).set_requires_grad(true);
+  auto b = at::zeros({1}, at::kDouble).set_requires_grad(true);
+  a.mutable_grad() = at::tensor({3.0, 0.0}, at::kDouble);
+  b.mutable_grad() = at::tensor({4.0}, at::kDouble);
+  NamedParameters ps{{"a", a}, {"b", b}};
+  EXPECT_DOUBLE_EQ(clip_grad_norm(ps, 10.0), 5.0);
+  EXPECT_DOUBLE_EQ(a.grad()[0].item<double>(), 3.0);  // under the limit: untouched
+  EXPECT_DOUBLE_EQ(clip_grad_norm(ps, 1.0), 5.0);
+  double n = std::sqrt(std::pow(a.grad()[0].item<double>(), 2) + std::pow(b.grad()[0].item<double>(), 2));
+  EXPECT_NEAR(n, 1.0, 1e-6);
+}
+
+}  // namespace
+}  // namespace carry::testing
