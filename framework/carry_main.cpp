@@ -4,6 +4,7 @@
 #include "framework/mixer_command.h"
 #include "framework/scan_bench_command.h"
 #include "framework/tokenize_command.h"
+#include "framework/train_command.h"
 #include "framework/version.h"
 
 #include <cstdio>
@@ -18,6 +19,7 @@ const char* const kUsage =
     "  mixer       run a mixer family on tensors from a safetensors file (carry mixer --help)\n"
     "  scan-bench  sequence-parallel forward vs the serial run, under mpirun (carry scan-bench --help)\n"
     "  tokenize    turn text files into a token file (byte-level)\n"
+    "  train       train a model from a run config (under mpirun; launcher/train starts it)\n"
     "\n"
     "  --help      this text\n"
     "  --version   the version and whether CUDA is compiled in\n";
@@ -41,6 +43,7 @@ int main(int argc, char** argv) {
   if (command == "check") return carry::run_check_command(argc - 1, argv + 1);
   if (command == "mixer") return carry::run_mixer_command(argc - 1, argv + 1);
   if (command == "scan-bench") return carry::run_scan_bench_command(argc - 1, argv + 1);
+  if (command == "train") return carry::run_train_command(argc - 1, argv + 1);
   if (command == "tokenize") return carry::run_tokenize_command(argc - 1, argv + 1);
   std::fprintf(stderr, "carry: unknown command '%s' (see carry --help)\n", argv[1]);
   return 2;
