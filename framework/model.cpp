@@ -1,6 +1,8 @@
 // Model assembly (model.h): config → per-layer MixerLayerSpec → blocks; forward, losses, parameters.
 #include "framework/model.h"
 
+#include "layers/recompute.h"
+
 #include <c10/util/Exception.h>
 
 #include <algorithm>
@@ -78,19 +80,34 @@ Tensor Model::hidden(const Tensor& tokens, const ModelContext& ctx) const {
                 ", ", hi, "]");
   }
   auto h = at::embedding(embedding_, tokens.to(embedding_.device()));
+  // The context is shared by value with each layer's closure: a recomputation in backward runs after
+  // the caller's context is gone.
+  auto shared = std::make_shared<const ModelContext>(ctx);
   for (size_t i = 0; i < blocks_.size(); ++i) {
-    const auto& b = blocks_[i];
-    MixerLayerContext lc;
-    lc.offset = ctx.offset;
-    lc.sequence_length = ctx.sequence_length;
+    const ModelBlock* b = &blocks_[i];
     const int64_t layer = static_cast<int64_t>(i);
-    if (ctx.run_mixer)
-      lc.run_mixer = [&ctx, layer](const Mixer& m, const MixerInputs& in, const State& s,
-                                   const MixerOptions& o) { return ctx.run_mixer(layer, m, in, s, o); };
-    if (ctx.halo)
-      lc.halo = [&ctx, layer](const Tensor& x, int64_t n) { return ctx.halo(layer, x, n); };
-    h = h + b.mixer->forward(b.mixer_norm.forward(h), {}, lc).y;
-    h = h + b.mlp.forward(b.mlp_norm.forward(h));
+    auto block = [b, layer, shared](const Tensor& x) {
+      const ModelContext& c = *shared;
+      MixerLayerContext lc;
+      lc.offset = c.offset;
+      lc.sequence_length = c.sequence_length;
+      if (c.run_mixer)
+        lc.run_mixer = [shared, layer](const Mixer& m, const MixerInputs& in, const State& s,
+                                       const MixerOptions& o) { return shared->run_mixer(layer, m, in, s, o); };
+      if (c.halo)
+        lc.halo = [shared, layer](const Tensor& t, int64_t n) { return shared->halo(layer, t, n); };
+      auto y = x + b->mixer->forward(b->mixer_norm.forward(x), {}, lc).y;
+      return y + b->mlp.forward(b->mlp_norm.forward(y));
+    };
+    if (!ctx.recompute) {
+      h = block(h);
+      continue;
+    }
+    std::vector<Tensor> params;
+    for (const auto& part : {b->mixer_norm.parameters(), b->mixer->parameters(), b->mlp_norm.parameters(),
+                             b->mlp.parameters()})
+      for (auto& [name, p] : part) params.push_back(p);
+    h = recompute_in_backward(block, h, params);
   }
   return norm_.forward(h);
 }

@@ -41,6 +41,9 @@ struct ModelContext {
   std::function<MixerOutput(int64_t layer, const Mixer&, const MixerInputs&, const State&,
                             const MixerOptions&)> run_mixer;          // empty: chunkwise
   std::function<Tensor(int64_t layer, const Tensor& x, int64_t halo)> halo;  // empty: none
+  // Per-layer activation recomputation: each block keeps only its input and recomputes the rest in
+  // backward (layers/recompute.h). Gradients equal those without it.
+  bool recompute = false;
 };
 
 class Model {

@@ -6,6 +6,7 @@
 #include "framework/synthetic.h"
 #include "framework/token_file.h"
 #include "layers/device.h"
+#include "layers/precision.h"
 #include "parallel/halo.h"
 #include "parallel/state_scan.h"
 
@@ -110,6 +111,9 @@ Trainer::Trainer(const RunConfig& config, std::shared_ptr<parallel::ProcessGroup
     int local = groups_ ? groups_->world_info.local_rank : 0;
     device_ = at::Device(at::kCUDA, static_cast<c10::DeviceIndex>(local % cuda_device_count()));
   }
+  bf16_ = config_.precision() == RunConfig::BF16;
+  TORCH_CHECK(!bf16_ || options_.dtype == at::kFloat, "trainer: precision BF16 keeps fp32 master weights; "
+              "the trainer was asked for ", options_.dtype, " parameters");
   model_ = build_model(config_.model(), config_.seed(), at::TensorOptions().dtype(options_.dtype).device(device_));
   optimizer_ = std::make_unique<AdamW>(model_.parameters(), config_.optimizer());
   if (config_.data().has_token_files()) {
@@ -182,15 +186,15 @@ Trainer::Batch Trainer::batch_for(int64_t step, bool eval) const {
   return {slice(tokens), slice(targets), slice(mask)};
 }
 
-ModelContext Trainer::context(std::vector<at::Tensor>* unused_halos) const {
+ModelContext Trainer::context() const {
   ModelContext ctx;
+  ctx.recompute = config_.parallel().recompute();
   if (sp_ == 1) return ctx;
   const int64_t T = config_.data().seq_len(), Tp = T / sp_;
   ctx.offset = sp_rank_ * Tp;
   ctx.sequence_length = T;
   auto sp = groups_->sp;
   const auto mode = scan_mode_of(config_.parallel().scan_mode());
-  const int sp_rank = sp_rank_;
   ctx.run_mixer = [sp, mode](int64_t layer, const Mixer& mixer, const MixerInputs& in, const State& s,
                              const MixerOptions& o) -> MixerOutput {
     if (mixer.has_summary()) {
@@ -204,22 +208,9 @@ ModelContext Trainer::context(std::vector<at::Tensor>* unused_halos) const {
                 "(mixer_options { kind: \"softmax_attn\" window: ... }) or use sp = 1");
     return mixer.chunkwise(in, s, o);
   };
-  // The tokens before this slice. Convolutions treat the zeros sp rank 0 receives like the
-  // sequence's start; a sliding window must see none there, so rank 0 returns an undefined tensor
-  // for softmax layers. It still takes part in the exchange (collective), and its exchange's backward
-  // must still run to receive the gradient of its last tokens from rank 1: the unused halo is kept in
-  // `unused_halos`, which the step adds to its loss times 0.
-  std::vector<bool> window_layer;
-  for (int64_t i = 0; i < config_.model().n_layers(); ++i)
-    window_layer.push_back(layer_mixer(config_.model(), i).kind == "softmax_attn");
-  ctx.halo = [sp, sp_rank, window_layer, unused_halos](int64_t layer, const at::Tensor& x, int64_t n) -> at::Tensor {
-    auto got = parallel::halo_exchange(*sp, x, n);
-    if (sp_rank == 0 && window_layer[static_cast<size_t>(layer)]) {
-      if (unused_halos && got.requires_grad()) unused_halos->push_back(got);
-      return at::Tensor();
-    }
-    return got;
-  };
+  // The tokens before this slice (sp rank 0 receives zeros: the sequence's start for a convolution;
+  // a sliding window at offset 0 ignores them, see MixerLayer).
+  ctx.halo = [sp](int64_t, const at::Tensor& x, int64_t n) { return parallel::halo_exchange(*sp, x, n); };
   return ctx;
 }
 
@@ -230,8 +221,11 @@ StepStats Trainer::train_step() {
   for (auto& [name, p] : model_.parameters()) p.mutable_grad() = at::Tensor();
 
   // Ignored targets (kIgnoreIndex) are gathered as token 0 and then weighted by the mask's 0.
-  std::vector<at::Tensor> unused_halos;
-  auto ce = model_.token_losses(batch.tokens, batch.targets.clamp_min(0), context(&unused_halos));
+  at::Tensor ce;
+  {
+    AutocastScope autocast(device_.type(), at::kBFloat16, bf16_);
+    ce = model_.token_losses(batch.tokens, batch.targets.clamp_min(0), context());
+  }
   auto w = batch.loss_mask.to(ce.options());
   // [Σ ce·mask, Σ mask] over all ranks; the loss each rank back-propagates is its share of the mean.
   auto sums = at::stack({(ce.detach() * w).sum(), w.sum()}).to(at::kDouble);
@@ -239,7 +233,6 @@ StepStats Trainer::train_step() {
   const double loss_sum = sums[0].item<double>(), count = sums[1].item<double>();
   TORCH_CHECK(count > 0, "trainer: step ", step_, ": the loss mask selects no token in the global batch");
   auto local = (ce * w).sum() / count;
-  for (auto& h : unused_halos) local = local + 0 * h.sum();  // see context()
   local.backward();
 
   // Sum the gradients over all ranks in one message.
@@ -280,7 +273,11 @@ EvalStats Trainer::evaluate() {
   double sequences = 0, sequences_correct = 0;
   for (int64_t e = 0; e < batches; ++e) {
     auto batch = batch_for(e, true);
-    auto logits = model_.forward(batch.tokens, context());
+    at::Tensor logits;
+    {
+      AutocastScope autocast(device_.type(), at::kBFloat16, bf16_);
+      logits = model_.forward(batch.tokens, context());
+    }
     auto dt = at::promote_types(logits.scalar_type(), at::kFloat);
     auto logp = at::log_softmax(logits.to(dt), -1);
     auto safe_targets = batch.targets.clamp_min(0);
@@ -365,10 +362,9 @@ int Trainer::run() {
       static_cast<long long>(model_.num_parameters()), dp_, sp_,
       groups_ ? groups_->world->backend().c_str() : "single process", device_.str().c_str(),
       parallel::scan_mode_name(scan_mode_of(config_.parallel().scan_mode())).c_str());
-  if (config_.parallel().recompute())
-    log("note: parallel.recompute is not implemented yet; activations are kept\n");
-  if (config_.precision() == RunConfig::BF16)
-    log("note: precision BF16 is not implemented yet; training in fp32\n");
+  log("precision: %s; activations: %s\n",
+      bf16_ ? "bf16 autocast (fp32 master weights and optimizer, fp32 mixer cores and states)" : "fp32",
+      config_.parallel().recompute() ? "recomputed per layer in backward" : "kept");
   if (resume()) log("resumed from %s at step %lld\n", config_.checkpoint().dir().c_str(), static_cast<long long>(step_));
 
   const int64_t total = config_.optimizer().total_steps();
@@ -386,13 +382,19 @@ int Trainer::run() {
       const double tps = window_seconds > 0 ? window_tokens / window_seconds : 0;
       const double mfu = flops_per_token * tps / peak;
       const double rss = rss_mib();
-      log("step %6lld/%lld | loss %.4f | grad norm %.3f | lr %.3e | %.0f tok/s | MFU %.2f%% | rss %.0f MiB\n",
+      // GPU: the caching allocator's peak since the last line (this rank's device).
+      const double gpu_peak = device_.is_cuda() ? cuda_peak_allocated_bytes(device_.index()) / (1024.0 * 1024.0) : 0;
+      if (device_.is_cuda()) cuda_reset_peak_allocated(device_.index());
+      char gpu[48] = "";
+      if (device_.is_cuda()) std::snprintf(gpu, sizeof gpu, " | gpu peak %.0f MiB", gpu_peak);
+      log("step %6lld/%lld | loss %.4f | grad norm %.3f | lr %.3e | %.0f tok/s | MFU %.2f%% | rss %.0f MiB%s\n",
           static_cast<long long>(s.step), static_cast<long long>(total), s.loss, s.grad_norm, s.lr, tps,
-          100 * mfu, rss);
+          100 * mfu, rss, gpu);
       std::ostringstream js;
       js << "{\"step\":" << s.step << ",\"loss\":" << json_number(s.loss) << ",\"grad_norm\":"
          << json_number(s.grad_norm) << ",\"lr\":" << json_number(s.lr) << ",\"tokens_per_s\":"
          << json_number(tps) << ",\"mfu\":" << json_number(mfu) << ",\"rss_mib\":" << json_number(rss)
+         << ",\"gpu_peak_mib\":" << json_number(gpu_peak)
          << ",\"tokens_seen\":" << tokens_seen_ << "}";
       write_metrics(js.str());
       window_tokens = 0, window_seconds = 0;

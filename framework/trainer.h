@@ -94,9 +94,8 @@ class Trainer {
     at::Tensor tokens, targets, loss_mask;  // this rank's slice [B, T/sp]
   };
   Batch batch_for(int64_t step, bool eval) const;
-  // The model context of this rank's slice; halos this rank receives but does not use (sp rank 0,
-  // sliding windows) are appended to `unused_halos` when given.
-  ModelContext context(std::vector<at::Tensor>* unused_halos = nullptr) const;
+  // The model context of this rank's slice (sequence parallelism, recomputation).
+  ModelContext context() const;
   void all_reduce(at::Tensor& t, bool sp_only = false) const;
   void log(const char* fmt, ...) const;
   void write_metrics(const std::string& json_line) const;
@@ -108,6 +107,7 @@ class Trainer {
   Model model_;
   std::unique_ptr<AdamW> optimizer_;
   int dp_ = 1, sp_ = 1, dp_rank_ = 0, sp_rank_ = 0;
+  bool bf16_ = false;  // precision BF16: forward under bf16 autocast
   int64_t step_ = 0, tokens_seen_ = 0;
   struct TokenStream;
   std::shared_ptr<TokenStream> train_stream_, eval_stream_;

@@ -20,4 +20,19 @@ std::string cuda_device_name(int index) {
   return "no CUDA in this build (index " + std::to_string(index) + ")";
 #endif
 }
+int64_t cuda_peak_allocated_bytes(int index) {
+#ifdef CARRY_WITH_CUDA
+  return cuda::peak_allocated_bytes(index);
+#else
+  (void)index;
+  return 0;
+#endif
+}
+void cuda_reset_peak_allocated(int index) {
+#ifdef CARRY_WITH_CUDA
+  cuda::reset_peak_allocated(index);
+#else
+  (void)index;
+#endif
+}
 }  // namespace carry

@@ -2,9 +2,13 @@
 // present, otherwise the CPU only. GPU tests ask here and skip themselves with a message.
 #pragma once
 
+#include <cstdint>
 #include <string>
 
 namespace carry {
 int cuda_device_count();        // 0 on CPU-only builds or machines
 std::string cuda_device_name(int index);
+// The caching allocator's peak of allocated bytes on a device since the last reset (0 without CUDA).
+int64_t cuda_peak_allocated_bytes(int index);
+void cuda_reset_peak_allocated(int index);
 }  // namespace carry

@@ -8,11 +8,13 @@
 #include "layers/fenwick.h"
 #include "layers/linear_attn.h"
 #include "layers/mamba1.h"
+#include "layers/precision.h"
 
 #include <c10/util/Exception.h>
 
 #include <algorithm>
 #include <cmath>
+#include <optional>
 
 namespace carry {
 
@@ -120,6 +122,7 @@ struct MixerLayer::Projected {
   Tensor z;       // output gate [B,T,H,dv] (mamba1: [B,T,D])
   Tensor skip;    // what D multiplies (Mamba-2: v [B,T,H,dv]; Mamba-1: x [B,T,D])
   int64_t kv_halo = 0;  // softmax_attn: tokens of halo prepended to q, k, v (outputs dropped)
+  Tensor unused_halo;    // softmax_attn at the sequence's start: the exchanged halo, not attended to
 };
 
 MixerLayer::MixerLayer(const MixerLayerSpec& spec, ParameterInit& init) : spec_(spec) {
@@ -243,7 +246,10 @@ MixerLayer::Projected MixerLayer::project(const Tensor& x, const MixerLayerConte
     auto xc = at::silu(convolve({at::linear(x, v_proj_)}, {v_conv_})[0]);  // [B,T,D]
     auto Bm = at::linear(xc, k_proj_), Cm = at::linear(xc, q_proj_);      // [B,T,N]
     auto dt = at::softplus(at::linear(at::linear(xc, dt_proj0_), dt_proj1_) + dt_bias_);
-    p.in = mamba1_inputs(xc, dt, -at::exp(A_log_), Bm, Cm);
+    // Under autocast the projections come out in bf16 next to fp32 ones: the core takes one dtype.
+    auto common = at::promote_types(at::promote_types(xc.scalar_type(), dt.scalar_type()),
+                                    at::promote_types(Bm.scalar_type(), Cm.scalar_type()));
+    p.in = mamba1_inputs(xc.to(common), dt.to(common), -at::exp(A_log_).to(common), Bm.to(common), Cm.to(common));
     p.skip = xc;
     p.z = at::linear(x, z_proj_);
     return p;
@@ -292,7 +298,12 @@ MixerLayer::Projected MixerLayer::project(const Tensor& x, const MixerLayerConte
     int64_t h = ceil_to(spec_.window - 1, spec_.chunk_size);
     auto kv = at::cat({k.reshape({B, T, H * dk}), v.reshape({B, T, H * dv})}, -1);
     auto halo = ctx.halo(kv, h);
-    if (halo.defined()) {
+    if (halo.defined() && ctx.offset == 0) {
+      // The slice starts the sequence: there is nothing before it to attend to. The exchange is
+      // collective (its backward brings this slice's last keys and values their gradient from the
+      // next slice), so the halo stays in the graph, with weight 0 (see forward).
+      p.unused_halo = halo;
+    } else if (halo.defined()) {
       k = at::cat({halo.narrow(-1, 0, H * dk).view({B, h, H, dk}), k}, 1);
       v = at::cat({halo.narrow(-1, H * dk, H * dv).view({B, h, H, dv}), v}, 1);
       q = at::cat({at::zeros({B, h, H, dk}, q.options()), q}, 1);
@@ -312,11 +323,19 @@ MixerLayerOutput MixerLayer::forward(const Tensor& x, const State& initial_state
   auto p = project(x, ctx);
   const int64_t B = x.size(0), T = x.size(1);
   auto opt = mixer_options(T, ctx);
-  MixerOutput out = ctx.run_mixer ? ctx.run_mixer(*mixer_, p.in, initial_state, opt)
-                                  : mixer_->chunkwise(p.in, initial_state, opt);
+  MixerOutput out;
+  {
+    // Under autocast the core (chunkwise form, recurrent state, cross-rank scan) still runs in fp32.
+    std::optional<FullPrecisionScope> fp32;
+    MixerInputs in = p.in;
+    State s0 = initial_state;
+    if (autocast_active_for(x)) fp32.emplace(), in = full_precision(in), s0 = full_precision(s0);
+    out = ctx.run_mixer ? ctx.run_mixer(*mixer_, in, s0, opt) : mixer_->chunkwise(in, s0, opt);
+  }
   Tensor o = out.o;
   if (p.kv_halo > 0) o = o.narrow(1, p.kv_halo, T);
   o = o.to(x.scalar_type());
+  if (p.unused_halo.defined()) o = o + (p.unused_halo.sum() * 0).to(o.scalar_type());
 
   if (is_mamba1(spec_)) {
     auto y = o.squeeze(-1) + D_ * p.skip;  // [B,T,D]

@@ -1,7 +1,9 @@
-// CUDA device discovery: counts usable devices without failing on machines that have the toolkit but
-// no GPU or driver (the CPU machines compile and link this file; nothing runs there).
+// CUDA device discovery and memory figures: counts usable devices without failing on machines that
+// have the toolkit but no GPU or driver (the CPU machines compile and link this file; nothing runs
+// there), and reads the peak memory of PyTorch's caching allocator.
 #include "layers/cuda/device.cuh"
 
+#include <c10/cuda/CUDACachingAllocator.h>
 #include <cuda_runtime.h>
 
 #include <cstdio>
@@ -28,6 +30,15 @@ const char* device_name(int index) {
                   p.totalGlobalMem / double(1 << 30));
   }
   return buf;
+}
+
+long long peak_allocated_bytes(int index) {
+  auto stats = c10::cuda::CUDACachingAllocator::getDeviceStats(static_cast<c10::DeviceIndex>(index));
+  return stats.allocated_bytes[static_cast<size_t>(c10::CachingAllocator::StatType::AGGREGATE)].peak;
+}
+
+void reset_peak_allocated(int index) {
+  c10::cuda::CUDACachingAllocator::resetPeakStats(static_cast<c10::DeviceIndex>(index));
 }
 
 }  // namespace carry::cuda

@@ -7,4 +7,7 @@ namespace carry::cuda {
 int device_count();
 // A one-line description of device `index` ("NVIDIA H100 80GB HBM3, sm_90, 79.1 GiB").
 const char* device_name(int index);
+// PyTorch's caching allocator on device `index`: the peak of allocated bytes, and its reset.
+long long peak_allocated_bytes(int index);
+void reset_peak_allocated(int index);
 }  // namespace carry::cuda

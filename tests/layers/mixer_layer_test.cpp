@@ -6,6 +6,7 @@
 #include "layers/mixer_layer.h"
 
 #include "layers/common.h"
+#include "layers/precision.h"
 
 #include <gtest/gtest.h>
 
@@ -99,6 +100,38 @@ TEST(MixerLayer, ChunkwiseEqualsNaiveForEveryKind) {
     EXPECT_LE(ey, 1e-10) << case_name(c);
     EXPECT_LE(eg, 1e-10) << case_name(c);
     EXPECT_GT(y_chunk.abs().max().item<double>(), 1e-3) << case_name(c) << ": outputs all but zero";
+  }
+}
+
+// Under bf16 autocast (CPU here) the projections run in bf16 but the family's core gets fp32 inputs
+// and returns an fp32 state, for every kind; the output stays close to the fp32 layer's.
+TEST(MixerLayer, AutocastRunsTheCoreInFp32) {
+  for (auto& c : all_cases()) {
+    ParameterInit init(3, at::TensorOptions().dtype(at::kFloat));
+    MixerLayer layer(small_spec(c.kind, c.conv_size, c.window), init);
+    auto x = random_x(5).to(at::kFloat);
+    std::vector<at::ScalarType> core_dtypes;
+    MixerLayerContext ctx;
+    ctx.run_mixer = [&](const Mixer& m, const MixerInputs& in, const State& st, const MixerOptions& o) {
+      for (auto& n : m.input_names()) core_dtypes.push_back(in.get(n).scalar_type());
+      auto out = m.chunkwise(in, st, o);
+      core_dtypes.push_back(out.o.scalar_type());
+      return out;
+    };
+    auto y32 = layer.forward(x, {}, ctx).y;
+    core_dtypes.clear();
+    MixerLayerOutput out16;
+    {
+      AutocastScope autocast(at::kCPU, at::kBFloat16);
+      out16 = layer.forward(x, {}, ctx);
+    }
+    for (auto d : core_dtypes) EXPECT_EQ(d, at::kFloat) << case_name(c);
+    for (auto& t : out16.final_state) EXPECT_EQ(t.scalar_type(), at::kFloat) << case_name(c);
+    EXPECT_EQ(out16.y.scalar_type(), at::kBFloat16) << case_name(c) << ": the output projection ran in bf16";
+    double e = rel(out16.y.to(at::kFloat), y32);
+    std::printf("[ errors   ] mixer layer %-36s bf16 autocast vs fp32: %.2e\n", case_name(c).c_str(), e);
+    EXPECT_LE(e, 5e-2) << case_name(c);
+    EXPECT_GT(e, 0) << case_name(c) << ": autocast changed nothing";
   }
 }
 

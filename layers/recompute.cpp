@@ -1,0 +1,93 @@
+// Activation recomputation (see recompute.h): a custom autograd node that holds x, the parameters and
+// f, and in backward recomputes f(x) with autograd and differentiates it.
+#include "layers/recompute.h"
+
+#include "layers/precision.h"
+
+#include <ATen/core/grad_mode.h>
+#include <torch/csrc/autograd/autograd.h>
+#include <torch/csrc/autograd/function.h>
+#include <torch/csrc/autograd/functions/utils.h>
+
+namespace carry {
+
+namespace {
+
+using torch::autograd::variable_list;
+
+class RecomputeBackward final : public torch::autograd::Node {
+ public:
+  RecomputeBackward(std::function<Tensor(const Tensor&)> f, Tensor x, std::vector<Tensor> parameters,
+                    AutocastState autocast, at::TensorOptions y_options, std::vector<int64_t> y_sizes)
+      : f_(std::move(f)), x_(std::move(x)), parameters_(std::move(parameters)), autocast_(autocast),
+        y_options_(y_options), y_sizes_(std::move(y_sizes)) {}
+
+  std::string name() const override { return "carry::RecomputeBackward"; }
+
+  variable_list apply(variable_list&& grads) override {
+    TORCH_CHECK(f_, "recompute: backward called twice (the layer's inputs are released after the first)");
+    Tensor gy = grads.at(0);
+    // Every rank must recompute (collectives inside f): an absent gradient counts as zeros.
+    if (!gy.defined()) gy = at::zeros(y_sizes_, y_options_);
+
+    at::AutoGradMode grad_on(true);
+    const bool x_grad = x_.requires_grad();
+    auto x = x_.detach().requires_grad_(x_grad);
+    Tensor y;
+    {
+      // The forward's autocast for the recomputation only; the backward below runs without it, as
+      // the backward of a layer that kept its activations does.
+      AutocastStateScope autocast(autocast_);
+      y = f_(x);
+    }
+
+    // Differentiate with respect to x (when it needs a gradient) and the parameters that do.
+    std::vector<Tensor> wrt;
+    std::vector<size_t> slot;  // output slot of each wrt entry: 0 = x, 1 + i = parameter i
+    if (x_grad) wrt.push_back(x), slot.push_back(0);
+    for (size_t i = 0; i < parameters_.size(); ++i)
+      if (parameters_[i].requires_grad()) wrt.push_back(parameters_[i]), slot.push_back(1 + i);
+    variable_list out(1 + parameters_.size());
+    if (!wrt.empty()) {
+      auto g = torch::autograd::grad({y}, wrt, {gy.to(y.scalar_type())}, /*retain_graph=*/false,
+                                     /*create_graph=*/false, /*allow_unused=*/true);
+      for (size_t j = 0; j < g.size(); ++j) out[slot[j]] = g[j];
+    }
+    f_ = nullptr, x_ = Tensor(), parameters_.clear();
+    return out;
+  }
+
+ private:
+  std::function<Tensor(const Tensor&)> f_;
+  Tensor x_;
+  std::vector<Tensor> parameters_;
+  AutocastState autocast_;
+  at::TensorOptions y_options_;
+  std::vector<int64_t> y_sizes_;
+};
+
+}  // namespace
+
+Tensor recompute_in_backward(std::function<Tensor(const Tensor&)> f, const Tensor& x,
+                             const std::vector<Tensor>& parameters) {
+  bool any = x.requires_grad();
+  for (auto& p : parameters) any = any || p.requires_grad();
+  if (!at::GradMode::is_enabled() || !any) return f(x);
+
+  Tensor y;
+  {
+    at::NoGradGuard no_grad;
+    y = f(x.detach());
+  }
+  auto node = std::shared_ptr<RecomputeBackward>(
+      new RecomputeBackward(std::move(f), x.detach().requires_grad_(x.requires_grad()), parameters,
+                            AutocastState::current(), y.options(), y.sizes().vec()),
+      torch::autograd::deleteNode);
+  variable_list inputs{x};
+  inputs.insert(inputs.end(), parameters.begin(), parameters.end());
+  node->set_next_edges(torch::autograd::collect_next_edges(inputs));
+  torch::autograd::set_history(y, node);
+  return y;
+}
+
+}  // namespace carry
