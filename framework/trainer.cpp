@@ -131,6 +131,10 @@ Trainer::Trainer(const RunConfig& config, std::shared_ptr<parallel::ProcessGroup
 
 int Trainer::rank() const { return groups_ ? groups_->world_info.rank : 0; }
 
+std::string Trainer::layout_text() const {
+  return "dp=" + std::to_string(dp_) + " x sp=" + std::to_string(sp_);
+}
+
 void Trainer::log(const char* fmt, ...) const {
   if (rank() != 0 || !options_.log) return;
   va_list args;
@@ -320,7 +324,8 @@ void Trainer::save_checkpoint() {
     d.config_text = config_to_text(config_);
     for (auto& [name, p] : model_.parameters()) d.model.emplace_back(name, p.detach());
     d.optimizer = optimizer_->state();
-    d.extra["world_size"] = std::to_string(dp_ * sp_);
+    d.extra["layout"] = layout_text();
+    d.extra["global_batch"] = std::to_string(dp_ * config_.data().batch_size());
     carry::save_checkpoint(ck.dir(), d, static_cast<int>(ck.keep_last()));
   }
   if (groups_) groups_->world->barrier();
@@ -350,6 +355,19 @@ bool Trainer::resume() {
   tokens_seen_ = d.tokens_seen;
   TORCH_CHECK(d.data_cursor == d.step, "resume from ", ck.dir(), ": data_cursor ", d.data_cursor,
               " differs from step ", d.step, " (this trainer keeps them equal)");
+  // The state is layout-free (full parameters and optimizer state; batches are functions of the step
+  // and the global sequence index), so another dp x sp continues the same run when the global batch
+  // is the same.
+  auto was = [&](const char* key) {
+    auto it = d.extra.find(key);
+    return it == d.extra.end() ? std::string() : it->second;
+  };
+  const std::string global_batch = std::to_string(dp_ * config_.data().batch_size());
+  if (!was("layout").empty() && was("layout") != layout_text())
+    log("note: the checkpoint was written by %s, this run is %s\n", was("layout").c_str(), layout_text().c_str());
+  if (!was("global_batch").empty() && was("global_batch") != global_batch)
+    log("note: the global batch (dp x data.batch_size) was %s sequences and is now %s: the run goes on with "
+        "other batches than the original would have\n", was("global_batch").c_str(), global_batch.c_str());
   return true;
 }
 

@@ -98,6 +98,7 @@ class Trainer {
   ModelContext context() const;
   void all_reduce(at::Tensor& t, bool sp_only = false) const;
   void log(const char* fmt, ...) const;
+  std::string layout_text() const;  // "dp=2 x sp=4"
   void write_metrics(const std::string& json_line) const;
 
   RunConfig config_;
