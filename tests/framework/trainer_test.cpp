@@ -4,6 +4,7 @@
 // errors. Multi-rank equality (sp, dp) is in trainer_test_mpi.cpp.
 #include "framework/optimizer.h"
 #include "framework/trainer.h"
+#include "layers/device.h"
 #include "tests/framework/temp_dir.h"
 
 #include <gtest/gtest.h>
@@ -163,6 +164,34 @@ TEST(Trainer, Bf16AutocastKeepsFp32MastersAndTracksFp32) {
   auto pb = bf16.model().parameters(), pc = bf16_recompute.model().parameters();
   for (size_t i = 0; i < pb.size(); ++i) EXPECT_TRUE(at::equal(pb[i].second, pc[i].second)) << pb[i].first;
   EXPECT_GT(bf16.evaluate().positions, 0);
+}
+
+// On a GPU (skipped without one): fp32 training on CUDA follows the CPU run to rounding; bf16
+// autocast keeps fp32 masters and follows fp32; recomputation under bf16 gives the same steps.
+TEST(GpuTrainer, Fp32Bf16AndRecomputeOnCuda) {
+  if (cuda_device_count() == 0) GTEST_SKIP() << "no CUDA device";
+  auto on_gpu = quiet();
+  on_gpu.force_cpu = false;
+  Trainer cpu(tiny_config(), nullptr, quiet());
+  Trainer fp32(tiny_config(), nullptr, on_gpu);
+  Trainer bf16(tiny_config({"precision=BF16"}), nullptr, on_gpu);
+  Trainer bf16_recompute(tiny_config({"precision=BF16", "parallel.recompute=true"}), nullptr, on_gpu);
+  double e_fp32 = 0, e_bf16 = 0, e_recompute = 0;
+  for (int i = 0; i < 5; ++i) {
+    auto c = cpu.train_step(), a = fp32.train_step(), b = bf16.train_step(), r = bf16_recompute.train_step();
+    e_fp32 = std::max(e_fp32, std::abs(a.loss - c.loss) / c.loss);
+    e_bf16 = std::max(e_bf16, std::abs(b.loss - a.loss) / a.loss);
+    e_recompute = std::max(e_recompute, std::abs(r.loss - b.loss) / b.loss);
+  }
+  std::printf("[ errors   ] gpu trainer (5 steps, losses): fp32 cuda vs cpu %.3e, bf16 vs fp32 %.3e, "
+              "bf16 recomputed vs kept %.3e\n", e_fp32, e_bf16, e_recompute);
+  EXPECT_LE(e_fp32, 1e-4);
+  EXPECT_LE(e_bf16, 2e-2);
+  EXPECT_LE(e_recompute, 1e-6);
+  for (auto& [name, p] : bf16.model().parameters()) {
+    EXPECT_TRUE(p.is_cuda()) << name;
+    EXPECT_EQ(p.scalar_type(), at::kFloat) << name;
+  }
 }
 
 TEST(Trainer, WithoutProcessGroupsNeedsOneRank) {
