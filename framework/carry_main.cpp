@@ -1,6 +1,7 @@
 // The `carry` command: a thin dispatcher. `carry --help` lists the commands, `carry --version` prints
 // the version and whether CUDA is compiled in; each command lives in framework/<name>_command.
 #include "framework/check_command.h"
+#include "framework/launch_command.h"
 #include "framework/mixer_command.h"
 #include "framework/scan_bench_command.h"
 #include "framework/tokenize_command.h"
@@ -16,6 +17,7 @@ const char* const kUsage =
     "\n"
     "commands:\n"
     "  check       check every mixer family's forms and state summaries (the main job's default)\n"
+    "  launch      start a training run on a cluster with mpirun (carry launch --help)\n"
     "  mixer       run a mixer family on tensors from a safetensors file (carry mixer --help)\n"
     "  scan-bench  sequence-parallel forward vs the serial run, under mpirun (carry scan-bench --help)\n"
     "  tokenize    turn text files into a token file (byte-level)\n"
@@ -41,6 +43,7 @@ int main(int argc, char** argv) {
     return 0;
   }
   if (command == "check") return carry::run_check_command(argc - 1, argv + 1);
+  if (command == "launch") return carry::run_launch_command(argc - 1, argv + 1);
   if (command == "mixer") return carry::run_mixer_command(argc - 1, argv + 1);
   if (command == "scan-bench") return carry::run_scan_bench_command(argc - 1, argv + 1);
   if (command == "train") return carry::run_train_command(argc - 1, argv + 1);
