@@ -35,11 +35,12 @@ struct Run {
   EvalStats eval;
 };
 
-Run train(const RunConfig& cfg, bool distributed) {
+// A quiet CPU trainer; `distributed`: on the MPI process groups of the config's layout.
+std::unique_ptr<Trainer> make_trainer(const RunConfig& cfg, bool distributed, at::ScalarType dtype = at::kDouble) {
   TrainerOptions o;
   o.log = nullptr;
   o.force_cpu = true;
-  o.dtype = at::kDouble;
+  o.dtype = dtype;
   std::shared_ptr<parallel::ProcessGroups> groups;
   if (distributed) {
     parallel::CommOptions copt;
@@ -49,11 +50,16 @@ Run train(const RunConfig& cfg, bool distributed) {
         {static_cast<int>(cfg.parallel().dp()), static_cast<int>(cfg.parallel().sp())},
         parallel::Backend::mpi, copt));
   }
-  Trainer t(cfg, groups, o);
+  return std::make_unique<Trainer>(cfg, groups, o);
+}
+
+// `steps` steps on a fresh trainer: the losses, the final parameters and an evaluation.
+Run train(const RunConfig& cfg, bool distributed, int steps = 5, at::ScalarType dtype = at::kDouble) {
+  auto t = make_trainer(cfg, distributed, dtype);
   Run r;
-  for (int i = 0; i < 5; ++i) r.losses.push_back(t.train_step().loss);
-  for (auto& [n, p] : t.model().parameters()) r.params.push_back(p.detach().clone());
-  r.eval = t.evaluate();
+  for (int i = 0; i < steps; ++i) r.losses.push_back(t->train_step().loss);
+  for (auto& [n, p] : t->model().parameters()) r.params.push_back(p.detach().clone());
+  r.eval = t->evaluate();
   return r;
 }
 
@@ -159,28 +165,13 @@ struct Layout {
 // Steps 1-5 on layout `first`, a checkpoint, then steps 6-10 resumed on layout `second`, against 10
 // steps straight on one rank: the losses and the final parameters agree to rounding. A serial layout
 // writes its checkpoint from world rank 0 only; every rank reads it.
-Run train_resumed(const RunConfig& base, const Layout& first, const Layout& second, const std::string& dir) {
-  auto with = [&](const Layout& l) {
+Run train_resumed(const RunConfig& base, const Layout& first, const Layout& second, const std::string& dir,
+                  at::ScalarType dtype) {
+  auto make = [&](const Layout& l) {
     auto o = l.overrides;
     o.push_back("checkpoint.dir=" + dir);
-    std::string text = config_to_text(base);
-    return run_config_from_text(text, "trainer_test_mpi.textproto", o);
-  };
-  auto make = [&](const Layout& l) {
-    TrainerOptions opt;
-    opt.log = nullptr;
-    opt.force_cpu = true;
-    opt.dtype = base.name() == "fp64" ? at::kDouble : at::kFloat;
-    std::shared_ptr<parallel::ProcessGroups> groups;
-    auto cfg = with(l);
-    if (l.distributed()) {
-      parallel::CommOptions copt;
-      copt.timeout_s = 120;
-      copt.on_timeout = parallel::CommOptions::OnTimeout::throw_error;
-      groups = std::make_shared<parallel::ProcessGroups>(parallel::make_process_groups(
-          {static_cast<int>(cfg.parallel().dp()), static_cast<int>(cfg.parallel().sp())}, parallel::Backend::mpi, copt));
-    }
-    return std::make_unique<Trainer>(cfg, groups, opt);
+    return make_trainer(run_config_from_text(config_to_text(base), "trainer_test_mpi.textproto", o),
+                        l.distributed(), dtype);
   };
   Run r;
   if (first.distributed() || parallel::world_info().rank == 0) {
@@ -216,19 +207,10 @@ TEST(Trainer, ResumeOnAnotherLayoutContinuesTheRun) {
   std::vector<std::pair<Layout, Layout>> pairs{{serial, layouts[0]}, {layouts[0], serial}, {layouts[0], layouts[1]},
                                                {layouts[1], layouts[0]}};
   for (const char* precision : {"fp64", "fp32"}) {
-    auto base = config({std::string("name=") + precision, "optimizer.total_steps=10"});
+    const auto dtype = std::string(precision) == "fp64" ? at::kDouble : at::kFloat;
+    auto base = config({"optimizer.total_steps=10"});
     // 10 steps straight, one rank (every rank runs it in-process).
-    ::carry::testing::Run straight;
-    {
-      TrainerOptions opt;
-      opt.log = nullptr;
-      opt.force_cpu = true;
-      opt.dtype = std::string(precision) == "fp64" ? at::kDouble : at::kFloat;
-      Trainer t(base, nullptr, opt);
-      for (int i = 0; i < 10; ++i) straight.losses.push_back(t.train_step().loss);
-      for (auto& [n, p] : t.model().parameters()) straight.params.push_back(p.detach().clone());
-      straight.eval = t.evaluate();
-    }
+    auto straight = train(base, false, 10, dtype);
     const double tol = std::string(precision) == "fp64" ? 1e-10 : 1e-5;
     for (auto& [a, b] : pairs) {
       std::string dir;
@@ -237,7 +219,7 @@ TEST(Trainer, ResumeOnAnotherLayoutContinuesTheRun) {
       std::snprintf(buf, sizeof buf, "%s", dir.c_str());
       MPI_Bcast(buf, sizeof buf, MPI_CHAR, 0, MPI_COMM_WORLD);
       dir = buf;
-      auto resumed = train_resumed(base, a, b, dir);
+      auto resumed = train_resumed(base, a, b, dir, dtype);
       // Losses 6-10 and the final state (losses 1-5 are the first layout's, checked elsewhere).
       ::carry::testing::Run tail = straight, got = resumed;
       tail.losses.erase(tail.losses.begin(), tail.losses.begin() + 5);
