@@ -14,12 +14,15 @@
 #include <c10/util/Exception.h>
 
 #include <algorithm>
+#include <array>
 #include <chrono>
 #include <cmath>
+#include <csignal>
 #include <cstdarg>
 #include <cstdio>
 #include <map>
 #include <sstream>
+#include <signal.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -54,6 +57,49 @@ parallel::ScanMode scan_mode_of(config::ParallelConfig::ScanMode m) {
 void make_parent_dirs(const std::string& path) {
   for (size_t i = 1; i < path.size(); ++i)
     if (path[i] == '/') ::mkdir(path.substr(0, i).c_str(), 0755);
+}
+
+// The stop signals (see Trainer::run): the first sets the flag, a second one ends the process.
+volatile std::sig_atomic_t g_stop_signal = 0;
+
+extern "C" void on_stop_signal(int signo) {
+  if (g_stop_signal != 0) {
+    std::signal(signo, SIG_DFL);
+    std::raise(signo);
+    return;
+  }
+  g_stop_signal = signo;
+}
+
+// Installs on_stop_signal for SIGTERM, SIGINT and SIGUSR1 for its lifetime, then restores the
+// previous handlers.
+class StopSignals {
+ public:
+  StopSignals() {
+    g_stop_signal = 0;
+    struct sigaction sa {};
+    sa.sa_handler = on_stop_signal;
+    sigemptyset(&sa.sa_mask);
+    for (size_t i = 0; i < kSignals.size(); ++i) ::sigaction(kSignals[i], &sa, &previous_[i]);
+  }
+  ~StopSignals() {
+    for (size_t i = 0; i < kSignals.size(); ++i) ::sigaction(kSignals[i], &previous_[i], nullptr);
+    g_stop_signal = 0;
+  }
+  StopSignals(const StopSignals&) = delete;
+  StopSignals& operator=(const StopSignals&) = delete;
+
+ private:
+  static constexpr std::array<int, 3> kSignals{SIGTERM, SIGINT, SIGUSR1};
+  std::array<struct sigaction, 3> previous_{};
+};
+
+// A value for a message: NaN without a sign, else as printed by %g.
+std::string number_text(double x) {
+  if (std::isnan(x)) return "NaN";
+  char buf[64];
+  std::snprintf(buf, sizeof buf, "%g", x);
+  return buf;
 }
 
 std::string json_number(double x) {
@@ -130,6 +176,13 @@ Trainer::Trainer(const RunConfig& config, std::shared_ptr<parallel::ProcessGroup
 }
 
 int Trainer::rank() const { return groups_ ? groups_->world_info.rank : 0; }
+
+std::string Trainer::divergence_hint() const {
+  const auto& ck = config_.checkpoint();
+  std::string where = ck.has_dir() && !ck.dir().empty() ? "The newest checkpoint is in " + ck.dir() + "; "
+                                                         : "There is no checkpoint.dir; ";
+  return where + "try a lower optimizer.lr, a longer optimizer.warmup_steps or optimizer.grad_clip.";
+}
 
 std::string Trainer::layout_text() const {
   return "dp=" + std::to_string(dp_) + " x sp=" + std::to_string(sp_);
@@ -231,11 +284,17 @@ StepStats Trainer::train_step() {
     ce = model_.token_losses(batch.tokens, batch.targets.clamp_min(0), context());
   }
   auto w = batch.loss_mask.to(ce.options());
-  // [Σ ce·mask, Σ mask] over all ranks; the loss each rank back-propagates is its share of the mean.
-  auto sums = at::stack({(ce.detach() * w).sum(), w.sum()}).to(at::kDouble);
+  // [Σ ce·mask, Σ mask, stop signals] over all ranks; the loss each rank back-propagates is its share
+  // of the mean. The stop flag rides along so that every rank decides the same.
+  auto sums = at::stack({(ce.detach() * w).sum().to(at::kDouble), w.sum().to(at::kDouble),
+                         at::scalar_tensor(g_stop_signal != 0 ? 1.0 : 0.0, ce.options().dtype(at::kDouble))});
   all_reduce(sums);
-  const double loss_sum = sums[0].item<double>(), count = sums[1].item<double>();
-  TORCH_CHECK(count > 0, "trainer: step ", step_, ": the loss mask selects no token in the global batch");
+  auto host = sums.cpu();
+  const double loss_sum = host[0].item<double>(), count = host[1].item<double>();
+  const bool stop_requested = host[2].item<double>() > 0;
+  TORCH_CHECK(count > 0, "trainer: step ", step_ + 1, ": the loss mask selects no token in the global batch");
+  TORCH_CHECK(std::isfinite(loss_sum), "trainer: step ", step_ + 1, ": the loss is ", number_text(loss_sum / count),
+              "; the parameters were not updated. ", divergence_hint());
   auto local = (ce * w).sum() / count;
   local.backward();
 
@@ -254,6 +313,8 @@ StepStats Trainer::train_step() {
     }
   }
   const double grad_norm = clip_grad_norm(params, config_.optimizer().grad_clip());
+  TORCH_CHECK(std::isfinite(grad_norm), "trainer: step ", step_ + 1, ": the gradient norm is ", number_text(grad_norm),
+              " (loss ", number_text(loss_sum / count), "); the parameters were not updated. ", divergence_hint());
   const double lr = learning_rate(config_.optimizer(), step_);
   optimizer_->step(lr);
   ++step_;
@@ -266,6 +327,7 @@ StepStats Trainer::train_step() {
   s.lr = lr;
   s.tokens = tokens;
   s.seconds = now_s() - t0;
+  s.stop_requested = stop_requested;
   return s;
 }
 
@@ -393,6 +455,7 @@ int Trainer::run() {
   const double flops_per_token = 6.0 * static_cast<double>(model_.num_parameters());
   int64_t window_tokens = 0;
   double window_seconds = 0;
+  StopSignals signals;
   while (step_ < total) {
     auto s = train_step();
     window_tokens += s.tokens, window_seconds += s.seconds;
@@ -416,6 +479,17 @@ int Trainer::run() {
          << ",\"tokens_seen\":" << tokens_seen_ << "}";
       write_metrics(js.str());
       window_tokens = 0, window_seconds = 0;
+    }
+    if (options_.on_step) options_.on_step(s);
+    if (s.stop_requested) {
+      save_checkpoint();
+      const auto& ck = config_.checkpoint();
+      const bool saved = ck.has_dir() && !ck.dir().empty();
+      log("stopped at step %lld/%lld on a stop signal (SIGTERM, SIGINT or SIGUSR1): %s\n",
+          static_cast<long long>(s.step), static_cast<long long>(total),
+          saved ? ("checkpoint written to " + ck.dir() + "; run the same command again to continue").c_str()
+                : "no checkpoint.dir, so this run's progress is not saved");
+      return kExitStoppedBySignal;
     }
     if (eval_every > 0 && (s.step % eval_every == 0 || s.step == total)) {
       auto e = evaluate();

@@ -27,6 +27,7 @@
 
 #include <cstdint>
 #include <cstdio>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -44,7 +45,13 @@ struct TrainerOptions {
   bool force_cpu = false;
   // Where rank 0 prints its lines (nullptr: silent).
   std::FILE* log = stdout;
+  // Called by run() on every rank after each step (progress hooks, tests).
+  std::function<void(const struct StepStats&)> on_step;
 };
+
+// run()'s return value when a stop signal ended the run early (after a checkpoint): EX_TEMPFAIL,
+// "run the same command again to continue".
+constexpr int kExitStoppedBySignal = 75;
 
 struct StepStats {
   int64_t step = 0;           // steps done after this one
@@ -53,6 +60,9 @@ struct StepStats {
   double lr = 0;
   int64_t tokens = 0;         // tokens of the step's global batch
   double seconds = 0;
+  // Some rank had received a stop signal (SIGTERM, SIGINT, SIGUSR1) when the step's loss was summed
+  // over the ranks: the same on every rank, so all of them stop after the same step.
+  bool stop_requested = false;
 };
 
 struct EvalStats {
@@ -79,7 +89,11 @@ class Trainer {
   // checkpoint.dir.
   void save_checkpoint();
   // The whole run: prints the resolved config and the model, resumes, trains to
-  // optimizer.total_steps with logging, evaluation and checkpoints. Returns 0.
+  // optimizer.total_steps with logging, evaluation and checkpoints. Returns 0. While it runs,
+  // SIGTERM, SIGINT and SIGUSR1 (which mpirun forwards to the ranks) ask for a stop: every rank
+  // finishes the step, a checkpoint is written and run() returns kExitStoppedBySignal; a second
+  // signal ends the process at once. A non-finite loss or gradient norm throws before the update
+  // (the parameters stay those of the last step).
   int run();
 
   int64_t step() const { return step_; }
@@ -99,6 +113,7 @@ class Trainer {
   void all_reduce(at::Tensor& t, bool sp_only = false) const;
   void log(const char* fmt, ...) const;
   std::string layout_text() const;  // "dp=2 x sp=4"
+  std::string divergence_hint() const;  // what to try after a non-finite loss
   void write_metrics(const std::string& json_line) const;
 
   RunConfig config_;

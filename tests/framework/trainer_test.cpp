@@ -3,16 +3,21 @@
 // update (decay only on 2+-dim parameters); the warmup + cosine schedule; gradient clipping; layout
 // errors. Multi-rank equality (sp, dp) is in trainer_test_mpi.cpp.
 #include "framework/optimizer.h"
+#include "framework/checkpoint.h"
 #include "framework/trainer.h"
 #include "layers/device.h"
 #include "tests/framework/temp_dir.h"
 
+#include <ATen/core/grad_mode.h>
 #include <gtest/gtest.h>
 
 #include <algorithm>
 #include <cmath>
+#include <csignal>
 #include <cstdio>
 #include <cstring>
+
+#include <signal.h>
 
 namespace carry::testing {
 namespace {
@@ -192,6 +197,75 @@ TEST(GpuTrainer, Fp32Bf16AndRecomputeOnCuda) {
     EXPECT_TRUE(p.is_cuda()) << name;
     EXPECT_EQ(p.scalar_type(), at::kFloat) << name;
   }
+}
+
+// A stop signal during run() (here SIGUSR1 raised after step 3, as mpirun forwards it): the step
+// finishes, a checkpoint of step 3 is written, run() returns kExitStoppedBySignal and the previous
+// handler is back; running again resumes at step 3 and ends at total_steps with the losses of a run
+// that never stopped, bit for bit.
+TEST(Trainer, StopSignalCheckpointsAndTheRunContinues) {
+  auto dir = make_temp_dir("carry_trainer_stop");
+  auto cfg = tiny_config({"checkpoint.dir=" + dir, "optimizer.total_steps=6"});
+  std::vector<double> straight, stopped;
+  {
+    auto o = quiet();
+    o.on_step = [&](const StepStats& s) { straight.push_back(s.loss); };
+    Trainer t(tiny_config({"optimizer.total_steps=6"}), nullptr, o);
+    EXPECT_EQ(t.run(), 0);
+  }
+  struct sigaction before {};
+  ::sigaction(SIGUSR1, nullptr, &before);
+  {
+    auto o = quiet();
+    o.on_step = [&](const StepStats& s) {
+      stopped.push_back(s.loss);
+      if (s.step == 3) std::raise(SIGUSR1);
+    };
+    Trainer t(cfg, nullptr, o);
+    EXPECT_EQ(t.run(), kExitStoppedBySignal);
+    EXPECT_EQ(t.step(), 4) << "the signal came after step 3; step 4's loss sum carried it";
+  }
+  struct sigaction after {};
+  ::sigaction(SIGUSR1, nullptr, &after);
+  EXPECT_EQ(after.sa_handler, before.sa_handler) << "run() left its handler installed";
+  auto saved = load_latest_checkpoint(dir);
+  ASSERT_TRUE(saved.has_value());
+  EXPECT_EQ(saved->step, 4);
+  {
+    auto o = quiet();
+    o.on_step = [&](const StepStats& s) { stopped.push_back(s.loss); };
+    Trainer t(cfg, nullptr, o);
+    EXPECT_EQ(t.run(), 0);
+    EXPECT_EQ(t.step(), 6);
+  }
+  ASSERT_EQ(stopped.size(), straight.size());
+  for (size_t i = 0; i < straight.size(); ++i) EXPECT_EQ(stopped[i], straight[i]) << "step " << i + 1;
+  remove_tree(dir);
+}
+
+// A non-finite loss stops the step before the update, with the step, the value and what to try.
+TEST(Trainer, NonFiniteLossThrowsBeforeTheUpdate) {
+  Trainer t(tiny_config(), nullptr, quiet());
+  t.train_step();
+  auto params = t.model().parameters();
+  {
+    at::NoGradGuard no_grad;  // the final norm: after every mixer, whose inputs are checked on their own
+    for (auto& [n, p] : params)
+      if (n == "norm.weight") p.view({-1})[0].fill_(std::nan(""));
+  }
+  std::vector<at::Tensor> before;
+  for (auto& [n, p] : params) before.push_back(p.detach().clone());
+  try {
+    t.train_step();
+    ADD_FAILURE() << "a NaN loss was accepted";
+  } catch (const c10::Error& e) {
+    std::string m = e.what_without_backtrace();
+    EXPECT_NE(m.find("step 2: the loss is NaN;"), std::string::npos) << m;
+    EXPECT_NE(m.find("optimizer.lr"), std::string::npos) << m;
+  }
+  EXPECT_EQ(t.step(), 1);
+  for (size_t i = 0; i < params.size(); ++i)
+    EXPECT_TRUE(at::allclose(params[i].second, before[i], 0, 0, /*equal_nan=*/true)) << params[i].first;
 }
 
 TEST(Trainer, WithoutProcessGroupsNeedsOneRank) {

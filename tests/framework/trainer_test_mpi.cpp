@@ -3,6 +3,7 @@
 // 1e-10; dp = world size with batch B/dp gives those of dp = 1 with batch B (the same global batch);
 // on 4 ranks dp=2 × sp=2 too; a hybrid with sliding-window softmax attention under sp. The serial
 // reference runs in-process on every rank. Skipped when the world size does not fit.
+#include "framework/checkpoint.h"
 #include "framework/trainer.h"
 #include "parallel/process_group.h"
 #include "tests/framework/temp_dir.h"
@@ -11,6 +12,7 @@
 #include <mpi.h>
 
 #include <cmath>
+#include <csignal>
 #include <cstdio>
 #include <memory>
 
@@ -243,6 +245,39 @@ TEST(Trainer, ResumeOnAnotherLayoutContinuesTheRun) {
       if (parallel::world_info().rank == 0) remove_tree(dir);
     }
   }
+}
+
+// A stop signal that reaches one rank only (the last, after step 2) stops every rank after step 3,
+// the step whose loss sum carried the flag, with one checkpoint of step 3 and the same return value.
+TEST(Trainer, StopSignalOnOneRankStopsEveryRankAtTheSameStep) {
+  const int P = parallel::world_info().size;
+  if (P < 2) GTEST_SKIP() << "needs 2 or more ranks";
+  std::string dir;
+  if (parallel::world_info().rank == 0) dir = make_temp_dir("carry_stop_mpi");
+  char buf[256] = {0};
+  std::snprintf(buf, sizeof buf, "%s", dir.c_str());
+  MPI_Bcast(buf, sizeof buf, MPI_CHAR, 0, MPI_COMM_WORLD);
+  dir = buf;
+  auto cfg = config({"parallel.sp=" + std::to_string(P), "checkpoint.dir=" + dir, "optimizer.total_steps=8"});
+  TrainerOptions o;
+  o.log = nullptr;
+  o.force_cpu = true;
+  o.on_step = [&](const StepStats& s) {
+    if (s.step == 2 && parallel::world_info().rank == P - 1) std::raise(SIGUSR1);
+  };
+  parallel::CommOptions copt;
+  copt.timeout_s = 120;
+  copt.on_timeout = parallel::CommOptions::OnTimeout::throw_error;
+  auto groups = std::make_shared<parallel::ProcessGroups>(
+      parallel::make_process_groups({1, P}, parallel::Backend::mpi, copt));
+  Trainer t(cfg, groups, o);
+  EXPECT_EQ(t.run(), kExitStoppedBySignal);
+  EXPECT_EQ(t.step(), 3);
+  auto saved = load_latest_checkpoint(dir);
+  ASSERT_TRUE(saved.has_value());
+  EXPECT_EQ(saved->step, 3);
+  MPI_Barrier(MPI_COMM_WORLD);
+  if (parallel::world_info().rank == 0) remove_tree(dir);
 }
 
 TEST(Trainer, LayoutMustMatchTheWorld) {
