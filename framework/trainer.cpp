@@ -393,29 +393,23 @@ void Trainer::save_checkpoint() {
   if (groups_) groups_->world->barrier();
 }
 
-bool Trainer::resume() {
-  const auto& ck = config_.checkpoint();
-  if (!ck.has_dir() || ck.dir().empty()) return false;
-  auto loaded = load_latest_checkpoint(ck.dir());
-  if (!loaded) return false;
-  auto& d = *loaded;
+void Trainer::apply_checkpoint(const CheckpointData& d) {
+  const auto& dir = config_.checkpoint().dir();
   auto params = model_.parameters();
   std::map<std::string, at::Tensor> by_name(d.model.begin(), d.model.end());
-  TORCH_CHECK(by_name.size() == params.size(), "resume from ", ck.dir(), ": the checkpoint holds ",
+  TORCH_CHECK(by_name.size() == params.size(), "resume from ", dir, ": the checkpoint holds ",
               by_name.size(), " model tensors, the model has ", params.size(), " parameters");
   at::NoGradGuard no_grad;
   for (auto& [name, p] : params) {
     auto it = by_name.find(name);
-    TORCH_CHECK(it != by_name.end(), "resume from ", ck.dir(), ": parameter '", name,
+    TORCH_CHECK(it != by_name.end(), "resume from ", dir, ": parameter '", name,
                 "' is not in the checkpoint (a different model?)");
-    TORCH_CHECK(it->second.sizes() == p.sizes(), "resume from ", ck.dir(), ": parameter '", name,
+    TORCH_CHECK(it->second.sizes() == p.sizes(), "resume from ", dir, ": parameter '", name,
                 "' has shape ", it->second.sizes(), " in the checkpoint, the model's is ", p.sizes());
     p.copy_(it->second);
   }
   optimizer_->load_state(d.optimizer, d.step);
-  step_ = d.step;
-  tokens_seen_ = d.tokens_seen;
-  TORCH_CHECK(d.data_cursor == d.step, "resume from ", ck.dir(), ": data_cursor ", d.data_cursor,
+  TORCH_CHECK(d.data_cursor == d.step, "resume from ", dir, ": data_cursor ", d.data_cursor,
               " differs from step ", d.step, " (this trainer keeps them equal)");
   // The state is layout-free (full parameters and optimizer state; batches are functions of the step
   // and the global sequence index), so another dp x sp continues the same run when the global batch
@@ -430,6 +424,48 @@ bool Trainer::resume() {
   if (!was("global_batch").empty() && was("global_batch") != global_batch)
     log("note: the global batch (dp x data.batch_size) was %s sequences and is now %s: the run goes on with "
         "other batches than the original would have\n", was("global_batch").c_str(), global_batch.c_str());
+}
+
+bool Trainer::resume() {
+  const auto& ck = config_.checkpoint();
+  if (!ck.has_dir() || ck.dir().empty()) return false;
+  // World rank 0 reads the checkpoint (it wrote it, so the directory need not be shared between
+  // hosts) and broadcasts it: a status, the counters, then every parameter and optimizer tensor.
+  enum Status : int64_t { kNone = 0, kLoaded = 1, kFailed = 2 };
+  int64_t status = kNone, step = 0, tokens = 0;
+  std::string error;
+  if (rank() == 0) {
+    try {
+      if (auto loaded = load_latest_checkpoint(ck.dir())) {
+        apply_checkpoint(*loaded);
+        status = kLoaded, step = loaded->step, tokens = loaded->tokens_seen;
+      }
+    } catch (const std::exception& e) {
+      status = kFailed, error = e.what();
+    }
+  }
+  const bool shared = groups_ && groups_->world->size() > 1;
+  if (shared) {
+    auto header = at::tensor({status, step, tokens}, at::TensorOptions().dtype(at::kLong)).to(device_);
+    groups_->world->broadcast(header, 0);
+    auto h = header.cpu();
+    status = h[0].item<int64_t>(), step = h[1].item<int64_t>(), tokens = h[2].item<int64_t>();
+  }
+  TORCH_CHECK(status != kFailed, rank() == 0 ? error : "resume from " + ck.dir() +
+              " failed on world rank 0 (its message says why)");
+  if (status == kNone) return false;
+  if (shared) {
+    at::NoGradGuard no_grad;
+    for (auto& [name, p] : model_.parameters()) {
+      auto data = p.detach();
+      groups_->world->broadcast(data, 0);
+    }
+    auto state = optimizer_->state();
+    for (auto& [name, t] : state) groups_->world->broadcast(t, 0);
+    if (rank() != 0) optimizer_->load_state(state, step);  // sets the step count (the values are in place)
+  }
+  step_ = step;
+  tokens_seen_ = tokens;
   return true;
 }
 

@@ -34,6 +34,9 @@
 
 namespace carry {
 
+struct CheckpointData;  // framework/checkpoint.h
+struct StepStats;
+
 // The peak rates the MFU estimate divides by (per rank): an assumed figure, not a measurement.
 constexpr double kAssumedCpuPeakFlopsPerRank = 1.0e11;  // one x86 core, fp32 FMA: ~100 GFLOP/s
 constexpr double kAssumedGpuPeakFlopsPerRank = 9.89e14; // H100 SXM, dense bf16
@@ -46,7 +49,7 @@ struct TrainerOptions {
   // Where rank 0 prints its lines (nullptr: silent).
   std::FILE* log = stdout;
   // Called by run() on every rank after each step (progress hooks, tests).
-  std::function<void(const struct StepStats&)> on_step;
+  std::function<void(const StepStats&)> on_step;
 };
 
 // run()'s return value when a stop signal ended the run early (after a checkpoint): EX_TEMPFAIL,
@@ -79,7 +82,9 @@ class Trainer {
   Trainer(const RunConfig& config, std::shared_ptr<parallel::ProcessGroups> groups,
           TrainerOptions options = {});
 
-  // Loads the latest checkpoint of checkpoint.dir if there is one; returns whether it did.
+  // Loads the latest checkpoint of checkpoint.dir if there is one; returns whether it did. World
+  // rank 0 reads it and broadcasts it to the others (checkpoint.dir need only exist on rank 0's host,
+  // where save_checkpoint writes).
   bool resume();
   // One optimizer step on the next batch.
   StepStats train_step();
@@ -114,6 +119,8 @@ class Trainer {
   void log(const char* fmt, ...) const;
   std::string layout_text() const;  // "dp=2 x sp=4"
   std::string divergence_hint() const;  // what to try after a non-finite loss
+  // Copies a loaded checkpoint into the model and the optimizer (checking names and shapes).
+  void apply_checkpoint(const CheckpointData& d);
   void write_metrics(const std::string& json_line) const;
 
   RunConfig config_;

@@ -31,7 +31,7 @@ data { mqar { num_kv_pairs: 4 num_queries: 4 vocab_size: 32 } seq_len: 64 batch_
 optimizer { lr: 1e-2 warmup_steps: 2 total_steps: 5 }
 )";
 
-struct Run {
+struct RunResult {
   std::vector<double> losses;
   std::vector<at::Tensor> params;
   EvalStats eval;
@@ -56,9 +56,9 @@ std::unique_ptr<Trainer> make_trainer(const RunConfig& cfg, bool distributed, at
 }
 
 // `steps` steps on a fresh trainer: the losses, the final parameters and an evaluation.
-Run train(const RunConfig& cfg, bool distributed, int steps = 5, at::ScalarType dtype = at::kDouble) {
+RunResult train(const RunConfig& cfg, bool distributed, int steps = 5, at::ScalarType dtype = at::kDouble) {
   auto t = make_trainer(cfg, distributed, dtype);
-  Run r;
+  RunResult r;
   for (int i = 0; i < steps; ++i) r.losses.push_back(t->train_step().loss);
   for (auto& [n, p] : t->model().parameters()) r.params.push_back(p.detach().clone());
   r.eval = t->evaluate();
@@ -72,7 +72,7 @@ double max_over_ranks(double x) {
 }
 
 // Worst relative difference of losses and parameters, over all ranks.
-double compare(const Run& a, const Run& b) {
+double compare(const RunResult& a, const RunResult& b) {
   double worst = 0;
   for (size_t i = 0; i < a.losses.size(); ++i)
     worst = std::max(worst, std::abs(a.losses[i] - b.losses[i]) / std::abs(b.losses[i]));
@@ -167,7 +167,7 @@ struct Layout {
 // Steps 1-5 on layout `first`, a checkpoint, then steps 6-10 resumed on layout `second`, against 10
 // steps straight on one rank: the losses and the final parameters agree to rounding. A serial layout
 // writes its checkpoint from world rank 0 only; every rank reads it.
-Run train_resumed(const RunConfig& base, const Layout& first, const Layout& second, const std::string& dir,
+RunResult train_resumed(const RunConfig& base, const Layout& first, const Layout& second, const std::string& dir,
                   at::ScalarType dtype) {
   auto make = [&](const Layout& l) {
     auto o = l.overrides;
@@ -175,7 +175,7 @@ Run train_resumed(const RunConfig& base, const Layout& first, const Layout& seco
     return make_trainer(run_config_from_text(config_to_text(base), "trainer_test_mpi.textproto", o),
                         l.distributed(), dtype);
   };
-  Run r;
+  RunResult r;
   if (first.distributed() || parallel::world_info().rank == 0) {
     auto t = make(first);
     for (int i = 0; i < 5; ++i) r.losses.push_back(t->train_step().loss);
@@ -223,7 +223,7 @@ TEST(Trainer, ResumeOnAnotherLayoutContinuesTheRun) {
       dir = buf;
       auto resumed = train_resumed(base, a, b, dir, dtype);
       // Losses 6-10 and the final state (losses 1-5 are the first layout's, checked elsewhere).
-      ::carry::testing::Run tail = straight, got = resumed;
+      RunResult tail = straight, got = resumed;
       tail.losses.erase(tail.losses.begin(), tail.losses.begin() + 5);
       got.losses.erase(got.losses.begin(), got.losses.begin() + 5);
       // fp64: losses and parameters (the run is exact up to rounding, so 1e-10 holds for both). fp32:
@@ -245,6 +245,43 @@ TEST(Trainer, ResumeOnAnotherLayoutContinuesTheRun) {
       if (parallel::world_info().rank == 0) remove_tree(dir);
     }
   }
+}
+
+// Hosts without a shared filesystem: the checkpoint (written by world rank 0) is in a directory only
+// rank 0 has; the other ranks are given an empty one. They resume all the same (rank 0 broadcasts
+// the checkpoint) and the run continues as if it had never stopped (fp64).
+TEST(Trainer, ResumeWhenOnlyRankZeroSeesTheCheckpoint) {
+  const int P = parallel::world_info().size;
+  if (P < 2) GTEST_SKIP() << "needs 2 or more ranks";
+  const int rank = parallel::world_info().rank;
+  std::string own = make_temp_dir("carry_resume_rank" + std::to_string(rank));
+  auto base = config({"optimizer.total_steps=10"});
+  auto straight = train(base, false, 10);
+  std::vector<std::string> layout{"parallel.sp=" + std::to_string(P), "checkpoint.dir=" + own};
+  auto cfg = run_config_from_text(config_to_text(base), "trainer_test_mpi.textproto", layout);
+  if (rank == 0) {
+    auto first = make_trainer(run_config_from_text(config_to_text(base), "x.textproto", {"checkpoint.dir=" + own}), false);
+    for (int i = 0; i < 5; ++i) first->train_step();
+    first->save_checkpoint();
+  }
+  MPI_Barrier(MPI_COMM_WORLD);
+  auto t = make_trainer(cfg, true);
+  ASSERT_TRUE(t->resume());
+  EXPECT_EQ(t->step(), 5);
+  EXPECT_EQ(t->tokens_seen(), 5 * 4 * 64);
+  RunResult r;
+  r.losses.resize(5);
+  for (int i = 0; i < 5; ++i) r.losses.push_back(t->train_step().loss);
+  for (auto& [n, p] : t->model().parameters()) r.params.push_back(p.detach().clone());
+  r.eval = t->evaluate();
+  for (int i = 0; i < 5; ++i) r.losses[i] = straight.losses[i];
+  double err = compare(r, straight);
+  if (rank == 0)
+    std::printf("[ errors   ] trainer: checkpoint only on rank 0, resumed on sp=%d + 5 steps vs 10 straight (fp64): %.3e\n",
+                P, err);
+  EXPECT_LE(err, 1e-10);
+  MPI_Barrier(MPI_COMM_WORLD);
+  remove_tree(own);
 }
 
 // A stop signal that reaches one rank only (the last, after step 2) stops every rank after step 3,
