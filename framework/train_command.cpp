@@ -17,17 +17,18 @@ namespace carry {
 namespace {
 
 const char* kUsage =
-    "usage: carry train RUN.textproto [--set field.path=value ...] [--print-world-size]\n"
+    "usage: carry train RUN.textproto [--set field.path=value ...] [--print-world-size] [--print-config]\n"
     "  Trains the model of a run config on dp x sp ranks (start them with mpirun -np dp*sp, or use\n"
     "  launcher/train RUN.textproto, which does). --set overrides config fields (repeatable), e.g.\n"
-    "  --set optimizer.lr=1e-3 --set parallel.sp=2. --print-world-size prints dp*sp and exits.\n";
+    "  --set optimizer.lr=1e-3 --set parallel.sp=2. --print-world-size prints dp*sp and exits;\n"
+    "  --print-config prints the resolved config (textproto) and exits.\n";
 
 }  // namespace
 
 int run_train_command(int argc, char** argv) {
   std::string path;
   std::vector<std::string> overrides;
-  bool print_world_size = false;
+  bool print_world_size = false, print_config = false;
   for (int i = 1; i < argc; ++i) {
     std::string a = argv[i];
     if (a == "--help" || a == "-h") {
@@ -43,6 +44,8 @@ int run_train_command(int argc, char** argv) {
       overrides.push_back(a.substr(6));
     } else if (a == "--print-world-size") {
       print_world_size = true;
+    } else if (a == "--print-config") {
+      print_config = true;
     } else if (!a.empty() && a[0] == '-') {
       std::fprintf(stderr, "carry train: unknown flag '%s'\n%s", a.c_str(), kUsage);
       return 2;
@@ -67,6 +70,10 @@ int run_train_command(int argc, char** argv) {
     if (!launched_rank) launched_rank = std::getenv("PMI_RANK");
     if (!launched_rank || std::string(launched_rank) == "0") std::fprintf(stderr, "carry train: %s\n", e.what());
     return 1;
+  }
+  if (print_config) {
+    std::fputs(config_to_text(config).c_str(), stdout);
+    return 0;
   }
   if (print_world_size) {
     std::printf("%lld\n", static_cast<long long>(config.parallel().dp() * config.parallel().sp()));
