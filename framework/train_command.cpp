@@ -17,11 +17,14 @@ namespace carry {
 namespace {
 
 const char* kUsage =
-    "usage: carry train RUN.textproto [--set field.path=value ...] [--print-world-size] [--print-config]\n"
+    "usage: carry train RUN.textproto [--set field.path=value ...] [--max-steps N] [--max-minutes M]\n"
+    "                   [--print-world-size] [--print-config]\n"
     "  Trains the model of a run config on dp x sp ranks (start them with mpirun -np dp*sp, or use\n"
     "  launcher/train RUN.textproto, which does). --set overrides config fields (repeatable), e.g.\n"
     "  --set optimizer.lr=1e-3 --set parallel.sp=2. --print-world-size prints dp*sp and exits;\n"
-    "  --print-config prints the resolved config (textproto) and exits.\n";
+    "  --print-config prints the resolved config (textproto) and exits. --max-steps N / --max-minutes M\n"
+    "  end this invocation after N steps / the first step past M minutes with a checkpoint and exit\n"
+    "  status 75, as SIGTERM, SIGINT or SIGUSR1 do; the same command continues the run.\n";
 
 }  // namespace
 
@@ -29,6 +32,7 @@ int run_train_command(int argc, char** argv) {
   std::string path;
   std::vector<std::string> overrides;
   bool print_world_size = false, print_config = false;
+  TrainerOptions limits;
   for (int i = 1; i < argc; ++i) {
     std::string a = argv[i];
     if (a == "--help" || a == "-h") {
@@ -46,6 +50,17 @@ int run_train_command(int argc, char** argv) {
       print_world_size = true;
     } else if (a == "--print-config") {
       print_config = true;
+    } else if (a == "--max-steps" || a == "--max-minutes") {
+      char* end = nullptr;
+      const char* v = i + 1 < argc ? argv[++i] : "";
+      double x = std::strtod(v, &end);
+      if (!*v || *end || !(x > 0) || (a == "--max-steps" && x != static_cast<double>(static_cast<int64_t>(x)))) {
+        std::fprintf(stderr, "carry train: %s needs a positive %s, got '%s'\n", a.c_str(),
+                     a == "--max-steps" ? "integer" : "number", v);
+        return 2;
+      }
+      if (a == "--max-steps") limits.max_steps = static_cast<int64_t>(x);
+      else limits.max_minutes = x;
     } else if (!a.empty() && a[0] == '-') {
       std::fprintf(stderr, "carry train: unknown flag '%s'\n%s", a.c_str(), kUsage);
       return 2;
@@ -95,7 +110,7 @@ int run_train_command(int argc, char** argv) {
     auto groups = std::make_shared<parallel::ProcessGroups>(parallel::make_process_groups(
         {static_cast<int>(config.parallel().dp()), static_cast<int>(config.parallel().sp())},
         gpu ? parallel::Backend::nccl : parallel::Backend::mpi, opt));
-    TrainerOptions topt;
+    TrainerOptions topt = limits;
     topt.force_cpu = !gpu;
     Trainer trainer(config, groups, topt);
     rc = trainer.run();

@@ -287,7 +287,7 @@ StepStats Trainer::train_step() {
   // [Σ ce·mask, Σ mask, stop signals] over all ranks; the loss each rank back-propagates is its share
   // of the mean. The stop flag rides along so that every rank decides the same.
   auto sums = at::stack({(ce.detach() * w).sum().to(at::kDouble), w.sum().to(at::kDouble),
-                         at::scalar_tensor(g_stop_signal != 0 ? 1.0 : 0.0, ce.options().dtype(at::kDouble))});
+                         at::scalar_tensor(g_stop_signal != 0 || time_is_up_ ? 1.0 : 0.0, ce.options().dtype(at::kDouble))});
   all_reduce(sums);
   auto host = sums.cpu();
   const double loss_sum = host[0].item<double>(), count = host[1].item<double>();
@@ -492,8 +492,15 @@ int Trainer::run() {
   int64_t window_tokens = 0;
   double window_seconds = 0;
   StopSignals signals;
+  const double started = now_s();
+  int64_t steps_here = 0;
   while (step_ < total) {
     auto s = train_step();
+    ++steps_here;
+    // This invocation's limits. The step count is the same on every rank; the clock is not, so a rank
+    // past max_minutes raises its stop flag, which the next step's loss sum carries to all ranks.
+    const bool step_limit = options_.max_steps > 0 && steps_here >= options_.max_steps && s.step < total;
+    if (options_.max_minutes > 0 && now_s() - started > 60 * options_.max_minutes) time_is_up_ = true;
     window_tokens += s.tokens, window_seconds += s.seconds;
     if (s.step % log_every == 0 || s.step == total || s.step == 1) {
       const double tps = window_seconds > 0 ? window_tokens / window_seconds : 0;
@@ -517,14 +524,16 @@ int Trainer::run() {
       window_tokens = 0, window_seconds = 0;
     }
     if (options_.on_step) options_.on_step(s);
-    if (s.stop_requested) {
+    if (s.stop_requested || step_limit) {
       save_checkpoint();
       const auto& ck = config_.checkpoint();
       const bool saved = ck.has_dir() && !ck.dir().empty();
-      log("stopped at step %lld/%lld on a stop signal (SIGTERM, SIGINT or SIGUSR1): %s\n",
-          static_cast<long long>(s.step), static_cast<long long>(total),
-          saved ? ("checkpoint written to " + ck.dir() + "; run the same command again to continue").c_str()
-                : "no checkpoint.dir, so this run's progress is not saved");
+      const std::string why = step_limit ? "after the " + std::to_string(options_.max_steps) + " steps of --max-steps"
+                                         : "on a stop signal (SIGTERM, SIGINT or SIGUSR1) or --max-minutes";
+      log("stopped at step %lld/%lld %s: %s\n", static_cast<long long>(s.step), static_cast<long long>(total),
+          why.c_str(), saved ? ("checkpoint written to " + ck.dir() + "; run the same command again to continue").c_str()
+                             : "no checkpoint.dir, so this run's progress is not saved");
+      time_is_up_ = false;
       return kExitStoppedBySignal;
     }
     if (eval_every > 0 && (s.step % eval_every == 0 || s.step == total)) {

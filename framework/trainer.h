@@ -50,9 +50,14 @@ struct TrainerOptions {
   std::FILE* log = stdout;
   // Called by run() on every rank after each step (progress hooks, tests).
   std::function<void(const StepStats&)> on_step;
+  // Limits of one run() (0 = none): after max_steps steps, or the first step that ends past
+  // max_minutes, run() stops as on a stop signal (checkpoint, kExitStoppedBySignal). The schedule
+  // still runs to optimizer.total_steps: the next invocation continues it.
+  int64_t max_steps = 0;
+  double max_minutes = 0;
 };
 
-// run()'s return value when a stop signal ended the run early (after a checkpoint): EX_TEMPFAIL,
+// run()'s return value when a stop signal or a limit ended the run early (after a checkpoint): EX_TEMPFAIL,
 // "run the same command again to continue".
 constexpr int kExitStoppedBySignal = 75;
 
@@ -131,6 +136,7 @@ class Trainer {
   std::unique_ptr<AdamW> optimizer_;
   int dp_ = 1, sp_ = 1, dp_rank_ = 0, sp_rank_ = 0;
   bool bf16_ = false;  // precision BF16: forward under bf16 autocast
+  bool time_is_up_ = false;  // max_minutes passed on this rank (sent with the next step's loss sum)
   int64_t step_ = 0, tokens_seen_ = 0;
   struct TokenStream;
   std::shared_ptr<TokenStream> train_stream_, eval_stream_;

@@ -243,6 +243,45 @@ TEST(Trainer, StopSignalCheckpointsAndTheRunContinues) {
   remove_tree(dir);
 }
 
+// max_steps and max_minutes end one invocation like a stop signal, without touching the schedule:
+// 2 steps (--max-steps 2), then a time limit that has passed after the first step (the flag rides on
+// the second step's loss sum), then the rest: the losses of 6 straight steps, bit for bit.
+TEST(Trainer, MaxStepsAndMaxMinutesEndAnInvocationAndTheRunContinues) {
+  auto dir = make_temp_dir("carry_trainer_limits");
+  auto cfg = tiny_config({"checkpoint.dir=" + dir, "optimizer.total_steps=6"});
+  std::vector<double> straight, pieces;
+  {
+    auto o = quiet();
+    o.on_step = [&](const StepStats& s) { straight.push_back(s.loss); };
+    Trainer t(tiny_config({"optimizer.total_steps=6"}), nullptr, o);
+    EXPECT_EQ(t.run(), 0);
+  }
+  auto o = quiet();
+  o.on_step = [&](const StepStats& s) { pieces.push_back(s.loss); };
+  {
+    auto limited = o;
+    limited.max_steps = 2;
+    Trainer t(cfg, nullptr, limited);
+    EXPECT_EQ(t.run(), kExitStoppedBySignal);
+    EXPECT_EQ(t.step(), 2);
+  }
+  {
+    auto limited = o;
+    limited.max_minutes = 1e-9;
+    Trainer t(cfg, nullptr, limited);
+    EXPECT_EQ(t.run(), kExitStoppedBySignal);
+    EXPECT_EQ(t.step(), 4) << "resumed at 2; the limit passed during step 3, step 4 carried it";
+  }
+  {
+    Trainer t(cfg, nullptr, o);
+    EXPECT_EQ(t.run(), 0);
+    EXPECT_EQ(t.step(), 6);
+  }
+  ASSERT_EQ(pieces.size(), straight.size());
+  for (size_t i = 0; i < straight.size(); ++i) EXPECT_EQ(pieces[i], straight[i]) << "step " << i + 1;
+  remove_tree(dir);
+}
+
 // A non-finite loss stops the step before the update, with the step, the value and what to try.
 TEST(Trainer, NonFiniteLossThrowsBeforeTheUpdate) {
   Trainer t(tiny_config(), nullptr, quiet());
