@@ -499,7 +499,7 @@ int Trainer::run() {
     ++steps_here;
     // This invocation's limits. The step count is the same on every rank; the clock is not, so a rank
     // past max_minutes raises its stop flag, which the next step's loss sum carries to all ranks.
-    const bool step_limit = options_.max_steps > 0 && steps_here >= options_.max_steps && s.step < total;
+    const bool step_limit = options_.max_steps > 0 && steps_here >= options_.max_steps;
     if (options_.max_minutes > 0 && now_s() - started > 60 * options_.max_minutes) time_is_up_ = true;
     window_tokens += s.tokens, window_seconds += s.seconds;
     if (s.step % log_every == 0 || s.step == total || s.step == 1) {
@@ -524,7 +524,7 @@ int Trainer::run() {
       window_tokens = 0, window_seconds = 0;
     }
     if (options_.on_step) options_.on_step(s);
-    if (s.stop_requested || step_limit) {
+    if ((s.stop_requested || step_limit) && s.step < total) {  // (at the last step: the normal end)
       save_checkpoint();
       const auto& ck = config_.checkpoint();
       const bool saved = ck.has_dir() && !ck.dir().empty();
