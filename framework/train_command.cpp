@@ -6,6 +6,8 @@
 #include "layers/device.h"
 #include "parallel/process_group.h"
 
+#include <mpi.h>
+
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -27,6 +29,15 @@ const char* kUsage =
     "  status 75, as SIGTERM, SIGINT or SIGUSR1 do; the same command continues the run.\n";
 
 }  // namespace
+
+std::string gpu_rank_layout_error(const std::string& host, int ranks_on_host, int gpus_on_host) {
+  if (ranks_on_host <= gpus_on_host) return "";
+  return "host " + host + " runs " + std::to_string(ranks_on_host) + " ranks but has " +
+         std::to_string(gpus_on_host) + " GPU" + (gpus_on_host == 1 ? "" : "s") +
+         ": carry gives each rank its own GPU. Start at most " + std::to_string(gpus_on_host) +
+         " ranks on it (launcher/launch places ranks by the GPU counts of a cluster config), lower "
+         "parallel.dp * parallel.sp, or hide the GPUs (CUDA_VISIBLE_DEVICES=) to train on the CPU";
+}
 
 int run_train_command(int argc, char** argv) {
   std::string path;
@@ -104,8 +115,21 @@ int run_train_command(int argc, char** argv) {
     parallel::finalize_mpi();
     return 1;
   }
+  const bool gpu = cuda_device_count() > 0 && parallel::nccl_available();
+  {
+    // One GPU a rank: a host that runs more ranks than it has GPUs is refused on every rank (the
+    // decision is all-reduced; that host's first rank says why).
+    const auto& w = parallel::world_info();
+    std::string why = gpu ? gpu_rank_layout_error(w.host, w.local_size, cuda_device_count()) : "";
+    int bad = why.empty() ? 0 : 1, any = 0;
+    MPI_Allreduce(&bad, &any, 1, MPI_INT, MPI_MAX, MPI_COMM_WORLD);
+    if (any) {
+      if (bad && w.local_rank == 0) std::fprintf(stderr, "carry train: %s\n", why.c_str());
+      parallel::finalize_mpi();
+      return 1;
+    }
+  }
   try {
-    const bool gpu = cuda_device_count() > 0 && parallel::nccl_available();
     parallel::CommOptions opt;
     auto groups = std::make_shared<parallel::ProcessGroups>(parallel::make_process_groups(
         {static_cast<int>(config.parallel().dp()), static_cast<int>(config.parallel().sp())},

@@ -4,6 +4,7 @@
 // errors. Multi-rank equality (sp, dp) is in trainer_test_mpi.cpp.
 #include "framework/optimizer.h"
 #include "framework/checkpoint.h"
+#include "framework/train_command.h"
 #include "framework/trainer.h"
 #include "layers/device.h"
 #include "tests/framework/temp_dir.h"
@@ -314,6 +315,17 @@ TEST(Trainer, WithoutProcessGroupsNeedsOneRank) {
   } catch (const c10::Error& e) {
     EXPECT_NE(std::string(e.what()).find("dp=1 sp=2"), std::string::npos) << e.what();
   }
+}
+
+// carry train on GPUs gives each rank of a host its own GPU; more ranks than GPUs is refused with
+// the host, both counts and the ways out.
+TEST(TrainCommand, MoreRanksThanGpusOnAHostIsRefused) {
+  EXPECT_EQ(gpu_rank_layout_error("node0", 4, 4), "");
+  EXPECT_EQ(gpu_rank_layout_error("node0", 2, 8), "");
+  auto m = gpu_rank_layout_error("node0", 8, 4);
+  EXPECT_NE(m.find("host node0 runs 8 ranks but has 4 GPUs"), std::string::npos) << m;
+  EXPECT_NE(m.find("CUDA_VISIBLE_DEVICES"), std::string::npos) << m;
+  EXPECT_NE(gpu_rank_layout_error("a", 2, 1).find("has 1 GPU:"), std::string::npos);
 }
 
 TEST(Optimizer, ScheduleWarmupThenCosine) {
