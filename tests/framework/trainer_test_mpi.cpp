@@ -65,6 +65,16 @@ RunResult train(const RunConfig& cfg, bool distributed, int steps = 5, at::Scala
   return r;
 }
 
+// A temporary directory made by world rank 0, its path sent to every rank (one host in these tests).
+std::string shared_temp_dir(const std::string& prefix) {
+  std::string dir;
+  if (parallel::world_info().rank == 0) dir = make_temp_dir(prefix);
+  char buf[256] = {0};
+  std::snprintf(buf, sizeof buf, "%s", dir.c_str());
+  MPI_Bcast(buf, sizeof buf, MPI_CHAR, 0, MPI_COMM_WORLD);
+  return buf;
+}
+
 double max_over_ranks(double x) {
   double y = 0;
   MPI_Allreduce(&x, &y, 1, MPI_DOUBLE, MPI_MAX, MPI_COMM_WORLD);
@@ -215,12 +225,7 @@ TEST(Trainer, ResumeOnAnotherLayoutContinuesTheRun) {
     auto straight = train(base, false, 10, dtype);
     const double tol = std::string(precision) == "fp64" ? 1e-10 : 1e-5;
     for (auto& [a, b] : pairs) {
-      std::string dir;
-      if (parallel::world_info().rank == 0) dir = make_temp_dir("carry_resume_layout");
-      char buf[256] = {0};
-      std::snprintf(buf, sizeof buf, "%s", dir.c_str());
-      MPI_Bcast(buf, sizeof buf, MPI_CHAR, 0, MPI_COMM_WORLD);
-      dir = buf;
+      std::string dir = shared_temp_dir("carry_resume_layout");
       auto resumed = train_resumed(base, a, b, dir, dtype);
       // Losses 6-10 and the final state (losses 1-5 are the first layout's, checked elsewhere).
       RunResult tail = straight, got = resumed;
@@ -289,12 +294,7 @@ TEST(Trainer, ResumeWhenOnlyRankZeroSeesTheCheckpoint) {
 TEST(Trainer, StopSignalOnOneRankStopsEveryRankAtTheSameStep) {
   const int P = parallel::world_info().size;
   if (P < 2) GTEST_SKIP() << "needs 2 or more ranks";
-  std::string dir;
-  if (parallel::world_info().rank == 0) dir = make_temp_dir("carry_stop_mpi");
-  char buf[256] = {0};
-  std::snprintf(buf, sizeof buf, "%s", dir.c_str());
-  MPI_Bcast(buf, sizeof buf, MPI_CHAR, 0, MPI_COMM_WORLD);
-  dir = buf;
+  std::string dir = shared_temp_dir("carry_stop_mpi");
   auto cfg = config({"parallel.sp=" + std::to_string(P), "checkpoint.dir=" + dir, "optimizer.total_steps=8"});
   TrainerOptions o;
   o.log = nullptr;
