@@ -1,11 +1,11 @@
 // The `carry` command: a thin dispatcher. `carry --help` lists the commands, `carry --version` prints
 // the version and whether CUDA is compiled in; each command lives in framework/<name>_command.
-#include "framework/check_command.h"
-#include "framework/launch_command.h"
-#include "framework/mixer_command.h"
-#include "framework/scan_bench_command.h"
-#include "framework/tokenize_command.h"
-#include "framework/train_command.h"
+#include "framework/cli/check_command.h"
+#include "framework/cli/launch_command.h"
+#include "framework/cli/mixer_command.h"
+#include "framework/cli/scan_bench_command.h"
+#include "framework/cli/tokenize_command.h"
+#include "framework/cli/train_command.h"
 #include "framework/version.h"
 
 #include <cstdio>
@@ -16,7 +16,7 @@ const char* const kUsage =
     "usage: carry <command> [args]\n"
     "\n"
     "commands:\n"
-    "  check       check every mixer family's forms and state summaries (the main job's default)\n"
+    "  check       check every mixer family's forms and state summaries against each other\n"
     "  launch      start a training run on a cluster with mpirun (carry launch --help)\n"
     "  mixer       run a mixer family on tensors from a safetensors file (carry mixer --help)\n"
     "  scan-bench  sequence-parallel forward vs the serial run, under mpirun (carry scan-bench --help)\n"

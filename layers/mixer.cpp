@@ -1,8 +1,9 @@
 // The mixer registry, the input-bundle helpers and the default input validation of the contract.
 #include "layers/mixer.h"
 
-#include "layers/common.h"
+#include "layers/common/layout.h"
 
+#include <cstdlib>
 #include <map>
 
 namespace carry {
@@ -37,6 +38,11 @@ std::vector<std::string> mixer_names() {
   return names;
 }
 
+const std::vector<std::string>& MixerInputs::names() {
+  static const std::vector<std::string> n{"q", "k", "v", "g", "gk", "beta", "l"};
+  return n;
+}
+
 const Tensor& MixerInputs::get(const std::string& name) const {
   return const_cast<MixerInputs*>(this)->get(name);
 }
@@ -54,7 +60,7 @@ Tensor& MixerInputs::get(const std::string& name) {
 
 MixerInputs MixerInputs::slice(int64_t start, int64_t len) const {
   MixerInputs out;
-  for (const char* n : {"q", "k", "v", "g", "gk", "beta", "l"}) {
+  for (const auto& n : MixerInputs::names()) {
     const Tensor& t = get(n);
     if (t.defined()) out.get(n) = t.narrow(1, start, len);
   }
@@ -85,6 +91,7 @@ void Mixer::check(const MixerInputs& in, const MixerOptions& opt, bool chunked) 
     TORCH_CHECK(t.scalar_type() == q.scalar_type(), name(), ": '", n, "' has dtype ",
                 t.scalar_type(), " but '", names[0], "' has ", q.scalar_type(),
                 "; all inputs must share one dtype");
+    if (!opt.check_values) continue;
     if (n == "g" || n == "gk") check_log_gate(t, name() + ": '" + n + "'");
     else check_finite(t, name() + ": '" + n + "'");
   }
@@ -93,6 +100,49 @@ void Mixer::check(const MixerInputs& in, const MixerOptions& opt, bool chunked) 
     TORCH_CHECK(T % opt.chunk_size == 0, name(), ": sequence length T=", T,
                 " must be a multiple of chunk_size=", opt.chunk_size, " in the chunkwise form");
   }
+}
+
+const char* form_name(Form form) {
+  switch (form) {
+    case Form::automatic: return "automatic";
+    case Form::naive: return "naive";
+    case Form::chunkwise: return "chunkwise";
+    case Form::kernel: return "kernel";
+  }
+  return "?";
+}
+
+bool check_values_requested() {
+  static const bool on = [] {
+    const char* v = std::getenv("CARRY_CHECK_VALUES");
+    return v && std::string(v) != "0" && std::string(v) != "";
+  }();
+  return on;
+}
+
+Form parse_form(const std::string& name) {
+  for (Form f : {Form::automatic, Form::naive, Form::chunkwise, Form::kernel})
+    if (name == form_name(f)) return f;
+  TORCH_CHECK(false, "unknown mixer form '", name, "'; forms are automatic, naive, chunkwise, kernel");
+}
+
+Form Mixer::resolve_form(const MixerInputs& in, const MixerOptions& opt) const {
+  if (opt.form != Form::automatic) return opt.form;
+  return has_kernel() && in.q.defined() && in.q.is_cuda() ? Form::kernel : Form::chunkwise;
+}
+
+MixerOutput Mixer::forward(const MixerInputs& in, const State& initial_state,
+                           const MixerOptions& opt) const {
+  switch (resolve_form(in, opt)) {
+    case Form::naive: return naive(in, initial_state, opt);
+    case Form::kernel: return kernel(in, initial_state, opt);
+    default: return chunkwise(in, initial_state, opt);
+  }
+}
+
+MixerOutput Mixer::kernel(const MixerInputs& in, const State&, const MixerOptions&) const {
+  TORCH_CHECK(false, name(), " has no kernel form in this build", in.q.defined() && !in.q.is_cuda()
+              ? " (and the kernel form runs on CUDA tensors only)" : "", "; use the chunkwise form");
 }
 
 Summary Mixer::summarize(const MixerInputs&, const MixerOptions&) const {

@@ -1,9 +1,17 @@
-// The mixer contract (DESIGN.md §2): every token-mixer family implements, per head, on one slice of
+// The mixer contract (README.md, Design §2): every token-mixer family implements, per head, on one slice of
 // T tokens, three forms side by side -- `naive` (the definition: token recurrence or materialized
 // masked T×T mixing), `chunkwise` (ATen ops, an explicit initial state, autograd for free) and, on
-// GPU, a kernel form -- plus the state-summary algebra: the effect of a slice on the recurrent state
-// is an affine map S_out = A·S_in + B (`summarize`), maps compose associatively (`compose`), and a
-// map acts on a state (`apply`). `parallel/` scans whatever implements this; it never sees a family.
+// GPU, `kernel` (fused CUDA kernels with a hand-written backward, in the family's folder) -- plus the
+// state-summary algebra: the effect of a slice on the recurrent state is an affine map
+// S_out = A·S_in + B (`summarize`, the states-only pass: no outputs), maps compose associatively
+// (`compose`), and a map acts on a state (`apply`). Every caller runs a family through one dispatch,
+// `Mixer::forward`, which takes the kernel form on CUDA tensors when the family has one and the
+// chunkwise form otherwise (MixerOptions::form forces one). `parallel/` scans whatever implements
+// this; it never sees a family.
+//
+// The per-call path checks shapes only: value checks (finite inputs, gate and beta ranges) read the
+// tensors back to the host, so they run only when MixerOptions::check_values is set (the command line,
+// the tests, and training with CARRY_CHECK_VALUES=1).
 //
 // Conventions (flash-linear-attention's): inputs are [B, T, H, D]; gates are log values (g: [B,T,H],
 // gk: [B,T,H,dk]); beta: [B,T,H]; level weights l: [B,T,H,L]; outputs o: [B,T,H,dv]; states are
@@ -30,11 +38,22 @@ struct MixerInputs {
   Tensor beta;     // delta-rule write strength                  [B,T,H]
   Tensor l;        // log-linear per-level weights λ             [B,T,H,L]
 
+  // Every input name, in this order: q, k, v, g, gk, beta, l.
+  static const std::vector<std::string>& names();
   const Tensor& get(const std::string& name) const;
   Tensor& get(const std::string& name);
   // The slice [start, start+len) along T of every defined tensor.
   MixerInputs slice(int64_t start, int64_t len) const;
 };
+
+// The forms of a family. `automatic`: the kernel form on CUDA tensors when the family has one, else
+// the chunkwise form.
+enum class Form { automatic, naive, chunkwise, kernel };
+const char* form_name(Form form);
+// Training's debug option: CARRY_CHECK_VALUES=1 in the environment (read once) checks every mixer
+// call's values, at the cost of a device-to-host read per call.
+bool check_values_requested();
+Form parse_form(const std::string& name);  // "automatic" | "naive" | "chunkwise" | "kernel"
 
 // Hyperparameters. A value <= 0 for `scale` means the default 1/sqrt(dk).
 struct MixerOptions {
@@ -44,6 +63,8 @@ struct MixerOptions {
   int64_t window = 0;        // sliding-window attention: keys t-window < s <= t; 0 = full causal
   int64_t chunk_size = 64;   // chunkwise form
   int64_t offset = 0;        // absolute position of the slice's first token (log-linear levels)
+  Form form = Form::automatic;  // which form Mixer::forward runs
+  bool check_values = false;    // also check values (finite, gate ranges): a device-to-host read
 
   double scale_for(int64_t dk) const;
 };
@@ -84,6 +105,15 @@ class Mixer {
                             const MixerOptions& opt) const = 0;
   virtual MixerOutput chunkwise(const MixerInputs& in, const State& initial_state,
                                 const MixerOptions& opt) const = 0;
+  // The kernel form (CUDA tensors only). Families without one keep the defaults.
+  virtual bool has_kernel() const { return false; }
+  virtual MixerOutput kernel(const MixerInputs& in, const State& initial_state,
+                             const MixerOptions& opt) const;
+
+  // The one dispatch every caller uses: the form opt.form names, `automatic` resolved by
+  // resolve_form. Differentiable in every input and the initial state.
+  MixerOutput forward(const MixerInputs& in, const State& initial_state, const MixerOptions& opt) const;
+  Form resolve_form(const MixerInputs& in, const MixerOptions& opt) const;
 
   // State-summary algebra. Families without a recurrent state (softmax attention) return false.
   virtual bool has_summary() const { return true; }

@@ -1,13 +1,15 @@
 // The token-mixer layer (mixer_layer.h): projections, short causal convolutions, gates and the output
-// norm around a registered family, per config kind (the table `kKinds` below). The family's forward
+// norm around a registered family, per config kind (the registry of layers/layer_kind.h; each family registers its kinds). The family's forward
 // over the slice goes through MixerLayerContext::run_mixer (default: chunkwise), the tokens before the
 // slice through MixerLayerContext::halo (default: none, the slice starts the sequence).
 #include "layers/mixer_layer.h"
 
-#include "layers/common.h"
-#include "layers/fenwick.h"
-#include "layers/linear_attn.h"
-#include "layers/mamba1.h"
+#include "layers/layer_kind.h"
+
+#include "layers/common/layout.h"
+#include "layers/log_linear/fenwick.h"
+#include "layers/linear_attn/linear_attn.h"
+#include "layers/diag_decay/mamba1.h"
 #include "layers/precision.h"
 
 #include <c10/util/Exception.h>
@@ -20,55 +22,8 @@ namespace carry {
 
 namespace {
 
-enum class Decay { none, retnet, mamba, gla };
-
-// What a kind adds around its family.
-struct KindTraits {
-  const char* kind;
-  const char* family;
-  Decay decay;
-  bool beta;        // beta = sigmoid(W x)
-  bool levels;      // l = softplus(W x) over L levels
-  bool silu_qkv;    // silu after the (optional) convolutions
-  bool l2_qk;       // L2-normalized q, k
-  bool elu_qk;      // φ = elu + 1 on q, k
-  bool mamba2;      // k = B·dt, scale 1, skip o += D·v
-  bool gated_norm;  // y = o_proj(gated_rms_norm(o, z)); false: y = o_proj(o)
-};
-
-// clang-format off
-const KindTraits kKinds[] = {
-  //  kind               family              decay          beta   levels silu   l2     elu    mamba2 norm
-  {"linear_attn",      "linear_attn",      Decay::none,   false, false, false, false, true,  false, true},
-  {"retnet",           "scalar_decay",     Decay::retnet, false, false, false, false, false, false, true},
-  {"gla",              "gla",              Decay::gla,    false, false, false, false, false, false, true},
-  {"deltanet",         "deltanet",         Decay::none,   true,  false, true,  true,  false, false, true},
-  {"gated_deltanet",   "gated_deltanet",   Decay::mamba,  true,  false, true,  true,  false, false, true},
-  {"mamba1",           "mamba1",           Decay::none,   false, false, true,  false, false, false, false},
-  {"mamba2",           "scalar_decay",     Decay::mamba,  false, false, true,  false, false, true,  true},
-  {"hla2",             "hla2",             Decay::mamba,  false, false, false, true,  false, false, true},
-  {"ahla",             "ahla",             Decay::mamba,  false, false, false, true,  false, false, true},
-  {"loglinear_mamba2", "loglinear_mamba2", Decay::mamba,  false, true,  true,  false, false, true,  true},
-  {"loglinear_gdn",    "loglinear_gdn",    Decay::mamba,  true,  true,  true,  true,  false, false, true},
-  {"softmax_attn",     "softmax_attn",     Decay::none,   false, false, false, false, false, false, false},
-};
-// clang-format on
-
 constexpr int64_t kGlaGateRank = 16;
 constexpr double kGlaGateNormalizer = 16.0;
-
-const KindTraits* find_kind(const std::string& kind) {
-  for (auto& k : kKinds)
-    if (kind == k.kind) return &k;
-  return nullptr;
-}
-
-const KindTraits& traits_of(const std::string& kind) {
-  auto* t = find_kind(kind);
-  TORCH_CHECK(t, "mixer layer: unknown mixer kind '", kind, "'; kinds with a layer: ",
-              c10::Join(", ", mixer_layer_kinds()));
-  return *t;
-}
 
 bool is_mamba1(const MixerLayerSpec& s) { return s.kind == "mamba1"; }
 
@@ -81,18 +36,11 @@ int64_t ceil_to(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 
 }  // namespace
 
-const std::vector<std::string>& mixer_layer_kinds() {
-  static const std::vector<std::string> kinds = [] {
-    std::vector<std::string> k;
-    for (auto& t : kKinds) k.push_back(t.kind);
-    return k;
-  }();
-  return kinds;
-}
+const std::vector<std::string>& mixer_layer_kinds() { return layer_kind_names(); }
 
 std::string mixer_layer_family(const std::string& kind) {
-  auto* t = find_kind(kind);
-  return t ? t->family : "";
+  const LayerKind* k = find_layer_kind(kind);
+  return k ? k->family : "";
 }
 
 Tensor causal_conv1d(const Tensor& x, const Tensor& weight, const Tensor& halo) {
@@ -126,7 +74,7 @@ struct MixerLayer::Projected {
 };
 
 MixerLayer::MixerLayer(const MixerLayerSpec& spec, ParameterInit& init) : spec_(spec) {
-  const auto& tr = traits_of(spec.kind);
+  const auto& tr = layer_kind(spec.kind);
   mixer_ = &get_mixer(tr.family);
   const int64_t d = spec.d_model, H = spec.n_heads, dk = spec.head_dim_k, dv = spec.head_dim_v;
   TORCH_CHECK(d > 0 && H > 0 && dk > 0 && dv > 0, "mixer layer '", spec.kind, "': d_model, n_heads, "
@@ -210,18 +158,19 @@ int64_t MixerLayer::levels_for(int64_t length, const MixerLayerContext& ctx) con
 }
 
 MixerOptions MixerLayer::mixer_options(int64_t, const MixerLayerContext& ctx) const {
-  const auto& tr = traits_of(spec_.kind);
+  const auto& tr = layer_kind(spec_.kind);
   MixerOptions opt;
   opt.chunk_size = spec_.chunk_size;
   opt.window = spec_.window;
   opt.normalize = spec_.normalize;
   opt.offset = ctx.offset;
+  opt.check_values = check_values_requested();
   if (tr.mamba2) opt.scale = 1.0;  // Mamba-2 reads C·h unscaled
   return opt;
 }
 
 MixerLayer::Projected MixerLayer::project(const Tensor& x, const MixerLayerContext& ctx) const {
-  const auto& tr = traits_of(spec_.kind);
+  const auto& tr = layer_kind(spec_.kind);
   TORCH_CHECK(x.dim() == 3 && x.size(2) == spec_.d_model, "mixer layer '", spec_.kind,
               "': x must be [B, T, ", spec_.d_model, "], got ", shape_str(x.sizes()));
   const int64_t B = x.size(0), T = x.size(1), H = spec_.n_heads, dk = spec_.head_dim_k,
@@ -249,7 +198,8 @@ MixerLayer::Projected MixerLayer::project(const Tensor& x, const MixerLayerConte
     // Under autocast the projections come out in bf16 next to fp32 ones: the core takes one dtype.
     auto common = at::promote_types(at::promote_types(xc.scalar_type(), dt.scalar_type()),
                                     at::promote_types(Bm.scalar_type(), Cm.scalar_type()));
-    p.in = mamba1_inputs(xc.to(common), dt.to(common), -at::exp(A_log_).to(common), Bm.to(common), Cm.to(common));
+    p.in = mamba1_inputs(xc.to(common), dt.to(common), -at::exp(A_log_).to(common), Bm.to(common), Cm.to(common),
+                         /*check_values=*/false);
     p.skip = xc;
     p.z = at::linear(x, z_proj_);
     return p;
@@ -330,7 +280,7 @@ MixerLayerOutput MixerLayer::forward(const Tensor& x, const State& initial_state
     MixerInputs in = p.in;
     State s0 = initial_state;
     if (autocast_active_for(x)) fp32.emplace(), in = full_precision(in), s0 = full_precision(s0);
-    out = ctx.run_mixer ? ctx.run_mixer(*mixer_, in, s0, opt) : mixer_->chunkwise(in, s0, opt);
+    out = ctx.run_mixer ? ctx.run_mixer(*mixer_, in, s0, opt) : mixer_->forward(in, s0, opt);
   }
   Tensor o = out.o;
   if (p.kv_halo > 0) o = o.narrow(1, p.kv_halo, T);

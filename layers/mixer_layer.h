@@ -55,7 +55,7 @@ namespace carry {
 // Rows per head of the level-weight projection when levels = 0 (as many as the sequence needs).
 constexpr int64_t kMaxLogLinearLevels = 32;
 
-// The layer's shape and options: one resolved layer of a model config (framework/model.cpp fills it
+// The layer's shape and options: one resolved layer of a model config (framework/train/model.cpp fills it
 // from layer_mixer()).
 struct MixerLayerSpec {
   std::string kind;  // a name from mixer_layer_kinds()

@@ -49,7 +49,7 @@ Tensor up(const Tensor& t) {
 
 MixerInputs full_precision(const MixerInputs& in) {
   MixerInputs out = in;
-  for (const char* n : {"q", "k", "v", "g", "gk", "beta", "l"}) out.get(n) = up(in.get(n));
+  for (const auto& n : MixerInputs::names()) out.get(n) = up(in.get(n));
   return out;
 }
 

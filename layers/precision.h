@@ -1,4 +1,4 @@
-// Mixed precision (DESIGN.md §4): bf16 autocast for the projections, the MLP and the head, with fp32
+// Mixed precision (README.md, Design §4): bf16 autocast for the projections, the MLP and the head, with fp32
 // master weights, and the mixer cores (their chunkwise forms and recurrent states) always in fp32.
 //   AutocastScope    turns ATen's autocast on for one device type with a lower-precision dtype for its
 //                    lifetime and restores the previous setting after (a no-op when `enabled` is false);

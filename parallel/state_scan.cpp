@@ -5,6 +5,8 @@
 // left in the backward. The backward is a custom autograd node holding the rank's local graph.
 #include "parallel/state_scan.h"
 
+#include "layers/common/layout.h"
+
 #include <torch/csrc/autograd/autograd.h>
 #include <torch/csrc/autograd/function.h>
 #include <torch/csrc/autograd/functions/utils.h>
@@ -19,7 +21,7 @@ using torch::autograd::variable_list;
 
 namespace {
 
-const char* const kInputNames[] = {"q", "k", "v", "g", "gk", "beta", "l"};
+const std::vector<std::string>& kInputNames = MixerInputs::names();
 
 // Message tags: distinct per direction, scan round and head group, so that groups never mix and a
 // mismatch shows in error messages.
@@ -29,13 +31,7 @@ constexpr int kTagOrdered = 1000;      // + 2·group (forward), + 2·group + 1 (
 constexpr int kMaxHeadGroups = 8192;   // keeps the ordered tags below MPI's least tag bound 32767
 int ordered_tag(int group, bool backward) { return kTagOrdered + 2 * group + (backward ? 1 : 0); }
 
-std::string join(const std::vector<int64_t>& v) {
-  std::ostringstream s;
-  s << "[";
-  for (size_t i = 0; i < v.size(); ++i) s << (i ? ", " : "") << v[i];
-  s << "]";
-  return s.str();
-}
+std::string bracketed(const std::vector<int64_t>& v) { return "[" + join(v) + "]"; }
 
 std::vector<Tensor> detached(const std::vector<Tensor>& ts) {
   std::vector<Tensor> out;
@@ -143,7 +139,7 @@ Agreement agree_layout(const Mixer& m, Communicator& sp, const MixerInputs& in, 
   TORCH_CHECK(
       ok, what, ": every rank's slice must have the same length, a multiple of chunk_size=", C,
       " (the sequence length T must be a multiple of sp·chunk_size = ", P, "·", C, " = ", P * C,
-      "); got slice lengths ", join(lengths), " over sp=", P, " ranks (T=", total, ")");
+      "); got slice lengths ", bracketed(lengths), " over sp=", P, " ranks (T=", total, ")");
   // 2. Shapes (except T) and dtypes: equal.
   for (int i = 1; i < P; ++i) {
     bool same =
@@ -156,7 +152,7 @@ Agreement agree_layout(const Mixer& m, Communicator& sp, const MixerInputs& in, 
   std::vector<int64_t> groups;
   for (auto& x : recs) groups.push_back(x[3]);
   TORCH_CHECK(std::all_of(groups.begin(), groups.end(), [&](int64_t g) { return g == groups[0]; }),
-              what, ": every rank must ask for the same head_groups; got ", join(groups),
+              what, ": every rank must ask for the same head_groups; got ", bracketed(groups),
               " (sp ranks 0..", P - 1, ")");
   // 4. Every rank's check() passed.
   std::vector<int64_t> refused;
@@ -165,12 +161,30 @@ Agreement agree_layout(const Mixer& m, Communicator& sp, const MixerInputs& in, 
   if (!refused.empty()) {
     if (!local_error.empty())
       TORCH_CHECK(false, what, ": sp rank ", r, " refused its slice: ", local_error);
-    TORCH_CHECK(false, what, ": sp rank(s) ", join(refused),
+    TORCH_CHECK(false, what, ": sp rank(s) ", bracketed(refused),
                 " refused their slices (their error says why); this rank's slice was accepted");
   }
   Agreement a;
   a.T = recs[0][1];
   for (auto& x : recs) a.wants_grad = a.wants_grad || x[2];
+  return a;
+}
+
+// The caller agreed the layout once (parallel::make_slice_context): this rank's own view, no message.
+Agreement local_layout(const Mixer& m, const MixerInputs& in, const State& init, const MixerOptions& opt,
+                       int r) {
+  Agreement a;
+  for (const auto& n : kInputNames) {
+    const Tensor& t = in.get(n);
+    if (!t.defined()) continue;
+    if (a.T == 0 && t.dim() >= 2) a.T = t.size(1);
+    a.wants_grad = a.wants_grad || (at::GradMode::is_enabled() && t.requires_grad());
+  }
+  if (at::GradMode::is_enabled())
+    for (auto& t : init) a.wants_grad = a.wants_grad || (t.defined() && t.requires_grad());
+  MixerOptions lopt = opt;
+  lopt.offset = opt.offset + r * a.T;
+  m.check(in, lopt, /*chunked=*/true);
   return a;
 }
 
@@ -382,7 +396,7 @@ std::vector<Tensor> heads_of(const std::vector<Tensor>& ts, int64_t dim, int g, 
 
 MixerInputs heads_of(const MixerInputs& in, int g, int64_t n) {
   MixerInputs out;
-  for (const char* name : kInputNames)
+  for (const auto& name : kInputNames)
     if (in.get(name).defined()) out.get(name) = in.get(name).narrow(2, g * n, n);
   return out;
 }
@@ -505,7 +519,7 @@ MixerInputs sp_slice(const MixerInputs& whole, int sp_rank, int sp_size, int64_t
               " is not in 0..", sp_size - 1);
   TORCH_CHECK(chunk_size > 0, "sp_slice: chunk_size must be positive, got ", chunk_size);
   int64_t T = -1;
-  for (const char* n : kInputNames)
+  for (const auto& n : kInputNames)
     if (whole.get(n).defined() && whole.get(n).dim() >= 2) {
       T = whole.get(n).size(1);
       break;
@@ -526,7 +540,7 @@ int default_head_groups(int64_t heads) {
 
 MixerOutput sp_mixer_forward(const Mixer& mixer, Communicator& sp, const MixerInputs& in,
                              const State& initial_state, const MixerOptions& opt, ScanMode mode,
-                             int head_groups) {
+                             int head_groups, bool layout_agreed) {
   const int r = sp.rank(), P = sp.size();
   // Rank-independent, so that layout errors read the same on every rank.
   std::string what = "sequence-parallel " + scan_mode_name(mode) + " scan of " + mixer.name() +
@@ -538,14 +552,15 @@ MixerOutput sp_mixer_forward(const Mixer& mixer, Communicator& sp, const MixerIn
               head_groups);
   State init = r == 0 ? initial_state : State{};
   for (auto& t : init) TORCH_CHECK(t.defined(), what, ": initial_state has an undefined entry");
-  const Agreement agreed = agree_layout(mixer, sp, in, init, opt, head_groups, what);
+  const Agreement agreed = layout_agreed ? local_layout(mixer, in, init, opt, r)
+                                         : agree_layout(mixer, sp, in, init, opt, head_groups, what);
   const int64_t T = agreed.T;
   const bool wants_grad = agreed.wants_grad;
   MixerOptions lopt = opt;
   lopt.offset = opt.offset + r * T;
 
   std::vector<Tensor> xs;
-  for (const char* n : kInputNames)
+  for (const auto& n : kInputNames)
     if (in.get(n).defined()) xs.push_back(in.get(n));
 
   State zero = mixer.zero_state(in, lopt);
@@ -596,7 +611,7 @@ MixerOutput sp_mixer_forward(const Mixer& mixer, Communicator& sp, const MixerIn
   for (auto& x : xs) c->input_wants_grad.push_back(x.requires_grad());
 
   MixerInputs det;
-  for (const char* n : kInputNames)
+  for (const auto& n : kInputNames)
     if (in.get(n).defined()) det.get(n) = in.get(n).detach();
   State init_det = init.empty() ? zero : detached(init);
 
@@ -606,19 +621,19 @@ MixerOutput sp_mixer_forward(const Mixer& mixer, Communicator& sp, const MixerIn
     const MixerInputs in_g = G > 1 ? heads_of(in, gi, n_heads) : in;
     if (!wants_grad) {
       at::NoGradGuard no_grad;
-      return mixer.chunkwise(in_g, s_in, lopt);
+      return mixer.forward(in_g, s_in, lopt);
     }
     at::AutoGradMode grad_on(true);
     HeadGroup& hg = c->groups[gi];
     MixerInputs leaf_in;
-    for (const char* n : kInputNames) {
+    for (const auto& n : kInputNames) {
       const Tensor& t = in_g.get(n);
       if (!t.defined()) continue;
       leaf_in.get(n) = t.detach().requires_grad_(t.requires_grad());
       hg.leaves.push_back(leaf_in.get(n));
     }
     for (auto& t : s_in) hg.s_in.push_back(t.detach().requires_grad_(true));
-    MixerOutput out = mixer.chunkwise(leaf_in, hg.s_in, lopt);
+    MixerOutput out = mixer.forward(leaf_in, hg.s_in, lopt);
     hg.o = out.o;
     hg.s_out = out.final_state;
     return out;

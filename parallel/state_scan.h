@@ -1,4 +1,4 @@
-// Sequence parallelism for any mixer with a state summary (DESIGN.md §3). The sequence is cut into
+// Sequence parallelism for any mixer with a state summary (README.md, Design §3). The sequence is cut into
 // P equal slices, one per rank of the sp communicator, each a whole number of chunks; rank r holds
 // tokens [r·T/P, (r+1)·T/P). The affine map of a slice, S_out = A_r·S_in + B_r (`summarize`), lets
 // the ranks find their incoming states S_in by a scan over ranks, and the chunkwise form then runs
@@ -7,7 +7,7 @@
 // Forward modes:
 //   ordered   rank r receives S_in from r−1, runs its chunkwise form, sends S_out to r+1. The same
 //             chunk operations in the same order as one serial run: bit-identical to it (on CPU;
-//             see DESIGN.md §3 for what that needs). Pipelined by head groups (ZeCO's All-Scan):
+//             see README.md, Design §3 for what that needs). Pipelined by head groups (ZeCO's All-Scan):
 //             the heads are cut into G groups and, per group g = 0..G−1, rank r receives group g's
 //             S_in, runs the chunkwise form on those heads and sends their S_out on at once, so
 //             rank r+1 starts group g while rank r computes group g+1: about (G+P−1)/G local
@@ -63,9 +63,12 @@ MixerInputs sp_slice(const MixerInputs& whole, int sp_rank, int sp_size, int64_t
 // was slower, and GPU batched solves/products may round differently for a smaller head batch (Gated
 // DeltaNet at G=4 differed from serial by 4.8e-7), so G = 1 is the default and the bit-identical
 // choice on GPUs; on CPU every family is bitwise at any G (tested).
+// `layout_agreed`: the caller has agreed the slice layout with the other ranks once for all calls
+// (make_slice_context does, for training): no agreement message per call, and a layout error is then
+// reported by the rank that sees it only.
 MixerOutput sp_mixer_forward(const Mixer& mixer, Communicator& sp, const MixerInputs& in,
                              const State& initial_state, const MixerOptions& opt, ScanMode mode,
-                             int head_groups = 1);
+                             int head_groups = 1, bool layout_agreed = false);
 
 // A pipelining choice for H heads: the largest divisor of H that is at most 4.
 int default_head_groups(int64_t heads);

@@ -1,7 +1,7 @@
 // The ATen chunkwise form of every family on a CUDA device equals the same form on the CPU (fp64,
 // outputs, final state and summaries). Skips itself when no GPU is present.
-#include "layers/device.h"
-#include "tests/layers/mixer_testing.h"
+#include "layers/common/device.h"
+#include "tests/helpers/mixer_testing.h"
 
 #include <gtest/gtest.h>
 
@@ -22,7 +22,7 @@ TEST(Gpu, ChunkwiseOnCudaEqualsCpu) {
     auto in = random_inputs(m, s, at::kDouble, 3);
     auto st = random_state(m, in, opt, 4);
     MixerInputs gin;
-    for (const char* n : {"q", "k", "v", "g", "gk", "beta", "l"})
+    for (const auto& n : MixerInputs::names())
       if (in.get(n).defined()) gin.get(n) = in.get(n).to(at::kCUDA);
     State gst;
     for (auto& t : st) gst.push_back(t.to(at::kCUDA));

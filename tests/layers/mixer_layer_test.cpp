@@ -5,7 +5,7 @@
 // inputs are refused with clear messages.
 #include "layers/mixer_layer.h"
 
-#include "layers/common.h"
+#include "layers/common/layout.h"
 #include "layers/precision.h"
 
 #include <gtest/gtest.h>

@@ -1,0 +1,145 @@
+// `carry launch` (see launch_command.h): argument parsing, loading the configs, writing the hostfile
+// (POSIX calls, not std::filesystem: libtorch exports conflicting symbols) and exec'ing mpirun.
+#include "framework/cli/launch_command.h"
+
+#include "framework/config/config.h"
+#include "framework/launch/launch_plan.h"
+
+#include <cstdlib>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstdio>
+#include <cstring>
+#include <fstream>
+#include <string>
+#include <vector>
+
+namespace carry {
+
+namespace {
+
+const char* kUsage =
+    "usage: carry launch --cluster CLUSTER.textproto RUN.textproto [--set field.path=value ...]\n"
+    "                    [--hostfile PATH] [--carry PATH] [--dry-run]\n"
+    "  Starts `carry train RUN` on the cluster's hosts with mpirun, one rank a GPU (dp*sp ranks of the\n"
+    "  resolved run config, filled host by host so that an sp group stays on one host). Writes the\n"
+    "  hostfile (default runs/launch/<run name>.hostfile), prints the mpirun command line and runs it.\n"
+    "  --set       overrides a run config field (repeatable; also passed on to carry train)\n"
+    "  --hostfile  where to write the hostfile\n"
+    "  --carry     the carry binary the ranks run (default: this one)\n"
+    "  --dry-run   print the hostfile and the command line; write and run nothing\n";
+
+// The path of the running executable (/proc/self/exe), or "carry" when it cannot be read.
+std::string self_executable() {
+  std::vector<char> buf(4096);
+  ssize_t n = ::readlink("/proc/self/exe", buf.data(), buf.size() - 1);
+  if (n <= 0) return "carry";
+  return std::string(buf.data(), static_cast<size_t>(n));
+}
+
+// mkdir -p of the directory part of `path`; throws ConfigError naming the directory on failure.
+void make_parent_dirs(const std::string& path) {
+  auto slash = path.find_last_of('/');
+  if (slash == std::string::npos || slash == 0) return;
+  std::string dir = path.substr(0, slash);
+  for (size_t i = 1; i <= dir.size(); ++i) {
+    if (i < dir.size() && dir[i] != '/') continue;
+    std::string part = dir.substr(0, i);
+    if (::mkdir(part.c_str(), 0755) != 0 && errno != EEXIST)
+      throw ConfigError("cannot create directory " + part + " for the hostfile: " + std::strerror(errno));
+  }
+}
+
+void write_file(const std::string& path, const std::string& text) {
+  make_parent_dirs(path);
+  std::ofstream out(path, std::ios::binary | std::ios::trunc);
+  out << text;
+  out.close();
+  if (!out) throw ConfigError("cannot write the hostfile " + path + ": " + std::strerror(errno));
+}
+
+int usage_error(const std::string& message) {
+  std::fprintf(stderr, "carry launch: %s\n%s", message.c_str(), kUsage);
+  return 2;
+}
+
+}  // namespace
+
+int run_launch_command(int argc, char** argv) {
+  std::string cluster_path, run_path, hostfile, carry_binary;
+  std::vector<std::string> overrides;
+  bool dry_run = false;
+  // "--name VALUE" or "--name=VALUE" into `value`; false when it is not that flag.
+  auto take = [&](int& i, const std::string& name, std::string& value) {
+    std::string a = argv[i];
+    if (a.rfind(name + "=", 0) == 0) {
+      value = a.substr(name.size() + 1);
+      return true;
+    }
+    if (a != name) return false;
+    if (i + 1 >= argc) throw std::invalid_argument(name + " needs a value");
+    value = argv[++i];
+    return true;
+  };
+  try {
+    for (int i = 1; i < argc; ++i) {
+      std::string a = argv[i], value;
+      if (a == "--help" || a == "-h") {
+        std::fputs(kUsage, stdout);
+        return 0;
+      } else if (take(i, "--set", value)) {
+        overrides.push_back(value);
+      } else if (take(i, "--cluster", cluster_path) || take(i, "--hostfile", hostfile) ||
+                 take(i, "--carry", carry_binary)) {
+      } else if (a == "--dry-run") {
+        dry_run = true;
+      } else if (!a.empty() && a[0] == '-') {
+        return usage_error("unknown flag '" + a + "'");
+      } else if (run_path.empty()) {
+        run_path = a;
+      } else {
+        return usage_error("one run config expected, got '" + run_path + "' and '" + a + "'");
+      }
+    }
+  } catch (const std::invalid_argument& e) {
+    return usage_error(e.what());
+  }
+  if (cluster_path.empty()) return usage_error("--cluster CLUSTER.textproto is needed");
+  if (run_path.empty()) return usage_error("a run config RUN.textproto is needed");
+
+  LaunchPlan plan;
+  LaunchOptions options;
+  options.cluster_path = cluster_path;
+  options.hostfile_path = hostfile.empty() ? default_hostfile_path(run_path) : hostfile;
+  options.carry_binary = carry_binary.empty() ? self_executable() : carry_binary;
+  options.allow_run_as_root = ::geteuid() == 0;
+  options.forward_ld_library_path = std::getenv("LD_LIBRARY_PATH") != nullptr;
+  try {
+    ClusterConfig cluster = load_cluster_config(cluster_path);
+    RunConfig run = load_run_config(run_path, overrides);
+    plan = make_launch_plan(cluster, run, run_path, overrides, options);
+    for (auto& note : plan.notes) std::fprintf(stderr, "carry launch: %s\n", note.c_str());
+    if (dry_run) {
+      std::printf("hostfile %s:\n%s%s\n", options.hostfile_path.c_str(), plan.hostfile.c_str(),
+                  shell_join(plan.argv).c_str());
+      return 0;
+    }
+    write_file(options.hostfile_path, plan.hostfile);
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "carry launch: %s\n", e.what());
+    return 1;
+  }
+  std::printf("%s\n", shell_join(plan.argv).c_str());
+  std::fflush(stdout);
+  std::fflush(stderr);
+  std::vector<char*> exec_argv;
+  for (auto& a : plan.argv) exec_argv.push_back(const_cast<char*>(a.c_str()));
+  exec_argv.push_back(nullptr);
+  ::execvp(exec_argv[0], exec_argv.data());
+  std::fprintf(stderr, "carry launch: cannot run %s: %s\n", exec_argv[0], std::strerror(errno));
+  return 127;
+}
+
+}  // namespace carry

@@ -1,0 +1,100 @@
+// Random inputs, errors and autograd gradients for comparing mixer forms (see mixer_check.h).
+#include "framework/cli/mixer_check.h"
+
+#include <torch/csrc/autograd/autograd.h>
+
+#include <algorithm>
+
+namespace carry {
+
+namespace {
+const std::vector<std::string>& kInputs = MixerInputs::names();
+}
+
+int64_t num_levels(const Shape& s) {
+  int64_t last = s.offset + s.T - 1, L = 1;
+  while ((int64_t{1} << (L - 1)) <= last) ++L;
+  return L + 1;
+}
+
+MixerInputs random_inputs(const Mixer& m, const Shape& s, at::ScalarType dtype, uint64_t seed,
+                          at::Device device) {
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(seed);
+  auto opt = at::TensorOptions().dtype(dtype);
+  MixerInputs in;
+  auto names = m.input_names();
+  for (auto& n : m.optional_input_names()) names.push_back(n);
+  bool delta = std::find(names.begin(), names.end(), "beta") != names.end();
+  for (auto& n : names) {
+    Tensor t;
+    if (n == "q" || n == "k") t = at::randn({s.B, s.T, s.H, s.dk}, gen, opt);
+    else if (n == "v") t = at::randn({s.B, s.T, s.H, s.dv}, gen, opt);
+    else if (n == "g") t = at::log_sigmoid(at::randn({s.B, s.T, s.H}, gen, opt) + 3);
+    else if (n == "gk") t = at::log_sigmoid(at::randn({s.B, s.T, s.H, s.dk}, gen, opt) + 3);
+    else if (n == "beta") t = at::sigmoid(at::randn({s.B, s.T, s.H}, gen, opt));
+    else if (n == "l") t = at::sigmoid(at::randn({s.B, s.T, s.H, num_levels(s)}, gen, opt)) + 0.1;
+    if (delta && n == "k") t = t / t.norm(2, -1, true);
+    in.get(n) = t.to(device);
+  }
+  return in;
+}
+
+State random_state(const Mixer& m, const MixerInputs& in, const MixerOptions& opt, uint64_t seed) {
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(seed);
+  State s = m.zero_state(in, opt);
+  for (auto& t : s)
+    t = at::randn(t.sizes(), gen, t.options().device(at::kCPU)).to(t.device());
+  return s;
+}
+
+double rel_err(const Tensor& a, const Tensor& b) {
+  if (!a.defined() && !b.defined()) return 0;
+  TORCH_INTERNAL_ASSERT(a.defined() && b.defined() && a.sizes() == b.sizes());
+  if (b.numel() == 0) return 0;
+  double den = b.abs().max().item<double>();
+  double num = (a - b).abs().max().item<double>();
+  return den > 0 ? num / den : num;
+}
+
+double max_rel_err(const std::vector<Tensor>& a, const std::vector<Tensor>& b) {
+  TORCH_INTERNAL_ASSERT(a.size() == b.size(), "comparing lists of ", a.size(), " and ", b.size());
+  double e = 0;
+  for (size_t i = 0; i < a.size(); ++i) e = std::max(e, rel_err(a[i], b[i]));
+  return e;
+}
+
+FormResult run_with_grads(const Mixer& m, Form form, const MixerInputs& in, const State& state,
+                          const MixerOptions& opt, uint64_t seed) {
+  MixerInputs leaves;
+  std::vector<Tensor> xs;
+  for (const auto& n : kInputs)
+    if (in.get(n).defined()) {
+      leaves.get(n) = in.get(n).detach().clone().requires_grad_(true);
+      xs.push_back(leaves.get(n));
+    }
+  State init;
+  for (auto& t : state) {
+    init.push_back(t.detach().clone().requires_grad_(true));
+    xs.push_back(init.back());
+  }
+  MixerOptions fopt = opt;
+  fopt.form = form;
+  auto out = m.forward(leaves, init, fopt);
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(seed);
+  auto weights = [&](const Tensor& t) {
+    return at::randn(t.sizes(), gen, t.options().device(at::kCPU)).to(t.device());
+  };
+  FormResult r;
+  r.outputs.push_back(out.o.detach());
+  auto loss = (out.o * weights(out.o)).sum();
+  for (auto& s : out.final_state) {
+    r.outputs.push_back(s.detach());
+    loss = loss + (s * weights(s)).sum();
+  }
+  auto gs = torch::autograd::grad({loss}, xs, {}, false, false, /*allow_unused=*/true);
+  for (size_t i = 0; i < gs.size(); ++i)
+    r.grads.push_back(gs[i].defined() ? gs[i] : at::zeros_like(xs[i]));
+  return r;
+}
+
+}  // namespace carry

@@ -1,0 +1,152 @@
+// `carry train` (see train_command.h): argument parsing, MPI start, process groups, Trainer::run.
+#include "framework/cli/train_command.h"
+
+#include "framework/config/config.h"
+#include "framework/train/trainer.h"
+#include "layers/common/device.h"
+#include "parallel/process_group.h"
+
+#include <mpi.h>
+
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <string>
+#include <vector>
+
+namespace carry {
+
+namespace {
+
+const char* kUsage =
+    "usage: carry train RUN.textproto [--set field.path=value ...] [--max-steps N] [--max-minutes M]\n"
+    "                   [--print-world-size] [--print-config]\n"
+    "  Trains the model of a run config on dp x sp ranks (start them with mpirun -np dp*sp, or use\n"
+    "  launcher/train RUN.textproto, which does). --set overrides config fields (repeatable), e.g.\n"
+    "  --set optimizer.lr=1e-3 --set parallel.sp=2. --print-world-size prints dp*sp and exits;\n"
+    "  --print-config prints the resolved config (textproto) and exits. --max-steps N / --max-minutes M\n"
+    "  end this invocation after N steps / the first step past M minutes with a checkpoint and exit\n"
+    "  status 75, as SIGTERM, SIGINT or SIGUSR1 do; the same command continues the run.\n";
+
+}  // namespace
+
+std::string gpu_rank_layout_error(const std::string& host, int ranks_on_host, int gpus_on_host) {
+  if (ranks_on_host <= gpus_on_host) return "";
+  return "host " + host + " runs " + std::to_string(ranks_on_host) + " ranks but has " +
+         std::to_string(gpus_on_host) + " GPU" + (gpus_on_host == 1 ? "" : "s") +
+         ": carry gives each rank its own GPU. Start at most " + std::to_string(gpus_on_host) +
+         " ranks on it (launcher/launch places ranks by the GPU counts of a cluster config), lower "
+         "parallel.dp * parallel.sp, or hide the GPUs (CUDA_VISIBLE_DEVICES=) to train on the CPU";
+}
+
+int run_train_command(int argc, char** argv) {
+  std::string path;
+  std::vector<std::string> overrides;
+  bool print_world_size = false, print_config = false;
+  TrainerOptions limits;
+  for (int i = 1; i < argc; ++i) {
+    std::string a = argv[i];
+    if (a == "--help" || a == "-h") {
+      std::fputs(kUsage, stdout);
+      return 0;
+    } else if (a == "--set") {
+      if (i + 1 >= argc) {
+        std::fprintf(stderr, "carry train: --set needs a value field.path=value\n%s", kUsage);
+        return 2;
+      }
+      overrides.push_back(argv[++i]);
+    } else if (a.rfind("--set=", 0) == 0) {
+      overrides.push_back(a.substr(6));
+    } else if (a == "--print-world-size") {
+      print_world_size = true;
+    } else if (a == "--print-config") {
+      print_config = true;
+    } else if (a == "--max-steps" || a == "--max-minutes") {
+      char* end = nullptr;
+      const char* v = i + 1 < argc ? argv[++i] : "";
+      double x = std::strtod(v, &end);
+      if (!*v || *end || !(x > 0) || (a == "--max-steps" && x != static_cast<double>(static_cast<int64_t>(x)))) {
+        std::fprintf(stderr, "carry train: %s needs a positive %s, got '%s'\n", a.c_str(),
+                     a == "--max-steps" ? "integer" : "number", v);
+        return 2;
+      }
+      if (a == "--max-steps") limits.max_steps = static_cast<int64_t>(x);
+      else limits.max_minutes = x;
+    } else if (!a.empty() && a[0] == '-') {
+      std::fprintf(stderr, "carry train: unknown flag '%s'\n%s", a.c_str(), kUsage);
+      return 2;
+    } else if (path.empty()) {
+      path = a;
+    } else {
+      std::fprintf(stderr, "carry train: one run config expected, got '%s' and '%s'\n", path.c_str(), a.c_str());
+      return 2;
+    }
+  }
+  if (path.empty()) {
+    std::fputs(kUsage, stderr);
+    return 2;
+  }
+  RunConfig config;
+  try {
+    config = load_run_config(path, overrides);
+  } catch (const std::exception& e) {
+    // Before MPI starts: every rank has the same error; the rank mpirun numbers 0 (or a lone
+    // process) says it.
+    const char* launched_rank = std::getenv("OMPI_COMM_WORLD_RANK");
+    if (!launched_rank) launched_rank = std::getenv("PMI_RANK");
+    if (!launched_rank || std::string(launched_rank) == "0") std::fprintf(stderr, "carry train: %s\n", e.what());
+    return 1;
+  }
+  if (print_config) {
+    std::fputs(config_to_text(config).c_str(), stdout);
+    return 0;
+  }
+  if (print_world_size) {
+    std::printf("%lld\n", static_cast<long long>(config.parallel().dp() * config.parallel().sp()));
+    return 0;
+  }
+  int rc = 1;
+  try {
+    parallel::init_mpi(&argc, &argv);
+    validate_layout(config, parallel::world_info().size);
+  } catch (const std::exception& e) {
+    // The same on every rank: rank 0 says it.
+    if (parallel::world_info().rank == 0) std::fprintf(stderr, "carry train: %s\n", e.what());
+    parallel::finalize_mpi();
+    return 1;
+  }
+  const bool gpu = cuda_device_count() > 0 && parallel::nccl_available();
+  {
+    // One GPU a rank: a host that runs more ranks than it has GPUs is refused on every rank (the
+    // decision is all-reduced; that host's first rank says why).
+    const auto& w = parallel::world_info();
+    std::string why = gpu ? gpu_rank_layout_error(w.host, w.local_size, cuda_device_count()) : "";
+    int bad = why.empty() ? 0 : 1, any = 0;
+    MPI_Allreduce(&bad, &any, 1, MPI_INT, MPI_MAX, MPI_COMM_WORLD);
+    if (any) {
+      if (bad && w.local_rank == 0) std::fprintf(stderr, "carry train: %s\n", why.c_str());
+      parallel::finalize_mpi();
+      return 1;
+    }
+  }
+  try {
+    parallel::CommOptions opt;
+    auto groups = std::make_shared<parallel::ProcessGroups>(parallel::make_process_groups(
+        {static_cast<int>(config.parallel().dp()), static_cast<int>(config.parallel().sp())},
+        gpu ? parallel::Backend::nccl : parallel::Backend::mpi, opt));
+    TrainerOptions topt = limits;
+    topt.force_cpu = !gpu;
+    Trainer trainer(config, groups, topt);
+    rc = trainer.run();
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "carry train (rank %d): %s\n", parallel::world_info().rank, e.what());
+    std::fflush(stderr);
+    // The other ranks may be waiting for this one in a collective: stop the whole job.
+    if (parallel::world_info().size > 1) MPI_Abort(MPI_COMM_WORLD, 1);
+    rc = 1;
+  }
+  parallel::finalize_mpi();
+  return rc;
+}
+
+}  // namespace carry

@@ -1,0 +1,454 @@
+// Checkpoint directories (see checkpoint.h): written under a temporary name with every file and
+// directory fsynced, made visible by one rename, then `latest` replaced by temp+rename and old steps
+// pruned; read back only after the manifest, every tensor's dtype, shape and FNV-1a 64 checksum
+// agree. POSIX calls only (no std::filesystem: see tests/helpers/temp_dir.h).
+#include "framework/io/checkpoint.h"
+
+#include "framework/config/carry.pb.h"
+#include "framework/io/safetensors.h"
+
+#include <google/protobuf/io/tokenizer.h>
+#include <google/protobuf/text_format.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <csignal>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <iostream>
+#include <set>
+
+#include <dirent.h>
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <sys/types.h>
+#include <unistd.h>
+
+namespace carry {
+namespace {
+
+constexpr int kFormatVersion = 1;
+const char* const kModelFile = "model.safetensors";
+const char* const kOptimizerFile = "optimizer.safetensors";
+const char* const kManifestFile = "manifest.textproto";
+const char* const kLatestFile = "latest";
+const char* const kTmpPrefix = ".tmp_step_";
+const char* const kDeletingPrefix = ".deleting_step_";
+
+std::string path_join(const std::string& dir, const std::string& name) {
+  return dir.empty() || dir.back() == '/' ? dir + name : dir + "/" + name;
+}
+
+std::string errno_text() { return std::strerror(errno); }
+
+bool is_dir(const std::string& path) {
+  struct stat st;
+  return ::stat(path.c_str(), &st) == 0 && S_ISDIR(st.st_mode);
+}
+
+bool exists(const std::string& path) {
+  struct stat st;
+  return ::lstat(path.c_str(), &st) == 0;
+}
+
+// mkdir -p.
+void make_dirs(const std::string& path) {
+  for (size_t i = 1; i <= path.size(); ++i) {
+    if (i != path.size() && path[i] != '/') continue;
+    std::string prefix = path.substr(0, i);
+    if (::mkdir(prefix.c_str(), 0755) != 0 && errno != EEXIST)
+      TORCH_CHECK(false, "checkpoint: cannot create directory ", prefix, ": ", errno_text());
+  }
+  TORCH_CHECK(is_dir(path), "checkpoint: ", path, " exists and is not a directory");
+}
+
+void fsync_dir(const std::string& path) {
+  int fd = ::open(path.c_str(), O_RDONLY | O_DIRECTORY);
+  TORCH_CHECK(fd >= 0, "checkpoint: cannot open directory ", path, " to fsync it: ", errno_text());
+  int rc = ::fsync(fd);
+  int err = errno;
+  ::close(fd);
+  TORCH_CHECK(rc == 0, "checkpoint: cannot fsync directory ", path, ": ", std::strerror(err));
+}
+
+std::vector<std::string> dir_entries(const std::string& path) {
+  std::vector<std::string> names;
+  DIR* d = ::opendir(path.c_str());
+  if (!d) return names;
+  while (struct dirent* e = ::readdir(d)) {
+    std::string name = e->d_name;
+    if (name != "." && name != "..") names.push_back(name);
+  }
+  ::closedir(d);
+  std::sort(names.begin(), names.end());
+  return names;
+}
+
+// rm -r (does not follow symbolic links). Returns false if something could not be removed.
+bool remove_tree(const std::string& path) {
+  struct stat st;
+  if (::lstat(path.c_str(), &st) != 0) return errno == ENOENT;
+  if (!S_ISDIR(st.st_mode)) return ::unlink(path.c_str()) == 0;
+  bool ok = true;
+  for (const auto& name : dir_entries(path)) ok = remove_tree(path_join(path, name)) && ok;
+  return ::rmdir(path.c_str()) == 0 && ok;
+}
+
+// Writes a whole small file and fsyncs it (not atomic by itself: callers write to a temporary name).
+void write_file(const std::string& path, const std::string& text) {
+  int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+  TORCH_CHECK(fd >= 0, "checkpoint: cannot create ", path, ": ", errno_text());
+  size_t done = 0;
+  while (done < text.size()) {
+    ssize_t n = ::write(fd, text.data() + done, text.size() - done);
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) {
+      int err = errno;
+      ::close(fd);
+      TORCH_CHECK(false, "checkpoint: cannot write ", path, ": ", std::strerror(err));
+    }
+    done += static_cast<size_t>(n);
+  }
+  int rc = ::fsync(fd);
+  int err = errno;
+  ::close(fd);
+  TORCH_CHECK(rc == 0, "checkpoint: cannot fsync ", path, ": ", std::strerror(err));
+}
+
+// The file's bytes, or nullopt if it cannot be opened.
+std::optional<std::string> read_file(const std::string& path) {
+  FILE* f = std::fopen(path.c_str(), "rb");
+  if (!f) return std::nullopt;
+  std::string text;
+  char buf[65536];
+  size_t n;
+  while ((n = std::fread(buf, 1, sizeof buf, f)) > 0) text.append(buf, n);
+  bool bad = std::ferror(f);
+  std::fclose(f);
+  if (bad) return std::nullopt;
+  return text;
+}
+
+// The step of "step_<digits>" (at least 8 digits), or -1.
+int64_t parse_step_name(const std::string& name) {
+  const std::string prefix = "step_";
+  if (name.compare(0, prefix.size(), prefix) != 0) return -1;
+  std::string digits = name.substr(prefix.size());
+  if (digits.size() < 8 || digits.size() > 18) return -1;
+  for (char c : digits)
+    if (c < '0' || c > '9') return -1;
+  int64_t step = std::stoll(digits);
+  return checkpoint_dir_name(step) == name ? step : -1;
+}
+
+std::string hex64(uint64_t v) {
+  char buf[17];
+  std::snprintf(buf, sizeof buf, "%016llx", static_cast<unsigned long long>(v));
+  return buf;
+}
+
+std::string shape_string(at::IntArrayRef shape) {
+  std::string s = "[";
+  for (size_t i = 0; i < shape.size(); ++i) s += (i ? ", " : "") + std::to_string(shape[i]);
+  return s + "]";
+}
+
+// The test hook: SIGKILL this process once `files_written` reaches CARRY_CHECKPOINT_TEST_DIE_AFTER.
+void maybe_die_for_test(int files_written) {
+  const char* v = std::getenv("CARRY_CHECKPOINT_TEST_DIE_AFTER");
+  if (v && *v && std::atoi(v) == files_written) ::raise(SIGKILL);
+}
+
+// A pid from a temporary directory's name ".tmp_step_<digits>_<pid>" (or .deleting_...), or -1.
+long pid_of_temp_name(const std::string& name) {
+  size_t us = name.rfind('_');
+  if (us == std::string::npos || us + 1 >= name.size()) return -1;
+  std::string digits = name.substr(us + 1);
+  for (char c : digits)
+    if (c < '0' || c > '9') return -1;
+  return digits.size() > 9 ? -1 : std::stol(digits);
+}
+
+bool starts_with(const std::string& s, const char* prefix) {
+  return s.compare(0, std::strlen(prefix), prefix) == 0;
+}
+
+// Leftovers of writers that are no longer running (a crash mid-write or mid-delete).
+void remove_dead_temporaries(const std::string& dir) {
+  for (const auto& name : dir_entries(dir)) {
+    if (!starts_with(name, kTmpPrefix) && !starts_with(name, kDeletingPrefix)) continue;
+    long pid = pid_of_temp_name(name);
+    bool alive = pid > 0 && pid != ::getpid() && (::kill(static_cast<pid_t>(pid), 0) == 0 || errno == EPERM);
+    if (!alive) remove_tree(path_join(dir, name));
+  }
+}
+
+using Named = std::vector<std::pair<std::string, at::Tensor>>;
+
+struct Prepared {
+  std::map<std::string, at::Tensor> tensors;  // CPU, contiguous
+};
+
+// CPU contiguous copies (one device-to-host copy), their manifest entries appended in order.
+Prepared prepare(const Named& named, const char* file, config::CheckpointManifest& manifest) {
+  Prepared out;
+  for (const auto& [name, t] : named) {
+    TORCH_CHECK(t.defined(), "save_checkpoint: ", file, " tensor '", name, "' is undefined");
+    at::Tensor cpu = t.detach().to(at::kCPU).resolve_conj().resolve_neg().contiguous();
+    TORCH_CHECK(out.tensors.emplace(name, cpu).second, "save_checkpoint: tensor name '", name,
+                "' appears twice in ", file);
+    auto* e = manifest.add_tensors();
+    e->set_file(file);
+    e->set_name(name);
+    e->set_dtype(c10::toString(cpu.scalar_type()));
+    for (int64_t s : cpu.sizes()) e->add_shape(s);
+    int64_t bytes = static_cast<int64_t>(cpu.nbytes());
+    e->set_num_bytes(bytes);
+    e->set_fnv1a64(hex64(fnv1a64(cpu.data_ptr(), static_cast<size_t>(bytes))));
+  }
+  return out;
+}
+
+void write_latest(const std::string& dir, const std::string& step_name) {
+  std::string tmp = path_join(dir, ".latest.tmp." + std::to_string(::getpid()));
+  write_file(tmp, step_name + "\n");
+  if (std::rename(tmp.c_str(), path_join(dir, kLatestFile).c_str()) != 0) {
+    std::string err = errno_text();
+    ::unlink(tmp.c_str());
+    TORCH_CHECK(false, "checkpoint: cannot rename ", tmp, " to ", path_join(dir, kLatestFile), ": ", err);
+  }
+  fsync_dir(dir);
+}
+
+// Removes a step directory: renamed first (one atomic step makes it invisible), then deleted.
+void delete_step_dir(const std::string& dir, const std::string& name) {
+  std::string doomed = path_join(dir, kDeletingPrefix + name.substr(5) + "_" + std::to_string(::getpid()));
+  remove_tree(doomed);
+  if (std::rename(path_join(dir, name).c_str(), doomed.c_str()) != 0) {
+    std::cerr << "carry: checkpoint: cannot remove old checkpoint " << path_join(dir, name) << ": "
+              << errno_text() << "\n";
+    return;
+  }
+  if (!remove_tree(doomed))
+    std::cerr << "carry: checkpoint: could not delete all of " << doomed << "\n";
+}
+
+}  // namespace
+
+uint64_t fnv1a64(const void* data, size_t size) {
+  const auto* p = static_cast<const unsigned char*>(data);
+  uint64_t h = 0xcbf29ce484222325ULL;
+  for (size_t i = 0; i < size; ++i) {
+    h ^= p[i];
+    h *= 0x100000001b3ULL;
+  }
+  return h;
+}
+
+std::string checkpoint_dir_name(int64_t step) {
+  TORCH_CHECK(step >= 0, "checkpoint: step must be >= 0, got ", step);
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "step_%08lld", static_cast<long long>(step));
+  return buf;
+}
+
+std::vector<int64_t> list_checkpoint_steps(const std::string& dir) {
+  std::vector<int64_t> steps;
+  for (const auto& name : dir_entries(dir)) {
+    int64_t step = parse_step_name(name);
+    if (step >= 0 && is_dir(path_join(dir, name))) steps.push_back(step);
+  }
+  std::sort(steps.begin(), steps.end());
+  return steps;
+}
+
+void save_checkpoint(const std::string& dir, const CheckpointData& data, int keep_last) {
+  TORCH_CHECK(!dir.empty(), "save_checkpoint: the checkpoint directory is empty");
+  TORCH_CHECK(data.step >= 0, "save_checkpoint: step must be >= 0, got ", data.step);
+  TORCH_CHECK(keep_last >= 0, "save_checkpoint: keep_last must be >= 0 (0 = keep all), got ", keep_last);
+  make_dirs(dir);
+  remove_dead_temporaries(dir);
+
+  const std::string name = checkpoint_dir_name(data.step);
+  const std::string final_dir = path_join(dir, name);
+  const std::string tmp_dir =
+      path_join(dir, kTmpPrefix + name.substr(5) + "_" + std::to_string(::getpid()));
+
+  config::CheckpointManifest manifest;
+  manifest.set_format_version(kFormatVersion);
+  manifest.set_step(data.step);
+  manifest.set_tokens_seen(data.tokens_seen);
+  manifest.set_data_cursor(data.data_cursor);
+  manifest.set_rng_seed(data.rng_seed);
+  manifest.set_config_text(data.config_text);
+  for (const auto& [k, v] : data.extra) (*manifest.mutable_extra())[k] = v;
+  Prepared model = prepare(data.model, kModelFile, manifest);
+  Prepared optimizer = prepare(data.optimizer, kOptimizerFile, manifest);
+
+  remove_tree(tmp_dir);
+  TORCH_CHECK(::mkdir(tmp_dir.c_str(), 0755) == 0, "save_checkpoint: cannot create ", tmp_dir, ": ",
+              errno_text());
+  try {
+    int files = 0;
+    save_safetensors(path_join(tmp_dir, kModelFile), model.tensors);
+    maybe_die_for_test(++files);
+    save_safetensors(path_join(tmp_dir, kOptimizerFile), optimizer.tensors);
+    maybe_die_for_test(++files);
+    std::string text;
+    TORCH_INTERNAL_ASSERT(google::protobuf::TextFormat::PrintToString(manifest, &text));
+    write_file(path_join(tmp_dir, kManifestFile), text);
+    maybe_die_for_test(++files);
+    fsync_dir(tmp_dir);
+
+    // A checkpoint of this step already there (a run resumed from an earlier step) is moved aside
+    // first: rename() does not replace a non-empty directory.
+    if (exists(final_dir)) delete_step_dir(dir, name);
+    TORCH_CHECK(std::rename(tmp_dir.c_str(), final_dir.c_str()) == 0, "save_checkpoint: cannot rename ",
+                tmp_dir, " to ", final_dir, ": ", errno_text());
+    fsync_dir(dir);
+  } catch (...) {
+    remove_tree(tmp_dir);
+    throw;
+  }
+  write_latest(dir, name);
+
+  if (keep_last > 0) {
+    std::vector<int64_t> steps = list_checkpoint_steps(dir);
+    steps.erase(std::remove(steps.begin(), steps.end(), data.step), steps.end());
+    // The one just written counts as one of keep_last; the oldest others go.
+    int64_t excess = static_cast<int64_t>(steps.size()) + 1 - keep_last;
+    for (int64_t i = 0; i < excess; ++i) delete_step_dir(dir, checkpoint_dir_name(steps[i]));
+    if (excess > 0) fsync_dir(dir);
+  }
+}
+
+CheckpointData load_checkpoint(const std::string& step_dir) {
+  TORCH_CHECK(is_dir(step_dir), "checkpoint ", step_dir, ": not a directory");
+  const std::string manifest_path = path_join(step_dir, kManifestFile);
+  std::optional<std::string> text = read_file(manifest_path);
+  TORCH_CHECK(text, "checkpoint ", step_dir, ": cannot read ", kManifestFile, ": ", errno_text(),
+              " (an incomplete or damaged checkpoint)");
+
+  // The parser's errors (line:column) are collected for the message.
+  struct Collector : google::protobuf::io::ErrorCollector {
+    std::string errors;
+    void AddError(int line, google::protobuf::io::ColumnNumber column,
+                  const std::string& message) override {
+      errors += (errors.empty() ? "" : "; ") + std::to_string(line + 1) + ":" +
+                std::to_string(column + 1) + ": " + message;
+    }
+  } collector;
+  google::protobuf::TextFormat::Parser parser;
+  parser.RecordErrorsTo(&collector);
+  config::CheckpointManifest manifest;
+  TORCH_CHECK(parser.ParseFromString(*text, &manifest), "checkpoint ", manifest_path,
+              ": bad manifest: ", collector.errors);
+  TORCH_CHECK(manifest.has_format_version() && manifest.has_step(), "checkpoint ", manifest_path,
+              ": bad manifest: format_version and step are required");
+  TORCH_CHECK(manifest.format_version() == kFormatVersion, "checkpoint ", manifest_path,
+              ": manifest format_version ", manifest.format_version(), ", this build reads ",
+              kFormatVersion);
+  std::string base = step_dir;
+  while (base.size() > 1 && base.back() == '/') base.pop_back();
+  base = base.substr(base.rfind('/') == std::string::npos ? 0 : base.rfind('/') + 1);
+  int64_t dir_step = parse_step_name(base);
+  TORCH_CHECK(dir_step < 0 || dir_step == manifest.step(), "checkpoint ", manifest_path,
+              ": manifest step ", manifest.step(), " does not match the directory name ", base);
+
+  std::map<std::string, std::map<std::string, at::Tensor>> files;
+  for (const char* file : {kModelFile, kOptimizerFile}) {
+    std::string path = path_join(step_dir, file);
+    TORCH_CHECK(exists(path), "checkpoint ", step_dir, ": ", file, " is missing");
+    try {
+      files[file] = load_safetensors(path);
+    } catch (const c10::Error& e) {
+      TORCH_CHECK(false, "checkpoint ", step_dir, ": ", e.what_without_backtrace());
+    }
+  }
+
+  CheckpointData out;
+  out.step = manifest.step();
+  out.tokens_seen = manifest.tokens_seen();
+  out.data_cursor = manifest.data_cursor();
+  out.rng_seed = manifest.rng_seed();
+  out.config_text = manifest.config_text();
+  for (const auto& [k, v] : manifest.extra()) out.extra[k] = v;
+
+  std::map<std::string, size_t> listed;  // tensors per file in the manifest
+  std::set<std::pair<std::string, std::string>> seen;
+  for (const auto& e : manifest.tensors()) {
+    auto fit = files.find(e.file());
+    TORCH_CHECK(fit != files.end(), "checkpoint ", manifest_path, ": tensor '", e.name(),
+                "' names an unknown file '", e.file(), "'");
+    TORCH_CHECK(seen.emplace(e.file(), e.name()).second, "checkpoint ", manifest_path, ": tensor '",
+                e.name(), "' of ", e.file(), " is listed twice");
+    const std::string where = path_join(step_dir, e.file()) + ": tensor '" + e.name() + "'";
+    auto tit = fit->second.find(e.name());
+    TORCH_CHECK(tit != fit->second.end(), "checkpoint ", where,
+                " is listed in the manifest but missing from the file");
+    const at::Tensor& t = tit->second;
+    std::vector<int64_t> shape(e.shape().begin(), e.shape().end());
+    TORCH_CHECK(c10::toString(t.scalar_type()) == e.dtype(), "checkpoint ", where, ": dtype ",
+                t.scalar_type(), " but the manifest says ", e.dtype());
+    TORCH_CHECK(t.sizes() == at::IntArrayRef(shape), "checkpoint ", where, ": shape ",
+                shape_string(t.sizes()), " but the manifest says ", shape_string(shape));
+    TORCH_CHECK(static_cast<int64_t>(t.nbytes()) == e.num_bytes(), "checkpoint ", where, ": ",
+                t.nbytes(), " bytes but the manifest says ", e.num_bytes());
+    std::string sum = hex64(fnv1a64(t.data_ptr(), t.nbytes()));
+    TORCH_CHECK(sum == e.fnv1a64(), "checkpoint ", where, ": checksum (FNV-1a 64) of its bytes is ",
+                sum, " but the manifest says ", e.fnv1a64(), " (the file is corrupt)");
+    ++listed[e.file()];
+    (e.file() == kModelFile ? out.model : out.optimizer).emplace_back(e.name(), t);
+  }
+  for (const auto& [file, tensors] : files)
+    for (const auto& [name, t] : tensors)
+      TORCH_CHECK(seen.count({file, name}), "checkpoint ", path_join(step_dir, file), ": tensor '", name,
+                  "' is not listed in the manifest");
+  return out;
+}
+
+std::optional<CheckpointData> load_latest_checkpoint(const std::string& dir) {
+  if (!is_dir(dir)) return std::nullopt;
+  auto report = [](const std::string& what) {
+    std::cerr << "carry: " << what << "\n";
+  };
+  for (const auto& name : dir_entries(dir))
+    if (starts_with(name, kTmpPrefix))
+      report("checkpoint " + path_join(dir, name) + ": an interrupted write (temporary directory); ignored");
+
+  std::vector<std::string> candidates;
+  const std::string latest_path = path_join(dir, kLatestFile);
+  if (std::optional<std::string> latest = read_file(latest_path)) {
+    std::string name = *latest;
+    while (!name.empty() && (name.back() == '\n' || name.back() == ' ' || name.back() == '\r'))
+      name.pop_back();
+    if (parse_step_name(name) >= 0)
+      candidates.push_back(name);
+    else
+      report("checkpoint " + latest_path + ": does not name a step directory (holds '" + name +
+             "'); scanning the step directories instead");
+  }
+  std::vector<int64_t> steps = list_checkpoint_steps(dir);
+  for (auto it = steps.rbegin(); it != steps.rend(); ++it) {
+    std::string name = checkpoint_dir_name(*it);
+    if (std::find(candidates.begin(), candidates.end(), name) == candidates.end())
+      candidates.push_back(name);
+  }
+  bool skipped = false;
+  for (const auto& name : candidates) {
+    std::string path = path_join(dir, name);
+    try {
+      CheckpointData data = load_checkpoint(path);
+      if (skipped) report("checkpoint: using " + path + " instead");
+      return data;
+    } catch (const c10::Error& e) {
+      report(std::string(e.what_without_backtrace()) + "; skipped");
+      skipped = true;
+    }
+  }
+  if (skipped) report("checkpoint: no valid checkpoint in " + dir);
+  return std::nullopt;
+}
+
+}  // namespace carry

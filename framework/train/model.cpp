@@ -1,0 +1,173 @@
+// Model assembly (model.h): config → per-layer MixerLayerSpec → blocks; forward, losses, parameters.
+#include "framework/train/model.h"
+
+#include "layers/recompute.h"
+
+#include <c10/util/Exception.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <map>
+#include <sstream>
+
+namespace carry {
+
+MixerLayerSpec mixer_layer_spec(const ModelConfig& model, int64_t layer) {
+  auto lm = layer_mixer(model, layer);
+  std::string family = mixer_layer_family(lm.kind);
+  if (family.empty()) {
+    std::ostringstream os;
+    os << "model.mixers: layer " << layer << " has mixer kind '" << lm.kind
+       << "', for which no mixer layer exists; kinds with a layer: ";
+    for (size_t i = 0; i < mixer_layer_kinds().size(); ++i) os << (i ? ", " : "") << mixer_layer_kinds()[i];
+    throw ConfigError(os.str());
+  }
+  auto names = mixer_names();
+  if (std::find(names.begin(), names.end(), family) == names.end())
+    throw ConfigError("model.mixers: mixer kind '" + lm.kind + "' needs the family '" + family +
+                      "', which is not registered in this build");
+  MixerLayerSpec s;
+  s.kind = lm.kind;
+  s.d_model = model.d_model();
+  s.n_heads = model.n_heads();
+  s.head_dim_k = head_dim_k(model);
+  s.head_dim_v = head_dim_v(model);
+  s.chunk_size = lm.options.chunk_size();
+  s.window = lm.options.window();
+  s.conv_size = lm.options.conv_size();
+  s.normalize = lm.options.normalize();
+  s.levels = lm.options.levels();
+  s.norm_eps = model.norm_eps();
+  s.init_std = model.init_std();
+  s.n_layers = model.n_layers();
+  return s;
+}
+
+Model build_model(const ModelConfig& model, uint64_t seed, at::TensorOptions options) {
+  auto errors = model_config_errors(model);
+  if (!errors.empty()) {
+    std::string msg = "build_model: invalid model config:";
+    for (auto& e : errors) msg += "\n  " + e;
+    throw ConfigError(msg);
+  }
+  Model m;
+  m.config_ = model;
+  ParameterInit init(seed, options);
+  const int64_t V = model.vocab_size(), d = model.d_model(), L = model.n_layers();
+  const double eps = model.norm_eps(), std = model.init_std();
+  m.embedding_ = init.normal({V, d}, std);
+  for (int64_t i = 0; i < L; ++i) {
+    ModelBlock b;
+    b.mixer_norm = RMSNorm(d, eps, init);
+    b.mixer = std::make_unique<MixerLayer>(mixer_layer_spec(model, i), init);
+    b.mlp_norm = RMSNorm(d, eps, init);
+    b.mlp = SwiGLU(d, mlp_hidden_size(model), std, L, init);
+    m.blocks_.push_back(std::move(b));
+  }
+  m.norm_ = RMSNorm(d, eps, init);
+  if (!model.tie_embeddings()) m.lm_head_ = init.normal({V, d}, std);
+  return m;
+}
+
+Tensor Model::hidden(const Tensor& tokens, const ModelContext& ctx) const {
+  TORCH_CHECK(tokens.dim() == 2, "model: tokens must be [B, T], got ", tokens.sizes());
+  TORCH_CHECK(tokens.scalar_type() == at::kLong, "model: tokens must be int64, got ", tokens.scalar_type());
+  const int64_t V = config_.vocab_size();
+  if (tokens.numel() > 0) {
+    auto lo = tokens.min().item<int64_t>(), hi = tokens.max().item<int64_t>();
+    TORCH_CHECK(lo >= 0 && hi < V, "model: token ids must lie in [0, vocab_size=", V, "), found [", lo,
+                ", ", hi, "]");
+  }
+  auto h = at::embedding(embedding_, tokens.to(embedding_.device()));
+  // The context is shared by value with each layer's closure: a recomputation in backward runs after
+  // the caller's context is gone.
+  auto shared = std::make_shared<const ModelContext>(ctx);
+  for (size_t i = 0; i < blocks_.size(); ++i) {
+    const ModelBlock* b = &blocks_[i];
+    auto block = [b, shared](const Tensor& x) {
+      auto y = x + b->mixer->forward(b->mixer_norm.forward(x), {}, shared->slice).y;
+      return y + b->mlp.forward(b->mlp_norm.forward(y));
+    };
+    if (!ctx.recompute) {
+      h = block(h);
+      continue;
+    }
+    std::vector<Tensor> params;
+    for (const auto& part : {b->mixer_norm.parameters(), b->mixer->parameters(), b->mlp_norm.parameters(),
+                             b->mlp.parameters()})
+      for (auto& [name, p] : part) params.push_back(p);
+    h = recompute_in_backward(block, h, params);
+  }
+  return norm_.forward(h);
+}
+
+Tensor Model::forward(const Tensor& tokens, const ModelContext& ctx) const {
+  return at::linear(hidden(tokens, ctx), lm_head_.defined() ? lm_head_ : embedding_);
+}
+
+Tensor Model::token_losses(const Tensor& tokens, const Tensor& targets, const ModelContext& ctx) const {
+  TORCH_CHECK(targets.sizes() == tokens.sizes(), "model: targets must have the shape of tokens ",
+              tokens.sizes(), ", got ", targets.sizes());
+  TORCH_CHECK(targets.scalar_type() == at::kLong, "model: targets must be int64, got ", targets.scalar_type());
+  auto logits = forward(tokens, ctx);
+  auto dt = at::promote_types(logits.scalar_type(), at::kFloat);
+  auto logp = at::log_softmax(logits.to(dt), -1);
+  return -logp.gather(-1, targets.to(logits.device()).unsqueeze(-1)).squeeze(-1);
+}
+
+Tensor Model::loss(const Tensor& tokens, const Tensor& targets, const Tensor& mask, const ModelContext& ctx) const {
+  auto ce = token_losses(tokens, targets, ctx);
+  if (!mask.defined()) return ce.mean();
+  TORCH_CHECK(mask.sizes() == tokens.sizes(), "model: mask must have the shape of tokens ", tokens.sizes(),
+              ", got ", mask.sizes());
+  auto w = mask.to(ce.options());
+  auto count = w.sum();
+  TORCH_CHECK(count.item<double>() > 0, "model: the loss mask selects no token");
+  return (ce * w).sum() / count;
+}
+
+NamedParameters Model::parameters() const {
+  NamedParameters out{{"embedding.weight", embedding_}};
+  for (size_t i = 0; i < blocks_.size(); ++i) {
+    std::string p = "layers." + std::to_string(i) + ".";
+    const auto& b = blocks_[i];
+    append_parameters(out, p + "mixer_norm.", b.mixer_norm.parameters());
+    append_parameters(out, p + "mixer.", b.mixer->parameters());
+    append_parameters(out, p + "mlp_norm.", b.mlp_norm.parameters());
+    append_parameters(out, p + "mlp.", b.mlp.parameters());
+  }
+  append_parameters(out, "norm.", norm_.parameters());
+  if (lm_head_.defined()) out.emplace_back("lm_head.weight", lm_head_);
+  return out;
+}
+
+int64_t Model::num_parameters() const {
+  int64_t n = 0;
+  for (auto& [name, t] : parameters()) n += t.numel();
+  return n;
+}
+
+std::string Model::summary() const {
+  std::vector<std::pair<std::string, int>> kinds;
+  for (auto& b : blocks_) {
+    auto& k = b.mixer->spec().kind;
+    auto it = std::find_if(kinds.begin(), kinds.end(), [&](auto& e) { return e.first == k; });
+    if (it == kinds.end()) kinds.emplace_back(k, 1);
+    else ++it->second;
+  }
+  std::ostringstream os;
+  auto millions = [](int64_t n) {
+    char buf[32];
+    std::snprintf(buf, sizeof buf, "%.2fM", static_cast<double>(n) / 1e6);
+    return std::string(buf);
+  };
+  os << "model: " << blocks_.size() << " layers (";
+  for (size_t i = 0; i < kinds.size(); ++i) os << (i ? ", " : "") << kinds[i].first << " x" << kinds[i].second;
+  os << "), d_model " << config_.d_model() << ", vocab " << config_.vocab_size() << ", "
+     << millions(num_parameters()) << " parameters (embedding " << millions(embedding_.numel())
+     << (lm_head_.defined() ? ", own head" : ", tied head") << ")";
+  return os.str();
+}
+
+}  // namespace carry

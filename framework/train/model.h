@@ -1,0 +1,90 @@
+// The language model (README.md, Design §4): token embedding → n_layers × [RMSNorm → mixer layer → residual,
+// RMSNorm → SwiGLU MLP → residual] → RMSNorm → head tied to the embedding (or its own lm_head when
+// tie_embeddings is false). Layer i's mixer is the config's mixers[i % mixers_size()] with the options
+// layer_mixer() resolves (hybrids by a per-layer kind list); each kind is a MixerLayer around its
+// registered family (layers/mixer_layer.h lists the mapping).
+//
+// Parameters are ATen leaves with requires_grad, listed flat by name in a fixed order:
+//   embedding.weight [V,d]
+//   layers.{i}.mixer_norm.weight, layers.{i}.mixer.<MixerLayer names>, layers.{i}.mlp_norm.weight,
+//   layers.{i}.mlp.w1.weight, layers.{i}.mlp.w3.weight, layers.{i}.mlp.w2.weight
+//   norm.weight, (lm_head.weight [V,d] when untied)
+// Initialization: embedding (and an untied head) ~ N(0, init_std²); the rest as MixerLayer and SwiGLU
+// document (projections into the residual stream scaled by 1/sqrt(2·n_layers)); norms at 1. All draws
+// come from one generator seeded by build_model's seed, in the order above: same seed, same bits.
+#pragma once
+
+#include "framework/config/config.h"
+#include "layers/mixer_layer.h"
+#include "layers/mlp.h"
+#include "layers/norm.h"
+#include "layers/parameters.h"
+
+#include <memory>
+#include <string>
+#include <vector>
+
+namespace carry {
+
+struct ModelBlock {
+  RMSNorm mixer_norm;
+  std::unique_ptr<MixerLayer> mixer;
+  RMSNorm mlp_norm;
+  SwiGLU mlp;
+};
+
+// How a forward reaches the rest of the sequence: the slice context every layer runs in (sequence
+// parallelism plugs in here: parallel::make_slice_context); the default is one slice holding the
+// whole sequence.
+struct ModelContext {
+  MixerLayerContext slice;
+  // Per-layer activation recomputation: each block keeps only its input and recomputes the rest in
+  // backward (layers/recompute.h). Gradients equal those without it.
+  bool recompute = false;
+};
+
+class Model {
+ public:
+  // tokens [B,T] int64 -> logits [B,T,V] in the model's dtype.
+  Tensor forward(const Tensor& tokens, const ModelContext& context = {}) const;
+  // The final hidden states [B,T,d] (after the last norm), before the head.
+  Tensor hidden(const Tensor& tokens, const ModelContext& context = {}) const;
+  // Cross entropy per token [B,T] (computed in fp32 at least) of targets [B,T] int64 under logits.
+  Tensor token_losses(const Tensor& tokens, const Tensor& targets, const ModelContext& context = {}) const;
+  // Masked mean cross entropy: Σ mask·ce / Σ mask; mask [B,T] (bool or float; undefined = all ones).
+  // Throws if the mask selects no token. Sequence-parallel and data-parallel trainers that need the
+  // global mean sum token_losses·mask and the mask over ranks instead.
+  Tensor loss(const Tensor& tokens, const Tensor& targets, const Tensor& mask = {},
+              const ModelContext& context = {}) const;
+
+  // Every parameter by name, in a fixed order (see the top of this file).
+  NamedParameters parameters() const;
+  int64_t num_parameters() const;
+  // One line, e.g. "model: 12 layers (gated_deltanet x9, softmax_attn x3), d_model 768, vocab 32000,
+  // 125.35M parameters (embedding 24.58M, tied head)".
+  std::string summary() const;
+
+  const ModelConfig& config() const { return config_; }
+  const std::vector<ModelBlock>& blocks() const { return blocks_; }
+  at::TensorOptions options() const { return embedding_.options(); }
+
+ private:
+  friend Model build_model(const ModelConfig&, uint64_t, at::TensorOptions);
+  ModelConfig config_;
+  Tensor embedding_;
+  std::vector<ModelBlock> blocks_;
+  RMSNorm norm_;
+  Tensor lm_head_;  // undefined when tied
+};
+
+// The per-layer spec of layer `layer` of a model config (kind, shapes, resolved options). Throws
+// ConfigError naming the kind when no mixer layer exists for it.
+MixerLayerSpec mixer_layer_spec(const ModelConfig& model, int64_t layer);
+
+// Builds a model from a (validated, defaults filled) model config. Deterministic in `seed`; parameters
+// in `options`' dtype and device (fp32 by default; fp64 for tests). Throws ConfigError on a config
+// that model_config_errors() refuses or a mixer kind without a layer.
+Model build_model(const ModelConfig& model, uint64_t seed,
+                  at::TensorOptions options = at::TensorOptions().dtype(at::kFloat));
+
+}  // namespace carry

@@ -1,0 +1,101 @@
+// AdamW, the warmup + cosine schedule and gradient clipping (see optimizer.h).
+#include "framework/train/optimizer.h"
+
+#include <ATen/ATen.h>
+#include <ATen/core/grad_mode.h>
+#include <c10/util/Exception.h>
+
+#include <algorithm>
+#include <cmath>
+#include <map>
+
+namespace carry {
+
+double learning_rate(const config::OptimizerConfig& opt, int64_t step) {
+  const double lr = opt.lr();
+  const int64_t warmup = opt.warmup_steps(), total = opt.total_steps();
+  if (warmup > 0 && step < warmup) return lr * static_cast<double>(step + 1) / static_cast<double>(warmup);
+  const int64_t span = total - warmup;
+  double progress = span > 0 ? static_cast<double>(step - warmup) / static_cast<double>(span) : 1.0;
+  progress = std::min(1.0, std::max(0.0, progress));
+  const double ratio = opt.min_lr_ratio();
+  return lr * (ratio + (1.0 - ratio) * 0.5 * (1.0 + std::cos(M_PI * progress)));
+}
+
+double clip_grad_norm(const NamedParameters& params, double max_norm) {
+  at::NoGradGuard no_grad;
+  double sum_sq = 0;
+  for (auto& [name, p] : params) {
+    const auto& g = p.grad();
+    if (!g.defined()) continue;
+    sum_sq += g.to(at::kDouble).pow(2).sum().item<double>();
+  }
+  const double norm = std::sqrt(sum_sq);
+  if (max_norm > 0 && norm > max_norm) {
+    const double scale = max_norm / (norm + 1e-6);
+    for (auto& [name, p] : params)
+      if (p.grad().defined()) p.mutable_grad().mul_(scale);
+  }
+  return norm;
+}
+
+AdamW::AdamW(NamedParameters params, const config::OptimizerConfig& opt)
+    : params_(std::move(params)), opt_(opt) {
+  for (auto& [name, p] : params_) {
+    exp_avg_.push_back(at::zeros(p.sizes(), p.options()));
+    exp_avg_sq_.push_back(at::zeros(p.sizes(), p.options()));
+  }
+}
+
+void AdamW::step(double lr) {
+  at::NoGradGuard no_grad;
+  ++steps_;
+  const double b1 = opt_.beta1(), b2 = opt_.beta2(), eps = opt_.eps(), wd = opt_.weight_decay();
+  const double bc1 = 1.0 - std::pow(b1, static_cast<double>(steps_));
+  const double bc2 = 1.0 - std::pow(b2, static_cast<double>(steps_));
+  const double step_size = lr / bc1, bc2_sqrt = std::sqrt(bc2);
+  for (size_t i = 0; i < params_.size(); ++i) {
+    at::Tensor p = params_[i].second;
+    auto& m = exp_avg_[i];
+    auto& v = exp_avg_sq_[i];
+    at::Tensor g = p.grad().defined() ? p.grad() : at::zeros_like(p);
+    if (g.scalar_type() != p.scalar_type()) g = g.to(p.scalar_type());
+    if (wd != 0 && p.dim() >= 2) p.mul_(1.0 - lr * wd);
+    m.mul_(b1).add_(g, 1.0 - b1);
+    v.mul_(b2).addcmul_(g, g, 1.0 - b2);
+    auto denom = (v.sqrt() / bc2_sqrt).add_(eps);
+    p.addcdiv_(m, denom, -step_size);
+  }
+}
+
+std::vector<std::pair<std::string, at::Tensor>> AdamW::state() const {
+  std::vector<std::pair<std::string, at::Tensor>> out;
+  for (size_t i = 0; i < params_.size(); ++i) out.emplace_back("exp_avg." + params_[i].first, exp_avg_[i]);
+  for (size_t i = 0; i < params_.size(); ++i)
+    out.emplace_back("exp_avg_sq." + params_[i].first, exp_avg_sq_[i]);
+  return out;
+}
+
+void AdamW::load_state(const std::vector<std::pair<std::string, at::Tensor>>& state, int64_t steps) {
+  TORCH_CHECK(steps >= 0, "AdamW::load_state: the step count must be >= 0, got ", steps);
+  std::map<std::string, at::Tensor> by_name;
+  for (auto& [name, t] : state) by_name[name] = t;
+  TORCH_CHECK(by_name.size() == 2 * params_.size(), "AdamW::load_state: expected ", 2 * params_.size(),
+              " optimizer tensors (exp_avg.* and exp_avg_sq.* for ", params_.size(), " parameters), found ",
+              by_name.size());
+  at::NoGradGuard no_grad;
+  auto restore = [&](const std::string& name, at::Tensor& into) {
+    auto it = by_name.find(name);
+    TORCH_CHECK(it != by_name.end(), "AdamW::load_state: optimizer tensor '", name, "' is missing");
+    TORCH_CHECK(it->second.sizes() == into.sizes(), "AdamW::load_state: optimizer tensor '", name,
+                "' has shape ", it->second.sizes(), ", expected ", into.sizes());
+    into.copy_(it->second);
+  };
+  for (size_t i = 0; i < params_.size(); ++i) {
+    restore("exp_avg." + params_[i].first, exp_avg_[i]);
+    restore("exp_avg_sq." + params_[i].first, exp_avg_sq_[i]);
+  }
+  steps_ = steps;
+}
+
+}  // namespace carry

@@ -1,0 +1,539 @@
+// The training loop (see trainer.h): batches, the sequence-parallel model context, the global masked
+// loss, the gradient all-reduce, AdamW, logging, evaluation and checkpoints.
+#include "framework/train/trainer.h"
+
+#include "framework/io/checkpoint.h"
+#include "framework/data/synthetic.h"
+#include "framework/data/token_file.h"
+#include "layers/common/device.h"
+#include "layers/precision.h"
+#include "parallel/slice_context.h"
+#include "parallel/state_scan.h"
+
+#include <ATen/core/grad_mode.h>
+#include <c10/util/Exception.h>
+
+#include <algorithm>
+#include <array>
+#include <chrono>
+#include <cmath>
+#include <csignal>
+#include <cstdarg>
+#include <cstdio>
+#include <map>
+#include <sstream>
+#include <signal.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+namespace carry {
+
+namespace {
+
+double now_s() {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
+}
+
+// Resident set size of this process in MiB (Linux /proc/self/statm), 0 if unreadable.
+double rss_mib() {
+  std::FILE* f = std::fopen("/proc/self/statm", "r");
+  if (!f) return 0;
+  long pages_total = 0, pages_resident = 0;
+  int got = std::fscanf(f, "%ld %ld", &pages_total, &pages_resident);
+  std::fclose(f);
+  if (got != 2) return 0;
+  return static_cast<double>(pages_resident) * static_cast<double>(::sysconf(_SC_PAGESIZE)) / (1024.0 * 1024.0);
+}
+
+parallel::ScanMode scan_mode_of(config::ParallelConfig::ScanMode m) {
+  switch (m) {
+    case config::ParallelConfig::TREE: return parallel::ScanMode::tree;
+    case config::ParallelConfig::ALLGATHER: return parallel::ScanMode::allgather;
+    default: return parallel::ScanMode::ordered;
+  }
+}
+
+// Creates the parent directories of `path` (POSIX mkdir; existing ones are fine).
+void make_parent_dirs(const std::string& path) {
+  for (size_t i = 1; i < path.size(); ++i)
+    if (path[i] == '/') ::mkdir(path.substr(0, i).c_str(), 0755);
+}
+
+// The stop signals (see Trainer::run): the first sets the flag, a second one ends the process.
+volatile std::sig_atomic_t g_stop_signal = 0;
+
+extern "C" void on_stop_signal(int signo) {
+  if (g_stop_signal != 0) {
+    std::signal(signo, SIG_DFL);
+    std::raise(signo);
+    return;
+  }
+  g_stop_signal = signo;
+}
+
+// Installs on_stop_signal for SIGTERM, SIGINT and SIGUSR1 for its lifetime, then restores the
+// previous handlers.
+class StopSignals {
+ public:
+  StopSignals() {
+    g_stop_signal = 0;
+    struct sigaction sa {};
+    sa.sa_handler = on_stop_signal;
+    sigemptyset(&sa.sa_mask);
+    for (size_t i = 0; i < kSignals.size(); ++i) ::sigaction(kSignals[i], &sa, &previous_[i]);
+  }
+  ~StopSignals() {
+    for (size_t i = 0; i < kSignals.size(); ++i) ::sigaction(kSignals[i], &previous_[i], nullptr);
+    g_stop_signal = 0;
+  }
+  StopSignals(const StopSignals&) = delete;
+  StopSignals& operator=(const StopSignals&) = delete;
+
+ private:
+  static constexpr std::array<int, 3> kSignals{SIGTERM, SIGINT, SIGUSR1};
+  std::array<struct sigaction, 3> previous_{};
+};
+
+// A value for a message: NaN without a sign, else as printed by %g.
+std::string number_text(double x) {
+  if (std::isnan(x)) return "NaN";
+  char buf[64];
+  std::snprintf(buf, sizeof buf, "%g", x);
+  return buf;
+}
+
+std::string json_number(double x) {
+  if (!std::isfinite(x)) return "null";
+  char buf[64];
+  std::snprintf(buf, sizeof buf, "%.9g", x);
+  return buf;
+}
+
+}  // namespace
+
+// Several token files read as one stream; windows of seq_len+1 tokens at stride seq_len, wrapping
+// around at the end.
+struct Trainer::TokenStream {
+  std::vector<TokenFile> files;
+  std::vector<int64_t> starts;  // first stream position of each file
+  int64_t total = 0;
+
+  explicit TokenStream(const google::protobuf::RepeatedPtrField<std::string>& paths) {
+    for (auto& p : paths) {
+      starts.push_back(total);
+      files.emplace_back(p);
+      total += files.back().size();
+    }
+  }
+  int64_t windows(int64_t seq_len) const { return (total - 1) / seq_len; }
+  void read(int64_t pos, int64_t count, int64_t* out) const {
+    for (size_t i = 0; i < files.size() && count > 0; ++i) {
+      int64_t begin = starts[i], end = starts[i] + files[i].size();
+      if (pos >= end) continue;
+      int64_t n = std::min(count, end - pos);
+      files[i].read(pos - begin, n, out);
+      pos += n, out += n, count -= n;
+    }
+    TORCH_INTERNAL_ASSERT(count == 0, "token stream read past its end");
+  }
+};
+
+Trainer::Trainer(const RunConfig& config, std::shared_ptr<parallel::ProcessGroups> groups,
+                 TrainerOptions options)
+    : config_(config), groups_(std::move(groups)), options_(options) {
+  const auto& par = config_.parallel();
+  if (groups_) {
+    TORCH_CHECK(groups_->layout.dp == par.dp() && groups_->layout.sp == par.sp(),
+                "trainer: the process groups are dp=", groups_->layout.dp, " sp=", groups_->layout.sp,
+                " but the config's parallel section says dp=", par.dp(), " sp=", par.sp());
+    dp_ = groups_->layout.dp, sp_ = groups_->layout.sp;
+    dp_rank_ = groups_->dp_rank, sp_rank_ = groups_->sp_rank;
+  } else {
+    TORCH_CHECK(par.dp() == 1 && par.sp() == 1, "trainer: without process groups the config must say "
+                "parallel { dp: 1 sp: 1 }, got dp=", par.dp(), " sp=", par.sp());
+  }
+  if (!options_.force_cpu && cuda_device_count() > 0) {
+    // One GPU per rank: the communicators were made for device local_rank (Backend::nccl).
+    int local = groups_ ? groups_->world_info.local_rank : 0;
+    device_ = at::Device(at::kCUDA, static_cast<c10::DeviceIndex>(local % cuda_device_count()));
+  }
+  bf16_ = config_.precision() == RunConfig::BF16;
+  TORCH_CHECK(!bf16_ || options_.dtype == at::kFloat, "trainer: precision BF16 keeps fp32 master weights; "
+              "the trainer was asked for ", options_.dtype, " parameters");
+  model_ = build_model(config_.model(), config_.seed(), at::TensorOptions().dtype(options_.dtype).device(device_));
+  optimizer_ = std::make_unique<AdamW>(model_.parameters(), config_.optimizer());
+  if (config_.data().has_token_files()) {
+    train_stream_ = std::make_shared<TokenStream>(config_.data().token_files().paths());
+    TORCH_CHECK(train_stream_->windows(config_.data().seq_len()) > 0, "data.token_files.paths: ",
+                train_stream_->total, " tokens are fewer than one window of data.seq_len+1 = ",
+                config_.data().seq_len() + 1);
+    if (config_.data().token_files().eval_paths_size() > 0) {
+      eval_stream_ = std::make_shared<TokenStream>(config_.data().token_files().eval_paths());
+      TORCH_CHECK(eval_stream_->windows(config_.data().seq_len()) > 0, "data.token_files.eval_paths: ",
+                  eval_stream_->total, " tokens are fewer than one window of data.seq_len+1");
+    }
+  }
+  context_.recompute = config_.parallel().recompute();
+  if (sp_ > 1)  // collective: every rank of the sp group agrees on the layout here, once
+    context_.slice = parallel::make_slice_context(groups_->sp, scan_mode_of(config_.parallel().scan_mode()),
+                                                  /*head_groups=*/1, config_.data().seq_len());
+}
+
+int Trainer::rank() const { return groups_ ? groups_->world_info.rank : 0; }
+
+std::string Trainer::divergence_hint() const {
+  const auto& ck = config_.checkpoint();
+  std::string where = ck.has_dir() && !ck.dir().empty() ? "The newest checkpoint is in " + ck.dir() + "; "
+                                                         : "There is no checkpoint.dir; ";
+  return where + "try a lower optimizer.lr, a longer optimizer.warmup_steps or optimizer.grad_clip.";
+}
+
+std::string Trainer::layout_text() const {
+  return "dp=" + std::to_string(dp_) + " x sp=" + std::to_string(sp_);
+}
+
+void Trainer::log(const char* fmt, ...) const {
+  if (rank() != 0 || !options_.log) return;
+  va_list args;
+  va_start(args, fmt);
+  std::vfprintf(options_.log, fmt, args);
+  va_end(args);
+  std::fflush(options_.log);
+}
+
+void Trainer::write_metrics(const std::string& json_line) const {
+  if (rank() != 0 || !config_.logging().has_metrics_file() || config_.logging().metrics_file().empty()) return;
+  const std::string& path = config_.logging().metrics_file();
+  make_parent_dirs(path);
+  std::FILE* f = std::fopen(path.c_str(), "a");
+  TORCH_CHECK(f, "logging.metrics_file: cannot open '", path, "' for appending");
+  std::fprintf(f, "%s\n", json_line.c_str());
+  std::fclose(f);
+}
+
+void Trainer::all_reduce(at::Tensor& t, bool sp_only) const {
+  if (!groups_) return;
+  auto& comm = sp_only ? *groups_->sp : *groups_->world;
+  if (comm.size() > 1) comm.all_reduce_sum(t);
+}
+
+Trainer::Batch Trainer::batch_for(int64_t step, bool eval) const {
+  const auto& data = config_.data();
+  const int64_t B = data.batch_size(), T = data.seq_len();
+  const auto split = eval ? Split::eval : Split::train;
+  at::Tensor tokens, targets, mask;
+  if (data.has_mqar() || data.has_needle()) {
+    auto b = data.has_mqar() ? mqar_batch(mqar_spec(data), config_.seed(), step, dp_rank_, B, split)
+                             : needle_batch(needle_spec(data), config_.seed(), step, dp_rank_, B, split);
+    tokens = b.tokens, targets = b.targets, mask = b.loss_mask;
+  } else {
+    const TokenStream* stream = eval ? eval_stream_.get() : train_stream_.get();
+    TORCH_CHECK(stream, "trainer: evaluation needs data.token_files.eval_paths");
+    const int64_t windows = stream->windows(T);
+    auto window = at::empty({B, T + 1}, at::kLong);
+    for (int64_t b = 0; b < B; ++b) {
+      int64_t w = ((step * dp_ + dp_rank_) * B + b) % windows;
+      stream->read(w * T, T + 1, window[b].data_ptr<int64_t>());
+    }
+    const int64_t V = config_.model().vocab_size();
+    auto hi = window.max().item<int64_t>();
+    TORCH_CHECK(hi < V, "data.token_files: token id ", hi, " does not fit model.vocab_size = ", V);
+    tokens = window.narrow(1, 0, T).contiguous();
+    targets = window.narrow(1, 1, T).contiguous();
+    mask = at::ones({B, T}, at::kBool);
+  }
+  const int64_t Tp = T / sp_;
+  auto slice = [&](const at::Tensor& x) { return x.narrow(1, sp_rank_ * Tp, Tp).contiguous().to(device_); };
+  return {slice(tokens), slice(targets), slice(mask)};
+}
+
+
+StepStats Trainer::train_step() {
+  const double t0 = now_s();
+  const auto& data = config_.data();
+  auto batch = batch_for(step_, false);
+  for (auto& [name, p] : model_.parameters()) p.mutable_grad() = at::Tensor();
+
+  // Ignored targets (kIgnoreIndex) are gathered as token 0 and then weighted by the mask's 0.
+  at::Tensor ce;
+  {
+    AutocastScope autocast(device_.type(), at::kBFloat16, bf16_);
+    ce = model_.token_losses(batch.tokens, batch.targets.clamp_min(0), context());
+  }
+  auto w = batch.loss_mask.to(ce.options());
+  // [Σ ce·mask, Σ mask, stop signals] over all ranks; the loss each rank back-propagates is its share
+  // of the mean. The stop flag rides along so that every rank decides the same.
+  auto sums = at::stack({(ce.detach() * w).sum().to(at::kDouble), w.sum().to(at::kDouble),
+                         at::scalar_tensor(g_stop_signal != 0 || time_is_up_ ? 1.0 : 0.0, ce.options().dtype(at::kDouble))});
+  all_reduce(sums);
+  auto host = sums.cpu();
+  const double loss_sum = host[0].item<double>(), count = host[1].item<double>();
+  const bool stop_requested = host[2].item<double>() > 0;
+  TORCH_CHECK(count > 0, "trainer: step ", step_ + 1, ": the loss mask selects no token in the global batch");
+  TORCH_CHECK(std::isfinite(loss_sum), "trainer: step ", step_ + 1, ": the loss is ", number_text(loss_sum / count),
+              "; the parameters were not updated. ", divergence_hint());
+  auto local = (ce * w).sum() / count;
+  local.backward();
+
+  // Sum the gradients over all ranks in one message.
+  auto params = model_.parameters();
+  if (groups_ && groups_->world->size() > 1) {
+    std::vector<at::Tensor> flat;
+    for (auto& [name, p] : params)
+      flat.push_back(p.grad().defined() ? p.grad().reshape({-1}) : at::zeros({p.numel()}, p.options()));
+    auto buffer = at::cat(flat);
+    groups_->world->all_reduce_sum(buffer);
+    int64_t offset = 0;
+    for (auto& [name, p] : params) {
+      p.mutable_grad() = buffer.narrow(0, offset, p.numel()).view(p.sizes()).clone();
+      offset += p.numel();
+    }
+  }
+  const double grad_norm = clip_grad_norm(params, config_.optimizer().grad_clip());
+  TORCH_CHECK(std::isfinite(grad_norm), "trainer: step ", step_ + 1, ": the gradient norm is ", number_text(grad_norm),
+              " (loss ", number_text(loss_sum / count), "); the parameters were not updated. ", divergence_hint());
+  const double lr = learning_rate(config_.optimizer(), step_);
+  optimizer_->step(lr);
+  ++step_;
+  const int64_t tokens = static_cast<int64_t>(dp_) * data.batch_size() * data.seq_len();
+  tokens_seen_ += tokens;
+  StepStats s;
+  s.step = step_;
+  s.loss = loss_sum / count;
+  s.grad_norm = grad_norm;
+  s.lr = lr;
+  s.tokens = tokens;
+  s.seconds = now_s() - t0;
+  s.stop_requested = stop_requested;
+  return s;
+}
+
+EvalStats Trainer::evaluate() {
+  at::NoGradGuard no_grad;
+  const int64_t batches = config_.data().eval_batches();
+  // Per rank: [Σ ce·mask, Σ mask, correct]; per sequence (summed over sp): [masked, correct].
+  auto totals = at::zeros({3}, at::kDouble);
+  double sequences = 0, sequences_correct = 0;
+  for (int64_t e = 0; e < batches; ++e) {
+    auto batch = batch_for(e, true);
+    at::Tensor logits;
+    {
+      AutocastScope autocast(device_.type(), at::kBFloat16, bf16_);
+      logits = model_.forward(batch.tokens, context());
+    }
+    auto dt = at::promote_types(logits.scalar_type(), at::kFloat);
+    auto logp = at::log_softmax(logits.to(dt), -1);
+    auto safe_targets = batch.targets.clamp_min(0);
+    auto ce = -logp.gather(-1, safe_targets.unsqueeze(-1)).squeeze(-1);
+    auto w = batch.loss_mask.to(ce.options());
+    auto right = (logits.argmax(-1) == batch.targets).logical_and(batch.loss_mask).to(at::kDouble);
+    auto per_seq = at::stack({batch.loss_mask.to(at::kDouble).sum(1), right.sum(1)}, 1).cpu();  // [B,2]
+    all_reduce(per_seq, /*sp_only=*/true);
+    auto masked = per_seq.select(1, 0), correct = per_seq.select(1, 1);
+    auto has = masked > 0;
+    double n_seq = has.sum().item<double>();
+    double n_ok = (has.logical_and(correct == masked)).sum().item<double>();
+    // Sequences count once per dp rank: only sp rank 0 contributes them to the world sum below.
+    if (sp_rank_ == 0) sequences += n_seq, sequences_correct += n_ok;
+    totals += at::stack({(ce * w).sum().to(at::kDouble).cpu(), w.sum().to(at::kDouble).cpu(),
+                         right.sum().cpu()});
+  }
+  auto all = at::cat({totals, at::tensor({sequences, sequences_correct}, at::kDouble)});
+  all_reduce(all);
+  EvalStats r;
+  double count = all[1].item<double>();
+  r.positions = static_cast<int64_t>(count);
+  r.loss = count > 0 ? all[0].item<double>() / count : 0;
+  r.accuracy = count > 0 ? all[2].item<double>() / count : 0;
+  r.sequence_accuracy = all[3].item<double>() > 0 ? all[4].item<double>() / all[3].item<double>() : 0;
+  return r;
+}
+
+// ---- checkpoints ----
+
+void Trainer::save_checkpoint() {
+  const auto& ck = config_.checkpoint();
+  if (!ck.has_dir() || ck.dir().empty()) return;
+  if (rank() == 0) {
+    CheckpointData d;
+    d.step = step_;
+    d.tokens_seen = tokens_seen_;
+    d.data_cursor = step_;  // the next batch index: batches are functions of (seed, step, dp rank)
+    d.rng_seed = config_.seed();
+    d.config_text = config_to_text(config_);
+    for (auto& [name, p] : model_.parameters()) d.model.emplace_back(name, p.detach());
+    d.optimizer = optimizer_->state();
+    d.extra["layout"] = layout_text();
+    d.extra["global_batch"] = std::to_string(dp_ * config_.data().batch_size());
+    carry::save_checkpoint(ck.dir(), d, static_cast<int>(ck.keep_last()));
+  }
+  if (groups_) groups_->world->barrier();
+}
+
+void Trainer::apply_checkpoint(const CheckpointData& d) {
+  const auto& dir = config_.checkpoint().dir();
+  auto params = model_.parameters();
+  std::map<std::string, at::Tensor> by_name(d.model.begin(), d.model.end());
+  TORCH_CHECK(by_name.size() == params.size(), "resume from ", dir, ": the checkpoint holds ",
+              by_name.size(), " model tensors, the model has ", params.size(), " parameters");
+  at::NoGradGuard no_grad;
+  for (auto& [name, p] : params) {
+    auto it = by_name.find(name);
+    TORCH_CHECK(it != by_name.end(), "resume from ", dir, ": parameter '", name,
+                "' is not in the checkpoint (a different model?)");
+    TORCH_CHECK(it->second.sizes() == p.sizes(), "resume from ", dir, ": parameter '", name,
+                "' has shape ", it->second.sizes(), " in the checkpoint, the model's is ", p.sizes());
+    p.copy_(it->second);
+  }
+  optimizer_->load_state(d.optimizer, d.step);
+  TORCH_CHECK(d.data_cursor == d.step, "resume from ", dir, ": data_cursor ", d.data_cursor,
+              " differs from step ", d.step, " (this trainer keeps them equal)");
+  // The state is layout-free (full parameters and optimizer state; batches are functions of the step
+  // and the global sequence index), so another dp x sp continues the same run when the global batch
+  // is the same.
+  auto was = [&](const char* key) {
+    auto it = d.extra.find(key);
+    return it == d.extra.end() ? std::string() : it->second;
+  };
+  const std::string global_batch = std::to_string(dp_ * config_.data().batch_size());
+  if (!was("layout").empty() && was("layout") != layout_text())
+    log("note: the checkpoint was written by %s, this run is %s\n", was("layout").c_str(), layout_text().c_str());
+  if (!was("global_batch").empty() && was("global_batch") != global_batch)
+    log("note: the global batch (dp x data.batch_size) was %s sequences and is now %s: the run goes on with "
+        "other batches than the original would have\n", was("global_batch").c_str(), global_batch.c_str());
+}
+
+bool Trainer::resume() {
+  const auto& ck = config_.checkpoint();
+  if (!ck.has_dir() || ck.dir().empty()) return false;
+  // World rank 0 reads the checkpoint (it wrote it, so the directory need not be shared between
+  // hosts) and broadcasts it: a status, the counters, then every parameter and optimizer tensor.
+  enum Status : int64_t { kNone = 0, kLoaded = 1, kFailed = 2 };
+  int64_t status = kNone, step = 0, tokens = 0;
+  std::string error;
+  if (rank() == 0) {
+    try {
+      if (auto loaded = load_latest_checkpoint(ck.dir())) {
+        apply_checkpoint(*loaded);
+        status = kLoaded, step = loaded->step, tokens = loaded->tokens_seen;
+      }
+    } catch (const std::exception& e) {
+      status = kFailed, error = e.what();
+    }
+  }
+  const bool shared = groups_ && groups_->world->size() > 1;
+  if (shared) {
+    auto header = at::tensor({status, step, tokens}, at::TensorOptions().dtype(at::kLong)).to(device_);
+    groups_->world->broadcast(header, 0);
+    auto h = header.cpu();
+    status = h[0].item<int64_t>(), step = h[1].item<int64_t>(), tokens = h[2].item<int64_t>();
+  }
+  TORCH_CHECK(status != kFailed, rank() == 0 ? error : "resume from " + ck.dir() +
+              " failed on world rank 0 (its message says why)");
+  if (status == kNone) return false;
+  if (shared) {
+    at::NoGradGuard no_grad;
+    for (auto& [name, p] : model_.parameters()) {
+      auto data = p.detach();
+      groups_->world->broadcast(data, 0);
+    }
+    auto state = optimizer_->state();
+    for (auto& [name, t] : state) groups_->world->broadcast(t, 0);
+    if (rank() != 0) optimizer_->load_state(state, step);  // sets the step count (the values are in place)
+  }
+  step_ = step;
+  tokens_seen_ = tokens;
+  return true;
+}
+
+// ---- the run ----
+
+int Trainer::run() {
+  const bool resumed = resume();
+  const int64_t total = config_.optimizer().total_steps();
+  if (resumed && step_ >= total) {
+    log("run already complete: %s holds step %lld of optimizer.total_steps = %lld; nothing to do (delete "
+        "that directory to start over, or raise optimizer.total_steps to train further)\n",
+        config_.checkpoint().dir().c_str(), static_cast<long long>(step_), static_cast<long long>(total));
+    return 0;
+  }
+  log("config (resolved):\n%s", config_to_text(config_).c_str());
+  log("%s\n", model_.summary().c_str());
+  log("parameters: %lld, ranks: dp %d x sp %d (%s, %s), scan mode %s\n",
+      static_cast<long long>(model_.num_parameters()), dp_, sp_,
+      groups_ ? groups_->world->backend().c_str() : "single process", device_.str().c_str(),
+      parallel::scan_mode_name(scan_mode_of(config_.parallel().scan_mode())).c_str());
+  log("precision: %s; activations: %s\n",
+      bf16_ ? "bf16 autocast (fp32 master weights and optimizer, fp32 mixer cores and states)" : "fp32",
+      config_.parallel().recompute() ? "recomputed per layer in backward" : "kept");
+  if (resumed) log("resumed from %s at step %lld\n", config_.checkpoint().dir().c_str(), static_cast<long long>(step_));
+
+  const int64_t log_every = std::max<int64_t>(1, config_.logging().every_steps());
+  const int64_t eval_every = config_.logging().eval_every_steps();
+  const int64_t ckpt_every = config_.checkpoint().every_steps();
+  const double peak = (device_.is_cuda() ? kAssumedGpuPeakFlopsPerRank : kAssumedCpuPeakFlopsPerRank) * dp_ * sp_;
+  const double flops_per_token = 6.0 * static_cast<double>(model_.num_parameters());
+  int64_t window_tokens = 0;
+  double window_seconds = 0;
+  StopSignals signals;
+  const double started = now_s();
+  int64_t steps_here = 0;
+  while (step_ < total) {
+    auto s = train_step();
+    ++steps_here;
+    // This invocation's limits. The step count is the same on every rank; the clock is not, so a rank
+    // past max_minutes raises its stop flag, which the next step's loss sum carries to all ranks.
+    const bool step_limit = options_.max_steps > 0 && steps_here >= options_.max_steps;
+    if (options_.max_minutes > 0 && now_s() - started > 60 * options_.max_minutes) time_is_up_ = true;
+    window_tokens += s.tokens, window_seconds += s.seconds;
+    if (s.step % log_every == 0 || s.step == total || s.step == 1) {
+      const double tps = window_seconds > 0 ? window_tokens / window_seconds : 0;
+      const double mfu = flops_per_token * tps / peak;
+      const double rss = rss_mib();
+      // GPU: the caching allocator's peak since the last line (this rank's device).
+      const double gpu_peak = device_.is_cuda() ? cuda_peak_allocated_bytes(device_.index()) / (1024.0 * 1024.0) : 0;
+      if (device_.is_cuda()) cuda_reset_peak_allocated(device_.index());
+      char gpu[48] = "";
+      if (device_.is_cuda()) std::snprintf(gpu, sizeof gpu, " | gpu peak %.0f MiB", gpu_peak);
+      log("step %6lld/%lld | loss %.4f | grad norm %.3f | lr %.3e | %.0f tok/s | MFU %.2f%% | rss %.0f MiB%s\n",
+          static_cast<long long>(s.step), static_cast<long long>(total), s.loss, s.grad_norm, s.lr, tps,
+          100 * mfu, rss, gpu);
+      std::ostringstream js;
+      js << "{\"step\":" << s.step << ",\"loss\":" << json_number(s.loss) << ",\"grad_norm\":"
+         << json_number(s.grad_norm) << ",\"lr\":" << json_number(s.lr) << ",\"tokens_per_s\":"
+         << json_number(tps) << ",\"mfu\":" << json_number(mfu) << ",\"rss_mib\":" << json_number(rss)
+         << ",\"gpu_peak_mib\":" << json_number(gpu_peak)
+         << ",\"tokens_seen\":" << tokens_seen_ << "}";
+      write_metrics(js.str());
+      window_tokens = 0, window_seconds = 0;
+    }
+    if (options_.on_step) options_.on_step(s);
+    if ((s.stop_requested || step_limit) && s.step < total) {  // (at the last step: the normal end)
+      save_checkpoint();
+      const auto& ck = config_.checkpoint();
+      const bool saved = ck.has_dir() && !ck.dir().empty();
+      const std::string why = step_limit ? "after the " + std::to_string(options_.max_steps) + " steps of --max-steps"
+                                         : "on a stop signal (SIGTERM, SIGINT or SIGUSR1) or --max-minutes";
+      log("stopped at step %lld/%lld %s: %s\n", static_cast<long long>(s.step), static_cast<long long>(total),
+          why.c_str(), saved ? ("checkpoint written to " + ck.dir() + "; run the same command again to continue").c_str()
+                             : "no checkpoint.dir, so this run's progress is not saved");
+      time_is_up_ = false;
+      return kExitStoppedBySignal;
+    }
+    if (eval_every > 0 && (s.step % eval_every == 0 || s.step == total)) {
+      auto e = evaluate();
+      log("eval step %lld | loss %.4f | accuracy %.4f | sequences all right %.4f | %lld positions\n",
+          static_cast<long long>(s.step), e.loss, e.accuracy, e.sequence_accuracy,
+          static_cast<long long>(e.positions));
+      std::ostringstream js;
+      js << "{\"step\":" << s.step << ",\"eval_loss\":" << json_number(e.loss) << ",\"eval_accuracy\":"
+         << json_number(e.accuracy) << ",\"eval_sequence_accuracy\":" << json_number(e.sequence_accuracy) << "}";
+      write_metrics(js.str());
+    }
+    if (ckpt_every > 0 && s.step % ckpt_every == 0 && s.step != total) save_checkpoint();
+  }
+  save_checkpoint();
+  return 0;
+}
+
+}  // namespace carry

@@ -1,0 +1,146 @@
+// The training loop (README.md, Design §4): a dp × sp grid of ranks, every rank holding the full parameters.
+// Per step:
+//   batch     dp rank d takes sequences [d·B, (d+1)·B) of the step's global batch (MQAR / needle:
+//             pure functions of (seed, step, global index); token files: consecutive windows of
+//             seq_len+1 tokens from the data cursor); sp rank r keeps tokens [r·T/P, (r+1)·T/P);
+//   forward   the model in the slice context of parallel::make_slice_context (the state scan over the
+//             sp communicator in the config's scan_mode, the halo exchange; sp == 1: the plain
+//             forward of each family);
+//   loss      the global mean Σ ce·mask / Σ mask over all dp × sp ranks: Σ mask is all-reduced first,
+//             each rank back-propagates its own Σ ce·mask / N_global (the sp backward passes the
+//             state gradients between the sp ranks), so the gradients summed over all ranks are
+//             those of the global loss;
+//   update    all-reduce (sum) of the flattened gradients over the world, clip to grad_clip, AdamW
+//             with the warmup + cosine learning rate.
+// Checkpoints (framework/io/checkpoint.h): rank 0 writes model + optimizer every checkpoint.every_steps
+// and at the end; a run starts from the latest checkpoint in checkpoint.dir when there is one and
+// continues bit-identically (the batches depend only on the step, the state is stored exactly).
+// Rank 0 prints one log line per logging.every_steps and appends a JSON line to
+// logging.metrics_file; every logging.eval_every_steps it evaluates data.eval_batches fixed held-out
+// batches (split "eval") and prints the loss and the accuracy at the masked positions.
+#pragma once
+
+#include "framework/config/config.h"
+#include "framework/train/model.h"
+#include "framework/train/optimizer.h"
+#include "parallel/process_group.h"
+
+#include <cstdint>
+#include <cstdio>
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+namespace carry {
+
+struct CheckpointData;  // framework/io/checkpoint.h
+struct StepStats;
+
+// The peak rates the MFU estimate divides by (per rank): an assumed figure, not a measurement.
+constexpr double kAssumedCpuPeakFlopsPerRank = 1.0e11;  // one x86 core, fp32 FMA: ~100 GFLOP/s
+constexpr double kAssumedGpuPeakFlopsPerRank = 9.89e14; // H100 SXM, dense bf16
+
+struct TrainerOptions {
+  // Parameter dtype (fp32 for training; fp64 for exactness tests). Undefined device = pick: CUDA
+  // device local_rank when the build has CUDA and GPUs are present, else the CPU.
+  at::ScalarType dtype = at::kFloat;
+  bool force_cpu = false;
+  // Where rank 0 prints its lines (nullptr: silent).
+  std::FILE* log = stdout;
+  // Called by run() on every rank after each step (progress hooks, tests).
+  std::function<void(const StepStats&)> on_step;
+  // Limits of one run() (0 = none): after max_steps steps, or the first step that ends past
+  // max_minutes, run() stops as on a stop signal (checkpoint, kExitStoppedBySignal). The schedule
+  // still runs to optimizer.total_steps: the next invocation continues it.
+  int64_t max_steps = 0;
+  double max_minutes = 0;
+};
+
+// run()'s return value when a stop signal or a limit ended the run early (after a checkpoint): EX_TEMPFAIL,
+// "run the same command again to continue".
+constexpr int kExitStoppedBySignal = 75;
+
+struct StepStats {
+  int64_t step = 0;           // steps done after this one
+  double loss = 0;            // global mean loss of the step
+  double grad_norm = 0;       // global gradient norm before clipping
+  double lr = 0;
+  int64_t tokens = 0;         // tokens of the step's global batch
+  double seconds = 0;
+  // Some rank had received a stop signal (SIGTERM, SIGINT, SIGUSR1) when the step's loss was summed
+  // over the ranks: the same on every rank, so all of them stop after the same step.
+  bool stop_requested = false;
+};
+
+struct EvalStats {
+  double loss = 0;
+  double accuracy = 0;           // masked positions predicted right / masked positions
+  double sequence_accuracy = 0;  // sequences with every masked position right / sequences
+  int64_t positions = 0;
+};
+
+class Trainer {
+ public:
+  // `groups`: the dp × sp grid (its layout must equal config.parallel's), or null for one process
+  // on its own (then dp = sp = 1 is required). The config must be resolved (load_run_config).
+  Trainer(const RunConfig& config, std::shared_ptr<parallel::ProcessGroups> groups,
+          TrainerOptions options = {});
+
+  // Loads the latest checkpoint of checkpoint.dir if there is one; returns whether it did. World
+  // rank 0 reads it and broadcasts it to the others (checkpoint.dir need only exist on rank 0's host,
+  // where save_checkpoint writes).
+  bool resume();
+  // One optimizer step on the next batch.
+  StepStats train_step();
+  // The held-out evaluation (every rank calls it).
+  EvalStats evaluate();
+  // Writes a checkpoint of the current step (rank 0 writes; every rank calls it). No-op without
+  // checkpoint.dir.
+  void save_checkpoint();
+  // The whole run: prints the resolved config and the model, resumes, trains to
+  // optimizer.total_steps with logging, evaluation and checkpoints. Returns 0. While it runs,
+  // SIGTERM, SIGINT and SIGUSR1 (which mpirun forwards to the ranks) ask for a stop: every rank
+  // finishes the step, a checkpoint is written and run() returns kExitStoppedBySignal; a second
+  // signal ends the process at once. A non-finite loss or gradient norm throws before the update
+  // (the parameters stay those of the last step).
+  int run();
+
+  int64_t step() const { return step_; }
+  int64_t tokens_seen() const { return tokens_seen_; }
+  const Model& model() const { return model_; }
+  const AdamW& optimizer() const { return *optimizer_; }
+  const RunConfig& config() const { return config_; }
+  int rank() const;  // world rank
+
+ private:
+  struct Batch {
+    at::Tensor tokens, targets, loss_mask;  // this rank's slice [B, T/sp]
+  };
+  Batch batch_for(int64_t step, bool eval) const;
+  // The model context of this rank's slice (sequence parallelism, recomputation).
+  ModelContext context() const { return context_; }
+  ModelContext context_;  // built once (the sp layout is agreed then, not per layer call)
+  void all_reduce(at::Tensor& t, bool sp_only = false) const;
+  void log(const char* fmt, ...) const;
+  std::string layout_text() const;  // "dp=2 x sp=4"
+  std::string divergence_hint() const;  // what to try after a non-finite loss
+  // Copies a loaded checkpoint into the model and the optimizer (checking names and shapes).
+  void apply_checkpoint(const CheckpointData& d);
+  void write_metrics(const std::string& json_line) const;
+
+  RunConfig config_;
+  std::shared_ptr<parallel::ProcessGroups> groups_;
+  TrainerOptions options_;
+  at::Device device_ = at::kCPU;
+  Model model_;
+  std::unique_ptr<AdamW> optimizer_;
+  int dp_ = 1, sp_ = 1, dp_rank_ = 0, sp_rank_ = 0;
+  bool bf16_ = false;  // precision BF16: forward under bf16 autocast
+  bool time_is_up_ = false;  // max_minutes passed on this rank (sent with the next step's loss sum)
+  int64_t step_ = 0, tokens_seen_ = 0;
+  struct TokenStream;
+  std::shared_ptr<TokenStream> train_stream_, eval_stream_;
+};
+
+}  // namespace carry

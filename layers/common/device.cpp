@@ -1,0 +1,38 @@
+// Device discovery behind the CUDA build option (see device.h).
+#include "layers/common/device.h"
+
+#ifdef CARRY_WITH_CUDA
+#include "layers/common/cuda_device.cuh"
+#endif
+
+namespace carry {
+int cuda_device_count() {
+#ifdef CARRY_WITH_CUDA
+  return cuda::device_count();
+#else
+  return 0;
+#endif
+}
+std::string cuda_device_name(int index) {
+#ifdef CARRY_WITH_CUDA
+  return cuda::device_name(index);
+#else
+  return "no CUDA in this build (index " + std::to_string(index) + ")";
+#endif
+}
+int64_t cuda_peak_allocated_bytes(int index) {
+#ifdef CARRY_WITH_CUDA
+  return cuda::peak_allocated_bytes(index);
+#else
+  (void)index;
+  return 0;
+#endif
+}
+void cuda_reset_peak_allocated(int index) {
+#ifdef CARRY_WITH_CUDA
+  cuda::reset_peak_allocated(index);
+#else
+  (void)index;
+#endif
+}
+}  // namespace carry

@@ -1,0 +1,105 @@
+// Linear attention, family "linear_attn": S_t = S_{t-1} + k_t v_tᵀ, z_t = z_{t-1} + k_t,
+// o_t = (s·q_t)ᵀ S_t, or with `normalize` o_t = (s·q_t)ᵀ S_t / ((s·q_t)ᵀ z_t + eps).
+// State (S [B,H,dk,dv], z [B,H,dk]); transport is the identity (no tensors), so a summary is just the
+// slice's (S, z) from zero and compose adds. Forms: naive = token recurrence; chunkwise = per chunk a
+// causal C×C product plus the incoming state, state carried chunk to chunk in order.
+#include "layers/linear_attn/linear_attn.h"
+
+#include "layers/common/layout.h"
+
+namespace carry {
+
+Tensor elu_feature_map(const Tensor& x) { return at::elu(x) + 1; }
+
+Tensor performer_projection(int64_t num_features, int64_t dim, uint64_t seed,
+                            const at::TensorOptions& opt) {
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(seed);
+  return at::randn({num_features, dim}, gen, opt.device(at::kCPU)).to(opt.device());
+}
+
+Tensor performer_feature_map(const Tensor& x, const Tensor& projection) {
+  TORCH_CHECK(projection.dim() == 2 && projection.size(1) == x.size(-1),
+              "performer projection must be [m, ", x.size(-1), "], got ", shape_str(projection.sizes()));
+  auto wx = at::matmul(x, projection.t());
+  auto sq = x.pow(2).sum(-1, /*keepdim=*/true) / 2;
+  return at::exp(wx - sq) / std::sqrt(static_cast<double>(projection.size(0)));
+}
+
+namespace {
+
+class LinearAttention final : public Mixer {
+ public:
+  std::string name() const override { return "linear_attn"; }
+  std::vector<std::string> input_names() const override { return {"q", "k", "v"}; }
+  std::vector<std::string> state_names() const override { return {"S", "z"}; }
+
+  State zero_state(const MixerInputs& in, const MixerOptions&) const override {
+    int64_t B = in.q.size(0), H = in.q.size(2), dk = in.q.size(3), dv = in.v.size(3);
+    auto opt = in.q.options();
+    return {at::zeros({B, H, dk, dv}, opt), at::zeros({B, H, dk}, opt)};
+  }
+
+  MixerOutput naive(const MixerInputs& in, const State& init, const MixerOptions& opt) const override {
+    check(in, opt, false);
+    auto [S, z] = initial(in, init);
+    auto q = to_bhtd(in.q) * opt.scale_for(in.q.size(3)), k = to_bhtd(in.k), v = to_bhtd(in.v);
+    std::vector<Tensor> outs;
+    for (int64_t t = 0; t < q.size(2); ++t) {
+      auto kt = k.select(2, t), vt = v.select(2, t), qt = q.select(2, t);
+      S = S + kt.unsqueeze(-1) * vt.unsqueeze(-2);
+      z = z + kt;
+      auto o = at::matmul(qt.unsqueeze(-2), S).squeeze(-2);
+      if (opt.normalize) o = o / ((qt * z).sum(-1, true) + opt.eps);
+      outs.push_back(o);
+    }
+    return {from_bhtd(at::stack(outs, 2)), {S, z}};
+  }
+
+  MixerOutput chunkwise(const MixerInputs& in, const State& init,
+                        const MixerOptions& opt) const override {
+    check(in, opt, true);
+    auto [S, z] = initial(in, init);
+    int64_t C = opt.chunk_size;
+    auto q = split_chunks(to_bhtd(in.q) * opt.scale_for(in.q.size(3)), C);
+    auto k = split_chunks(to_bhtd(in.k), C), v = split_chunks(to_bhtd(in.v), C);
+    auto mask = causal_mask(C, false, q.options());
+    std::vector<Tensor> outs;
+    for (int64_t n = 0; n < q.size(2); ++n) {
+      auto qc = q.select(2, n), kc = k.select(2, n), vc = v.select(2, n);  // [B,H,C,D]
+      auto att = at::matmul(qc, kc.transpose(-1, -2)).masked_fill(mask.logical_not(), 0);
+      auto o = at::matmul(att, vc) + at::matmul(qc, S);
+      if (opt.normalize) {
+        // q_tᵀ z_t = q_tᵀ z_in + Σ_{s≤t} q_t·k_s
+        auto den = att.sum(-1, true) + at::matmul(qc, z.unsqueeze(-1));
+        o = o / (den + opt.eps);
+      }
+      outs.push_back(o);
+      S = S + at::matmul(kc.transpose(-1, -2), vc);
+      z = z + kc.contiguous().sum(-2);  // contiguous: the same summation order for any head count
+    }
+    return {from_bhtd(merge_chunks(at::stack(outs, 2))), {S, z}};
+  }
+
+  Summary summarize(const MixerInputs& in, const MixerOptions& opt) const override {
+    auto out = chunkwise(in, {}, opt);
+    return {{}, out.final_state};
+  }
+  Summary compose(const Summary& a, const Summary& b) const override {
+    return {{}, {a.state[0] + b.state[0], a.state[1] + b.state[1]}};
+  }
+  State apply(const Summary& s, const State& x) const override {
+    return {x[0] + s.state[0], x[1] + s.state[1]};
+  }
+
+ private:
+  std::pair<Tensor, Tensor> initial(const MixerInputs& in, const State& init) const {
+    int64_t B = in.q.size(0), H = in.q.size(2), dk = in.q.size(3), dv = in.v.size(3);
+    auto opt = in.q.options();
+    return {state_or_zeros(init, 0, {B, H, dk, dv}, opt), state_or_zeros(init, 1, {B, H, dk}, opt)};
+  }
+};
+
+CARRY_REGISTER_MIXER(LinearAttention);
+
+}  // namespace
+}  // namespace carry

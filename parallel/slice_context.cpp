@@ -1,0 +1,49 @@
+// The slice context of a sequence split over an sp group (see the header).
+#include "parallel/slice_context.h"
+
+#include "layers/common/layout.h"
+#include "parallel/halo.h"
+
+namespace carry::parallel {
+
+MixerLayerContext make_slice_context(std::shared_ptr<Communicator> sp, ScanMode mode, int head_groups,
+                                     int64_t sequence_length) {
+  MixerLayerContext ctx;
+  if (!sp || sp->size() == 1) return ctx;
+  const int64_t P = sp->size();
+  TORCH_CHECK(sequence_length % P == 0, "slice context: a sequence of ", sequence_length,
+              " tokens does not split evenly over sp = ", P, " ranks");
+  // The layout is agreed here, once: every rank must run the same sequence length, scan mode and head
+  // groups; the per-call scans then send no agreement messages.
+  {
+    CommContext cc("slice context: agreeing on the sequence layout");
+    auto all = sp->all_gather(at::tensor({sequence_length, static_cast<int64_t>(mode), int64_t{head_groups}}, at::kLong));
+    auto text = [](const Tensor& t) {
+      auto c = t.contiguous();
+      return "(" + join(std::vector<int64_t>(c.data_ptr<int64_t>(), c.data_ptr<int64_t>() + c.numel())) + ")";
+    };
+    for (int i = 1; i < P; ++i)
+      TORCH_CHECK(at::equal(all[i], all[0]), "slice context: sp rank ", i, " runs (sequence length, scan mode, "
+                  "head groups) = ", text(all[i]), " but sp rank 0 runs ", text(all[0]));
+  }
+  ctx.offset = sp->rank() * (sequence_length / P);
+  ctx.sequence_length = sequence_length;
+  ctx.run_mixer = [sp, mode, head_groups](const Mixer& mixer, const MixerInputs& in, const State& s,
+                                          const MixerOptions& o) -> MixerOutput {
+    if (mixer.has_summary()) {
+      MixerOptions whole = o;
+      whole.offset = 0;  // sp_mixer_forward wants the sequence's first position; rank r runs at r·T/P
+      return sp_mixer_forward(mixer, *sp, in, s, whole, mode, head_groups, /*layout_agreed=*/true);
+    }
+    // Softmax attention: local, its sliding window reaches the previous rank through the halo.
+    TORCH_CHECK(o.window > 0, "a full causal softmax attention layer cannot run sequence-parallel (sp = ",
+                sp->size(), "); give it a window (mixer_options { kind: \"softmax_attn\" window: ... }) or use sp = 1");
+    return mixer.forward(in, s, o);
+  };
+  // The tokens before this slice (sp rank 0 receives zeros: the sequence's start for a convolution;
+  // a sliding window at offset 0 ignores them, see MixerLayer).
+  ctx.halo = [sp](const Tensor& x, int64_t n) { return halo_exchange(*sp, x, n); };
+  return ctx;
+}
+
+}  // namespace carry::parallel

@@ -1,0 +1,449 @@
+// Tests for framework/config/config.h: parse errors with file:line:column and a caret, unknown fields and
+// enum values, validation errors naming field paths and locations, the parallel layout, --set
+// overrides and their errors, model presets, printing and re-reading the resolved config, and every
+// file under configs/ loading and validating.
+#include "tests/paths.h"
+#include "framework/config/config.h"
+
+#include "tests/helpers/temp_dir.h"
+
+#include <gtest/gtest.h>
+#include <google/protobuf/text_format.h>
+#include <google/protobuf/util/message_differencer.h>
+
+#include <ftw.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cstring>
+#include <fstream>
+#include <stdexcept>
+#include <string>
+
+namespace carry {
+namespace {
+
+using testing::exists;
+using testing::make_dirs;
+using testing::make_temp_dir;
+using testing::remove_tree;
+
+class ConfigTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    dir_ = make_temp_dir("carry_config_test");
+  }
+  void TearDown() override { remove_tree(dir_); }
+
+  std::string write(const std::string& name, const std::string& text) {
+    auto path = dir_ + "/" + name;
+    make_dirs(path.substr(0, path.find_last_of('/')));
+    std::ofstream(path) << text;
+    return path;
+  }
+
+  // The message of the ConfigError that loading `text` (written to run.textproto) throws.
+  std::string load_error(const std::string& text, const std::vector<std::string>& overrides = {}) {
+    auto path = write("run.textproto", text);
+    try {
+      load_run_config(path, overrides);
+    } catch (const ConfigError& e) {
+      return e.what();
+    }
+    ADD_FAILURE() << "loading did not throw:\n" << text;
+    return "";
+  }
+
+  std::string dir_;
+};
+
+// A small valid run; tests change one thing at a time.
+const char* kValid = R"(name: "t"
+model {
+  vocab_size: 256
+  d_model: 64
+  n_layers: 2
+  n_heads: 4
+  mixers: "gla"
+}
+data {
+  mqar { num_kv_pairs: 4 num_queries: 4 vocab_size: 64 }
+  seq_len: 128
+  batch_size: 2
+}
+parallel { dp: 1 sp: 2 }
+)";
+
+TEST_F(ConfigTest, ValidConfigLoadsWithDefaultsFilled) {
+  auto cfg = load_run_config(write("run.textproto", kValid));
+  EXPECT_EQ(cfg.model().d_model(), 64);
+  EXPECT_TRUE(cfg.optimizer().has_lr());  // filled from the declared default
+  EXPECT_DOUBLE_EQ(cfg.optimizer().lr(), 3e-4);
+  EXPECT_TRUE(cfg.parallel().has_scan_mode());
+  EXPECT_EQ(cfg.parallel().scan_mode(), config::ParallelConfig::ORDERED);
+  EXPECT_TRUE(cfg.data().mqar().has_vocab_size());
+  EXPECT_FALSE(cfg.data().has_needle());  // unselected oneof members stay unset
+  EXPECT_FALSE(cfg.model().has_head_dim_k());  // no declared default: stays "derived"
+  EXPECT_EQ(head_dim_k(cfg.model()), 16);
+  EXPECT_EQ(mlp_hidden_size(cfg.model()), 192);  // 8/3 * 64 = 170.7 -> 192
+}
+
+TEST_F(ConfigTest, ParseErrorNamesFileLineColumnAndShowsCaret) {
+  auto msg = load_error("name: \"t\"\nmodel {\n  d_model: abc\n}\n");
+  auto path = (dir_ + "/run.textproto");
+  EXPECT_EQ(msg.rfind(path + ":3:12: ", 0), 0u) << msg;
+  EXPECT_NE(msg.find("\n      d_model: abc\n    " + std::string(11, ' ') + "^"), std::string::npos) << msg;
+}
+
+TEST_F(ConfigTest, ParseErrorCaretSitsOnTheRepeatedFieldAndMissingBraceIsNamed) {
+  auto path = (dir_ + "/run.textproto");
+  auto msg = load_error("name: \"x\"\nname: \"y\"\n");
+  EXPECT_EQ(msg, path + ":2:1: Non-repeated field \"name\" is specified multiple times.\n    name: \"y\"\n    ^");
+  msg = load_error("model {\n  d_model: 100\n");
+  EXPECT_EQ(msg, path + ":3:1: unexpected end of file (a '}' is missing?)\n    \n    ^");
+}
+
+TEST_F(ConfigTest, ParseErrorColumnCountsCharactersNotTabStops) {
+  // Protobuf counts a tab as reaching the next multiple of 8; the reported column is in characters.
+  auto msg = load_error("model {\n\td_model: abc\n}\n");
+  auto path = (dir_ + "/run.textproto");
+  EXPECT_EQ(msg.rfind(path + ":2:11: ", 0), 0u) << msg;
+  EXPECT_NE(msg.find("\n     d_model: abc\n    " + std::string(10, ' ') + "^"), std::string::npos) << msg;
+}
+
+TEST_F(ConfigTest, UnknownFieldIsAnErrorListingValidFields) {
+  auto msg = load_error("name: \"t\"\nmodel { d_modl: 5 }\n");
+  auto path = (dir_ + "/run.textproto");
+  EXPECT_EQ(msg.rfind(path + ":2:9: unknown field \"d_modl\" in ModelConfig (valid fields: vocab_size, d_model,", 0),
+            0u)
+      << msg;
+  msg = load_error("nmae: \"t\"\n");
+  EXPECT_EQ(msg.rfind(path + ":1:1: unknown field \"nmae\" in RunConfig", 0), 0u) << msg;
+}
+
+TEST_F(ConfigTest, UnknownEnumValueListsValidValues) {
+  auto msg = load_error("parallel { scan_mode: FAST }\n");
+  auto path = (dir_ + "/run.textproto");
+  EXPECT_EQ(msg.rfind(path + ":1:23: ", 0), 0u) << msg;
+  EXPECT_NE(msg.find("FAST"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("(valid values: ALLGATHER, ORDERED, TREE)"), std::string::npos) << msg;
+}
+
+TEST_F(ConfigTest, ValidationErrorsNameFieldPathAndLocation) {
+  std::string text = kValid;
+  text.replace(text.find("n_heads: 4"), 10, "n_heads: 10");
+  auto msg = load_error(text);
+  auto path = (dir_ + "/run.textproto");
+  EXPECT_EQ(msg, path + ":6:3: model.n_heads: must divide d_model (64), got 10 (or set head_dim_k and head_dim_v)");
+
+  text = std::string(kValid) + "optimizer { lr: -0.001 warmup_steps: 5000 }\n";
+  msg = load_error(text);
+  EXPECT_NE(msg.find(path + ":15:13: optimizer.lr: must be positive, got -0.001"), std::string::npos) << msg;
+  EXPECT_NE(msg.find(path + ":15:24: optimizer.warmup_steps: must not exceed total_steps (1000), got 5000"),
+            std::string::npos)
+      << msg;
+
+  text = kValid;
+  text.replace(text.find("seq_len: 128"), 12, "seq_len: 96");
+  msg = load_error(text);
+  EXPECT_NE(msg.find(path + ":11:3: data.seq_len: must be a multiple of chunk_size*sp = 64*2 = 128 (gla layers), "
+                     "got 96"),
+            std::string::npos)
+      << msg;
+
+  // A value that comes from a default has no location: the file and the path.
+  text = kValid;
+  text.replace(text.find(" vocab_size: 64 }"), 17, " }");
+  msg = load_error(text);
+  EXPECT_EQ(msg, path + ": data.mqar.vocab_size: 8192 exceeds model.vocab_size (256)");
+}
+
+TEST_F(ConfigTest, BadValuesOfManyKinds) {
+  RunConfig c;
+  ASSERT_TRUE(google::protobuf::TextFormat::ParseFromString(kValid, &c));
+  c.mutable_model()->add_mixers("glaa");
+  c.mutable_model()->add_mixer_options()->set_window(128);
+  c.mutable_data()->mutable_mqar()->set_num_queries(100);
+  c.mutable_optimizer()->set_beta2(1.0);
+  c.mutable_checkpoint()->set_every_steps(10);
+  c.set_name("a b");
+  auto errors = run_config_errors(c);
+  auto has = [&](const std::string& s) {
+    for (auto& e : errors)
+      if (e == s) return true;
+    return false;
+  };
+  std::string all;
+  for (auto& e : errors) all += e + "\n";
+  EXPECT_TRUE(has("name: must be non-empty and use only letters, digits, '.', '_' and '-' (it names directories), "
+                  "got 'a b'")) << all;
+  EXPECT_TRUE(has("model.mixers[1]: unknown mixer kind 'glaa'; known kinds: linear_attn, retnet, gla, deltanet, "
+                  "gated_deltanet, mamba1, mamba2, hla2, ahla, loglinear_mamba2, loglinear_gdn, softmax_attn")) << all;
+  EXPECT_TRUE(has("model.mixer_options[0].window: only softmax_attn uses 'window', but this entry applies to gla "
+                  "layers (give the entry a kind)")) << all;
+  EXPECT_TRUE(has("data.mqar: 2*(num_kv_pairs + num_queries) = 208 tokens do not fit in data.seq_len (128)")) << all;
+  EXPECT_TRUE(has("optimizer.beta2: must lie in [0, 1), got 1")) << all;
+  EXPECT_TRUE(has("checkpoint.dir: is needed when checkpoint.every_steps > 0 (10)")) << all;
+}
+
+TEST_F(ConfigTest, SequenceParallelConstraints) {
+  RunConfig c;
+  ASSERT_TRUE(google::protobuf::TextFormat::ParseFromString(kValid, &c));
+  c.mutable_model()->add_mixers("softmax_attn");
+  auto errors = run_config_errors(c);
+  ASSERT_EQ(errors.size(), 1u);
+  EXPECT_EQ(errors[0].rfind("parallel.sp: softmax_attn layers with window 0 (full causal attention) cannot be "
+                            "sequence-parallel (sp = 2)", 0), 0u) << errors[0];
+  auto* o = c.mutable_model()->add_mixer_options();
+  o->set_kind("softmax_attn");
+  o->set_window(65);
+  errors = run_config_errors(c);
+  ASSERT_EQ(errors.size(), 1u);
+  EXPECT_EQ(errors[0], "model.mixer_options[0].window: window 65 exceeds the 64 tokens each of the 2 sp ranks holds "
+                       "(the halo comes from the previous rank only)");
+  o->set_window(64);
+  EXPECT_TRUE(run_config_errors(c).empty());
+
+  c.mutable_model()->clear_mixer_options();
+  c.mutable_model()->clear_mixers();
+  c.mutable_model()->add_mixers("loglinear_gdn");
+  auto* l = c.mutable_model()->add_mixer_options();
+  l->set_chunk_size(48);
+  l->set_levels(3);
+  errors = run_config_errors(c);
+  std::string all;
+  for (auto& e : errors) all += e + "\n";
+  EXPECT_NE(all.find("model.mixer_options: loglinear_gdn needs a power-of-two chunk_size, got 48"), std::string::npos)
+      << all;
+  EXPECT_NE(all.find("model.mixer_options[0].levels: loglinear_gdn over data.seq_len = 128 needs levels >= 9"),
+            std::string::npos)
+      << all;
+}
+
+TEST_F(ConfigTest, LayoutMustMatchTheLaunch) {
+  RunConfig c;
+  c.mutable_parallel()->set_dp(3);
+  c.mutable_parallel()->set_sp(2);
+  try {
+    validate_layout(c, 4);
+    FAIL() << "no error";
+  } catch (const ConfigError& e) {
+    EXPECT_EQ(std::string(e.what()), "parallel: dp*sp = 6 but the launch has 4 ranks (dp = 3, sp = 2)");
+  }
+  EXPECT_NO_THROW(validate_layout(c, 6));
+}
+
+TEST_F(ConfigTest, OverridesSetFieldsOfEveryKind) {
+  auto cfg = load_run_config(write("run.textproto", kValid),
+                             {"optimizer.lr=1e-3", "parallel.scan_mode=tree", "model.mixers=gla,softmax_attn",
+                              "model.mixer_options[0]={kind: \"softmax_attn\" window: 64}",
+                              "model.mixer_options[0].window=32", "model.tie_embeddings=false", "precision=bf16",
+                              "name=\"renamed\"", "data.mqar={num_kv_pairs: 2 vocab_size: 64}", "data.batch_size=3", "seed=42"});
+  EXPECT_DOUBLE_EQ(cfg.optimizer().lr(), 1e-3);
+  EXPECT_EQ(cfg.parallel().scan_mode(), config::ParallelConfig::TREE);
+  ASSERT_EQ(cfg.model().mixers_size(), 2);
+  EXPECT_EQ(cfg.model().mixers(1), "softmax_attn");
+  EXPECT_EQ(cfg.model().mixer_options(0).window(), 32);
+  EXPECT_FALSE(cfg.model().tie_embeddings());
+  EXPECT_EQ(cfg.precision(), RunConfig::BF16);
+  EXPECT_EQ(cfg.name(), "renamed");
+  EXPECT_EQ(cfg.data().mqar().num_kv_pairs(), 2);
+  EXPECT_EQ(cfg.data().mqar().num_queries(), 16);  // the message was replaced; default filled
+  EXPECT_EQ(cfg.data().batch_size(), 3);
+  EXPECT_EQ(cfg.seed(), 42u);
+
+  // Switching the oneof and clearing a list.
+  cfg = load_run_config(write("run.textproto", kValid),
+                        {"data.token_files.paths=a.tok,b.tok", "model.mixer_options=", "model.mixers[0]=gated_deltanet"});
+  ASSERT_TRUE(cfg.data().has_token_files());
+  EXPECT_EQ(cfg.data().token_files().paths(1), "b.tok");
+  EXPECT_EQ(cfg.model().mixers(0), "gated_deltanet");
+}
+
+TEST_F(ConfigTest, OverrideErrorsNameThePath) {
+  RunConfig c;
+  auto error = [&](const std::string& assignment) {
+    try {
+      apply_override(c, assignment);
+    } catch (const ConfigError& e) {
+      return std::string(e.what());
+    }
+    return std::string("no error");
+  };
+  EXPECT_EQ(error("model.d_modl=5"),
+            "--set model.d_modl=5: unknown field 'd_modl' in model (ModelConfig; valid fields: vocab_size, d_model, "
+            "n_layers, n_heads, head_dim_k, head_dim_v, mlp_ratio, norm_eps, tie_embeddings, mixers, mixer_options, "
+            "init_std)");
+  EXPECT_EQ(error("modle.d_model=5").rfind("--set modle.d_model=5: unknown field 'modle' in the top level (RunConfig; "
+                                           "valid fields: name, seed, model_preset, model,", 0), 0u);
+  EXPECT_EQ(error("optimizer.lr=fast"), "--set optimizer.lr=fast: lr expects a number, got 'fast'");
+  EXPECT_EQ(error("parallel.dp=1.5"), "--set parallel.dp=1.5: dp expects an integer, got '1.5'");
+  EXPECT_EQ(error("parallel.recompute=maybe"), "--set parallel.recompute=maybe: recompute expects true or false, got 'maybe'");
+  EXPECT_EQ(error("parallel.scan_mode=fast"),
+            "--set parallel.scan_mode=fast: scan_mode expects an enum value, got 'fast' (valid values: ORDERED, TREE, "
+            "ALLGATHER)");
+  EXPECT_EQ(error("seed=-1"), "--set seed=-1: seed expects a non-negative integer, got '-1'");
+  EXPECT_EQ(error("model.d_model.x=1"), "--set model.d_model.x=1: model.d_model is an integer, not a message: it has no "
+                                        "field 'x'");
+  EXPECT_EQ(error("model.mixer_options[3].window=1"),
+            "--set model.mixer_options[3].window=1: index 3 is out of range (mixer_options has 0 elements; [0] appends "
+            "one)");
+  EXPECT_EQ(error("model.mixer_options.window=1"),
+            "--set model.mixer_options.window=1: model.mixer_options is a list; pick an element with mixer_options[i]");
+  EXPECT_EQ(error("model.d_model[0]=1"), "--set model.d_model[0]=1: model.d_model is not a list; drop the [0]");
+  EXPECT_EQ(error("optimizer.lr"), "--set optimizer.lr: expected field.path=value, e.g. optimizer.lr=1e-3");
+  EXPECT_EQ(error("data.mqar={num_kv: 1}").rfind("--set data.mqar={num_kv: 1}: the value is not a valid MqarTask: "
+                                                  "unknown field \"num_kv\" in MqarTask", 0), 0u);
+  EXPECT_EQ(error("a..b=1").rfind("--set a..b=1: 'a..b' is not a field path", 0), 0u);
+}
+
+TEST_F(ConfigTest, ValidationErrorFromAnOverrideSaysSo) {
+  auto msg = load_error(kValid, {"model.n_heads=10"});
+  auto path = (dir_ + "/run.textproto");
+  EXPECT_EQ(msg, path + ": model.n_heads: must divide d_model (64), got 10 (or set head_dim_k and head_dim_v) (set by "
+                        "--set model.n_heads=10)");
+}
+
+TEST_F(ConfigTest, ModelPresetIsOverlaidByTheRunsModel) {
+  write("models/m.textproto",
+        "vocab_size: 256\nd_model: 64\nn_layers: 4\nn_heads: 4\nmixers: [\"gla\", \"gla\"]\n"
+        "mixer_options { chunk_size: 32 }\n");
+  auto run = write("runs/r.textproto",
+                   "model_preset: \"../models/m.textproto\"\nmodel { n_layers: 2 mixers: \"gated_deltanet\" }\n"
+                   "data { mqar { num_kv_pairs: 4 num_queries: 4 vocab_size: 64 } seq_len: 128 batch_size: 2 }\n");
+  auto cfg = load_run_config(run, {"model.d_model=128"});
+  EXPECT_EQ(cfg.model().vocab_size(), 256);   // from the preset
+  EXPECT_EQ(cfg.model().n_layers(), 2);       // the run's
+  EXPECT_EQ(cfg.model().d_model(), 128);      // --set
+  ASSERT_EQ(cfg.model().mixers_size(), 1);    // a list written in the run replaces the preset's
+  EXPECT_EQ(cfg.model().mixers(0), "gated_deltanet");
+  EXPECT_EQ(cfg.model().mixer_options(0).chunk_size(), 32);
+  EXPECT_FALSE(cfg.has_model_preset());       // the resolved config stands alone
+
+  // An error in a field the preset wrote points into the preset.
+  try {
+    load_run_config(run, {"model.d_model=62"});
+    FAIL() << "no error";
+  } catch (const ConfigError& e) {
+    EXPECT_EQ(std::string(e.what()), dir_ + "/runs/../models/m.textproto:4:1: model.n_heads: must divide d_model "
+                                            "(62), got 4 (or set head_dim_k and head_dim_v)");
+  }
+  write("models/bad.textproto", "vocab_size: 256\nn_heads: 7\nmixers: \"gla\"\n");
+  auto run2 = write("runs/r2.textproto", "model_preset: \"../models/bad.textproto\"\n"
+                                         "data { mqar { vocab_size: 64 } seq_len: 128 }\n");
+  try {
+    load_run_config(run2);
+    FAIL() << "no error";
+  } catch (const ConfigError& e) {
+    auto preset = (dir_ + "/runs/../models/bad.textproto");
+    EXPECT_EQ(std::string(e.what()), preset + ":2:1: model.n_heads: must divide d_model (768), got 7 (or set "
+                                              "head_dim_k and head_dim_v)");
+  }
+  // A missing preset names the line of model_preset.
+  auto run3 = write("runs/r3.textproto", "name: \"x\"\nmodel_preset: \"nope.textproto\"\n");
+  try {
+    load_run_config(run3);
+    FAIL() << "no error";
+  } catch (const ConfigError& e) {
+    EXPECT_EQ(std::string(e.what()).rfind(run3 + ":2:1: model_preset: cannot read config file '" +
+                                          (dir_ + "/runs/nope.textproto") + "'", 0), 0u)
+        << e.what();
+  }
+}
+
+TEST_F(ConfigTest, ResolvedConfigPrintsAndReadsBack) {
+  auto cfg = load_run_config(write("run.textproto", kValid), {"optimizer.lr=0.00123"});
+  auto text = config_to_text(cfg);
+  EXPECT_NE(text.find("lr: 0.00123"), std::string::npos) << text;
+  EXPECT_NE(text.find("mixers: \"gla\""), std::string::npos) << text;
+  EXPECT_NE(text.find("scan_mode: ORDERED"), std::string::npos) << text;
+  auto again = run_config_from_text(text, "resolved");
+  EXPECT_TRUE(google::protobuf::util::MessageDifferencer::Equals(cfg, again)) << config_to_text(again);
+}
+
+TEST_F(ConfigTest, LayerMixerResolvesOptionsPerKind) {
+  ModelConfig m;
+  ASSERT_TRUE(google::protobuf::TextFormat::ParseFromString(
+      "mixers: [\"gated_deltanet\", \"gated_deltanet\", \"softmax_attn\"]\n"
+      "mixer_options { chunk_size: 32 conv_size: 2 }\n"
+      "mixer_options { kind: \"softmax_attn\" window: 512 conv_size: 0 }\n",
+      &m));
+  auto l0 = layer_mixer(m, 0), l2 = layer_mixer(m, 2), l5 = layer_mixer(m, 5), l4 = layer_mixer(m, 4);
+  EXPECT_EQ(l0.kind, "gated_deltanet");
+  EXPECT_EQ(l0.options.chunk_size(), 32);
+  EXPECT_EQ(l0.options.conv_size(), 2);
+  EXPECT_EQ(l0.options.window(), 0);
+  EXPECT_TRUE(l0.options.has_levels());  // every field set
+  EXPECT_EQ(l2.kind, "softmax_attn");
+  EXPECT_EQ(l2.options.window(), 512);
+  EXPECT_EQ(l2.options.conv_size(), 0);
+  EXPECT_EQ(l2.options.chunk_size(), 32);
+  EXPECT_EQ(l5.kind, "softmax_attn");
+  EXPECT_EQ(l4.kind, "gated_deltanet");
+}
+
+TEST_F(ConfigTest, ClusterConfig) {
+  auto c = load_cluster_config(write("c.textproto", "hosts { name: \"a\" gpus: 8 }\nhosts { name: \"b\" gpus: 8 }\n"
+                                                     "network_interface: \"ib0\"\nenv { key: \"X\" value: \"1\" }\n"));
+  EXPECT_EQ(c.hosts_size(), 2);
+  EXPECT_EQ(c.env().at("X"), "1");
+  auto path = write("bad.textproto", "hosts { name: \"a\" gpus: 8 }\nhosts { name: \"a\" gpus: 0 }\n");
+  try {
+    load_cluster_config(path);
+    FAIL() << "no error";
+  } catch (const ConfigError& e) {
+    EXPECT_EQ(std::string(e.what()), path + ":2:9: hosts[1].name: 'a' is listed twice (also hosts[0])\n" + path +
+                                         ":2:19: hosts[1].gpus: must be >= 1, got 0");
+  }
+  auto parse = write("p.textproto", "hosts { name: \"a\" gpu: 8 }\n");
+  try {
+    load_cluster_config(parse);
+    FAIL() << "no error";
+  } catch (const ConfigError& e) {
+    EXPECT_EQ(std::string(e.what()).rfind(parse + ":1:19: unknown field \"gpu\" in Host (valid fields: name, gpus)", 0),
+              0u)
+        << e.what();
+  }
+}
+
+// Every file under configs/ loads and validates: models/ as model presets, clusters/ as cluster
+// configs, everything else as runs (whose layout is then checked against dp*sp ranks).
+TEST(Configs, EveryFileLoadsAndValidates) {
+  static std::vector<std::string> files;
+  files.clear();
+  std::string root = std::string(CARRY_SOURCE_DIR) + "/configs/";
+  ASSERT_TRUE(exists(root)) << root;
+  ::nftw(root.c_str(), [](const char* p, const struct stat*, int type, struct FTW*) {
+    std::string path = p;
+    if (type == FTW_F && path.size() > 10 && path.compare(path.size() - 10, 10, ".textproto") == 0)
+      files.push_back(path);
+    return 0;
+  }, 16, FTW_PHYS);
+  int runs = 0, models = 0, clusters = 0;
+  for (auto& path : files) {
+    auto rel = path.substr(root.size());
+    SCOPED_TRACE(rel);
+    try {
+      if (rel.rfind("models/", 0) == 0) {
+        auto m = load_model_config(path);
+        EXPECT_GT(head_dim_k(m), 0);
+        ++models;
+      } else if (rel.rfind("clusters/", 0) == 0) {
+        load_cluster_config(path);
+        ++clusters;
+      } else {
+        auto cfg = load_run_config(path);
+        validate_layout(cfg, cfg.parallel().dp() * cfg.parallel().sp());
+        ++runs;
+      }
+    } catch (const ConfigError& e) {
+      ADD_FAILURE() << e.what();
+    }
+  }
+  EXPECT_GE(runs, 2);
+  EXPECT_GE(models, 5);
+  EXPECT_GE(clusters, 2);
+}
+
+}  // namespace
+}  // namespace carry

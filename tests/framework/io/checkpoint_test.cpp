@@ -1,0 +1,358 @@
+// Checkpoints: a round trip gives every tensor back bitwise (several dtypes, NaN and -0.0, a
+// non-contiguous input, the saved order) and every field equal; keep_last prunes the oldest; `latest`
+// names the newest written (even below a stale higher step); corrupt or partial checkpoints (a flipped
+// tensor byte, a truncated file, a missing manifest, a missing file, an interrupted write's temporary
+// directory) are reported with their path and skipped in favour of the previous good one; a process
+// SIGKILLed in the middle of writing a 200 MB checkpoint leaves the previous one loadable bitwise.
+#include "framework/io/checkpoint.h"
+
+#include "tests/helpers/temp_dir.h"
+
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <csignal>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <functional>
+#include <fstream>
+#include <iterator>
+#include <thread>
+
+#include <dirent.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+namespace carry {
+namespace {
+
+#define EXPECT_CONTAINS(text, part) \
+  EXPECT_NE(std::string(text).find(part), std::string::npos) << "missing '" << (part) << "' in: " << (text)
+
+using Named = std::vector<std::pair<std::string, at::Tensor>>;
+
+class CheckpointTest : public ::testing::Test {
+ protected:
+  void SetUp() override { dir_ = testing::make_temp_dir("carry_checkpoint") + "/run"; }
+  void TearDown() override { testing::remove_tree(dir_.substr(0, dir_.rfind('/'))); }
+  std::string step_path(int64_t step) const { return dir_ + "/" + checkpoint_dir_name(step); }
+  std::string dir_;
+};
+
+// A checkpoint whose values depend on `step`; `scale` multiplies the model's tensor sizes.
+CheckpointData make_data(int64_t step, int64_t scale = 1) {
+  at::manual_seed(1000 + step);
+  CheckpointData d;
+  d.step = step;
+  d.tokens_seen = step * 4096 + 7;
+  d.data_cursor = step + 3;
+  d.rng_seed = 0xfedcba9876543210ULL + static_cast<uint64_t>(step);
+  d.config_text = "name: \"run \\\"x\\\"\"\nseed: 7\nmodel {\n  d_model: 64\n}\n";
+  at::Tensor w = at::randn({8 * scale, 16});
+  w[0][0] = std::nan("");
+  w[0][1] = -0.0f;
+  d.model = {{"tok_embed.weight", w},
+             {"layers.0.norm.weight", at::randn({16}).to(at::kBFloat16)},
+             {"layers.0.mixer.q_proj.weight", at::randn({16, 12}).t()},  // non-contiguous
+             {"a_first_by_name_but_saved_last", at::randn({3, 2, 5}, at::kDouble)}};
+  d.optimizer = {{"exp_avg.tok_embed.weight", at::randn({8 * scale, 16})},
+                 {"exp_avg_sq.tok_embed.weight", at::rand({8 * scale, 16})},
+                 {"step_count", at::full({}, step, at::kLong)}};
+  d.extra = {{"loss", "2.718281828459045"}, {"note", "multi\nline \"quoted\""}};
+  return d;
+}
+
+::testing::AssertionResult bitwise_equal(const at::Tensor& a, const at::Tensor& b) {
+  if (a.scalar_type() != b.scalar_type())
+    return ::testing::AssertionFailure() << "dtype " << a.scalar_type() << " vs " << b.scalar_type();
+  if (a.sizes() != b.sizes()) return ::testing::AssertionFailure() << "shape " << a.sizes() << " vs " << b.sizes();
+  at::Tensor x = a.contiguous(), y = b.contiguous();
+  if (std::memcmp(x.data_ptr(), y.data_ptr(), x.nbytes()) != 0)
+    return ::testing::AssertionFailure() << "bytes differ";
+  return ::testing::AssertionSuccess();
+}
+
+void expect_same(const CheckpointData& got, const CheckpointData& want) {
+  EXPECT_EQ(got.step, want.step);
+  EXPECT_EQ(got.tokens_seen, want.tokens_seen);
+  EXPECT_EQ(got.data_cursor, want.data_cursor);
+  EXPECT_EQ(got.rng_seed, want.rng_seed);
+  EXPECT_EQ(got.config_text, want.config_text);
+  EXPECT_EQ(got.extra, want.extra);
+  for (auto [g, w] : {std::pair(&got.model, &want.model), std::pair(&got.optimizer, &want.optimizer)}) {
+    ASSERT_EQ(g->size(), w->size());
+    for (size_t i = 0; i < g->size(); ++i) {
+      EXPECT_EQ((*g)[i].first, (*w)[i].first) << "order of tensors";
+      EXPECT_TRUE(bitwise_equal((*g)[i].second, (*w)[i].second)) << (*w)[i].first;
+    }
+  }
+}
+
+std::vector<std::string> entries(const std::string& dir) {
+  std::vector<std::string> names;
+  DIR* d = ::opendir(dir.c_str());
+  if (!d) return names;
+  while (struct dirent* e = ::readdir(d))
+    if (std::strcmp(e->d_name, ".") && std::strcmp(e->d_name, "..")) names.push_back(e->d_name);
+  ::closedir(d);
+  std::sort(names.begin(), names.end());
+  return names;
+}
+
+std::string read_text(const std::string& path) {
+  std::ifstream f(path, std::ios::binary);
+  return {std::istreambuf_iterator<char>(f), std::istreambuf_iterator<char>()};
+}
+
+void write_text(const std::string& path, const std::string& text) {
+  std::ofstream f(path, std::ios::binary | std::ios::trunc);
+  f << text;
+}
+
+// load_latest_checkpoint with its stderr captured.
+std::optional<CheckpointData> load_latest_capturing(const std::string& dir, std::string* err) {
+  ::testing::internal::CaptureStderr();
+  auto out = load_latest_checkpoint(dir);
+  *err = ::testing::internal::GetCapturedStderr();
+  return out;
+}
+
+TEST_F(CheckpointTest, RoundTripIsBitwise) {
+  CheckpointData want = make_data(42);
+  save_checkpoint(dir_, want, 0);
+  EXPECT_TRUE(testing::exists(step_path(42) + "/model.safetensors"));
+  EXPECT_TRUE(testing::exists(step_path(42) + "/optimizer.safetensors"));
+  EXPECT_TRUE(testing::exists(step_path(42) + "/manifest.textproto"));
+  EXPECT_EQ(checkpoint_dir_name(42), "step_00000042");
+  expect_same(load_checkpoint(step_path(42)), want);
+  std::string err;
+  auto latest = load_latest_capturing(dir_, &err);
+  ASSERT_TRUE(latest.has_value());
+  expect_same(*latest, want);
+  EXPECT_EQ(err, "");
+  // The manifest is readable text with the fields and checksums.
+  std::string manifest = read_text(step_path(42) + "/manifest.textproto");
+  EXPECT_CONTAINS(manifest, "step: 42");
+  EXPECT_CONTAINS(manifest, "fnv1a64: ");
+  EXPECT_CONTAINS(manifest, "tok_embed.weight");
+}
+
+TEST_F(CheckpointTest, EmptyOptimizerAndExtra) {
+  CheckpointData want = make_data(0);
+  want.optimizer.clear();
+  want.extra.clear();
+  want.config_text.clear();
+  save_checkpoint(dir_, want, 1);
+  expect_same(load_checkpoint(step_path(0)), want);
+}
+
+TEST_F(CheckpointTest, KeepLastRemovesTheOldest) {
+  for (int64_t s = 1; s <= 5; ++s) save_checkpoint(dir_, make_data(s), 2);
+  EXPECT_EQ(list_checkpoint_steps(dir_), (std::vector<int64_t>{4, 5}));
+  for (int64_t s = 6; s <= 8; ++s) save_checkpoint(dir_, make_data(s), 0);
+  EXPECT_EQ(list_checkpoint_steps(dir_), (std::vector<int64_t>{4, 5, 6, 7, 8}));
+  save_checkpoint(dir_, make_data(9), 1);
+  EXPECT_EQ(list_checkpoint_steps(dir_), (std::vector<int64_t>{9}));
+  // Nothing but the step directories and `latest` is left (no temporaries).
+  EXPECT_EQ(read_text(dir_ + "/latest"), "step_00000009\n");
+  EXPECT_EQ(entries(dir_), (std::vector<std::string>{"latest", "step_00000009"}));
+}
+
+TEST_F(CheckpointTest, LatestNamesTheNewestWritten) {
+  save_checkpoint(dir_, make_data(10), 0);
+  save_checkpoint(dir_, make_data(20), 0);
+  EXPECT_EQ(read_text(dir_ + "/latest"), "step_00000020\n");
+  EXPECT_EQ(load_latest_checkpoint(dir_)->step, 20);
+  // A run resumed from step 10 writes step 15: `latest` wins over the stale higher step 20 ...
+  save_checkpoint(dir_, make_data(15), 0);
+  EXPECT_EQ(read_text(dir_ + "/latest"), "step_00000015\n");
+  expect_same(*load_latest_checkpoint(dir_), make_data(15));
+  // ... and writing step 20 again replaces it.
+  CheckpointData again = make_data(20);
+  again.extra["note"] = "second";
+  save_checkpoint(dir_, again, 0);
+  expect_same(*load_latest_checkpoint(dir_), again);
+  EXPECT_EQ(list_checkpoint_steps(dir_), (std::vector<int64_t>{10, 15, 20}));
+}
+
+TEST_F(CheckpointTest, NothingToLoad) {
+  EXPECT_FALSE(load_latest_checkpoint(dir_ + "/does_not_exist").has_value());
+  testing::make_dirs(dir_);
+  EXPECT_FALSE(load_latest_checkpoint(dir_).has_value());
+}
+
+// Saves steps 1 and 2, damages step 2 with `damage`, and checks that loading falls back to step 1
+// with a message naming step 2's path and each of `expected` parts.
+void check_fallback(const std::string& dir, const std::function<void(const std::string&)>& damage,
+                    const std::vector<std::string>& expected) {
+  CheckpointData good = make_data(1);
+  save_checkpoint(dir, good, 0);
+  save_checkpoint(dir, make_data(2), 0);
+  std::string bad = dir + "/" + checkpoint_dir_name(2);
+  damage(bad);
+  std::string err;
+  auto got = load_latest_capturing(dir, &err);
+  ASSERT_TRUE(got.has_value());
+  expect_same(*got, good);
+  EXPECT_CONTAINS(err, bad);
+  EXPECT_CONTAINS(err, "skipped");
+  for (const auto& part : expected) EXPECT_CONTAINS(err, part);
+  // load_checkpoint of the damaged one throws with the same message.
+  try {
+    load_checkpoint(bad);
+    ADD_FAILURE() << "load_checkpoint accepted " << bad;
+  } catch (const c10::Error& e) {
+    EXPECT_CONTAINS(e.what_without_backtrace(), bad);
+    for (const auto& part : expected) EXPECT_CONTAINS(e.what_without_backtrace(), part);
+  }
+}
+
+TEST_F(CheckpointTest, CorruptTensorByteIsSkipped) {
+  check_fallback(dir_, [](const std::string& bad) {
+    std::string path = bad + "/model.safetensors";
+    std::string bytes = read_text(path);
+    bytes[bytes.size() - 3] ^= 0x10;  // inside the last tensor's data
+    write_text(path, bytes);
+  }, {"model.safetensors", "checksum", "corrupt"});
+}
+
+TEST_F(CheckpointTest, TruncatedFileIsSkipped) {
+  check_fallback(dir_, [](const std::string& bad) {
+    std::string path = bad + "/optimizer.safetensors";
+    std::string bytes = read_text(path);
+    write_text(path, bytes.substr(0, bytes.size() - 100));
+  }, {"optimizer.safetensors"});
+}
+
+TEST_F(CheckpointTest, MissingManifestIsSkipped) {
+  check_fallback(dir_, [](const std::string& bad) { std::remove((bad + "/manifest.textproto").c_str()); },
+                 {"manifest.textproto"});
+}
+
+TEST_F(CheckpointTest, BadManifestIsSkipped) {
+  check_fallback(dir_, [](const std::string& bad) {
+    std::string path = bad + "/manifest.textproto";
+    write_text(path, read_text(path) + "\nno_such_field: 3\n");
+  }, {"manifest.textproto", "bad manifest", "no_such_field"});
+}
+
+TEST_F(CheckpointTest, ManifestDisagreeingWithTheFileIsSkipped) {
+  check_fallback(dir_, [](const std::string& bad) {
+    std::string path = bad + "/manifest.textproto";
+    std::string text = read_text(path);
+    size_t at = text.find("name: \"layers.0.norm.weight\"");
+    ASSERT_NE(at, std::string::npos);
+    text.replace(at, 28, "name: \"layers.0.norm.weighu\"");
+    write_text(path, text);
+  }, {"layers.0.norm.weighu", "missing from the file"});
+}
+
+TEST_F(CheckpointTest, MissingFileIsSkipped) {
+  check_fallback(dir_, [](const std::string& bad) { std::remove((bad + "/model.safetensors").c_str()); },
+                 {"model.safetensors is missing"});
+}
+
+TEST_F(CheckpointTest, LeftoverTemporaryDirectoryIsIgnored) {
+  CheckpointData good = make_data(1);
+  save_checkpoint(dir_, good, 0);
+  // An interrupted write of step 2 (a writer that died), and a step directory missing its files.
+  std::string tmp = dir_ + "/.tmp_step_00000002_999999999";
+  testing::make_dirs(tmp);
+  write_text(tmp + "/model.safetensors", "garbage");
+  testing::make_dirs(step_path(3));
+  write_text(step_path(3) + "/model.safetensors", "garbage");
+  std::string err;
+  auto got = load_latest_capturing(dir_, &err);
+  ASSERT_TRUE(got.has_value());
+  expect_same(*got, good);
+  EXPECT_CONTAINS(err, tmp);
+  EXPECT_CONTAINS(err, "interrupted write");
+  EXPECT_EQ(err.find(step_path(3)), std::string::npos) << "`latest` (step 1) is tried first";
+  // `latest` naming a directory that is gone: reported, then the scan tries step 3 (reported) and
+  // finds step 1.
+  write_text(dir_ + "/latest", "step_00000007\n");
+  got = load_latest_capturing(dir_, &err);
+  ASSERT_TRUE(got.has_value());
+  EXPECT_EQ(got->step, 1);
+  EXPECT_CONTAINS(err, step_path(7));
+  EXPECT_CONTAINS(err, step_path(3));
+  EXPECT_CONTAINS(err, "manifest.textproto");
+  // The next save removes the dead writer's temporary directory.
+  save_checkpoint(dir_, make_data(4), 0);
+  EXPECT_FALSE(testing::exists(tmp));
+}
+
+TEST_F(CheckpointTest, BadInputsAreRefused) {
+  CheckpointData d = make_data(1);
+  d.model.emplace_back("tok_embed.weight", at::zeros({2}));
+  EXPECT_THROW(save_checkpoint(dir_, d, 0), c10::Error);
+  d = make_data(1);
+  d.step = -1;
+  EXPECT_THROW(save_checkpoint(dir_, d, 0), c10::Error);
+  EXPECT_THROW(save_checkpoint(dir_, make_data(1), -2), c10::Error);
+  EXPECT_TRUE(list_checkpoint_steps(dir_).empty());
+  EXPECT_THROW(load_checkpoint(dir_ + "/nothing"), c10::Error);
+}
+
+// Forks a child that saves `data` (with CARRY_CHECKPOINT_TEST_DIE_AFTER=die_after when > 0); when
+// die_after is 0 the parent SIGKILLs it as soon as its temporary directory appears. Returns whether the
+// child died by SIGKILL.
+bool save_in_child_and_kill(const std::string& dir, const CheckpointData& data, int die_after) {
+  if (die_after > 0) ::setenv("CARRY_CHECKPOINT_TEST_DIE_AFTER", std::to_string(die_after).c_str(), 1);
+  pid_t pid = ::fork();
+  if (pid == 0) {
+    try {
+      save_checkpoint(dir, data, 0);
+    } catch (...) {
+      ::_exit(2);
+    }
+    ::_exit(0);
+  }
+  if (die_after > 0) ::unsetenv("CARRY_CHECKPOINT_TEST_DIE_AFTER");
+  if (pid < 0) return false;
+  if (die_after == 0) {
+    std::string tmp = dir + "/.tmp_" + checkpoint_dir_name(data.step) + "_" + std::to_string(pid);
+    for (int i = 0; i < 20000 && !testing::exists(tmp); ++i)
+      std::this_thread::sleep_for(std::chrono::microseconds(500));
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+    ::kill(pid, SIGKILL);
+  }
+  int status = 0;
+  ::waitpid(pid, &status, 0);
+  return WIFSIGNALED(status) && WTERMSIG(status) == SIGKILL;
+}
+
+TEST_F(CheckpointTest, KilledDuringWriteLeavesThePreviousOne) {
+  CheckpointData previous = make_data(1);
+  save_checkpoint(dir_, previous, 0);
+  // 1: after the model file (200 MB of tensors), 2: after the optimizer file, 3: after the manifest,
+  // before the rename; 0: killed from outside while it writes.
+  const int64_t big = 200'000'000 / (3 * 8 * 16 * 4);  // model + two optimizer tensors of 8*scale x 16 fp32
+  for (int die_after : {1, 2, 3, 0}) {
+    SCOPED_TRACE("die_after " + std::to_string(die_after));
+    CheckpointData next = make_data(2, die_after <= 1 ? big : 1);
+    ASSERT_TRUE(save_in_child_and_kill(dir_, next, die_after)) << "the child was not killed";
+    std::string err;
+    auto got = load_latest_capturing(dir_, &err);
+    ASSERT_TRUE(got.has_value());
+    expect_same(*got, previous);
+    EXPECT_CONTAINS(err, "interrupted write");
+    EXPECT_FALSE(testing::exists(step_path(2)));
+    EXPECT_EQ(read_text(dir_ + "/latest"), "step_00000001\n");
+  }
+  // The next save works and cleans up.
+  CheckpointData next = make_data(2);
+  save_checkpoint(dir_, next, 0);
+  std::string err;
+  auto got = load_latest_capturing(dir_, &err);
+  ASSERT_TRUE(got.has_value());
+  expect_same(*got, next);
+  EXPECT_EQ(err, "");
+  EXPECT_EQ(entries(dir_), (std::vector<std::string>{"latest", "step_00000001", "step_00000002"}));
+}
+
+}  // namespace
+}  // namespace carry

@@ -1,0 +1,399 @@
+// The trainer on one process (CPU, fp32): 10 steps straight equal 5 steps + checkpoint + resume + 5
+// steps bit for bit (losses and parameters); the loss falls on MQAR; AdamW against a hand-computed
+// update (decay only on 2+-dim parameters); the warmup + cosine schedule; gradient clipping; layout
+// errors. Multi-rank equality (sp, dp) is in trainer_test_mpi.cpp.
+#include "framework/train/optimizer.h"
+#include "framework/io/checkpoint.h"
+#include "framework/cli/train_command.h"
+#include "framework/train/trainer.h"
+#include "layers/common/device.h"
+#include "tests/helpers/temp_dir.h"
+
+#include <ATen/core/grad_mode.h>
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <csignal>
+#include <cstdio>
+#include <cstring>
+
+#include <signal.h>
+
+namespace carry::testing {
+namespace {
+
+const char* kTinyMqar = R"(
+name: "trainer_test"
+seed: 7
+model {
+  vocab_size: 32 d_model: 32 n_layers: 2 n_heads: 2
+  mixers: "gated_deltanet"
+  mixer_options { chunk_size: 16 conv_size: 4 }
+}
+data { mqar { num_kv_pairs: 4 num_queries: 4 vocab_size: 32 } seq_len: 64 batch_size: 4 eval_batches: 2 }
+optimizer { lr: 1e-2 warmup_steps: 2 total_steps: 10 }
+logging { every_steps: 1 }
+)";
+
+RunConfig tiny_config(const std::vector<std::string>& overrides = {}) {
+  return run_config_from_text(kTinyMqar, "trainer_test.textproto", overrides);
+}
+
+TrainerOptions quiet() {
+  TrainerOptions o;
+  o.log = nullptr;
+  o.force_cpu = true;
+  return o;
+}
+
+TEST(Trainer, ResumeContinuesBitIdentically) {
+  auto dir = make_temp_dir("carry_trainer_resume");
+  std::vector<double> straight, resumed;
+  Trainer a(tiny_config(), nullptr, quiet());
+  for (int i = 0; i < 10; ++i) straight.push_back(a.train_step().loss);
+  auto cfg = tiny_config({"checkpoint.dir=" + dir});
+  {
+    Trainer b(cfg, nullptr, quiet());
+    EXPECT_FALSE(b.resume());
+    for (int i = 0; i < 5; ++i) resumed.push_back(b.train_step().loss);
+    b.save_checkpoint();
+  }
+  Trainer c(cfg, nullptr, quiet());
+  ASSERT_TRUE(c.resume());
+  EXPECT_EQ(c.step(), 5);
+  EXPECT_EQ(c.tokens_seen(), 5 * 4 * 64);
+  for (int i = 0; i < 5; ++i) resumed.push_back(c.train_step().loss);
+  ASSERT_EQ(straight.size(), resumed.size());
+  for (size_t i = 0; i < straight.size(); ++i)
+    EXPECT_EQ(std::memcmp(&straight[i], &resumed[i], sizeof(double)), 0)
+        << "step " << i + 1 << ": " << straight[i] << " vs " << resumed[i];
+  auto pa = a.model().parameters(), pc = c.model().parameters();
+  for (size_t i = 0; i < pa.size(); ++i) EXPECT_TRUE(at::equal(pa[i].second, pc[i].second)) << pa[i].first;
+  auto sa = a.optimizer().state(), sc = c.optimizer().state();
+  for (size_t i = 0; i < sa.size(); ++i) EXPECT_TRUE(at::equal(sa[i].second, sc[i].second)) << sa[i].first;
+  EXPECT_NE(straight.front(), straight.back());
+  remove_tree(dir);
+}
+
+TEST(Trainer, LossFallsOnMqar) {
+  auto cfg = tiny_config({"optimizer.total_steps=40", "optimizer.warmup_steps=5"});
+  Trainer t(cfg, nullptr, quiet());
+  double first = 0, last = 0;
+  for (int i = 0; i < 40; ++i) {
+    auto s = t.train_step();
+    ASSERT_TRUE(std::isfinite(s.loss) && std::isfinite(s.grad_norm));
+    if (i == 0) first = s.loss;
+    last = s.loss;
+  }
+  EXPECT_LT(last, first - 0.3) << "loss " << first << " -> " << last;
+  auto e = t.evaluate();
+  EXPECT_EQ(e.positions, 2 * 4 * 4);  // eval_batches × batch × queries
+  EXPECT_GE(e.accuracy, 0.0);
+  EXPECT_LE(e.accuracy, 1.0);
+}
+
+TEST(Trainer, RunWritesMetricsAndCheckpoints) {
+  auto dir = make_temp_dir("carry_trainer_run");
+  auto cfg = tiny_config({"checkpoint.dir=" + dir + "/ck", "checkpoint.every_steps=4",
+                          "logging.metrics_file=" + dir + "/m/metrics.jsonl", "logging.eval_every_steps=5"});
+  {
+    Trainer t(cfg, nullptr, quiet());
+    EXPECT_EQ(t.run(), 0);
+    EXPECT_EQ(t.step(), 10);
+  }
+  std::FILE* f = std::fopen((dir + "/m/metrics.jsonl").c_str(), "r");
+  ASSERT_TRUE(f);
+  int lines = 0, evals = 0;
+  char buf[1024];
+  while (std::fgets(buf, sizeof buf, f)) {
+    ++lines;
+    if (std::strstr(buf, "eval_accuracy")) ++evals;
+  }
+  std::fclose(f);
+  EXPECT_EQ(lines, 12);  // 10 steps + 2 evaluations
+  EXPECT_EQ(evals, 2);
+  EXPECT_TRUE(exists(dir + "/ck/latest"));
+  // A finished run resumes at its last step and does nothing more.
+  Trainer again(cfg, nullptr, quiet());
+  ASSERT_TRUE(again.resume());
+  EXPECT_EQ(again.step(), 10);
+  remove_tree(dir);
+}
+
+// Per-layer recomputation changes what is kept, not what is computed: losses, gradients and so the
+// parameters after 4 steps equal those without it bit for bit (fp64; a hybrid with short
+// convolutions, Gated DeltaNet and sliding-window softmax attention).
+TEST(Trainer, RecomputeGivesTheSameSteps) {
+  std::vector<std::string> hybrid{"model.mixers=gated_deltanet,softmax_attn",
+                                  "model.mixer_options[1]={kind: \"softmax_attn\" window: 8}"};
+  auto o = quiet();
+  o.dtype = at::kDouble;
+  Trainer kept(tiny_config(hybrid), nullptr, o);
+  hybrid.push_back("parallel.recompute=true");
+  Trainer recomputed(tiny_config(hybrid), nullptr, o);
+  double worst = 0;
+  for (int i = 0; i < 4; ++i) {
+    auto a = kept.train_step(), b = recomputed.train_step();
+    EXPECT_EQ(a.loss, b.loss) << "step " << i + 1;
+    EXPECT_EQ(a.grad_norm, b.grad_norm) << "step " << i + 1;
+    worst = std::max(worst, std::abs(a.loss - b.loss));
+  }
+  auto pa = kept.model().parameters(), pb = recomputed.model().parameters();
+  for (size_t i = 0; i < pa.size(); ++i) {
+    worst = std::max(worst, (pa[i].second - pb[i].second).abs().max().item<double>());
+    EXPECT_TRUE(at::equal(pa[i].second, pb[i].second)) << pa[i].first;
+  }
+  std::printf("[ errors   ] trainer recompute vs kept activations (fp64, 4 steps, gdn+swa): %.3e\n", worst);
+}
+
+// precision BF16 (CPU autocast here; the GPU run is in gpu_test / the README): master weights and the
+// optimizer state stay fp32, the losses follow the fp32 run closely but not bit for bit (the
+// projections really ran in bf16), and recomputation under autocast repeats the bf16 forward exactly.
+TEST(Trainer, Bf16AutocastKeepsFp32MastersAndTracksFp32) {
+  Trainer fp32(tiny_config(), nullptr, quiet());
+  Trainer bf16(tiny_config({"precision=BF16"}), nullptr, quiet());
+  Trainer bf16_recompute(tiny_config({"precision=BF16", "parallel.recompute=true"}), nullptr, quiet());
+  double worst = 0;
+  bool any_differs = false;
+  for (int i = 0; i < 5; ++i) {
+    auto a = fp32.train_step(), b = bf16.train_step(), c = bf16_recompute.train_step();
+    worst = std::max(worst, std::abs(a.loss - b.loss) / std::abs(a.loss));
+    any_differs = any_differs || a.loss != b.loss;
+    EXPECT_EQ(b.loss, c.loss) << "step " << i + 1 << ": recomputation under autocast";
+  }
+  std::printf("[ errors   ] trainer bf16 autocast vs fp32 (5 steps, loss, relative): %.3e\n", worst);
+  EXPECT_LE(worst, 2e-2);
+  EXPECT_TRUE(any_differs) << "bf16 autocast gave the fp32 losses bit for bit: it did not run";
+  for (auto& [name, p] : bf16.model().parameters()) EXPECT_EQ(p.scalar_type(), at::kFloat) << name;
+  for (auto& [name, t] : bf16.optimizer().state()) EXPECT_EQ(t.scalar_type(), at::kFloat) << name;
+  auto pb = bf16.model().parameters(), pc = bf16_recompute.model().parameters();
+  for (size_t i = 0; i < pb.size(); ++i) EXPECT_TRUE(at::equal(pb[i].second, pc[i].second)) << pb[i].first;
+  EXPECT_GT(bf16.evaluate().positions, 0);
+}
+
+// On a GPU (skipped without one): fp32 training on CUDA follows the CPU run to rounding; bf16
+// autocast keeps fp32 masters and follows fp32; recomputation under bf16 gives the same steps.
+TEST(GpuTrainer, Fp32Bf16AndRecomputeOnCuda) {
+  if (cuda_device_count() == 0) GTEST_SKIP() << "no CUDA device";
+  auto on_gpu = quiet();
+  on_gpu.force_cpu = false;
+  Trainer cpu(tiny_config(), nullptr, quiet());
+  Trainer fp32(tiny_config(), nullptr, on_gpu);
+  Trainer bf16(tiny_config({"precision=BF16"}), nullptr, on_gpu);
+  Trainer bf16_recompute(tiny_config({"precision=BF16", "parallel.recompute=true"}), nullptr, on_gpu);
+  double e_fp32 = 0, e_bf16 = 0, e_recompute = 0;
+  for (int i = 0; i < 5; ++i) {
+    auto c = cpu.train_step(), a = fp32.train_step(), b = bf16.train_step(), r = bf16_recompute.train_step();
+    e_fp32 = std::max(e_fp32, std::abs(a.loss - c.loss) / c.loss);
+    e_bf16 = std::max(e_bf16, std::abs(b.loss - a.loss) / a.loss);
+    e_recompute = std::max(e_recompute, std::abs(r.loss - b.loss) / b.loss);
+  }
+  std::printf("[ errors   ] gpu trainer (5 steps, losses): fp32 cuda vs cpu %.3e, bf16 vs fp32 %.3e, "
+              "bf16 recomputed vs kept %.3e\n", e_fp32, e_bf16, e_recompute);
+  EXPECT_LE(e_fp32, 1e-4);
+  EXPECT_LE(e_bf16, 2e-2);
+  EXPECT_LE(e_recompute, 1e-6);
+  for (auto& [name, p] : bf16.model().parameters()) {
+    EXPECT_TRUE(p.is_cuda()) << name;
+    EXPECT_EQ(p.scalar_type(), at::kFloat) << name;
+  }
+}
+
+// A stop signal during run() (here SIGUSR1 raised after step 3, as mpirun forwards it): the step
+// finishes, a checkpoint of step 3 is written, run() returns kExitStoppedBySignal and the previous
+// handler is back; running again resumes at step 3 and ends at total_steps with the losses of a run
+// that never stopped, bit for bit.
+TEST(Trainer, StopSignalCheckpointsAndTheRunContinues) {
+  auto dir = make_temp_dir("carry_trainer_stop");
+  auto cfg = tiny_config({"checkpoint.dir=" + dir, "optimizer.total_steps=6"});
+  std::vector<double> straight, stopped;
+  {
+    auto o = quiet();
+    o.on_step = [&](const StepStats& s) { straight.push_back(s.loss); };
+    Trainer t(tiny_config({"optimizer.total_steps=6"}), nullptr, o);
+    EXPECT_EQ(t.run(), 0);
+  }
+  struct sigaction before {};
+  ::sigaction(SIGUSR1, nullptr, &before);
+  {
+    auto o = quiet();
+    o.on_step = [&](const StepStats& s) {
+      stopped.push_back(s.loss);
+      if (s.step == 3) std::raise(SIGUSR1);
+    };
+    Trainer t(cfg, nullptr, o);
+    EXPECT_EQ(t.run(), kExitStoppedBySignal);
+    EXPECT_EQ(t.step(), 4) << "the signal came after step 3; step 4's loss sum carried it";
+  }
+  struct sigaction after {};
+  ::sigaction(SIGUSR1, nullptr, &after);
+  EXPECT_EQ(after.sa_handler, before.sa_handler) << "run() left its handler installed";
+  auto saved = load_latest_checkpoint(dir);
+  ASSERT_TRUE(saved.has_value());
+  EXPECT_EQ(saved->step, 4);
+  {
+    auto o = quiet();
+    o.on_step = [&](const StepStats& s) { stopped.push_back(s.loss); };
+    Trainer t(cfg, nullptr, o);
+    EXPECT_EQ(t.run(), 0);
+    EXPECT_EQ(t.step(), 6);
+  }
+  ASSERT_EQ(stopped.size(), straight.size());
+  for (size_t i = 0; i < straight.size(); ++i) EXPECT_EQ(stopped[i], straight[i]) << "step " << i + 1;
+  remove_tree(dir);
+}
+
+// max_steps and max_minutes end one invocation like a stop signal, without touching the schedule:
+// 2 steps (--max-steps 2), then a time limit that has passed after the first step (the flag rides on
+// the second step's loss sum), then the rest: the losses of 6 straight steps, bit for bit.
+TEST(Trainer, MaxStepsAndMaxMinutesEndAnInvocationAndTheRunContinues) {
+  auto dir = make_temp_dir("carry_trainer_limits");
+  auto cfg = tiny_config({"checkpoint.dir=" + dir, "optimizer.total_steps=6"});
+  std::vector<double> straight, pieces;
+  {
+    auto o = quiet();
+    o.on_step = [&](const StepStats& s) { straight.push_back(s.loss); };
+    Trainer t(tiny_config({"optimizer.total_steps=6"}), nullptr, o);
+    EXPECT_EQ(t.run(), 0);
+  }
+  auto o = quiet();
+  o.on_step = [&](const StepStats& s) { pieces.push_back(s.loss); };
+  {
+    auto limited = o;
+    limited.max_steps = 2;
+    Trainer t(cfg, nullptr, limited);
+    EXPECT_EQ(t.run(), kExitStoppedBySignal);
+    EXPECT_EQ(t.step(), 2);
+  }
+  {
+    auto limited = o;
+    limited.max_minutes = 1e-9;
+    Trainer t(cfg, nullptr, limited);
+    EXPECT_EQ(t.run(), kExitStoppedBySignal);
+    EXPECT_EQ(t.step(), 4) << "resumed at 2; the limit passed during step 3, step 4 carried it";
+  }
+  {
+    Trainer t(cfg, nullptr, o);
+    EXPECT_EQ(t.run(), 0);
+    EXPECT_EQ(t.step(), 6);
+  }
+  ASSERT_EQ(pieces.size(), straight.size());
+  for (size_t i = 0; i < straight.size(); ++i) EXPECT_EQ(pieces[i], straight[i]) << "step " << i + 1;
+  remove_tree(dir);
+}
+
+// A non-finite loss stops the step before the update, with the step, the value and what to try.
+TEST(Trainer, NonFiniteLossThrowsBeforeTheUpdate) {
+  Trainer t(tiny_config(), nullptr, quiet());
+  t.train_step();
+  auto params = t.model().parameters();
+  {
+    at::NoGradGuard no_grad;  // the final norm: after every mixer, whose inputs are checked on their own
+    for (auto& [n, p] : params)
+      if (n == "norm.weight") p.view({-1})[0].fill_(std::nan(""));
+  }
+  std::vector<at::Tensor> before;
+  for (auto& [n, p] : params) before.push_back(p.detach().clone());
+  try {
+    t.train_step();
+    ADD_FAILURE() << "a NaN loss was accepted";
+  } catch (const c10::Error& e) {
+    std::string m = e.what_without_backtrace();
+    EXPECT_NE(m.find("step 2: the loss is NaN;"), std::string::npos) << m;
+    EXPECT_NE(m.find("optimizer.lr"), std::string::npos) << m;
+  }
+  EXPECT_EQ(t.step(), 1);
+  for (size_t i = 0; i < params.size(); ++i)
+    EXPECT_TRUE(at::allclose(params[i].second, before[i], 0, 0, /*equal_nan=*/true)) << params[i].first;
+}
+
+TEST(Trainer, WithoutProcessGroupsNeedsOneRank) {
+  try {
+    Trainer t(tiny_config({"parallel.sp=2"}), nullptr, quiet());
+    FAIL() << "expected an error";
+  } catch (const c10::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("dp=1 sp=2"), std::string::npos) << e.what();
+  }
+}
+
+// carry train on GPUs gives each rank of a host its own GPU; more ranks than GPUs is refused with
+// the host, both counts and the ways out.
+TEST(TrainCommand, MoreRanksThanGpusOnAHostIsRefused) {
+  EXPECT_EQ(gpu_rank_layout_error("node0", 4, 4), "");
+  EXPECT_EQ(gpu_rank_layout_error("node0", 2, 8), "");
+  auto m = gpu_rank_layout_error("node0", 8, 4);
+  EXPECT_NE(m.find("host node0 runs 8 ranks but has 4 GPUs"), std::string::npos) << m;
+  EXPECT_NE(m.find("CUDA_VISIBLE_DEVICES"), std::string::npos) << m;
+  EXPECT_NE(gpu_rank_layout_error("a", 2, 1).find("has 1 GPU:"), std::string::npos);
+}
+
+TEST(Optimizer, ScheduleWarmupThenCosine) {
+  config::OptimizerConfig o;
+  o.set_lr(1.0), o.set_warmup_steps(4), o.set_total_steps(14), o.set_min_lr_ratio(0.1);
+  EXPECT_DOUBLE_EQ(learning_rate(o, 0), 0.25);
+  EXPECT_DOUBLE_EQ(learning_rate(o, 3), 1.0);
+  EXPECT_DOUBLE_EQ(learning_rate(o, 4), 1.0);
+  EXPECT_NEAR(learning_rate(o, 9), 0.55, 1e-15);  // halfway: 0.1 + 0.9·0.5
+  EXPECT_NEAR(learning_rate(o, 14), 0.1, 1e-15);
+  EXPECT_NEAR(learning_rate(o, 100), 0.1, 1e-15);
+}
+
+TEST(Optimizer, AdamWMatchesHandComputedSteps) {
+  auto opts = at::TensorOptions().dtype(at::kDouble);
+  auto w = at::tensor({1.0, -2.0, 0.5, 3.0}, opts).view({2, 2}).set_requires_grad(true);
+  auto b = at::tensor({0.25, -0.75}, opts).set_requires_grad(true);
+  config::OptimizerConfig o;
+  o.set_beta1(0.9), o.set_beta2(0.95), o.set_eps(1e-8), o.set_weight_decay(0.1);
+  AdamW adam({{"w", w}, {"b", b}}, o);
+  auto w_ref = w.detach().clone(), b_ref = b.detach().clone();
+  auto mw = at::zeros_like(w_ref), vw = at::zeros_like(w_ref), mb = at::zeros_like(b_ref), vb = at::zeros_like(b_ref);
+  for (int t = 1; t <= 3; ++t) {
+    auto gw = at::tensor({0.1 * t, -0.3, 0.7, -0.2 * t}, opts).view({2, 2});
+    auto gb = at::tensor({-0.4, 0.05 * t}, opts);
+    w.mutable_grad() = gw.clone(), b.mutable_grad() = gb.clone();
+    const double lr = 0.01 * t;
+    adam.step(lr);
+    auto ref = [&](at::Tensor& p, at::Tensor& m, at::Tensor& v, const at::Tensor& g, bool decay) {
+      if (decay) p = p * (1 - lr * 0.1);
+      m = 0.9 * m + 0.1 * g;
+      v = 0.95 * v + 0.05 * g * g;
+      auto mh = m / (1 - std::pow(0.9, t)), vh = v / (1 - std::pow(0.95, t));
+      p = p - lr * mh / (vh.sqrt() + 1e-8);
+    };
+    ref(w_ref, mw, vw, gw, true);
+    ref(b_ref, mb, vb, gb, false);
+  }
+  EXPECT_LT((w.detach() - w_ref).abs().max().item<double>(), 1e-14);
+  EXPECT_LT((b.detach() - b_ref).abs().max().item<double>(), 1e-14);
+  EXPECT_EQ(adam.steps(), 3);
+  auto st = adam.state();
+  ASSERT_EQ(st.size(), 4u);
+  EXPECT_EQ(st[0].first, "exp_avg.w");
+  EXPECT_EQ(st[3].first, "exp_avg_sq.b");
+  EXPECT_LT((st[0].second - mw).abs().max().item<double>(), 1e-15);
+  // Restoring the state into a fresh optimizer copies it (and refuses a missing tensor).
+  AdamW other({{"w", w}, {"b", b}}, o);
+  other.load_state(st, 3);
+  EXPECT_TRUE(at::equal(other.state()[3].second, st[3].second));
+  EXPECT_EQ(other.steps(), 3);
+  auto partial = st;
+  partial.pop_back();
+  EXPECT_THROW(other.load_state(partial, 3), c10::Error);
+}
+
+TEST(Optimizer, ClipGradNormScalesToTheLimit) {
+  auto a = at::zeros({2}, at::kDouble).set_requires_grad(true);
+  auto b = at::zeros({1}, at::kDouble).set_requires_grad(true);
+  a.mutable_grad() = at::tensor({3.0, 0.0}, at::kDouble);
+  b.mutable_grad() = at::tensor({4.0}, at::kDouble);
+  NamedParameters ps{{"a", a}, {"b", b}};
+  EXPECT_DOUBLE_EQ(clip_grad_norm(ps, 10.0), 5.0);
+  EXPECT_DOUBLE_EQ(a.grad()[0].item<double>(), 3.0);  // under the limit: untouched
+  EXPECT_DOUBLE_EQ(clip_grad_norm(ps, 1.0), 5.0);
+  double n = std::sqrt(std::pow(a.grad()[0].item<double>(), 2) + std::pow(b.grad()[0].item<double>(), 2));
+  EXPECT_NEAR(n, 1.0, 1e-6);
+}
+
+}  // namespace
+}  // namespace carry::testing

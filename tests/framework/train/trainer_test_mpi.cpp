@@ -1,0 +1,327 @@
+// The trainer across ranks (CPU, fp64, 5 steps of MQAR on a tiny Gated DeltaNet with short
+// convolutions): sp = world size (every scan mode) gives the losses and parameters of sp = 1 within
+// 1e-10; dp = world size with batch B/dp gives those of dp = 1 with batch B (the same global batch);
+// on 4 ranks dp=2 × sp=2 too; a hybrid with sliding-window softmax attention under sp. The serial
+// reference runs in-process on every rank. Skipped when the world size does not fit.
+#include "framework/io/checkpoint.h"
+#include "framework/train/trainer.h"
+#include "parallel/process_group.h"
+#include "tests/helpers/temp_dir.h"
+
+#include <gtest/gtest.h>
+#include <mpi.h>
+
+#include <cmath>
+#include <csignal>
+#include <cstdio>
+#include <memory>
+
+namespace carry::testing {
+namespace {
+
+const char* kTiny = R"(
+name: "trainer_test_mpi"
+seed: 11
+model {
+  vocab_size: 32 d_model: 32 n_layers: 2 n_heads: 2
+  mixers: "gated_deltanet"
+  mixer_options { chunk_size: 16 conv_size: 4 }
+}
+data { mqar { num_kv_pairs: 4 num_queries: 4 vocab_size: 32 } seq_len: 64 batch_size: 4 eval_batches: 1 }
+optimizer { lr: 1e-2 warmup_steps: 2 total_steps: 5 }
+)";
+
+struct RunResult {
+  std::vector<double> losses;
+  std::vector<at::Tensor> params;
+  EvalStats eval;
+};
+
+// A quiet CPU trainer; `distributed`: on the MPI process groups of the config's layout.
+std::unique_ptr<Trainer> make_trainer(const RunConfig& cfg, bool distributed, at::ScalarType dtype = at::kDouble) {
+  TrainerOptions o;
+  o.log = nullptr;
+  o.force_cpu = true;
+  o.dtype = dtype;
+  std::shared_ptr<parallel::ProcessGroups> groups;
+  if (distributed) {
+    parallel::CommOptions copt;
+    copt.timeout_s = 120;
+    copt.on_timeout = parallel::CommOptions::OnTimeout::throw_error;
+    groups = std::make_shared<parallel::ProcessGroups>(parallel::make_process_groups(
+        {static_cast<int>(cfg.parallel().dp()), static_cast<int>(cfg.parallel().sp())},
+        parallel::Backend::mpi, copt));
+  }
+  return std::make_unique<Trainer>(cfg, groups, o);
+}
+
+// `steps` steps on a fresh trainer: the losses, the final parameters and an evaluation.
+RunResult train(const RunConfig& cfg, bool distributed, int steps = 5, at::ScalarType dtype = at::kDouble) {
+  auto t = make_trainer(cfg, distributed, dtype);
+  RunResult r;
+  for (int i = 0; i < steps; ++i) r.losses.push_back(t->train_step().loss);
+  for (auto& [n, p] : t->model().parameters()) r.params.push_back(p.detach().clone());
+  r.eval = t->evaluate();
+  return r;
+}
+
+// A temporary directory made by world rank 0, its path sent to every rank (one host in these tests).
+std::string shared_temp_dir(const std::string& prefix) {
+  std::string dir;
+  if (parallel::world_info().rank == 0) dir = make_temp_dir(prefix);
+  char buf[256] = {0};
+  std::snprintf(buf, sizeof buf, "%s", dir.c_str());
+  MPI_Bcast(buf, sizeof buf, MPI_CHAR, 0, MPI_COMM_WORLD);
+  return buf;
+}
+
+double max_over_ranks(double x) {
+  double y = 0;
+  MPI_Allreduce(&x, &y, 1, MPI_DOUBLE, MPI_MAX, MPI_COMM_WORLD);
+  return y;
+}
+
+// Worst relative difference of losses and parameters, over all ranks.
+double compare(const RunResult& a, const RunResult& b) {
+  double worst = 0;
+  for (size_t i = 0; i < a.losses.size(); ++i)
+    worst = std::max(worst, std::abs(a.losses[i] - b.losses[i]) / std::abs(b.losses[i]));
+  for (size_t i = 0; i < a.params.size(); ++i) {
+    double scale = b.params[i].abs().max().item<double>();
+    worst = std::max(worst, (a.params[i] - b.params[i]).abs().max().item<double>() / std::max(scale, 1e-30));
+  }
+  worst = std::max(worst, std::abs(a.eval.loss - b.eval.loss) / std::abs(b.eval.loss));
+  return max_over_ranks(worst);
+}
+
+RunConfig config(const std::vector<std::string>& overrides) {
+  return run_config_from_text(kTiny, "trainer_test_mpi.textproto", overrides);
+}
+
+class TrainerSp : public ::testing::TestWithParam<std::string> {};
+
+TEST_P(TrainerSp, SequenceParallelEqualsSerial) {
+  const int P = parallel::world_info().size;
+  if (P < 2) GTEST_SKIP() << "needs 2 or more ranks";
+  auto serial = train(config({}), false);
+  auto sp = train(config({"parallel.sp=" + std::to_string(P), "parallel.scan_mode=" + GetParam()}), true);
+  double err = compare(sp, serial);
+  if (parallel::world_info().rank == 0)
+    std::printf("[ errors   ] trainer sp=%d %s vs sp=1 (fp64, 5 steps): %.3e\n", P, GetParam().c_str(), err);
+  EXPECT_LE(err, 1e-10);
+  EXPECT_DOUBLE_EQ(sp.eval.accuracy, serial.eval.accuracy);
+}
+
+INSTANTIATE_TEST_SUITE_P(Modes, TrainerSp, ::testing::Values("ordered", "tree", "allgather"));
+
+TEST(Trainer, DataParallelEqualsOneRankWithTheGlobalBatch) {
+  const int P = parallel::world_info().size;
+  if (P < 2 || 4 % P != 0) GTEST_SKIP() << "needs 2 or 4 ranks (global batch 4)";
+  auto serial = train(config({}), false);
+  auto dp = train(config({"parallel.dp=" + std::to_string(P), "data.batch_size=" + std::to_string(4 / P)}), true);
+  double err = compare(dp, serial);
+  if (parallel::world_info().rank == 0)
+    std::printf("[ errors   ] trainer dp=%d vs dp=1 (fp64, 5 steps, global batch 4): %.3e\n", P, err);
+  EXPECT_LE(err, 1e-10);
+}
+
+TEST(Trainer, DataAndSequenceParallelEqualSerial) {
+  if (parallel::world_info().size != 4) GTEST_SKIP() << "needs 4 ranks";
+  auto serial = train(config({}), false);
+  auto both = train(config({"parallel.dp=2", "parallel.sp=2", "data.batch_size=2"}), true);
+  double err = compare(both, serial);
+  if (parallel::world_info().rank == 0)
+    std::printf("[ errors   ] trainer dp=2 x sp=2 vs serial (fp64, 5 steps): %.3e\n", err);
+  EXPECT_LE(err, 1e-10);
+}
+
+TEST(Trainer, HybridWithSlidingWindowUnderSp) {
+  const int P = parallel::world_info().size;
+  if (P != 2) GTEST_SKIP() << "needs 2 ranks";
+  std::vector<std::string> hybrid{"model.mixers=gated_deltanet,softmax_attn",
+                                  "model.mixer_options[1]={kind: \"softmax_attn\" window: 8}"};
+  auto serial = train(config(hybrid), false);
+  hybrid.push_back("parallel.sp=2");
+  auto sp = train(config(hybrid), true);
+  double err = compare(sp, serial);
+  if (parallel::world_info().rank == 0)
+    std::printf("[ errors   ] trainer hybrid gdn+swa sp=2 vs sp=1 (fp64, 5 steps): %.3e\n", err);
+  EXPECT_LE(err, 1e-10);
+}
+
+// Per-layer recomputation under sequence parallelism (the scans and halo exchanges run again in
+// backward, collectively) gives the serial run's steps; on 2 ranks with a sliding-window layer too.
+TEST(Trainer, RecomputeUnderSpEqualsSerial) {
+  const int P = parallel::world_info().size;
+  if (P < 2) GTEST_SKIP() << "needs 2 or more ranks";
+  std::vector<std::string> o;
+  if (P == 2) o = {"model.mixers=gated_deltanet,softmax_attn", "model.mixer_options[1]={kind: \"softmax_attn\" window: 8}"};
+  auto serial = train(config(o), false);
+  o.push_back("parallel.sp=" + std::to_string(P));
+  o.push_back("parallel.recompute=true");
+  auto sp = train(config(o), true);
+  double err = compare(sp, serial);
+  if (parallel::world_info().rank == 0)
+    std::printf("[ errors   ] trainer sp=%d with recomputation vs sp=1 (fp64, 5 steps%s): %.3e\n", P,
+                P == 2 ? ", gdn+swa" : "", err);
+  EXPECT_LE(err, 1e-10);
+}
+
+// A layout: the overrides that give it (dp, sp, per-rank batch for the same global batch of 4).
+struct Layout {
+  std::string name;
+  std::vector<std::string> overrides;
+  bool distributed() const { return !overrides.empty(); }
+};
+
+// Steps 1-5 on layout `first`, a checkpoint, then steps 6-10 resumed on layout `second`, against 10
+// steps straight on one rank: the losses and the final parameters agree to rounding. A serial layout
+// writes its checkpoint from world rank 0 only; every rank reads it.
+RunResult train_resumed(const RunConfig& base, const Layout& first, const Layout& second, const std::string& dir,
+                  at::ScalarType dtype) {
+  auto make = [&](const Layout& l) {
+    auto o = l.overrides;
+    o.push_back("checkpoint.dir=" + dir);
+    return make_trainer(run_config_from_text(config_to_text(base), "trainer_test_mpi.textproto", o),
+                        l.distributed(), dtype);
+  };
+  RunResult r;
+  if (first.distributed() || parallel::world_info().rank == 0) {
+    auto t = make(first);
+    for (int i = 0; i < 5; ++i) r.losses.push_back(t->train_step().loss);
+    t->save_checkpoint();
+  }
+  MPI_Barrier(MPI_COMM_WORLD);
+  auto t = make(second);
+  EXPECT_TRUE(t->resume()) << first.name << " -> " << second.name;
+  EXPECT_EQ(t->step(), 5);
+  r.losses.resize(5);  // ranks that did not run the serial first half: compared on the second half only
+  for (int i = 0; i < 5; ++i) r.losses.push_back(t->train_step().loss);
+  for (auto& [n, p] : t->model().parameters()) r.params.push_back(p.detach().clone());
+  r.eval = t->evaluate();
+  return r;
+}
+
+TEST(Trainer, ResumeOnAnotherLayoutContinuesTheRun) {
+  const int P = parallel::world_info().size;
+  if (P < 2) GTEST_SKIP() << "needs 2 or more ranks";
+  Layout serial{"dp=1 x sp=1", {}};
+  std::vector<Layout> layouts;
+  if (P == 2) {
+    layouts.push_back({"dp=1 x sp=2", {"parallel.sp=2"}});
+    layouts.push_back({"dp=2 x sp=1", {"parallel.dp=2", "data.batch_size=2"}});
+  } else if (P == 4) {
+    layouts.push_back({"dp=2 x sp=2", {"parallel.dp=2", "parallel.sp=2", "data.batch_size=2"}});
+    layouts.push_back({"dp=1 x sp=4", {"parallel.sp=4", "parallel.scan_mode=tree"}});
+  } else {
+    GTEST_SKIP() << "layouts are listed for 2 and 4 ranks";
+  }
+  std::vector<std::pair<Layout, Layout>> pairs{{serial, layouts[0]}, {layouts[0], serial}, {layouts[0], layouts[1]},
+                                               {layouts[1], layouts[0]}};
+  for (const char* precision : {"fp64", "fp32"}) {
+    const auto dtype = std::string(precision) == "fp64" ? at::kDouble : at::kFloat;
+    auto base = config({"optimizer.total_steps=10"});
+    // 10 steps straight, one rank (every rank runs it in-process).
+    auto straight = train(base, false, 10, dtype);
+    const double tol = std::string(precision) == "fp64" ? 1e-10 : 1e-5;
+    for (auto& [a, b] : pairs) {
+      std::string dir = shared_temp_dir("carry_resume_layout");
+      auto resumed = train_resumed(base, a, b, dir, dtype);
+      // Losses 6-10 and the final state (losses 1-5 are the first layout's, checked elsewhere).
+      RunResult tail = straight, got = resumed;
+      tail.losses.erase(tail.losses.begin(), tail.losses.begin() + 5);
+      got.losses.erase(got.losses.begin(), got.losses.begin() + 5);
+      // fp64: losses and parameters (the run is exact up to rounding, so 1e-10 holds for both). fp32:
+      // the losses; the parameters differ by fp32 rounding of the gradient sums, which AdamW's
+      // normalisation lifts to ~1e-4 relative for parameters with tiny gradients, as it does between
+      // any two layouts run straight.
+      double err = compare(got, tail);
+      double loss_err = 0;
+      for (size_t i = 0; i < tail.losses.size(); ++i)
+        loss_err = std::max(loss_err, std::abs(got.losses[i] - tail.losses[i]) / std::abs(tail.losses[i]));
+      loss_err = max_over_ranks(loss_err);
+      if (parallel::world_info().rank == 0)
+        std::printf("[ errors   ] trainer %s: 5 steps on %s + resume on %s + 5 steps vs 10 straight: "
+                    "losses %.3e, losses and parameters %.3e\n", precision, a.name.c_str(), b.name.c_str(),
+                    loss_err, err);
+      EXPECT_LE(std::string(precision) == "fp64" ? err : loss_err, tol) << precision << " " << a.name << " -> " << b.name;
+      EXPECT_LE(err, 1e-3) << precision << " " << a.name << " -> " << b.name;
+      MPI_Barrier(MPI_COMM_WORLD);
+      if (parallel::world_info().rank == 0) remove_tree(dir);
+    }
+  }
+}
+
+// Hosts without a shared filesystem: the checkpoint (written by world rank 0) is in a directory only
+// rank 0 has; the other ranks are given an empty one. They resume all the same (rank 0 broadcasts
+// the checkpoint) and the run continues as if it had never stopped (fp64).
+TEST(Trainer, ResumeWhenOnlyRankZeroSeesTheCheckpoint) {
+  const int P = parallel::world_info().size;
+  if (P < 2) GTEST_SKIP() << "needs 2 or more ranks";
+  const int rank = parallel::world_info().rank;
+  std::string own = make_temp_dir("carry_resume_rank" + std::to_string(rank));
+  auto base = config({"optimizer.total_steps=10"});
+  auto straight = train(base, false, 10);
+  std::vector<std::string> layout{"parallel.sp=" + std::to_string(P), "checkpoint.dir=" + own};
+  auto cfg = run_config_from_text(config_to_text(base), "trainer_test_mpi.textproto", layout);
+  if (rank == 0) {
+    auto first = make_trainer(run_config_from_text(config_to_text(base), "x.textproto", {"checkpoint.dir=" + own}), false);
+    for (int i = 0; i < 5; ++i) first->train_step();
+    first->save_checkpoint();
+  }
+  MPI_Barrier(MPI_COMM_WORLD);
+  auto t = make_trainer(cfg, true);
+  ASSERT_TRUE(t->resume());
+  EXPECT_EQ(t->step(), 5);
+  EXPECT_EQ(t->tokens_seen(), 5 * 4 * 64);
+  RunResult r;
+  r.losses.resize(5);
+  for (int i = 0; i < 5; ++i) r.losses.push_back(t->train_step().loss);
+  for (auto& [n, p] : t->model().parameters()) r.params.push_back(p.detach().clone());
+  r.eval = t->evaluate();
+  for (int i = 0; i < 5; ++i) r.losses[i] = straight.losses[i];
+  double err = compare(r, straight);
+  if (rank == 0)
+    std::printf("[ errors   ] trainer: checkpoint only on rank 0, resumed on sp=%d + 5 steps vs 10 straight (fp64): %.3e\n",
+                P, err);
+  EXPECT_LE(err, 1e-10);
+  MPI_Barrier(MPI_COMM_WORLD);
+  remove_tree(own);
+}
+
+// A stop signal that reaches one rank only (the last, after step 2) stops every rank after step 3,
+// the step whose loss sum carried the flag, with one checkpoint of step 3 and the same return value.
+TEST(Trainer, StopSignalOnOneRankStopsEveryRankAtTheSameStep) {
+  const int P = parallel::world_info().size;
+  if (P < 2) GTEST_SKIP() << "needs 2 or more ranks";
+  std::string dir = shared_temp_dir("carry_stop_mpi");
+  auto cfg = config({"parallel.sp=" + std::to_string(P), "checkpoint.dir=" + dir, "optimizer.total_steps=8"});
+  TrainerOptions o;
+  o.log = nullptr;
+  o.force_cpu = true;
+  o.on_step = [&](const StepStats& s) {
+    if (s.step == 2 && parallel::world_info().rank == P - 1) std::raise(SIGUSR1);
+  };
+  parallel::CommOptions copt;
+  copt.timeout_s = 120;
+  copt.on_timeout = parallel::CommOptions::OnTimeout::throw_error;
+  auto groups = std::make_shared<parallel::ProcessGroups>(
+      parallel::make_process_groups({1, P}, parallel::Backend::mpi, copt));
+  Trainer t(cfg, groups, o);
+  EXPECT_EQ(t.run(), kExitStoppedBySignal);
+  EXPECT_EQ(t.step(), 3);
+  auto saved = load_latest_checkpoint(dir);
+  ASSERT_TRUE(saved.has_value());
+  EXPECT_EQ(saved->step, 3);
+  MPI_Barrier(MPI_COMM_WORLD);
+  if (parallel::world_info().rank == 0) remove_tree(dir);
+}
+
+TEST(Trainer, LayoutMustMatchTheWorld) {
+  const int P = parallel::world_info().size;
+  auto cfg = config({"parallel.dp=" + std::to_string(P + 1)});
+  EXPECT_THROW(validate_layout(cfg, P), ConfigError);
+}
+
+}  // namespace
+}  // namespace carry::testing
