@@ -4,6 +4,7 @@
 #include <dlfcn.h>
 
 #include <cstdlib>
+#include <string>
 
 namespace carry {
 namespace {
@@ -13,6 +14,8 @@ namespace {
 // user set wins (it changes results across machines, not within one).
 struct PinCpuMath {
   PinCpuMath() {
+    const char* choice = std::getenv("CARRY_CPU_MATH");
+    if (choice && std::string(choice) == "native") return;  // the user gives up bitwise results
     setenv("MKL_CBWR", "COMPATIBLE", /*overwrite=*/1);
     setenv("ATEN_CPU_CAPABILITY", "avx2", /*overwrite=*/0);
   }

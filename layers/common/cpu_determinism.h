@@ -5,7 +5,8 @@
 // reproducibility to COMPATIBLE (one code path on every x86 CPU, independent of alignment) and ATen's
 // vectorized kernels to AVX2 (unless the user set ATEN_CPU_CAPABILITY), before the first operation;
 // an MKL_CBWR in the environment is replaced. Every carry program does this at start (a static
-// initializer in this file); `cpu_math_mode()` reports what is in force.
+// initializer in this file); `cpu_math_mode()` reports what is in force. CARRY_CPU_MATH=native leaves
+// both to MKL and ATen (the user gives up bitwise `ordered` results on CPUs where they differ).
 #pragma once
 
 #include <string>
