@@ -128,7 +128,8 @@ Form parse_form(const std::string& name) {
 
 Form Mixer::resolve_form(const MixerInputs& in, const MixerOptions& opt) const {
   if (opt.form != Form::automatic) return opt.form;
-  return has_kernel() && in.q.defined() && in.q.is_cuda() ? Form::kernel : Form::chunkwise;
+  return has_kernel() && in.q.defined() && in.q.is_cuda() && kernel_supports(in, opt) ? Form::kernel
+                                                                                       : Form::chunkwise;
 }
 
 MixerOutput Mixer::forward(const MixerInputs& in, const State& initial_state,

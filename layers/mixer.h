@@ -105,8 +105,11 @@ class Mixer {
                             const MixerOptions& opt) const = 0;
   virtual MixerOutput chunkwise(const MixerInputs& in, const State& initial_state,
                                 const MixerOptions& opt) const = 0;
-  // The kernel form (CUDA tensors only). Families without one keep the defaults.
+  // The kernel form (CUDA tensors only). Families without one keep the defaults; a family with one
+  // says which inputs and options its kernels take (shapes, dtypes, chunk size): automatic dispatch
+  // runs the chunkwise form for the others.
   virtual bool has_kernel() const { return false; }
+  virtual bool kernel_supports(const MixerInputs& in, const MixerOptions& opt) const { return has_kernel(); }
   virtual MixerOutput kernel(const MixerInputs& in, const State& initial_state,
                              const MixerOptions& opt) const;
 

@@ -208,7 +208,8 @@ void parse_into(Source& source, Message& message) {
 
 struct Segment {
   std::string name;
-  int index = -1;  // -1: no [i]
+  int index = -1;          // -1: no [i]; an index past INT_MAX is held as INT_MAX (out of any list's range)
+  std::string index_text;  // the index as written ("" without [i])
 };
 
 std::vector<Segment> parse_path(const std::string& path) {
@@ -220,8 +221,15 @@ std::vector<Segment> parse_path(const std::string& path) {
     if (!std::regex_match(part, m, seg_re))
       throw ConfigError("'" + path + "' is not a field path (expected names joined by dots, with [i] "
                         "for an element of a list, e.g. model.mixer_options[0].window)");
-    Segment s{m[1].str(), -1};
-    if (m[3].matched) s.index = std::stoi(m[3].str());
+    Segment s{m[1].str(), -1, ""};
+    if (m[3].matched) {
+      // Digits only (the regex); saturate instead of overflowing, so a huge index is reported as out
+      // of range with the digits as written.
+      s.index_text = m[3].str();
+      int64_t x = 0;
+      for (char c : s.index_text) x = std::min<int64_t>(x * 10 + (c - '0'), INT_MAX);
+      s.index = static_cast<int>(x);
+    }
     out.push_back(s);
   }
   if (out.empty() || path.back() == '.') throw ConfigError("'" + path + "' is not a field path");
@@ -466,7 +474,7 @@ std::string level_name(const std::vector<Segment>& path, size_t depth) {
   std::string s;
   for (size_t i = 0; i < depth; ++i) {
     s += (i ? "." : "") + path[i].name;
-    if (path[i].index >= 0) s += "[" + std::to_string(path[i].index) + "]";
+    if (path[i].index >= 0) s += "[" + path[i].index_text + "]";
   }
   return s;
 }
@@ -498,6 +506,48 @@ class Errors {
   }
   std::vector<FieldError> list;
 };
+
+// Upper bounds that keep every product the validation and the trainer form within int64 (and refuse
+// values no run could use): a chunk of at most 2^16 tokens, at most 2^20 ranks, 2^40 tokens a sequence.
+constexpr int64_t kMaxChunkSize = int64_t{1} << 16;
+constexpr int64_t kMaxRanks = int64_t{1} << 20;
+constexpr int64_t kMaxSeqLen = int64_t{1} << 40;
+
+// *out = a*b; false when that overflows int64.
+bool mul_ok(int64_t a, int64_t b, int64_t* out) { return !__builtin_mul_overflow(a, b, out); }
+
+// Every float and double field of `m` (recursively, repeated ones element by element) must be finite:
+// inf or nan in a hyperparameter would train to NaN parameters. `skip` names a top-level field
+// checked elsewhere.
+void check_finite(const Message& m, const std::string& prefix, Errors& e, const FieldDescriptor* skip = nullptr) {
+  auto* r = m.GetReflection();
+  std::vector<const FieldDescriptor*> fields;
+  r->ListFields(m, &fields);
+  for (auto* f : fields) {
+    if (f == skip) continue;
+    std::string path = prefix + f->name();
+    int n = f->is_repeated() ? r->FieldSize(m, f) : 1;
+    for (int i = 0; i < n; ++i) {
+      std::string at = f->is_repeated() ? path + "[" + std::to_string(i) + "]" : path;
+      double v = 0;
+      switch (f->cpp_type()) {
+        case FieldDescriptor::CPPTYPE_DOUBLE:
+          v = f->is_repeated() ? r->GetRepeatedDouble(m, f, i) : r->GetDouble(m, f);
+          break;
+        case FieldDescriptor::CPPTYPE_FLOAT:
+          v = f->is_repeated() ? r->GetRepeatedFloat(m, f, i) : r->GetFloat(m, f);
+          break;
+        case FieldDescriptor::CPPTYPE_MESSAGE:
+          if (!f->is_map())
+            check_finite(f->is_repeated() ? r->GetRepeatedMessage(m, f, i) : r->GetMessage(m, f), at + ".", e);
+          continue;
+        default:
+          continue;
+      }
+      if (!std::isfinite(v)) e.add(at, "must be a finite number, got ", v);
+    }
+  }
+}
 
 // The kinds whose registry entry (layers/layer_kind.h) sets `flag`.
 std::set<std::string> kinds_where(bool LayerKind::*flag) {
@@ -531,11 +581,12 @@ void check_model(const ModelConfig& m, const std::string& p, Errors& e) {
       m.d_model() % m.n_heads() != 0)
     e.add(p + "n_heads", "must divide d_model (", m.d_model(), "), got ", m.n_heads(),
           " (or set head_dim_k and head_dim_v)");
-  if (!(m.mlp_ratio() > 0) || !std::isfinite(m.mlp_ratio()))
+  check_finite(m, p, e);  // non-finite values are reported there, once
+  if (std::isfinite(m.mlp_ratio()) && !(m.mlp_ratio() > 0))
     e.add(p + "mlp_ratio", "must be positive, got ", m.mlp_ratio());
-  if (!(m.norm_eps() > 0) || !std::isfinite(m.norm_eps()))
+  if (std::isfinite(m.norm_eps()) && !(m.norm_eps() > 0))
     e.add(p + "norm_eps", "must be positive, got ", m.norm_eps());
-  if (!(m.init_std() > 0) || !std::isfinite(m.init_std()))
+  if (std::isfinite(m.init_std()) && !(m.init_std() > 0))
     e.add(p + "init_std", "must be positive, got ", m.init_std());
   if (m.mixers().empty())
     e.add(p + "mixers", "at least one mixer kind is needed (e.g. mixers: \"gla\"); known kinds: ",
@@ -569,7 +620,8 @@ void check_model(const ModelConfig& m, const std::string& p, Errors& e) {
           return;
         }
     };
-    if (o.has_chunk_size() && o.chunk_size() <= 0) e.add(q + ".chunk_size", "must be positive, got ", o.chunk_size());
+    if (o.has_chunk_size() && (o.chunk_size() <= 0 || o.chunk_size() > kMaxChunkSize))
+      e.add(q + ".chunk_size", "must lie in [1, ", kMaxChunkSize, "], got ", o.chunk_size());
     if (o.has_window() && o.window() < 0) e.add(q + ".window", "must be >= 0 (0 = full causal), got ", o.window());
     if (o.has_conv_size() && o.conv_size() < 0) e.add(q + ".conv_size", "must be >= 0 (0 = none), got ", o.conv_size());
     if (o.has_levels() && o.levels() < 0) e.add(q + ".levels", "must be >= 0 (0 = as needed), got ", o.levels());
@@ -604,12 +656,15 @@ void check_run(const RunConfig& c, Errors& e) {
           c.name(), "'");
   auto& m = c.model();
   check_model(m, "model.", e);
+  check_finite(c, "", e, RunConfig::descriptor()->FindFieldByName("model"));  // the model: in check_model
 
   auto& d = c.data();
   auto& par = c.parallel();
   int64_t T = d.seq_len(), sp = par.sp();
-  if (T <= 0) e.add("data.seq_len", "must be positive, got ", T);
-  if (d.batch_size() <= 0) e.add("data.batch_size", "must be positive, got ", d.batch_size());
+  if (T <= 0 || T > kMaxSeqLen) e.add("data.seq_len", "must lie in [1, 2^40 = ", kMaxSeqLen, "], got ", T);
+  if (d.batch_size() <= 0 || d.batch_size() > kMaxSeqLen)
+    e.add("data.batch_size", "must lie in [1, 2^40 = ", kMaxSeqLen, "], got ", d.batch_size());
+  const bool T_ok = T > 0 && T <= kMaxSeqLen;  // then sums and small products of values <= T fit
   if (d.eval_batches() < 0) e.add("data.eval_batches", "must be >= 0, got ", d.eval_batches());
   switch (d.source_case()) {
     case DataConfig::SOURCE_NOT_SET:
@@ -630,13 +685,15 @@ void check_run(const RunConfig& c, Errors& e) {
       auto& q = d.mqar();
       int64_t V = q.vocab_size(), N = q.num_kv_pairs(), Q = q.num_queries();
       if (N <= 0) e.add("data.mqar.num_kv_pairs", "must be positive, got ", N);
+      else if (T_ok && N > T) e.add("data.mqar.num_kv_pairs", "must not exceed data.seq_len (", T, "), got ", N);
       if (Q <= 0) e.add("data.mqar.num_queries", "must be positive, got ", Q);
+      else if (T_ok && Q > T) e.add("data.mqar.num_queries", "must not exceed data.seq_len (", T, "), got ", Q);
       if (V < 3) e.add("data.mqar.vocab_size", "must be at least 3 (pad, one key, one value), got ", V);
       else if ((V - 1) / 2 < N)
         e.add("data.mqar.vocab_size", V, " gives ", (V - 1) / 2, " key tokens, fewer than num_kv_pairs (", N, ")");
       if (V > m.vocab_size())
         e.add("data.mqar.vocab_size", V, " exceeds model.vocab_size (", m.vocab_size(), ")");
-      if (N > 0 && Q > 0 && T > 0 && 2 * (N + Q) > T)
+      if (N > 0 && Q > 0 && T_ok && N <= T && Q <= T && 2 * (N + Q) > T)
         e.add("data.mqar", "2*(num_kv_pairs + num_queries) = ", 2 * (N + Q), " tokens do not fit in data.seq_len (",
               T, ")");
       break;
@@ -645,23 +702,42 @@ void check_run(const RunConfig& c, Errors& e) {
       auto& n = d.needle();
       int64_t V = n.vocab_size(), L = n.value_len(), D = n.num_distractors();
       if (L <= 0) e.add("data.needle.value_len", "must be positive, got ", L);
+      else if (T_ok && L > T) e.add("data.needle.value_len", "must not exceed data.seq_len (", T, "), got ", L);
       if (D < 0) e.add("data.needle.num_distractors", "must be >= 0, got ", D);
+      else if (T_ok && D > T) e.add("data.needle.num_distractors", "must not exceed data.seq_len (", T, "), got ", D);
       if (V < 7) e.add("data.needle.vocab_size", "must be at least 7, got ", V);
-      else if ((V - 3) / 4 < D + 1)
+      else if (D >= 0 && D <= kMaxSeqLen && (V - 3) / 4 < D + 1)
         e.add("data.needle.vocab_size", V, " gives ", (V - 3) / 4, " key tokens, fewer than the ", D + 1,
               " needles (1 + num_distractors)");
       if (V > m.vocab_size())
         e.add("data.needle.vocab_size", V, " exceeds model.vocab_size (", m.vocab_size(), ")");
-      if (L > 0 && D >= 0 && T > 0 && (D + 2) * (L + 2) > T)
+      int64_t needle_tokens = 0;
+      if (L > 0 && D >= 0 && T_ok && L <= T && D <= T && mul_ok(D + 2, L + 2, &needle_tokens) &&
+          needle_tokens > T)
         e.add("data.needle", "the needles and the query take (num_distractors + 2)*(value_len + 2) = ",
-              (D + 2) * (L + 2), " tokens, more than data.seq_len (", T, ")");
+              needle_tokens, " tokens, more than data.seq_len (", T, ")");
       break;
     }
   }
 
   if (par.dp() < 1) e.add("parallel.dp", "must be >= 1, got ", par.dp());
   if (sp < 1) e.add("parallel.sp", "must be >= 1, got ", sp);
-  if (T > 0 && sp >= 1) {
+  int64_t ranks = 0;
+  bool ranks_ok = false;
+  if (par.dp() >= 1 && sp >= 1) {
+    bool fits = mul_ok(par.dp(), sp, &ranks);
+    ranks_ok = fits && ranks <= kMaxRanks;
+    if (!ranks_ok)
+      e.add("parallel", "dp*sp must be at most 2^20 = ", kMaxRanks, " ranks, got dp = ", par.dp(), ", sp = ", sp,
+            fits ? " (dp*sp = " + std::to_string(ranks) + ")" : std::string(" (dp*sp overflows int64)"));
+  }
+  const bool sp_ok = sp >= 1 && sp <= kMaxRanks;
+  int64_t step_tokens = 0;  // tokens a step over all dp replicas: the trainer counts them in int64
+  if (T_ok && d.batch_size() > 0 && d.batch_size() <= kMaxSeqLen && ranks_ok &&
+      (!mul_ok(T, d.batch_size(), &step_tokens) || !mul_ok(step_tokens, par.dp(), &step_tokens)))
+    e.add("data.batch_size", "data.seq_len*data.batch_size*parallel.dp (tokens a step) must fit in int64, got ", T,
+          "*", d.batch_size(), "*", par.dp());
+  if (T_ok && sp_ok) {
     int64_t per_rank = T / sp;
     for (auto& k : distinct_kinds(m)) {
       if (!is_known_kind(k)) continue;
@@ -674,7 +750,7 @@ void check_run(const RunConfig& c, Errors& e) {
         if (o.window() > 0 && sp > 1 && o.window() > per_rank)
           e.add(path_of_option(m, k, "window"), "window ", o.window(), " exceeds the ", per_rank,
                 " tokens each of the ", sp, " sp ranks holds (the halo comes from the previous rank only)");
-      } else if (o.chunk_size() > 0 && T % (o.chunk_size() * sp) != 0) {
+      } else if (o.chunk_size() > 0 && o.chunk_size() <= kMaxChunkSize && T % (o.chunk_size() * sp) != 0) {
         e.add("data.seq_len", "must be a multiple of chunk_size*sp = ", o.chunk_size(), "*", sp, " = ",
               o.chunk_size() * sp, " (", k, " layers), got ", T);
       }
@@ -688,17 +764,23 @@ void check_run(const RunConfig& c, Errors& e) {
   }
 
   auto& o = c.optimizer();
-  if (!(o.lr() > 0) || !std::isfinite(o.lr())) e.add("optimizer.lr", "must be positive, got ", o.lr());
-  if (!(o.beta1() >= 0 && o.beta1() < 1)) e.add("optimizer.beta1", "must lie in [0, 1), got ", o.beta1());
-  if (!(o.beta2() >= 0 && o.beta2() < 1)) e.add("optimizer.beta2", "must lie in [0, 1), got ", o.beta2());
-  if (!(o.eps() > 0)) e.add("optimizer.eps", "must be positive, got ", o.eps());
-  if (!(o.weight_decay() >= 0)) e.add("optimizer.weight_decay", "must be >= 0, got ", o.weight_decay());
-  if (!(o.grad_clip() >= 0)) e.add("optimizer.grad_clip", "must be >= 0 (0 = no clipping), got ", o.grad_clip());
+  // (Non-finite values were reported by check_finite; these checks are for finite ones.)
+  auto finite_and = [](double v, bool ok) { return !std::isfinite(v) || ok; };
+  if (!finite_and(o.lr(), o.lr() > 0)) e.add("optimizer.lr", "must be positive, got ", o.lr());
+  if (!finite_and(o.beta1(), o.beta1() >= 0 && o.beta1() < 1))
+    e.add("optimizer.beta1", "must lie in [0, 1), got ", o.beta1());
+  if (!finite_and(o.beta2(), o.beta2() >= 0 && o.beta2() < 1))
+    e.add("optimizer.beta2", "must lie in [0, 1), got ", o.beta2());
+  if (!finite_and(o.eps(), o.eps() > 0)) e.add("optimizer.eps", "must be positive, got ", o.eps());
+  if (!finite_and(o.weight_decay(), o.weight_decay() >= 0))
+    e.add("optimizer.weight_decay", "must be >= 0, got ", o.weight_decay());
+  if (!finite_and(o.grad_clip(), o.grad_clip() >= 0))
+    e.add("optimizer.grad_clip", "must be >= 0 (0 = no clipping), got ", o.grad_clip());
   if (o.total_steps() <= 0) e.add("optimizer.total_steps", "must be positive, got ", o.total_steps());
   if (o.warmup_steps() < 0) e.add("optimizer.warmup_steps", "must be >= 0, got ", o.warmup_steps());
   else if (o.total_steps() > 0 && o.warmup_steps() > o.total_steps())
     e.add("optimizer.warmup_steps", "must not exceed total_steps (", o.total_steps(), "), got ", o.warmup_steps());
-  if (!(o.min_lr_ratio() >= 0 && o.min_lr_ratio() <= 1))
+  if (!finite_and(o.min_lr_ratio(), o.min_lr_ratio() >= 0 && o.min_lr_ratio() <= 1))
     e.add("optimizer.min_lr_ratio", "must lie in [0, 1], got ", o.min_lr_ratio());
 
   auto& k = c.checkpoint();
@@ -899,12 +981,15 @@ void apply_override(Message& root, const std::string& assignment) {
                         "; valid fields: " + join(field_names(d), ", ") + ")");
     if (seg.index >= 0 && !f->is_repeated())
       throw ConfigError(what + ": " + (i ? level_name(path, i) + "." : "") + seg.name + " is not a list; drop the [" +
-                        std::to_string(seg.index) + "]");
+                        seg.index_text + "]");
     if (f->is_map()) throw ConfigError(what + ": " + seg.name + " is a map; --set cannot change maps");
     int size = f->is_repeated() ? r->FieldSize(*msg, f) : 0;
-    if (seg.index > size)
-      throw ConfigError(what + ": index " + std::to_string(seg.index) + " is out of range (" + seg.name + " has " +
-                        std::to_string(size) + " elements; [" + std::to_string(size) + "] appends one)");
+    if (seg.index > size) {
+      std::string field = (i ? level_name(path, i) + "." : "") + seg.name, n = std::to_string(size);
+      throw ConfigError(what + ": index " + seg.index_text + " of " + field + " is out of range: expected " +
+                        (size == 0 ? "0" : "0 to " + n) + " (" + field + " has " + n +
+                        (size == 1 ? " element" : " elements") + "; [" + n + "] appends one)");
+    }
     bool last = i + 1 == path.size();
     if (!last) {
       if (f->cpp_type() != FieldDescriptor::CPPTYPE_MESSAGE)
@@ -976,8 +1061,12 @@ std::vector<std::string> cluster_config_errors(const ClusterConfig& cluster) {
 void validate_layout(const RunConfig& config, int64_t world_size) {
   int64_t dp = config.parallel().dp(), sp = config.parallel().sp();
   if (world_size < 1) throw ConfigError("the launch has " + std::to_string(world_size) + " ranks");
-  if (dp * sp != world_size)
-    throw ConfigError("parallel: dp*sp = " + std::to_string(dp * sp) + " but the launch has " +
+  int64_t ranks = 0;
+  if (__builtin_mul_overflow(dp, sp, &ranks))
+    throw ConfigError("parallel: dp*sp overflows int64 (dp = " + std::to_string(dp) + ", sp = " + std::to_string(sp) +
+                      "); the launch has " + std::to_string(world_size) + " ranks");
+  if (ranks != world_size)
+    throw ConfigError("parallel: dp*sp = " + std::to_string(ranks) + " but the launch has " +
                       std::to_string(world_size) + " ranks (dp = " + std::to_string(dp) + ", sp = " +
                       std::to_string(sp) + ")");
 }

@@ -7,7 +7,9 @@
 //   3. apply the other `--set field.path=value` overrides, in order;
 //   4. fill every unset field that has a declared default (so the resolved config is explicit);
 //   5. validate: every error names its field path, and the file:line:column where that field was
-//      written when it came from a file (or the --set that gave it).
+//      written when it came from a file (or the --set that gave it). Every float/double field must be
+//      finite; integers are bounded so that no product the validation or the trainer forms wraps
+//      (chunk_size <= 2^16, dp*sp <= 2^20, seq_len and batch_size <= 2^40, task lengths <= seq_len).
 // The parallel layout against the launch's world size is checked separately (validate_layout), as the
 // world size is known only at launch.
 #pragma once

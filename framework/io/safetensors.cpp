@@ -27,6 +27,10 @@ namespace {
 
 constexpr uint64_t kMaxHeaderBytes = 100'000'000;  // the reference reader's limit
 constexpr double kMaxExactInteger = 9007199254740992.0;  // 2^53
+// safetensors headers are two levels deep ({"name": {"shape": [...]}}, plus "__metadata__"); protobuf's
+// JSON parser takes time quadratic in the nesting depth (21 s at 30,000 levels), so deeper headers
+// are refused by a linear scan before parsing.
+constexpr int kMaxHeaderDepth = 8;
 
 struct DtypeInfo {
   const char* name;
@@ -160,6 +164,32 @@ std::vector<int64_t> integer_list(const google::protobuf::Value& v, const std::s
   return out;
 }
 
+// Scans the JSON text for the deepest nesting of objects and lists outside strings. Returns the byte
+// offset where the nesting first exceeds `limit` (and its depth in *depth), or npos.
+size_t too_deep_at(const std::string& header, int limit, int* depth) {
+  int d = 0;
+  bool in_string = false;
+  for (size_t i = 0; i < header.size(); ++i) {
+    char c = header[i];
+    if (in_string) {
+      if (c == '\\') ++i;  // skip the escaped character
+      else if (c == '"') in_string = false;
+      continue;
+    }
+    if (c == '"') {
+      in_string = true;
+    } else if (c == '{' || c == '[') {
+      if (++d > limit) {
+        *depth = d;
+        return i;
+      }
+    } else if (c == '}' || c == ']') {
+      --d;
+    }
+  }
+  return std::string::npos;
+}
+
 struct Entry {
   std::string name;
   const DtypeInfo* dtype;
@@ -257,7 +287,7 @@ std::map<std::string, at::Tensor> load_safetensors(const std::string& path,
   for (int i = 7; i >= 0; --i) n = (n << 8) | len_bytes[i];
   TORCH_CHECK(n <= kMaxHeaderBytes, path, ": header length ", n,
               " bytes is absurd (the format allows at most ", kMaxHeaderBytes,
-              "); not a safetensors file or a corrupt one");
+              " bytes); not a safetensors file or a corrupt one");
   TORCH_CHECK(n <= size - 8, path, ": header length ", n, " bytes runs past the end of the file (",
               size, " bytes, so at most ", size - 8, "); the file is truncated or corrupt");
 
@@ -272,6 +302,12 @@ std::map<std::string, at::Tensor> load_safetensors(const std::string& path,
               ": header must be a JSON object starting with '{', found ",
               first == std::string::npos ? std::string("only spaces")
                                          : "'" + std::string(1, header[first]) + "'");
+
+  int depth = 0;
+  size_t deep = too_deep_at(header, kMaxHeaderDepth, &depth);
+  TORCH_CHECK(deep == std::string::npos, path, ": header nests objects and lists more than ",
+              kMaxHeaderDepth, " levels deep (level ", depth, " at header byte ", deep,
+              "); safetensors headers are 2 levels deep: not a safetensors file or a corrupt one");
 
   google::protobuf::Struct root;
   auto status = google::protobuf::util::JsonStringToMessage(header, &root);

@@ -354,6 +354,40 @@ EvalStats Trainer::evaluate() {
 void Trainer::save_checkpoint() {
   const auto& ck = config_.checkpoint();
   if (!ck.has_dir() || ck.dir().empty()) return;
+  // Never write a checkpoint with a non-finite parameter: it would become `latest` and every resume
+  // would start from it. One reduction, here only (not every step): a not-finite flag per parameter
+  // tensor, stacked, summed over the ranks (so that every rank refuses alike) and copied to the host
+  // once. Nothing is written and `latest` is not touched.
+  auto params = model_.parameters();
+  if (!params.empty()) {
+    std::vector<at::Tensor> flags;
+    flags.reserve(params.size());
+    for (auto& [name, p] : params) flags.push_back(at::isfinite(p.detach()).all().logical_not());
+    auto bad = at::stack(flags).to(at::kDouble);
+    all_reduce(bad);
+    auto host = bad.cpu();
+    const double* b = host.data_ptr<double>();
+    size_t first = params.size(), count = 0;
+    for (size_t i = 0; i < params.size(); ++i)
+      if (b[i] > 0) {
+        if (first == params.size()) first = i;
+        ++count;
+      }
+    if (count > 0) {
+      const auto& p = params[first].second;
+      std::string what = "on another rank";
+      if (!at::isfinite(p.detach()).all().item<bool>()) {
+        const int64_t nans = at::isnan(p.detach()).sum().item<int64_t>();
+        const int64_t infs = at::isinf(p.detach()).sum().item<int64_t>();
+        what = std::to_string(nans) + " NaN and " + std::to_string(infs) + " infinite of its " +
+               std::to_string(p.numel()) + " values";
+      }
+      TORCH_CHECK(false, "trainer: step ", step_, ": refusing to write a checkpoint to ", ck.dir(), ": parameter '",
+                  params[first].first, "' is not finite (", what, "; non-finite parameter tensors: ", count, " of ",
+                  params.size(), "); nothing was written and 'latest' still names the previous "
+                  "checkpoint. ", divergence_hint());
+    }
+  }
   if (rank() == 0) {
     CheckpointData d;
     d.step = step_;

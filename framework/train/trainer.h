@@ -96,7 +96,8 @@ class Trainer {
   // The held-out evaluation (every rank calls it).
   EvalStats evaluate();
   // Writes a checkpoint of the current step (rank 0 writes; every rank calls it). No-op without
-  // checkpoint.dir.
+  // checkpoint.dir. Throws (on every rank, before anything is written or `latest` is touched) when a
+  // parameter is not finite, naming the step and the first such tensor.
   void save_checkpoint();
   // The whole run: prints the resolved config and the model, resumes, trains to
   // optimizer.total_steps with logging, evaluation and checkpoints. Returns 0. While it runs,

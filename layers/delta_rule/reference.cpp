@@ -10,6 +10,9 @@
 #include "layers/delta_rule/delta_rule.h"
 
 #include "layers/common/layout.h"
+#ifdef CARRY_WITH_CUDA
+#include "layers/delta_rule/kernel_op.h"
+#endif
 
 #include <limits>
 
@@ -128,6 +131,22 @@ class DeltaRule : public Mixer {
     }
     return {from_bhtd(at::stack(outs, 2)).to(in.q.scalar_type()), {S}};
   }
+
+#ifdef CARRY_WITH_CUDA
+  // The kernel form: layers/delta_rule/kernel_*.cu through the autograd op of kernel_op.cpp.
+  bool has_kernel() const override { return true; }
+  bool kernel_supports(const MixerInputs& in, const MixerOptions& opt) const override {
+    return delta_rule_kernel_supports(in, opt);
+  }
+  MixerOutput kernel(const MixerInputs& in, const State& init, const MixerOptions& opt) const override {
+    check(in, opt, /*chunked=*/true);
+    TORCH_CHECK(delta_rule_kernel_supports(in, opt), name(), ": the kernel form takes CUDA tensors in bf16 or "
+                "fp32, dk in {64, 128}, dv in {64, 128, 256} and chunk_size 64; got q ", shape_str(in.q.sizes()),
+                " ", in.q.scalar_type(), " on ", in.q.device(), ", v ", shape_str(in.v.sizes()),
+                ", chunk_size ", opt.chunk_size);
+    return delta_rule_kernel_forward(in, init.empty() ? Tensor() : init[0], opt);
+  }
+#endif
 
   MixerOutput chunkwise(const MixerInputs& in, const State& init,
                         const MixerOptions& opt) const override {

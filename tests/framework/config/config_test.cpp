@@ -15,7 +15,9 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstring>
+#include <functional>
 #include <fstream>
 #include <stdexcept>
 #include <string>
@@ -286,8 +288,8 @@ TEST_F(ConfigTest, OverrideErrorsNameThePath) {
   EXPECT_EQ(error("model.d_model.x=1"), "--set model.d_model.x=1: model.d_model is an integer, not a message: it has no "
                                         "field 'x'");
   EXPECT_EQ(error("model.mixer_options[3].window=1"),
-            "--set model.mixer_options[3].window=1: index 3 is out of range (mixer_options has 0 elements; [0] appends "
-            "one)");
+            "--set model.mixer_options[3].window=1: index 3 of model.mixer_options is out of range: expected 0 "
+            "(model.mixer_options has 0 elements; [0] appends one)");
   EXPECT_EQ(error("model.mixer_options.window=1"),
             "--set model.mixer_options.window=1: model.mixer_options is a list; pick an element with mixer_options[i]");
   EXPECT_EQ(error("model.d_model[0]=1"), "--set model.d_model[0]=1: model.d_model is not a list; drop the [0]");
@@ -295,6 +297,104 @@ TEST_F(ConfigTest, OverrideErrorsNameThePath) {
   EXPECT_EQ(error("data.mqar={num_kv: 1}").rfind("--set data.mqar={num_kv: 1}: the value is not a valid MqarTask: "
                                                   "unknown field \"num_kv\" in MqarTask", 0), 0u);
   EXPECT_EQ(error("a..b=1").rfind("--set a..b=1: 'a..b' is not a field path", 0), 0u);
+}
+
+// An index too large for any list (even for an int) is out of range, named with the digits as given,
+// the field path and the valid range; it once ended in "stoi".
+TEST_F(ConfigTest, HugeOverrideIndexNamesThePathAndTheRange) {
+  EXPECT_EQ(load_error(kValid, {"model.mixers[99999999999]=gla"}),
+            "--set model.mixers[99999999999]=gla: index 99999999999 of model.mixers is out of range: expected 0 to 1 "
+            "(model.mixers has 1 element; [1] appends one)");
+  EXPECT_EQ(load_error(kValid, {"model.mixers=gla,gla,gla", "model.mixers[3000000000000000000000000000]=gla"}),
+            "--set model.mixers[3000000000000000000000000000]=gla: index 3000000000000000000000000000 of model.mixers "
+            "is out of range: expected 0 to 3 (model.mixers has 3 elements; [3] appends one)");
+  EXPECT_EQ(load_error(kValid, {"model.mixer_options[2147483648].window=4"}),
+            "--set model.mixer_options[2147483648].window=4: index 2147483648 of model.mixer_options is out of range: "
+            "expected 0 (model.mixer_options has 0 elements; [0] appends one)");
+  EXPECT_EQ(load_error(kValid, {"model.d_model[99999999999]=1"}),
+            "--set model.d_model[99999999999]=1: model.d_model is not a list; drop the [99999999999]");
+}
+
+// Values whose products overflow int64 are refused by bounds and overflow-checked arithmetic, each
+// error naming the field, what was expected and what was found (they once crashed with SIGFPE, or
+// passed and failed later).
+TEST_F(ConfigTest, OverflowingValuesAreRefused) {
+  auto path = dir_ + "/run.textproto";
+  // chunk_size 2^62 with sp = 4: chunk_size*sp wrapped to 0, then seq_len % 0.
+  EXPECT_EQ(load_error(kValid, {"model.mixer_options[0].chunk_size=4611686018427387904", "parallel.sp=4"}),
+            path + ": model.mixer_options[0].chunk_size: must lie in [1, 65536], got 4611686018427387904 (set by --set "
+                   "model.mixer_options[0].chunk_size=4611686018427387904)");
+  // num_queries 2^62: 2*(num_kv_pairs + num_queries) wrapped below seq_len.
+  EXPECT_EQ(load_error(kValid, {"data.mqar.num_queries=4611686018427387904"}),
+            path + ": data.mqar.num_queries: must not exceed data.seq_len (128), got 4611686018427387904 (set by --set "
+                   "data.mqar.num_queries=4611686018427387904)");
+  // dp*sp = 7*7905747460161236407 wraps to 1.
+  EXPECT_EQ(load_error(kValid, {"parallel.dp=7", "parallel.sp=7905747460161236407"}),
+            path + ": parallel: dp*sp must be at most 2^20 = 1048576 ranks, got dp = 7, sp = 7905747460161236407 "
+                   "(dp*sp overflows int64) (set by --set parallel.sp=7905747460161236407)");
+  EXPECT_EQ(load_error(kValid, {"parallel.dp=1048576"}),
+            path + ": parallel: dp*sp must be at most 2^20 = 1048576 ranks, got dp = 1048576, sp = 2 (dp*sp = 2097152) "
+                   "(set by --set parallel.dp=1048576)");
+  EXPECT_EQ(load_error(kValid, {"data.seq_len=2199023255552"}),
+            path + ": data.seq_len: must lie in [1, 2^40 = 1099511627776], got 2199023255552 (set by --set "
+                   "data.seq_len=2199023255552)");
+  EXPECT_EQ(load_error(kValid, {"data.needle={value_len: 4611686018427387904 num_distractors: 3}", "model.vocab_size=8192"}),
+            path + ": data.needle.value_len: must not exceed data.seq_len (128), got 4611686018427387904 (set by --set "
+                   "data.needle={value_len: 4611686018427387904 num_distractors: 3})");
+  // The layout check against the launch does not wrap either.
+  RunConfig c;
+  c.mutable_parallel()->set_dp(7);
+  c.mutable_parallel()->set_sp(7905747460161236407);
+  try {
+    validate_layout(c, 1);
+    FAIL() << "no error";
+  } catch (const ConfigError& e) {
+    EXPECT_EQ(std::string(e.what()),
+              "parallel: dp*sp overflows int64 (dp = 7, sp = 7905747460161236407); the launch has 1 ranks");
+  }
+}
+
+// inf and nan pass "> 0" style checks; every floating field of the schema (optimizer and model
+// hyperparameters alike) must be finite, reported once, from --set and from a file alike.
+TEST_F(ConfigTest, NonFiniteHyperparametersAreRefused) {
+  auto path = dir_ + "/run.textproto";
+  // Every double and float field reachable from RunConfig through singular messages.
+  std::vector<std::string> fields;
+  std::function<void(const google::protobuf::Descriptor*, const std::string&)> walk =
+      [&](const google::protobuf::Descriptor* d, const std::string& prefix) {
+        for (int i = 0; i < d->field_count(); ++i) {
+          auto* f = d->field(i);
+          if (f->cpp_type() == google::protobuf::FieldDescriptor::CPPTYPE_MESSAGE && !f->is_repeated())
+            walk(f->message_type(), prefix + f->name() + ".");
+          else if (f->cpp_type() == google::protobuf::FieldDescriptor::CPPTYPE_DOUBLE ||
+                   f->cpp_type() == google::protobuf::FieldDescriptor::CPPTYPE_FLOAT)
+            fields.push_back(prefix + f->name());
+        }
+      };
+  walk(RunConfig::descriptor(), "");
+  for (const char* f : {"optimizer.lr", "optimizer.eps", "optimizer.weight_decay", "optimizer.grad_clip",
+                        "model.norm_eps", "model.init_std", "model.mlp_ratio"})
+    EXPECT_NE(std::find(fields.begin(), fields.end(), f), fields.end()) << f;
+  for (auto& field : fields)
+    for (std::string v : {"inf", "-inf", "nan"}) {
+      std::string set = field + "=" + v;
+      EXPECT_EQ(load_error(kValid, {set}), path + ": " + field + ": must be a finite number, got " + v +
+                                               " (set by --set " + set + ")");
+    }
+  // From the file, with its location; a model preset on its own too.
+  auto msg = load_error(std::string(kValid) + "optimizer { weight_decay: inf }\n");
+  EXPECT_EQ(msg, path + ":15:13: optimizer.weight_decay: must be a finite number, got inf");
+  auto preset = write("m.textproto", "vocab_size: 256\nd_model: 64\nn_layers: 2\nn_heads: 4\nmixers: \"gla\"\n"
+                                     "norm_eps: nan\n");
+  try {
+    load_model_config(preset);
+    ADD_FAILURE() << "a NaN norm_eps was accepted";
+  } catch (const ConfigError& e) {
+    EXPECT_EQ(std::string(e.what()), preset + ":6:1: norm_eps: must be a finite number, got nan");
+  }
+  // A finite value still gets its own check.
+  EXPECT_EQ(load_error(kValid, {"optimizer.eps=0"}),
+            path + ": optimizer.eps: must be positive, got 0 (set by --set optimizer.eps=0)");
 }
 
 TEST_F(ConfigTest, ValidationErrorFromAnOverrideSaysSo) {

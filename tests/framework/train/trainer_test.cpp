@@ -17,6 +17,8 @@
 #include <csignal>
 #include <cstdio>
 #include <cstring>
+#include <fstream>
+#include <iterator>
 
 #include <signal.h>
 
@@ -306,6 +308,50 @@ TEST(Trainer, NonFiniteLossThrowsBeforeTheUpdate) {
   EXPECT_EQ(t.step(), 1);
   for (size_t i = 0; i < params.size(); ++i)
     EXPECT_TRUE(at::allclose(params[i].second, before[i], 0, 0, /*equal_nan=*/true)) << params[i].first;
+}
+
+// A checkpoint is never written with a non-finite parameter: the trainer refuses, naming the step and
+// the first such tensor, writes nothing and leaves `latest` on the previous checkpoint.
+TEST(Trainer, NonFiniteParameterIsNeverCheckpointed) {
+  auto dir = make_temp_dir("carry_trainer_nonfinite");
+  const std::string ck = dir + "/ck";
+  Trainer t(tiny_config({"checkpoint.dir=" + ck}), nullptr, quiet());
+  t.train_step();
+  t.save_checkpoint();
+  auto read = [](const std::string& path) {
+    std::ifstream f(path);
+    return std::string(std::istreambuf_iterator<char>(f), std::istreambuf_iterator<char>());
+  };
+  ASSERT_EQ(read(ck + "/latest"), "step_00000001\n");
+  t.train_step();
+  auto params = t.model().parameters();
+  ASSERT_GE(params.size(), 2u);
+  std::string first = params[0].first;
+  {
+    at::NoGradGuard no_grad;
+    params[0].second.view({-1})[1].fill_(std::nan(""));
+    for (auto& [n, p] : params)
+      if (n == "norm.weight") p.view({-1})[0].fill_(INFINITY);
+  }
+  try {
+    t.save_checkpoint();
+    ADD_FAILURE() << "a checkpoint with non-finite parameters was written";
+  } catch (const c10::Error& e) {
+    std::string m = e.what_without_backtrace();
+    EXPECT_EQ(m.find("trainer: step 2: refusing to write a checkpoint to " + ck + ": parameter '" + first +
+                     "' is not finite (1 NaN and 0 infinite of its " + std::to_string(params[0].second.numel()) +
+                     " values; non-finite parameter tensors: 2 of " + std::to_string(params.size()) +
+                     "); nothing was written and 'latest' still names the previous checkpoint."),
+              0u)
+        << m;
+    EXPECT_EQ(m.find('\n'), std::string::npos) << m;
+  }
+  EXPECT_EQ(read(ck + "/latest"), "step_00000001\n");
+  EXPECT_EQ(list_checkpoint_steps(ck), std::vector<int64_t>{1});
+  auto loaded = load_latest_checkpoint(ck);
+  ASSERT_TRUE(loaded.has_value());
+  EXPECT_EQ(loaded->step, 1);
+  remove_tree(dir);
 }
 
 TEST(Trainer, WithoutProcessGroupsNeedsOneRank) {

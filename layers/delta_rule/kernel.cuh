@@ -1,0 +1,34 @@
+// Host launchers of the delta-rule kernel form (DeltaNet, Gated DeltaNet), FLA conventions:
+//   S_t = exp(g_t) (I − β_t k_t k_tᵀ) S_{t−1} + β_t k_t v_tᵀ,   o_t = scale · S_tᵀ q_t.
+// Inputs q, k [B,T,H,dk], v [B,T,H,dv] (bf16 or fp32, one dtype), g [B,T,H] log decay (undefined:
+// DeltaNet), beta [B,T,H], initial_state [B,H,dk,dv] fp32 (undefined: zeros). T a multiple of 64,
+// dk ∈ {64,128}, dv ∈ {64,128,256}. States and accumulation are fp32.
+//
+// gdn_fwd returns {o, final_state, saved...}; pass the saved tensors unchanged to gdn_bwd.
+// gdn_bwd returns {dq, dk, dv, dg (undefined for DeltaNet), dbeta, d_initial_state}.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <vector>
+
+namespace carry_gdn {
+
+// Saved for backward, in order: G (gate cumsums per chunk, fp32 [B,H,T]), Tinv ((I+L)⁻¹ per chunk,
+// fp32 [B,H,N,64,64]), W ([B,H,T,dk], input dtype), H (state entering each chunk, input dtype
+// [B,H,N,dk,dv]), V_new (U − W·S per chunk, input dtype [B,H,T,dv]).
+std::vector<at::Tensor> gdn_fwd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                const at::Tensor& g, const at::Tensor& beta, double scale,
+                                const at::Tensor& initial_state, int64_t chunk_size = 64);
+
+std::vector<at::Tensor> gdn_bwd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                const at::Tensor& g, const at::Tensor& beta, double scale,
+                                const at::Tensor& initial_state, const std::vector<at::Tensor>& saved,
+                                const at::Tensor& d_o, const at::Tensor& d_final_state,
+                                int64_t chunk_size = 64);
+
+// Debug: fill every output and intermediate with NaN right after allocation (unwritten
+// elements then show up in tests). Off by default.
+void gdn_set_poison(bool on);
+
+}  // namespace carry_gdn

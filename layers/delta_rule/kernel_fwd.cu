@@ -1,0 +1,646 @@
+// Forward kernels of the delta rule (DeltaNet, Gated DeltaNet), chunk C = 64, WY/UT form.
+//
+// Three kernels; only the second is sequential (over chunks):
+//  1. prep_kernel, grid (N chunks, H, B), 256 threads. One block owns one chunk of one head.
+//     Reads k [C,dk], v [C,dv], g, beta. In shared memory: K, A = strictly_lower(diag(β)KKᵀ ⊙ Γ)
+//     and its inverse T = (I+A)⁻¹ (fp32, 16x16 diagonal blocks by substitution, then the
+//     off-diagonal blocks by distance), V tiles of 64. Writes G (gate cumsum, fp32), T (fp32,
+//     saved for backward), W = T·(β e^G K) and U = T·(β V) in the input dtype.
+//     HBM floor per token and head: read 2(dk+dv) bytes, write 2(dk+dv) + 4·64 + 4 bytes (bf16).
+//     FLOPs per chunk: 2·C²·dk (KKᵀ) + 2·C²·(dk+dv) (W, U), on tensor cores for bf16.
+//  2. fwd_state_kernel, grid (dv/BV, H, B), 128 threads. One block owns one BV-wide column tile
+//     of one head's state and walks the chunks in order. The state tile S [dk,BV] stays in shared
+//     memory in fp32 for the whole sequence; per chunk it streams in W, K [C,dk] and U [C,BV]
+//     (double-buffered with cp.async for bf16) and streams out H_c = S (input dtype, saved) and
+//     V_new = U − W·S; then S ← e^{G_C} S + Kᵀ (e^{G_C−G} ⊙ V_new).
+//     Per chunk: 2·C·dk·BV·2 FLOPs; HBM reads 2C(2dk+BV), writes 2(dk·BV + C·BV) bytes (bf16).
+//  3. fwd_o_kernel, grid (N, H, B), 256 threads. One block owns one chunk of one head (all of dv,
+//     in tiles of 64): P = scale·(QKᵀ ⊙ Γ ⊙ causal) once, then per dv tile
+//     O = scale·e^G ⊙ (Q·H_c) + P·V_new. Reads q, k [C,dk], H_c [dk,dv], V_new [C,dv].
+#include "layers/delta_rule/kernel.cuh"
+#include "layers/delta_rule/kernel_common.cuh"
+#include "layers/delta_rule/kernel_launch.h"
+
+#include <atomic>
+#include <cstdlib>
+#include <type_traits>
+
+namespace carry_gdn {
+
+namespace {
+std::atomic<bool> g_poison{false};
+}
+bool poison_enabled() { return g_poison.load(); }
+// State-kernel choice for bf16 (experiments), CARRY_GDN_STATE: 0 (default): mma.sync kernel, BV 16,
+// 4 warps; 5: mma BV 32, 4 warps; 6: mma BV 32, 8 warps; 7: mma BV 16, 8 warps;
+// generic wmma kernel: 4: BV 32, 4 warps; 1: BV 32, 8 warps; 2: BV 16, 4 warps; 3: BV 16, 8 warps.
+int state_cfg() {
+  static int cfg = [] { const char* e = std::getenv("CARRY_GDN_STATE"); return e ? std::atoi(e) : 0; }();
+  return cfg;
+}
+void gdn_set_poison(bool on) { g_poison.store(on); }
+
+namespace {
+
+constexpr size_t al128(size_t x) { return (x + 127) & ~size_t(127); }
+
+// ---------------------------------------------------------------------------------------------
+// 1. chunk preparation
+template <typename T, int DK>
+struct PrepSmem {
+  static constexpr int C = kChunk, P = pad_of<T>();
+  static constexpr int LK = DK + P, LA = C + kPadF, LTb = C + P, LO = DK + kPadF, LV = 64 + P;
+  static constexpr size_t oK = 0;
+  static constexpr size_t oA = al128(oK + C * LK * sizeof(T));
+  static constexpr size_t oTm = al128(oA + C * LA * 4);
+  static constexpr size_t oTb = al128(oTm + C * LA * 4);
+  static constexpr size_t oO = al128(oTb + C * LTb * sizeof(T));
+  static constexpr size_t oV = al128(oO + C * LO * 4);
+  static constexpr size_t oG = al128(oV + C * LV * sizeof(T));
+  static constexpr size_t oB = oG + C * 4;
+  static constexpr size_t bytes = oB + C * 4;
+};
+
+// sA holds A (strictly lower, fp32); writes T = (I + A)⁻¹ into sTm. sZ: scratch of 3·256 floats.
+template <int NT>
+__device__ __forceinline__ void unit_lower_inverse64(const float* sA, float* sTm, int LA, float* sZ) {
+  const int tid = threadIdx.x;
+  // diagonal 16x16 blocks: one thread per (block, column), substitution down the column
+  if (tid < 64) {
+    const int r0 = (tid / 16) * 16, col = tid % 16;
+    float x[16];
+#pragma unroll
+    for (int i = 0; i < 16; ++i) {
+      float s = (i == col) ? 1.f : 0.f;
+#pragma unroll
+      for (int j = 0; j < i; ++j) s -= sA[(r0 + i) * LA + r0 + j] * x[j];
+      x[i] = s;
+    }
+#pragma unroll
+    for (int i = 0; i < 16; ++i) sTm[(r0 + i) * LA + r0 + col] = x[i];
+  }
+  __syncthreads();
+  // off-diagonal blocks at block distance d: T_IJ = −T_II · Σ_{K=J}^{I−1} A_IK T_KJ
+  for (int d = 1; d < 4; ++d) {
+    const int nb = 4 - d;
+    for (int e = tid; e < nb * 256; e += NT) {
+      const int J = e / 256, I = J + d, r = (e % 256) / 16, cc = e % 16;
+      float s = 0.f;
+      for (int kk = J * 16; kk < I * 16; ++kk) s += sA[(I * 16 + r) * LA + kk] * sTm[kk * LA + J * 16 + cc];
+      sZ[e] = s;
+    }
+    __syncthreads();
+    for (int e = tid; e < nb * 256; e += NT) {
+      const int J = e / 256, I = J + d, r = (e % 256) / 16, cc = e % 16;
+      float s = 0.f;
+#pragma unroll
+      for (int kk = 0; kk < 16; ++kk) s += sTm[(I * 16 + r) * LA + I * 16 + kk] * sZ[J * 256 + kk * 16 + cc];
+      sTm[(I * 16 + r) * LA + J * 16 + cc] = -s;
+    }
+    __syncthreads();
+  }
+}
+
+template <typename T, int DK, int DV>
+__global__ void __launch_bounds__(256) prep_kernel(const T* __restrict__ k, const T* __restrict__ v,
+                                                   const float* __restrict__ g, const float* __restrict__ beta,
+                                                   float* __restrict__ Gc, float* __restrict__ Tm,
+                                                   T* __restrict__ W, T* __restrict__ U, int T_, int H) {
+  constexpr int C = kChunk, NT = 256, NW = 8;
+  using L = PrepSmem<T, DK>;
+  extern __shared__ __align__(128) char smem[];
+  T* sK = reinterpret_cast<T*>(smem + L::oK);
+  float* sA = reinterpret_cast<float*>(smem + L::oA);
+  float* sTm = reinterpret_cast<float*>(smem + L::oTm);
+  T* sTb = reinterpret_cast<T*>(smem + L::oTb);
+  float* sO = reinterpret_cast<float*>(smem + L::oO);
+  T* sV = reinterpret_cast<T*>(smem + L::oV);
+  float* sG = reinterpret_cast<float*>(smem + L::oG);
+  float* sB = reinterpret_cast<float*>(smem + L::oB);
+
+  const int c = blockIdx.x, h = blockIdx.y, b = blockIdx.z, tid = threadIdx.x;
+  const int N = T_ / C;
+  const long t0 = (long)c * C, bh = (long)b * H + h;
+  const long rowk = (long)H * DK, rowv = (long)H * DV;
+
+  load_tile_async<T, C, DK, NT>(sK, L::LK, k + ((long)b * T_ + t0) * rowk + (long)h * DK, rowk);
+  cp_async_commit();
+  if (tid < C) {
+    const long idx = ((long)b * T_ + t0 + tid) * H + h;
+    sG[tid] = g ? g[idx] : 0.f;
+    sB[tid] = beta[idx];
+  }
+  __syncthreads();
+  if (tid < 32) warp_cumsum64(sG);
+  cp_async_wait<0>();
+  __syncthreads();
+  if (tid < C) Gc[bh * T_ + t0 + tid] = sG[tid];
+
+  gemm<T, C, C, DK, false, true, NW>(sK, L::LK, sK, L::LK, sA, L::LA, false);  // K Kᵀ
+  __syncthreads();
+  for (int i = tid; i < C * C; i += NT) {
+    const int r = i / C, s = i % C;
+    const float a = sA[r * L::LA + s];
+    sA[r * L::LA + s] = s < r ? sB[r] * a * expf(sG[r] - sG[s]) : 0.f;
+    sTm[r * L::LA + s] = 0.f;
+  }
+  __syncthreads();
+  unit_lower_inverse64<NT>(sA, sTm, L::LA, sO);
+
+  float* tm = Tm + (bh * N + c) * C * C;
+  for (int i = tid; i < C * C; i += NT) {
+    const int r = i / C, s = i % C;
+    const float x = sTm[r * L::LA + s];
+    tm[i] = x;
+    sTb[r * L::LTb + s] = from_f<T>(x);
+  }
+  for (int i = tid; i < C * DK; i += NT) {
+    const int r = i / DK, j = i % DK;
+    sK[r * L::LK + j] = from_f<T>(to_f(sK[r * L::LK + j]) * sB[r] * expf(sG[r]));
+  }
+  __syncthreads();
+  const T* pT;
+  int ldT;
+  if constexpr (std::is_same<T, float>::value) { pT = sTm; ldT = L::LA; }
+  else { pT = sTb; ldT = L::LTb; }
+
+  gemm<T, C, DK, C, false, false, NW>(pT, ldT, sK, L::LK, sO, L::LO, false);  // W = T (β e^G K)
+  __syncthreads();
+  store_tile<T, C, DK, NT>(W + (bh * T_ + t0) * DK, DK, sO, L::LO);
+  for (int v0 = 0; v0 < DV; v0 += 64) {
+    __syncthreads();
+    load_tile_async<T, C, 64, NT>(sV, L::LV, v + ((long)b * T_ + t0) * rowv + (long)h * DV + v0, rowv);
+    cp_async_commit();
+    cp_async_wait<0>();
+    __syncthreads();
+    for (int i = tid; i < C * 64; i += NT) {
+      const int r = i / 64, j = i % 64;
+      sV[r * L::LV + j] = from_f<T>(to_f(sV[r * L::LV + j]) * sB[r]);
+    }
+    __syncthreads();
+    gemm<T, C, 64, C, false, false, NW>(pT, ldT, sV, L::LV, sO, L::LO, false);  // U = T (β V)
+    __syncthreads();
+    store_tile<T, C, 64, NT>(U + (bh * T_ + t0) * DV + v0, DV, sO, L::LO);
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// 2. state recurrence over chunks
+template <typename T, int DK, int BV, int NBUF>
+struct StateSmem {
+  static constexpr int C = kChunk, P = pad_of<T>();
+  static constexpr int LK = DK + P, LS = BV + kPadF, LSb = BV + P, LU = BV + P;
+  static constexpr size_t oS = 0;
+  static constexpr size_t oSb = al128(oS + DK * LS * 4);
+  static constexpr size_t oW = al128(oSb + DK * LSb * sizeof(T));
+  static constexpr size_t oK = al128(oW + NBUF * C * LK * sizeof(T));
+  static constexpr size_t oU = al128(oK + NBUF * C * LK * sizeof(T));
+  static constexpr size_t oG = al128(oU + NBUF * C * LU * sizeof(T));
+  static constexpr size_t oVn = al128(oG + NBUF * C * 4);
+  static constexpr size_t oVnb = al128(oVn + C * LS * 4);
+  static constexpr size_t bytes = oVnb + C * LSb * sizeof(T);
+};
+
+template <typename T, int DK, int DV, int BV, int NBUF, int NW>
+__global__ void __launch_bounds__(NW * 32) fwd_state_kernel(const T* __restrict__ k, const T* __restrict__ W,
+                                                        const T* __restrict__ U, const float* __restrict__ Gc,
+                                                        const float* __restrict__ S0, T* __restrict__ Hs,
+                                                        T* __restrict__ Vn, float* __restrict__ Sfin,
+                                                        int T_, int H) {
+  constexpr int C = kChunk, NT = NW * 32;
+  using L = StateSmem<T, DK, BV, NBUF>;
+  extern __shared__ __align__(128) char smem[];
+  float* sS = reinterpret_cast<float*>(smem + L::oS);
+  T* sSb = reinterpret_cast<T*>(smem + L::oSb);
+  T* sW = reinterpret_cast<T*>(smem + L::oW);
+  T* sK = reinterpret_cast<T*>(smem + L::oK);
+  T* sU = reinterpret_cast<T*>(smem + L::oU);
+  float* sG = reinterpret_cast<float*>(smem + L::oG);
+  float* sVn = reinterpret_cast<float*>(smem + L::oVn);
+  T* sVnb = reinterpret_cast<T*>(smem + L::oVnb);
+
+  const int v0 = blockIdx.x * BV, h = blockIdx.y, b = blockIdx.z, tid = threadIdx.x;
+  const int N = T_ / C;
+  const long bh = (long)b * H + h;
+
+  auto issue = [&](int c, int buf) {
+    const long t0 = (long)c * C;
+    load_tile_async<T, C, DK, NT>(sW + buf * C * L::LK, L::LK, W + (bh * T_ + t0) * DK, DK);
+    load_tile_async<T, C, DK, NT>(sK + buf * C * L::LK, L::LK, k + ((long)b * T_ + t0) * H * DK + (long)h * DK,
+                                  (long)H * DK);
+    load_tile_async<T, C, BV, NT>(sU + buf * C * L::LU, L::LU, U + (bh * T_ + t0) * DV + v0, DV);
+    if (tid < C / 4) cp_async16(sG + buf * C + tid * 4, Gc + bh * T_ + t0 + tid * 4);
+  };
+
+  for (int i = tid; i < DK * BV; i += NT) {
+    const int r = i / BV, j = i % BV;
+    sS[r * L::LS + j] = S0 ? S0[(bh * DK + r) * DV + v0 + j] : 0.f;
+  }
+  if constexpr (NBUF == 2) {
+    issue(0, 0);
+    cp_async_commit();
+  }
+  __syncthreads();
+
+  for (int c = 0; c < N; ++c) {
+    const int buf = NBUF == 2 ? (c & 1) : 0;
+    T* hc = Hs + (bh * N + c) * DK * DV + v0;
+    for (int i = tid; i < DK * BV; i += NT) {
+      const int r = i / BV, j = i % BV;
+      const T x = from_f<T>(sS[r * L::LS + j]);
+      sSb[r * L::LSb + j] = x;
+      hc[(long)r * DV + j] = x;
+    }
+    if constexpr (NBUF == 2) {
+      if (c + 1 < N) issue(c + 1, buf ^ 1);
+      cp_async_commit();
+      cp_async_wait<1>();
+    } else {
+      issue(c, 0);
+      cp_async_commit();
+      cp_async_wait<0>();
+    }
+    __syncthreads();
+    const T* cW = sW + buf * C * L::LK;
+    const T* cK = sK + buf * C * L::LK;
+    const T* cU = sU + buf * C * L::LU;
+    const float* G = sG + buf * C;
+
+    gemm<T, C, BV, DK, false, false, NW>(cW, L::LK, sSb, L::LSb, sVn, L::LS, false);  // W·S
+    __syncthreads();
+    const float gl = G[C - 1], egl = expf(gl);
+    T* vn = Vn + (bh * T_ + (long)c * C) * DV + v0;
+    for (int i = tid; i < C * BV; i += NT) {
+      const int r = i / BV, j = i % BV;
+      const T x = from_f<T>(to_f(cU[r * L::LU + j]) - sVn[r * L::LS + j]);
+      vn[(long)r * DV + j] = x;
+      sVnb[r * L::LSb + j] = from_f<T>(to_f(x) * expf(gl - G[r]));
+    }
+    for (int i = tid; i < DK * BV; i += NT) {
+      const int r = i / BV, j = i % BV;
+      sS[r * L::LS + j] *= egl;
+    }
+    __syncthreads();
+    gemm<T, DK, BV, C, true, false, NW>(cK, L::LK, sVnb, L::LSb, sS, L::LS, true);  // += Kᵀ(e^{G_C−G} V_new)
+    __syncthreads();
+  }
+  for (int i = tid; i < DK * BV; i += NT) {
+    const int r = i / BV, j = i % BV;
+    Sfin[(bh * DK + r) * DV + v0 + j] = sS[r * L::LS + j];
+  }
+}
+
+// 2b. bf16 state recurrence on raw tensor cores. Same plan as fwd_state_kernel, but the fp32
+// state tile lives in registers as mma accumulators: warp w owns the 16x16 units
+// u = w, w+NW, ... of S [dk,BV] (unit u: rows 16·(u / (BV/16)), columns 16·(u % (BV/16))).
+// Per chunk: S -> bf16 shared copy Sb (B operand of W·S, and H_c written from it with 16-byte
+// stores); V_new = U − W·Sb by units of 16 rows x 16 columns; S ← e^{G_C} S + Kᵀ·(e^{G_C−G} V_new)
+// with Kᵀ read by ldmatrix.trans. Three block barriers per chunk.
+template <int DK, int BV, int NBUF>
+struct StateMmaSmem {
+  static constexpr int C = kChunk, LK = DK + 8, LB = BV + 8;
+  static constexpr size_t oSb = 0;
+  static constexpr size_t oW = al128(oSb + DK * LB * 2);
+  static constexpr size_t oK = al128(oW + NBUF * C * LK * 2);
+  static constexpr size_t oU = al128(oK + NBUF * C * LK * 2);
+  static constexpr size_t oG = al128(oU + NBUF * C * LB * 2);
+  static constexpr size_t oVb = al128(oG + NBUF * C * 4);
+  static constexpr size_t bytes = oVb + C * LB * 2;
+};
+
+template <int DK, int DV, int BV, int NW>
+__global__ void __launch_bounds__(NW * 32) fwd_state_mma_kernel(const bf16* __restrict__ k, const bf16* __restrict__ W,
+                                                                const bf16* __restrict__ U, const float* __restrict__ Gc,
+                                                                const float* __restrict__ S0, bf16* __restrict__ Hs,
+                                                                bf16* __restrict__ Vn, float* __restrict__ Sfin,
+                                                                int T_, int H) {
+  constexpr int C = kChunk, NT = NW * 32, NP = BV / 16, NBUF = 2;
+  constexpr int U2 = (DK / 16) * NP, U2W = U2 / NW, U1 = (C / 16) * NP;
+  static_assert(U2 % NW == 0, "state units must split evenly over warps");
+  using L = StateMmaSmem<DK, BV, NBUF>;
+  constexpr int LK = L::LK, LB = L::LB;
+  extern __shared__ __align__(128) char smem[];
+  bf16* sSb = reinterpret_cast<bf16*>(smem + L::oSb);
+  bf16* sW = reinterpret_cast<bf16*>(smem + L::oW);
+  bf16* sK = reinterpret_cast<bf16*>(smem + L::oK);
+  bf16* sU = reinterpret_cast<bf16*>(smem + L::oU);
+  float* sG = reinterpret_cast<float*>(smem + L::oG);
+  bf16* sVb = reinterpret_cast<bf16*>(smem + L::oVb);
+
+  const int v0 = blockIdx.x * BV, h = blockIdx.y, b = blockIdx.z, tid = threadIdx.x;
+  const int lane = tid & 31, warp = tid >> 5, g = lane >> 2, t4 = lane & 3;
+  const int N = T_ / C;
+  const long bh = (long)b * H + h;
+
+  auto issue = [&](int c, int buf) {
+    const long t0 = (long)c * C;
+    load_tile_async<bf16, C, DK, NT>(sW + buf * C * LK, LK, W + (bh * T_ + t0) * DK, DK);
+    load_tile_async<bf16, C, DK, NT>(sK + buf * C * LK, LK, k + ((long)b * T_ + t0) * H * DK + (long)h * DK,
+                                     (long)H * DK);
+    load_tile_async<bf16, C, BV, NT>(sU + buf * C * LB, LB, U + (bh * T_ + t0) * DV + v0, DV);
+    if (tid < C / 4) cp_async16(sG + buf * C + tid * 4, Gc + bh * T_ + t0 + tid * 4);
+  };
+
+  float acc[U2W][2][4];
+#pragma unroll
+  for (int i = 0; i < U2W; ++i) {
+    const int u = warp + i * NW, m0 = (u / NP) * 16, n0 = (u % NP) * 16;
+#pragma unroll
+    for (int nt = 0; nt < 2; ++nt) {
+      const int col = v0 + n0 + nt * 8 + 2 * t4;
+#pragma unroll
+      for (int hf = 0; hf < 2; ++hf) {
+        const int row = m0 + g + hf * 8;
+        acc[i][nt][2 * hf] = S0 ? S0[(bh * DK + row) * DV + col] : 0.f;
+        acc[i][nt][2 * hf + 1] = S0 ? S0[(bh * DK + row) * DV + col + 1] : 0.f;
+      }
+    }
+  }
+  issue(0, 0);
+  cp_async_commit();
+
+  for (int c = 0; c < N; ++c) {
+    const int buf = c & 1;
+    // S -> Sb (bf16)
+#pragma unroll
+    for (int i = 0; i < U2W; ++i) {
+      const int u = warp + i * NW, m0 = (u / NP) * 16, n0 = (u % NP) * 16;
+#pragma unroll
+      for (int nt = 0; nt < 2; ++nt) {
+        const int col = n0 + nt * 8 + 2 * t4;
+        *reinterpret_cast<unsigned*>(sSb + (m0 + g) * LB + col) = tc::pack_bf16(acc[i][nt][0], acc[i][nt][1]);
+        *reinterpret_cast<unsigned*>(sSb + (m0 + g + 8) * LB + col) = tc::pack_bf16(acc[i][nt][2], acc[i][nt][3]);
+      }
+    }
+    if (c + 1 < N) issue(c + 1, buf ^ 1);
+    cp_async_commit();
+    cp_async_wait<1>();
+    __syncthreads();
+    const bf16* cW = sW + buf * C * LK;
+    const bf16* cK = sK + buf * C * LK;
+    const bf16* cU = sU + buf * C * LB;
+    const float* G = sG + buf * C;
+    {  // H_c = S (16-byte copies)
+      bf16* hc = Hs + (bh * N + c) * DK * DV + v0;
+      constexpr int VR = BV / 8;
+      for (int i = tid; i < DK * VR; i += NT) {
+        const int r = i / VR, cv = (i % VR) * 8;
+        *reinterpret_cast<uint4*>(hc + (long)r * DV + cv) = *reinterpret_cast<const uint4*>(sSb + r * LB + cv);
+      }
+    }
+    const float gl = G[C - 1];
+    // V_new = U − W·S; Vb = e^{G_C−G} V_new
+    for (int u1 = warp; u1 < U1; u1 += NW) {
+      const int m0 = (u1 / NP) * 16, n0 = (u1 % NP) * 16;
+      float v[2][4] = {};
+#pragma unroll
+      for (int k0 = 0; k0 < DK; k0 += 16) {
+        unsigned a[4], bb[4];
+        tc::load_a(a, cW, LK, m0, k0);
+        tc::load_b2_t(bb, sSb, LB, k0, n0);
+        tc::mma16816(v[0], a, bb[0], bb[1]);
+        tc::mma16816(v[1], a, bb[2], bb[3]);
+      }
+      bf16* vn = Vn + (bh * T_ + (long)c * C) * DV + v0;
+#pragma unroll
+      for (int hf = 0; hf < 2; ++hf) {
+        const int r = m0 + g + hf * 8;
+        const float e = expf(gl - G[r]);
+#pragma unroll
+        for (int nt = 0; nt < 2; ++nt) {
+          const int col = n0 + nt * 8 + 2 * t4;
+          const float2 uu = tc::unpack_bf16(*reinterpret_cast<const unsigned*>(cU + r * LB + col));
+          const unsigned x = tc::pack_bf16(uu.x - v[nt][2 * hf], uu.y - v[nt][2 * hf + 1]);
+          *reinterpret_cast<unsigned*>(vn + (long)r * DV + col) = x;
+          const float2 xf = tc::unpack_bf16(x);
+          *reinterpret_cast<unsigned*>(sVb + r * LB + col) = tc::pack_bf16(xf.x * e, xf.y * e);
+        }
+      }
+    }
+    __syncthreads();
+    const float egl = expf(gl);
+#pragma unroll
+    for (int i = 0; i < U2W; ++i) {
+      const int u = warp + i * NW, m0 = (u / NP) * 16, n0 = (u % NP) * 16;
+#pragma unroll
+      for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) acc[i][nt][e] *= egl;
+#pragma unroll
+      for (int k0 = 0; k0 < C; k0 += 16) {
+        unsigned a[4], bb[4];
+        tc::load_a_t(a, cK, LK, m0, k0);
+        tc::load_b2_t(bb, sVb, LB, k0, n0);
+        tc::mma16816(acc[i][0], a, bb[0], bb[1]);
+        tc::mma16816(acc[i][1], a, bb[2], bb[3]);
+      }
+    }
+    __syncthreads();
+  }
+#pragma unroll
+  for (int i = 0; i < U2W; ++i) {
+    const int u = warp + i * NW, m0 = (u / NP) * 16, n0 = (u % NP) * 16;
+#pragma unroll
+    for (int nt = 0; nt < 2; ++nt) {
+      const int col = v0 + n0 + nt * 8 + 2 * t4;
+#pragma unroll
+      for (int hf = 0; hf < 2; ++hf) {
+        const int row = m0 + g + hf * 8;
+        *reinterpret_cast<float2*>(Sfin + (bh * DK + row) * DV + col) =
+            make_float2(acc[i][nt][2 * hf], acc[i][nt][2 * hf + 1]);
+      }
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// 3. output
+template <typename T, int DK>
+struct OutSmem {
+  static constexpr int C = kChunk, P = pad_of<T>();
+  static constexpr int LK = DK + P, LA = C + kPadF, LPb = C + P, LV = 64 + P, LO = 64 + kPadF;
+  static constexpr size_t oQ = 0;
+  static constexpr size_t oK = al128(oQ + C * LK * sizeof(T));
+  static constexpr size_t oP = al128(oK + C * LK * sizeof(T));
+  static constexpr size_t oPb = al128(oP + C * LA * 4);
+  static constexpr size_t oH = al128(oPb + C * LPb * sizeof(T));
+  static constexpr size_t oV = al128(oH + DK * LV * sizeof(T));
+  static constexpr size_t oO = al128(oV + C * LV * sizeof(T));
+  static constexpr size_t oG = al128(oO + C * LO * 4);
+  static constexpr size_t bytes = oG + C * 4;
+};
+
+template <typename T, int DK, int DV>
+__global__ void __launch_bounds__(256) fwd_o_kernel(const T* __restrict__ q, const T* __restrict__ k,
+                                                    const float* __restrict__ Gc, const T* __restrict__ Hs,
+                                                    const T* __restrict__ Vn, T* __restrict__ O, float scale,
+                                                    int T_, int H) {
+  constexpr int C = kChunk, NT = 256, NW = 8;
+  using L = OutSmem<T, DK>;
+  extern __shared__ __align__(128) char smem[];
+  T* sQ = reinterpret_cast<T*>(smem + L::oQ);
+  T* sK = reinterpret_cast<T*>(smem + L::oK);
+  float* sP = reinterpret_cast<float*>(smem + L::oP);
+  T* sPb = reinterpret_cast<T*>(smem + L::oPb);
+  T* sH = reinterpret_cast<T*>(smem + L::oH);
+  T* sV = reinterpret_cast<T*>(smem + L::oV);
+  float* sO = reinterpret_cast<float*>(smem + L::oO);
+  float* sG = reinterpret_cast<float*>(smem + L::oG);
+
+  const int c = blockIdx.x, h = blockIdx.y, b = blockIdx.z, tid = threadIdx.x;
+  const int N = T_ / C;
+  const long t0 = (long)c * C, bh = (long)b * H + h, rowk = (long)H * DK, rowv = (long)H * DV;
+  load_tile_async<T, C, DK, NT>(sQ, L::LK, q + ((long)b * T_ + t0) * rowk + (long)h * DK, rowk);
+  load_tile_async<T, C, DK, NT>(sK, L::LK, k + ((long)b * T_ + t0) * rowk + (long)h * DK, rowk);
+  cp_async_commit();
+  if (tid < C) sG[tid] = Gc[bh * T_ + t0 + tid];
+  cp_async_wait<0>();
+  __syncthreads();
+  gemm<T, C, C, DK, false, true, NW>(sQ, L::LK, sK, L::LK, sP, L::LA, false);  // Q Kᵀ
+  __syncthreads();
+  const T* pP;
+  int ldP;
+  if constexpr (std::is_same<T, float>::value) { pP = sP; ldP = L::LA; }
+  else { pP = sPb; ldP = L::LPb; }
+  for (int i = tid; i < C * C; i += NT) {
+    const int r = i / C, s = i % C;
+    const float x = s <= r ? scale * sP[r * L::LA + s] * expf(sG[r] - sG[s]) : 0.f;
+    if constexpr (std::is_same<T, float>::value) sP[r * L::LA + s] = x;
+    else sPb[r * L::LPb + s] = from_f<T>(x);
+  }
+  for (int v0 = 0; v0 < DV; v0 += 64) {
+    load_tile_async<T, DK, 64, NT>(sH, L::LV, Hs + ((bh * N + c) * DK) * DV + v0, DV);
+    load_tile_async<T, C, 64, NT>(sV, L::LV, Vn + (bh * T_ + t0) * DV + v0, DV);
+    cp_async_commit();
+    cp_async_wait<0>();
+    __syncthreads();
+    gemm<T, C, 64, DK, false, false, NW>(sQ, L::LK, sH, L::LV, sO, L::LO, false);  // Q·H_c
+    __syncthreads();
+    for (int i = tid; i < C * 64; i += NT) {
+      const int r = i / 64, j = i % 64;
+      sO[r * L::LO + j] *= scale * expf(sG[r]);
+    }
+    __syncthreads();
+    gemm<T, C, 64, C, false, false, NW>(pP, ldP, sV, L::LV, sO, L::LO, true);  // += P·V_new
+    __syncthreads();
+    store_tile<T, C, 64, NT>(O + ((long)b * T_ + t0) * rowv + (long)h * DV + v0, rowv, sO, L::LO);
+    __syncthreads();
+  }
+}
+
+template <typename K>
+void set_smem(K kernel, size_t bytes) {
+  C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)bytes));
+}
+
+template <typename T, int DK, int DV>
+void fwd_impl(const Dims& d, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const float* g,
+              const float* beta, float scale, const float* S0, at::Tensor& Gc, at::Tensor& Tm, at::Tensor& W,
+              at::Tensor& U, at::Tensor& Hs, at::Tensor& Vn, at::Tensor& Sfin, at::Tensor& O) {
+  auto stream = at::cuda::getCurrentCUDAStream();
+  const T* qp = reinterpret_cast<const T*>(q.data_ptr());
+  const T* kp = reinterpret_cast<const T*>(k.data_ptr());
+  const T* vp = reinterpret_cast<const T*>(v.data_ptr());
+  T* Wp = reinterpret_cast<T*>(W.data_ptr());
+  T* Up = reinterpret_cast<T*>(U.data_ptr());
+  T* Hp = reinterpret_cast<T*>(Hs.data_ptr());
+  T* Vnp = reinterpret_cast<T*>(Vn.data_ptr());
+  T* Op = reinterpret_cast<T*>(O.data_ptr());
+  dim3 gc(d.N, d.H, d.B);
+  {
+    auto kern = prep_kernel<T, DK, DV>;
+    size_t sm = PrepSmem<T, DK>::bytes;
+    set_smem(kern, sm);
+    kern<<<gc, 256, sm, stream>>>(kp, vp, g, beta, Gc.data_ptr<float>(), Tm.data_ptr<float>(), Wp, Up, d.T, d.H);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  }
+  {
+    auto launch = [&](auto bv, auto nw) {
+      constexpr int BV = decltype(bv)::value, NW = decltype(nw)::value;
+      constexpr int NBUF = sizeof(T) == 2 ? 2 : 1;
+      auto kern = fwd_state_kernel<T, DK, DV, BV, NBUF, NW>;
+      size_t sm = StateSmem<T, DK, BV, NBUF>::bytes;
+      set_smem(kern, sm);
+      kern<<<dim3(DV / BV, d.H, d.B), NW * 32, sm, stream>>>(kp, Wp, Up, Gc.data_ptr<float>(), S0, Hp, Vnp,
+                                                            Sfin.data_ptr<float>(), d.T, d.H);
+    };
+    using I16 = std::integral_constant<int, 16>;
+    using I32 = std::integral_constant<int, 32>;
+    using I4 = std::integral_constant<int, 4>;
+    using I8 = std::integral_constant<int, 8>;
+    auto launch_mma = [&](auto bv, auto nw) {
+      constexpr int BV = decltype(bv)::value, NW = decltype(nw)::value;
+      if constexpr (std::is_same<T, bf16>::value && ((DK / 16) * (BV / 16)) % NW == 0) {
+        auto kern = fwd_state_mma_kernel<DK, DV, BV, NW>;
+        size_t sm = StateMmaSmem<DK, BV, 2>::bytes;
+        set_smem(kern, sm);
+        kern<<<dim3(DV / BV, d.H, d.B), NW * 32, sm, stream>>>(kp, Wp, Up, Gc.data_ptr<float>(), S0, Hp, Vnp,
+                                                              Sfin.data_ptr<float>(), d.T, d.H);
+      } else {
+        launch(bv, nw);
+      }
+    };
+    const int cfg = sizeof(T) == 2 ? state_cfg() : 0;
+    if (cfg == 1) launch(I32{}, I8{});
+    else if (cfg == 2) launch(I16{}, I4{});
+    else if (cfg == 3) launch(I16{}, I8{});
+    else if (cfg == 4) launch(I32{}, I4{});
+    else if (cfg == 5) launch_mma(I32{}, I4{});
+    else if (cfg == 6) launch_mma(I32{}, I8{});
+    else if (cfg == 7) launch_mma(I16{}, I8{});
+    else launch_mma(I16{}, I4{});
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  }
+  {
+    auto kern = fwd_o_kernel<T, DK, DV>;
+    size_t sm = OutSmem<T, DK>::bytes;
+    set_smem(kern, sm);
+    kern<<<gc, 256, sm, stream>>>(qp, kp, Gc.data_ptr<float>(), Hp, Vnp, Op, scale, d.T, d.H);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  }
+}
+
+template <typename T, typename... A>
+void fwd_dispatch(int DK, int DV, A&&... a) {
+#define CARRY_GDN_CASE(dk, dv) \
+  if (DK == dk && DV == dv) return fwd_impl<T, dk, dv>(std::forward<A>(a)...);
+  CARRY_GDN_CASE(64, 64) CARRY_GDN_CASE(64, 128) CARRY_GDN_CASE(64, 256)
+  CARRY_GDN_CASE(128, 64) CARRY_GDN_CASE(128, 128) CARRY_GDN_CASE(128, 256)
+#undef CARRY_GDN_CASE
+  TORCH_CHECK(false, "gdn_fwd: unsupported dk=", DK, " dv=", DV);
+}
+
+}  // namespace
+
+std::vector<at::Tensor> gdn_fwd(const at::Tensor& q_, const at::Tensor& k_, const at::Tensor& v_,
+                                const at::Tensor& g_, const at::Tensor& beta_, double scale,
+                                const at::Tensor& S0_, int64_t chunk_size) {
+  const Dims d = check_inputs("gdn_fwd", q_, k_, v_, g_, beta_, chunk_size);
+  c10::cuda::CUDAGuard guard(q_.device());
+  auto q = q_.contiguous(), k = k_.contiguous(), v = v_.contiguous();
+  auto g = g_.defined() ? g_.to(at::kFloat).contiguous() : at::Tensor();
+  auto beta = beta_.to(at::kFloat).contiguous();
+  at::Tensor S0;
+  if (S0_.defined()) {
+    TORCH_CHECK(S0_.sizes() == at::IntArrayRef({d.B, d.H, d.DK, d.DV}), "gdn_fwd: initial_state must be [B,H,dk,dv] = [",
+                d.B, ",", d.H, ",", d.DK, ",", d.DV, "], got ", S0_.sizes());
+    S0 = S0_.to(at::kFloat).contiguous();
+  }
+  auto f32 = q.options().dtype(at::kFloat);
+  auto io = q.options();
+  at::Tensor Gc = alloc({d.B, d.H, d.T}, f32), Tm = alloc({d.B, d.H, d.N, 64, 64}, f32);
+  at::Tensor W = alloc({d.B, d.H, d.T, d.DK}, io), U = alloc({d.B, d.H, d.T, d.DV}, io);
+  at::Tensor Hs = alloc({d.B, d.H, d.N, d.DK, d.DV}, io), Vn = alloc({d.B, d.H, d.T, d.DV}, io);
+  at::Tensor Sfin = alloc({d.B, d.H, d.DK, d.DV}, f32), O = alloc({d.B, d.T, d.H, d.DV}, io);
+  const float* gp = g.defined() ? g.data_ptr<float>() : nullptr;
+  const float* S0p = S0.defined() ? S0.data_ptr<float>() : nullptr;
+  if (q.scalar_type() == at::kBFloat16)
+    fwd_dispatch<bf16>(d.DK, d.DV, d, q, k, v, gp, beta.data_ptr<float>(), (float)scale, S0p, Gc, Tm, W, U, Hs, Vn,
+                       Sfin, O);
+  else
+    fwd_dispatch<float>(d.DK, d.DV, d, q, k, v, gp, beta.data_ptr<float>(), (float)scale, S0p, Gc, Tm, W, U, Hs,
+                        Vn, Sfin, O);
+  return {O, Sfin, Gc, Tm, W, Hs, Vn};
+}
+
+}  // namespace carry_gdn
