@@ -14,24 +14,32 @@ using torch::autograd::variable_list;
 
 Tensor dense(const Tensor& t) { return t.defined() ? t.contiguous() : t; }
 
+// torch autograd Functions take no undefined tensors: an absent g (DeltaNet) travels as an empty
+// tensor, an absent initial state as zeros.
+Tensor absent_as_empty(const Tensor& t, const Tensor& like) {
+  return t.defined() ? t.contiguous() : at::empty({0}, like.options());
+}
+Tensor empty_as_absent(const Tensor& t) { return t.numel() == 0 ? Tensor() : t; }
+
 struct DeltaRuleKernelOp : public torch::autograd::Function<DeltaRuleKernelOp> {
   // Returns {o, final_state}.
   static variable_list forward(AutogradContext* ctx, const Tensor& q, const Tensor& k, const Tensor& v,
-                               const Tensor& g, const Tensor& beta, const Tensor& s0, double scale,
+                               const Tensor& g_or_empty, const Tensor& beta, const Tensor& s0, double scale,
                                int64_t chunk) {
+    const Tensor g = empty_as_absent(g_or_empty);
     auto out = carry_gdn::gdn_fwd(q, k, v, g, beta, scale, s0, chunk);
-    variable_list keep{q, k, v, g, beta, s0};
+    variable_list keep{q, k, v, g_or_empty, beta, s0};
     keep.insert(keep.end(), out.begin() + 2, out.end());
     ctx->save_for_backward(keep);
     ctx->saved_data["scale"] = scale;
     ctx->saved_data["chunk"] = chunk;
-    ctx->saved_data["s0_given"] = s0.defined();
     return {out[0], out[1]};
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     auto s = ctx->get_saved_variables();
-    const Tensor &q = s[0], &k = s[1], &v = s[2], &g = s[3], &beta = s[4], &s0 = s[5];
+    const Tensor &q = s[0], &k = s[1], &v = s[2], &beta = s[4], &s0 = s[5];
+    const Tensor g = empty_as_absent(s[3]);
     std::vector<Tensor> saved(s.begin() + 6, s.end());
     const int64_t B = q.size(0), T = q.size(1), H = q.size(2), dk = q.size(3), dv = v.size(3);
     Tensor d_o = grads[0].defined() ? grads[0].contiguous() : at::zeros({B, T, H, dv}, v.options());
@@ -39,8 +47,7 @@ struct DeltaRuleKernelOp : public torch::autograd::Function<DeltaRuleKernelOp> {
                                     : at::zeros({B, H, dk, dv}, q.options().dtype(at::kFloat));
     auto d = carry_gdn::gdn_bwd(q, k, v, g, beta, ctx->saved_data["scale"].toDouble(), s0, saved, d_o, d_s,
                                 ctx->saved_data["chunk"].toInt());
-    Tensor d_s0 = ctx->saved_data["s0_given"].toBool() ? d[5] : Tensor();
-    return {d[0], d[1], d[2], g.defined() ? d[3] : Tensor(), d[4], d_s0, Tensor(), Tensor()};
+    return {d[0], d[1], d[2], g.defined() ? d[3] : Tensor(), d[4], d[5], Tensor(), Tensor()};
   }
 };
 
@@ -55,9 +62,11 @@ bool delta_rule_kernel_supports(const MixerInputs& in, const MixerOptions& opt) 
 }
 
 MixerOutput delta_rule_kernel_forward(const MixerInputs& in, const Tensor& initial_state, const MixerOptions& opt) {
-  Tensor s0 = initial_state.defined() ? initial_state.to(at::kFloat).contiguous() : Tensor();
-  auto out = DeltaRuleKernelOp::apply(dense(in.q), dense(in.k), dense(in.v), dense(in.g), dense(in.beta), s0,
-                                      opt.scale_for(in.q.size(3)), opt.chunk_size);
+  const int64_t B = in.q.size(0), H = in.q.size(2), dk = in.q.size(3), dv = in.v.size(3);
+  Tensor s0 = initial_state.defined() ? initial_state.to(at::kFloat).contiguous()
+                                      : at::zeros({B, H, dk, dv}, in.q.options().dtype(at::kFloat));
+  auto out = DeltaRuleKernelOp::apply(dense(in.q), dense(in.k), dense(in.v), absent_as_empty(in.g, in.q),
+                                      dense(in.beta), s0, opt.scale_for(in.q.size(3)), opt.chunk_size);
   return {out[0], {out[1]}};
 }
 
