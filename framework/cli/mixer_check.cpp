@@ -64,32 +64,38 @@ double max_rel_err(const std::vector<Tensor>& a, const std::vector<Tensor>& b) {
 }
 
 FormResult run_with_grads(const Mixer& m, Form form, const MixerInputs& in, const State& state,
-                          const MixerOptions& opt, uint64_t seed) {
+                          const MixerOptions& opt, uint64_t seed,
+                          const std::function<Tensor(const Tensor&)>& make_leaf) {
+  auto leaf = [&](const Tensor& t) {
+    return make_leaf ? make_leaf(t) : t.detach().clone().requires_grad_(true);
+  };
   MixerInputs leaves;
   std::vector<Tensor> xs;
   for (const auto& n : kInputs)
     if (in.get(n).defined()) {
-      leaves.get(n) = in.get(n).detach().clone().requires_grad_(true);
+      leaves.get(n) = leaf(in.get(n));
       xs.push_back(leaves.get(n));
     }
   State init;
   for (auto& t : state) {
-    init.push_back(t.detach().clone().requires_grad_(true));
+    init.push_back(leaf(t));
     xs.push_back(init.back());
   }
   MixerOptions fopt = opt;
   fopt.form = form;
   auto out = m.forward(leaves, init, fopt);
   auto gen = at::make_generator<at::CPUGeneratorImpl>(seed);
-  auto weights = [&](const Tensor& t) {
-    return at::randn(t.sizes(), gen, t.options().device(at::kCPU)).to(t.device());
+  auto weighted = [&](const Tensor& t) {
+    auto dt = at::promote_types(t.scalar_type(), at::kFloat);
+    auto w = at::randn(t.sizes(), gen, t.options().device(at::kCPU).dtype(dt)).to(t.device());
+    return (t.to(dt) * w).sum();
   };
   FormResult r;
   r.outputs.push_back(out.o.detach());
-  auto loss = (out.o * weights(out.o)).sum();
+  auto loss = weighted(out.o);
   for (auto& s : out.final_state) {
     r.outputs.push_back(s.detach());
-    loss = loss + (s * weights(s)).sum();
+    loss = loss + weighted(s);
   }
   auto gs = torch::autograd::grad({loss}, xs, {}, false, false, /*allow_unused=*/true);
   for (size_t i = 0; i < gs.size(); ++i)

@@ -5,6 +5,7 @@
 
 #include "layers/mixer.h"
 
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -35,8 +36,12 @@ struct FormResult {
   std::vector<Tensor> grads;    // d(q,k,v,g,gk,beta,l that are defined), then d(initial state entries)
 };
 
-// Runs a form and differentiates Σ o⊙w_o + Σ S_i⊙w_i for fixed random weights w (seeded).
+// Runs a form and differentiates Σ o⊙w_o + Σ S_i⊙w_i for fixed random weights w (seeded; drawn in
+// the output's dtype, fp32 at least, so a bf16 run and an fp32 run see the same weights). The leaves
+// are detached clones of the inputs and the state, or what `make_leaf` makes of each (a leaf that
+// requires grad: e.g. a copy placed off alignment).
 FormResult run_with_grads(const Mixer& m, Form form, const MixerInputs& in, const State& state,
-                          const MixerOptions& opt, uint64_t seed = 99);
+                          const MixerOptions& opt, uint64_t seed = 99,
+                          const std::function<Tensor(const Tensor&)>& make_leaf = {});
 
 }  // namespace carry

@@ -8,7 +8,6 @@
 #include "layers/mixer.h"
 
 #include <gtest/gtest.h>
-#include <torch/csrc/autograd/autograd.h>
 
 #include <cstdlib>
 #include <string>
@@ -23,27 +22,6 @@ Tensor placed(const Tensor& t, int64_t shift) {
   auto v = buf.narrow(0, shift, t.numel()).view(t.sizes());
   v.copy_(t);
   return v.detach().requires_grad_(true);
-}
-
-// Outputs, final state and the gradients of every input and of the initial state for a fixed
-// random functional, with every input placed `shift` elements off alignment.
-std::vector<Tensor> run_placed(const Mixer& m, const MixerInputs& in, const State& state,
-                               const MixerOptions& opt, int64_t shift) {
-  MixerInputs leaves;
-  std::vector<Tensor> xs;
-  for (const auto& n : MixerInputs::names())
-    if (in.get(n).defined()) xs.push_back(leaves.get(n) = placed(in.get(n), shift));
-  State s0;
-  for (auto& t : state) xs.push_back(placed(t, shift)), s0.push_back(xs.back());
-  auto out = m.forward(leaves, s0, opt);
-  auto gen = at::make_generator<at::CPUGeneratorImpl>(7);
-  Tensor f = (out.o * at::randn(out.o.sizes(), gen, out.o.options())).sum();
-  for (auto& t : out.final_state) f = f + (t * at::randn(t.sizes(), gen, t.options())).sum();
-  auto grads = torch::autograd::grad({f}, xs);
-  std::vector<Tensor> all{out.o.detach()};
-  for (auto& t : out.final_state) all.push_back(t.detach());
-  all.insert(all.end(), grads.begin(), grads.end());
-  return all;
 }
 
 TEST(CpuDeterminism, MklReproducibilityIsPinned) {
@@ -68,9 +46,14 @@ TEST(CpuDeterminism, ChunkwiseIsBitwiseAtAnyAlignment) {
     opt.chunk_size = 64;
     auto in = random_inputs(m, s, at::kFloat, 11);
     auto state = random_state(m, in, opt, 12);
-    auto a = run_placed(m, in, state, opt, 0);
+    auto run = [&](int64_t shift) {  // outputs, final state, then every gradient
+      auto r = run_with_grads(m, Form::chunkwise, in, state, opt, 7, [shift](const Tensor& t) { return placed(t, shift); });
+      r.outputs.insert(r.outputs.end(), r.grads.begin(), r.grads.end());
+      return r.outputs;
+    };
+    auto a = run(0);
     for (int64_t shift : {1, 3, 8}) {
-      auto b = run_placed(m, in, state, opt, shift);
+      auto b = run(shift);
       for (size_t i = 0; i < a.size(); ++i)
         EXPECT_TRUE(at::equal(a[i], b[i])) << name << ": result " << i << " (o, final state, then the gradients) "
                                            << "differs with inputs " << shift << " elements off alignment";

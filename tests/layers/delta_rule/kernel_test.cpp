@@ -12,7 +12,6 @@
 #endif
 
 #include <gtest/gtest.h>
-#include <torch/csrc/autograd/autograd.h>
 
 namespace carry::testing {
 namespace {
@@ -40,23 +39,13 @@ MixerInputs gdn_inputs(const Case& c, bool gated, uint64_t seed) {
   return in;
 }
 
-// o, S, then d(q, k, v, [g], beta, S0).
-std::vector<Tensor> run(const Mixer& m, Form form, const MixerInputs& in, const Tensor& s0,
-                        const Tensor& w_o, const Tensor& w_s) {
-  MixerInputs leaves;
-  std::vector<Tensor> xs;
-  for (const auto& n : MixerInputs::names())
-    if (in.get(n).defined()) xs.push_back(leaves.get(n) = in.get(n).detach().clone().requires_grad_(true));
-  Tensor init = s0.detach().clone().requires_grad_(true);
-  xs.push_back(init);
+// o, S, then d(q, k, v, [g], beta, S0), in fp32.
+std::vector<Tensor> run(const Mixer& m, Form form, const MixerInputs& in, const Tensor& s0) {
   MixerOptions opt;
-  opt.form = form;
-  auto out = m.forward(leaves, {init}, opt);
-  auto f = (out.o.to(at::kFloat) * w_o).sum() + (out.final_state[0].to(at::kFloat) * w_s).sum();
-  auto grads = torch::autograd::grad({f}, xs);
-  std::vector<Tensor> all{out.o.detach().to(at::kFloat), out.final_state[0].detach().to(at::kFloat)};
-  for (auto& g : grads) all.push_back(g.to(at::kFloat));
-  return all;
+  auto r = run_with_grads(m, form, in, {s0}, opt, /*seed=*/5);
+  r.outputs.insert(r.outputs.end(), r.grads.begin(), r.grads.end());
+  for (auto& t : r.outputs) t = t.to(at::kFloat);
+  return r.outputs;
 }
 
 TEST(DeltaRuleKernel, MatchesChunkwise) {
@@ -71,8 +60,6 @@ TEST(DeltaRuleKernel, MatchesChunkwise) {
     for (const Case& c : {Case{1, 256, 2, 64, 64}, Case{2, 192, 1, 128, 256}, Case{1, 128, 3, 128, 128}}) {
       auto in = gdn_inputs(c, gated, 17 + c.T);
       auto s0 = at::randn({c.B, c.H, c.dk, c.dv}, at::kFloat).to(at::kCUDA) * 0.5;
-      auto w_o = at::randn({c.B, c.T, c.H, c.dv}, at::kFloat).to(at::kCUDA);
-      auto w_s = at::randn({c.B, c.H, c.dk, c.dv}, at::kFloat).to(at::kCUDA);
       for (auto dt : {at::kFloat, at::kBFloat16}) {
         MixerInputs low;
         for (const auto& n : MixerInputs::names())
@@ -82,8 +69,8 @@ TEST(DeltaRuleKernel, MatchesChunkwise) {
           if (low.get(n).defined()) up.get(n) = low.get(n).to(at::kFloat);
         ASSERT_TRUE(m.kernel_supports(low, MixerOptions{}));
         ASSERT_EQ(m.resolve_form(low, MixerOptions{}), Form::kernel);
-        auto ref = run(m, Form::chunkwise, up, s0, w_o, w_s);
-        auto ker = run(m, Form::kernel, low, s0, w_o, w_s);
+        auto ref = run(m, Form::chunkwise, up, s0);
+        auto ker = run(m, Form::kernel, low, s0);
         ASSERT_EQ(ref.size(), ker.size());
         const double bound = dt == at::kFloat ? 1e-4 : 1e-2;
         std::string line;
