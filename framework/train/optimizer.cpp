@@ -24,13 +24,15 @@ double learning_rate(const config::OptimizerConfig& opt, int64_t step) {
 
 double clip_grad_norm(const NamedParameters& params, double max_norm) {
   at::NoGradGuard no_grad;
-  double sum_sq = 0;
+  // Every tensor's sum of squares stays on the device; one read of their total (a step's only other
+  // host read besides the loss).
+  std::vector<at::Tensor> sums;
   for (auto& [name, p] : params) {
     const auto& g = p.grad();
-    if (!g.defined()) continue;
-    sum_sq += g.to(at::kDouble).pow(2).sum().item<double>();
+    if (g.defined()) sums.push_back(g.to(at::kDouble).pow(2).sum());
   }
-  const double norm = std::sqrt(sum_sq);
+  if (sums.empty()) return 0;
+  const double norm = std::sqrt(at::stack(sums).sum().item<double>());
   if (max_norm > 0 && norm > max_norm) {
     const double scale = max_norm / (norm + 1e-6);
     for (auto& [name, p] : params)

@@ -10,6 +10,9 @@
 #include "parallel/slice_context.h"
 #include "parallel/state_scan.h"
 
+#ifdef CARRY_WITH_CUDA
+#include <c10/cuda/CUDAFunctions.h>
+#endif
 #include <ATen/core/grad_mode.h>
 #include <c10/util/Exception.h>
 
@@ -18,6 +21,7 @@
 #include <chrono>
 #include <cmath>
 #include <csignal>
+#include <cstdlib>
 #include <cstdarg>
 #include <cstdio>
 #include <map>
@@ -248,10 +252,47 @@ Trainer::Batch Trainer::batch_for(int64_t step, bool eval) const {
 }
 
 
+namespace {
+// CARRY_SYNC_DEBUG=error (CUDA builds): inside a training step, any synchronizing CUDA call (a
+// device-to-host copy, .item(), a stream synchronization through PyTorch) throws, naming the
+// operation, except the batch's upload and the two reads the step line needs (the loss sums and the
+// gradient norm), which run with the check paused. The audit that a step does not stall the GPU on the host.
+class SyncAudit {
+ public:
+  SyncAudit() { set(enabled()); }
+  ~SyncAudit() { set(false); }
+  template <class F>
+  static auto allowed(F f) {  // a sanctioned host read
+    set(false);
+    auto r = f();
+    set(enabled());
+    return r;
+  }
+
+ private:
+  static bool enabled() {
+    static const bool on = [] {
+      const char* v = std::getenv("CARRY_SYNC_DEBUG");
+      return v && std::string(v) == "error";
+    }();
+    return on;
+  }
+  static void set(bool on) {
+#ifdef CARRY_WITH_CUDA
+    c10::cuda::warning_state().set_sync_debug_mode(on ? c10::cuda::SyncDebugMode::L_ERROR
+                                                      : c10::cuda::SyncDebugMode::L_DISABLED);
+#else
+    (void)on;
+#endif
+  }
+};
+}  // namespace
+
 StepStats Trainer::train_step() {
   const double t0 = now_s();
+  SyncAudit audit;
   const auto& data = config_.data();
-  auto batch = batch_for(step_, false);
+  auto batch = SyncAudit::allowed([&] { return batch_for(step_, false); });  // the input upload
   for (auto& [name, p] : model_.parameters()) p.mutable_grad() = at::Tensor();
 
   // Ignored targets (kIgnoreIndex) are gathered as token 0 and then weighted by the mask's 0.
@@ -266,7 +307,7 @@ StepStats Trainer::train_step() {
   auto sums = at::stack({(ce.detach() * w).sum().to(at::kDouble), w.sum().to(at::kDouble),
                          at::scalar_tensor(g_stop_signal != 0 || time_is_up_ ? 1.0 : 0.0, ce.options().dtype(at::kDouble))});
   all_reduce(sums);
-  auto host = sums.cpu();
+  auto host = SyncAudit::allowed([&] { return sums.cpu(); });
   const double loss_sum = host[0].item<double>(), count = host[1].item<double>();
   const bool stop_requested = host[2].item<double>() > 0;
   TORCH_CHECK(count > 0, "trainer: step ", step_ + 1, ": the loss mask selects no token in the global batch");
@@ -289,7 +330,7 @@ StepStats Trainer::train_step() {
       offset += p.numel();
     }
   }
-  const double grad_norm = clip_grad_norm(params, config_.optimizer().grad_clip());
+  const double grad_norm = SyncAudit::allowed([&] { return clip_grad_norm(params, config_.optimizer().grad_clip()); });
   TORCH_CHECK(std::isfinite(grad_norm), "trainer: step ", step_ + 1, ": the gradient norm is ", number_text(grad_norm),
               " (loss ", number_text(loss_sum / count), "); the parameters were not updated. ", divergence_hint());
   const double lr = learning_rate(config_.optimizer(), step_);
