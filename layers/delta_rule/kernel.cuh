@@ -12,7 +12,7 @@
 
 #include <vector>
 
-namespace carry_gdn {
+namespace carry_gdn {  // the delta rule's kernels (layers/delta_rule)
 
 // Saved for backward, in order: G (gate cumsums per chunk, fp32 [B,H,T]), Tinv ((I+L)⁻¹ per chunk,
 // fp32 [B,H,N,64,64]), W ([B,H,T,dk], input dtype), H (state entering each chunk, input dtype

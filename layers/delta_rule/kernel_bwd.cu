@@ -11,12 +11,17 @@
 //       dV_new = (e^{G_C−G} ⊙ K)·dS + dV_local,
 //       dS ← e^{G_C} dS + (scale·e^G ⊙ Q)ᵀ dO − Wᵀ dV_new,
 //     and at the end d_initial_state = dS.
-//  3. chunk-local gradients (dq, dk, dv, dg, dbeta) from H_c, dH_c, V_new, dV_new: for now batched
-//     ATen ops over [B,H,N,C,·] in fp32 (see chunk_grads below); to become one kernel per chunk.
+//  3. bwd_chunk_kernel, grid (N, H, B), 512 threads (bf16; 256 for fp32): the chunk-local
+//     gradients dq, dk, dv, dg, dbeta from H_c, dH_c, V_new, dV_new, T. Phase 1 walks dv in tiles
+//     (bf16: 64 wide, raw mma.sync with the five accumulators F1..F3 [C,dk], M1, M2 [C,C] in
+//     registers); phase 2 is ~12 C×C×{C,dk} products on shared tiles (gemm_rb64) plus row and
+//     column reductions. ~220 KB shared memory (bf16, dk=128): one block per SM.
+//     fp32 with dk=128 does not fit: it falls back to chunk_grads (batched ATen, same formulas).
 #include "layers/delta_rule/kernel.cuh"
 #include "layers/delta_rule/kernel_common.cuh"
 #include "layers/delta_rule/kernel_launch.h"
 
+#include <cstdlib>
 #include <limits>
 #include <type_traits>
 
@@ -325,15 +330,23 @@ __global__ void __launch_bounds__(NW * 32) bwd_state_mma_kernel(
     // dV_new = e^{G_C−G} ⊙ K·dS + dV_local; Vb = −dV_new
     for (int u1 = warp; u1 < U1; u1 += NW) {
       const int m0 = (u1 / NP) * 16, n0 = (u1 % NP) * 16;
-      float v[2][4] = {};
+      float v[2][4] = {}, w2[2][4] = {};  // two k-chains for ILP, summed below
 #pragma unroll
-      for (int k0 = 0; k0 < DK; k0 += 16) {
-        unsigned a[4], bb[4];
+      for (int k0 = 0; k0 < DK; k0 += 32) {
+        unsigned a[4], bb[4], a2[4], bb2[4];
         tc::load_a(a, cK, LK, m0, k0);
         tc::load_b2_t(bb, sSb, LB, k0, n0);
+        tc::load_a(a2, cK, LK, m0, k0 + 16);
+        tc::load_b2_t(bb2, sSb, LB, k0 + 16, n0);
         tc::mma16816(v[0], a, bb[0], bb[1]);
         tc::mma16816(v[1], a, bb[2], bb[3]);
+        tc::mma16816(w2[0], a2, bb2[0], bb2[1]);
+        tc::mma16816(w2[1], a2, bb2[2], bb2[3]);
       }
+#pragma unroll
+      for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) v[nt][e] += w2[nt][e];
       bf16* dvn = dVn + (bh * T_ + (long)c * C) * DV + v0;
 #pragma unroll
       for (int hf = 0; hf < 2; ++hf) {
@@ -396,7 +409,7 @@ __global__ void __launch_bounds__(NW * 32) bwd_state_mma_kernel(
 //   F1 = dO Hᵀ, F2 = V_new dH'ᵀ, F3 = dV_new Hᵀ  [C,dk];  M1 = dO V_newᵀ, M2 = dV_new Vᵀ  [C,C]
 // and finishes dv = β ⊙ Tᵀ dV_new per tile. Phase 2 turns them into dq, dk, dg, dbeta with a
 // handful of C×C×dk and C×C×C products (see chunk_grads for the formulas, same order).
-// Shared memory ~218 KB for bf16, dk=128: one block per SM.
+// Shared memory ~220 KB for bf16, dk=128: one block per SM.
 template <typename T, int DK, int BVt>
 struct ChunkSmem {
   static constexpr int C = kChunk, P = pad_of<T>();
@@ -417,7 +430,7 @@ struct ChunkSmem {
   static constexpr size_t oH = al128(oV + C * LT * sizeof(T));
   static constexpr size_t odH = al128(oH + DK * LT * sizeof(T));
   static constexpr size_t oY = al128(odH + DK * LT * sizeof(T));
-  static constexpr size_t end1 = oY + C * LY * 4;
+  static constexpr size_t end1 = oY + (std::is_same<T, bf16>::value ? 0 : C * LY * 4);  // bf16: no Y tile
   // phase 2 (in R)
   static constexpr size_t oQ = oR;
   static constexpr size_t oK = al128(oQ + C * LK * sizeof(T));
@@ -430,20 +443,26 @@ struct ChunkSmem {
 constexpr size_t kMaxSmem = 232448;
 
 // Sum of 4 consecutive lanes (a row group), result valid in all 4.
+template <int RG>
+__device__ __forceinline__ float group_sum(float x) {
+#pragma unroll
+  for (int off = 1; off < RG; off <<= 1) x += __shfl_xor_sync(0xffffffffu, x, off);
+  return x;
+}
 __device__ __forceinline__ float quad_sum(float x) {
   x += __shfl_xor_sync(0xffffffffu, x, 1);
   x += __shfl_xor_sync(0xffffffffu, x, 2);
   return x;
 }
 
-template <typename T, int DK, int DV, int BVt>
-__global__ void __launch_bounds__(256) bwd_chunk_kernel(
+template <typename T, int DK, int DV, int BVt, int NW>
+__global__ void __launch_bounds__(NW * 32) bwd_chunk_kernel(
     const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v, const float* __restrict__ Gc,
     const float* __restrict__ beta, const float* __restrict__ Tm, const T* __restrict__ Hs,
     const T* __restrict__ dHs, const T* __restrict__ Vn, const T* __restrict__ dVn, const T* __restrict__ dO,
     T* __restrict__ dq, T* __restrict__ dk, T* __restrict__ dv, float* __restrict__ dg, float* __restrict__ dbeta,
-    float scale, int T_, int H) {
-  constexpr int C = kChunk, NT = 256, NW = 8;
+    float scale, int T_, int H, int stop) {
+  constexpr int C = kChunk, NT = NW * 32, RG = NT / C;  // RG threads per row in row passes
   using L = ChunkSmem<T, DK, BVt>;
   extern __shared__ __align__(128) char smem[];
   float* F1 = reinterpret_cast<float*>(smem + L::oF1);
@@ -475,7 +494,7 @@ __global__ void __launch_bounds__(256) bwd_chunk_kernel(
   const int c = blockIdx.x, h = blockIdx.y, b = blockIdx.z, tid = threadIdx.x;
   const int N = T_ / C;
   const long t0 = (long)c * C, bh = (long)b * H + h, rowk = (long)H * DK, rowv = (long)H * DV;
-  const int rq = tid / 4, part = tid % 4;  // row-group mapping for row reductions (64 rows x 4 threads)
+  const int rq = tid / RG, part = tid % RG;  // row-group mapping for row reductions (64 rows x RG threads)
 
   {
     const float* tm = Tm + (bh * N + c) * C * C;
@@ -491,11 +510,12 @@ __global__ void __launch_bounds__(256) bwd_chunk_kernel(
   if constexpr (std::is_same<T, bf16>::value) {
     // Phase 1 on raw tensor cores, accumulators in registers across the dv loop. Warp w owns rows
     // 16·(w%4) of F1..F3 (columns (w/4)·dk/2 ..) and of M1, M2 (columns (w/4)·32 ..).
-    static_assert(BVt % 32 == 0, "bf16 phase 1 splits a dv tile over two warp halves");
-    constexpr int FN = DK / 16, MN = C / 16, YP = BVt / 32;
+    constexpr int NG = NW / 4;  // column groups
+    constexpr int FN = DK / NG / 8, MN = C / NG / 8, YP = BVt / NG / 16;
+    static_assert(FN % 2 == 0 && MN % 2 == 0 && YP >= 1, "phase-1 tiling");
     const int warp = tid >> 5, lane = tid & 31, g = lane >> 2, t4 = lane & 3;
-    const int mt = (warp & 3) * 16, fh = (warp >> 2) * (DK / 2), mh = (warp >> 2) * (C / 2);
-    const int yn = (warp >> 2) * (BVt / 2);
+    const int mt = (warp & 3) * 16, fh = (warp >> 2) * (DK / NG), mh = (warp >> 2) * (C / NG);
+    const int yn = (warp >> 2) * (BVt / NG);
     float f1[FN][4] = {}, f2[FN][4] = {}, f3[FN][4] = {}, m1[MN][4] = {}, m2[MN][4] = {};
     for (int v0 = 0; v0 < DV; v0 += BVt) {
     load_tile_async<T, C, BVt, NT>(tdO, L::LT, dO + ((long)b * T_ + t0) * rowv + (long)h * DV + v0, rowv);
@@ -619,7 +639,7 @@ __global__ void __launch_bounds__(256) bwd_chunk_kernel(
     }
     __syncthreads();
     {
-      constexpr int W4 = BVt / 4;
+      constexpr int W4 = BVt / RG;
       float s = 0.f;
       const float br = sB[rq];
       T* dvr = dv + ((long)b * T_ + t0 + rq) * rowv + (long)h * DV + v0;
@@ -628,7 +648,7 @@ __global__ void __launch_bounds__(256) bwd_chunk_kernel(
         s += to_f(tV[rq * L::LT + j]) * y;
         dvr[j] = from_f<T>(br * y);
       }
-      s = quad_sum(s);
+      s = group_sum<RG>(s);
       if (part == 0) sDB[rq] += s;
     }
     __syncthreads();
@@ -648,7 +668,7 @@ __global__ void __launch_bounds__(256) bwd_chunk_kernel(
   const float gl = sG[C - 1];
   // (a) dQi = scale e^G ⊙ F1, dKs = e^{G_C−G} ⊙ F2, dW = −F3 (as T); dG += Σ Q⊙dQi − Σ K⊙dKs
   {
-    constexpr int W4 = DK / 4;
+    constexpr int W4 = DK / RG;
     const float s1 = scale * expf(sG[rq]), s2 = expf(gl - sG[rq]);
     float a1 = 0.f, a2 = 0.f;
     for (int j = part * W4; j < (part + 1) * W4; ++j) {
@@ -659,20 +679,21 @@ __global__ void __launch_bounds__(256) bwd_chunk_kernel(
       a2 += to_f(sK[rq * L::LK + j]) * x2;
       sXb[rq * L::LK + j] = from_f<T>(-F3[rq * L::LF + j]);
     }
-    a1 = quad_sum(a1);
-    a2 = quad_sum(a2);
+    a1 = group_sum<RG>(a1);
+    a2 = group_sum<RG>(a2);
     if (part == 0) {
       sDG[rq] += a1 - a2;
       sKD[rq] = a2;
     }
   }
   __syncthreads();
+  if (stop == 1) return;  // timing experiments (CARRY_GDN_CHUNK_STOP)
   // (b) F3 <- Q Kᵀ (scratch C×C)
   gemm<T, C, C, DK, false, true, NW>(sQ, L::LK, sK, L::LK, F3, L::LF, false);
   __syncthreads();
   // (c) P = scale QKᵀ⊙Γ (causal); dP = M1 (causal); F3 <- dP⊙P; Mb1 <- dP⊙Γ·scale; dG_r += Σ_s dP⊙P
   {
-    constexpr int W4 = C / 4;
+    constexpr int W4 = C / RG;
     const float gr = sG[rq];
     float a = 0.f;
     for (int s = part * W4; s < (part + 1) * W4; ++s) {
@@ -685,21 +706,22 @@ __global__ void __launch_bounds__(256) bwd_chunk_kernel(
       a += x;
       Mb1[rq * L::LTb + s] = from_f<T>(dp * gam * scale);
     }
-    a = quad_sum(a);
+    a = group_sum<RG>(a);
     if (part == 0) sDG[rq] += a;
   }
   __syncthreads();
   // (d) column sums of dP⊙P; dq = dQi + dPs K; dk = dKs + dPsᵀ Q
   {
-    constexpr int W4 = C / 4;
+    constexpr int W4 = C / RG;
     float a = 0.f;
     for (int r = part * W4; r < (part + 1) * W4; ++r) a += F3[r * L::LF + rq];
-    a = quad_sum(a);
+    a = group_sum<RG>(a);
     if (part == 0) sDG[rq] -= a;
   }
   gemm<T, C, DK, C, false, false, NW>(Mb1, L::LTb, sK, L::LK, F1, L::LF, true);
   gemm<T, C, DK, C, true, false, NW>(Mb1, L::LTb, sQ, L::LK, F2, L::LF, true);
   __syncthreads();
+  if (stop == 2) return;  // timing experiments (CARRY_GDN_CHUNK_STOP)
   // (e) write dq; F3 <- X = Tᵀ dW; F1 <- dW Kᵀ (scratch C×C)
   store_tile<T, C, DK, NT>(dq + ((long)b * T_ + t0) * rowk + (long)h * DK, rowk, F1, L::LF);
   __syncthreads();
@@ -712,7 +734,7 @@ __global__ void __launch_bounds__(256) bwd_chunk_kernel(
     Mb1[r * L::LTb + s] = from_f<T>(sB[s] * (M2[r * L::LM + s] + expf(sG[s]) * F1[r * L::LF + s]));
   }
   {
-    constexpr int W4 = DK / 4;
+    constexpr int W4 = DK / RG;
     const float eg = expf(sG[rq]), be = sB[rq] * eg;
     float a = 0.f;
     for (int j = part * W4; j < (part + 1) * W4; ++j) {
@@ -720,13 +742,14 @@ __global__ void __launch_bounds__(256) bwd_chunk_kernel(
       F2[rq * L::LF + j] += be * x;
       a += to_f(sK[rq * L::LK + j]) * x;
     }
-    a = quad_sum(a);
+    a = group_sum<RG>(a);
     if (part == 0) {
       sDB[rq] += eg * a;
       sDG[rq] += be * a;
     }
   }
   __syncthreads();
+  if (stop == 3) return;  // timing experiments (CARRY_GDN_CHUNK_STOP)
   // (g) Z = Tᵀ dT; dA = −Z Tᵀ (strictly lower); KK = K Kᵀ
   gemm<T, C, C, C, true, false, NW>(Tb, L::LTb, Mb1, L::LTb, F1, L::LF, false);
   __syncthreads();
@@ -737,7 +760,7 @@ __global__ void __launch_bounds__(256) bwd_chunk_kernel(
   __syncthreads();
   // (h) D = dA⊙Γ; dβ += Σ_s D⊙KK; dAA = dA⊙A (A = β KK⊙Γ) -> M1, row sums to dG; Mb1 <- β D
   {
-    constexpr int W4 = C / 4;
+    constexpr int W4 = C / RG;
     const float gr = sG[rq], br = sB[rq];
     float ab = 0.f, ag = 0.f;
     for (int s = part * W4; s < (part + 1) * W4; ++s) {
@@ -752,8 +775,8 @@ __global__ void __launch_bounds__(256) bwd_chunk_kernel(
       M1[rq * L::LM + s] = x;
       Mb1[rq * L::LTb + s] = from_f<T>(br * d);
     }
-    ab = quad_sum(ab);
-    ag = quad_sum(ag);
+    ab = group_sum<RG>(ab);
+    ag = group_sum<RG>(ag);
     if (part == 0) {
       sDB[rq] += ab;
       sDG[rq] += ag;
@@ -762,15 +785,16 @@ __global__ void __launch_bounds__(256) bwd_chunk_kernel(
   __syncthreads();
   // (i) column sums of dA⊙A; dk += (βD) K + (βD)ᵀ K
   {
-    constexpr int W4 = C / 4;
+    constexpr int W4 = C / RG;
     float a = 0.f;
     for (int r = part * W4; r < (part + 1) * W4; ++r) a += M1[r * L::LM + rq];
-    a = quad_sum(a);
+    a = group_sum<RG>(a);
     if (part == 0) sDG[rq] -= a;
   }
   gemm<T, C, DK, C, false, false, NW>(Mb1, L::LTb, sK, L::LK, F2, L::LF, true);
   gemm<T, C, DK, C, true, false, NW>(Mb1, L::LTb, sK, L::LK, F2, L::LF, true);
   __syncthreads();
+  if (stop == 4) return;  // timing experiments (CARRY_GDN_CHUNK_STOP)
   // (j) write dk, dβ; dG at the chunk's last token gets Σ kd + e^{G_C}<dH', H>; dg = reverse cumsum
   store_tile<T, C, DK, NT>(dk + ((long)b * T_ + t0) * rowk + (long)h * DK, rowk, F2, L::LF);
   if (tid < C) dbeta[((long)b * T_ + t0 + tid) * H + h] = sDB[tid];
@@ -792,6 +816,10 @@ __global__ void __launch_bounds__(256) bwd_chunk_kernel(
     }
   }
 }
+
+// The chunk-gradient kernel's phase count to run, 0 = all of them (a nonzero value ends it early, for
+// timing one phase in a profiling build; gradients are then wrong). Not read from the environment.
+int chunk_stop() { return 0; }
 
 struct BwdArgs {
   Dims d;
@@ -856,15 +884,18 @@ bool bwd_impl(BwdArgs& a) {
     else launch_mma(I16{}, I4{});
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   }
-  constexpr int BVt = sizeof(T) == 2 ? 32 : 16;
+  constexpr int BVt = sizeof(T) == 2 ? 64 : 16;
+  constexpr int NWC = sizeof(T) == 2 ? 16 : 8;  // warps of the chunk kernel
+  static_assert(sizeof(T) != 2 || ChunkSmem<T, DK, BVt>::bytes <= kMaxSmem, "bf16 chunk kernel must fit");
   if constexpr (ChunkSmem<T, DK, BVt>::bytes <= kMaxSmem) {
-    auto kern = bwd_chunk_kernel<T, DK, DV, BVt>;
+    auto kern = bwd_chunk_kernel<T, DK, DV, BVt, NWC>;
     size_t sm = ChunkSmem<T, DK, BVt>::bytes;
     set_smem(kern, sm);
-    kern<<<dim3(d.N, d.H, d.B), 256, sm, stream>>>(
+    kern<<<dim3(d.N, d.H, d.B), NWC * 32, sm, stream>>>(
         P(a.q), P(a.k), P(a.v), a.Gc.data_ptr<float>(), a.beta.data_ptr<float>(), a.Tm.data_ptr<float>(), P(a.Hs),
         P(a.dHs), P(a.Vn), P(a.dVn), P(a.dO), P(a.dq), P(a.dk), P(a.dv),
-        a.dg.defined() ? a.dg.data_ptr<float>() : nullptr, a.dbeta.data_ptr<float>(), a.scale, d.T, d.H);
+        a.dg.defined() ? a.dg.data_ptr<float>() : nullptr, a.dbeta.data_ptr<float>(), a.scale, d.T, d.H,
+        chunk_stop());
     C10_CUDA_KERNEL_LAUNCH_CHECK();
     return true;
   } else {
@@ -973,8 +1004,8 @@ std::vector<at::Tensor> gdn_bwd(const at::Tensor& q_, const at::Tensor& k_, cons
   TORCH_CHECK(saved.size() == 5, "gdn_bwd: saved must be the 5 tensors gdn_fwd returned after o and final_state");
   TORCH_CHECK(d_o.sizes() == v_.sizes(), "gdn_bwd: d_o must have v's shape ", v_.sizes(), ", got ", d_o.sizes());
   c10::cuda::CUDAGuard guard(q_.device());
-  auto q = q_.contiguous(), k = k_.contiguous(), v = v_.contiguous();
-  auto dO = d_o.to(q.scalar_type()).contiguous();
+  auto q = dense(q_), k = dense(k_), v = dense(v_);
+  auto dO = dense(d_o.to(q.scalar_type()));
   auto beta = beta_.to(at::kFloat).contiguous();
   const at::Tensor &Gc = saved[0], &Tm = saved[1], &W = saved[2], &Hs = saved[3], &Vn = saved[4];
   at::Tensor dSfin;

@@ -74,15 +74,16 @@ __device__ __forceinline__ void store_tile(T* g, long gstride, const float* s, i
 // op(A)[m,k] = TA ? A[k*lda + m] : A[m*lda + k];  op(B)[k,n] = TB ? B[n*ldb + k] : B[k*ldb + n].
 // No __syncthreads inside: the caller orders the phases. Tile ownership is fixed by tile index,
 // so two back-to-back calls on the same C need no block barrier between them.
-template <int N, int K, bool TA, bool TB>
+template <int N, int K, bool TA, bool TB, int NW>
 __device__ __forceinline__ void gemm_rb64(const bf16* A, int lda, const bf16* B, int ldb, float* C, int ldc,
                                           bool acc);
 
 template <typename T, int M, int N, int K, bool TA, bool TB, int NW>
 __device__ __forceinline__ void gemm(const T* A, int lda, const T* B, int ldb, float* C, int ldc,
                                      bool acc) {
-  if constexpr (std::is_same<T, bf16>::value && M == 64 && NW == 8 && N % 32 == 0 && K % 16 == 0) {
-    gemm_rb64<N, K, TA, TB>(A, lda, B, ldb, C, ldc, acc);
+  if constexpr (std::is_same<T, bf16>::value && M == 64 && (NW == 8 || NW == 16) && N % (NW * 4) == 0 &&
+                K % 16 == 0) {
+    gemm_rb64<N, K, TA, TB, NW>(A, lda, B, ldb, C, ldc, acc);
   } else if constexpr (std::is_same<T, bf16>::value) {
     using namespace nvcuda;
     static_assert(M % 16 == 0 && N % 16 == 0 && K % 16 == 0, "wmma tiles are 16x16x16");
@@ -207,13 +208,14 @@ __device__ __forceinline__ float2 unpack_bf16(unsigned u) {
 
 }  // namespace tc
 
-// The bf16 64-row case of gemm on raw mma.sync (8 warps): warp w computes rows 16·(w%4) and the
-// column half (w/4)·N/2, with its A fragment reused across the N/16 n-tiles of that half and the
+// The bf16 64-row case of gemm on raw mma.sync (8 or 16 warps): warp w computes rows 16·(w%4) and
+// the column group w/4 (N/2 or N/4 columns), with its A fragment reused across the N/16 n-tiles of that half and the
 // accumulators in registers for the whole K loop (C is read and written once).
-template <int N, int K, bool TA, bool TB>
+template <int N, int K, bool TA, bool TB, int NW>
 __device__ __forceinline__ void gemm_rb64(const bf16* A, int lda, const bf16* B, int ldb, float* C, int ldc,
                                           bool acc) {
-  constexpr int NH = N / 2, NT8 = NH / 8;
+  constexpr int NH = N / (NW / 4), NT8 = NH / 8;  // columns per warp, n8-tiles per warp
+  static_assert(NT8 % 2 == 0, "n-tiles come in pairs");
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t4 = lane & 3;
   const int m0 = (warp & 3) * 16, n0 = (warp >> 2) * NH;
   float c[NT8][4];

@@ -17,6 +17,13 @@ inline at::Tensor alloc(at::IntArrayRef sizes, const at::TensorOptions& opt) {
   return t;
 }
 
+// Contiguous, and 16-byte aligned (the kernels copy rows with 16-byte cp.async): a view with an
+// odd storage offset is copied.
+inline at::Tensor dense(const at::Tensor& t) {
+  auto c = t.contiguous();
+  return reinterpret_cast<uintptr_t>(c.data_ptr()) % 16 ? c.clone() : c;
+}
+
 struct Dims {
   int B, T, H, DK, DV, N;
 };
