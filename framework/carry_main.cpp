@@ -1,5 +1,6 @@
 // The `carry` command: a thin dispatcher. `carry --help` lists the commands, `carry --version` prints
 // the version and whether CUDA is compiled in; each command lives in framework/<name>_command.
+#include "framework/cli/bench_command.h"
 #include "framework/cli/check_command.h"
 #include "framework/cli/launch_command.h"
 #include "framework/cli/mixer_command.h"
@@ -16,6 +17,7 @@ const char* const kUsage =
     "usage: carry <command> [args]\n"
     "\n"
     "commands:\n"
+    "  bench       time the kernel forms on the GPU (carry bench kernels --help)\n"
     "  check       check every mixer family's forms and state summaries against each other\n"
     "  launch      start a training run on a cluster with mpirun (carry launch --help)\n"
     "  mixer       run a mixer family on tensors from a safetensors file (carry mixer --help)\n"
@@ -42,6 +44,7 @@ int main(int argc, char** argv) {
                 carry::built_with_cuda() ? "compiled in" : "not compiled in");
     return 0;
   }
+  if (command == "bench") return carry::run_bench_command(argc - 1, argv + 1);
   if (command == "check") return carry::run_check_command(argc - 1, argv + 1);
   if (command == "launch") return carry::run_launch_command(argc - 1, argv + 1);
   if (command == "mixer") return carry::run_mixer_command(argc - 1, argv + 1);

@@ -4,6 +4,7 @@
 // mixer computes in fp32 (fp32 states), as training does with bf16 activations.
 #include "framework/cli/scan_bench_command.h"
 
+#include "framework/cli/args.h"
 #include "framework/cli/mixer_check.h"
 #include "layers/common/device.h"
 #include "parallel/process_group.h"
@@ -39,23 +40,6 @@ struct Args {
   std::vector<int64_t> head_groups{1, 4};  // ordered mode only
 };
 
-std::vector<std::string> split_list(const std::string& s) {
-  std::vector<std::string> out;
-  std::stringstream ss(s);
-  for (std::string x; std::getline(ss, x, ',');) out.push_back(x);
-  return out;
-}
-
-int64_t parse_int(const std::string& flag, const std::string& v) {
-  try {
-    size_t used = 0;
-    int64_t x = std::stoll(v, &used);
-    if (used == v.size() && x > 0) return x;
-  } catch (...) {
-  }
-  throw std::invalid_argument(flag + " expects a positive integer, got '" + v + "'");
-}
-
 Args parse(int argc, char** argv) {
   Args a;
   a.cuda = cuda_device_count() > 0;
@@ -67,14 +51,14 @@ Args parse(int argc, char** argv) {
     };
     if (f == "--family") a.families = split_list(value());
     else if (f == "--modes") a.modes = split_list(value());
-    else if (f == "--seq-len") a.T = parse_int(f, value());
-    else if (f == "--heads") a.H = parse_int(f, value());
-    else if (f == "--head-dim") a.D = parse_int(f, value());
-    else if (f == "--chunk-size") a.C = parse_int(f, value());
+    else if (f == "--seq-len") a.T = parse_positive_int(f, value());
+    else if (f == "--heads") a.H = parse_positive_int(f, value());
+    else if (f == "--head-dim") a.D = parse_positive_int(f, value());
+    else if (f == "--chunk-size") a.C = parse_positive_int(f, value());
     else if (f == "--head-groups") {
       a.head_groups.clear();
-      for (auto& g : split_list(value())) a.head_groups.push_back(parse_int(f, g));
-    } else if (f == "--reps") a.reps = static_cast<int>(parse_int(f, value()));
+      for (auto& g : split_list(value())) a.head_groups.push_back(parse_positive_int(f, g));
+    } else if (f == "--reps") a.reps = static_cast<int>(parse_positive_int(f, value()));
     else if (f == "--dtype") {
       a.dtype = value();
       if (a.dtype != "bf16" && a.dtype != "float32" && a.dtype != "float64")

@@ -37,6 +37,8 @@ long long peak_allocated_bytes(int index) {
   return stats.allocated_bytes[static_cast<size_t>(c10::CachingAllocator::StatType::AGGREGATE)].peak;
 }
 
+void synchronize() { cudaDeviceSynchronize(); }
+
 void reset_peak_allocated(int index) {
   c10::cuda::CUDACachingAllocator::resetPeakStats(static_cast<c10::DeviceIndex>(index));
 }

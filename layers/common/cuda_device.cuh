@@ -10,4 +10,5 @@ const char* device_name(int index);
 // PyTorch's caching allocator on device `index`: the peak of allocated bytes, and its reset.
 long long peak_allocated_bytes(int index);
 void reset_peak_allocated(int index);
+void synchronize();
 }  // namespace carry::cuda

@@ -35,4 +35,9 @@ void cuda_reset_peak_allocated(int index) {
   (void)index;
 #endif
 }
+void cuda_synchronize() {
+#ifdef CARRY_WITH_CUDA
+  cuda::synchronize();
+#endif
+}
 }  // namespace carry

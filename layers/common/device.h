@@ -11,4 +11,6 @@ std::string cuda_device_name(int index);
 // The caching allocator's peak of allocated bytes on a device since the last reset (0 without CUDA).
 int64_t cuda_peak_allocated_bytes(int index);
 void cuda_reset_peak_allocated(int index);
+// Waits for all work on the current CUDA device (benchmarks); a no-op without CUDA.
+void cuda_synchronize();
 }  // namespace carry

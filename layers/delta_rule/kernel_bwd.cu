@@ -18,7 +18,7 @@
 //     column reductions. ~220 KB shared memory (bf16, dk=128): one block per SM.
 //     fp32 with dk=128 does not fit: it falls back to chunk_grads (batched ATen, same formulas).
 #include "layers/delta_rule/kernel.cuh"
-#include "layers/delta_rule/kernel_common.cuh"
+#include "layers/common/kernel_tiles.cuh"
 #include "layers/delta_rule/kernel_launch.h"
 
 #include <cstdlib>
@@ -26,6 +26,7 @@
 #include <type_traits>
 
 namespace carry_gdn {
+using namespace carry_tiles;
 
 namespace {
 

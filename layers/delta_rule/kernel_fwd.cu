@@ -21,7 +21,7 @@
 //     in tiles of 64): P = scale·(QKᵀ ⊙ Γ ⊙ causal) once, then per dv tile
 //     O = scale·e^G ⊙ (Q·H_c) + P·V_new. Reads q, k [C,dk], H_c [dk,dv], V_new [C,dv].
 #include "layers/delta_rule/kernel.cuh"
-#include "layers/delta_rule/kernel_common.cuh"
+#include "layers/common/kernel_tiles.cuh"
 #include "layers/delta_rule/kernel_launch.h"
 
 #include <atomic>
@@ -29,6 +29,7 @@
 #include <type_traits>
 
 namespace carry_gdn {
+using namespace carry_tiles;
 
 namespace {
 std::atomic<bool> g_poison{false};

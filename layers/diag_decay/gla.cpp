@@ -8,6 +8,9 @@
 #include "layers/diag_decay/gla.h"
 
 #include "layers/common/layout.h"
+#ifdef CARRY_WITH_CUDA
+#include "layers/common/kernel_decay_op.h"
+#endif
 
 #include <limits>
 
@@ -121,6 +124,21 @@ class GatedLinearAttention final : public DiagonalDecayMixer {
     return {from_bhtd(at::stack(outs, 2)), {S}};
   }
 
+
+#ifdef CARRY_WITH_CUDA
+  // The kernel form: layers/common/kernel_decay_*.cu through the autograd op of kernel_decay_op.cpp.
+  bool has_kernel() const override { return true; }
+  bool kernel_supports(const MixerInputs& in, const MixerOptions& opt) const override {
+    return decay_kernel_supports(in, opt);
+  }
+  MixerOutput kernel(const MixerInputs& in, const State& init, const MixerOptions& opt) const override {
+    check(in, opt, /*chunked=*/true);
+    check_decay_kernel_supports(name(), in, opt);
+    auto r = decay_kernel_forward(DecayKernel::diag, in.q, in.k, in.v, in.gk, init.empty() ? Tensor() : init[0],
+                                  opt.scale_for(in.q.size(3)));
+    return {r.first, {r.second}};
+  }
+#endif
  protected:
   double output_scale(const MixerInputs& in, const MixerOptions& opt) const override {
     return opt.scale_for(in.q.size(3));

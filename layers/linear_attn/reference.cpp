@@ -6,6 +6,9 @@
 #include "layers/linear_attn/linear_attn.h"
 
 #include "layers/common/layout.h"
+#ifdef CARRY_WITH_CUDA
+#include "layers/common/kernel_decay_op.h"
+#endif
 
 namespace carry {
 
@@ -79,6 +82,31 @@ class LinearAttention final : public Mixer {
     }
     return {from_bhtd(merge_chunks(at::stack(outs, 2))), {S, z}};
   }
+
+#ifdef CARRY_WITH_CUDA
+  // The kernel form: layers/common/kernel_decay_*.cu through the autograd op of kernel_decay_op.cpp.
+  bool has_kernel() const override { return true; }
+  bool kernel_supports(const MixerInputs& in, const MixerOptions& opt) const override {
+    return decay_kernel_supports(in, opt);
+  }
+  MixerOutput kernel(const MixerInputs& in, const State& init, const MixerOptions& opt) const override {
+    check(in, opt, /*chunked=*/true);
+    check_decay_kernel_supports(name(), in, opt);
+    // The kernels carry S; the normalizer's state z is a running sum of k, done here in fp32.
+    const Tensor S0 = init.empty() ? Tensor() : init[0];
+    const double scale = opt.scale_for(in.q.size(3));
+    auto [num, S] = decay_kernel_forward(DecayKernel::none, in.q, in.k, in.v, Tensor(), S0, scale);
+    const auto f32 = in.k.options().dtype(at::kFloat);
+    Tensor z0 = init.size() > 1 && init[1].defined() ? init[1].to(at::kFloat)
+                                                     : at::zeros({in.q.size(0), in.q.size(2), in.q.size(3)}, f32);
+    Tensor k32 = in.k.to(at::kFloat);
+    Tensor z = z0 + k32.sum(1);
+    if (!opt.normalize) return {num, {S, z}};
+    auto zt = z0.unsqueeze(1) + k32.cumsum(1);  // [B,T,H,dk]: z after each token
+    auto den = (in.q.to(at::kFloat) * scale * zt).sum(-1, /*keepdim=*/true) + opt.eps;
+    return {(num.to(at::kFloat) / den).to(in.q.scalar_type()), {S, z}};
+  }
+#endif
 
   Summary summarize(const MixerInputs& in, const MixerOptions& opt) const override {
     auto out = chunkwise(in, {}, opt);

@@ -5,6 +5,9 @@
 // (Q Kᵀ ⊙ exp(G_t − G_s))·V (masked before exp), inter-chunk exp(G_t)·q_tᵀ S_in, then
 // S_out = exp(G_C)·S_in + Σ_s exp(G_C − G_s) k_s v_sᵀ.
 #include "layers/common/layout.h"
+#ifdef CARRY_WITH_CUDA
+#include "layers/common/kernel_decay_op.h"
+#endif
 
 namespace carry {
 namespace {
@@ -56,6 +59,21 @@ class ScalarDecay final : public Mixer {
     }
     return {from_bhtd(merge_chunks(at::stack(outs, 2))), {S}};
   }
+
+#ifdef CARRY_WITH_CUDA
+  // The kernel form: layers/common/kernel_decay_*.cu through the autograd op of kernel_decay_op.cpp.
+  bool has_kernel() const override { return true; }
+  bool kernel_supports(const MixerInputs& in, const MixerOptions& opt) const override {
+    return decay_kernel_supports(in, opt);
+  }
+  MixerOutput kernel(const MixerInputs& in, const State& init, const MixerOptions& opt) const override {
+    check(in, opt, /*chunked=*/true);
+    check_decay_kernel_supports(name(), in, opt);
+    auto r = decay_kernel_forward(DecayKernel::scalar, in.q, in.k, in.v, in.g, init.empty() ? Tensor() : init[0],
+                                  opt.scale_for(in.q.size(3)));
+    return {r.first, {r.second}};
+  }
+#endif
 
   // transport {a [B,H]}: S_out = a·S_in + S.
   Summary summarize(const MixerInputs& in, const MixerOptions& opt) const override {

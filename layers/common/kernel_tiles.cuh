@@ -1,4 +1,4 @@
-// Device helpers shared by the delta-rule kernels: element types, 16-byte async tile copies
+// Device helpers shared by every family's kernels (delta rule, scalar and diagonal decay): element types, 16-byte async tile copies
 // (global -> shared), and one block-level GEMM on shared-memory tiles.
 //
 // The GEMM is the one design decision: every kernel keeps its chunk tiles in shared memory and
@@ -13,7 +13,7 @@
 
 #include <type_traits>
 
-namespace carry_gdn {
+namespace carry_tiles {
 
 constexpr int kChunk = 64;  // tokens per chunk, C
 
@@ -253,4 +253,4 @@ __device__ __forceinline__ void gemm_rb64(const bf16* A, int lda, const bf16* B,
   __syncwarp();
 }
 
-}  // namespace carry_gdn
+}  // namespace carry_tiles

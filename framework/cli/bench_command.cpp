@@ -1,0 +1,198 @@
+// `carry bench kernels` (see bench_command.h).
+//
+// Floors counted per token and head (bf16 inputs, fp32 gates, C = 64 the chunk):
+//   bytes, forward: read q, k (2·dk each), v (2·dv), the gate (4 for a scalar, 4·dk for GLA, plus
+//     2 for beta), write o (2·dv); forward+backward: the forward's reads twice, o and d_o, and the
+//     gradients written (the same sizes as the inputs). States and intra-chunk matrices saved by the
+//     forward are not counted (a kernel that recomputed them would not write them).
+//   FLOPs, forward: the chunk form's products, 2·C·(dk + dv) (intra-chunk QKᵀ and PV) plus
+//     4·dk·dv (the state's product with q and its update); the delta rule adds its WY preparation,
+//     2·C·(dk + dk + dv). Forward+backward counts three forwards.
+#include "framework/cli/bench_command.h"
+
+#include "framework/cli/args.h"
+#include "layers/common/device.h"
+#include "layers/mixer.h"
+
+#include <c10/core/InferenceMode.h>
+#include <torch/csrc/autograd/autograd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+namespace carry {
+namespace {
+
+const char* kUsage =
+    "usage: carry bench kernels [--families gla,scalar_decay,linear_attn,deltanet,gated_deltanet]\n"
+    "                           [--T 16384,65536] [--heads 16] [--dk 128] [--dv 128] [--reps 10]\n"
+    "  Times the kernel forms on the GPU (bf16, B = 1): forward and forward+backward ms, tokens/s,\n"
+    "  GB/s and TFLOP/s against counted floors. Without --T/--heads/--dk/--dv it runs the issue's shapes:\n"
+    "  H=16 dk=dv=128 at T = 16384, 65536, 131072; H=4 dk=128 dv=256 and H=4 dk=96 dv=192 at 32768, 131072.\n";
+
+struct Shape {
+  int64_t H, dk, dv;
+  std::vector<int64_t> Ts;
+};
+
+struct Args {
+  std::vector<std::string> families{"gla", "scalar_decay", "linear_attn", "deltanet", "gated_deltanet"};
+  std::vector<Shape> shapes;
+  int reps = 10;
+};
+
+Args parse(int argc, char** argv) {
+  Args a;
+  if (argc < 2 || std::string(argv[1]) != "kernels") throw std::invalid_argument("expected 'kernels'");
+  Shape custom{16, 128, 128, {}};
+  bool any_shape = false;
+  for (int i = 2; i < argc; ++i) {
+    std::string f = argv[i];
+    auto value = [&]() -> std::string {
+      if (i + 1 >= argc) throw std::invalid_argument(f + " needs a value");
+      return argv[++i];
+    };
+    if (f == "--families") a.families = split_list(value());
+    else if (f == "--T") {
+      for (auto& t : split_list(value())) custom.Ts.push_back(parse_positive_int(f, t));
+      any_shape = true;
+    } else if (f == "--heads") custom.H = parse_positive_int(f, value()), any_shape = true;
+    else if (f == "--dk") custom.dk = parse_positive_int(f, value()), any_shape = true;
+    else if (f == "--dv") custom.dv = parse_positive_int(f, value()), any_shape = true;
+    else if (f == "--reps") a.reps = (int)parse_positive_int(f, value());
+    else throw std::invalid_argument("unknown option '" + f + "'");
+  }
+  for (auto& name : a.families) get_mixer(name);  // an unknown family fails here, with the list
+  if (any_shape) {
+    if (custom.Ts.empty()) custom.Ts = {16384};
+    a.shapes = {custom};
+  } else {
+    a.shapes = {{16, 128, 128, {16384, 65536, 131072}}, {4, 128, 256, {32768, 131072}}, {4, 96, 192, {32768, 131072}}};
+  }
+  return a;
+}
+
+double median_ms(const std::function<void()>& f, int reps) {
+  for (int i = 0; i < 3; ++i) f();
+  cuda_synchronize();
+  std::vector<double> ms;
+  for (int i = 0; i < reps; ++i) {
+    auto t0 = std::chrono::steady_clock::now();
+    f();
+    cuda_synchronize();
+    ms.push_back(std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count());
+  }
+  std::sort(ms.begin(), ms.end());
+  return ms[ms.size() / 2];
+}
+
+MixerInputs bench_inputs(const Mixer& m, int64_t T, const Shape& s) {
+  auto o = at::TensorOptions().dtype(at::kFloat).device(at::kCUDA);
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(1234);
+  auto rnd = [&](at::IntArrayRef shape) { return at::randn(shape, gen, at::kFloat).to(o.device()); };
+  auto decay = [&](at::IntArrayRef shape) {  // half-lives from about 2 to 7·10^4 tokens
+    auto u = at::rand(shape, gen, at::kFloat).to(o.device()) * (std::log(0.3) - std::log(1e-5)) + std::log(1e-5);
+    return -at::exp(u);
+  };
+  MixerInputs in;
+  in.q = rnd({1, T, s.H, s.dk});
+  in.k = rnd({1, T, s.H, s.dk});
+  in.k = in.k / in.k.norm(2, -1, true);
+  in.v = rnd({1, T, s.H, s.dv});
+  for (const auto& n : m.input_names()) {
+    if (n == "beta") in.beta = at::sigmoid(rnd({1, T, s.H}));
+    if (n == "g") in.g = decay({1, T, s.H});
+    if (n == "gk") in.gk = decay({1, T, s.H, s.dk});
+  }
+  for (const auto& n : MixerInputs::names())
+    if (in.get(n).defined()) in.get(n) = in.get(n).to(at::kBFloat16);
+  return in;
+}
+
+struct Floors {
+  double fwd_bytes, fb_bytes, fwd_flops;
+};
+
+Floors floors(const Mixer& m, int64_t T, const Shape& s) {
+  double per = 2.0 * (2 * s.dk + s.dv), gate = 0, C = 64;
+  for (const auto& n : m.input_names()) {
+    if (n == "g") gate += 4;
+    if (n == "gk") gate += 4.0 * s.dk;
+    if (n == "beta") gate += 2;
+  }
+  const double out = 2.0 * s.dv, th = double(T) * s.H;
+  double flops = 2 * C * (s.dk + s.dv) + 4.0 * s.dk * s.dv;
+  if (m.name() == "deltanet" || m.name() == "gated_deltanet") flops += 2 * C * (2 * s.dk + s.dv);
+  return {th * (per + gate + out), th * (2 * (per + gate) + 2 * out + per + gate), th * flops};
+}
+
+int run(const Args& a) {
+  std::printf("carry bench kernels: %s, bf16, B = 1, median of %d (after 3 warm-ups)\n",
+              cuda_device_name(0).c_str(), a.reps);
+  for (const Shape& s : a.shapes) {
+    std::printf("\nH=%lld dk=%lld dv=%lld\n", (long long)s.H, (long long)s.dk, (long long)s.dv);
+    std::printf("%-16s %8s %10s %12s %14s %9s %9s %9s\n", "family", "T", "fwd ms", "fwd+bwd ms", "tokens/s",
+                "fwd GB/s", "f+b GB/s", "f+b TF/s");
+    for (int64_t T : s.Ts) {
+      for (const auto& name : a.families) {
+        const Mixer& m = get_mixer(name);
+        MixerInputs in = bench_inputs(m, T, s);
+        MixerOptions opt;
+        opt.form = Form::kernel;
+        if (!m.has_kernel() || !m.kernel_supports(in, opt)) {
+          std::printf("%-16s %8lld   (no kernel form for this shape)\n", name.c_str(), (long long)T);
+          continue;
+        }
+        double fwd = median_ms([&] {
+          c10::InferenceMode guard;
+          m.forward(in, {}, opt);
+        }, a.reps);
+        MixerInputs leaves;
+        std::vector<Tensor> xs;
+        for (const auto& n : MixerInputs::names())
+          if (in.get(n).defined()) xs.push_back(leaves.get(n) = in.get(n).detach().requires_grad_(true));
+        auto d_o = at::randn_like(in.v);
+        double fb = median_ms([&] {
+          auto out = m.forward(leaves, {}, opt);
+          torch::autograd::backward({out.o}, {d_o});
+        }, a.reps);
+        Floors f = floors(m, T, s);
+        std::printf("%-16s %8lld %10.3f %12.3f %14.0f %9.0f %9.0f %9.1f\n", name.c_str(), (long long)T, fwd, fb,
+                    T / (fb * 1e-3), f.fwd_bytes / (fwd * 1e-3) / 1e9, f.fb_bytes / (fb * 1e-3) / 1e9,
+                    3 * f.fwd_flops / (fb * 1e-3) / 1e12);
+        std::fflush(stdout);
+      }
+    }
+  }
+  return 0;
+}
+
+}  // namespace
+
+int run_bench_command(int argc, char** argv) {
+  Args a;
+  try {
+    a = parse(argc, argv);
+    if (cuda_device_count() == 0)
+      throw std::invalid_argument("no CUDA device here (the kernel forms need a CUDA build and a GPU)");
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "carry bench: %s\n%s", e.what(), kUsage);
+    return 2;
+  } catch (const c10::Error& e) {
+    std::fprintf(stderr, "carry bench: %s\n%s", e.what_without_backtrace(), kUsage);
+    return 2;
+  }
+  try {
+    return run(a);
+  } catch (const c10::Error& e) {
+    std::fprintf(stderr, "carry bench: %s\n", e.what_without_backtrace());
+    return 1;
+  }
+}
+
+}  // namespace carry

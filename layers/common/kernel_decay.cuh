@@ -1,0 +1,36 @@
+// The kernel form of the families whose state transport is a scalar or a diagonal (layers/common):
+// linear attention (no decay), scalar decay (RetNet, Lightning, simple GLA, Mamba-2 SSD core) and GLA
+// (a log decay per key dimension). One recurrence, FLA conventions:
+//   S_t = diag(e^{g_t}) S_{t−1} + k_t v_tᵀ,   o_t = scale · S_tᵀ q_t,
+// with g_t = 0 (none), a scalar per token and head (scalar), or a vector over dk (diag).
+// Inputs q, k [B,T,H,dk], v [B,T,H,dv] (bf16 or fp32, one dtype); g fp32: undefined (none),
+// [B,T,H] (scalar) or [B,T,H,dk] (diag); initial_state [B,H,dk,dv] fp32. T a multiple of 64,
+// dk ∈ {64,96,128}, dv ∈ {64,128,192,256}. States and accumulation are fp32.
+//
+// decay_fwd returns {o, final_state, saved...}; pass the saved tensors unchanged to decay_bwd.
+// decay_bwd returns {dq, dk, dv, dg (undefined for none), d_initial_state}.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <vector>
+
+namespace carry_decay {
+
+enum class Decay : int { none = 0, scalar = 1, diag = 2 };
+
+// Saved for backward, in order: G (the gate's cumulative sum inside each chunk, g's shape, fp32;
+// empty for none), H (the state entering each chunk, input dtype [B,H,N,dk,dv]), P (the scaled,
+// decayed, causal intra-chunk matrix, input dtype [B,H,N,64,64]).
+std::vector<at::Tensor> decay_fwd(Decay kind, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                  const at::Tensor& g, double scale, const at::Tensor& initial_state);
+
+std::vector<at::Tensor> decay_bwd(Decay kind, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                  const at::Tensor& g, double scale, const at::Tensor& initial_state,
+                                  const std::vector<at::Tensor>& saved, const at::Tensor& d_o,
+                                  const at::Tensor& d_final_state);
+
+// Debug: fill every output and intermediate with NaN right after allocation. Off by default.
+void decay_set_poison(bool on);
+
+}  // namespace carry_decay

@@ -1,0 +1,366 @@
+// Backward kernels of the scalar/diagonal-decay class (kernel_decay.cuh), chunk C = 64. With
+// H_n the state entering chunk n and dH_n the gradient of the state leaving it:
+//  1. state_kernel in reverse (kernel_decay_device.cuh): dH_n for every chunk and the initial
+//     state's gradient, dH ← e^{Γ} ⊙ dH + scale·(Q ⊙ e^G)ᵀ dO, chunks from last to first.
+//  2. dv_kernel, grid (N, dv/TV, B·H): dV = Pᵀ dO + (K ⊙ e^{Γ−G}) dH_n, with P saved by the forward.
+//  3. dqk_kernel, grid (N, dk/TK, B·H), TK = 64 (32 for dk = 96): for TK key columns, over the dv tiles:
+//     dP = dO Vᵀ, dq = scale·e^G ⊙ (dO H_nᵀ), dk = e^{Γ−G} ⊙ (V dH_nᵀ); then the intra-chunk parts
+//     dq += (dP ⊙ decay) K, dk += (dP ⊙ decay)ᵀ Q (the diagonal decay rescaled per 16-row block as in
+//     the forward, its diagonal blocks exact), and the gate's gradient
+//     dG_t = q_t ⊙ dq_t − k_t ⊙ dk_t, plus at the chunk's end Σ_s k_s ⊙ dk^{state}_s + e^{Γ} ⊙ diag(H_n dH_nᵀ),
+//     summed from the end of the chunk (dg_t = Σ_{u ≥ t} dG_u); for the scalar decay also over d.
+#include "layers/common/kernel_decay.cuh"
+#include "layers/common/kernel_decay_device.cuh"
+#include "layers/common/kernel_decay_launch.h"
+
+namespace carry_decay {
+namespace {
+
+// ---- dV -------------------------------------------------------------------------------------
+template <typename T, int KIND, int DK, int TV>
+struct DvSmem {
+  static constexpr int C = kChunk, P = pad_of<T>();
+  static constexpr int LK = DK + P, LG = DK + 4, LP = C + P, LH = TV + P, LO = TV + 4;
+  static constexpr size_t oK = 0;
+  static constexpr size_t oG = al128(oK + C * LK * sizeof(T));
+  static constexpr size_t oP = al128(oG + (KIND == kDiag ? C * LG * 4 : KIND == kScalar ? C * 4 : 0));
+  static constexpr size_t oDO = al128(oP + C * LP * sizeof(T));
+  static constexpr size_t oDH = al128(oDO + C * LH * sizeof(T));
+  static constexpr size_t oDV = al128(oDH + DK * LH * sizeof(T));
+  static constexpr size_t bytes = al128(oDV + C * LO * 4);
+  static_assert(bytes <= 227 * 1024, "dv_kernel shared memory");
+};
+
+template <typename T, int KIND, int DK, int TV, int NW>
+__global__ void __launch_bounds__(NW * 32) dv_kernel(const T* __restrict__ k, const float* __restrict__ G,
+                                                     const T* __restrict__ Psave, const T* __restrict__ dO,
+                                                     const T* __restrict__ dHsave, T* __restrict__ dv, int Tn,
+                                                     int H, int DV) {
+  using L = DvSmem<T, KIND, DK, TV>;
+  constexpr int C = kChunk, NT = NW * 32;
+  extern __shared__ __align__(128) unsigned char smem[];
+  T* Ks = reinterpret_cast<T*>(smem + L::oK);
+  float* Gs = reinterpret_cast<float*>(smem + L::oG);
+  T* Ps = reinterpret_cast<T*>(smem + L::oP);
+  T* dOs = reinterpret_cast<T*>(smem + L::oDO);
+  T* dHs = reinterpret_cast<T*>(smem + L::oDH);
+  float* dVs = reinterpret_cast<float*>(smem + L::oDV);
+
+  const int n = blockIdx.x, iv = blockIdx.y, bh = blockIdx.z, b = bh / H, h = bh % H, N = Tn / C;
+  const long tok = (long)b * Tn + (long)n * C, ks = (long)H * DK, vs = (long)H * DV;
+  load_tile_async<T, C, DK, NT>(Ks, L::LK, k + tok * ks + (long)h * DK, ks);
+  load_tile_async<T, C, C, NT>(Ps, L::LP, Psave + ((long)bh * N + n) * C * C, C);
+  load_tile_async<T, C, TV, NT>(dOs, L::LH, dO + tok * vs + (long)h * DV + iv * TV, vs);
+  load_tile_async<T, DK, TV, NT>(dHs, L::LH, dHsave + ((long)bh * N + n) * DK * DV + iv * TV, DV);
+  if constexpr (KIND == kDiag) load_tile_async<float, C, DK, NT>(Gs, L::LG, G + tok * ks + (long)h * DK, ks);
+  cp_async_commit();
+  if constexpr (KIND == kScalar) {
+    if (threadIdx.x < C) Gs[threadIdx.x] = G[(tok + threadIdx.x) * H + h];
+  }
+  cp_async_wait<0>();
+  __syncthreads();
+  if constexpr (KIND != kNone) {
+    for (int i = threadIdx.x; i < C * DK; i += NT) {
+      const int t = i / DK, d = i % DK;
+      const float f = __expf(gate<KIND>(Gs, L::LG, C - 1, d) - gate<KIND>(Gs, L::LG, t, d));
+      Ks[t * L::LK + d] = from_f<T>(to_f(Ks[t * L::LK + d]) * f);
+    }
+    __syncthreads();
+  }
+  gemm<T, C, TV, C, true, false, NW>(Ps, L::LP, dOs, L::LH, dVs, L::LO, false);
+  gemm<T, C, TV, DK, false, false, NW>(Ks, L::LK, dHs, L::LH, dVs, L::LO, true);
+  __syncthreads();
+  store_tile<T, C, TV, NT>(dv + tok * vs + (long)h * DV + iv * TV, vs, dVs, L::LO);
+}
+
+// ---- dq, dk, dg -----------------------------------------------------------------------------
+template <typename T, int KIND, int TK_>
+struct QkSmem {
+  static constexpr int C = kChunk, TK = TK_, TV = 64, P = pad_of<T>();
+  static constexpr int LK = TK + P, LG = TK + 4, LA = C + 4, LAb = C + P, LD = TK + 4, LV = TV + P;
+  static constexpr size_t oQ = 0;
+  static constexpr size_t oK = al128(oQ + C * LK * sizeof(T));
+  static constexpr size_t oG = al128(oK + C * LK * sizeof(T));
+  static constexpr size_t oA = al128(oG + (KIND == kDiag ? C * LG * 4 : KIND == kScalar ? C * 4 : 0));
+  static constexpr size_t oAb = al128(oA + C * LA * 4);
+  static constexpr size_t oDQ = al128(oAb + C * LAb * sizeof(T));
+  static constexpr size_t oDK = al128(oDQ + C * LD * 4);
+  static constexpr size_t oX = al128(oDK + C * LD * 4);  // gx [TK], ext [TK]
+  // The dv-tile buffers (V, dO, H, dH); afterwards the scratch of the diagonal decay's blocks.
+  static constexpr size_t oV = al128(oX + 2 * TK * 4);
+  static constexpr size_t oDO = al128(oV + C * LV * sizeof(T));
+  static constexpr size_t oH = al128(oDO + C * LV * sizeof(T));
+  static constexpr size_t oDH = al128(oH + TK * LV * sizeof(T));
+  static constexpr size_t oEnd = al128(oDH + TK * LV * sizeof(T));
+  static constexpr size_t oQh = oV;
+  static constexpr size_t oKh = al128(oQh + 16 * LK * sizeof(T));
+  static constexpr size_t oPq = al128(oKh + 48 * LK * sizeof(T));
+  static constexpr size_t oPk = al128(oPq + 16 * LD * 4);
+  static constexpr size_t oScrEnd = al128(oPk + 48 * LD * 4);
+  static constexpr size_t bytes = oEnd > oScrEnd ? oEnd : oScrEnd;
+  static_assert(bytes <= 227 * 1024, "dqk_kernel shared memory");
+};
+
+// Off-diagonal row block I of the intra-chunk gradient for the diagonal decay (see the forward's
+// diag_offdiag_block): with r = G of row 16I−1, Qh = Q_I ⊙ e^{G−r}, Kh = K_{<16I} ⊙ e^{r−G},
+// dq_I += e^{G−r} ⊙ (dP_I Kh), dk_{<16I} += e^{r−G} ⊙ (dP_Iᵀ Qh).
+template <typename T, int I, int TK_, int NW>
+__device__ __forceinline__ void diag_offdiag_grad(const T* Qs, const T* Ks, const float* Gs, const T* Ab, T* Qh,
+                                                  T* Kh, float* Pq, float* Pk, float* dq, float* dk) {
+  using L = QkSmem<T, kDiag, TK_>;
+  constexpr int NT = NW * 32, R = 16 * I, TK = L::TK;
+  for (int i = threadIdx.x; i < (16 + R) * TK; i += NT) {
+    const int r = i / TK, d = i % TK;
+    const float ref = Gs[(R - 1) * L::LG + d];
+    if (r < 16) {
+      Qh[r * L::LK + d] = from_f<T>(to_f(Qs[(R + r) * L::LK + d]) * __expf(Gs[(R + r) * L::LG + d] - ref));
+    } else {
+      const int s = r - 16;
+      Kh[s * L::LK + d] = from_f<T>(to_f(Ks[s * L::LK + d]) * __expf(ref - Gs[s * L::LG + d]));
+    }
+  }
+  __syncthreads();
+  gemm<T, 16, TK, R, false, false, NW>(Ab + R * L::LAb, L::LAb, Kh, L::LK, Pq, L::LD, false);
+  gemm<T, R, TK, 16, true, false, NW>(Ab + R * L::LAb, L::LAb, Qh, L::LK, Pk, L::LD, false);
+  __syncthreads();
+  for (int i = threadIdx.x; i < (16 + R) * TK; i += NT) {
+    const int r = i / TK, d = i % TK;
+    const float ref = Gs[(R - 1) * L::LG + d];
+    if (r < 16) {
+      dq[(R + r) * L::LD + d] += Pq[r * L::LD + d] * __expf(Gs[(R + r) * L::LG + d] - ref);
+    } else {
+      const int s = r - 16;
+      dk[s * L::LD + d] += Pk[s * L::LD + d] * __expf(ref - Gs[s * L::LG + d]);
+    }
+  }
+  __syncthreads();
+}
+
+template <typename T, int KIND, int TK_, int NW>
+__global__ void __launch_bounds__(NW * 32) dqk_kernel(const T* __restrict__ q, const T* __restrict__ k,
+                                                      const T* __restrict__ v, const float* __restrict__ G,
+                                                      const T* __restrict__ Hsave, const T* __restrict__ dO,
+                                                      const T* __restrict__ dHsave, T* __restrict__ dq,
+                                                      T* __restrict__ dk, float* __restrict__ dg, int Tn, int H,
+                                                      int DK, int DV, float scale) {
+  using L = QkSmem<T, KIND, TK_>;
+  constexpr int C = kChunk, NT = NW * 32, TK = L::TK, TV = L::TV;
+  extern __shared__ __align__(128) unsigned char smem[];
+  T* Qs = reinterpret_cast<T*>(smem + L::oQ);
+  T* Ks = reinterpret_cast<T*>(smem + L::oK);
+  float* Gs = reinterpret_cast<float*>(smem + L::oG);
+  float* dA = reinterpret_cast<float*>(smem + L::oA);
+  T* Ab = reinterpret_cast<T*>(smem + L::oAb);
+  float* dQs = reinterpret_cast<float*>(smem + L::oDQ);
+  float* dKs = reinterpret_cast<float*>(smem + L::oDK);
+  float* gx = reinterpret_cast<float*>(smem + L::oX);
+  float* ext = gx + TK;
+  T* Vs = reinterpret_cast<T*>(smem + L::oV);
+  T* dOs = reinterpret_cast<T*>(smem + L::oDO);
+  T* Hs = reinterpret_cast<T*>(smem + L::oH);
+  T* dHs = reinterpret_cast<T*>(smem + L::oDH);
+
+  const int n = blockIdx.x, ik = blockIdx.y, bh = blockIdx.z, b = bh / H, h = bh % H, N = Tn / C;
+  const int k0 = ik * TK;
+  const long tok = (long)b * Tn + (long)n * C, ks = (long)H * DK, vs = (long)H * DV;
+  const long hoff = ((long)bh * N + n) * DK * DV + (long)k0 * DV;
+  load_tile_async<T, C, TK, NT>(Qs, L::LK, q + tok * ks + (long)h * DK + k0, ks);
+  load_tile_async<T, C, TK, NT>(Ks, L::LK, k + tok * ks + (long)h * DK + k0, ks);
+  if constexpr (KIND == kDiag) load_tile_async<float, C, TK, NT>(Gs, L::LG, G + tok * ks + (long)h * DK + k0, ks);
+  cp_async_commit();
+  if constexpr (KIND == kScalar) {
+    if (threadIdx.x < C) Gs[threadIdx.x] = G[(tok + threadIdx.x) * H + h];
+  }
+  if (threadIdx.x < TK) gx[threadIdx.x] = 0.f;
+
+  for (int j = 0; j < DV / TV; ++j) {
+    load_tile_async<T, C, TV, NT>(Vs, L::LV, v + tok * vs + (long)h * DV + j * TV, vs);
+    load_tile_async<T, C, TV, NT>(dOs, L::LV, dO + tok * vs + (long)h * DV + j * TV, vs);
+    load_tile_async<T, TK, TV, NT>(Hs, L::LV, Hsave + hoff + j * TV, DV);
+    load_tile_async<T, TK, TV, NT>(dHs, L::LV, dHsave + hoff + j * TV, DV);
+    cp_async_commit();
+    cp_async_wait<0>();
+    __syncthreads();
+    gemm<T, C, C, TV, false, true, NW>(dOs, L::LV, Vs, L::LV, dA, L::LA, j > 0);
+    gemm<T, C, TK, TV, false, true, NW>(dOs, L::LV, Hs, L::LV, dQs, L::LD, j > 0);
+    gemm<T, C, TK, TV, false, true, NW>(Vs, L::LV, dHs, L::LV, dKs, L::LD, j > 0);
+    if (KIND != kNone && threadIdx.x < TK) {
+      float s = 0.f;
+      for (int c = 0; c < TV; ++c) s += to_f(Hs[threadIdx.x * L::LV + c]) * to_f(dHs[threadIdx.x * L::LV + c]);
+      gx[threadIdx.x] += s;
+    }
+    __syncthreads();
+  }
+  // Inter-chunk parts: dq = scale·e^G ⊙ (dO Hᵀ), dk = e^{Γ−G} ⊙ (V dHᵀ).
+  for (int i = threadIdx.x; i < C * TK; i += NT) {
+    const int t = i / TK, d = i % TK;
+    const float Gt = gate<KIND>(Gs, L::LG, t, d), Gl = gate<KIND>(Gs, L::LG, C - 1, d);
+    dQs[t * L::LD + d] *= scale * __expf(Gt);
+    dKs[t * L::LD + d] *= __expf(Gl - Gt);
+  }
+  __syncthreads();
+  if (KIND != kNone && threadIdx.x < TK) {  // the chunk-end gate's share from the state terms
+    const int d = threadIdx.x;
+    float s = 0.f;
+    for (int t = 0; t < C; ++t) s += to_f(Ks[t * L::LK + d]) * dKs[t * L::LD + d];
+    ext[d] = s + __expf(gate<KIND>(Gs, L::LG, C - 1, d)) * gx[d];
+  }
+  for (int i = threadIdx.x; i < C * C; i += NT) {
+    const int t = i / C, s = i % C;
+    float a = 0.f;
+    if (s <= t) {
+      a = dA[t * L::LA + s] * scale;
+      if constexpr (KIND == kScalar) a *= __expf(Gs[t] - Gs[s]);
+    }
+    Ab[t * L::LAb + s] = from_f<T>(a);
+  }
+  __syncthreads();
+  if constexpr (KIND == kDiag) {
+    T* Qh = reinterpret_cast<T*>(smem + L::oQh);
+    T* Kh = reinterpret_cast<T*>(smem + L::oKh);
+    float* Pq = reinterpret_cast<float*>(smem + L::oPq);
+    float* Pk = reinterpret_cast<float*>(smem + L::oPk);
+    diag_offdiag_grad<T, 1, TK, NW>(Qs, Ks, Gs, Ab, Qh, Kh, Pq, Pk, dQs, dKs);
+    diag_offdiag_grad<T, 2, TK, NW>(Qs, Ks, Gs, Ab, Qh, Kh, Pq, Pk, dQs, dKs);
+    diag_offdiag_grad<T, 3, TK, NW>(Qs, Ks, Gs, Ab, Qh, Kh, Pq, Pk, dQs, dKs);
+    // Diagonal blocks, exact: one thread per (block, key column).
+    static_assert(4 * TK == NT, "one thread per diagonal block and column");
+    const int blk = threadIdx.x / TK, d = threadIdx.x % TK, base = 16 * blk;
+    float aq[16], ak[16];
+#pragma unroll
+    for (int i = 0; i < 16; ++i) aq[i] = ak[i] = 0.f;
+#pragma unroll
+    for (int t = 0; t < 16; ++t) {
+      const float Gt = Gs[(base + t) * L::LG + d], qt = to_f(Qs[(base + t) * L::LK + d]);
+#pragma unroll
+      for (int s = 0; s <= t; ++s) {
+        const float w = dA[(base + t) * L::LA + base + s] * scale * __expf(Gt - Gs[(base + s) * L::LG + d]);
+        aq[t] += w * to_f(Ks[(base + s) * L::LK + d]);
+        ak[s] += w * qt;
+      }
+    }
+#pragma unroll
+    for (int i = 0; i < 16; ++i) {
+      dQs[(base + i) * L::LD + d] += aq[i];
+      dKs[(base + i) * L::LD + d] += ak[i];
+    }
+  } else {
+    gemm<T, C, TK, C, false, false, NW>(Ab, L::LAb, Ks, L::LK, dQs, L::LD, true);
+    gemm<T, C, TK, C, true, false, NW>(Ab, L::LAb, Qs, L::LK, dKs, L::LD, true);
+  }
+  __syncthreads();
+  store_tile<T, C, TK, NT>(dq + tok * ks + (long)h * DK + k0, ks, dQs, L::LD);
+  store_tile<T, C, TK, NT>(dk + tok * ks + (long)h * DK + k0, ks, dKs, L::LD);
+  if constexpr (KIND != kNone) {
+    // dg_t = Σ_{u ≥ t} (q ⊙ dq − k ⊙ dk)_u + ext, per key column; dA's space holds it.
+    float* dgs = dA;
+    if (threadIdx.x < TK) {
+      const int d = threadIdx.x;
+      float acc = ext[d];
+      for (int t = C - 1; t >= 0; --t) {
+        acc += to_f(Qs[t * L::LK + d]) * dQs[t * L::LD + d] - to_f(Ks[t * L::LK + d]) * dKs[t * L::LD + d];
+        if constexpr (KIND == kDiag) dg[(tok + t) * ks + (long)h * DK + k0 + d] = acc;
+        else dgs[t * L::LA + d] = acc;
+      }
+    }
+    if constexpr (KIND == kScalar) {
+      __syncthreads();
+      if (threadIdx.x < C) {
+        float s = 0.f;
+        for (int d = 0; d < TK; ++d) s += dgs[threadIdx.x * L::LA + d];
+        dg[((tok + threadIdx.x) * H + h) * (DK / TK) + ik] = s;  // partial over this block's columns
+      }
+    }
+  }
+}
+
+template <typename T, int KIND>
+std::vector<at::Tensor> bwd_impl(const Dims& d, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                 double scale, const std::vector<at::Tensor>& saved, const at::Tensor& dO,
+                                 const at::Tensor& dfinal) {
+  auto stream = at::cuda::getCurrentCUDAStream();
+  const auto f32 = q.options().dtype(at::kFloat);
+  const at::Tensor &G = saved[0], &Hsave = saved[1], &P = saved[2];
+  auto dH = alloc({d.B, d.H, d.N, d.DK, d.DV}, q.options());
+  auto ds0 = alloc({d.B, d.H, d.DK, d.DV}, f32);
+  launch_state<T, KIND, true>(q, dO, G, dfinal, dH, ds0, d.B, d.T, d.H, d.DK, d.DV, (float)scale, stream);
+
+  auto dv = alloc(v.sizes(), v.options());
+  {
+    constexpr int TV = 64, NW = 8;
+    dim3 grid(d.N, d.DV / TV, d.B * d.H);
+    auto run = [&](auto dk_tag) {
+      constexpr int DK = decltype(dk_tag)::value;
+      using L = DvSmem<T, KIND, DK, TV>;
+      auto kern = dv_kernel<T, KIND, DK, TV, NW>;
+      cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)L::bytes);
+      kern<<<grid, NW * 32, L::bytes, stream>>>(
+          reinterpret_cast<const T*>(k.data_ptr()), KIND == kNone ? nullptr : G.data_ptr<float>(),
+          reinterpret_cast<const T*>(P.data_ptr()), reinterpret_cast<const T*>(dO.data_ptr()),
+          reinterpret_cast<const T*>(dH.data_ptr()), reinterpret_cast<T*>(dv.data_ptr()), d.T, d.H, d.DV);
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+    };
+    if (d.DK == 64) run(std::integral_constant<int, 64>());
+    else if (d.DK == 96) run(std::integral_constant<int, 96>());
+    else run(std::integral_constant<int, 128>());
+  }
+
+  auto dq = alloc(q.sizes(), q.options());
+  auto dk = alloc(k.sizes(), k.options());
+  at::Tensor dg;
+  const int TKq = d.DK % 64 == 0 ? 64 : 32, nkt = d.DK / TKq;
+  if (KIND == kDiag) dg = alloc(q.sizes(), f32);
+  else if (KIND == kScalar) dg = alloc({d.B, d.T, d.H, nkt}, f32);
+  auto run_qk = [&](auto tk_tag) {
+    constexpr int TK = decltype(tk_tag)::value, NW = TK / 8;  // one thread per diagonal block and column
+    using L = QkSmem<T, KIND, TK>;
+    auto kern = dqk_kernel<T, KIND, TK, NW>;
+    cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)L::bytes);
+    dim3 grid(d.N, nkt, d.B * d.H);
+    kern<<<grid, NW * 32, L::bytes, stream>>>(
+        reinterpret_cast<const T*>(q.data_ptr()), reinterpret_cast<const T*>(k.data_ptr()),
+        reinterpret_cast<const T*>(v.data_ptr()), KIND == kNone ? nullptr : G.data_ptr<float>(),
+        reinterpret_cast<const T*>(Hsave.data_ptr()), reinterpret_cast<const T*>(dO.data_ptr()),
+        reinterpret_cast<const T*>(dH.data_ptr()), reinterpret_cast<T*>(dq.data_ptr()),
+        reinterpret_cast<T*>(dk.data_ptr()), KIND == kNone ? nullptr : dg.data_ptr<float>(), d.T, d.H, d.DK, d.DV,
+        (float)scale);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  };
+  if (TKq == 64) run_qk(std::integral_constant<int, 64>());
+  else run_qk(std::integral_constant<int, 32>());
+  if (KIND == kScalar) dg = nkt == 1 ? dg.squeeze(-1) : dg.sum(-1);
+  return {dq, dk, dv, dg, ds0};
+}
+
+template <typename T>
+std::vector<at::Tensor> bwd_kind(Decay kind, const Dims& d, const at::Tensor& q, const at::Tensor& k,
+                                 const at::Tensor& v, double scale, const std::vector<at::Tensor>& saved,
+                                 const at::Tensor& dO, const at::Tensor& dfinal) {
+  switch (kind) {
+    case Decay::none: return bwd_impl<T, kNone>(d, q, k, v, scale, saved, dO, dfinal);
+    case Decay::scalar: return bwd_impl<T, kScalar>(d, q, k, v, scale, saved, dO, dfinal);
+    default: return bwd_impl<T, kDiag>(d, q, k, v, scale, saved, dO, dfinal);
+  }
+}
+
+}  // namespace
+
+std::vector<at::Tensor> decay_bwd(Decay kind, const at::Tensor& q_in, const at::Tensor& k_in,
+                                  const at::Tensor& v_in, const at::Tensor& g_in, double scale,
+                                  const at::Tensor& initial_state, const std::vector<at::Tensor>& saved,
+                                  const at::Tensor& d_o, const at::Tensor& d_final_state) {
+  const Dims d = check_inputs("decay_bwd", kind, q_in, k_in, v_in, g_in);
+  (void)initial_state;
+  TORCH_CHECK(saved.size() == 3, "decay_bwd: expected the 3 tensors saved by decay_fwd, got ", saved.size());
+  TORCH_CHECK(d_o.sizes() == v_in.sizes(), "decay_bwd: d_o must have v's shape ", v_in.sizes(), ", got ", d_o.sizes());
+  TORCH_CHECK(d_final_state.sizes() == at::IntArrayRef({d.B, d.H, d.DK, d.DV}),
+              "decay_bwd: d_final_state must be [B,H,dk,dv], got ", d_final_state.sizes());
+  c10::cuda::CUDAGuard guard(q_in.device());
+  auto q = dense(q_in), k = dense(k_in), v = dense(v_in);
+  auto dO = dense(d_o.to(q.scalar_type()));
+  auto dfinal = d_final_state.to(at::kFloat).contiguous();
+  if (q.scalar_type() == at::kBFloat16) return bwd_kind<bf16>(kind, d, q, k, v, scale, saved, dO, dfinal);
+  return bwd_kind<float>(kind, d, q, k, v, scale, saved, dO, dfinal);
+}
+
+}  // namespace carry_decay

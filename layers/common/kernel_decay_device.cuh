@@ -1,0 +1,166 @@
+// Device pieces shared by the forward and backward kernels of the scalar/diagonal-decay class
+// (layers/common/kernel_decay.cuh): the in-chunk gate cumsum, the state recurrence over chunks (one
+// kernel, run forward for the states and in reverse for their gradients), and tile copies.
+#pragma once
+
+#include "layers/common/kernel_tiles.cuh"
+
+#include <ATen/ATen.h>
+#include <c10/cuda/CUDAException.h>
+
+namespace carry_decay {
+using namespace carry_tiles;
+
+constexpr int kNone = 0, kScalar = 1, kDiag = 2;
+
+constexpr size_t al128(size_t x) { return (x + 127) & ~size_t(127); }
+
+// G = the cumulative sum of g inside each 64-token chunk; g, G [B,T,H,D] (D = 1 scalar, dk diag).
+// One thread per (b, chunk, h, d) column.
+__global__ void cumsum_kernel(const float* __restrict__ g, float* __restrict__ G, int B, int T, int H, int D) {
+  const long id = (long)blockIdx.x * blockDim.x + threadIdx.x;
+  const int N = T / kChunk;
+  if (id >= (long)B * N * H * D) return;
+  const int d = (int)(id % D);
+  long r = id / D;
+  const int h = (int)(r % H);
+  r /= H;
+  const int n = (int)(r % N), b = (int)(r / N);
+  const long stride = (long)H * D;
+  const long off = ((long)b * T + (long)n * kChunk) * stride + (long)h * D + d;
+  float acc = 0.f;
+  for (int t = 0; t < kChunk; ++t) {
+    acc += g[off + t * stride];
+    G[off + t * stride] = acc;
+  }
+}
+
+// Copy a ROWS x COLS tile of T from shared (row stride lds) to global (row stride gs), 16 bytes a step.
+template <typename T, int ROWS, int COLS, int NT>
+__device__ __forceinline__ void copy_tile_out(T* g, long gs, const T* s, int lds) {
+  constexpr int E = 16 / sizeof(T), VPR = COLS / E;
+  for (int i = threadIdx.x; i < ROWS * VPR; i += NT) {
+    const int r = i / VPR, c = (i % VPR) * E;
+    *reinterpret_cast<uint4*>(g + r * gs + c) = *reinterpret_cast<const uint4*>(s + r * lds + c);
+  }
+}
+
+// The decay G (cumulated in the chunk) of row t and key column d, for the three kinds; Gs holds a
+// [64][LG] tile (diag) or 64 values (scalar).
+template <int KIND>
+__device__ __forceinline__ float gate(const float* Gs, int LG, int t, int d) {
+  if constexpr (KIND == kDiag) return Gs[t * LG + d];
+  else if constexpr (KIND == kScalar) return Gs[t];
+  else return 0.f;
+}
+
+// The state recurrence over chunks for one TK x TV tile of one head's state (rows of the state are
+// independent under a scalar or diagonal transport, so the grid tiles both dk and dv).
+// Forward (REV = false): X = k, Y = v, S starts at the initial state;
+//   per chunk n: Hsave[n] = S, then S ← e^{Γ} ⊙ S + (X ⊙ e^{Γ − G})ᵀ Y   (Γ = G at the chunk's end).
+// Reverse (REV = true): X = q, Y = dO, S starts at the final state's gradient, chunks from last to first;
+//   per chunk n: Hsave[n] = S (the gradient of the state leaving chunk n), then
+//   S ← e^{Γ} ⊙ S + scale · (X ⊙ e^{G})ᵀ Y.   Sfinal gets the last S (final state / initial state's gradient).
+// Grid ((dk/TK)·(dv/TV), H, B); NW warps. X, Y, G of the next chunk load while this one is used.
+template <typename T, int KIND, bool REV, int TK, int TV, int NW>
+__global__ void __launch_bounds__(NW * 32) state_kernel(const T* __restrict__ X, const T* __restrict__ Y,
+                                                        const float* __restrict__ G, const float* __restrict__ S0,
+                                                        T* __restrict__ Hsave, float* __restrict__ Sfinal, int Tn,
+                                                        int H, int DK, int DV, float scale) {
+  constexpr int C = kChunk, NT = NW * 32, P = pad_of<T>();
+  constexpr int LX = TK + P, LY = TV + P, LG = TK + 4, LS = TV + 4;
+  extern __shared__ __align__(128) unsigned char smem[];
+  T* Xs = reinterpret_cast<T*>(smem);                                   // [2][C][LX]
+  T* Ys = Xs + 2 * C * LX;                                              // [2][C][LY]
+  float* Gs = reinterpret_cast<float*>(Ys + 2 * C * LY);                // [2][C][LG] or [2][C]
+  float* Ss = Gs + (KIND == kDiag ? 2 * C * LG : 2 * C);                // [TK][LS]
+  float* gam = Ss + TK * LS;                                            // [TK]
+
+  const int ntv = DV / TV, ik = blockIdx.x / ntv, iv = blockIdx.x % ntv;
+  const int h = blockIdx.y, b = blockIdx.z, N = Tn / C;
+  const long xs = (long)H * DK, ys = (long)H * DV;
+  const long bh = (long)b * H + h;
+  const int k0 = ik * TK, v0 = iv * TV;
+
+  auto issue = [&](int n, int buf) {
+    const long tok = (long)b * Tn + (long)n * C;
+    load_tile_async<T, C, TK, NT>(Xs + buf * C * LX, LX, X + tok * xs + (long)h * DK + k0, xs);
+    load_tile_async<T, C, TV, NT>(Ys + buf * C * LY, LY, Y + tok * ys + (long)h * DV + v0, ys);
+    if constexpr (KIND == kDiag)
+      load_tile_async<float, C, TK, NT>(Gs + buf * C * LG, LG, G + tok * xs + (long)h * DK + k0, xs);
+    cp_async_commit();
+  };
+
+  for (int i = threadIdx.x; i < TK * TV; i += NT) {
+    const int r = i / TV, c = i % TV;
+    Ss[r * LS + c] = S0[(bh * DK + k0 + r) * DV + v0 + c];
+  }
+  issue(REV ? N - 1 : 0, 0);
+  for (int it = 0; it < N; ++it) {
+    const int n = REV ? N - 1 - it : it, buf = it & 1;
+    if (it + 1 < N) {
+      issue(REV ? n - 1 : n + 1, buf ^ 1);
+      cp_async_wait<1>();
+    } else {
+      cp_async_wait<0>();
+    }
+    T* Xb = Xs + buf * C * LX;
+    const T* Yb = Ys + buf * C * LY;
+    float* Gb = Gs + buf * (KIND == kDiag ? C * LG : C);
+    if constexpr (KIND == kScalar) {
+      if (threadIdx.x < C) Gb[threadIdx.x] = G[((long)b * Tn + (long)n * C + threadIdx.x) * H + h];
+    }
+    __syncthreads();
+    store_tile<T, TK, TV, NT>(Hsave + ((bh * N + n) * DK + k0) * DV + v0, DV, Ss, LS);
+    // X ⊙ e^{Γ−G} (forward) or scale · X ⊙ e^{G} (reverse), in place; e^{Γ} per row of the state.
+    for (int i = threadIdx.x; i < C * TK; i += NT) {
+      const int t = i / TK, d = i % TK;
+      const float Gt = gate<KIND>(Gb, LG, t, d), Gl = gate<KIND>(Gb, LG, C - 1, d);
+      const float f = REV ? scale * __expf(Gt) : __expf(Gl - Gt);
+      Xb[t * LX + d] = from_f<T>(to_f(Xb[t * LX + d]) * f);
+    }
+    if (threadIdx.x < TK) gam[threadIdx.x] = __expf(gate<KIND>(Gb, LG, C - 1, threadIdx.x));
+    __syncthreads();
+    if constexpr (KIND != kNone) {
+      for (int i = threadIdx.x; i < TK * TV; i += NT) Ss[(i / TV) * LS + i % TV] *= gam[i / TV];
+      __syncthreads();
+    }
+    gemm<T, TK, TV, C, true, false, NW>(Xb, LX, Yb, LY, Ss, LS, true);
+    __syncthreads();
+  }
+  for (int i = threadIdx.x; i < TK * TV; i += NT) {
+    const int r = i / TV, c = i % TV;
+    Sfinal[(bh * DK + k0 + r) * DV + v0 + c] = Ss[r * LS + c];
+  }
+}
+
+template <typename T, int KIND, int TK, int TV>
+constexpr size_t state_smem() {
+  constexpr int C = kChunk, P = pad_of<T>();
+  return (size_t)2 * C * (TK + P) * sizeof(T) + (size_t)2 * C * (TV + P) * sizeof(T) +
+         (KIND == kDiag ? (size_t)2 * C * (TK + 4) * 4 : (size_t)2 * C * 4) + (size_t)TK * (TV + 4) * 4 + TK * 4;
+}
+
+}  // namespace carry_decay
+
+namespace carry_decay {
+
+// Launch the state recurrence (forward or reverse) with 32 x 32 state tiles and 4 warps.
+template <typename T, int KIND, bool REV>
+void launch_state(const at::Tensor& X, const at::Tensor& Y, const at::Tensor& G, const at::Tensor& S0,
+                  at::Tensor& Hsave, at::Tensor& Sfinal, int B, int Tn, int H, int DK, int DV, float scale,
+                  cudaStream_t stream) {
+  constexpr int TK = 32, TV = 32, NW = 4;
+  constexpr size_t smem = state_smem<T, KIND, TK, TV>();
+  auto kern = state_kernel<T, KIND, REV, TK, TV, NW>;
+  cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
+  dim3 grid((DK / TK) * (DV / TV), H, B);
+  kern<<<grid, NW * 32, smem, stream>>>(reinterpret_cast<const T*>(X.data_ptr()),
+                                        reinterpret_cast<const T*>(Y.data_ptr()),
+                                        KIND == kNone ? nullptr : G.data_ptr<float>(), S0.data_ptr<float>(),
+                                        reinterpret_cast<T*>(Hsave.data_ptr()), Sfinal.data_ptr<float>(), Tn, H,
+                                        DK, DV, scale);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+}  // namespace carry_decay

@@ -1,0 +1,226 @@
+// Forward kernels of the scalar/diagonal-decay class (kernel_decay.cuh), chunk C = 64.
+//
+//  1. cumsum_kernel: G = the gate cumulated inside each chunk (fp32, saved for backward).
+//  2. state_kernel (kernel_decay_device.cuh), grid ((dk/32)·(dv/32), H, B), 128 threads: one block
+//     walks the chunks in order for one 32x32 tile of one head's state (fp32 in shared memory),
+//     saves the state entering each chunk (input dtype) and the final state (fp32).
+//     Per chunk: reads 2·C·(32+32) bytes (bf16), 2·C·32·32·2 FLOPs; the rows of the state are
+//     independent, so B·H·(dk/32)·(dv/32) blocks fill the GPU even at B·H = 4.
+//  3. out_kernel, grid (N, dv/TV, B·H), 256 threads: one block owns one chunk of one head and TV
+//     columns of its output. P = scale·(intra-chunk decayed causal QKᵀ); then
+//     O = scale·(Q ⊙ e^G)·H_n + P·V. For the diagonal decay, P's off-diagonal 16x16 blocks are
+//     tensor-core products of Q and K rescaled against the gate just before the row block (every
+//     factor ≤ 1, no overflow for any decay), its diagonal blocks are summed elementwise, exactly.
+//     P is saved (input dtype) for the backward.
+#include "layers/common/kernel_decay.cuh"
+#include "layers/common/kernel_decay_device.cuh"
+#include "layers/common/kernel_decay_launch.h"
+
+#include <atomic>
+
+namespace carry_decay {
+
+namespace {
+std::atomic<bool> g_poison{false};
+}
+bool poison_enabled() { return g_poison.load(); }
+void decay_set_poison(bool on) { g_poison.store(on); }
+
+namespace {
+
+template <typename T, int KIND, int DK, int TV>
+struct OutSmem {
+  static constexpr int C = kChunk, P = pad_of<T>();
+  static constexpr int LQ = DK + P, LG = DK + 4, LH = TV + P, LA = C + 4, LAb = C + P, LO = TV + 4;
+  static constexpr bool kAlias = sizeof(T) == 4;  // fp32: P is written over the fp32 A
+  static constexpr size_t oQ = 0;
+  static constexpr size_t oK = al128(oQ + C * LQ * sizeof(T));
+  static constexpr size_t oG = al128(oK + C * LQ * sizeof(T));
+  static constexpr size_t oH = al128(oG + (KIND == kDiag ? C * LG * 4 : KIND == kScalar ? C * 4 : 0));
+  static constexpr size_t oV = al128(oH + DK * LH * sizeof(T));
+  static constexpr size_t oA = al128(oV + C * LH * sizeof(T));
+  static constexpr size_t oAb = kAlias ? oA : al128(oA + C * LA * 4);
+  static constexpr size_t oScr = al128(oAb + C * LAb * sizeof(T));
+  static constexpr size_t kScr = C * LO * 4 > C * LQ * sizeof(T) ? C * LO * 4 : C * LQ * sizeof(T);
+  static constexpr size_t bytes = al128(oScr + kScr);
+  static_assert(bytes <= 227 * 1024, "out_kernel shared memory");
+};
+
+// P's off-diagonal row block I (rows 16I..16I+15, columns 0..16I-1) for the diagonal decay:
+// Qh = Q_I ⊙ e^{G − r}, Kh = K_{<16I} ⊙ e^{r − G}, r = G of row 16I−1; P block = Qh·Khᵀ.
+template <typename T, int I, int DK, int LQ, int LG, int LA, int NW>
+__device__ __forceinline__ void diag_offdiag_block(const T* Qs, const T* Ks, const float* Gs, T* Qh, T* Kh,
+                                                    float* As) {
+  constexpr int NT = NW * 32, R = 16 * I;
+  for (int i = threadIdx.x; i < (16 + R) * DK; i += NT) {
+    const int r = i / DK, d = i % DK;
+    const float ref = Gs[(R - 1) * LG + d];
+    if (r < 16) {
+      Qh[r * LQ + d] = from_f<T>(to_f(Qs[(R + r) * LQ + d]) * __expf(Gs[(R + r) * LG + d] - ref));
+    } else {
+      const int s = r - 16;
+      Kh[s * LQ + d] = from_f<T>(to_f(Ks[s * LQ + d]) * __expf(ref - Gs[s * LG + d]));
+    }
+  }
+  __syncthreads();
+  gemm<T, 16, R, DK, false, true, NW>(Qh, LQ, Kh, LQ, As + R * LA, LA, false);
+  __syncthreads();
+}
+
+// The intra-chunk matrix into Ab (input dtype): Ab[t][s] = scale · Σ_d q_td k_sd e^{G_td − G_sd} for
+// s ≤ t, else 0. Uses As (fp32) and the scratch; ends with a block barrier.
+template <typename T, int KIND, int DK, int LQ, int LG, int LA, int LAb, int NW>
+__device__ __forceinline__ void intra_matrix(const T* Qs, const T* Ks, const float* Gs, float* As, T* Ab,
+                                             T* scratch, float scale) {
+  constexpr int C = kChunk, NT = NW * 32;
+  if constexpr (KIND == kDiag) {
+    T* Qh = scratch;
+    T* Kh = scratch + 16 * LQ;
+    diag_offdiag_block<T, 1, DK, LQ, LG, LA, NW>(Qs, Ks, Gs, Qh, Kh, As);
+    diag_offdiag_block<T, 2, DK, LQ, LG, LA, NW>(Qs, Ks, Gs, Qh, Kh, As);
+    diag_offdiag_block<T, 3, DK, LQ, LG, LA, NW>(Qs, Ks, Gs, Qh, Kh, As);
+    // Diagonal 16x16 blocks, s ≤ t: 4 blocks x 136 pairs, summed over d exactly.
+    for (int p = threadIdx.x; p < 4 * 136; p += NT) {
+      const int blk = p / 136;
+      int q = p % 136, t = 0;
+      while (q > t) { q -= t + 1; ++t; }
+      const int tt = 16 * blk + t, ss = 16 * blk + q;
+      float a = 0.f;
+#pragma unroll 8
+      for (int d = 0; d < DK; ++d)
+        a += to_f(Qs[tt * LQ + d]) * to_f(Ks[ss * LQ + d]) * __expf(Gs[tt * LG + d] - Gs[ss * LG + d]);
+      As[tt * LA + ss] = a;
+    }
+  } else {
+    gemm<T, C, C, DK, false, true, NW>(Qs, LQ, Ks, LQ, As, LA, false);
+  }
+  __syncthreads();
+  for (int i = threadIdx.x; i < C * C; i += NT) {
+    const int t = i / C, s = i % C;
+    float a = 0.f;
+    if (s <= t) {
+      a = As[t * LA + s] * scale;
+      if constexpr (KIND == kScalar) a *= __expf(Gs[t] - Gs[s]);
+    }
+    // fp32: Ab aliases As; every element is read and written by the same thread.
+    Ab[t * LAb + s] = from_f<T>(a);
+  }
+  __syncthreads();
+}
+
+template <typename T, int KIND, int DK, int TV, int NW>
+__global__ void __launch_bounds__(NW * 32) out_kernel(const T* __restrict__ q, const T* __restrict__ k,
+                                                      const T* __restrict__ v, const float* __restrict__ G,
+                                                      const T* __restrict__ Hsave, T* __restrict__ o,
+                                                      T* __restrict__ Psave, int Tn, int H, int DV, float scale) {
+  using L = OutSmem<T, KIND, DK, TV>;
+  constexpr int C = kChunk, NT = NW * 32;
+  extern __shared__ __align__(128) unsigned char smem[];
+  T* Qs = reinterpret_cast<T*>(smem + L::oQ);
+  T* Ks = reinterpret_cast<T*>(smem + L::oK);
+  float* Gs = reinterpret_cast<float*>(smem + L::oG);
+  T* Hs = reinterpret_cast<T*>(smem + L::oH);
+  T* Vs = reinterpret_cast<T*>(smem + L::oV);
+  float* As = reinterpret_cast<float*>(smem + L::oA);
+  T* Ab = reinterpret_cast<T*>(smem + L::oAb);
+  T* scratch = reinterpret_cast<T*>(smem + L::oScr);
+  float* Os = reinterpret_cast<float*>(smem + L::oScr);
+
+  const int n = blockIdx.x, iv = blockIdx.y, bh = blockIdx.z, b = bh / H, h = bh % H, N = Tn / C;
+  const long tok = (long)b * Tn + (long)n * C, qs = (long)H * DK, vs = (long)H * DV;
+  load_tile_async<T, C, DK, NT>(Qs, L::LQ, q + tok * qs + (long)h * DK, qs);
+  load_tile_async<T, C, DK, NT>(Ks, L::LQ, k + tok * qs + (long)h * DK, qs);
+  load_tile_async<T, DK, TV, NT>(Hs, L::LH, Hsave + ((long)bh * N + n) * DK * DV + iv * TV, DV);
+  load_tile_async<T, C, TV, NT>(Vs, L::LH, v + tok * vs + (long)h * DV + iv * TV, vs);
+  if constexpr (KIND == kDiag) load_tile_async<float, C, DK, NT>(Gs, L::LG, G + tok * qs + (long)h * DK, qs);
+  cp_async_commit();
+  if constexpr (KIND == kScalar) {
+    if (threadIdx.x < C) Gs[threadIdx.x] = G[(tok + threadIdx.x) * H + h];
+  }
+  cp_async_wait<0>();
+  __syncthreads();
+
+  intra_matrix<T, KIND, DK, L::LQ, L::LG, L::LA, L::LAb, NW>(Qs, Ks, Gs, As, Ab, scratch, scale);
+  // Q ⊙ e^{G} · scale, in place.
+  for (int i = threadIdx.x; i < C * DK; i += NT) {
+    const int t = i / DK, d = i % DK;
+    Qs[t * L::LQ + d] = from_f<T>(to_f(Qs[t * L::LQ + d]) * scale * __expf(gate<KIND>(Gs, L::LG, t, d)));
+  }
+  __syncthreads();
+  gemm<T, C, TV, DK, false, false, NW>(Qs, L::LQ, Hs, L::LH, Os, L::LO, false);
+  gemm<T, C, TV, C, false, false, NW>(Ab, L::LAb, Vs, L::LH, Os, L::LO, true);
+  __syncthreads();
+  store_tile<T, C, TV, NT>(o + tok * vs + (long)h * DV + iv * TV, vs, Os, L::LO);
+  if (iv == 0) copy_tile_out<T, C, C, NT>(Psave + ((long)bh * N + n) * C * C, C, Ab, L::LAb);
+}
+
+template <typename T, int KIND, int DK>
+void launch_out(const Dims& d, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                const at::Tensor& G, const at::Tensor& Hsave, at::Tensor& o, at::Tensor& P, float scale,
+                cudaStream_t stream) {
+  constexpr int TV = sizeof(T) == 2 ? 64 : 32, NW = 8;
+  using L = OutSmem<T, KIND, DK, TV>;
+  auto kern = out_kernel<T, KIND, DK, TV, NW>;
+  cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)L::bytes);
+  dim3 grid(d.N, d.DV / TV, d.B * d.H);
+  kern<<<grid, NW * 32, L::bytes, stream>>>(
+      reinterpret_cast<const T*>(q.data_ptr()), reinterpret_cast<const T*>(k.data_ptr()),
+      reinterpret_cast<const T*>(v.data_ptr()), KIND == kNone ? nullptr : G.data_ptr<float>(),
+      reinterpret_cast<const T*>(Hsave.data_ptr()), reinterpret_cast<T*>(o.data_ptr()),
+      reinterpret_cast<T*>(P.data_ptr()), d.T, d.H, d.DV, scale);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+template <typename T, int KIND>
+std::vector<at::Tensor> fwd_impl(const Dims& d, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                 const at::Tensor& g, double scale, const at::Tensor& s0) {
+  auto stream = at::cuda::getCurrentCUDAStream();
+  const auto f32 = q.options().dtype(at::kFloat);
+  at::Tensor G;
+  if constexpr (KIND != kNone) {
+    G = alloc(g.sizes(), f32);
+    const int D = KIND == kDiag ? d.DK : 1;
+    const long cols = (long)d.B * d.N * d.H * D;
+    cumsum_kernel<<<(unsigned)((cols + 255) / 256), 256, 0, stream>>>(g.data_ptr<float>(), G.data_ptr<float>(), d.B,
+                                                                       d.T, d.H, D);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  }
+  auto Hsave = alloc({d.B, d.H, d.N, d.DK, d.DV}, q.options());
+  auto Sfinal = alloc({d.B, d.H, d.DK, d.DV}, f32);
+  launch_state<T, KIND, false>(k, v, G, s0, Hsave, Sfinal, d.B, d.T, d.H, d.DK, d.DV, (float)scale, stream);
+  auto o = alloc({d.B, d.T, d.H, d.DV}, q.options());
+  auto P = alloc({d.B, d.H, d.N, kChunk, kChunk}, q.options());
+  if (d.DK == 64) launch_out<T, KIND, 64>(d, q, k, v, G, Hsave, o, P, (float)scale, stream);
+  else if (d.DK == 96) launch_out<T, KIND, 96>(d, q, k, v, G, Hsave, o, P, (float)scale, stream);
+  else launch_out<T, KIND, 128>(d, q, k, v, G, Hsave, o, P, (float)scale, stream);
+  return {o, Sfinal, G.defined() ? G : at::empty({0}, f32), Hsave, P};
+}
+
+template <typename T>
+std::vector<at::Tensor> fwd_kind(Decay kind, const Dims& d, const at::Tensor& q, const at::Tensor& k,
+                                 const at::Tensor& v, const at::Tensor& g, double scale, const at::Tensor& s0) {
+  switch (kind) {
+    case Decay::none: return fwd_impl<T, kNone>(d, q, k, v, g, scale, s0);
+    case Decay::scalar: return fwd_impl<T, kScalar>(d, q, k, v, g, scale, s0);
+    default: return fwd_impl<T, kDiag>(d, q, k, v, g, scale, s0);
+  }
+}
+
+}  // namespace
+
+std::vector<at::Tensor> decay_fwd(Decay kind, const at::Tensor& q_in, const at::Tensor& k_in,
+                                  const at::Tensor& v_in, const at::Tensor& g_in, double scale,
+                                  const at::Tensor& initial_state) {
+  const Dims d = check_inputs("decay_fwd", kind, q_in, k_in, v_in, g_in);
+  c10::cuda::CUDAGuard guard(q_in.device());
+  auto q = dense(q_in), k = dense(k_in), v = dense(v_in);
+  at::Tensor g = g_in.defined() ? dense(g_in) : g_in;
+  TORCH_CHECK(initial_state.sizes() == at::IntArrayRef({d.B, d.H, d.DK, d.DV}) &&
+                  initial_state.scalar_type() == at::kFloat,
+              "decay_fwd: initial_state must be fp32 [B,H,dk,dv], got ", initial_state.sizes());
+  auto s0 = initial_state.contiguous();
+  if (q.scalar_type() == at::kBFloat16) return fwd_kind<bf16>(kind, d, q, k, v, g, scale, s0);
+  return fwd_kind<float>(kind, d, q, k, v, g, scale, s0);
+}
+
+}  // namespace carry_decay

@@ -1,0 +1,26 @@
+// The scalar/diagonal-decay class's kernel form (layers/common/kernel_decay.cuh) as one
+// differentiable op (CUDA builds only): forward and hand-written backward behind a torch autograd
+// Function, used by the kernel forms of linear_attn, scalar_decay and gla.
+#pragma once
+
+#include "layers/mixer.h"
+
+namespace carry {
+
+enum class DecayKernel { none, scalar, diag };
+
+// Whether the kernels take these inputs: CUDA, bf16 or fp32 (one dtype), dk ∈ {64, 96, 128},
+// dv ∈ {64, 128, 192, 256}, chunk_size 64 (T a multiple of it is checked by the family's check()).
+bool decay_kernel_supports(const MixerInputs& in, const MixerOptions& opt);
+
+// The recurrence S_t = diag(e^{g_t}) S_{t−1} + k_t v_tᵀ, o_t = scale · S_tᵀ q_t from `initial_state`
+// [B,H,dk,dv] (undefined: zeros); g undefined (none), [B,T,H] (scalar) or [B,T,H,dk] (diag), any
+// float dtype (the kernels read it in fp32). Returns o [B,T,H,dv] in q's dtype and the final state in
+// fp32; differentiable in q, k, v, g and the initial state.
+std::pair<Tensor, Tensor> decay_kernel_forward(DecayKernel kind, const Tensor& q, const Tensor& k, const Tensor& v,
+                                               const Tensor& g, const Tensor& initial_state, double scale);
+
+// The error when the kernel form is forced on inputs it does not take.
+void check_decay_kernel_supports(const std::string& family, const MixerInputs& in, const MixerOptions& opt);
+
+}  // namespace carry

@@ -1,0 +1,124 @@
+// The scalar/diagonal-decay kernel form (layers/common/kernel_decay_*) against the chunkwise forms in
+// fp32 on the same (upcast) inputs: GLA (a log decay per key dimension), scalar decay, linear attention
+// (plain, and normalized with positive features). Outputs, final state and the gradients of every
+// input and of the initial state for a random functional of (o, final state). Gates with half-lives
+// from about 2 to 7·10^4 tokens, and a strong-decay case (half-lives down to a fifth of a token) for
+// the diagonal decay's rescaled blocks; a nonzero initial state. Relative max error ≤ 1e-4 for fp32
+// inputs, ≤ 1e-2 for bf16. Outputs are poisoned (NaN) before each kernel run so that unwritten
+// elements show. Skips itself without a GPU (and on builds without CUDA).
+#include "layers/common/device.h"
+#include "tests/helpers/mixer_testing.h"
+
+#ifdef CARRY_WITH_CUDA
+#include "layers/common/kernel_decay.cuh"
+#endif
+
+#include <gtest/gtest.h>
+
+#include <cmath>
+
+namespace carry::testing {
+namespace {
+
+struct Case {
+  int64_t B, T, H, dk, dv;
+};
+
+struct Family {
+  const char* mixer;
+  const char* gate;  // "gk", "g" or "" (none)
+  bool normalize;
+  double max_decay;  // −log decay per token drawn log-uniformly in [1e-5, max_decay]
+};
+
+MixerInputs decay_inputs(const Family& f, const Case& c, uint64_t seed) {
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(seed);
+  auto o = at::TensorOptions().dtype(at::kFloat);
+  MixerInputs in;
+  in.q = at::randn({c.B, c.T, c.H, c.dk}, gen, o);
+  in.k = at::randn({c.B, c.T, c.H, c.dk}, gen, o) / std::sqrt((double)c.dk);
+  in.v = at::randn({c.B, c.T, c.H, c.dv}, gen, o);
+  if (f.normalize) {  // positive features keep the normalizer away from zero
+    in.q = at::elu(in.q) + 1;
+    in.k = at::elu(in.k) + 1;
+  }
+  auto decay = [&](at::IntArrayRef shape) {
+    auto u = at::rand(shape, gen, o) * (std::log(f.max_decay) - std::log(1e-5)) + std::log(1e-5);
+    return -at::exp(u);
+  };
+  if (std::string(f.gate) == "gk") in.gk = decay({c.B, c.T, c.H, c.dk});
+  if (std::string(f.gate) == "g") in.g = decay({c.B, c.T, c.H});
+  for (const auto& n : MixerInputs::names())
+    if (in.get(n).defined()) in.get(n) = in.get(n).to(at::kCUDA);
+  return in;
+}
+
+std::vector<Tensor> run(const Mixer& m, Form form, const MixerInputs& in, const State& s0, const MixerOptions& opt) {
+  auto r = run_with_grads(m, form, in, s0, opt, /*seed=*/5);
+  r.outputs.insert(r.outputs.end(), r.grads.begin(), r.grads.end());
+  for (auto& t : r.outputs) t = t.to(at::kFloat);
+  return r.outputs;
+}
+
+TEST(DecayKernel, MatchesChunkwise) {
+  if (cuda_device_count() == 0) GTEST_SKIP() << "no CUDA device: GPU tests skipped";
+#ifndef CARRY_WITH_CUDA
+  GTEST_SKIP() << "built without CUDA";
+#else
+  carry_decay::decay_set_poison(true);
+  const Family families[] = {{"gla", "gk", false, 0.3},
+                             {"gla", "gk", false, 3.0},
+                             {"scalar_decay", "g", false, 0.3},
+                             {"scalar_decay", "g", false, 3.0},
+                             {"linear_attn", "", false, 0},
+                             {"linear_attn", "", true, 0}};
+  for (const Family& f : families) {
+    const Mixer& m = get_mixer(f.mixer);
+    MixerOptions opt;
+    opt.normalize = f.normalize;
+    for (const Case& c : {Case{1, 256, 2, 64, 64}, Case{2, 192, 1, 128, 256}, Case{1, 128, 3, 128, 128},
+                          Case{1, 192, 2, 96, 192}}) {
+      auto in = decay_inputs(f, c, 17 + c.T);
+      State s0{at::randn({c.B, c.H, c.dk, c.dv}, at::kFloat).to(at::kCUDA) * 0.5};
+      if (std::string(f.mixer) == "linear_attn") s0.push_back(at::rand({c.B, c.H, c.dk}, at::kFloat).to(at::kCUDA));
+      std::vector<std::string> names{"o"};
+      for (const auto& s : m.state_names()) names.push_back("final_" + s);
+      for (const auto& n : m.input_names()) names.push_back("d" + n);
+      for (const auto& s : m.state_names()) names.push_back("d_initial_" + s);
+      for (auto dt : {at::kFloat, at::kBFloat16}) {
+        MixerInputs low, up;  // the reference sees the same values, upcast
+        for (const auto& n : MixerInputs::names())
+          if (in.get(n).defined()) {
+            low.get(n) = in.get(n).to(dt);
+            up.get(n) = low.get(n).to(at::kFloat);
+          }
+        ASSERT_TRUE(m.kernel_supports(low, opt));
+        ASSERT_EQ(m.resolve_form(low, opt), Form::kernel);
+        auto ref = run(m, Form::chunkwise, up, s0, opt);
+        auto ker = run(m, Form::kernel, low, s0, opt);
+        ASSERT_EQ(ref.size(), ker.size());
+        ASSERT_EQ(ref.size(), names.size());
+        const double bound = dt == at::kFloat ? 1e-4 : 1e-2;
+        std::string line;
+        for (size_t i = 0; i < ref.size(); ++i) {
+          double e = rel_err(ker[i], ref[i]);
+          EXPECT_TRUE(at::isfinite(ker[i]).all().item<bool>()) << names[i] << " has NaN (unwritten?)";
+          EXPECT_LE(e, bound) << m.name() << (f.normalize ? " normalized" : "") << " max_decay " << f.max_decay
+                              << " " << dt << " B=" << c.B << " T=" << c.T << " H=" << c.H << " dk=" << c.dk
+                              << " dv=" << c.dv << ": " << names[i];
+          char buf[64];
+          std::snprintf(buf, sizeof buf, " %s %.1e", names[i].c_str(), e);
+          line += buf;
+        }
+        std::cout << "[ errors   ] " << m.name() << (f.normalize ? "(normalized)" : "") << " decay<=" << f.max_decay
+                  << " " << dt << " B=" << c.B << " T=" << c.T << " H=" << c.H << " dk=" << c.dk << " dv=" << c.dv
+                  << ":" << line << "\n";
+      }
+    }
+  }
+  carry_decay::decay_set_poison(false);
+#endif
+}
+
+}  // namespace
+}  // namespace carry::testing
