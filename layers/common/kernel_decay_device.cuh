@@ -1,5 +1,5 @@
 // Device pieces shared by the forward and backward kernels of the scalar/diagonal-decay class
-// (layers/common/kernel_decay.cuh): the in-chunk gate cumsum, the state recurrence over chunks (one
+// (layers/common/kernel_decay.cuh): the state recurrence over chunks (one
 // kernel, run forward for the states and in reverse for their gradients), and tile copies.
 #pragma once
 
@@ -14,26 +14,6 @@ using namespace carry_tiles;
 constexpr int kNone = 0, kScalar = 1, kDiag = 2;
 
 constexpr size_t al128(size_t x) { return (x + 127) & ~size_t(127); }
-
-// G = the cumulative sum of g inside each 64-token chunk; g, G [B,T,H,D] (D = 1 scalar, dk diag).
-// One thread per (b, chunk, h, d) column.
-__global__ void cumsum_kernel(const float* __restrict__ g, float* __restrict__ G, int B, int T, int H, int D) {
-  const long id = (long)blockIdx.x * blockDim.x + threadIdx.x;
-  const int N = T / kChunk;
-  if (id >= (long)B * N * H * D) return;
-  const int d = (int)(id % D);
-  long r = id / D;
-  const int h = (int)(r % H);
-  r /= H;
-  const int n = (int)(r % N), b = (int)(r / N);
-  const long stride = (long)H * D;
-  const long off = ((long)b * T + (long)n * kChunk) * stride + (long)h * D + d;
-  float acc = 0.f;
-  for (int t = 0; t < kChunk; ++t) {
-    acc += g[off + t * stride];
-    G[off + t * stride] = acc;
-  }
-}
 
 // Copy a ROWS x COLS tile of T from shared (row stride lds) to global (row stride gs), 16 bytes a step.
 template <typename T, int ROWS, int COLS, int NT>

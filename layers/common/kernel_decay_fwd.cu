@@ -28,6 +28,26 @@ void decay_set_poison(bool on) { g_poison.store(on); }
 
 namespace {
 
+// G = the cumulative sum of g inside each 64-token chunk; g, G [B,T,H,D] (D = 1 scalar, dk diag).
+// One thread per (b, chunk, h, d) column.
+__global__ void cumsum_kernel(const float* __restrict__ g, float* __restrict__ G, int B, int T, int H, int D) {
+  const long id = (long)blockIdx.x * blockDim.x + threadIdx.x;
+  const int N = T / kChunk;
+  if (id >= (long)B * N * H * D) return;
+  const int d = (int)(id % D);
+  long r = id / D;
+  const int h = (int)(r % H);
+  r /= H;
+  const int n = (int)(r % N), b = (int)(r / N);
+  const long stride = (long)H * D;
+  const long off = ((long)b * T + (long)n * kChunk) * stride + (long)h * D + d;
+  float acc = 0.f;
+  for (int t = 0; t < kChunk; ++t) {
+    acc += g[off + t * stride];
+    G[off + t * stride] = acc;
+  }
+}
+
 template <typename T, int KIND, int DK, int TV>
 struct OutSmem {
   static constexpr int C = kChunk, P = pad_of<T>();
