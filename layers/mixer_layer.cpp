@@ -275,11 +275,19 @@ MixerLayerOutput MixerLayer::forward(const Tensor& x, const State& initial_state
   auto opt = mixer_options(T, ctx);
   MixerOutput out;
   {
-    // Under autocast the core (chunkwise form, recurrent state, cross-rank scan) still runs in fp32.
+    // Under autocast the core (chunkwise form, recurrent state, cross-rank scan) still runs in fp32;
+    // a kernel form reads q, k, v in the autocast dtype (bf16) and the gates and states in fp32, and
+    // accumulates in fp32 (on one rank: the cross-rank scan keeps fp32 summaries).
     std::optional<FullPrecisionScope> fp32;
     MixerInputs in = p.in;
     State s0 = initial_state;
-    if (autocast_active_for(x)) fp32.emplace(), in = full_precision(in), s0 = full_precision(s0);
+    if (autocast_active_for(x)) {
+      fp32.emplace();
+      MixerInputs low = kernel_precision(in);
+      const bool kernel = !ctx.run_mixer && mixer_->resolve_form(low, opt) == Form::kernel;
+      in = kernel ? low : full_precision(in);
+      s0 = full_precision(s0);
+    }
     out = ctx.run_mixer ? ctx.run_mixer(*mixer_, in, s0, opt) : mixer_->forward(in, s0, opt);
   }
   Tensor o = out.o;

@@ -56,5 +56,8 @@ class FullPrecisionScope {
 // The floating tensors of `in` and `state` below fp32 cast up to fp32 (others unchanged).
 MixerInputs full_precision(const MixerInputs& in);
 State full_precision(const State& state);
+// The kernel forms' precision under autocast: every input in the autocast dtype of its device (bf16),
+// except the gates (g, gk, beta), which stay fp32 (a log decay rounded to bf16 loses its cumulative sum).
+MixerInputs kernel_precision(const MixerInputs& in);
 
 }  // namespace carry

@@ -95,7 +95,11 @@ class LinearAttention final : public Mixer {
     // The kernels carry S; the normalizer's state z is a running sum of k, done here in fp32.
     const Tensor S0 = init.empty() ? Tensor() : init[0];
     const double scale = opt.scale_for(in.q.size(3));
-    auto [num, S] = decay_kernel_forward(DecayKernel::none, in.q, in.k, in.v, Tensor(), S0, scale);
+    // Normalized, the gradient of q is a difference of two near-equal terms: bf16 rounding of the
+    // numerator would show in it, so the kernels then read fp32 copies.
+    const auto kdt = opt.normalize ? at::kFloat : in.q.scalar_type();
+    auto [num, S] = decay_kernel_forward(DecayKernel::none, in.q.to(kdt), in.k.to(kdt), in.v.to(kdt), Tensor(), S0,
+                                         scale);
     const auto f32 = in.k.options().dtype(at::kFloat);
     Tensor z0 = init.size() > 1 && init[1].defined() ? init[1].to(at::kFloat)
                                                      : at::zeros({in.q.size(0), in.q.size(2), in.q.size(3)}, f32);
