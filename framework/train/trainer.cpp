@@ -539,7 +539,7 @@ int Trainer::run() {
       groups_ ? groups_->world->backend().c_str() : "single process", device_.str().c_str(),
       parallel::scan_mode_name(scan_mode_of(config_.parallel().scan_mode())).c_str());
   log("precision: %s; activations: %s\n",
-      bf16_ ? "bf16 autocast (fp32 master weights and optimizer, fp32 mixer cores and states)" : "fp32",
+      bf16_ ? "bf16 autocast (fp32 master weights and optimizer, mixer kernels read bf16 q, k, v and fp32 gates, fp32 states; ATen mixer forms in fp32)" : "fp32",
       config_.parallel().recompute() ? "recomputed per layer in backward" : "kept");
   if (resumed) log("resumed from %s at step %lld\n", config_.checkpoint().dir().c_str(), static_cast<long long>(step_));
 
