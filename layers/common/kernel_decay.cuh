@@ -32,5 +32,8 @@ std::vector<at::Tensor> decay_bwd(Decay kind, const at::Tensor& q, const at::Ten
 
 // Debug: fill every output and intermediate with NaN right after allocation. Off by default.
 void decay_set_poison(bool on);
+// The state recurrence's segments (tests): 0 chooses by the grid's size (the default), 1 walks the
+// chunks in order, n > 1 cuts the chunks into n segments walked in parallel and joined.
+void decay_set_segments(int n);
 
 }  // namespace carry_decay

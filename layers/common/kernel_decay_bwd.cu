@@ -283,7 +283,8 @@ std::vector<at::Tensor> bwd_impl(const Dims& d, const at::Tensor& q, const at::T
   const at::Tensor &G = saved[0], &Hsave = saved[1], &P = saved[2];
   auto dH = alloc({d.B, d.H, d.N, d.DK, d.DV}, q.options());
   auto ds0 = alloc({d.B, d.H, d.DK, d.DV}, f32);
-  launch_state<T, KIND, true>(q, dO, G, dfinal, dH, ds0, d.B, d.T, d.H, d.DK, d.DV, (float)scale, stream);
+  launch_state<T, KIND, true>(q, dO, G, dfinal, dH, ds0, d.B, d.T, d.H, d.DK, d.DV, (float)scale, stream,
+                              forced_segments());
 
   auto dv = alloc(v.sizes(), v.options());
   {

@@ -25,6 +25,11 @@ std::atomic<bool> g_poison{false};
 }
 bool poison_enabled() { return g_poison.load(); }
 void decay_set_poison(bool on) { g_poison.store(on); }
+namespace {
+std::atomic<int> g_segments{0};
+}
+int forced_segments() { return g_segments.load(); }
+void decay_set_segments(int n) { g_segments.store(n < 0 ? 0 : n); }
 
 namespace {
 
@@ -207,7 +212,8 @@ std::vector<at::Tensor> fwd_impl(const Dims& d, const at::Tensor& q, const at::T
   }
   auto Hsave = alloc({d.B, d.H, d.N, d.DK, d.DV}, q.options());
   auto Sfinal = alloc({d.B, d.H, d.DK, d.DV}, f32);
-  launch_state<T, KIND, false>(k, v, G, s0, Hsave, Sfinal, d.B, d.T, d.H, d.DK, d.DV, (float)scale, stream);
+  launch_state<T, KIND, false>(k, v, G, s0, Hsave, Sfinal, d.B, d.T, d.H, d.DK, d.DV, (float)scale, stream,
+                               forced_segments());
   auto o = alloc({d.B, d.T, d.H, d.DV}, q.options());
   auto P = alloc({d.B, d.H, d.N, kChunk, kChunk}, q.options());
   if (d.DK == 64) launch_out<T, KIND, 64>(d, q, k, v, G, Hsave, o, P, (float)scale, stream);

@@ -12,6 +12,7 @@
 namespace carry_decay {
 
 bool poison_enabled();
+int forced_segments();  // decay_set_segments' value
 
 // at::empty, filled with NaN when the debug poison is on.
 inline at::Tensor alloc(at::IntArrayRef sizes, const at::TensorOptions& opt) {

@@ -5,7 +5,8 @@
 // from about 2 to 7·10^4 tokens, and a strong-decay case (half-lives down to a fifth of a token) for
 // the diagonal decay's rescaled blocks; a nonzero initial state. Relative max error ≤ 1e-4 for fp32
 // inputs, ≤ 1e-2 for bf16. Outputs are poisoned (NaN) before each kernel run so that unwritten
-// elements show. Skips itself without a GPU (and on builds without CUDA).
+// elements show. The state recurrence runs in order (1 segment) and cut into 3 segments joined
+// afterwards. Skips itself without a GPU (and on builds without CUDA).
 #include "layers/common/device.h"
 #include "tests/helpers/mixer_testing.h"
 
@@ -85,7 +86,9 @@ TEST(DecayKernel, MatchesChunkwise) {
       for (const auto& s : m.state_names()) names.push_back("final_" + s);
       for (const auto& n : m.input_names()) names.push_back("d" + n);
       for (const auto& s : m.state_names()) names.push_back("d_initial_" + s);
+      for (int segments : {1, 3})
       for (auto dt : {at::kFloat, at::kBFloat16}) {
+        carry_decay::decay_set_segments(segments);
         MixerInputs low, up;  // the reference sees the same values, upcast
         for (const auto& n : MixerInputs::names())
           if (in.get(n).defined()) {
@@ -104,19 +107,22 @@ TEST(DecayKernel, MatchesChunkwise) {
           double e = rel_err(ker[i], ref[i]);
           EXPECT_TRUE(at::isfinite(ker[i]).all().item<bool>()) << names[i] << " has NaN (unwritten?)";
           EXPECT_LE(e, bound) << m.name() << (f.normalize ? " normalized" : "") << " max_decay " << f.max_decay
-                              << " " << dt << " B=" << c.B << " T=" << c.T << " H=" << c.H << " dk=" << c.dk
+                              << " segments " << segments << " " << dt << " B=" << c.B << " T=" << c.T
+                              << " H=" << c.H << " dk=" << c.dk
                               << " dv=" << c.dv << ": " << names[i];
           char buf[64];
           std::snprintf(buf, sizeof buf, " %s %.1e", names[i].c_str(), e);
           line += buf;
         }
         std::cout << "[ errors   ] " << m.name() << (f.normalize ? "(normalized)" : "") << " decay<=" << f.max_decay
-                  << " " << dt << " B=" << c.B << " T=" << c.T << " H=" << c.H << " dk=" << c.dk << " dv=" << c.dv
+                  << " segments " << segments << " " << dt << " B=" << c.B << " T=" << c.T << " H=" << c.H
+                  << " dk=" << c.dk << " dv=" << c.dv
                   << ":" << line << "\n";
       }
     }
   }
   carry_decay::decay_set_poison(false);
+  carry_decay::decay_set_segments(0);
 #endif
 }
 
