@@ -96,7 +96,7 @@ class LinearAttention final : public Mixer {
     const Tensor S0 = init.empty() ? Tensor() : init[0];
     const double scale = opt.scale_for(in.q.size(3));
     // Normalized, the gradient of q is a difference of two near-equal terms: bf16 rounding of the
-    // numerator would show in it, so the kernels then read fp32 copies.
+    // numerator or of o's gradient would show in it, so the kernels then read fp32 copies and o is fp32.
     const auto kdt = opt.normalize ? at::kFloat : in.q.scalar_type();
     auto [num, S] = decay_kernel_forward(DecayKernel::none, in.q.to(kdt), in.k.to(kdt), in.v.to(kdt), Tensor(), S0,
                                          scale);
@@ -108,7 +108,8 @@ class LinearAttention final : public Mixer {
     if (!opt.normalize) return {num, {S, z}};
     auto zt = z0.unsqueeze(1) + k32.cumsum(1);  // [B,T,H,dk]: z after each token
     auto den = (in.q.to(at::kFloat) * scale * zt).sum(-1, /*keepdim=*/true) + opt.eps;
-    return {(num.to(at::kFloat) / den).to(in.q.scalar_type()), {S, z}};
+    // o stays fp32: its gradient reaches the cancelling terms unrounded (the layer casts it after).
+    return {num.to(at::kFloat) / den, {S, z}};
   }
 #endif
 
