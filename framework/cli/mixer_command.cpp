@@ -387,6 +387,14 @@ Job prepare(const Args& a, int sp_size) {
   check_state_shapes(j.d_final, j.zero, prefixed("dfinal_state", j.entries), path,
                      "the shape of the final state");
   j.grads = j.d_o.defined() || !j.d_final.empty();
+  // The family checks the values of its inputs (m.check); the state and the cotangents are checked
+  // here alike, so that a NaN anywhere in the file is named instead of propagating.
+  auto check_values = [&](const State& s, const std::vector<std::string>& keys) {
+    for (size_t i = 0; i < s.size(); ++i) check_finite(s[i], path + ": '" + keys[i] + "'");
+  };
+  check_values(j.init, prefixed("initial_state", j.entries));
+  check_values(j.d_final, prefixed("dfinal_state", j.entries));
+  if (j.d_o.defined()) check_finite(j.d_o, path + ": 'do'");
   return j;
 }
 

@@ -26,6 +26,8 @@
 #include <set>
 #include <sstream>
 
+#include <sys/stat.h>
+
 namespace carry {
 
 namespace pb = google::protobuf;
@@ -38,12 +40,91 @@ namespace {
 // ---------------------------------------------------------------------------------------------
 // Text and locations
 
+// The largest config file read (a device such as /dev/zero given as a config would never end).
+constexpr size_t kMaxConfigBytes = size_t{16} << 20;
+
+// "\xNN" for a byte.
+std::string hex_byte(unsigned char c) {
+  static const char* digits = "0123456789abcdef";
+  return std::string("\\x") + digits[c >> 4] + digits[c & 15];
+}
+
+// The length of the valid UTF-8 sequence at s[i], or 0 if there is none (overlong forms and
+// surrogates included as invalid).
+size_t utf8_length(const std::string& s, size_t i) {
+  auto b = [&](size_t k) { return i + k < s.size() ? static_cast<unsigned char>(s[i + k]) : 0u; };
+  unsigned c = b(0);
+  auto cont = [&](size_t k) { return (b(k) & 0xC0) == 0x80; };
+  if (c < 0x80) return 1;
+  if (c >= 0xC2 && c <= 0xDF) return cont(1) ? 2 : 0;
+  if (c >= 0xE0 && c <= 0xEF) {
+    if (!cont(1) || !cont(2) || (c == 0xE0 && b(1) < 0xA0) || (c == 0xED && b(1) > 0x9F)) return 0;
+    return 3;
+  }
+  if (c >= 0xF0 && c <= 0xF4) {
+    if (!cont(1) || !cont(2) || !cont(3) || (c == 0xF0 && b(1) < 0x90) || (c == 0xF4 && b(1) > 0x8F)) return 0;
+    return 4;
+  }
+  return 0;
+}
+
+// A line as it can be shown on a terminal: control characters (but tabs) and bytes that are not
+// UTF-8 are written as \xNN.
+std::string printable(const std::string& line) {
+  std::string out;
+  for (size_t i = 0; i < line.size();) {
+    auto c = static_cast<unsigned char>(line[i]);
+    size_t n = utf8_length(line, i);
+    if (n == 0 || (c < 0x20 && c != '\t') || c == 0x7F) {
+      out += hex_byte(c);
+      ++i;
+    } else {
+      out.append(line, i, n);
+      i += n;
+    }
+  }
+  return out;
+}
+
+// A config must be text: no NUL or other control bytes (but tab, CR, LF), valid UTF-8.
+void check_is_text(const std::string& name, const std::string& text) {
+  int line = 1;
+  size_t line_start = 0;
+  for (size_t i = 0; i < text.size();) {
+    auto c = static_cast<unsigned char>(text[i]);
+    size_t n = utf8_length(text, i);
+    bool bad = n == 0 || (c < 0x20 && c != '\t' && c != '\n' && c != '\r') || c == 0x7F;
+    if (bad) {
+      std::string prefix = text.substr(line_start, i - line_start);
+      int column = 1;
+      for (size_t k = 0; k < prefix.size(); k += std::max<size_t>(1, utf8_length(prefix, k))) ++column;
+      throw ConfigError(name + ":" + std::to_string(line) + ":" + std::to_string(column) + ": not a text file: byte " +
+                        hex_byte(c) + (n == 0 ? " is not UTF-8" : " is a control character") +
+                        "; a config is a textproto file (text), e.g. configs/demo_mqar.textproto");
+    }
+    if (c == '\n') ++line, line_start = i + 1;
+    i += n;
+  }
+}
+
 std::string read_text_file(const std::string& path) {
+  struct stat st;
+  if (::stat(path.c_str(), &st) != 0)
+    throw ConfigError("cannot read config file '" + path + "': " + std::strerror(errno));
+  if (S_ISDIR(st.st_mode))
+    throw ConfigError("cannot read config file '" + path + "': it is a directory; expected a .textproto file");
   std::ifstream in(path, std::ios::binary);
   if (!in) throw ConfigError("cannot read config file '" + path + "': " + std::strerror(errno));
-  std::ostringstream ss;
-  ss << in.rdbuf();
-  return ss.str();
+  std::string text;
+  char buf[65536];
+  while (in.read(buf, sizeof buf) || in.gcount() > 0) {
+    text.append(buf, static_cast<size_t>(in.gcount()));
+    if (text.size() > kMaxConfigBytes)
+      throw ConfigError("config file '" + path + "' is larger than " + std::to_string(kMaxConfigBytes >> 20) +
+                        " MiB; a config is a short textproto file");
+  }
+  if (in.bad()) throw ConfigError("cannot read config file '" + path + "': " + std::strerror(errno));
+  return text;
 }
 
 std::string directory_of(const std::string& path) {
@@ -102,11 +183,14 @@ std::string format_parse_error(const std::string& source, const std::string& tex
     if (at != std::string::npos) offset = at;
   }
   Location loc{line0 + 1, static_cast<int>(chars_before(l, offset)) + 1};
-  std::string shown;
+  // The caret goes under the column as shown: tabs as one space, unprintable bytes as \xNN.
+  std::string shown, before;
   for (char c : l) shown += c == '\t' ? ' ' : c;
+  before = printable(shown.substr(0, std::min(offset, shown.size())));
+  shown = printable(shown);
   std::ostringstream os;
   os << source << ":" << loc.line << ":" << loc.column << ": " << message << "\n    " << shown << "\n    "
-     << std::string(loc.column - 1, ' ') << "^";
+     << std::string(chars_before(before, before.size()), ' ') << "^";
   return os.str();
 }
 
@@ -188,7 +272,54 @@ struct Source {
   std::unique_ptr<TextFormat::ParseInfoTree> tree = std::make_unique<TextFormat::ParseInfoTree>();
 };
 
+// Protobuf's column (bytes, tabs to multiples of 8) of a byte offset in the line.
+int column_of(const std::string& line, size_t offset) {
+  int col = 0;
+  for (size_t i = 0; i < offset && i < line.size(); ++i) col = line[i] == '\t' ? col + 8 - col % 8 : col + 1;
+  return col;
+}
+
+// Where the text of a line ends: before a trailing # comment (outside quotes) and white space.
+size_t content_end(const std::string& line) {
+  char quote = 0;
+  size_t end = line.size();
+  for (size_t i = 0; i < line.size(); ++i) {
+    char c = line[i];
+    if (quote) {
+      if (c == '\\') ++i;
+      else if (c == quote) quote = 0;
+    } else if (c == '"' || c == '\'') {
+      quote = c;
+    } else if (c == '#') {
+      end = i;
+      break;
+    }
+  }
+  while (end > 0 && (line[end - 1] == ' ' || line[end - 1] == '\t' || line[end - 1] == '\r')) --end;
+  return end;
+}
+
+// Protobuf reports a missing value or bracket at the token after it; when that token opens a line
+// (e.g. "lr:" ends one line and the next starts "warmup_steps: 2"), the error is moved to the end
+// of the previous line with text, where the value is missing, and says where the token was.
+void place_at_line_end(const std::string& text, CollectErrors::Item& e) {
+  if (e.line <= 0 || e.message.compare(0, 8, "Expected") != 0) return;
+  std::string l = line_of(text, e.line);
+  size_t at = byte_offset(l, e.column);
+  if (l.find_first_not_of(" \t") != at) return;
+  for (int prev = e.line - 1; prev >= 0; --prev) {
+    std::string p = line_of(text, prev);
+    size_t end = content_end(p);
+    if (end == 0) continue;  // blank or only a comment
+    e.message += " (on line " + std::to_string(e.line + 1) + ")";
+    e.line = prev;
+    e.column = column_of(p, end);
+    return;
+  }
+}
+
 void parse_into(Source& source, Message& message) {
+  check_is_text(source.name, source.text);
   CollectErrors errors;
   TextFormat::Parser parser;
   parser.RecordErrorsTo(&errors);
@@ -196,9 +327,11 @@ void parse_into(Source& source, Message& message) {
   bool ok = parser.ParseFromString(source.text, &message);
   if (ok && errors.errors.empty()) return;
   std::vector<std::string> lines;
-  for (auto& e : errors.errors)
+  for (auto& e : errors.errors) {
+    place_at_line_end(source.text, e);
     lines.push_back(format_parse_error(source.name, source.text, e.line, e.column, explain(e.message),
                                        offending_token(e.message)));
+  }
   if (lines.empty()) lines.push_back(source.name + ": could not parse the file as " + message.GetTypeName());
   throw ConfigError(join(lines, "\n"));
 }
@@ -788,6 +921,8 @@ void check_run(const RunConfig& c, Errors& e) {
   if (k.keep_last() < 0) e.add("checkpoint.keep_last", "must be >= 0 (0 = keep all), got ", k.keep_last());
   if (k.every_steps() > 0 && k.dir().empty())
     e.add("checkpoint.dir", "is needed when checkpoint.every_steps > 0 (", k.every_steps(), ")");
+  if (k.resume() == config::CheckpointConfig::REQUIRED && k.dir().empty())
+    e.add("checkpoint.resume", "REQUIRED needs a checkpoint.dir to resume from");
 
   auto& l = c.logging();
   if (l.every_steps() < 1) e.add("logging.every_steps", "must be >= 1, got ", l.every_steps());
@@ -1076,6 +1211,71 @@ std::string config_to_text(const Message& message) {
   printer.SetUseShortRepeatedPrimitives(true);
   std::string out;
   printer.PrintToString(message, &out);
+  return out;
+}
+
+RunConfig parse_stored_run_config(const std::string& text, const std::string& source_name) {
+  Source source;
+  source.name = source_name;
+  source.text = text;
+  RunConfig config;
+  parse_into(source, config);
+  fill_defaults(config);
+  return config;
+}
+
+namespace {
+
+std::string one_line(const Message& m) {
+  TextFormat::Printer printer;
+  printer.SetSingleLineMode(true);
+  printer.SetUseShortRepeatedPrimitives(true);
+  std::string out;
+  printer.PrintToString(m, &out);
+  while (!out.empty() && out.back() == ' ') out.pop_back();
+  return "{" + out + "}";
+}
+
+// A field's value as text: a scalar as textproto prints it, a message on one line, a list as [...].
+std::string field_text(const Message& m, const FieldDescriptor* f) {
+  auto* r = m.GetReflection();
+  auto element = [&](int index) {
+    if (f->cpp_type() == FieldDescriptor::CPPTYPE_MESSAGE)
+      return one_line(index < 0 ? r->GetMessage(m, f) : r->GetRepeatedMessage(m, f, index));
+    std::string out;
+    TextFormat::PrintFieldValueToString(m, f, index, &out);
+    return out;
+  };
+  if (!f->is_repeated()) return r->HasField(m, f) ? element(-1) : "(unset)";
+  std::vector<std::string> items;
+  for (int i = 0; i < r->FieldSize(m, f); ++i) items.push_back(element(i));
+  return "[" + join(items, ", ") + "]";
+}
+
+void collect_changes(const Message& a, const Message& b, const std::string& prefix, std::vector<ConfigChange>& out) {
+  auto* d = a.GetDescriptor();
+  auto* ra = a.GetReflection();
+  auto* rb = b.GetReflection();
+  for (int i = 0; i < d->field_count(); ++i) {
+    auto* f = d->field(i);
+    const std::string path = prefix + f->name();
+    if (!f->is_repeated() && f->cpp_type() == FieldDescriptor::CPPTYPE_MESSAGE && ra->HasField(a, f) &&
+        rb->HasField(b, f)) {
+      collect_changes(ra->GetMessage(a, f), rb->GetMessage(b, f), path + ".", out);
+      continue;
+    }
+    std::string x = field_text(a, f), y = field_text(b, f);
+    if (x != y) out.push_back({path, x, y});
+  }
+}
+
+}  // namespace
+
+std::vector<ConfigChange> config_changes(const Message& before, const Message& after) {
+  if (before.GetDescriptor() != after.GetDescriptor())
+    throw ConfigError("config_changes: a " + before.GetTypeName() + " against a " + after.GetTypeName());
+  std::vector<ConfigChange> out;
+  collect_changes(before, after, "", out);
   return out;
 }
 

@@ -113,6 +113,43 @@ TEST_F(ConfigTest, ParseErrorColumnCountsCharactersNotTabStops) {
   EXPECT_NE(msg.find("\n     d_model: abc\n    " + std::string(10, ' ') + "^"), std::string::npos) << msg;
 }
 
+// A value missing at the end of a line is reported there, where it is missing (protobuf finds it at
+// the next token, lines later), with the caret after the field and where that token was.
+TEST_F(ConfigTest, MissingValueAtTheEndOfALineIsReportedOnThatLine) {
+  auto m = load_error("name: \"t\"\nseed:   # the seed\n\n  model { d_model: 64 }\n");
+  EXPECT_EQ(m, dir_ + "/run.textproto:2:6: Expected integer, got: model (on line 4)\n"
+                      "    seed:   # the seed\n"
+                      "         ^");
+  m = load_error("optimizer {\n  lr:\n}\n");
+  EXPECT_EQ(m.rfind(dir_ + "/run.textproto:2:6: Expected double, got: } (on line 3)", 0), 0u) << m;
+}
+
+// A binary file is refused naming the first byte that is not text, without writing raw bytes to the
+// terminal; a directory or a device that never ends is refused instead of read as empty or forever.
+TEST_F(ConfigTest, FilesThatAreNotTextConfigsAreRefused) {
+  std::string binary = "name: \"t\"\nseed: 1\x01\x02\xff\n";
+  auto m = load_error(binary);
+  EXPECT_EQ(m, dir_ + "/run.textproto:2:8: not a text file: byte \\x01 is a control character; a config is a "
+                      "textproto file (text), e.g. configs/demo_mqar.textproto");
+  m = load_error("name: \"caf\xc3\xa9 \xe9t\xe9\"\n");
+  EXPECT_EQ(m.rfind(dir_ + "/run.textproto:1:13: not a text file: byte \\xe9 is not UTF-8", 0), 0u) << m;
+  auto must_fail = [](const std::string& path, const std::string& part) {
+    try {
+      load_run_config(path);
+      ADD_FAILURE() << path << " was read as a config";
+    } catch (const ConfigError& e) {
+      EXPECT_NE(std::string(e.what()).find(part), std::string::npos) << e.what();
+    }
+  };
+  must_fail(dir_, "cannot read config file '" + dir_ + "': it is a directory; expected a .textproto file");
+  must_fail("/dev/zero", "config file '/dev/zero' is larger than 16 MiB");
+  must_fail(dir_ + "/none.textproto", "cannot read config file '" + dir_ + "/none.textproto': No such file");
+  // UTF-8 text with a tab is fine, and an error on such a line shows it as text.
+  m = load_error("name: \"caf\xc3\xa9\"\tbogus: 1\n");
+  EXPECT_NE(m.find("unknown field \"bogus\""), std::string::npos) << m;
+  EXPECT_NE(m.find("    name: \"caf\xc3\xa9\" bogus: 1\n                 ^"), std::string::npos) << m;
+}
+
 TEST_F(ConfigTest, UnknownFieldIsAnErrorListingValidFields) {
   auto msg = load_error("name: \"t\"\nmodel { d_modl: 5 }\n");
   auto path = (dir_ + "/run.textproto");
