@@ -5,6 +5,7 @@
 // advancing to the next multiple of 8; errors here give 1-based character columns.
 #include "framework/config/config.h"
 
+#include "framework/printable.h"
 #include "layers/common/layout.h"
 #include "layers/layer_kind.h"
 #include "layers/log_linear/fenwick.h"
@@ -43,49 +44,6 @@ namespace {
 // The largest config file read (a device such as /dev/zero given as a config would never end).
 constexpr size_t kMaxConfigBytes = size_t{16} << 20;
 
-// "\xNN" for a byte.
-std::string hex_byte(unsigned char c) {
-  static const char* digits = "0123456789abcdef";
-  return std::string("\\x") + digits[c >> 4] + digits[c & 15];
-}
-
-// The length of the valid UTF-8 sequence at s[i], or 0 if there is none (overlong forms and
-// surrogates included as invalid).
-size_t utf8_length(const std::string& s, size_t i) {
-  auto b = [&](size_t k) { return i + k < s.size() ? static_cast<unsigned char>(s[i + k]) : 0u; };
-  unsigned c = b(0);
-  auto cont = [&](size_t k) { return (b(k) & 0xC0) == 0x80; };
-  if (c < 0x80) return 1;
-  if (c >= 0xC2 && c <= 0xDF) return cont(1) ? 2 : 0;
-  if (c >= 0xE0 && c <= 0xEF) {
-    if (!cont(1) || !cont(2) || (c == 0xE0 && b(1) < 0xA0) || (c == 0xED && b(1) > 0x9F)) return 0;
-    return 3;
-  }
-  if (c >= 0xF0 && c <= 0xF4) {
-    if (!cont(1) || !cont(2) || !cont(3) || (c == 0xF0 && b(1) < 0x90) || (c == 0xF4 && b(1) > 0x8F)) return 0;
-    return 4;
-  }
-  return 0;
-}
-
-// A line as it can be shown on a terminal: control characters (but tabs) and bytes that are not
-// UTF-8 are written as \xNN.
-std::string printable(const std::string& line) {
-  std::string out;
-  for (size_t i = 0; i < line.size();) {
-    auto c = static_cast<unsigned char>(line[i]);
-    size_t n = utf8_length(line, i);
-    if (n == 0 || (c < 0x20 && c != '\t') || c == 0x7F) {
-      out += hex_byte(c);
-      ++i;
-    } else {
-      out.append(line, i, n);
-      i += n;
-    }
-  }
-  return out;
-}
-
 // A config must be text: no NUL or other control bytes (but tab, CR, LF), valid UTF-8.
 void check_is_text(const std::string& name, const std::string& text) {
   int line = 1;
@@ -99,7 +57,7 @@ void check_is_text(const std::string& name, const std::string& text) {
       int column = 1;
       for (size_t k = 0; k < prefix.size(); k += std::max<size_t>(1, utf8_length(prefix, k))) ++column;
       throw ConfigError(name + ":" + std::to_string(line) + ":" + std::to_string(column) + ": not a text file: byte " +
-                        hex_byte(c) + (n == 0 ? " is not UTF-8" : " is a control character") +
+                        hex_escape(c) + (n == 0 ? " is not UTF-8" : " is a control character") +
                         "; a config is a textproto file (text), e.g. configs/demo_mqar.textproto");
     }
     if (c == '\n') ++line, line_start = i + 1;
@@ -186,8 +144,8 @@ std::string format_parse_error(const std::string& source, const std::string& tex
   // The caret goes under the column as shown: tabs as one space, unprintable bytes as \xNN.
   std::string shown, before;
   for (char c : l) shown += c == '\t' ? ' ' : c;
-  before = printable(shown.substr(0, std::min(offset, shown.size())));
-  shown = printable(shown);
+  before = printable(shown.substr(0, std::min(offset, shown.size())), false);
+  shown = printable(shown, false);
   std::ostringstream os;
   os << source << ":" << loc.line << ":" << loc.column << ": " << message << "\n    " << shown << "\n    "
      << std::string(chars_before(before, before.size()), ' ') << "^";
@@ -645,6 +603,15 @@ class Errors {
 constexpr int64_t kMaxChunkSize = int64_t{1} << 16;
 constexpr int64_t kMaxRanks = int64_t{1} << 20;
 constexpr int64_t kMaxSeqLen = int64_t{1} << 40;
+// Model shapes: every weight's element count stays far inside int64 (vocab x d_model <= 2^52), token
+// ids fit the 32 bits of a token file, and a model can be listed before it is allocated (layers).
+constexpr int64_t kMaxVocab = int64_t{1} << 32;
+constexpr int64_t kMaxWidth = int64_t{1} << 20;   // d_model, head_dim_k, head_dim_v
+constexpr int64_t kMaxHeads = int64_t{1} << 16;
+constexpr int64_t kMaxLayers = 4096;
+constexpr double kMaxMlpRatio = 1024;
+constexpr int64_t kMaxConvSize = 4096;
+constexpr int64_t kMaxLevels = 64;
 
 // *out = a*b; false when that overflows int64.
 bool mul_ok(int64_t a, int64_t b, int64_t* out) { return !__builtin_mul_overflow(a, b, out); }
@@ -701,22 +668,22 @@ std::vector<std::string> distinct_kinds(const ModelConfig& model) {
 }
 
 void check_model(const ModelConfig& m, const std::string& p, Errors& e) {
-  auto positive = [&](const char* name, int64_t v) {
-    if (v <= 0) e.add(p + name, "must be positive, got ", v);
+  auto in_range = [&](const char* name, int64_t v, int64_t max) {
+    if (v <= 0 || v > max) e.add(p + name, "must lie in [1, ", max, "], got ", v);
   };
-  positive("vocab_size", m.vocab_size());
-  positive("d_model", m.d_model());
-  positive("n_layers", m.n_layers());
-  positive("n_heads", m.n_heads());
-  if (m.has_head_dim_k()) positive("head_dim_k", m.head_dim_k());
-  if (m.has_head_dim_v()) positive("head_dim_v", m.head_dim_v());
+  in_range("vocab_size", m.vocab_size(), kMaxVocab);
+  in_range("d_model", m.d_model(), kMaxWidth);
+  in_range("n_layers", m.n_layers(), kMaxLayers);
+  in_range("n_heads", m.n_heads(), kMaxHeads);
+  if (m.has_head_dim_k()) in_range("head_dim_k", m.head_dim_k(), kMaxWidth);
+  if (m.has_head_dim_v()) in_range("head_dim_v", m.head_dim_v(), kMaxWidth);
   if ((!m.has_head_dim_k() || !m.has_head_dim_v()) && m.n_heads() > 0 && m.d_model() > 0 &&
       m.d_model() % m.n_heads() != 0)
     e.add(p + "n_heads", "must divide d_model (", m.d_model(), "), got ", m.n_heads(),
           " (or set head_dim_k and head_dim_v)");
   check_finite(m, p, e);  // non-finite values are reported there, once
-  if (std::isfinite(m.mlp_ratio()) && !(m.mlp_ratio() > 0))
-    e.add(p + "mlp_ratio", "must be positive, got ", m.mlp_ratio());
+  if (std::isfinite(m.mlp_ratio()) && !(m.mlp_ratio() > 0 && m.mlp_ratio() <= kMaxMlpRatio))
+    e.add(p + "mlp_ratio", "must lie in (0, ", kMaxMlpRatio, "], got ", m.mlp_ratio());
   if (std::isfinite(m.norm_eps()) && !(m.norm_eps() > 0))
     e.add(p + "norm_eps", "must be positive, got ", m.norm_eps());
   if (std::isfinite(m.init_std()) && !(m.init_std() > 0))
@@ -755,9 +722,12 @@ void check_model(const ModelConfig& m, const std::string& p, Errors& e) {
     };
     if (o.has_chunk_size() && (o.chunk_size() <= 0 || o.chunk_size() > kMaxChunkSize))
       e.add(q + ".chunk_size", "must lie in [1, ", kMaxChunkSize, "], got ", o.chunk_size());
-    if (o.has_window() && o.window() < 0) e.add(q + ".window", "must be >= 0 (0 = full causal), got ", o.window());
-    if (o.has_conv_size() && o.conv_size() < 0) e.add(q + ".conv_size", "must be >= 0 (0 = none), got ", o.conv_size());
-    if (o.has_levels() && o.levels() < 0) e.add(q + ".levels", "must be >= 0 (0 = as needed), got ", o.levels());
+    if (o.has_window() && (o.window() < 0 || o.window() > kMaxSeqLen))
+      e.add(q + ".window", "must lie in [0, ", kMaxSeqLen, "] (0 = full causal), got ", o.window());
+    if (o.has_conv_size() && (o.conv_size() < 0 || o.conv_size() > kMaxConvSize))
+      e.add(q + ".conv_size", "must lie in [0, ", kMaxConvSize, "] (0 = none), got ", o.conv_size());
+    if (o.has_levels() && (o.levels() < 0 || o.levels() > kMaxLevels))
+      e.add(q + ".levels", "must lie in [0, ", kMaxLevels, "] (0 = as needed), got ", o.levels());
     only_for(o.has_window(), "window", kinds_where(&LayerKind::window));
     only_for(o.has_levels(), "levels", kinds_where(&LayerKind::levels));
     only_for(o.has_normalize(), "normalize", kinds_where(&LayerKind::normalize));
@@ -1094,7 +1064,14 @@ ClusterConfig load_cluster_config(const std::string& path) {
 }
 
 void apply_override(Message& root, const std::string& assignment) {
-  const std::string what = "--set " + assignment;
+  const std::string what = "--set " + printable(assignment, false);
+  for (size_t i = 0; i < assignment.size();) {
+    const auto c = static_cast<unsigned char>(assignment[i]);
+    const size_t n = utf8_length(assignment, i);
+    if (n == 0 || (c < 0x20 && c != '\t') || c == 0x7F)
+      throw ConfigError(what + ": not text: byte " + hex_escape(c) + (n == 0 ? " is not UTF-8" : " is a control character"));
+    i += n;
+  }
   auto eq = assignment.find('=');
   if (eq == std::string::npos || trim(assignment.substr(0, eq)).empty())
     throw ConfigError(what + ": expected field.path=value, e.g. optimizer.lr=1e-3");

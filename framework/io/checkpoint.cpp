@@ -6,6 +6,7 @@
 
 #include "framework/config/carry.pb.h"
 #include "framework/io/safetensors.h"
+#include "framework/printable.h"
 
 #include <google/protobuf/io/coded_stream.h>
 #include <google/protobuf/io/tokenizer.h>
@@ -283,7 +284,7 @@ config::CheckpointManifest read_manifest(const std::string& step_dir) {
   parser.RecordErrorsTo(&collector);
   config::CheckpointManifest manifest;
   TORCH_CHECK(parser.ParseFromString(*text, &manifest), "checkpoint ", manifest_path,
-              ": bad manifest: ", collector.errors);
+              ": bad manifest: ", printable(collector.errors));
   TORCH_CHECK(manifest.has_format_version() && manifest.has_step(), "checkpoint ", manifest_path,
               ": bad manifest: format_version and step are required");
   TORCH_CHECK(manifest.format_version() >= kOldestFormatVersion && manifest.format_version() <= kFormatVersion,
@@ -510,8 +511,8 @@ CheckpointSearch find_latest_checkpoint(const std::string& dir) {
     while (!latest_name.empty() && (latest_name.back() == '\n' || latest_name.back() == ' ' || latest_name.back() == '\r'))
       latest_name.pop_back();
     if (parse_step_name(latest_name) < 0) {
-      out.notes.push_back("checkpoint " + latest_path + ": does not name a step directory (holds '" + latest_name +
-                          "'); taking the newest valid checkpoint");
+      out.notes.push_back("checkpoint " + latest_path + ": does not name a step directory (holds '" +
+                          printable(latest_name.substr(0, 200)) + "'); taking the newest valid checkpoint");
       latest_name.clear();
     } else if (!(run = run_id_of(path_join(dir, latest_name)))) {
       out.notes.push_back("checkpoint " + latest_path + ": names " + path_join(dir, latest_name) +

@@ -4,6 +4,7 @@
 
 #include "framework/io/checkpoint.h"
 #include "framework/io/output_file.h"
+#include "framework/printable.h"
 #include "framework/data/synthetic.h"
 #include "framework/data/token_file.h"
 #include "layers/common/device.h"
@@ -742,7 +743,14 @@ void Trainer::prepare_metrics(const CheckpointData* resumed_from) const {
   }
   // A resumed run: the lines of the steps after the checkpoint were written by the run that stopped
   // and are written again now; drop them, at the line boundary recorded in the checkpoint.
-  const int64_t keep = std::stoll(extra("metrics_bytes"));
+  const std::string recorded = extra("metrics_bytes");
+  char* end = nullptr;
+  const long long keep = std::strtoll(recorded.c_str(), &end, 10);
+  if (*end || keep < 0) {
+    warn("the checkpoint of step " + std::to_string(resumed_from->step) + " records metrics_bytes '" +
+         printable(recorded) + "', not a byte count; this run's lines are appended to " + metrics);
+    return;
+  }
   if (size == keep) return;
   char last = '\n';
   if (keep > 0 && size > keep) {

@@ -144,6 +144,8 @@ TEST_F(ConfigTest, FilesThatAreNotTextConfigsAreRefused) {
   must_fail(dir_, "cannot read config file '" + dir_ + "': it is a directory; expected a .textproto file");
   must_fail("/dev/zero", "config file '/dev/zero' is larger than 16 MiB");
   must_fail(dir_ + "/none.textproto", "cannot read config file '" + dir_ + "/none.textproto': No such file");
+  // The same for a --set: its bytes are shown as \xNN, not echoed raw.
+  EXPECT_EQ(load_error(kValid, {"name=a\x01\xff"}), "--set name=a\\x01\\xff: not text: byte \\x01 is a control character");
   // UTF-8 text with a tab is fine, and an error on such a line shows it as text.
   m = load_error("name: \"caf\xc3\xa9\"\tbogus: 1\n");
   EXPECT_NE(m.find("unknown field \"bogus\""), std::string::npos) << m;
@@ -378,6 +380,23 @@ TEST_F(ConfigTest, OverflowingValuesAreRefused) {
   EXPECT_EQ(load_error(kValid, {"data.needle={value_len: 4611686018427387904 num_distractors: 3}", "model.vocab_size=8192"}),
             path + ": data.needle.value_len: must not exceed data.seq_len (128), got 4611686018427387904 (set by --set "
                    "data.needle={value_len: 4611686018427387904 num_distractors: 3})");
+  // Model shapes beyond any weight's int64 element count, or layers that could not even be listed
+  // (found by tests/framework/readers_fuzz_test.cpp: n_layers 2^63-1 ran for ever, mlp_ratio 1e20
+  // passed and failed in ATen).
+  EXPECT_EQ(load_error(kValid, {"model.n_layers=9223372036854775807"}),
+            path + ": model.n_layers: must lie in [1, 4096], got 9223372036854775807 (set by --set "
+                   "model.n_layers=9223372036854775807)");
+  EXPECT_EQ(load_error(kValid, {"model.mlp_ratio=99999999999999999999"}),
+            path + ": model.mlp_ratio: must lie in (0, 1024], got 1e+20 (set by --set model.mlp_ratio=99999999999999999999)");
+  EXPECT_EQ(load_error(kValid, {"model.vocab_size=8589934592"}),
+            path + ": model.vocab_size: must lie in [1, 4294967296], got 8589934592 (set by --set "
+                   "model.vocab_size=8589934592)");
+  EXPECT_EQ(load_error(kValid, {"model.head_dim_k=2097152", "model.head_dim_v=16"}),
+            path + ": model.head_dim_k: must lie in [1, 1048576], got 2097152 (set by --set model.head_dim_k=2097152)");
+  EXPECT_EQ(load_error(kValid, {"model.mixer_options[0].conv_size=1000000"})
+                .rfind(path + ": model.mixer_options[0].conv_size: must lie in [0, 4096] (0 = none), got 1000000 (set "
+                       "by --set model.mixer_options[0].conv_size=1000000)\n", 0),
+            0u);
   // The layout check against the launch does not wrap either.
   RunConfig c;
   c.mutable_parallel()->set_dp(7);
