@@ -2,6 +2,7 @@
 // the version and whether CUDA is compiled in; each command lives in framework/<name>_command.
 #include "framework/cli/bench_command.h"
 #include "framework/cli/check_command.h"
+#include "framework/cli/error_text.h"
 #include "framework/cli/launch_command.h"
 #include "framework/cli/mixer_command.h"
 #include "framework/cli/scan_bench_command.h"
@@ -44,13 +45,19 @@ int main(int argc, char** argv) {
                 carry::built_with_cuda() ? "compiled in" : "not compiled in");
     return 0;
   }
-  if (command == "bench") return carry::run_bench_command(argc - 1, argv + 1);
-  if (command == "check") return carry::run_check_command(argc - 1, argv + 1);
-  if (command == "launch") return carry::run_launch_command(argc - 1, argv + 1);
-  if (command == "mixer") return carry::run_mixer_command(argc - 1, argv + 1);
-  if (command == "scan-bench") return carry::run_scan_bench_command(argc - 1, argv + 1);
-  if (command == "train") return carry::run_train_command(argc - 1, argv + 1);
-  if (command == "tokenize") return carry::run_tokenize_command(argc - 1, argv + 1);
+  // What a command does not catch itself ends here with one line, not std::terminate's abort.
+  try {
+    if (command == "bench") return carry::run_bench_command(argc - 1, argv + 1);
+    if (command == "check") return carry::run_check_command(argc - 1, argv + 1);
+    if (command == "launch") return carry::run_launch_command(argc - 1, argv + 1);
+    if (command == "mixer") return carry::run_mixer_command(argc - 1, argv + 1);
+    if (command == "scan-bench") return carry::run_scan_bench_command(argc - 1, argv + 1);
+    if (command == "train") return carry::run_train_command(argc - 1, argv + 1);
+    if (command == "tokenize") return carry::run_tokenize_command(argc - 1, argv + 1);
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "carry %s: %s\n", command.c_str(), carry::error_text(e).c_str());
+    return 1;
+  }
   std::fprintf(stderr, "carry: unknown command '%s' (see carry --help)\n", argv[1]);
   return 2;
 }

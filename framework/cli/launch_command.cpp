@@ -2,6 +2,7 @@
 // (POSIX calls, not std::filesystem: libtorch exports conflicting symbols) and exec'ing mpirun.
 #include "framework/cli/launch_command.h"
 
+#include "framework/cli/error_text.h"
 #include "framework/config/config.h"
 #include "framework/launch/launch_plan.h"
 
@@ -128,7 +129,7 @@ int run_launch_command(int argc, char** argv) {
     }
     write_file(options.hostfile_path, plan.hostfile);
   } catch (const std::exception& e) {
-    std::fprintf(stderr, "carry launch: %s\n", e.what());
+    std::fprintf(stderr, "carry launch: %s\n", error_text(e).c_str());
     return 1;
   }
   std::printf("%s\n", shell_join(plan.argv).c_str());

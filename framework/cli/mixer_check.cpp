@@ -1,15 +1,11 @@
 // Random inputs, errors and autograd gradients for comparing mixer forms (see mixer_check.h).
 #include "framework/cli/mixer_check.h"
 
-#include <torch/csrc/autograd/autograd.h>
+#include "layers/mixer_grads.h"
 
 #include <algorithm>
 
 namespace carry {
-
-namespace {
-const std::vector<std::string>& kInputs = MixerInputs::names();
-}
 
 int64_t num_levels(const Shape& s) {
   int64_t last = s.offset + s.T - 1, L = 1;
@@ -66,24 +62,10 @@ double max_rel_err(const std::vector<Tensor>& a, const std::vector<Tensor>& b) {
 FormResult run_with_grads(const Mixer& m, Form form, const MixerInputs& in, const State& state,
                           const MixerOptions& opt, uint64_t seed,
                           const std::function<Tensor(const Tensor&)>& make_leaf) {
-  auto leaf = [&](const Tensor& t) {
-    return make_leaf ? make_leaf(t) : t.detach().clone().requires_grad_(true);
-  };
-  MixerInputs leaves;
-  std::vector<Tensor> xs;
-  for (const auto& n : kInputs)
-    if (in.get(n).defined()) {
-      leaves.get(n) = leaf(in.get(n));
-      xs.push_back(leaves.get(n));
-    }
-  State init;
-  for (auto& t : state) {
-    init.push_back(leaf(t));
-    xs.push_back(init.back());
-  }
+  MixerLeaves leaves = make_mixer_leaves(in, state, make_leaf);
   MixerOptions fopt = opt;
   fopt.form = form;
-  auto out = m.forward(leaves, init, fopt);
+  auto out = m.forward(leaves.in, leaves.state, fopt);
   auto gen = at::make_generator<at::CPUGeneratorImpl>(seed);
   auto weighted = [&](const Tensor& t) {
     auto dt = at::promote_types(t.scalar_type(), at::kFloat);
@@ -97,9 +79,7 @@ FormResult run_with_grads(const Mixer& m, Form form, const MixerInputs& in, cons
     r.outputs.push_back(s.detach());
     loss = loss + weighted(s);
   }
-  auto gs = torch::autograd::grad({loss}, xs, {}, false, false, /*allow_unused=*/true);
-  for (size_t i = 0; i < gs.size(); ++i)
-    r.grads.push_back(gs[i].defined() ? gs[i] : at::zeros_like(xs[i]));
+  r.grads = leaf_grads({loss}, leaves.all());
   return r;
 }
 

@@ -12,10 +12,9 @@
 #include "framework/version.h"
 #include "layers/common/layout.h"
 #include "layers/mixer.h"
+#include "layers/mixer_grads.h"
 #include "parallel/process_group.h"
 #include "parallel/state_scan.h"
-
-#include <torch/csrc/autograd/autograd.h>
 
 #include <c10/core/GradMode.h>
 #include <c10/util/Exception.h>
@@ -388,6 +387,14 @@ Job prepare(const Args& a, int sp_size) {
   check_state_shapes(j.d_final, j.zero, prefixed("dfinal_state", j.entries), path,
                      "the shape of the final state");
   j.grads = j.d_o.defined() || !j.d_final.empty();
+  // The family checks the values of its inputs (m.check); the state and the cotangents are checked
+  // here alike, so that a NaN anywhere in the file is named instead of propagating.
+  auto check_values = [&](const State& s, const std::vector<std::string>& keys) {
+    for (size_t i = 0; i < s.size(); ++i) check_finite(s[i], path + ": '" + keys[i] + "'");
+  };
+  check_values(j.init, prefixed("initial_state", j.entries));
+  check_values(j.d_final, prefixed("dfinal_state", j.entries));
+  if (j.d_o.defined()) check_finite(j.d_o, path + ": 'do'");
   return j;
 }
 
@@ -410,18 +417,12 @@ std::map<std::string, Tensor> run_serial(const Args& a, Job& j) {
   const Mixer& m = *j.m;
   MixerInputs in = j.in;
   State init = j.init;
-  // With gradients every input and every initial-state entry is a leaf (the zero state when none).
+  // With gradients every input and every initial-state entry is a leaf (the zero state when none);
+  // j.inputs are in MixerInputs order, as the leaves are.
   std::vector<Tensor> leaves;
   if (j.grads) {
-    for (auto& n : j.inputs) {
-      in.get(n) = in.get(n).detach().requires_grad_(true);
-      leaves.push_back(in.get(n));
-    }
-    if (init.empty()) init = j.zero;
-    for (auto& t : init) {
-      t = t.detach().requires_grad_(true);
-      leaves.push_back(t);
-    }
+    MixerLeaves l = make_mixer_leaves(in, init.empty() ? j.zero : init);
+    in = l.in, init = l.state, leaves = l.all();
   }
   c10::AutoGradMode grad_mode(j.grads);
   MixerOptions opt = a.opt;
@@ -442,13 +443,9 @@ std::map<std::string, Tensor> run_serial(const Args& a, Job& j) {
     if (j.d_o.defined()) loss = loss + (out.o * j.d_o).sum();
     for (size_t i = 0; i < j.d_final.size(); ++i)
       loss = loss + (out.final_state[i] * j.d_final[i]).sum();
-    std::vector<Tensor> d(leaves.size());
-    if (loss.requires_grad())
-      d = torch::autograd::grad({loss}, leaves, {}, /*retain_graph=*/false, /*create_graph=*/false,
-                                /*allow_unused=*/true);
+    auto d = leaf_grads({loss}, leaves);
     auto names = gradient_names(j);
-    for (size_t i = 0; i < leaves.size(); ++i)
-      result[names[i]] = d[i].defined() ? d[i].detach() : at::zeros_like(leaves[i]).detach();
+    for (size_t i = 0; i < leaves.size(); ++i) result[names[i]] = d[i];
   }
   return result;
 }
@@ -552,18 +549,9 @@ Outcome run_sp(parallel::Communicator& comm, int argc, char** argv) {
     const int64_t n = j.in.get(j.inputs[0]).size(1) / P;
     std::vector<Tensor> leaves;
     State init = r == 0 ? j.init : State{};
-    if (j.grads) {
-      for (auto& name : j.inputs) {
-        in.get(name) = in.get(name).detach().requires_grad_(true);
-        leaves.push_back(in.get(name));
-      }
-      if (r == 0) {
-        if (init.empty()) init = j.zero;
-        for (auto& t : init) {
-          t = t.detach().requires_grad_(true);
-          leaves.push_back(t);
-        }
-      }
+    if (j.grads) {  // the inputs; on rank 0 also the initial state (the zero state when none)
+      MixerLeaves l = make_mixer_leaves(in, r == 0 && init.empty() ? j.zero : init);
+      in = l.in, init = l.state, leaves = l.all();
     }
     c10::AutoGradMode grad_mode(j.grads);
     MixerOutput out = parallel::sp_mixer_forward(m, comm, in, init, a.opt, *a.sp_mode);
@@ -585,15 +573,8 @@ Outcome run_sp(parallel::Communicator& comm, int argc, char** argv) {
           outs.push_back(out.final_state[i]);
           cots.push_back(j.d_final[i]);
         }
-      auto d = torch::autograd::grad(outs, leaves, cots, /*retain_graph=*/false,
-                                     /*create_graph=*/false, /*allow_unused=*/true);
-      for (size_t i = 0; i < leaves.size(); ++i) {
-        Tensor g = d[i].defined() ? d[i].detach() : at::zeros_like(leaves[i]).detach();
-        if (i < j.inputs.size())
-          part.push_back(g);
-        else
-          d_init.push_back(g);
-      }
+      auto d = leaf_grads(outs, leaves, cots);
+      for (size_t i = 0; i < leaves.size(); ++i) (i < j.inputs.size() ? part : d_init).push_back(d[i]);
     }
     if (r == P - 1)
       for (auto& t : out.final_state) part.push_back(t.detach());

@@ -3,6 +3,7 @@
 // once complete.
 #include "framework/cli/tokenize_command.h"
 
+#include "framework/cli/error_text.h"
 #include "framework/data/token_file.h"
 
 #include <cerrno>
@@ -84,7 +85,7 @@ int run_tokenize_command(int argc, char** argv) {
                 args.inputs.size() == 1 ? "" : "s", static_cast<long long>(kByteVocabSize));
     return 0;
   } catch (const std::exception& e) {
-    std::fprintf(stderr, "carry tokenize: %s\n", e.what());
+    std::fprintf(stderr, "carry tokenize: %s\n", error_text(e).c_str());
     return 1;
   }
 }

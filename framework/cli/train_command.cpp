@@ -1,6 +1,7 @@
 // `carry train` (see train_command.h): argument parsing, MPI start, process groups, Trainer::run.
 #include "framework/cli/train_command.h"
 
+#include "framework/cli/error_text.h"
 #include "framework/config/config.h"
 #include "framework/train/trainer.h"
 #include "layers/common/device.h"
@@ -20,13 +21,16 @@ namespace {
 
 const char* kUsage =
     "usage: carry train RUN.textproto [--set field.path=value ...] [--max-steps N] [--max-minutes M]\n"
-    "                   [--print-world-size] [--print-config]\n"
+    "                   [--allow-config-change] [--print-world-size] [--print-config]\n"
     "  Trains the model of a run config on dp x sp ranks (start them with mpirun -np dp*sp, or use\n"
     "  launcher/train RUN.textproto, which does). --set overrides config fields (repeatable), e.g.\n"
     "  --set optimizer.lr=1e-3 --set parallel.sp=2. --print-world-size prints dp*sp and exits;\n"
     "  --print-config prints the resolved config (textproto) and exits. --max-steps N / --max-minutes M\n"
     "  end this invocation after N steps / the first step past M minutes with a checkpoint and exit\n"
-    "  status 75, as SIGTERM, SIGINT or SIGUSR1 do; the same command continues the run.\n";
+    "  status 75, as SIGTERM, SIGINT or SIGUSR1 do; the same command continues the run.\n"
+    "  A run resumes from checkpoint.dir as checkpoint.resume says (AUTO, REQUIRED, NEVER); a checkpoint\n"
+    "  whose config differs in the seed, model, data, optimizer or global batch is refused, listing the\n"
+    "  differences, unless --allow-config-change is given.\n";
 
 }  // namespace
 
@@ -61,6 +65,8 @@ int run_train_command(int argc, char** argv) {
       print_world_size = true;
     } else if (a == "--print-config") {
       print_config = true;
+    } else if (a == "--allow-config-change") {
+      limits.allow_config_change = true;
     } else if (a == "--max-steps" || a == "--max-minutes") {
       char* end = nullptr;
       const char* v = i + 1 < argc ? argv[++i] : "";
@@ -94,7 +100,7 @@ int run_train_command(int argc, char** argv) {
     // process) says it.
     const char* launched_rank = std::getenv("OMPI_COMM_WORLD_RANK");
     if (!launched_rank) launched_rank = std::getenv("PMI_RANK");
-    if (!launched_rank || std::string(launched_rank) == "0") std::fprintf(stderr, "carry train: %s\n", e.what());
+    if (!launched_rank || std::string(launched_rank) == "0") std::fprintf(stderr, "carry train: %s\n", error_text(e).c_str());
     return 1;
   }
   if (print_config) {
@@ -111,7 +117,7 @@ int run_train_command(int argc, char** argv) {
     validate_layout(config, parallel::world_info().size);
   } catch (const std::exception& e) {
     // The same on every rank: rank 0 says it.
-    if (parallel::world_info().rank == 0) std::fprintf(stderr, "carry train: %s\n", e.what());
+    if (parallel::world_info().rank == 0) std::fprintf(stderr, "carry train: %s\n", error_text(e).c_str());
     parallel::finalize_mpi();
     return 1;
   }
@@ -139,7 +145,7 @@ int run_train_command(int argc, char** argv) {
     Trainer trainer(config, groups, topt);
     rc = trainer.run();
   } catch (const std::exception& e) {
-    std::fprintf(stderr, "carry train (rank %d): %s\n", parallel::world_info().rank, e.what());
+    std::fprintf(stderr, "carry train (rank %d): %s\n", parallel::world_info().rank, error_text(e).c_str());
     std::fflush(stderr);
     // The other ranks may be waiting for this one in a collective: stop the whole job.
     if (parallel::world_info().size > 1) MPI_Abort(MPI_COMM_WORLD, 1);

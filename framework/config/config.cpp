@@ -5,6 +5,7 @@
 // advancing to the next multiple of 8; errors here give 1-based character columns.
 #include "framework/config/config.h"
 
+#include "framework/printable.h"
 #include "layers/common/layout.h"
 #include "layers/layer_kind.h"
 #include "layers/log_linear/fenwick.h"
@@ -26,6 +27,8 @@
 #include <set>
 #include <sstream>
 
+#include <sys/stat.h>
+
 namespace carry {
 
 namespace pb = google::protobuf;
@@ -38,12 +41,48 @@ namespace {
 // ---------------------------------------------------------------------------------------------
 // Text and locations
 
+// The largest config file read (a device such as /dev/zero given as a config would never end).
+constexpr size_t kMaxConfigBytes = size_t{16} << 20;
+
+// A config must be text: no NUL or other control bytes (but tab, CR, LF), valid UTF-8.
+void check_is_text(const std::string& name, const std::string& text) {
+  int line = 1;
+  size_t line_start = 0;
+  for (size_t i = 0; i < text.size();) {
+    auto c = static_cast<unsigned char>(text[i]);
+    size_t n = utf8_length(text, i);
+    bool bad = n == 0 || (c < 0x20 && c != '\t' && c != '\n' && c != '\r') || c == 0x7F;
+    if (bad) {
+      std::string prefix = text.substr(line_start, i - line_start);
+      int column = 1;
+      for (size_t k = 0; k < prefix.size(); k += std::max<size_t>(1, utf8_length(prefix, k))) ++column;
+      throw ConfigError(name + ":" + std::to_string(line) + ":" + std::to_string(column) + ": not a text file: byte " +
+                        hex_escape(c) + (n == 0 ? " is not UTF-8" : " is a control character") +
+                        "; a config is a textproto file (text), e.g. configs/demo_mqar.textproto");
+    }
+    if (c == '\n') ++line, line_start = i + 1;
+    i += n;
+  }
+}
+
 std::string read_text_file(const std::string& path) {
+  struct stat st;
+  if (::stat(path.c_str(), &st) != 0)
+    throw ConfigError("cannot read config file '" + path + "': " + std::strerror(errno));
+  if (S_ISDIR(st.st_mode))
+    throw ConfigError("cannot read config file '" + path + "': it is a directory; expected a .textproto file");
   std::ifstream in(path, std::ios::binary);
   if (!in) throw ConfigError("cannot read config file '" + path + "': " + std::strerror(errno));
-  std::ostringstream ss;
-  ss << in.rdbuf();
-  return ss.str();
+  std::string text;
+  char buf[65536];
+  while (in.read(buf, sizeof buf) || in.gcount() > 0) {
+    text.append(buf, static_cast<size_t>(in.gcount()));
+    if (text.size() > kMaxConfigBytes)
+      throw ConfigError("config file '" + path + "' is larger than " + std::to_string(kMaxConfigBytes >> 20) +
+                        " MiB; a config is a short textproto file");
+  }
+  if (in.bad()) throw ConfigError("cannot read config file '" + path + "': " + std::strerror(errno));
+  return text;
 }
 
 std::string directory_of(const std::string& path) {
@@ -102,11 +141,14 @@ std::string format_parse_error(const std::string& source, const std::string& tex
     if (at != std::string::npos) offset = at;
   }
   Location loc{line0 + 1, static_cast<int>(chars_before(l, offset)) + 1};
-  std::string shown;
+  // The caret goes under the column as shown: tabs as one space, unprintable bytes as \xNN.
+  std::string shown, before;
   for (char c : l) shown += c == '\t' ? ' ' : c;
+  before = printable(shown.substr(0, std::min(offset, shown.size())), false);
+  shown = printable(shown, false);
   std::ostringstream os;
   os << source << ":" << loc.line << ":" << loc.column << ": " << message << "\n    " << shown << "\n    "
-     << std::string(loc.column - 1, ' ') << "^";
+     << std::string(chars_before(before, before.size()), ' ') << "^";
   return os.str();
 }
 
@@ -188,7 +230,54 @@ struct Source {
   std::unique_ptr<TextFormat::ParseInfoTree> tree = std::make_unique<TextFormat::ParseInfoTree>();
 };
 
+// Protobuf's column (bytes, tabs to multiples of 8) of a byte offset in the line.
+int column_of(const std::string& line, size_t offset) {
+  int col = 0;
+  for (size_t i = 0; i < offset && i < line.size(); ++i) col = line[i] == '\t' ? col + 8 - col % 8 : col + 1;
+  return col;
+}
+
+// Where the text of a line ends: before a trailing # comment (outside quotes) and white space.
+size_t content_end(const std::string& line) {
+  char quote = 0;
+  size_t end = line.size();
+  for (size_t i = 0; i < line.size(); ++i) {
+    char c = line[i];
+    if (quote) {
+      if (c == '\\') ++i;
+      else if (c == quote) quote = 0;
+    } else if (c == '"' || c == '\'') {
+      quote = c;
+    } else if (c == '#') {
+      end = i;
+      break;
+    }
+  }
+  while (end > 0 && (line[end - 1] == ' ' || line[end - 1] == '\t' || line[end - 1] == '\r')) --end;
+  return end;
+}
+
+// Protobuf reports a missing value or bracket at the token after it; when that token opens a line
+// (e.g. "lr:" ends one line and the next starts "warmup_steps: 2"), the error is moved to the end
+// of the previous line with text, where the value is missing, and says where the token was.
+void place_at_line_end(const std::string& text, CollectErrors::Item& e) {
+  if (e.line <= 0 || e.message.compare(0, 8, "Expected") != 0) return;
+  std::string l = line_of(text, e.line);
+  size_t at = byte_offset(l, e.column);
+  if (l.find_first_not_of(" \t") != at) return;
+  for (int prev = e.line - 1; prev >= 0; --prev) {
+    std::string p = line_of(text, prev);
+    size_t end = content_end(p);
+    if (end == 0) continue;  // blank or only a comment
+    e.message += " (on line " + std::to_string(e.line + 1) + ")";
+    e.line = prev;
+    e.column = column_of(p, end);
+    return;
+  }
+}
+
 void parse_into(Source& source, Message& message) {
+  check_is_text(source.name, source.text);
   CollectErrors errors;
   TextFormat::Parser parser;
   parser.RecordErrorsTo(&errors);
@@ -196,9 +285,11 @@ void parse_into(Source& source, Message& message) {
   bool ok = parser.ParseFromString(source.text, &message);
   if (ok && errors.errors.empty()) return;
   std::vector<std::string> lines;
-  for (auto& e : errors.errors)
+  for (auto& e : errors.errors) {
+    place_at_line_end(source.text, e);
     lines.push_back(format_parse_error(source.name, source.text, e.line, e.column, explain(e.message),
                                        offending_token(e.message)));
+  }
   if (lines.empty()) lines.push_back(source.name + ": could not parse the file as " + message.GetTypeName());
   throw ConfigError(join(lines, "\n"));
 }
@@ -512,6 +603,15 @@ class Errors {
 constexpr int64_t kMaxChunkSize = int64_t{1} << 16;
 constexpr int64_t kMaxRanks = int64_t{1} << 20;
 constexpr int64_t kMaxSeqLen = int64_t{1} << 40;
+// Model shapes: every weight's element count stays far inside int64 (vocab x d_model <= 2^52), token
+// ids fit the 32 bits of a token file, and a model can be listed before it is allocated (layers).
+constexpr int64_t kMaxVocab = int64_t{1} << 32;
+constexpr int64_t kMaxWidth = int64_t{1} << 20;   // d_model, head_dim_k, head_dim_v
+constexpr int64_t kMaxHeads = int64_t{1} << 16;
+constexpr int64_t kMaxLayers = 4096;
+constexpr double kMaxMlpRatio = 1024;
+constexpr int64_t kMaxConvSize = 4096;
+constexpr int64_t kMaxLevels = 64;
 
 // *out = a*b; false when that overflows int64.
 bool mul_ok(int64_t a, int64_t b, int64_t* out) { return !__builtin_mul_overflow(a, b, out); }
@@ -568,22 +668,22 @@ std::vector<std::string> distinct_kinds(const ModelConfig& model) {
 }
 
 void check_model(const ModelConfig& m, const std::string& p, Errors& e) {
-  auto positive = [&](const char* name, int64_t v) {
-    if (v <= 0) e.add(p + name, "must be positive, got ", v);
+  auto in_range = [&](const char* name, int64_t v, int64_t max) {
+    if (v <= 0 || v > max) e.add(p + name, "must lie in [1, ", max, "], got ", v);
   };
-  positive("vocab_size", m.vocab_size());
-  positive("d_model", m.d_model());
-  positive("n_layers", m.n_layers());
-  positive("n_heads", m.n_heads());
-  if (m.has_head_dim_k()) positive("head_dim_k", m.head_dim_k());
-  if (m.has_head_dim_v()) positive("head_dim_v", m.head_dim_v());
+  in_range("vocab_size", m.vocab_size(), kMaxVocab);
+  in_range("d_model", m.d_model(), kMaxWidth);
+  in_range("n_layers", m.n_layers(), kMaxLayers);
+  in_range("n_heads", m.n_heads(), kMaxHeads);
+  if (m.has_head_dim_k()) in_range("head_dim_k", m.head_dim_k(), kMaxWidth);
+  if (m.has_head_dim_v()) in_range("head_dim_v", m.head_dim_v(), kMaxWidth);
   if ((!m.has_head_dim_k() || !m.has_head_dim_v()) && m.n_heads() > 0 && m.d_model() > 0 &&
       m.d_model() % m.n_heads() != 0)
     e.add(p + "n_heads", "must divide d_model (", m.d_model(), "), got ", m.n_heads(),
           " (or set head_dim_k and head_dim_v)");
   check_finite(m, p, e);  // non-finite values are reported there, once
-  if (std::isfinite(m.mlp_ratio()) && !(m.mlp_ratio() > 0))
-    e.add(p + "mlp_ratio", "must be positive, got ", m.mlp_ratio());
+  if (std::isfinite(m.mlp_ratio()) && !(m.mlp_ratio() > 0 && m.mlp_ratio() <= kMaxMlpRatio))
+    e.add(p + "mlp_ratio", "must lie in (0, ", kMaxMlpRatio, "], got ", m.mlp_ratio());
   if (std::isfinite(m.norm_eps()) && !(m.norm_eps() > 0))
     e.add(p + "norm_eps", "must be positive, got ", m.norm_eps());
   if (std::isfinite(m.init_std()) && !(m.init_std() > 0))
@@ -622,9 +722,12 @@ void check_model(const ModelConfig& m, const std::string& p, Errors& e) {
     };
     if (o.has_chunk_size() && (o.chunk_size() <= 0 || o.chunk_size() > kMaxChunkSize))
       e.add(q + ".chunk_size", "must lie in [1, ", kMaxChunkSize, "], got ", o.chunk_size());
-    if (o.has_window() && o.window() < 0) e.add(q + ".window", "must be >= 0 (0 = full causal), got ", o.window());
-    if (o.has_conv_size() && o.conv_size() < 0) e.add(q + ".conv_size", "must be >= 0 (0 = none), got ", o.conv_size());
-    if (o.has_levels() && o.levels() < 0) e.add(q + ".levels", "must be >= 0 (0 = as needed), got ", o.levels());
+    if (o.has_window() && (o.window() < 0 || o.window() > kMaxSeqLen))
+      e.add(q + ".window", "must lie in [0, ", kMaxSeqLen, "] (0 = full causal), got ", o.window());
+    if (o.has_conv_size() && (o.conv_size() < 0 || o.conv_size() > kMaxConvSize))
+      e.add(q + ".conv_size", "must lie in [0, ", kMaxConvSize, "] (0 = none), got ", o.conv_size());
+    if (o.has_levels() && (o.levels() < 0 || o.levels() > kMaxLevels))
+      e.add(q + ".levels", "must lie in [0, ", kMaxLevels, "] (0 = as needed), got ", o.levels());
     only_for(o.has_window(), "window", kinds_where(&LayerKind::window));
     only_for(o.has_levels(), "levels", kinds_where(&LayerKind::levels));
     only_for(o.has_normalize(), "normalize", kinds_where(&LayerKind::normalize));
@@ -788,6 +891,8 @@ void check_run(const RunConfig& c, Errors& e) {
   if (k.keep_last() < 0) e.add("checkpoint.keep_last", "must be >= 0 (0 = keep all), got ", k.keep_last());
   if (k.every_steps() > 0 && k.dir().empty())
     e.add("checkpoint.dir", "is needed when checkpoint.every_steps > 0 (", k.every_steps(), ")");
+  if (k.resume() == config::CheckpointConfig::REQUIRED && k.dir().empty())
+    e.add("checkpoint.resume", "REQUIRED needs a checkpoint.dir to resume from");
 
   auto& l = c.logging();
   if (l.every_steps() < 1) e.add("logging.every_steps", "must be >= 1, got ", l.every_steps());
@@ -959,7 +1064,14 @@ ClusterConfig load_cluster_config(const std::string& path) {
 }
 
 void apply_override(Message& root, const std::string& assignment) {
-  const std::string what = "--set " + assignment;
+  const std::string what = "--set " + printable(assignment, false);
+  for (size_t i = 0; i < assignment.size();) {
+    const auto c = static_cast<unsigned char>(assignment[i]);
+    const size_t n = utf8_length(assignment, i);
+    if (n == 0 || (c < 0x20 && c != '\t') || c == 0x7F)
+      throw ConfigError(what + ": not text: byte " + hex_escape(c) + (n == 0 ? " is not UTF-8" : " is a control character"));
+    i += n;
+  }
   auto eq = assignment.find('=');
   if (eq == std::string::npos || trim(assignment.substr(0, eq)).empty())
     throw ConfigError(what + ": expected field.path=value, e.g. optimizer.lr=1e-3");
@@ -1076,6 +1188,71 @@ std::string config_to_text(const Message& message) {
   printer.SetUseShortRepeatedPrimitives(true);
   std::string out;
   printer.PrintToString(message, &out);
+  return out;
+}
+
+RunConfig parse_stored_run_config(const std::string& text, const std::string& source_name) {
+  Source source;
+  source.name = source_name;
+  source.text = text;
+  RunConfig config;
+  parse_into(source, config);
+  fill_defaults(config);
+  return config;
+}
+
+namespace {
+
+std::string one_line(const Message& m) {
+  TextFormat::Printer printer;
+  printer.SetSingleLineMode(true);
+  printer.SetUseShortRepeatedPrimitives(true);
+  std::string out;
+  printer.PrintToString(m, &out);
+  while (!out.empty() && out.back() == ' ') out.pop_back();
+  return "{" + out + "}";
+}
+
+// A field's value as text: a scalar as textproto prints it, a message on one line, a list as [...].
+std::string field_text(const Message& m, const FieldDescriptor* f) {
+  auto* r = m.GetReflection();
+  auto element = [&](int index) {
+    if (f->cpp_type() == FieldDescriptor::CPPTYPE_MESSAGE)
+      return one_line(index < 0 ? r->GetMessage(m, f) : r->GetRepeatedMessage(m, f, index));
+    std::string out;
+    TextFormat::PrintFieldValueToString(m, f, index, &out);
+    return out;
+  };
+  if (!f->is_repeated()) return r->HasField(m, f) ? element(-1) : "(unset)";
+  std::vector<std::string> items;
+  for (int i = 0; i < r->FieldSize(m, f); ++i) items.push_back(element(i));
+  return "[" + join(items, ", ") + "]";
+}
+
+void collect_changes(const Message& a, const Message& b, const std::string& prefix, std::vector<ConfigChange>& out) {
+  auto* d = a.GetDescriptor();
+  auto* ra = a.GetReflection();
+  auto* rb = b.GetReflection();
+  for (int i = 0; i < d->field_count(); ++i) {
+    auto* f = d->field(i);
+    const std::string path = prefix + f->name();
+    if (!f->is_repeated() && f->cpp_type() == FieldDescriptor::CPPTYPE_MESSAGE && ra->HasField(a, f) &&
+        rb->HasField(b, f)) {
+      collect_changes(ra->GetMessage(a, f), rb->GetMessage(b, f), path + ".", out);
+      continue;
+    }
+    std::string x = field_text(a, f), y = field_text(b, f);
+    if (x != y) out.push_back({path, x, y});
+  }
+}
+
+}  // namespace
+
+std::vector<ConfigChange> config_changes(const Message& before, const Message& after) {
+  if (before.GetDescriptor() != after.GetDescriptor())
+    throw ConfigError("config_changes: a " + before.GetTypeName() + " against a " + after.GetTypeName());
+  std::vector<ConfigChange> out;
+  collect_changes(before, after, "", out);
   return out;
 }
 

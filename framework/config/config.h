@@ -71,6 +71,22 @@ void validate_layout(const RunConfig& config, int64_t world_size);
 // A config as textproto (every set field; after loading that is every field with a default).
 std::string config_to_text(const google::protobuf::Message& message);
 
+// A resolved config as a checkpoint stored it: parsed (errors name `source_name`, line and column)
+// and every unset field that has a default filled in (a field added to the schema since reads as its
+// default), not validated (the rules may have changed since). Throws ConfigError.
+RunConfig parse_stored_run_config(const std::string& text, const std::string& source_name);
+
+// One field whose value differs between two configs.
+struct ConfigChange {
+  std::string path;    // "optimizer.lr", "data.mqar.num_kv_pairs", "model.mixers"
+  std::string before;  // the value as textproto (a list as [a, b], a message on one line), or "(unset)"
+  std::string after;
+};
+// The fields that differ between `before` and `after` (messages of one type), in field-number order:
+// sub-messages field by field, lists and maps whole.
+std::vector<ConfigChange> config_changes(const google::protobuf::Message& before,
+                                         const google::protobuf::Message& after);
+
 // ---- derived model quantities ----
 
 // Mixer kinds a config may name (the model assembly builds these).

@@ -1,13 +1,14 @@
 // Token files (see token_file.h): the header is checked before the tokens are touched (magic,
-// version, width, and file size == header + count*width), then the file is mapped read-only; a
-// token is decoded with memcpy (the formats are little-endian, as is every host carry builds for).
+// version, width, and file size == header + count*width); tokens are read with pread and decoded with
+// memcpy (the formats are little-endian, as is every host carry builds for). A read that comes back
+// short (the file was truncated after it was opened) throws.
 #include "framework/data/token_file.h"
 
 #include <fcntl.h>
-#include <sys/mman.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstring>
 #include <sstream>
@@ -61,35 +62,26 @@ void check_size(const std::string& path, const char* what, size_t header, int64_
 }  // namespace
 
 TokenFile::TokenFile(const std::string& path) : path_(path) {
-  int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-  if (fd < 0) throw error(path, "cannot open token file: ", std::strerror(errno));
-  struct stat st;
-  if (::fstat(fd, &st) != 0) {
-    int e = errno;
-    ::close(fd);
-    throw error(path, "cannot stat token file: ", std::strerror(e));
-  }
-  auto size = static_cast<size_t>(st.st_size);
-  if (size < 8) {
-    ::close(fd);
-    throw error(path, "not a token file: ", size, " bytes, shorter than any header (", kHeaderBytes,
-                " bytes for CARRYTOK, ", kLlmcHeaderBytes, " for llm.c .bin)");
-  }
-  void* map = ::mmap(nullptr, size, PROT_READ, MAP_SHARED, fd, 0);
-  int e = errno;
-  ::close(fd);
-  if (map == MAP_FAILED) throw error(path, "cannot memory-map token file: ", std::strerror(e));
-  map_ = static_cast<const unsigned char*>(map);
-  map_size_ = size;
-
+  fd_ = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd_ < 0) throw error(path, "cannot open token file: ", std::strerror(errno));
   try {
-    if (std::memcmp(map_, kMagic, 8) == 0) {
+    struct stat st;
+    if (::fstat(fd_, &st) != 0) throw error(path, "cannot stat token file: ", std::strerror(errno));
+    if (S_ISDIR(st.st_mode)) throw error(path, "is a directory, not a token file");
+    if (!S_ISREG(st.st_mode)) throw error(path, "is not a regular file (a token file is read by offset)");
+    auto size = static_cast<size_t>(st.st_size);
+    if (size < 8)
+      throw error(path, "not a token file: ", size, " bytes, shorter than any header (", kHeaderBytes,
+                  " bytes for CARRYTOK, ", kLlmcHeaderBytes, " for llm.c .bin)");
+    unsigned char head[kLlmcHeaderBytes] = {};
+    read_bytes(0, std::min(size, kLlmcHeaderBytes), head);
+    if (std::memcmp(head, kMagic, 8) == 0) {
       format_ = TokenFileFormat::carry;
       if (size < kHeaderBytes)
         throw error(path, "truncated: ", size, " bytes, shorter than the CARRYTOK header (", kHeaderBytes, " bytes)");
-      auto version = load<uint32_t>(map_ + 8);
-      auto width = load<uint32_t>(map_ + 12);
-      auto count = load<uint64_t>(map_ + 16);
+      auto version = load<uint32_t>(head + 8);
+      auto width = load<uint32_t>(head + 12);
+      auto count = load<uint64_t>(head + 16);
       if (version != kVersion)
         throw error(path, "unsupported CARRYTOK version ", version, " (this build reads version ", kVersion, ")");
       if (width != 2 && width != 4) throw error(path, "unsupported token width ", width, " bytes (expected 2 or 4)");
@@ -98,13 +90,13 @@ TokenFile::TokenFile(const std::string& path) : path_(path) {
       width_ = static_cast<int>(width);
       count_ = static_cast<int64_t>(count);
       check_size(path, "CARRYTOK", kHeaderBytes, count_, width_, size);
-      tokens_ = map_ + kHeaderBytes;
-    } else if (auto magic = load<int32_t>(map_); magic == kLlmcGpt2Magic || magic == kLlmcLlama3Magic) {
+      tokens_offset_ = kHeaderBytes;
+    } else if (auto magic = load<int32_t>(head); magic == kLlmcGpt2Magic || magic == kLlmcLlama3Magic) {
       format_ = TokenFileFormat::llmc;
       if (size < kLlmcHeaderBytes)
         throw error(path, "truncated: ", size, " bytes, shorter than the llm.c header (", kLlmcHeaderBytes, " bytes)");
-      auto version = load<int32_t>(map_ + 4);
-      auto count = load<int32_t>(map_ + 8);
+      auto version = load<int32_t>(head + 4);
+      auto count = load<int32_t>(head + 8);
       int32_t expected = magic == kLlmcGpt2Magic ? 1 : 7;
       if (version != expected)
         throw error(path, "unsupported llm.c version ", version, " for magic ", magic, " (expected ", expected, ": ",
@@ -113,9 +105,9 @@ TokenFile::TokenFile(const std::string& path) : path_(path) {
       width_ = magic == kLlmcGpt2Magic ? 2 : 4;
       count_ = count;
       check_size(path, "llm.c", kLlmcHeaderBytes, count_, width_, size);
-      tokens_ = map_ + kLlmcHeaderBytes;
+      tokens_offset_ = kLlmcHeaderBytes;
     } else {
-      throw error(path, "not a token file: it starts with bytes ", hex_bytes(map_, 8),
+      throw error(path, "not a token file: it starts with bytes ", hex_bytes(head, 8),
                   ", expected the magic \"CARRYTOK\" or an llm.c .bin header (int32 ", kLlmcGpt2Magic, " or ",
                   kLlmcLlama3Magic, ")");
     }
@@ -128,9 +120,8 @@ TokenFile::TokenFile(const std::string& path) : path_(path) {
 TokenFile::~TokenFile() { close(); }
 
 void TokenFile::close() {
-  if (map_) ::munmap(const_cast<unsigned char*>(map_), map_size_);
-  map_ = tokens_ = nullptr;
-  map_size_ = 0;
+  if (fd_ >= 0) ::close(fd_);
+  fd_ = -1;
 }
 
 TokenFile::TokenFile(TokenFile&& other) noexcept { *this = std::move(other); }
@@ -142,27 +133,48 @@ TokenFile& TokenFile::operator=(TokenFile&& other) noexcept {
   format_ = other.format_;
   width_ = other.width_;
   count_ = other.count_;
-  map_ = other.map_;
-  map_size_ = other.map_size_;
-  tokens_ = other.tokens_;
-  other.map_ = other.tokens_ = nullptr;
-  other.map_size_ = 0;
+  fd_ = other.fd_;
+  tokens_offset_ = other.tokens_offset_;
+  other.fd_ = -1;
   other.count_ = 0;
   return *this;
 }
 
+void TokenFile::read_bytes(uint64_t offset, size_t n, unsigned char* out) const {
+  if (fd_ < 0) throw error(path_, "the token file is not open");
+  size_t done = 0;
+  while (done < n) {
+    ssize_t got = ::pread(fd_, out + done, n - done, static_cast<off_t>(offset + done));
+    if (got < 0 && errno == EINTR) continue;
+    if (got < 0) throw error(path_, "cannot read bytes [", offset + done, ", ", offset + n, "): ", std::strerror(errno));
+    if (got == 0) {
+      struct stat st;
+      long long now = ::fstat(fd_, &st) == 0 ? static_cast<long long>(st.st_size) : -1;
+      throw error(path_, "the file ends at byte ", offset + done, " but bytes up to ", offset + n,
+                  " were expected (it has ", now, " bytes now, ", tokens_offset_ + static_cast<uint64_t>(count_) * width_,
+                  " when it was opened): it was truncated or replaced while in use");
+    }
+    done += static_cast<size_t>(got);
+  }
+}
+
 uint32_t TokenFile::at(int64_t i) const {
   if (i < 0 || i >= count_) throw error(path_, "token index ", i, " is out of range [0, ", count_, ")");
-  return width_ == 2 ? load<uint16_t>(tokens_ + 2 * i) : load<uint32_t>(tokens_ + 4 * i);
+  unsigned char b[4] = {};
+  read_bytes(tokens_offset_ + static_cast<uint64_t>(i) * width_, width_, b);
+  return width_ == 2 ? load<uint16_t>(b) : load<uint32_t>(b);
 }
 
 void TokenFile::read(int64_t start, int64_t count, int64_t* out) const {
   if (start < 0 || count < 0 || start > count_ || count > count_ - start)
     throw error(path_, "cannot read tokens [", start, ", ", start + count, "): the file has ", count_, " tokens");
+  std::vector<unsigned char> bytes(static_cast<size_t>(count) * width_);
+  if (count > 0) read_bytes(tokens_offset_ + static_cast<uint64_t>(start) * width_, bytes.size(), bytes.data());
+  const unsigned char* p = bytes.data();
   if (width_ == 2) {
-    for (int64_t i = 0; i < count; ++i) out[i] = load<uint16_t>(tokens_ + 2 * (start + i));
+    for (int64_t i = 0; i < count; ++i) out[i] = load<uint16_t>(p + 2 * i);
   } else {
-    for (int64_t i = 0; i < count; ++i) out[i] = load<uint32_t>(tokens_ + 4 * (start + i));
+    for (int64_t i = 0; i < count; ++i) out[i] = load<uint32_t>(p + 4 * i);
   }
 }
 
@@ -170,6 +182,27 @@ at::Tensor TokenFile::read_tensor(int64_t start, int64_t count) const {
   auto t = at::empty({count}, at::kLong);
   read(start, count, t.data_ptr<int64_t>());
   return t;
+}
+
+int64_t TokenFile::find_token_at_least(uint32_t bound, const std::function<void(int64_t, int64_t)>& progress) const {
+  constexpr int64_t kBlockTokens = int64_t{1} << 21;  // 4 or 8 MiB a read
+  std::vector<unsigned char> bytes;
+  for (int64_t start = 0; start < count_; start += kBlockTokens) {
+    const int64_t n = std::min(kBlockTokens, count_ - start);
+    bytes.resize(static_cast<size_t>(n) * width_);
+    read_bytes(tokens_offset_ + static_cast<uint64_t>(start) * width_, bytes.size(), bytes.data());
+    const unsigned char* p = bytes.data();
+    if (width_ == 2) {
+      if (bound <= 0xFFFF)
+        for (int64_t i = 0; i < n; ++i)
+          if (load<uint16_t>(p + 2 * i) >= bound) return start + i;
+    } else {
+      for (int64_t i = 0; i < n; ++i)
+        if (load<uint32_t>(p + 4 * i) >= bound) return start + i;
+    }
+    if (progress) progress(start + n, count_);
+  }
+  return -1;
 }
 
 // ---- writing ----

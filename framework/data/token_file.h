@@ -1,4 +1,5 @@
-// Token files: a flat array of token ids, memory-mapped for reading.
+// Token files: a flat array of token ids, read with pread (not memory-mapped: a file truncated or
+// replaced while a run reads it is then an error message naming the file, not a SIGBUS).
 //
 // carry's format (".tok"), all little-endian:
 //   bytes 0..7    magic "CARRYTOK"
@@ -17,6 +18,7 @@
 
 #include <cstdint>
 #include <cstdio>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -24,8 +26,9 @@ namespace carry {
 
 enum class TokenFileFormat { carry, llmc };
 
-// A read-only, memory-mapped token file. Opening validates the header and the size against the
-// token count; every error (std::runtime_error) names the path and what was expected.
+// A read-only token file. Opening validates the header and the size against the token count; every
+// error (std::runtime_error) names the path and what was expected, including a file that has become
+// shorter since it was opened.
 class TokenFile {
  public:
   explicit TokenFile(const std::string& path);
@@ -45,16 +48,21 @@ class TokenFile {
   void read(int64_t start, int64_t count, int64_t* out) const;
   // Tokens [start, start+count) as an int64 CPU tensor [count].
   at::Tensor read_tensor(int64_t start, int64_t count) const;
+  // The index of the first token >= bound, or -1 when every token is below it: one pass over the
+  // file in blocks of a few MiB. `progress(tokens_done, size())` is called after each block.
+  int64_t find_token_at_least(uint32_t bound,
+                              const std::function<void(int64_t, int64_t)>& progress = {}) const;
 
  private:
   void close();
+  // The bytes [offset, offset+n) into out; throws naming the file when they are not all there.
+  void read_bytes(uint64_t offset, size_t n, unsigned char* out) const;
   std::string path_;
   TokenFileFormat format_ = TokenFileFormat::carry;
   int width_ = 2;
   int64_t count_ = 0;
-  const unsigned char* map_ = nullptr;  // the whole file
-  size_t map_size_ = 0;
-  const unsigned char* tokens_ = nullptr;
+  int fd_ = -1;
+  uint64_t tokens_offset_ = 0;  // bytes of the header
 };
 
 // Streams tokens into a new carry token file: writes to "<path>.tmp.<pid>", and commit() patches the

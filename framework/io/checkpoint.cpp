@@ -1,26 +1,33 @@
 // Checkpoint directories (see checkpoint.h): written under a temporary name with every file and
-// directory fsynced, made visible by one rename, then `latest` replaced by temp+rename and old steps
-// pruned; read back only after the manifest, every tensor's dtype, shape and FNV-1a 64 checksum
-// agree. POSIX calls only (no std::filesystem: see tests/helpers/temp_dir.h).
+// directory fsynced, made visible by one rename, then `latest` replaced by temp+rename and the run's
+// own old steps pruned; read back only after the manifest's checksum, every tensor's dtype, shape and
+// FNV-1a 64 checksum agree. POSIX calls only (no std::filesystem: see tests/helpers/temp_dir.h).
 #include "framework/io/checkpoint.h"
 
 #include "framework/config/carry.pb.h"
 #include "framework/io/safetensors.h"
+#include "framework/printable.h"
 
+#include <google/protobuf/io/coded_stream.h>
 #include <google/protobuf/io/tokenizer.h>
+#include <google/protobuf/io/zero_copy_stream_impl_lite.h>
 #include <google/protobuf/text_format.h>
 
 #include <algorithm>
 #include <cerrno>
+#include <chrono>
 #include <csignal>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <ctime>
 #include <iostream>
+#include <random>
 #include <set>
 
 #include <dirent.h>
 #include <fcntl.h>
+#include <sys/file.h>
 #include <sys/stat.h>
 #include <sys/types.h>
 #include <unistd.h>
@@ -28,13 +35,15 @@
 namespace carry {
 namespace {
 
-constexpr int kFormatVersion = 1;
+constexpr int kFormatVersion = 2;      // written
+constexpr int kOldestFormatVersion = 1;  // read: no run_id, no manifest checksum
 const char* const kModelFile = "model.safetensors";
 const char* const kOptimizerFile = "optimizer.safetensors";
 const char* const kManifestFile = "manifest.textproto";
 const char* const kLatestFile = "latest";
 const char* const kTmpPrefix = ".tmp_step_";
 const char* const kDeletingPrefix = ".deleting_step_";
+const char* const kLockFile = ".lock";
 
 std::string path_join(const std::string& dir, const std::string& name) {
   return dir.empty() || dir.back() == '/' ? dir + name : dir + "/" + name;
@@ -234,7 +243,86 @@ void delete_step_dir(const std::string& dir, const std::string& name) {
     std::cerr << "carry: checkpoint: could not delete all of " << doomed << "\n";
 }
 
+// FNV-1a 64 of the manifest's deterministic binary serialization with manifest_fnv1a64 cleared.
+std::string manifest_checksum(config::CheckpointManifest manifest) {
+  manifest.clear_manifest_fnv1a64();
+  std::string bytes;
+  {
+    google::protobuf::io::StringOutputStream raw(&bytes);
+    google::protobuf::io::CodedOutputStream out(&raw);
+    out.SetSerializationDeterministic(true);
+    TORCH_INTERNAL_ASSERT(manifest.SerializeToCodedStream(&out), "checkpoint: cannot serialize a manifest");
+  }
+  return hex64(fnv1a64(bytes.data(), bytes.size()));
+}
+
+// The base name of a path ("step_00000042" of "dir/step_00000042/").
+std::string base_name(std::string path) {
+  while (path.size() > 1 && path.back() == '/') path.pop_back();
+  return path.substr(path.rfind('/') == std::string::npos ? 0 : path.rfind('/') + 1);
+}
+
+// A step directory's manifest, parsed and checked (format version, step against the directory name,
+// its checksum); throws c10::Error naming the path and the problem.
+config::CheckpointManifest read_manifest(const std::string& step_dir) {
+  TORCH_CHECK(is_dir(step_dir), "checkpoint ", step_dir, ": not a directory");
+  const std::string manifest_path = path_join(step_dir, kManifestFile);
+  std::optional<std::string> text = read_file(manifest_path);
+  TORCH_CHECK(text, "checkpoint ", step_dir, ": cannot read ", kManifestFile, ": ", errno_text(),
+              " (an incomplete or damaged checkpoint)");
+
+  // The parser's errors (line:column) are collected for the message.
+  struct Collector : google::protobuf::io::ErrorCollector {
+    std::string errors;
+    void AddError(int line, google::protobuf::io::ColumnNumber column,
+                  const std::string& message) override {
+      errors += (errors.empty() ? "" : "; ") + std::to_string(line + 1) + ":" +
+                std::to_string(column + 1) + ": " + message;
+    }
+  } collector;
+  google::protobuf::TextFormat::Parser parser;
+  parser.RecordErrorsTo(&collector);
+  config::CheckpointManifest manifest;
+  TORCH_CHECK(parser.ParseFromString(*text, &manifest), "checkpoint ", manifest_path,
+              ": bad manifest: ", printable(collector.errors));
+  TORCH_CHECK(manifest.has_format_version() && manifest.has_step(), "checkpoint ", manifest_path,
+              ": bad manifest: format_version and step are required");
+  TORCH_CHECK(manifest.format_version() >= kOldestFormatVersion && manifest.format_version() <= kFormatVersion,
+              "checkpoint ", manifest_path, ": manifest format_version ", manifest.format_version(),
+              ", this build reads ", kOldestFormatVersion, " to ", kFormatVersion);
+  if (manifest.format_version() >= 2) {
+    TORCH_CHECK(manifest.has_manifest_fnv1a64(), "checkpoint ", manifest_path,
+                ": bad manifest: manifest_fnv1a64 (its checksum) is missing");
+    std::string sum = manifest_checksum(manifest);
+    TORCH_CHECK(sum == manifest.manifest_fnv1a64(), "checkpoint ", manifest_path, ": the manifest's checksum "
+                "(FNV-1a 64 of its fields) is ", sum, " but it says ", manifest.manifest_fnv1a64(),
+                " (the manifest was changed or is corrupt)");
+  }
+  const std::string base = base_name(step_dir);
+  int64_t dir_step = parse_step_name(base);
+  TORCH_CHECK(dir_step < 0 || dir_step == manifest.step(), "checkpoint ", manifest_path,
+              ": manifest step ", manifest.step(), " does not match the directory name ", base);
+  return manifest;
+}
+
+// The run id of a step directory's manifest, or nullopt if the manifest is not valid.
+std::optional<std::string> run_id_of(const std::string& step_dir) {
+  try {
+    return read_manifest(step_dir).run_id();
+  } catch (const c10::Error&) {
+    return std::nullopt;
+  }
+}
+
 }  // namespace
+
+std::string new_run_id() {
+  std::random_device rd;
+  uint64_t x = (static_cast<uint64_t>(rd()) << 32) ^ rd();
+  x ^= static_cast<uint64_t>(std::chrono::system_clock::now().time_since_epoch().count());
+  x ^= static_cast<uint64_t>(::getpid()) << 17;
+  return hex64(fnv1a64(&x, sizeof x));
+}
 
 uint64_t fnv1a64(const void* data, size_t size) {
   const auto* p = static_cast<const unsigned char*>(data);
@@ -282,9 +370,11 @@ void save_checkpoint(const std::string& dir, const CheckpointData& data, int kee
   manifest.set_data_cursor(data.data_cursor);
   manifest.set_rng_seed(data.rng_seed);
   manifest.set_config_text(data.config_text);
+  manifest.set_run_id(data.run_id);
   for (const auto& [k, v] : data.extra) (*manifest.mutable_extra())[k] = v;
   Prepared model = prepare(data.model, kModelFile, manifest);
   Prepared optimizer = prepare(data.optimizer, kOptimizerFile, manifest);
+  manifest.set_manifest_fnv1a64(manifest_checksum(manifest));
 
   remove_tree(tmp_dir);
   TORCH_CHECK(::mkdir(tmp_dir.c_str(), 0755) == 0, "save_checkpoint: cannot create ", tmp_dir, ": ",
@@ -301,9 +391,25 @@ void save_checkpoint(const std::string& dir, const CheckpointData& data, int kee
     maybe_die_for_test(++files);
     fsync_dir(tmp_dir);
 
-    // A checkpoint of this step already there (a run resumed from an earlier step) is moved aside
-    // first: rename() does not replace a non-empty directory.
-    if (exists(final_dir)) delete_step_dir(dir, name);
+    // A checkpoint of this step already there is moved aside first (rename() does not replace a
+    // non-empty directory): deleted when this run wrote it (resumed from an earlier step), kept under
+    // another name when another run wrote it or its manifest cannot be read.
+    if (exists(final_dir)) {
+      std::optional<std::string> owner = run_id_of(final_dir);
+      if (owner && *owner == data.run_id) {
+        delete_step_dir(dir, name);
+      } else {
+        const std::string base = final_dir + ".kept." + (owner ? (owner->empty() ? "norunid" : *owner) : "damaged");
+        std::string kept = base;
+        for (int i = 2; exists(kept); ++i) kept = base + "." + std::to_string(i);
+        TORCH_CHECK(std::rename(final_dir.c_str(), kept.c_str()) == 0, "save_checkpoint: cannot move ", final_dir,
+                    " aside to ", kept, ": ", errno_text());
+        std::cerr << "carry: checkpoint: " << final_dir << " was "
+                  << (owner ? "written by another run (run id '" + *owner + "')" : std::string("damaged"))
+                  << "; it is kept as " << kept << " and this run's checkpoint of step " << data.step
+                  << " takes its name\n";
+      }
+    }
     TORCH_CHECK(std::rename(tmp_dir.c_str(), final_dir.c_str()) == 0, "save_checkpoint: cannot rename ",
                 tmp_dir, " to ", final_dir, ": ", errno_text());
     fsync_dir(dir);
@@ -314,8 +420,14 @@ void save_checkpoint(const std::string& dir, const CheckpointData& data, int kee
   write_latest(dir, name);
 
   if (keep_last > 0) {
-    std::vector<int64_t> steps = list_checkpoint_steps(dir);
-    steps.erase(std::remove(steps.begin(), steps.end(), data.step), steps.end());
+    // This run's other checkpoints (valid manifests with its run id); those of other runs and those
+    // whose manifest cannot be read are never deleted.
+    std::vector<int64_t> steps;
+    for (int64_t step : list_checkpoint_steps(dir)) {
+      if (step == data.step) continue;
+      std::optional<std::string> id = run_id_of(path_join(dir, checkpoint_dir_name(step)));
+      if (id && *id == data.run_id) steps.push_back(step);
+    }
     // The one just written counts as one of keep_last; the oldest others go.
     int64_t excess = static_cast<int64_t>(steps.size()) + 1 - keep_last;
     for (int64_t i = 0; i < excess; ++i) delete_step_dir(dir, checkpoint_dir_name(steps[i]));
@@ -324,37 +436,8 @@ void save_checkpoint(const std::string& dir, const CheckpointData& data, int kee
 }
 
 CheckpointData load_checkpoint(const std::string& step_dir) {
-  TORCH_CHECK(is_dir(step_dir), "checkpoint ", step_dir, ": not a directory");
+  const config::CheckpointManifest manifest = read_manifest(step_dir);
   const std::string manifest_path = path_join(step_dir, kManifestFile);
-  std::optional<std::string> text = read_file(manifest_path);
-  TORCH_CHECK(text, "checkpoint ", step_dir, ": cannot read ", kManifestFile, ": ", errno_text(),
-              " (an incomplete or damaged checkpoint)");
-
-  // The parser's errors (line:column) are collected for the message.
-  struct Collector : google::protobuf::io::ErrorCollector {
-    std::string errors;
-    void AddError(int line, google::protobuf::io::ColumnNumber column,
-                  const std::string& message) override {
-      errors += (errors.empty() ? "" : "; ") + std::to_string(line + 1) + ":" +
-                std::to_string(column + 1) + ": " + message;
-    }
-  } collector;
-  google::protobuf::TextFormat::Parser parser;
-  parser.RecordErrorsTo(&collector);
-  config::CheckpointManifest manifest;
-  TORCH_CHECK(parser.ParseFromString(*text, &manifest), "checkpoint ", manifest_path,
-              ": bad manifest: ", collector.errors);
-  TORCH_CHECK(manifest.has_format_version() && manifest.has_step(), "checkpoint ", manifest_path,
-              ": bad manifest: format_version and step are required");
-  TORCH_CHECK(manifest.format_version() == kFormatVersion, "checkpoint ", manifest_path,
-              ": manifest format_version ", manifest.format_version(), ", this build reads ",
-              kFormatVersion);
-  std::string base = step_dir;
-  while (base.size() > 1 && base.back() == '/') base.pop_back();
-  base = base.substr(base.rfind('/') == std::string::npos ? 0 : base.rfind('/') + 1);
-  int64_t dir_step = parse_step_name(base);
-  TORCH_CHECK(dir_step < 0 || dir_step == manifest.step(), "checkpoint ", manifest_path,
-              ": manifest step ", manifest.step(), " does not match the directory name ", base);
 
   std::map<std::string, std::map<std::string, at::Tensor>> files;
   for (const char* file : {kModelFile, kOptimizerFile}) {
@@ -373,6 +456,8 @@ CheckpointData load_checkpoint(const std::string& step_dir) {
   out.data_cursor = manifest.data_cursor();
   out.rng_seed = manifest.rng_seed();
   out.config_text = manifest.config_text();
+  out.run_id = manifest.run_id();
+  out.format_version = manifest.format_version();
   for (const auto& [k, v] : manifest.extra()) out.extra[k] = v;
 
   std::map<std::string, size_t> listed;  // tensors per file in the manifest
@@ -408,47 +493,100 @@ CheckpointData load_checkpoint(const std::string& step_dir) {
   return out;
 }
 
-std::optional<CheckpointData> load_latest_checkpoint(const std::string& dir) {
-  if (!is_dir(dir)) return std::nullopt;
-  auto report = [](const std::string& what) {
-    std::cerr << "carry: " << what << "\n";
-  };
+CheckpointSearch find_latest_checkpoint(const std::string& dir) {
+  CheckpointSearch out;
+  out.dir_exists = is_dir(dir);
+  if (!out.dir_exists) return out;
   for (const auto& name : dir_entries(dir))
     if (starts_with(name, kTmpPrefix))
-      report("checkpoint " + path_join(dir, name) + ": an interrupted write (temporary directory); ignored");
+      out.notes.push_back("checkpoint " + path_join(dir, name) + ": an interrupted write (temporary directory); ignored");
+  out.steps = list_checkpoint_steps(dir);
 
-  std::vector<std::string> candidates;
+  // The run to continue: the one `latest` names (when its manifest is valid).
+  std::string latest_name;
+  std::optional<std::string> run;
   const std::string latest_path = path_join(dir, kLatestFile);
   if (std::optional<std::string> latest = read_file(latest_path)) {
-    std::string name = *latest;
-    while (!name.empty() && (name.back() == '\n' || name.back() == ' ' || name.back() == '\r'))
-      name.pop_back();
-    if (parse_step_name(name) >= 0)
-      candidates.push_back(name);
-    else
-      report("checkpoint " + latest_path + ": does not name a step directory (holds '" + name +
-             "'); scanning the step directories instead");
-  }
-  std::vector<int64_t> steps = list_checkpoint_steps(dir);
-  for (auto it = steps.rbegin(); it != steps.rend(); ++it) {
-    std::string name = checkpoint_dir_name(*it);
-    if (std::find(candidates.begin(), candidates.end(), name) == candidates.end())
-      candidates.push_back(name);
+    latest_name = *latest;
+    while (!latest_name.empty() && (latest_name.back() == '\n' || latest_name.back() == ' ' || latest_name.back() == '\r'))
+      latest_name.pop_back();
+    if (parse_step_name(latest_name) < 0) {
+      out.notes.push_back("checkpoint " + latest_path + ": does not name a step directory (holds '" +
+                          printable(latest_name.substr(0, 200)) + "'); taking the newest valid checkpoint");
+      latest_name.clear();
+    } else if (!(run = run_id_of(path_join(dir, latest_name)))) {
+      out.notes.push_back("checkpoint " + latest_path + ": names " + path_join(dir, latest_name) +
+                          ", which is missing or has no valid manifest; taking the newest valid checkpoint");
+    }
   }
   bool skipped = false;
-  for (const auto& name : candidates) {
-    std::string path = path_join(dir, name);
+  for (auto it = out.steps.rbegin(); it != out.steps.rend(); ++it) {
+    const std::string name = checkpoint_dir_name(*it), path = path_join(dir, name);
     try {
       CheckpointData data = load_checkpoint(path);
-      if (skipped) report("checkpoint: using " + path + " instead");
-      return data;
+      if (run && data.run_id != *run) {
+        out.notes.push_back("checkpoint " + path + ": valid, but written by another run (run id '" + data.run_id +
+                            "'; `latest` names " + latest_name + " of run '" + *run + "'); not used");
+        continue;
+      }
+      if (!latest_name.empty() && name != latest_name && parse_step_name(latest_name) < *it)
+        out.notes.push_back("checkpoint: `latest` names " + latest_name + " but " + name +
+                            " is newer and valid (a write that ended before `latest` was updated); using " + path);
+      else if (skipped)
+        out.notes.push_back("checkpoint: using " + path + " instead");
+      if (data.format_version < kFormatVersion)
+        out.notes.push_back("checkpoint " + path + ": written in format_version " + std::to_string(data.format_version) +
+                            " (no manifest checksum; the tensors' checksums were checked)");
+      out.loaded = std::move(data);
+      return out;
     } catch (const c10::Error& e) {
-      report(std::string(e.what_without_backtrace()) + "; skipped");
+      out.notes.push_back(std::string(e.what_without_backtrace()) + "; skipped");
       skipped = true;
     }
   }
-  if (skipped) report("checkpoint: no valid checkpoint in " + dir);
-  return std::nullopt;
+  if (!out.steps.empty())
+    out.notes.push_back("checkpoint: no valid checkpoint" + (run ? " of run '" + *run + "'" : std::string()) + " in " + dir);
+  return out;
+}
+
+std::optional<CheckpointData> load_latest_checkpoint(const std::string& dir) {
+  CheckpointSearch found = find_latest_checkpoint(dir);
+  for (const auto& note : found.notes) std::cerr << "carry: " << note << "\n";
+  return std::move(found.loaded);
+}
+
+CheckpointDirLock::CheckpointDirLock(const std::string& dir) {
+  TORCH_CHECK(!dir.empty(), "checkpoint: the checkpoint directory is empty");
+  make_dirs(dir);
+  const std::string path = path_join(dir, kLockFile);
+  fd_ = ::open(path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644);
+  TORCH_CHECK(fd_ >= 0, "checkpoint.dir ", dir, ": cannot create the lock file ", path, ": ", errno_text());
+  if (::flock(fd_, LOCK_EX | LOCK_NB) != 0) {
+    int err = errno;
+    char holder[512] = {};
+    ssize_t n = ::pread(fd_, holder, sizeof holder - 1, 0);
+    std::string who = n > 0 ? std::string(holder, static_cast<size_t>(n)) : std::string();
+    while (!who.empty() && (who.back() == '\n' || who.back() == ' ')) who.pop_back();
+    ::close(fd_);
+    fd_ = -1;
+    TORCH_CHECK(err != EWOULDBLOCK, "checkpoint.dir ", dir, " is in use by another run (",
+                who.empty() ? "its holder is unknown" : who, "): two runs must not share a checkpoint "
+                "directory; give this run another checkpoint.dir, or wait for the other to end");
+    TORCH_CHECK(false, "checkpoint.dir ", dir, ": cannot lock ", path, ": ", std::strerror(err));
+  }
+  char host[256] = {};
+  ::gethostname(host, sizeof host - 1);
+  std::time_t now = std::time(nullptr);
+  char when[64] = {};
+  std::strftime(when, sizeof when, "%Y-%m-%d %H:%M:%S", std::localtime(&now));
+  std::string who = "pid " + std::to_string(::getpid()) + " on host " + host + ", since " + when + "\n";
+  if (::ftruncate(fd_, 0) != 0 || ::pwrite(fd_, who.data(), who.size(), 0) < 0) {
+    // Best effort: the lock holds without the text; only another run's message loses the holder.
+  }
+}
+
+CheckpointDirLock::~CheckpointDirLock() {
+  if (fd_ >= 0) ::close(fd_);  // releases the lock; the file stays (removing it would race a new holder)
 }
 
 }  // namespace carry

@@ -5,6 +5,8 @@
 // refused as absurd (the header itself is limited to 100 MB).
 #include "framework/io/safetensors.h"
 
+#include "framework/printable.h"
+
 #include <google/protobuf/struct.pb.h>
 #include <google/protobuf/util/json_util.h>
 
@@ -267,9 +269,8 @@ void write_json_string(std::string& out, const std::string& s) {
   out += '"';
 }
 
-}  // namespace
-
-std::map<std::string, at::Tensor> load_safetensors(const std::string& path,
+// The reader; load_safetensors makes its messages printable.
+std::map<std::string, at::Tensor> read_safetensors(const std::string& path,
                                                    std::map<std::string, std::string>* metadata) {
   File f(std::fopen(path.c_str(), "rb"));
   TORCH_CHECK(f, path, ": cannot open: ", std::strerror(errno));
@@ -367,6 +368,18 @@ std::map<std::string, at::Tensor> load_safetensors(const std::string& path,
     out[e.name] = t;
   }
   return out;
+}
+}  // namespace
+
+std::map<std::string, at::Tensor> load_safetensors(const std::string& path,
+                                                   std::map<std::string, std::string>* metadata) {
+  // The messages quote the header (names, dtypes, JSON near an error): a damaged file's bytes are
+  // shown as \xNN, never written raw to the terminal.
+  try {
+    return read_safetensors(path, metadata);
+  } catch (const c10::Error& e) {
+    TORCH_CHECK(false, printable(e.what_without_backtrace()));
+  }
 }
 
 void save_safetensors(const std::string& path, const std::map<std::string, at::Tensor>& tensors,

@@ -3,6 +3,8 @@
 #include "framework/train/trainer.h"
 
 #include "framework/io/checkpoint.h"
+#include "framework/io/output_file.h"
+#include "framework/printable.h"
 #include "framework/data/synthetic.h"
 #include "framework/data/token_file.h"
 #include "layers/common/device.h"
@@ -24,8 +26,10 @@
 #include <cstdlib>
 #include <cstdarg>
 #include <cstdio>
+#include <fstream>
 #include <map>
 #include <sstream>
+#include <fcntl.h>
 #include <signal.h>
 #include <sys/stat.h>
 #include <unistd.h>
@@ -57,10 +61,43 @@ parallel::ScanMode scan_mode_of(config::ParallelConfig::ScanMode m) {
   }
 }
 
-// Creates the parent directories of `path` (POSIX mkdir; existing ones are fine).
-void make_parent_dirs(const std::string& path) {
-  for (size_t i = 1; i < path.size(); ++i)
-    if (path[i] == '/') ::mkdir(path.substr(0, i).c_str(), 0755);
+std::string gib(double bytes) {
+  char buf[64];
+  std::snprintf(buf, sizeof buf, "%.2f GiB", bytes / (1024.0 * 1024.0 * 1024.0));
+  return buf;
+}
+
+// MemAvailable of /proc/meminfo in bytes, or -1 when unknown.
+double available_memory_bytes() {
+  std::ifstream in("/proc/meminfo");
+  std::string key;
+  double kib = 0;
+  std::string unit;
+  while (in >> key >> kib >> unit)
+    if (key == "MemAvailable:") return kib * 1024.0;
+  return -1;
+}
+
+// Every token of the files must be < vocab: one pass over each file, a progress line every 10 s.
+void check_token_ids(const google::protobuf::RepeatedPtrField<std::string>& paths, const char* field, int64_t vocab,
+                     const std::function<void(const std::string&)>& progress) {
+  const auto bound = static_cast<uint32_t>(std::min<int64_t>(vocab, UINT32_MAX));
+  double last = now_s();
+  for (int i = 0; i < paths.size(); ++i) {
+    TokenFile file(paths[i]);
+    if (vocab > static_cast<int64_t>(UINT32_MAX)) continue;  // every 32-bit id fits
+    const int64_t at = file.find_token_at_least(bound, [&](int64_t done, int64_t total) {
+      if (now_s() - last < 10) return;
+      last = now_s();
+      char buf[256];
+      std::snprintf(buf, sizeof buf, "checking the token ids of %s: %lld/%lld tokens (%.0f%%)\n", paths[i].c_str(),
+                    static_cast<long long>(done), static_cast<long long>(total), 100.0 * done / std::max<int64_t>(total, 1));
+      progress(buf);
+    });
+    TORCH_CHECK(at < 0, field, "[", i, "]: ", paths[i], ": the token at index ", at, " is ", file.at(at),
+                ", which does not fit model.vocab_size = ", vocab, " (ids must be < vocab_size); the data was "
+                "tokenized for a larger vocabulary");
+  }
 }
 
 // The stop signals (see Trainer::run): the first sets the flag, a second one ends the process.
@@ -164,9 +201,43 @@ Trainer::Trainer(const RunConfig& config, std::shared_ptr<parallel::ProcessGroup
   bf16_ = config_.precision() == RunConfig::BF16;
   TORCH_CHECK(!bf16_ || options_.dtype == at::kFloat, "trainer: precision BF16 keeps fp32 master weights; "
               "the trainer was asked for ", options_.dtype, " parameters");
-  model_ = build_model(config_.model(), config_.seed(), at::TensorOptions().dtype(options_.dtype).device(device_));
-  optimizer_ = std::make_unique<AdamW>(model_.parameters(), config_.optimizer());
+  // The memory the model needs, counted on the meta device (shapes only) before anything is allocated:
+  // parameters, gradients and AdamW's two moments, per rank. On the CPU it must fit what the host has
+  // available for all its ranks; a GPU's own out-of-memory error is clear enough.
+  const auto& mc = config_.model();
+  const std::string model_fields = "model.vocab_size = " + std::to_string(mc.vocab_size()) + ", d_model = " +
+                                   std::to_string(mc.d_model()) + ", n_layers = " + std::to_string(mc.n_layers());
+  double model_bytes = 0;
+  {
+    Model shapes = build_model(mc, config_.seed(), at::TensorOptions().dtype(options_.dtype).device(at::kMeta));
+    model_bytes = 4.0 * static_cast<double>(shapes.num_parameters()) * static_cast<double>(c10::elementSize(options_.dtype));
+    const int ranks_here = groups_ ? groups_->world_info.local_size : 1;
+    const double available = available_memory_bytes();
+    TORCH_CHECK(!device_.is_cpu() || available < 0 || model_bytes * ranks_here <= available, "trainer: the model (",
+                model_fields, ") has ", shapes.num_parameters(), " parameters: with their gradients and AdamW state they "
+                "take ", gib(model_bytes), " a rank, ", gib(model_bytes * ranks_here), " for the ", ranks_here,
+                " rank(s) on this host, more than its ", gib(available), " of available memory; lower model.d_model, "
+                "model.n_layers or model.vocab_size, or run fewer ranks a host");
+  }
+  try {
+    model_ = build_model(mc, config_.seed(), at::TensorOptions().dtype(options_.dtype).device(device_));
+    optimizer_ = std::make_unique<AdamW>(model_.parameters(), config_.optimizer());
+  } catch (const c10::Error& e) {
+    TORCH_CHECK(false, "trainer: cannot allocate the model (", model_fields, "; ", gib(model_bytes),
+                " a rank with gradients and AdamW state) on ", device_.str(), ": ", e.what_without_backtrace());
+  } catch (const std::bad_alloc&) {
+    TORCH_CHECK(false, "trainer: cannot allocate the model (", model_fields, "; ", gib(model_bytes),
+                " a rank with gradients and AdamW state) on ", device_.str(), ": out of memory");
+  }
   if (config_.data().has_token_files()) {
+    // Every token id must fit model.vocab_size: one pass over the files before the first step (world
+    // rank 0 reads them; every rank gets the verdict), not when a batch happens to read a bad one.
+    const auto& tf = config_.data().token_files();
+    on_rank0("checking the token files", [&] {
+      auto progress = [&](const std::string& line) { log("%s", line.c_str()); };
+      check_token_ids(tf.paths(), "data.token_files.paths", mc.vocab_size(), progress);
+      check_token_ids(tf.eval_paths(), "data.token_files.eval_paths", mc.vocab_size(), progress);
+    });
     train_stream_ = std::make_shared<TokenStream>(config_.data().token_files().paths());
     TORCH_CHECK(train_stream_->windows(config_.data().seq_len()) > 0, "data.token_files.paths: ",
                 train_stream_->total, " tokens are fewer than one window of data.seq_len+1 = ",
@@ -205,14 +276,35 @@ void Trainer::log(const char* fmt, ...) const {
   std::fflush(options_.log);
 }
 
+void Trainer::warn(const std::string& text) const {
+  if (rank() != 0) return;
+  std::fprintf(stderr, "carry: %s\n", text.c_str());
+  std::fflush(stderr);
+}
+
+void Trainer::on_rank0(const std::string& what, const std::function<void()>& work) const {
+  std::string error;
+  int64_t failed = 0;
+  if (rank() == 0) {
+    try {
+      work();
+    } catch (const c10::Error& e) {
+      failed = 1, error = e.what_without_backtrace();
+    } catch (const std::exception& e) {
+      failed = 1, error = e.what();
+    }
+  }
+  if (groups_ && groups_->world->size() > 1) {
+    auto flag = at::tensor({failed}, at::TensorOptions().dtype(at::kLong)).to(device_);
+    groups_->world->broadcast(flag, 0);
+    failed = flag.cpu().item<int64_t>();
+  }
+  TORCH_CHECK(!failed, rank() == 0 ? error : what + " failed on world rank 0 (its message says why)");
+}
+
 void Trainer::write_metrics(const std::string& json_line) const {
   if (rank() != 0 || !config_.logging().has_metrics_file() || config_.logging().metrics_file().empty()) return;
-  const std::string& path = config_.logging().metrics_file();
-  make_parent_dirs(path);
-  std::FILE* f = std::fopen(path.c_str(), "a");
-  TORCH_CHECK(f, "logging.metrics_file: cannot open '", path, "' for appending");
-  std::fprintf(f, "%s\n", json_line.c_str());
-  std::fclose(f);
+  append_to_file(config_.logging().metrics_file(), json_line + "\n", "logging.metrics_file");
 }
 
 void Trainer::all_reduce(at::Tensor& t, bool sp_only) const {
@@ -440,13 +532,76 @@ void Trainer::save_checkpoint() {
     d.optimizer = optimizer_->state();
     d.extra["layout"] = layout_text();
     d.extra["global_batch"] = std::to_string(dp_ * config_.data().batch_size());
+    // Where the metrics file ends at this step: a run resumed from here drops what comes after.
+    const std::string& metrics = config_.logging().metrics_file();
+    if (!metrics.empty() && file_size(metrics) >= 0) {
+      d.extra["metrics_file"] = metrics;
+      d.extra["metrics_bytes"] = std::to_string(file_size(metrics));
+    }
+    if (run_id_.empty()) run_id_ = new_run_id();
+    d.run_id = run_id_;
     carry::save_checkpoint(ck.dir(), d, static_cast<int>(ck.keep_last()));
   }
   if (groups_) groups_->world->barrier();
 }
 
+namespace {
+
+// Fields that a resumed run may change freely: how it runs, not what it computes (the parallel
+// layout, checkpoints, logging, the name, evaluation), plus optimizer.total_steps (to train further)
+// and precision. data.batch_size is judged through the global batch.
+bool may_change(const std::string& path) {
+  for (const char* prefix : {"parallel.", "checkpoint.", "logging."})
+    if (path.compare(0, std::strlen(prefix), prefix) == 0) return true;
+  for (const char* field : {"name", "precision", "optimizer.total_steps", "data.eval_batches", "data.batch_size",
+                            "data.token_files.eval_paths"})
+    if (path == field) return true;
+  return false;
+}
+
+}  // namespace
+
+void Trainer::check_config_against(const CheckpointData& d) const {
+  if (d.config_text.empty()) return;  // written without one (a test or another tool)
+  const std::string where = config_.checkpoint().dir() + "/" + checkpoint_dir_name(d.step);
+  RunConfig stored;
+  try {
+    stored = parse_stored_run_config(d.config_text, where + "/manifest.textproto (its config_text)");
+  } catch (const ConfigError& e) {
+    TORCH_CHECK(options_.allow_config_change, "resume from ", where, ": cannot read the config the checkpoint was "
+                "written with: ", e.what(), "; pass --allow-config-change to resume without comparing it");
+    warn("resume from " + where + ": cannot read its stored config (" + e.what() + "); resuming without "
+         "comparing it (--allow-config-change)");
+    return;
+  }
+  std::vector<std::string> refused, noted;
+  for (const auto& c : config_changes(stored, config_)) {
+    const std::string line = c.path + ": " + c.before + " -> " + c.after;
+    (may_change(c.path) ? noted : refused).push_back(line);
+  }
+  const int64_t global_before = stored.parallel().dp() * stored.data().batch_size();
+  const int64_t global_now = static_cast<int64_t>(dp_) * config_.data().batch_size();
+  if (global_before != global_now)
+    refused.push_back("the global batch (parallel.dp x data.batch_size): " + std::to_string(global_before) + " -> " +
+                      std::to_string(global_now) + " sequences (the batches of every later step change)");
+  for (const auto& line : noted)
+    if (line.compare(0, 9, "parallel.") != 0 && line.compare(0, 16, "data.batch_size:") != 0)
+      log("note: changed since the checkpoint: %s\n", line.c_str());
+  if (refused.empty()) return;
+  std::string list;
+  for (const auto& line : refused) list += "\n  " + line;
+  TORCH_CHECK(options_.allow_config_change, "resume from ", where, ": this run's config differs from the one the "
+              "checkpoint was written with in what makes a run:", list, "\nA checkpoint continues the run that wrote "
+              "it: resume with its seed, model, data, optimizer and global batch (the parallel layout, checkpoint and "
+              "logging options, precision and optimizer.total_steps may change); give a new run another "
+              "checkpoint.dir (or checkpoint.resume=NEVER); or pass --allow-config-change to continue with these "
+              "changes.");
+  warn("resume from " + where + " with a changed config (--allow-config-change):" + list);
+}
+
 void Trainer::apply_checkpoint(const CheckpointData& d) {
   const auto& dir = config_.checkpoint().dir();
+  check_config_against(d);
   auto params = model_.parameters();
   std::map<std::string, at::Tensor> by_name(d.model.begin(), d.model.end());
   TORCH_CHECK(by_name.size() == params.size(), "resume from ", dir, ": the checkpoint holds ",
@@ -465,22 +620,17 @@ void Trainer::apply_checkpoint(const CheckpointData& d) {
               " differs from step ", d.step, " (this trainer keeps them equal)");
   // The state is layout-free (full parameters and optimizer state; batches are functions of the step
   // and the global sequence index), so another dp x sp continues the same run when the global batch
-  // is the same.
-  auto was = [&](const char* key) {
-    auto it = d.extra.find(key);
-    return it == d.extra.end() ? std::string() : it->second;
-  };
-  const std::string global_batch = std::to_string(dp_ * config_.data().batch_size());
-  if (!was("layout").empty() && was("layout") != layout_text())
-    log("note: the checkpoint was written by %s, this run is %s\n", was("layout").c_str(), layout_text().c_str());
-  if (!was("global_batch").empty() && was("global_batch") != global_batch)
-    log("note: the global batch (dp x data.batch_size) was %s sequences and is now %s: the run goes on with "
-        "other batches than the original would have\n", was("global_batch").c_str(), global_batch.c_str());
+  // is the same (check_config_against made sure of that).
+  auto it = d.extra.find("layout");
+  if (it != d.extra.end() && it->second != layout_text())
+    log("note: the checkpoint was written by %s, this run is %s\n", it->second.c_str(), layout_text().c_str());
 }
 
-bool Trainer::resume() {
+bool Trainer::resume() { return start(/*whole_run=*/false); }
+
+bool Trainer::start(bool whole_run) {
   const auto& ck = config_.checkpoint();
-  if (!ck.has_dir() || ck.dir().empty()) return false;
+  const bool has_dir = ck.has_dir() && !ck.dir().empty();
   // World rank 0 reads the checkpoint (it wrote it, so the directory need not be shared between
   // hosts) and broadcasts it: a status, the counters, then every parameter and optimizer tensor.
   enum Status : int64_t { kNone = 0, kLoaded = 1, kFailed = 2 };
@@ -488,12 +638,54 @@ bool Trainer::resume() {
   std::string error;
   if (rank() == 0) {
     try {
-      if (auto loaded = load_latest_checkpoint(ck.dir())) {
+      std::optional<CheckpointData> loaded;
+      if (has_dir) {
+        const std::string& dir = ck.dir();
+        struct stat st;
+        const bool existed = ::stat(dir.c_str(), &st) == 0 && S_ISDIR(st.st_mode);
+        TORCH_CHECK(existed || ck.resume() != config::CheckpointConfig::REQUIRED, "checkpoint.resume is REQUIRED "
+                    "but checkpoint.dir ", dir, " does not exist (or is not a directory)");
+        if (whole_run) {
+          check_checkpoint_dir();
+          lock_ = std::make_shared<CheckpointDirLock>(dir);
+        }
+        if (ck.resume() == config::CheckpointConfig::NEVER) {
+          auto steps = list_checkpoint_steps(dir);
+          if (!steps.empty())
+            warn("checkpoint.resume is NEVER: starting from step 0; the " + std::to_string(steps.size()) +
+                 " checkpoint(s) already in " + dir + " (steps " + std::to_string(steps.front()) + " to " +
+                 std::to_string(steps.back()) + ") are kept: this run deletes only checkpoints it writes");
+        } else {
+          CheckpointSearch found = find_latest_checkpoint(dir);
+          for (const auto& note : found.notes) warn(note);
+          const bool required = ck.resume() == config::CheckpointConfig::REQUIRED;
+          if (!found.loaded) {
+            std::string why = !existed ? "checkpoint.dir " + dir + " does not exist"
+                              : found.steps.empty() ? "checkpoint.dir " + dir + " holds no checkpoint"
+                                                    : "none of the " + std::to_string(found.steps.size()) +
+                                                          " checkpoint(s) in " + dir + " can be used (see above)";
+            TORCH_CHECK(!required, "checkpoint.resume is REQUIRED but ", why);
+            if (!existed)
+              warn(why + ": starting from step 0 (it is created for this run's checkpoints)");
+            else if (!found.steps.empty())
+              warn("warning: " + why + ": starting from step 0. They are kept (a run deletes only checkpoints "
+                   "it wrote); set checkpoint.resume=REQUIRED to make this an error");
+            else
+              log("checkpoint: %s holds no checkpoint yet; starting from step 0\n", dir.c_str());
+          }
+          loaded = std::move(found.loaded);
+        }
+      }
+      if (loaded) {
         apply_checkpoint(*loaded);
         status = kLoaded, step = loaded->step, tokens = loaded->tokens_seen;
+        run_id_ = loaded->run_id;
       }
+      if (run_id_.empty()) run_id_ = new_run_id();
+      if (whole_run) prepare_metrics(loaded ? &*loaded : nullptr);
     } catch (const std::exception& e) {
-      status = kFailed, error = e.what();
+      const auto* c = dynamic_cast<const c10::Error*>(&e);
+      status = kFailed, error = c ? c->what_without_backtrace() : e.what();
     }
   }
   const bool shared = groups_ && groups_->world->size() > 1;
@@ -503,7 +695,7 @@ bool Trainer::resume() {
     auto h = header.cpu();
     status = h[0].item<int64_t>(), step = h[1].item<int64_t>(), tokens = h[2].item<int64_t>();
   }
-  TORCH_CHECK(status != kFailed, rank() == 0 ? error : "resume from " + ck.dir() +
+  TORCH_CHECK(status != kFailed, rank() == 0 ? error : "starting the run from " + ck.dir() +
               " failed on world rank 0 (its message says why)");
   if (status == kNone) return false;
   if (shared) {
@@ -521,10 +713,71 @@ bool Trainer::resume() {
   return true;
 }
 
+void Trainer::check_checkpoint_dir() const {
+  const auto& ck = config_.checkpoint();
+  // Room for one more checkpoint (the previous ones are deleted only after it is complete).
+  double bytes = 1 << 20;
+  for (auto& [name, p] : model_.parameters()) bytes += static_cast<double>(p.nbytes());
+  for (auto& [name, t] : optimizer_->state()) bytes += static_cast<double>(t.nbytes());
+  check_output_dir(ck.dir(), static_cast<uint64_t>(bytes), "checkpoint.dir");
+  const int64_t free = free_bytes(ck.dir());
+  if (ck.keep_last() > 1 && free >= 0 && static_cast<double>(free) < bytes * static_cast<double>(ck.keep_last()))
+    warn("warning: checkpoint.dir " + ck.dir() + " has " + gib(static_cast<double>(free)) + " free, less than the " +
+         std::to_string(ck.keep_last()) + " checkpoints of checkpoint.keep_last (" + gib(bytes) + " each) need");
+}
+
+void Trainer::prepare_metrics(const CheckpointData* resumed_from) const {
+  const std::string& metrics = config_.logging().metrics_file();
+  if (metrics.empty()) return;
+  check_output_file(metrics, "logging.metrics_file");
+  const int64_t size = file_size(metrics);
+  auto extra = [&](const char* key) {
+    auto it = resumed_from ? resumed_from->extra.find(key) : std::map<std::string, std::string>::const_iterator();
+    return resumed_from && it != resumed_from->extra.end() ? it->second : std::string();
+  };
+  if (!resumed_from || extra("metrics_file") != metrics || extra("metrics_bytes").empty()) {
+    if (size > 0)
+      warn("logging.metrics_file " + metrics + " already holds " + std::to_string(size) + " bytes; this run's lines " +
+           "are appended after them");
+    return;
+  }
+  // A resumed run: the lines of the steps after the checkpoint were written by the run that stopped
+  // and are written again now; drop them, at the line boundary recorded in the checkpoint.
+  const std::string recorded = extra("metrics_bytes");
+  char* end = nullptr;
+  const long long keep = std::strtoll(recorded.c_str(), &end, 10);
+  if (*end || keep < 0) {
+    warn("the checkpoint of step " + std::to_string(resumed_from->step) + " records metrics_bytes '" +
+         printable(recorded) + "', not a byte count; this run's lines are appended to " + metrics);
+    return;
+  }
+  if (size == keep) return;
+  char last = '\n';
+  if (keep > 0 && size > keep) {
+    int fd = ::open(metrics.c_str(), O_RDONLY | O_CLOEXEC);
+    if (fd < 0 || ::pread(fd, &last, 1, keep - 1) != 1) last = 0;
+    if (fd >= 0) ::close(fd);
+  }
+  if (size < keep || last != '\n') {
+    warn("logging.metrics_file " + metrics + " has " + std::to_string(size) + " bytes, but had " +
+         std::to_string(keep) + " at the checkpoint of step " + std::to_string(resumed_from->step) +
+         " (it was changed or replaced since); this run's lines are appended to it");
+    return;
+  }
+  TORCH_CHECK(::truncate(metrics.c_str(), keep) == 0, "logging.metrics_file: cannot drop the lines after step ",
+              resumed_from->step, " from ", metrics, ": ", std::strerror(errno));
+  log("metrics: dropped %lld bytes of lines after step %lld from %s (those steps run again)\n",
+      static_cast<long long>(size - keep), static_cast<long long>(resumed_from->step), metrics.c_str());
+}
+
 // ---- the run ----
 
 int Trainer::run() {
-  const bool resumed = resume();
+  struct Unlock {  // checkpoint.dir stays locked until run() returns or throws
+    std::shared_ptr<CheckpointDirLock>& lock;
+    ~Unlock() { lock.reset(); }
+  } unlock{lock_};
+  const bool resumed = start(/*whole_run=*/true);
   const int64_t total = config_.optimizer().total_steps();
   if (resumed && step_ >= total) {
     log("run already complete: %s holds step %lld of optimizer.total_steps = %lld; nothing to do (delete "

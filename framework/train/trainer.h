@@ -13,11 +13,14 @@
 //   update    all-reduce (sum) of the flattened gradients over the world, clip to grad_clip, AdamW
 //             with the warmup + cosine learning rate.
 // Checkpoints (framework/io/checkpoint.h): rank 0 writes model + optimizer every checkpoint.every_steps
-// and at the end; a run starts from the latest checkpoint in checkpoint.dir when there is one and
-// continues bit-identically (the batches depend only on the step, the state is stored exactly).
-// Rank 0 prints one log line per logging.every_steps and appends a JSON line to
+// and at the end; a run starts from the newest valid checkpoint of checkpoint.dir as
+// checkpoint.resume says (AUTO, REQUIRED, NEVER) and continues bit-identically (the batches depend
+// only on the step, the state is stored exactly), after comparing the checkpoint's config with its
+// own. Rank 0 prints one log line per logging.every_steps and appends a JSON line to
 // logging.metrics_file; every logging.eval_every_steps it evaluates data.eval_batches fixed held-out
 // batches (split "eval") and prints the loss and the accuracy at the masked positions.
+// Reliability (README.md, "Reliability"): before the first step rank 0 locks checkpoint.dir, checks
+// that it and logging.metrics_file can be written and have room; every write is checked after.
 #pragma once
 
 #include "framework/config/config.h"
@@ -35,6 +38,7 @@
 namespace carry {
 
 struct CheckpointData;  // framework/io/checkpoint.h
+class CheckpointDirLock;
 struct StepStats;
 
 // The peak rates the MFU estimate divides by (per rank): an assumed figure, not a measurement.
@@ -55,6 +59,10 @@ struct TrainerOptions {
   // still runs to optimizer.total_steps: the next invocation continues it.
   int64_t max_steps = 0;
   double max_minutes = 0;
+  // Resume from a checkpoint whose config differs from this run's in the seed, the model, the data or
+  // the optimizer (carry train --allow-config-change): each difference is printed. Without it such a
+  // resume is refused, listing the differences.
+  bool allow_config_change = false;
 };
 
 // run()'s return value when a stop signal or a limit ended the run early (after a checkpoint): EX_TEMPFAIL,
@@ -87,9 +95,13 @@ class Trainer {
   Trainer(const RunConfig& config, std::shared_ptr<parallel::ProcessGroups> groups,
           TrainerOptions options = {});
 
-  // Loads the latest checkpoint of checkpoint.dir if there is one; returns whether it did. World
+  // Loads the newest valid checkpoint of checkpoint.dir as checkpoint.resume says; returns whether it
+  // did. AUTO: the checkpoint if there is one, else step 0, saying why on stderr (no directory, none
+  // there yet, or none valid: those are kept); REQUIRED: throws when there is none; NEVER: step 0.
+  // Throws when the checkpoint's config differs from this run's in what makes a run (seed, model,
+  // data, optimizer other than total_steps, the global batch) unless allow_config_change. World
   // rank 0 reads it and broadcasts it to the others (checkpoint.dir need only exist on rank 0's host,
-  // where save_checkpoint writes).
+  // where save_checkpoint writes); every rank throws alike.
   bool resume();
   // One optimizer step on the next batch.
   StepStats train_step();
@@ -99,7 +111,10 @@ class Trainer {
   // checkpoint.dir. Throws (on every rank, before anything is written or `latest` is touched) when a
   // parameter is not finite, naming the step and the first such tensor.
   void save_checkpoint();
-  // The whole run: prints the resolved config and the model, resumes, trains to
+  // The whole run: locks checkpoint.dir (CheckpointDirLock: a second run on it is refused), resumes,
+  // checks that checkpoint.dir can take a checkpoint (written, fsynced, room for one) and that
+  // logging.metrics_file can be appended to, drops the metrics lines of steps after the checkpoint
+  // (a resumed run logs them again), prints the resolved config and the model, trains to
   // optimizer.total_steps with logging, evaluation and checkpoints. Returns 0. While it runs,
   // SIGTERM, SIGINT and SIGUSR1 (which mpirun forwards to the ranks) ask for a stop: every rank
   // finishes the step, a checkpoint is written and run() returns kExitStoppedBySignal; a second
@@ -126,8 +141,22 @@ class Trainer {
   void log(const char* fmt, ...) const;
   std::string layout_text() const;  // "dp=2 x sp=4"
   std::string divergence_hint() const;  // what to try after a non-finite loss
-  // Copies a loaded checkpoint into the model and the optimizer (checking names and shapes).
+  // Copies a loaded checkpoint into the model and the optimizer (checking the config, the names and
+  // the shapes).
   void apply_checkpoint(const CheckpointData& d);
+  // The checkpoint's config against this run's: throws listing what may not change (see resume()).
+  void check_config_against(const CheckpointData& d) const;
+  // resume(); with `whole_run` (run()) also the lock, the output checks and the metrics trim.
+  bool start(bool whole_run);
+  // Rank 0, start(true): checkpoint.dir can take a checkpoint (created, a file written and fsynced,
+  // room for one); logging.metrics_file can be appended to, and without the lines of the steps after
+  // `resumed_from` (the loaded checkpoint, or null).
+  void check_checkpoint_dir() const;
+  void prepare_metrics(const CheckpointData* resumed_from) const;
+  // Runs `work` on world rank 0 and shares whether it threw: every rank throws alike (rank 0 its
+  // message, the others naming `what` and rank 0).
+  void on_rank0(const std::string& what, const std::function<void()>& work) const;
+  void warn(const std::string& text) const;  // rank 0: "carry: <text>" on stderr
   void write_metrics(const std::string& json_line) const;
 
   RunConfig config_;
@@ -140,6 +169,8 @@ class Trainer {
   bool bf16_ = false;  // precision BF16: forward under bf16 autocast
   bool time_is_up_ = false;  // max_minutes passed on this rank (sent with the next step's loss sum)
   int64_t step_ = 0, tokens_seen_ = 0;
+  std::string run_id_;  // rank 0: the id of the run its checkpoints carry (new, or the resumed one's)
+  std::shared_ptr<CheckpointDirLock> lock_;  // rank 0 during run()
   struct TokenStream;
   std::shared_ptr<TokenStream> train_stream_, eval_stream_;
 };

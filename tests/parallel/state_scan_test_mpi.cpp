@@ -7,12 +7,12 @@
 // in fp32), also on a dp × sp grid; ordered pipelined over G = 1, 2 and H head groups is bit for
 // bit the serial run too. Also: the communicators' operations, the same clear error on every rank
 // for bad layouts and head groups, and a timeout that names the operation instead of hanging.
+#include "layers/mixer_grads.h"
 #include "parallel/process_group.h"
 #include "parallel/state_scan.h"
 #include "tests/helpers/mixer_testing.h"
 
 #include <gtest/gtest.h>
-#include <torch/csrc/autograd/autograd.h>
 #include <torch/cuda.h>
 
 #include <ATen/Parallel.h>
@@ -256,27 +256,6 @@ void expect_same_error_everywhere(const std::string& msg, const std::string& nee
 
 // ---- the scan against the serial run ----
 
-// Copies of the inputs and a state that require grad, so that each can be differentiated.
-struct Leaves {
-  MixerInputs in;
-  State state;
-  std::vector<Tensor> all() const {  // defined inputs in kInputNames order, then the state entries
-    std::vector<Tensor> v;
-    for (const auto& n : kInputNames)
-      if (in.get(n).defined()) v.push_back(in.get(n));
-    for (auto& t : state) v.push_back(t);
-    return v;
-  }
-};
-
-Leaves make_leaves(const MixerInputs& in, const State& state) {
-  Leaves l;
-  for (const auto& n : kInputNames)
-    if (in.get(n).defined()) l.in.get(n) = in.get(n).detach().clone().requires_grad_(true);
-  for (auto& t : state) l.state.push_back(t.detach().clone().requires_grad_(true));
-  return l;
-}
-
 struct Weights {
   Tensor o;                       // [B,T,H,dv]
   State final_state;              // on the sequence's final state
@@ -301,7 +280,7 @@ Weights random_weights(const Mixer& m, const MixerInputs& in, const MixerOptions
 
 struct ScanRun {
   std::vector<Tensor> outputs;  // o, then the final state entries
-  std::vector<Tensor> grads;    // inputs in Leaves::all() order, then the initial state entries
+  std::vector<Tensor> grads;    // inputs in MixerLeaves::all() order, then the initial state entries
 };
 
 Tensor weighted(const State& s, const State& w) {
@@ -314,7 +293,7 @@ Tensor weighted(const State& s, const State& w) {
 // with the state passed along, so that the loss can see the states at the boundaries.
 ScanRun serial_run(const Mixer& m, const MixerInputs& in, const State& init,
                    const MixerOptions& opt, const Weights& w, int P) {
-  Leaves leaves = make_leaves(in, init);
+  MixerLeaves leaves = make_mixer_leaves(in, init);
   ScanRun run;
   Tensor loss;
   if (w.boundaries.empty()) {
@@ -340,10 +319,7 @@ ScanRun serial_run(const Mixer& m, const MixerInputs& in, const State& init,
     run.outputs.push_back(o.detach());
     for (auto& t : cur) run.outputs.push_back(t.detach());
   }
-  auto xs = leaves.all();
-  auto gs = torch::autograd::grad({loss}, xs, {}, false, false, true);
-  for (size_t i = 0; i < gs.size(); ++i)
-    run.grads.push_back(gs[i].defined() ? gs[i] : at::zeros_like(xs[i]));
+  run.grads = leaf_grads({loss}, leaves.all());
   return run;
 }
 
@@ -354,7 +330,7 @@ ScanRun parallel_run(const Mixer& m, Communicator& sp, const MixerInputs& whole,
   const int r = sp.rank(), P = sp.size();
   MixerInputs local = sp_slice(whole, r, P, opt.chunk_size);
   int64_t len = local.q.size(1);
-  Leaves leaves = make_leaves(local, r == 0 ? init : State{});
+  MixerLeaves leaves = make_mixer_leaves(local, r == 0 ? init : State{});
   auto out = sp_mixer_forward(m, sp, leaves.in, leaves.state, opt, mode, head_groups);
   Tensor loss = (out.o * w.o.narrow(1, r * len, len)).sum();
   if (r == P - 1)
@@ -362,7 +338,7 @@ ScanRun parallel_run(const Mixer& m, Communicator& sp, const MixerInputs& whole,
   else if (!w.boundaries.empty())
     loss = loss + weighted(out.final_state, w.boundaries[r]);
   auto xs = leaves.all();
-  auto gs = torch::autograd::grad({loss}, xs, {}, false, false, true);
+  auto gs = leaf_grads({loss}, xs);
 
   auto gather_T = [&](const Tensor& t) { return at::cat(sp.all_gather(t.contiguous()), 1); };
   ScanRun run;
@@ -374,7 +350,7 @@ ScanRun parallel_run(const Mixer& m, Communicator& sp, const MixerInputs& whole,
   }
   size_t n_in = xs.size() - leaves.state.size();
   for (size_t i = 0; i < n_in; ++i)
-    run.grads.push_back(gather_T(gs[i].defined() ? gs[i] : at::zeros_like(xs[i])));
+    run.grads.push_back(gather_T(gs[i]));
   // The initial state's gradient, from rank 0.
   for (size_t i = 0; i < init.size(); ++i) {
     Tensor x = r == 0 ? gs[n_in + i].detach().clone() : at::zeros_like(init[i]);

@@ -10,6 +10,7 @@
 
 #include <gtest/gtest.h>
 
+#include <cmath>
 #include <cstdio>
 
 namespace carry::testing {
@@ -191,6 +192,13 @@ TEST(MixerCommand, HelpAndUsage) {
   EXPECT_CONTAINS(out, "--sp-mode M       sequence parallelism over the MPI ranks");
 }
 
+// A copy of t with one value replaced.
+Tensor with_value(const Tensor& t, double value) {
+  Tensor c = t.clone();
+  c.view({-1})[c.numel() / 2] = value;
+  return c;
+}
+
 TEST(MixerCommand, ErrorsGiveMessageAndExitCode) {
   const Mixer& m = get_mixer("linear_attn");
   Shape s;
@@ -258,6 +266,13 @@ TEST(MixerCommand, ErrorsGiveMessageAndExitCode) {
        {"'do' must have the shape of o [1, 64, 1, 3], found [1, 8, 1, 3]"}},
       {"dfinal_state shape", base, changed({{"dfinal_state.S", st[0]}, {"dfinal_state.z", st[0]}}), 1,
        {"'dfinal_state.z' must have shape [1, 1, 4]", "found [1, 1, 4, 3]"}},
+      // A NaN or an infinity is refused wherever it is: in an input, the initial state or a cotangent.
+      {"NaN in q", base, changed({{"q", with_value(in.q, NAN)}}), 1, {input, "'q' has NaN or infinite values"}},
+      {"NaN in the initial state", base, changed({{"initial_state.S", with_value(st[0], NAN)}, {"initial_state.z", st[1]}}),
+       1, {input + ": 'initial_state.S' has NaN or infinite values"}},
+      {"inf in do", base, changed({{"do", with_value(in.v, INFINITY)}}), 1, {input + ": 'do' has NaN or infinite values"}},
+      {"NaN in dfinal_state", base, changed({{"dfinal_state.S", st[0]}, {"dfinal_state.z", with_value(st[1], NAN)}}), 1,
+       {input + ": 'dfinal_state.z' has NaN or infinite values"}},
   };
   for (auto& c : cases) {
     SCOPED_TRACE(c.what);

@@ -113,6 +113,45 @@ TEST_F(ConfigTest, ParseErrorColumnCountsCharactersNotTabStops) {
   EXPECT_NE(msg.find("\n     d_model: abc\n    " + std::string(10, ' ') + "^"), std::string::npos) << msg;
 }
 
+// A value missing at the end of a line is reported there, where it is missing (protobuf finds it at
+// the next token, lines later), with the caret after the field and where that token was.
+TEST_F(ConfigTest, MissingValueAtTheEndOfALineIsReportedOnThatLine) {
+  auto m = load_error("name: \"t\"\nseed:   # the seed\n\n  model { d_model: 64 }\n");
+  EXPECT_EQ(m, dir_ + "/run.textproto:2:6: Expected integer, got: model (on line 4)\n"
+                      "    seed:   # the seed\n"
+                      "         ^");
+  m = load_error("optimizer {\n  lr:\n}\n");
+  EXPECT_EQ(m.rfind(dir_ + "/run.textproto:2:6: Expected double, got: } (on line 3)", 0), 0u) << m;
+}
+
+// A binary file is refused naming the first byte that is not text, without writing raw bytes to the
+// terminal; a directory or a device that never ends is refused instead of read as empty or forever.
+TEST_F(ConfigTest, FilesThatAreNotTextConfigsAreRefused) {
+  std::string binary = "name: \"t\"\nseed: 1\x01\x02\xff\n";
+  auto m = load_error(binary);
+  EXPECT_EQ(m, dir_ + "/run.textproto:2:8: not a text file: byte \\x01 is a control character; a config is a "
+                      "textproto file (text), e.g. configs/demo_mqar.textproto");
+  m = load_error("name: \"caf\xc3\xa9 \xe9t\xe9\"\n");
+  EXPECT_EQ(m.rfind(dir_ + "/run.textproto:1:13: not a text file: byte \\xe9 is not UTF-8", 0), 0u) << m;
+  auto must_fail = [](const std::string& path, const std::string& part) {
+    try {
+      load_run_config(path);
+      ADD_FAILURE() << path << " was read as a config";
+    } catch (const ConfigError& e) {
+      EXPECT_NE(std::string(e.what()).find(part), std::string::npos) << e.what();
+    }
+  };
+  must_fail(dir_, "cannot read config file '" + dir_ + "': it is a directory; expected a .textproto file");
+  must_fail("/dev/zero", "config file '/dev/zero' is larger than 16 MiB");
+  must_fail(dir_ + "/none.textproto", "cannot read config file '" + dir_ + "/none.textproto': No such file");
+  // The same for a --set: its bytes are shown as \xNN, not echoed raw.
+  EXPECT_EQ(load_error(kValid, {"name=a\x01\xff"}), "--set name=a\\x01\\xff: not text: byte \\x01 is a control character");
+  // UTF-8 text with a tab is fine, and an error on such a line shows it as text.
+  m = load_error("name: \"caf\xc3\xa9\"\tbogus: 1\n");
+  EXPECT_NE(m.find("unknown field \"bogus\""), std::string::npos) << m;
+  EXPECT_NE(m.find("    name: \"caf\xc3\xa9\" bogus: 1\n                 ^"), std::string::npos) << m;
+}
+
 TEST_F(ConfigTest, UnknownFieldIsAnErrorListingValidFields) {
   auto msg = load_error("name: \"t\"\nmodel { d_modl: 5 }\n");
   auto path = (dir_ + "/run.textproto");
@@ -341,6 +380,23 @@ TEST_F(ConfigTest, OverflowingValuesAreRefused) {
   EXPECT_EQ(load_error(kValid, {"data.needle={value_len: 4611686018427387904 num_distractors: 3}", "model.vocab_size=8192"}),
             path + ": data.needle.value_len: must not exceed data.seq_len (128), got 4611686018427387904 (set by --set "
                    "data.needle={value_len: 4611686018427387904 num_distractors: 3})");
+  // Model shapes beyond any weight's int64 element count, or layers that could not even be listed
+  // (found by tests/framework/readers_fuzz_test.cpp: n_layers 2^63-1 ran for ever, mlp_ratio 1e20
+  // passed and failed in ATen).
+  EXPECT_EQ(load_error(kValid, {"model.n_layers=9223372036854775807"}),
+            path + ": model.n_layers: must lie in [1, 4096], got 9223372036854775807 (set by --set "
+                   "model.n_layers=9223372036854775807)");
+  EXPECT_EQ(load_error(kValid, {"model.mlp_ratio=99999999999999999999"}),
+            path + ": model.mlp_ratio: must lie in (0, 1024], got 1e+20 (set by --set model.mlp_ratio=99999999999999999999)");
+  EXPECT_EQ(load_error(kValid, {"model.vocab_size=8589934592"}),
+            path + ": model.vocab_size: must lie in [1, 4294967296], got 8589934592 (set by --set "
+                   "model.vocab_size=8589934592)");
+  EXPECT_EQ(load_error(kValid, {"model.head_dim_k=2097152", "model.head_dim_v=16"}),
+            path + ": model.head_dim_k: must lie in [1, 1048576], got 2097152 (set by --set model.head_dim_k=2097152)");
+  EXPECT_EQ(load_error(kValid, {"model.mixer_options[0].conv_size=1000000"})
+                .rfind(path + ": model.mixer_options[0].conv_size: must lie in [0, 4096] (0 = none), got 1000000 (set "
+                       "by --set model.mixer_options[0].conv_size=1000000)\n", 0),
+            0u);
   // The layout check against the launch does not wrap either.
   RunConfig c;
   c.mutable_parallel()->set_dp(7);

@@ -1,12 +1,19 @@
 // Checkpoints: a round trip gives every tensor back bitwise (several dtypes, NaN and -0.0, a
-// non-contiguous input, the saved order) and every field equal; keep_last prunes the oldest; `latest`
-// names the newest written (even below a stale higher step); corrupt or partial checkpoints (a flipped
-// tensor byte, a truncated file, a missing manifest, a missing file, an interrupted write's temporary
-// directory) are reported with their path and skipped in favour of the previous good one; a process
-// SIGKILLed in the middle of writing a 200 MB checkpoint leaves the previous one loadable bitwise.
+// non-contiguous input, the saved order) and every field equal; keep_last prunes the oldest of the
+// writer's own run only; the newest valid step of `latest`'s run wins over a stale `latest`, another
+// run's checkpoints are not resumed; corrupt or partial checkpoints (a flipped tensor byte, a changed
+// manifest field, a truncated file, a missing manifest, a missing file, an interrupted write's
+// temporary directory) are reported with their path and skipped in favour of the previous good one;
+// format_version 1 still loads; a process SIGKILLed in the middle of writing a 200 MB checkpoint
+// leaves the previous one loadable bitwise; the directory lock refuses a second holder.
 #include "framework/io/checkpoint.h"
 
+#include "framework/config/carry.pb.h"
 #include "tests/helpers/temp_dir.h"
+
+#include <google/protobuf/io/coded_stream.h>
+#include <google/protobuf/io/zero_copy_stream_impl_lite.h>
+#include <google/protobuf/text_format.h>
 
 #include <gtest/gtest.h>
 
@@ -23,6 +30,7 @@
 #include <thread>
 
 #include <dirent.h>
+#include <sys/resource.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -161,21 +169,76 @@ TEST_F(CheckpointTest, KeepLastRemovesTheOldest) {
   EXPECT_EQ(entries(dir_), (std::vector<std::string>{"latest", "step_00000009"}));
 }
 
-TEST_F(CheckpointTest, LatestNamesTheNewestWritten) {
+// `latest` names the run to continue, and the newest valid checkpoint of that run is loaded: also when
+// `latest` lags behind it (a writer that died between the rename of its step directory and the
+// update of `latest`), which is said. Writing a step again replaces it.
+TEST_F(CheckpointTest, NewestValidStepOfTheRunWinsOverAStaleLatest) {
   save_checkpoint(dir_, make_data(10), 0);
   save_checkpoint(dir_, make_data(20), 0);
   EXPECT_EQ(read_text(dir_ + "/latest"), "step_00000020\n");
   EXPECT_EQ(load_latest_checkpoint(dir_)->step, 20);
-  // A run resumed from step 10 writes step 15: `latest` wins over the stale higher step 20 ...
-  save_checkpoint(dir_, make_data(15), 0);
-  EXPECT_EQ(read_text(dir_ + "/latest"), "step_00000015\n");
-  expect_same(*load_latest_checkpoint(dir_), make_data(15));
-  // ... and writing step 20 again replaces it.
+  write_text(dir_ + "/latest", "step_00000010\n");
+  std::string err;
+  auto got = load_latest_capturing(dir_, &err);
+  ASSERT_TRUE(got.has_value());
+  expect_same(*got, make_data(20));
+  EXPECT_CONTAINS(err, "`latest` names step_00000010 but step_00000020 is newer and valid");
   CheckpointData again = make_data(20);
   again.extra["note"] = "second";
   save_checkpoint(dir_, again, 0);
+  EXPECT_EQ(read_text(dir_ + "/latest"), "step_00000020\n");
   expect_same(*load_latest_checkpoint(dir_), again);
-  EXPECT_EQ(list_checkpoint_steps(dir_), (std::vector<int64_t>{10, 15, 20}));
+  EXPECT_EQ(list_checkpoint_steps(dir_), (std::vector<int64_t>{10, 20}));
+}
+
+// Two runs in one directory (a run started over with checkpoint.resume NEVER): the loader continues
+// the run `latest` names, not the other run's newer checkpoints, and says so; keep_last prunes only
+// the writer's own checkpoints, never another run's nor one whose manifest cannot be read.
+TEST_F(CheckpointTest, AnotherRunsCheckpointsAreNeitherResumedNorPruned) {
+  auto of_run = [](int64_t step, const std::string& run) {
+    CheckpointData d = make_data(step);
+    d.run_id = run;
+    return d;
+  };
+  for (int64_t s : {10, 20, 30}) save_checkpoint(dir_, of_run(s, "aaaa"), 0);
+  testing::make_dirs(step_path(40));  // a damaged one: no manifest
+  for (int64_t s = 1; s <= 5; ++s) save_checkpoint(dir_, of_run(s, "bbbb"), 2);
+  EXPECT_EQ(list_checkpoint_steps(dir_), (std::vector<int64_t>{4, 5, 10, 20, 30, 40}));
+  std::string err;
+  auto got = load_latest_capturing(dir_, &err);
+  ASSERT_TRUE(got.has_value());
+  EXPECT_EQ(got->step, 5);
+  EXPECT_EQ(got->run_id, "bbbb");
+  EXPECT_CONTAINS(err, step_path(30) + ": valid, but written by another run (run id 'aaaa'");
+  EXPECT_CONTAINS(err, step_path(40));
+  // Without `latest`, the newest valid checkpoint of any run.
+  std::remove((dir_ + "/latest").c_str());
+  got = load_latest_capturing(dir_, &err);
+  ASSERT_TRUE(got.has_value());
+  EXPECT_EQ(got->step, 30);
+  EXPECT_EQ(got->run_id, "aaaa");
+}
+
+// Rewrites a manifest's checksum after a test changed its fields, as the writer would have: FNV-1a 64
+// of the deterministic binary serialization with manifest_fnv1a64 cleared (an implementation of the
+// documented rule independent of checkpoint.cpp's).
+void reseal_manifest(const std::string& path) {
+  config::CheckpointManifest m;
+  ASSERT_TRUE(google::protobuf::TextFormat::ParseFromString(read_text(path), &m)) << path;
+  m.clear_manifest_fnv1a64();
+  std::string bytes;
+  {
+    google::protobuf::io::StringOutputStream raw(&bytes);
+    google::protobuf::io::CodedOutputStream out(&raw);
+    out.SetSerializationDeterministic(true);
+    ASSERT_TRUE(m.SerializeToCodedStream(&out));
+  }
+  char hex[17];
+  std::snprintf(hex, sizeof hex, "%016llx", static_cast<unsigned long long>(fnv1a64(bytes.data(), bytes.size())));
+  m.set_manifest_fnv1a64(hex);
+  std::string text;
+  ASSERT_TRUE(google::protobuf::TextFormat::PrintToString(m, &text));
+  write_text(path, text);
 }
 
 TEST_F(CheckpointTest, NothingToLoad) {
@@ -247,7 +310,54 @@ TEST_F(CheckpointTest, ManifestDisagreeingWithTheFileIsSkipped) {
     ASSERT_NE(at, std::string::npos);
     text.replace(at, 28, "name: \"layers.0.norm.weighu\"");
     write_text(path, text);
+    reseal_manifest(path);  // past the manifest's own checksum, to the file check
   }, {"layers.0.norm.weighu", "missing from the file"});
+}
+
+// The manifest's own fields are under its checksum: tokens_seen, the config and the extra entries
+// (no tensor check would notice them) are each caught.
+TEST_F(CheckpointTest, ChangedManifestFieldIsSkipped) {
+  for (auto [from, to] : {std::pair<std::string, std::string>{"tokens_seen: 8199", "tokens_seen: 8200"},
+                          {"seed: 7", "seed: 8"},
+                          {"2.718281828459045", "2.718281828459046"}}) {
+    SCOPED_TRACE(from);
+    testing::remove_tree(dir_);
+    check_fallback(dir_, [from = from, to = to](const std::string& bad) {
+      std::string path = bad + "/manifest.textproto";
+      std::string text = read_text(path);
+      size_t at = text.find(from);
+      ASSERT_NE(at, std::string::npos) << text;
+      text.replace(at, from.size(), to);
+      write_text(path, text);
+    }, {"manifest's checksum", "the manifest was changed or is corrupt"});
+  }
+}
+
+// A checkpoint of format_version 1 (before run ids and manifest checksums) still loads, with a note.
+TEST_F(CheckpointTest, FormatVersionOneStillLoads) {
+  CheckpointData d = make_data(3);
+  save_checkpoint(dir_, d, 0);
+  std::string path = step_path(3) + "/manifest.textproto";
+  config::CheckpointManifest m;
+  ASSERT_TRUE(google::protobuf::TextFormat::ParseFromString(read_text(path), &m));
+  m.set_format_version(1);
+  m.clear_run_id();
+  m.clear_manifest_fnv1a64();
+  std::string text;
+  ASSERT_TRUE(google::protobuf::TextFormat::PrintToString(m, &text));
+  write_text(path, text);
+  std::string err;
+  auto got = load_latest_capturing(dir_, &err);
+  ASSERT_TRUE(got.has_value());
+  expect_same(*got, d);
+  EXPECT_EQ(got->format_version, 1);
+  EXPECT_CONTAINS(err, "format_version 1 (no manifest checksum");
+  // Version 2 without its checksum is damaged, not old.
+  m.set_format_version(2);
+  ASSERT_TRUE(google::protobuf::TextFormat::PrintToString(m, &text));
+  write_text(path, text);
+  EXPECT_FALSE(load_latest_capturing(dir_, &err).has_value());
+  EXPECT_CONTAINS(err, "manifest_fnv1a64 (its checksum) is missing");
 }
 
 TEST_F(CheckpointTest, MissingFileIsSkipped) {
@@ -270,7 +380,7 @@ TEST_F(CheckpointTest, LeftoverTemporaryDirectoryIsIgnored) {
   expect_same(*got, good);
   EXPECT_CONTAINS(err, tmp);
   EXPECT_CONTAINS(err, "interrupted write");
-  EXPECT_EQ(err.find(step_path(3)), std::string::npos) << "`latest` (step 1) is tried first";
+  EXPECT_CONTAINS(err, step_path(3));  // newer than `latest`'s step 1, tried and reported
   // `latest` naming a directory that is gone: reported, then the scan tries step 3 (reported) and
   // finds step 1.
   write_text(dir_ + "/latest", "step_00000007\n");
@@ -283,6 +393,73 @@ TEST_F(CheckpointTest, LeftoverTemporaryDirectoryIsIgnored) {
   // The next save removes the dead writer's temporary directory.
   save_checkpoint(dir_, make_data(4), 0);
   EXPECT_FALSE(testing::exists(tmp));
+}
+
+// One run per directory: a second lock, from this process or another, is refused naming the
+// directory and the holder; the lock is free again once its holder is gone.
+TEST_F(CheckpointTest, DirectoryLockRefusesASecondHolder) {
+  {
+    CheckpointDirLock first(dir_);
+    try {
+      CheckpointDirLock second(dir_);
+      ADD_FAILURE() << "a second lock on " << dir_ << " was granted";
+    } catch (const c10::Error& e) {
+      EXPECT_CONTAINS(e.what_without_backtrace(), "checkpoint.dir " + dir_ + " is in use by another run (pid " +
+                                                      std::to_string(::getpid()) + " on host ");
+      EXPECT_CONTAINS(e.what_without_backtrace(), "two runs must not share a checkpoint directory");
+    }
+    pid_t pid = ::fork();
+    if (pid == 0) {
+      try {
+        CheckpointDirLock other(dir_);
+      } catch (const c10::Error&) {
+        ::_exit(3);
+      }
+      ::_exit(0);
+    }
+    int status = 0;
+    ::waitpid(pid, &status, 0);
+    EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 3) << "another process got the lock";
+  }
+  CheckpointDirLock again(dir_);
+}
+
+// A write that fails part way (here the file size limit, as a full disk would: the write returns an
+// error) throws naming the file and the system's reason, leaves no temporary directory, and the
+// previous checkpoint stays the one that loads.
+TEST_F(CheckpointTest, FailedWriteThrowsAndKeepsThePreviousOne) {
+  save_checkpoint(dir_, make_data(1), 0);
+  int fds[2];
+  ASSERT_EQ(::pipe(fds), 0);
+  pid_t pid = ::fork();
+  if (pid == 0) {
+    ::close(fds[0]);
+    struct rlimit limit {16 << 10, 16 << 10};
+    ::signal(SIGXFSZ, SIG_IGN);
+    ::setrlimit(RLIMIT_FSIZE, &limit);
+    try {
+      save_checkpoint(dir_, make_data(2, 64), 0);  // a 32 KiB tensor
+    } catch (const c10::Error& e) {
+      std::string m = e.what_without_backtrace();
+      if (::write(fds[1], m.data(), m.size()) < 0) ::_exit(4);
+      ::_exit(3);
+    }
+    ::_exit(0);
+  }
+  ::close(fds[1]);
+  std::string message;
+  char buf[512];
+  for (ssize_t n; (n = ::read(fds[0], buf, sizeof buf)) > 0;) message.append(buf, static_cast<size_t>(n));
+  ::close(fds[0]);
+  int status = 0;
+  ::waitpid(pid, &status, 0);
+  ASSERT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 3) << "the write did not fail: " << status;
+  EXPECT_CONTAINS(message, dir_ + "/.tmp_step_00000002_");
+  EXPECT_CONTAINS(message, "File too large");
+  EXPECT_EQ(entries(dir_), (std::vector<std::string>{"latest", "step_00000001"}));
+  auto got = load_latest_checkpoint(dir_);
+  ASSERT_TRUE(got.has_value());
+  expect_same(*got, make_data(1));
 }
 
 TEST_F(CheckpointTest, BadInputsAreRefused) {

@@ -1,0 +1,108 @@
+// Output checks and checked appends (see output_file.h). POSIX calls only.
+#include "framework/io/output_file.h"
+
+#include <c10/util/Exception.h>
+
+#include <cerrno>
+#include <cstring>
+#include <vector>
+
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <sys/statvfs.h>
+#include <unistd.h>
+
+namespace carry {
+namespace {
+
+std::string errno_text(int err) { return std::strerror(err); }
+
+std::string mib(uint64_t bytes) {
+  char buf[64];
+  std::snprintf(buf, sizeof buf, "%.1f MiB", static_cast<double>(bytes) / (1024.0 * 1024.0));
+  return buf;
+}
+
+// mkdir -p, naming the first component that cannot be made.
+void make_dirs(const std::string& path, const std::string& field) {
+  for (size_t i = 1; i <= path.size(); ++i) {
+    if (i != path.size() && path[i] != '/') continue;
+    std::string prefix = path.substr(0, i);
+    if (::mkdir(prefix.c_str(), 0755) != 0 && errno != EEXIST)
+      TORCH_CHECK(false, field, ": cannot create the directory ", prefix, " (for ", path, "): ", errno_text(errno));
+  }
+  struct stat st;
+  TORCH_CHECK(::stat(path.c_str(), &st) == 0 && S_ISDIR(st.st_mode), field, ": ", path,
+              " exists and is not a directory");
+}
+
+std::string parent_of(const std::string& path) {
+  auto slash = path.find_last_of('/');
+  if (slash == std::string::npos) return ".";
+  return slash == 0 ? "/" : path.substr(0, slash);
+}
+
+// Writes all of `data` to fd; 0 or the errno of the failing write.
+int write_all(int fd, const char* data, size_t size) {
+  size_t done = 0;
+  while (done < size) {
+    ssize_t n = ::write(fd, data + done, size - done);
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0) return errno;
+    if (n == 0) return EIO;
+    done += static_cast<size_t>(n);
+  }
+  return 0;
+}
+
+}  // namespace
+
+int64_t free_bytes(const std::string& path) {
+  struct statvfs vfs;
+  if (::statvfs(path.c_str(), &vfs) != 0) return -1;
+  return static_cast<int64_t>(vfs.f_bavail) * static_cast<int64_t>(vfs.f_frsize);
+}
+
+int64_t file_size(const std::string& path) {
+  struct stat st;
+  if (::stat(path.c_str(), &st) != 0 || !S_ISREG(st.st_mode)) return -1;
+  return static_cast<int64_t>(st.st_size);
+}
+
+void check_output_dir(const std::string& dir, uint64_t bytes_needed, const std::string& field) {
+  make_dirs(dir, field);
+  const std::string probe = (dir.back() == '/' ? dir : dir + "/") + ".carry_write_test." + std::to_string(::getpid());
+  int fd = ::open(probe.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  TORCH_CHECK(fd >= 0, field, ": cannot create a file in ", dir, ": ", errno_text(errno));
+  const std::vector<char> block(4096, 'x');
+  int err = write_all(fd, block.data(), block.size());
+  if (err == 0 && ::fsync(fd) != 0) err = errno;
+  if (::close(fd) != 0 && err == 0) err = errno;
+  ::unlink(probe.c_str());
+  TORCH_CHECK(err == 0, field, ": cannot write a file in ", dir, ": ", errno_text(err));
+  const int64_t free = free_bytes(dir);
+  TORCH_CHECK(free < 0 || static_cast<uint64_t>(free) >= bytes_needed, field, ": ", dir, " has ",
+              mib(static_cast<uint64_t>(free)), " free, but this run needs about ", mib(bytes_needed),
+              " there; free some space or choose another directory");
+}
+
+void check_output_file(const std::string& path, const std::string& field) {
+  TORCH_CHECK(!path.empty() && path.back() != '/', field, ": '", path, "' is not a file name");
+  make_dirs(parent_of(path), field);
+  struct stat st;
+  TORCH_CHECK(::stat(path.c_str(), &st) != 0 || !S_ISDIR(st.st_mode), field, ": ", path,
+              " is a directory; expected a file name");
+  int fd = ::open(path.c_str(), O_WRONLY | O_APPEND | O_CREAT | O_CLOEXEC, 0644);
+  TORCH_CHECK(fd >= 0, field, ": cannot open ", path, " for appending: ", errno_text(errno));
+  ::close(fd);
+}
+
+void append_to_file(const std::string& path, const std::string& text, const std::string& field) {
+  int fd = ::open(path.c_str(), O_WRONLY | O_APPEND | O_CREAT | O_CLOEXEC, 0644);
+  TORCH_CHECK(fd >= 0, field, ": cannot open ", path, " for appending: ", errno_text(errno));
+  int err = write_all(fd, text.data(), text.size());
+  if (::close(fd) != 0 && err == 0) err = errno;
+  TORCH_CHECK(err == 0, field, ": cannot write to ", path, ": ", errno_text(err));
+}
+
+}  // namespace carry

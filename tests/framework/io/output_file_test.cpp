@@ -1,0 +1,82 @@
+// Output checks (framework/io/output_file.h), run as root as CI does (permissions do not stop root,
+// so what cannot be written is made of paths the kernel refuses): a directory under a regular file
+// (ENOTDIR), /proc (no file can be created there), more space than the disk has, /dev/full for a
+// full disk (ENOSPC), a directory given as a file.
+#include "framework/io/output_file.h"
+
+#include "tests/helpers/temp_dir.h"
+
+#include <c10/util/Exception.h>
+#include <gtest/gtest.h>
+
+#include <fstream>
+#include <iterator>
+
+namespace carry {
+namespace {
+
+#define EXPECT_CONTAINS(text, part) \
+  EXPECT_NE(std::string(text).find(part), std::string::npos) << "missing '" << (part) << "' in: " << (text)
+
+// The message of what f throws ("" if it does not throw).
+template <class F>
+std::string error_of(F f) {
+  try {
+    f();
+  } catch (const c10::Error& e) {
+    return e.what_without_backtrace();
+  }
+  return "";
+}
+
+class OutputFileTest : public ::testing::Test {
+ protected:
+  void SetUp() override { dir_ = testing::make_temp_dir("carry_output"); }
+  void TearDown() override { testing::remove_tree(dir_); }
+  std::string dir_;
+};
+
+TEST_F(OutputFileTest, WritableDirectoryPassesAndIsCreated) {
+  check_output_dir(dir_ + "/a/b", 1 << 20, "checkpoint.dir");
+  EXPECT_TRUE(testing::exists(dir_ + "/a/b"));
+  EXPECT_FALSE(testing::exists(dir_ + "/a/b/.carry_write_test." + std::to_string(::getpid())));
+  EXPECT_GT(free_bytes(dir_), 0);
+}
+
+TEST_F(OutputFileTest, UnwritableDirectoriesAreNamed) {
+  std::ofstream(dir_ + "/file") << "x";
+  auto m = error_of([&] { check_output_dir(dir_ + "/file/ck", 0, "checkpoint.dir"); });
+  EXPECT_CONTAINS(m, "checkpoint.dir: cannot create the directory " + dir_ + "/file/ck");
+  EXPECT_CONTAINS(m, "Not a directory");
+  m = error_of([&] { check_output_dir("/proc", 0, "checkpoint.dir"); });
+  EXPECT_CONTAINS(m, "checkpoint.dir: cannot create a file in /proc");
+  m = error_of([&] { check_output_dir(dir_ + "/file", 0, "checkpoint.dir"); });
+  EXPECT_CONTAINS(m, dir_ + "/file exists and is not a directory");
+}
+
+TEST_F(OutputFileTest, TooLittleSpaceIsRefusedWithBothFigures) {
+  auto m = error_of([&] { check_output_dir(dir_, uint64_t{1} << 62, "checkpoint.dir"); });
+  EXPECT_CONTAINS(m, "checkpoint.dir: " + dir_ + " has ");
+  EXPECT_CONTAINS(m, "free, but this run needs about 4398046511104.0 MiB there");
+}
+
+TEST_F(OutputFileTest, AppendsAreCheckedOnAFullDisk) {
+  const std::string path = dir_ + "/m/metrics.jsonl";
+  check_output_file(path, "logging.metrics_file");
+  append_to_file(path, "{\"step\":1}\n", "logging.metrics_file");
+  append_to_file(path, "{\"step\":2}\n", "logging.metrics_file");
+  std::ifstream in(path);
+  EXPECT_EQ(std::string(std::istreambuf_iterator<char>(in), {}), "{\"step\":1}\n{\"step\":2}\n");
+  EXPECT_EQ(file_size(path), 22);
+  // /dev/full opens, and every write fails with ENOSPC.
+  check_output_file("/dev/full", "logging.metrics_file");
+  auto m = error_of([&] { append_to_file("/dev/full", "{\"step\":1}\n", "logging.metrics_file"); });
+  EXPECT_CONTAINS(m, "logging.metrics_file: cannot write to /dev/full: No space left on device");
+  m = error_of([&] { check_output_file(dir_, "logging.metrics_file"); });
+  EXPECT_CONTAINS(m, "is a directory; expected a file name");
+  m = error_of([&] { check_output_file("/proc/carry_metrics.jsonl", "logging.metrics_file"); });
+  EXPECT_CONTAINS(m, "logging.metrics_file: cannot open /proc/carry_metrics.jsonl for appending");
+}
+
+}  // namespace
+}  // namespace carry
