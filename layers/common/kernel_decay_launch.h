@@ -3,6 +3,8 @@
 
 #include "layers/common/kernel_decay.cuh"
 
+#include "layers/common/kernel_host.h"
+
 #include <ATen/ATen.h>
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -16,16 +18,9 @@ int forced_segments();  // decay_set_segments' value
 
 // at::empty, filled with NaN when the debug poison is on.
 inline at::Tensor alloc(at::IntArrayRef sizes, const at::TensorOptions& opt) {
-  auto t = at::empty(sizes, opt);
-  if (poison_enabled()) t.fill_(std::numeric_limits<float>::quiet_NaN());
-  return t;
+  return carry_tiles::alloc_poisoned(sizes, opt, poison_enabled());
 }
-
-// Contiguous and 16-byte aligned (rows are copied with 16-byte cp.async).
-inline at::Tensor dense(const at::Tensor& t) {
-  auto c = t.contiguous();
-  return reinterpret_cast<uintptr_t>(c.data_ptr()) % 16 ? c.clone() : c;
-}
+inline at::Tensor dense(const at::Tensor& t) { return carry_tiles::dense16(t); }
 
 struct Dims {
   int B, T, H, DK, DV, N;

@@ -1,6 +1,8 @@
 // Host-side helpers shared by kernel_fwd.cu and kernel_bwd.cu (private to the folder).
 #pragma once
 
+#include "layers/common/kernel_host.h"
+
 #include <ATen/ATen.h>
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -12,17 +14,9 @@ int state_cfg();
 
 // at::empty, filled with NaN when the debug poison is on.
 inline at::Tensor alloc(at::IntArrayRef sizes, const at::TensorOptions& opt) {
-  auto t = at::empty(sizes, opt);
-  if (poison_enabled()) t.fill_(std::numeric_limits<float>::quiet_NaN());
-  return t;
+  return carry_tiles::alloc_poisoned(sizes, opt, poison_enabled());
 }
-
-// Contiguous, and 16-byte aligned (the kernels copy rows with 16-byte cp.async): a view with an
-// odd storage offset is copied.
-inline at::Tensor dense(const at::Tensor& t) {
-  auto c = t.contiguous();
-  return reinterpret_cast<uintptr_t>(c.data_ptr()) % 16 ? c.clone() : c;
-}
+inline at::Tensor dense(const at::Tensor& t) { return carry_tiles::dense16(t); }
 
 struct Dims {
   int B, T, H, DK, DV, N;
