@@ -1,7 +1,9 @@
 // Training checkpoints: one directory per step, dir/step_<8-digit step>/ holding model.safetensors,
 // optimizer.safetensors and manifest.textproto (a CheckpointManifest: step, tokens_seen, data_cursor,
 // rng_seed, the resolved config, every tensor's file, name, dtype, shape, byte count and FNV-1a 64
-// checksum of its bytes, and free-form string entries). The design decision: a checkpoint becomes
+// checksum of its bytes, and free-form string entries). model.safetensors also carries, in its
+// safetensors metadata, format = "pt", carry_file = "checkpoint model", carry_version, step,
+// tokens_seen and config (the resolved run config as textproto). The design decision: a checkpoint becomes
 // visible only by one rename. It is written under dir/.tmp_step_<step>_<pid>/, every file and the
 // directory fsynced, then renamed to step_<step>; then dir/latest (the step directory's name) is
 // replaced by temp+rename. A crash at any moment leaves the previous checkpoints intact, and a

@@ -3,6 +3,7 @@
 #include "framework/train/trainer.h"
 
 #include "framework/io/checkpoint.h"
+#include "framework/io/model_source.h"
 #include "framework/data/synthetic.h"
 #include "framework/data/token_file.h"
 #include "layers/common/device.h"
@@ -478,20 +479,38 @@ void Trainer::apply_checkpoint(const CheckpointData& d) {
         "other batches than the original would have\n", was("global_batch").c_str(), global_batch.c_str());
 }
 
+std::string Trainer::initialize_from(const std::string& path) {
+  ModelSource source = load_model_source(path);
+  try {
+    load_weights(model_, source.weights, "init_from " + source.describe());
+  } catch (const ConfigError& e) {
+    throw ConfigError(std::string(e.what()) + ". init_from takes weights only: model { } must describe the same "
+                      "model (`carry import " + path + "` prints the model section of an FLA folder; a carry "
+                      "checkpoint's is in its manifest.textproto)");
+  }
+  return source.describe();
+}
+
 bool Trainer::resume() {
   const auto& ck = config_.checkpoint();
-  if (!ck.has_dir() || ck.dir().empty()) return false;
+  const bool init = config_.has_init_from() && !config_.init_from().empty();
+  if ((!ck.has_dir() || ck.dir().empty()) && !init) return false;
   // World rank 0 reads the checkpoint (it wrote it, so the directory need not be shared between
   // hosts) and broadcasts it: a status, the counters, then every parameter and optimizer tensor.
-  enum Status : int64_t { kNone = 0, kLoaded = 1, kFailed = 2 };
+  enum Status : int64_t { kNone = 0, kLoaded = 1, kFailed = 2, kInitialized = 3 };
   int64_t status = kNone, step = 0, tokens = 0;
-  std::string error;
+  std::string error, init_source;
   if (rank() == 0) {
     try {
       if (auto loaded = load_latest_checkpoint(ck.dir())) {
         apply_checkpoint(*loaded);
         status = kLoaded, step = loaded->step, tokens = loaded->tokens_seen;
+      } else if (config_.has_init_from() && !config_.init_from().empty()) {
+        init_source = initialize_from(config_.init_from());
+        status = kInitialized;
       }
+    } catch (const c10::Error& e) {
+      status = kFailed, error = e.what_without_backtrace();
     } catch (const std::exception& e) {
       status = kFailed, error = e.what();
     }
@@ -506,6 +525,17 @@ bool Trainer::resume() {
   TORCH_CHECK(status != kFailed, rank() == 0 ? error : "resume from " + ck.dir() +
               " failed on world rank 0 (its message says why)");
   if (status == kNone) return false;
+  if (status == kInitialized) {  // weights only: the run starts at step 0
+    if (shared) {
+      at::NoGradGuard no_grad;
+      for (auto& [name, p] : model_.parameters()) {
+        auto data = p.detach();
+        groups_->world->broadcast(data, 0);
+      }
+    }
+    log("initialized the weights from %s (init_from; weights only, starting at step 0)\n", init_source.c_str());
+    return false;
+  }
   if (shared) {
     at::NoGradGuard no_grad;
     for (auto& [name, p] : model_.parameters()) {

@@ -89,7 +89,8 @@ class Trainer {
 
   // Loads the latest checkpoint of checkpoint.dir if there is one; returns whether it did. World
   // rank 0 reads it and broadcasts it to the others (checkpoint.dir need only exist on rank 0's host,
-  // where save_checkpoint writes).
+  // where save_checkpoint writes). Without a checkpoint, a config's init_from is read the same way
+  // (weights only; the run starts at step 0 and resume() returns false).
   bool resume();
   // One optimizer step on the next batch.
   StepStats train_step();
@@ -128,6 +129,8 @@ class Trainer {
   std::string divergence_hint() const;  // what to try after a non-finite loss
   // Copies a loaded checkpoint into the model and the optimizer (checking names and shapes).
   void apply_checkpoint(const CheckpointData& d);
+  // Copies init_from's weights into the model (names and shapes must match); returns its description.
+  std::string initialize_from(const std::string& path);
   void write_metrics(const std::string& json_line) const;
 
   RunConfig config_;
