@@ -135,7 +135,7 @@ int run_eval_command(int argc, char** argv, bool finalize_mpi) {
     if (!rank || std::string(rank) == "0") std::fprintf(stderr, "carry eval: %s\n%s", e.what(), kUsage);
     return 2;
   }
-  parallel::init_mpi(&argc, &argv);
+  parallel::init_mpi();
   const auto& world = parallel::world_info();
   const bool rank0 = world.rank == 0;
   int rc = 0;

@@ -96,8 +96,8 @@ TEST(RecurrentDecoder, SlidingWindowHybridAndVariants) {
   ModelConfig conv2 = tiny({"mamba2"}, 2);
   expect_recurrent_equals_full(conv2, "mamba2 conv 2");
   ModelConfig levels = tiny({"loglinear_gdn"});
-  levels.mutable_mixer_options(0)->set_levels(6);
-  expect_recurrent_equals_full(levels, "loglinear_gdn levels 6");
+  levels.mutable_mixer_options(0)->set_levels(8);
+  expect_recurrent_equals_full(levels, "loglinear_gdn levels 8");
   ModelConfig untied = tiny({"gla"});
   untied.set_tie_embeddings(false);
   expect_recurrent_equals_full(untied, "gla, own head");
