@@ -37,8 +37,12 @@ def check(folder, device):
     if config.get("tie_word_embeddings") and "lm_head.weight" not in state:
         state["lm_head.weight"] = state["model.embeddings.weight"]
     result = model.load_state_dict(state, strict=True)  # raises on a missing, unexpected or misshapen key
-    auto, info = AutoModelForCausalLM.from_pretrained(folder, output_loading_info=True, torch_dtype=torch.float32)
-    problems = {k: v for k, v in info.items() if v}
+    try:
+        auto, info = AutoModelForCausalLM.from_pretrained(folder, output_loading_info=True, dtype=torch.float32)
+    except TypeError:  # transformers before 4.56 names it torch_dtype
+        auto, info = AutoModelForCausalLM.from_pretrained(folder, output_loading_info=True, torch_dtype=torch.float32)
+    tied = {"lm_head.weight"} if config.get("tie_word_embeddings") else set()
+    problems = {k: v for k, v in info.items() if v and set(v) - (tied if k == "missing_keys" else set())}
     if problems:
         raise RuntimeError(f"{folder}: transformers' loading report is not empty: {problems}")
     if type(auto).__name__ != arch:

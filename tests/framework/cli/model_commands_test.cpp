@@ -18,6 +18,7 @@
 
 #include <ATen/core/grad_mode.h>
 
+#include <algorithm>
 #include <fstream>
 #include <sstream>
 #include <string>

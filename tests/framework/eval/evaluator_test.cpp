@@ -167,6 +167,14 @@ TEST(Evaluator, MqarMatchesTheTrainersEvaluation) {
   EXPECT_NEAR(r.accuracy(), expected.accuracy, 1e-15);
   EXPECT_NEAR(static_cast<double>(r.sequences_all_right) / r.sequences, expected.sequence_accuracy, 1e-15);
   EXPECT_EQ(r.sequences, 6);
+
+  // The needle task the same way: value_len scored targets a sequence.
+  spec.data.mutable_needle()->set_vocab_size(24);
+  spec.data.mutable_needle()->set_value_len(3);
+  EvalResult needle = evaluate_model(t.model(), spec, nullptr);
+  EXPECT_EQ(needle.sequences, 6);
+  EXPECT_EQ(needle.positions, 6 * 3);
+  EXPECT_GE(needle.accuracy(), 0.0);
 }
 
 }  // namespace

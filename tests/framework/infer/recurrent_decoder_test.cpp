@@ -60,7 +60,7 @@ void expect_recurrent_equals_full(const ModelConfig& config, const std::string& 
   at::NoGradGuard no_grad;
   Model model = build_model(config, 5, at::TensorOptions().dtype(at::kDouble));
   const int64_t T = 32;
-  auto tokens = tokens_of(2, T, config.vocab_size(), 9);
+  auto tokens = tokens_of(1, T, config.vocab_size(), 9);
   auto full = model.forward(tokens);
   // A prompt of 11 (8 chunkwise + 3 naive), then one token a step.
   std::vector<int64_t> steps = {11};

@@ -9,6 +9,7 @@
 #include "framework/io/safetensors.h"
 #include "framework/train/model.h"
 #include "tests/helpers/temp_dir.h"
+#include "tests/paths.h"
 
 #include <gtest/gtest.h>
 
@@ -212,6 +213,20 @@ TEST(FlaFormat, RefusesModelsThatDoNotMapWithTheReasons) {
   EXPECT_NE(msg.find("cannot be written as an FLA model"), std::string::npos) << msg;
   EXPECT_FALSE(testing::exists(dir + "/config.json"));
   remove_tree(dir);
+}
+
+// Which of the shipped model presets export (README.md lists the same).
+TEST(FlaFormat, PresetsThatExport) {
+  const std::string dir = std::string(CARRY_SOURCE_DIR) + "/configs/models/";
+  for (const char* name : {"gated_deltanet_125m", "gated_deltanet_340m", "gla_125m", "gla_340m"})
+    EXPECT_TRUE(fla_export_errors(load_model_config(dir + name + ".textproto")).empty()) << name;
+  for (const char* name : {"mamba2_125m", "mamba2_340m", "hybrid_gdn_swa_125m", "hla_125m", "loglinear_gdn_125m"})
+    EXPECT_FALSE(fla_export_errors(load_model_config(dir + name + ".textproto")).empty()) << name;
+  // carry's Gated DeltaNet 125M preset is FLA's config of the same shapes (shared/anchors/fla_train.py).
+  std::string json = fla_config_json(load_model_config(dir + "gated_deltanet_125m.textproto"));
+  for (const char* field : {"\"hidden_size\": 768", "\"num_hidden_layers\": 12", "\"num_heads\": 4", "\"head_dim\": 128",
+                            "\"expand_v\": 2.0", "\"conv_size\": 4", "\"vocab_size\": 32000", "\"tie_word_embeddings\": true"})
+    EXPECT_NE(json.find(field), std::string::npos) << field << " in\n" << json;
 }
 
 TEST(FlaFormat, ExportsBf16WhenAsked) {
