@@ -522,7 +522,8 @@ bool Trainer::resume() {
     auto h = header.cpu();
     status = h[0].item<int64_t>(), step = h[1].item<int64_t>(), tokens = h[2].item<int64_t>();
   }
-  TORCH_CHECK(status != kFailed, rank() == 0 ? error : "resume from " + ck.dir() +
+  TORCH_CHECK(status != kFailed, rank() == 0 ? error : (ck.dir().empty() ? "init_from " + config_.init_from()
+                                                                           : "resume from " + ck.dir()) +
               " failed on world rank 0 (its message says why)");
   if (status == kNone) return false;
   if (status == kInitialized) {  // weights only: the run starts at step 0
