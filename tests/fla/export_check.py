@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 # The FLA cross-check of `carry export` (run on a GPU machine with flash-linear-attention installed;
-# README.md, "Exporting to flash-linear-attention / Hugging Face", gives the commands that make the
-# inputs). For each exported folder:
+# tests/fla/make_export_check_inputs.sh makes the inputs, README.md "Using a trained model" gives the
+# commands). For each exported folder:
 #   1. strict load: the folder's model.safetensors goes into FLA's model class (config.json's
 #      architectures[0], from fla.models) with load_state_dict(strict=True): no missing, no unexpected
 #      key, every shape equal (a tied head is the embedding, as transformers ties it); then the same
@@ -13,7 +13,7 @@
 # One table row per folder and precision, then one verdict line. Exit status 0 when every row passes
 # (fp32: rel err <= 2e-3, FLA's kernels use TF32 dot products; bf16: <= 5e-2), 1 otherwise.
 #
-# usage: python3 tests/fla/export_check.py FOLDER [FOLDER ...]   (logits: FOLDER/carry_logits.safetensors)
+# usage: python3 tests/fla/export_check.py FOLDER [FOLDER ...]   (carry's logits: FOLDER/carry_logits.safetensors)
 import argparse
 import json
 import os

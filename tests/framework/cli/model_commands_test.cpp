@@ -12,6 +12,7 @@
 #include "framework/io/model_source.h"
 #include "framework/io/safetensors.h"
 #include "framework/data/token_file.h"
+#include "tests/helpers/one_thread.h"
 #include "tests/helpers/temp_dir.h"
 
 #include <gtest/gtest.h>
@@ -91,6 +92,7 @@ TEST(ModelCommands, ExportAndImport) {
 }
 
 TEST(ModelCommands, GenerateIsReproducible) {
+  testing::OneThread one_thread;
   auto dir = testing::make_temp_dir("carry_cmd_generate");
   std::string ck = checkpoint(dir + "/ck", kRun);
   std::vector<std::string> args = {"generate", ck, "--prompt", "Hello", "--max-new-tokens", "9", "--seed", "5",
@@ -119,6 +121,7 @@ TEST(ModelCommands, GenerateIsReproducible) {
 }
 
 TEST(ModelCommands, EvalWritesTheSummaryCurvePlotAndLogits) {
+  testing::OneThread one_thread;
   auto dir = testing::make_temp_dir("carry_cmd_eval");
   std::string ck = checkpoint(dir + "/ck", kRun);
   std::vector<uint32_t> tokens;

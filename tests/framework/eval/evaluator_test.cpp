@@ -8,6 +8,7 @@
 
 #include "framework/data/token_file.h"
 #include "framework/train/trainer.h"
+#include "tests/helpers/one_thread.h"
 #include "tests/helpers/temp_dir.h"
 
 #include <gtest/gtest.h>
@@ -72,6 +73,7 @@ TEST(Evaluator, UniformModelScoresLnV) {
 }
 
 TEST(Evaluator, EqualsADirectComputationOverTheWindows) {
+  testing::OneThread one_thread;
   auto dir = testing::make_temp_dir("carry_eval_direct");
   const int64_t V = 11, T = 16, windows = 5;
   Model model = build_model(tiny(V), 2, at::TensorOptions().dtype(at::kDouble));
@@ -143,6 +145,7 @@ TEST(Evaluator, EqualsADirectComputationOverTheWindows) {
 }
 
 TEST(Evaluator, MqarMatchesTheTrainersEvaluation) {
+  testing::OneThread one_thread;
   auto cfg = run_config_from_text(R"(
     seed: 4
     model { vocab_size: 24 d_model: 16 n_layers: 2 n_heads: 2 mixers: "gated_deltanet" mixer_options { chunk_size: 8 conv_size: 4 } }

@@ -4,6 +4,8 @@
 // those of a full forward over the generated sequence (fp64), greedy picks their argmax.
 #include "framework/infer/generate.h"
 
+#include "tests/helpers/one_thread.h"
+
 #include <gtest/gtest.h>
 
 #include <ATen/core/grad_mode.h>
@@ -65,6 +67,7 @@ TEST(Sampling, GreedyTopKTopPAndFrequencies) {
 }
 
 TEST(Generate, DeterministicUnderASeedAndConsistentWithTheFullForward) {
+  testing::OneThread one_thread;
   at::NoGradGuard no_grad;
   Model model = build_model(tiny(), 3, at::TensorOptions().dtype(at::kDouble));
   const std::vector<int64_t> prompt = {3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5};

@@ -5,6 +5,8 @@
 // outside the vocabulary are refused.
 #include "framework/infer/recurrent_decoder.h"
 
+#include "tests/helpers/one_thread.h"
+
 #include <gtest/gtest.h>
 
 #include <ATen/core/grad_mode.h>
@@ -74,6 +76,7 @@ void expect_recurrent_equals_full(const ModelConfig& config, const std::string& 
 }
 
 TEST(RecurrentDecoder, EveryKindMatchesTheFullForward) {
+  testing::OneThread one_thread;
   for (const auto& kind : mixer_layer_kinds()) {
     ModelConfig c = tiny({kind});
     if (kind == "softmax_attn") c.mutable_mixer_options(0)->set_conv_size(0);
@@ -83,6 +86,7 @@ TEST(RecurrentDecoder, EveryKindMatchesTheFullForward) {
 }
 
 TEST(RecurrentDecoder, SlidingWindowHybridAndVariants) {
+  testing::OneThread one_thread;
   ModelConfig hybrid = tiny({"gated_deltanet", "softmax_attn", "gated_deltanet", "softmax_attn"});
   auto* w = hybrid.add_mixer_options();
   w->set_kind("softmax_attn");

@@ -4,6 +4,7 @@
 // the weights is refused with a message that names the parameter and says what init_from needs.
 #include "framework/io/fla_format.h"
 #include "framework/train/trainer.h"
+#include "tests/helpers/one_thread.h"
 #include "tests/helpers/temp_dir.h"
 
 #include <gtest/gtest.h>
@@ -39,6 +40,7 @@ void expect_same_weights(const Model& a, const Model& b) {
 }
 
 TEST(InitFrom, StartsFromACheckpointOrAnFlaFolderWithItsWeights) {
+  testing::OneThread one_thread;
   auto dir = make_temp_dir("carry_init_from");
   Trainer source(run_config_from_text(kRun, "a.textproto", {"checkpoint.dir=" + dir + "/a"}), nullptr, quiet());
   for (int i = 0; i < 3; ++i) source.train_step();
