@@ -44,8 +44,8 @@ std::vector<std::string> fla_export_errors(const ModelConfig& model);
 // config.json for `model` (throws ConfigError listing fla_export_errors when it cannot be written).
 std::string fla_config_json(const ModelConfig& model);
 
-// The FLA name of a carry parameter of `model` ("" for none), and whether its layout differs (the
-// convolutions: carry [C,K], FLA [C,1,K]).
+// The FLA name of a carry parameter of `model` ("" for none). The convolutions' layouts differ: carry
+// [C,K], FLA [C,1,K]; every other tensor keeps its shape.
 std::string fla_parameter_name(const ModelConfig& model, const std::string& carry_name);
 
 struct FlaExportOptions {
