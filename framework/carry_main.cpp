@@ -3,6 +3,9 @@
 #include "framework/cli/bench_command.h"
 #include "framework/cli/check_command.h"
 #include "framework/cli/error_text.h"
+#include "framework/cli/eval_command.h"
+#include "framework/cli/export_command.h"
+#include "framework/cli/generate_command.h"
 #include "framework/cli/launch_command.h"
 #include "framework/cli/mixer_command.h"
 #include "framework/cli/scan_bench_command.h"
@@ -20,6 +23,10 @@ const char* const kUsage =
     "commands:\n"
     "  bench       time the kernel forms on the GPU (carry bench kernels --help)\n"
     "  check       check every mixer family's forms and state summaries against each other\n"
+    "  eval        loss, perplexity, bits per byte and the loss by position of a trained model (carry eval --help)\n"
+    "  export      write a checkpoint as a flash-linear-attention / Hugging Face folder (carry export --help)\n"
+    "  generate    sample text from a trained model, one recurrent step a token (carry generate --help)\n"
+    "  import      read an FLA / Hugging Face folder and print its carry model config (carry import --help)\n"
     "  launch      start a training run on a cluster with mpirun (carry launch --help)\n"
     "  mixer       run a mixer family on tensors from a safetensors file (carry mixer --help)\n"
     "  scan-bench  sequence-parallel forward vs the serial run, under mpirun (carry scan-bench --help)\n"
@@ -49,6 +56,10 @@ int main(int argc, char** argv) {
   try {
     if (command == "bench") return carry::run_bench_command(argc - 1, argv + 1);
     if (command == "check") return carry::run_check_command(argc - 1, argv + 1);
+    if (command == "eval") return carry::run_eval_command(argc - 1, argv + 1);
+    if (command == "export") return carry::run_export_command(argc - 1, argv + 1);
+    if (command == "generate") return carry::run_generate_command(argc - 1, argv + 1);
+    if (command == "import") return carry::run_import_command(argc - 1, argv + 1);
     if (command == "launch") return carry::run_launch_command(argc - 1, argv + 1);
     if (command == "mixer") return carry::run_mixer_command(argc - 1, argv + 1);
     if (command == "scan-bench") return carry::run_scan_bench_command(argc - 1, argv + 1);

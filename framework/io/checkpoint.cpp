@@ -7,6 +7,7 @@
 #include "framework/config/carry.pb.h"
 #include "framework/io/safetensors.h"
 #include "framework/printable.h"
+#include "framework/version.h"
 
 #include <google/protobuf/io/coded_stream.h>
 #include <google/protobuf/io/tokenizer.h>
@@ -381,7 +382,13 @@ void save_checkpoint(const std::string& dir, const CheckpointData& data, int kee
               errno_text());
   try {
     int files = 0;
-    save_safetensors(path_join(tmp_dir, kModelFile), model.tensors);
+    // The model file says what it is on its own (a reader with Python's safetensors sees the step and
+    // the config without the manifest).
+    std::map<std::string, std::string> metadata = {
+        {"format", "pt"},           {"carry_file", "checkpoint model"},
+        {"carry_version", version()}, {"step", std::to_string(data.step)},
+        {"tokens_seen", std::to_string(data.tokens_seen)}, {"config", data.config_text}};
+    save_safetensors(path_join(tmp_dir, kModelFile), model.tensors, metadata);
     maybe_die_for_test(++files);
     save_safetensors(path_join(tmp_dir, kOptimizerFile), optimizer.tensors);
     maybe_die_for_test(++files);

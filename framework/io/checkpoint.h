@@ -2,7 +2,9 @@
 // optimizer.safetensors and manifest.textproto (a CheckpointManifest: step, tokens_seen, data_cursor,
 // rng_seed, the resolved config, the run id, every tensor's file, name, dtype, shape, byte count and
 // FNV-1a 64 checksum of its bytes, free-form string entries, and a checksum of the manifest itself).
-// The design decision: a checkpoint becomes visible only by one rename. It is written under
+// model.safetensors also carries, in its safetensors metadata, format = "pt", carry_file =
+// "checkpoint model", carry_version, step, tokens_seen and config (the resolved run config as
+// textproto). The design decision: a checkpoint becomes visible only by one rename. It is written under
 // dir/.tmp_step_<step>_<pid>/, every file and the directory fsynced, then renamed to step_<step>;
 // then dir/latest (the step directory's name) is replaced by temp+rename. A crash at any moment
 // leaves the previous checkpoints intact, and a loader never trusts a directory it has not validated

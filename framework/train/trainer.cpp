@@ -3,6 +3,7 @@
 #include "framework/train/trainer.h"
 
 #include "framework/io/checkpoint.h"
+#include "framework/io/model_source.h"
 #include "framework/io/output_file.h"
 #include "framework/printable.h"
 #include "framework/data/synthetic.h"
@@ -626,16 +627,29 @@ void Trainer::apply_checkpoint(const CheckpointData& d) {
     log("note: the checkpoint was written by %s, this run is %s\n", it->second.c_str(), layout_text().c_str());
 }
 
+std::string Trainer::initialize_from(const std::string& path) {
+  ModelSource source = load_model_source(path);
+  try {
+    load_weights(model_, source.weights, "init_from " + source.describe());
+  } catch (const ConfigError& e) {
+    throw ConfigError(std::string(e.what()) + ". init_from takes weights only: model { } must describe the same "
+                      "model (`carry import " + path + "` prints the model section of an FLA folder; a carry "
+                      "checkpoint's is in its manifest.textproto)");
+  }
+  return source.describe();
+}
+
 bool Trainer::resume() { return start(/*whole_run=*/false); }
 
 bool Trainer::start(bool whole_run) {
   const auto& ck = config_.checkpoint();
   const bool has_dir = ck.has_dir() && !ck.dir().empty();
+  const bool init = config_.has_init_from() && !config_.init_from().empty();
   // World rank 0 reads the checkpoint (it wrote it, so the directory need not be shared between
   // hosts) and broadcasts it: a status, the counters, then every parameter and optimizer tensor.
-  enum Status : int64_t { kNone = 0, kLoaded = 1, kFailed = 2 };
+  enum Status : int64_t { kNone = 0, kLoaded = 1, kFailed = 2, kInitialized = 3 };
   int64_t status = kNone, step = 0, tokens = 0;
-  std::string error;
+  std::string error, init_source;
   if (rank() == 0) {
     try {
       std::optional<CheckpointData> loaded;
@@ -680,6 +694,9 @@ bool Trainer::start(bool whole_run) {
         apply_checkpoint(*loaded);
         status = kLoaded, step = loaded->step, tokens = loaded->tokens_seen;
         run_id_ = loaded->run_id;
+      } else if (init) {  // no checkpoint to continue: the weights of init_from, step 0
+        init_source = initialize_from(config_.init_from());
+        status = kInitialized;
       }
       if (run_id_.empty()) run_id_ = new_run_id();
       if (whole_run) prepare_metrics(loaded ? &*loaded : nullptr);
@@ -695,9 +712,21 @@ bool Trainer::start(bool whole_run) {
     auto h = header.cpu();
     status = h[0].item<int64_t>(), step = h[1].item<int64_t>(), tokens = h[2].item<int64_t>();
   }
-  TORCH_CHECK(status != kFailed, rank() == 0 ? error : "starting the run from " + ck.dir() +
+  TORCH_CHECK(status != kFailed, rank() == 0 ? error : (has_dir ? "starting the run from " + ck.dir()
+                                                                 : "init_from " + config_.init_from()) +
               " failed on world rank 0 (its message says why)");
   if (status == kNone) return false;
+  if (status == kInitialized) {  // weights only: the run starts at step 0
+    if (shared) {
+      at::NoGradGuard no_grad;
+      for (auto& [name, p] : model_.parameters()) {
+        auto data = p.detach();
+        groups_->world->broadcast(data, 0);
+      }
+    }
+    log("initialized the weights from %s (init_from; weights only, starting at step 0)\n", init_source.c_str());
+    return false;
+  }
   if (shared) {
     at::NoGradGuard no_grad;
     for (auto& [name, p] : model_.parameters()) {

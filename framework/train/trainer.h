@@ -101,7 +101,8 @@ class Trainer {
   // Throws when the checkpoint's config differs from this run's in what makes a run (seed, model,
   // data, optimizer other than total_steps, the global batch) unless allow_config_change. World
   // rank 0 reads it and broadcasts it to the others (checkpoint.dir need only exist on rank 0's host,
-  // where save_checkpoint writes); every rank throws alike.
+  // where save_checkpoint writes); every rank throws alike. Without a checkpoint, a config's init_from
+  // is read the same way (weights only; the run starts at step 0 and resume() returns false).
   bool resume();
   // One optimizer step on the next batch.
   StepStats train_step();
@@ -157,6 +158,8 @@ class Trainer {
   // message, the others naming `what` and rank 0).
   void on_rank0(const std::string& what, const std::function<void()>& work) const;
   void warn(const std::string& text) const;  // rank 0: "carry: <text>" on stderr
+  // Copies init_from's weights into the model (names and shapes must match); returns its description.
+  std::string initialize_from(const std::string& path);
   void write_metrics(const std::string& json_line) const;
 
   RunConfig config_;

@@ -1,0 +1,181 @@
+// `carry generate` (generate_command.h): flags, the prompt (text through the byte tokenizer, or ids),
+// the model from its source, the generation loop streaming tokens to stdout, and the timing line.
+#include "framework/cli/generate_command.h"
+
+#include "framework/cli/command_args.h"
+#include "framework/cli/tokenize_command.h"
+#include "framework/infer/generate.h"
+#include "framework/io/model_source.h"
+#include "framework/io/safetensors.h"
+#include "layers/common/device.h"
+#include "layers/precision.h"
+
+#include <c10/util/Exception.h>
+
+#include <cstdio>
+#include <fstream>
+#include <sstream>
+#include <string>
+#include <vector>
+
+namespace carry {
+namespace {
+
+const char* kUsage =
+    "usage: carry generate MODEL (--prompt TEXT | --prompt-file FILE | --prompt-ids ID,ID,...)\n"
+    "                      [--max-new-tokens N] [--temperature T] [--top-k K] [--top-p P] [--seed S]\n"
+    "                      [--tokenizer auto|byte|ids] [--stop-token ID|none] [--precision fp32|bf16] [--cpu]\n"
+    "                      [--dump-logits FILE.safetensors]\n"
+    "  Samples a continuation: the prompt is read at once (the chunkwise form for its whole chunks), then\n"
+    "  each new token is one step of the recurrence from the layers' states (softmax attention layers keep\n"
+    "  a KV cache). MODEL: a carry checkpoint or an FLA / Hugging Face folder.\n"
+    "  --tokenizer: byte = carry tokenize's byte-level tokenizer (text in and out; the end-of-document\n"
+    "  token 256 stops); ids = token ids in and out; auto (default) = byte when the vocabulary is 257.\n"
+    "  --prompt / --prompt-file need the byte tokenizer. --temperature 0 is greedy (default 1); --top-k 0\n"
+    "  and --top-p 1 switch those filters off (defaults); the same --seed (default 0) gives the same tokens.\n"
+    "  --max-new-tokens default 64. --stop-token: stop after drawing it (default: 256 with the byte\n"
+    "  tokenizer, none otherwise). --dump-logits writes the prompt, the new tokens and each draw's logits.\n";
+
+struct GenerateArgs {
+  std::string model, prompt_text, prompt_file, prompt_ids, tokenizer = "auto", precision = "fp32", dump_logits;
+  std::string stop = "default";
+  GenerationOptions gen;
+  bool cpu = false;
+};
+
+GenerateArgs parse(int argc, char** argv) {
+  CommandArgs args(argc, argv);
+  GenerateArgs a;
+  int prompts = 0;
+  std::string f;
+  while (args.next(f)) {
+    if (f == "--prompt") a.prompt_text = args.value(f), ++prompts;
+    else if (f == "--prompt-file") a.prompt_file = args.value(f), ++prompts;
+    else if (f == "--prompt-ids") a.prompt_ids = args.value(f), ++prompts;
+    else if (f == "--max-new-tokens") a.gen.max_new_tokens = args.integer(f, 0);
+    else if (f == "--temperature") a.gen.sampling.temperature = args.number(f);
+    else if (f == "--top-k") a.gen.sampling.top_k = args.integer(f, 0);
+    else if (f == "--top-p") a.gen.sampling.top_p = args.number(f);
+    else if (f == "--seed") a.gen.sampling.seed = static_cast<uint64_t>(args.integer(f, 0));
+    else if (f == "--tokenizer") a.tokenizer = args.value(f);
+    else if (f == "--stop-token") a.stop = args.value(f);
+    else if (f == "--precision") a.precision = args.value(f);
+    else if (f == "--dump-logits") a.dump_logits = args.value(f);
+    else if (f == "--cpu") a.cpu = true;
+    else if (f.rfind("-", 0) == 0) throw UsageError("unknown flag '" + f + "'");
+    else if (a.model.empty()) a.model = f;
+    else throw UsageError("one MODEL expected, got '" + a.model + "' and '" + f + "'");
+  }
+  if (a.model.empty()) throw UsageError("MODEL (a carry checkpoint or an FLA folder) is required");
+  if (prompts != 1) throw UsageError("give exactly one of --prompt, --prompt-file, --prompt-ids");
+  if (a.gen.sampling.temperature < 0) throw UsageError("--temperature must be >= 0");
+  if (!(a.gen.sampling.top_p > 0 && a.gen.sampling.top_p <= 1)) throw UsageError("--top-p must lie in (0, 1]");
+  if (a.tokenizer != "auto" && a.tokenizer != "byte" && a.tokenizer != "ids")
+    throw UsageError("--tokenizer must be auto, byte or ids, got '" + a.tokenizer + "'");
+  if (a.precision != "fp32" && a.precision != "bf16") throw UsageError("--precision must be fp32 or bf16, got '" + a.precision + "'");
+  return a;
+}
+
+std::vector<int64_t> parse_ids(const std::string& text) {
+  std::vector<int64_t> ids;
+  std::stringstream ss(text);
+  for (std::string p; std::getline(ss, p, ',');) {
+    char* end = nullptr;
+    long long x = std::strtoll(p.c_str(), &end, 10);
+    if (p.empty() || *end || x < 0) throw UsageError("--prompt-ids: '" + p + "' is not a token id (ids are >= 0, comma-separated)");
+    ids.push_back(x);
+  }
+  if (ids.empty()) throw UsageError("--prompt-ids needs at least one id");
+  return ids;
+}
+
+std::string message_of(const std::exception& e) {
+  if (auto* c = dynamic_cast<const c10::Error*>(&e)) return c->what_without_backtrace();
+  return e.what();
+}
+
+}  // namespace
+
+int run_generate_command(int argc, char** argv) {
+  GenerateArgs a;
+  try {
+    CommandArgs probe(argc, argv);
+    if (probe.help()) {
+      std::fputs(kUsage, stdout);
+      return 0;
+    }
+    a = parse(argc, argv);
+  } catch (const UsageError& e) {
+    std::fprintf(stderr, "carry generate: %s\n%s", e.what(), kUsage);
+    return 2;
+  }
+  try {
+    ModelSource source = load_model_source(a.model);
+    const int64_t V = source.model.vocab_size();
+    const bool byte_level = a.tokenizer == "byte" || (a.tokenizer == "auto" && V == kByteVocabSize);
+    if (a.tokenizer == "byte" && V < 256)
+      throw ConfigError("--tokenizer byte needs a vocabulary of at least 256 tokens; " + source.describe() + " has " + std::to_string(V));
+    std::vector<int64_t> prompt;
+    if (!a.prompt_ids.empty()) {
+      prompt = parse_ids(a.prompt_ids);
+    } else {
+      if (!byte_level)
+        throw UsageError("--prompt and --prompt-file need the byte tokenizer (vocabulary 257, or --tokenizer byte); this "
+                         "model's vocabulary is " + std::to_string(V) + ": give --prompt-ids");
+      std::string text = a.prompt_text;
+      if (!a.prompt_file.empty()) {
+        std::ifstream f(a.prompt_file, std::ios::binary);
+        if (!f) throw ConfigError("cannot read " + a.prompt_file);
+        std::ostringstream s;
+        s << f.rdbuf();
+        text = s.str();
+      }
+      if (text.empty()) throw UsageError("the prompt is empty");
+      for (unsigned char c : text) prompt.push_back(c);
+    }
+    for (int64_t t : prompt)
+      if (t >= V) throw ConfigError("prompt token " + std::to_string(t) + " is outside the vocabulary of " + std::to_string(V));
+    if (a.stop == "default") a.gen.stop_token = byte_level ? static_cast<int64_t>(kByteEndOfDocument) : -1;
+    else if (a.stop == "none") a.gen.stop_token = -1;
+    else a.gen.stop_token = parse_ids(a.stop).at(0);
+
+    const bool gpu = !a.cpu && cuda_device_count() > 0;
+    at::Device device = gpu ? at::Device(at::kCUDA, 0) : at::Device(at::kCPU);
+    Model model = build_model_from_source(source, at::TensorOptions().dtype(at::kFloat).device(device));
+    std::fprintf(stderr, "model: %s; %s\n", source.describe().c_str(), model.summary().c_str());
+    a.gen.keep_logits = !a.dump_logits.empty();
+    a.gen.on_token = [&](int64_t token, int64_t) {
+      if (!byte_level) std::printf("%lld ", static_cast<long long>(token));
+      else if (token < 256) std::fputc(static_cast<int>(token), stdout);
+      std::fflush(stdout);
+    };
+    Generation g;
+    {
+      AutocastScope autocast(device.type(), at::kBFloat16, a.precision == "bf16");
+      g = generate(model, prompt, a.gen);
+    }
+    std::printf("\n");
+    const int64_t n = static_cast<int64_t>(g.tokens.size());
+    std::fprintf(stderr, "generate: prompt %lld tokens (read in %.1f ms), %lld new tokens in %.1f ms (%.1f tokens/s, one "
+                 "recurrent step each)%s\n", static_cast<long long>(g.prompt_length), 1e3 * g.prefill_seconds,
+                 static_cast<long long>(n), 1e3 * g.decode_seconds, g.decode_seconds > 0 ? n / g.decode_seconds : 0.0,
+                 n > 0 && g.tokens.back() == a.gen.stop_token ? "; stopped at the stop token" : "");
+    if (!a.dump_logits.empty()) {
+      save_safetensors(a.dump_logits,
+                       {{"prompt", at::tensor(prompt, at::kLong)},
+                        {"tokens", at::tensor(g.tokens.empty() ? std::vector<int64_t>{} : g.tokens, at::kLong)},
+                        {"logits", g.logits.contiguous()}},
+                       {{"source", source.describe()}, {"seed", std::to_string(a.gen.sampling.seed)}});
+      std::fprintf(stderr, "wrote %s\n", a.dump_logits.c_str());
+    }
+    return 0;
+  } catch (const UsageError& e) {
+    std::fprintf(stderr, "carry generate: %s\n", e.what());
+    return 2;
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "carry generate: %s\n", message_of(e).c_str());
+    return 1;
+  }
+}
+
+}  // namespace carry

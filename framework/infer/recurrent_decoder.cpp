@@ -1,0 +1,125 @@
+// The recurrent decoder (recurrent_decoder.h): pieces of a sequence through the model's blocks with
+// per-layer caches handed to MixerLayer through its context hooks.
+#include "framework/infer/recurrent_decoder.h"
+
+#include "layers/norm.h"
+
+#include <c10/util/Exception.h>
+
+#include <limits>
+#include <numeric>
+
+namespace carry {
+namespace {
+
+const Tensor& parameter(const NamedParameters& params, const std::string& name) {
+  for (const auto& [n, t] : params)
+    if (n == name) return t;
+  static const Tensor none;
+  return none;
+}
+
+// Softmax attention of the piece's queries over the cached keys and values plus the piece's own, at
+// absolute positions [position, position + n); the cache keeps what later queries can reach.
+MixerOutput attend(Tensor& keys, Tensor& values, const MixerInputs& in, const MixerOptions& opt, int64_t position) {
+  const int64_t n = in.q.size(1), dk = in.q.size(3);
+  Tensor k = keys.defined() ? at::cat({keys, in.k}, 1) : in.k;
+  Tensor v = values.defined() ? at::cat({values, in.v}, 1) : in.v;
+  const int64_t m = k.size(1);  // keys at positions [position + n - m, position + n)
+  auto q = in.q.transpose(1, 2) * opt.scale_for(dk);                             // [B,H,n,dk]
+  auto scores = at::matmul(q, k.transpose(1, 2).transpose(-1, -2));              // [B,H,n,m]
+  auto long_opts = at::TensorOptions().dtype(at::kLong).device(in.q.device());
+  auto qpos = at::arange(position, position + n, long_opts).unsqueeze(1);
+  auto kpos = at::arange(position + n - m, position + n, long_opts).unsqueeze(0);
+  auto excluded = kpos > qpos;
+  if (opt.window > 0) excluded = excluded.logical_or(kpos <= qpos - opt.window);
+  scores = scores.masked_fill(excluded, -std::numeric_limits<double>::infinity());
+  auto o = at::matmul(at::softmax(scores, -1), v.transpose(1, 2)).transpose(1, 2).contiguous();  // [B,n,H,dv]
+  const int64_t keep = opt.window > 0 ? std::min(m, opt.window - 1) : m;
+  keys = k.narrow(1, m - keep, keep).clone();
+  values = v.narrow(1, m - keep, keep).clone();
+  return {o, {}};
+}
+
+}  // namespace
+
+RecurrentDecoder::RecurrentDecoder(const Model& model, int64_t max_length)
+    : model_(&model), max_length_(max_length), caches_(model.blocks().size()) {
+  TORCH_CHECK(max_length > 0, "decoder: max_length must be positive, got ", max_length);
+  auto params = model.parameters();
+  embedding_ = parameter(params, "embedding.weight").detach();
+  final_norm_ = parameter(params, "norm.weight").detach();
+  head_ = parameter(params, "lm_head.weight");
+  head_ = head_.defined() ? head_.detach() : embedding_;
+  for (const auto& b : model.blocks()) alignment_ = std::lcm(alignment_, b.mixer->spec().chunk_size);
+}
+
+Tensor RecurrentDecoder::feed(const Tensor& tokens) {
+  TORCH_CHECK(tokens.dim() == 2 && tokens.scalar_type() == at::kLong, "decoder: tokens must be [B, n] int64, got ",
+              tokens.sizes(), " ", tokens.scalar_type());
+  const int64_t n = tokens.size(1), V = model_->config().vocab_size();
+  TORCH_CHECK(position_ + n <= max_length_, "decoder: reading ", n, " more tokens at position ", position_,
+              " passes max_length ", max_length_);
+  if (n == 0) return at::empty({tokens.size(0), 0, V}, embedding_.options());
+  auto cpu = tokens.cpu();
+  auto lo = cpu.min().item<int64_t>(), hi = cpu.max().item<int64_t>();
+  TORCH_CHECK(lo >= 0 && hi < V, "decoder: token ids must lie in [0, vocab_size=", V, "), found [", lo, ", ", hi, "]");
+  // Up to the next chunk boundary, then whole chunks, then the rest.
+  const int64_t misaligned = position_ % alignment_;
+  const int64_t head = misaligned ? std::min(n, alignment_ - misaligned) : 0;
+  const int64_t body = (n - head) / alignment_ * alignment_;
+  std::vector<Tensor> logits;
+  int64_t done = 0;
+  for (auto [len, form] : {std::pair<int64_t, Form>{head, Form::naive}, {body, Form::automatic},
+                           {n - head - body, Form::naive}}) {
+    if (len == 0) continue;
+    logits.push_back(run_piece(tokens.narrow(1, done, len), form));
+    done += len;
+  }
+  return logits.size() == 1 ? logits[0] : at::cat(logits, 1);
+}
+
+Tensor RecurrentDecoder::run_piece(const Tensor& tokens, Form form) {
+  const int64_t n = tokens.size(1);
+  Tensor h = at::embedding(embedding_, tokens.to(embedding_.device()));
+  const auto& blocks = model_->blocks();
+  for (size_t i = 0; i < blocks.size(); ++i) {
+    const ModelBlock& b = blocks[i];
+    LayerCache& cache = caches_[i];
+    const MixerLayer& layer = *b.mixer;
+    const int64_t K = layer.spec().conv_size;
+    const bool attention = !layer.mixer().has_summary();  // softmax attention: a KV cache, no state
+    int halo_calls = 0;
+    MixerLayerContext ctx;
+    ctx.offset = position_;
+    ctx.sequence_length = max_length_;
+    // The layer asks for the convolutions' halo first (when K > 1), then, for a sliding window, for
+    // the window's: the first is served from the cache, the second is the KV cache's business.
+    ctx.halo = [&](const Tensor& x, int64_t halo) -> Tensor {
+      if (!(K > 1 && halo_calls++ == 0)) return Tensor();
+      TORCH_INTERNAL_ASSERT(halo == K - 1, "decoder: the convolution asked for ", halo, " tokens, K-1 = ", K - 1);
+      Tensor before = cache.conv_tail.defined() ? cache.conv_tail.to(x.scalar_type())
+                                                : at::zeros({x.size(0), K - 1, x.size(2)}, x.options());
+      auto all = at::cat({before, x}, 1);
+      cache.conv_tail = all.narrow(1, all.size(1) - (K - 1), K - 1).clone();
+      return before;
+    };
+    ctx.run_mixer = [&](const Mixer& mixer, const MixerInputs& in, const State& s0, const MixerOptions& opt) {
+      if (attention) return attend(cache.keys, cache.values, in, opt, position_);
+      MixerOptions o = opt;
+      o.form = form;
+      return mixer.forward(in, s0, o);
+    };
+    auto out = layer.forward(b.mixer_norm.forward(h), cache.state, ctx);
+    if (!attention) {
+      cache.state.clear();
+      for (auto& s : out.final_state) cache.state.push_back(s.detach());
+    }
+    auto y = h + out.y;
+    h = y + b.mlp.forward(b.mlp_norm.forward(y));
+  }
+  position_ += n;
+  return at::linear(rms_norm(h, final_norm_, model_->config().norm_eps()), head_);
+}
+
+}  // namespace carry

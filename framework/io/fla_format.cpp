@@ -1,0 +1,662 @@
+// FLA / Hugging Face folders (fla_format.h): the kind table, the name map (carry <-> FLA), config.json
+// written by hand in a fixed key order and read through protobuf's JSON parser into a Struct, and the
+// strict tensor matching on import. The carry model's parameter names and shapes come from a model
+// built on the meta device (no values drawn), so the map always follows Model::parameters().
+#include "framework/io/fla_format.h"
+
+#include "framework/io/safetensors.h"
+#include "framework/train/model.h"
+#include "framework/version.h"
+
+#include <google/protobuf/struct.pb.h>
+#include <google/protobuf/text_format.h>
+#include <google/protobuf/util/json_util.h>
+
+#include <c10/util/Exception.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <fstream>
+#include <set>
+#include <sstream>
+
+#include <sys/stat.h>
+
+namespace carry {
+namespace {
+
+using google::protobuf::Struct;
+using google::protobuf::Value;
+
+// An FLA model class carry maps onto.
+struct FlaKind {
+  const char* carry_kind;
+  const char* model_type;    // config.json "model_type"
+  const char* architecture;  // config.json "architectures"[0]
+};
+
+const std::vector<FlaKind>& fla_kinds() {
+  static const std::vector<FlaKind> kinds = {
+      {"gated_deltanet", "gated_deltanet", "GatedDeltaNetForCausalLM"},
+      {"deltanet", "delta_net", "DeltaNetForCausalLM"},
+      {"gla", "gla", "GLAForCausalLM"},
+  };
+  return kinds;
+}
+
+const FlaKind* kind_by_carry(const std::string& k) {
+  for (auto& f : fla_kinds())
+    if (k == f.carry_kind) return &f;
+  return nullptr;
+}
+
+const FlaKind* kind_by_model_type(const std::string& t) {
+  for (auto& f : fla_kinds())
+    if (t == f.model_type) return &f;
+  return nullptr;
+}
+
+std::string supported_kinds_text() {
+  std::string s;
+  for (auto& f : fla_kinds()) s += (s.empty() ? "" : ", ") + std::string(f.carry_kind);
+  return s;
+}
+
+bool file_exists(const std::string& path) {
+  struct stat st;
+  return ::stat(path.c_str(), &st) == 0 && S_ISREG(st.st_mode);
+}
+
+std::string join_path(const std::string& dir, const std::string& name) {
+  return dir.empty() || dir.back() == '/' ? dir + name : dir + "/" + name;
+}
+
+void make_dirs(const std::string& path) {
+  for (size_t i = 1; i <= path.size(); ++i) {
+    if (i != path.size() && path[i] != '/') continue;
+    std::string prefix = path.substr(0, i);
+    if (::mkdir(prefix.c_str(), 0755) != 0 && errno != EEXIST)
+      throw ConfigError("cannot create directory " + prefix + ": " + std::strerror(errno));
+  }
+}
+
+std::string read_text(const std::string& path) {
+  std::ifstream f(path, std::ios::binary);
+  if (!f) throw ConfigError("cannot read " + path + ": " + std::strerror(errno));
+  std::ostringstream s;
+  s << f.rdbuf();
+  return s.str();
+}
+
+// Written to path.tmp, then renamed.
+void write_text(const std::string& path, const std::string& text) {
+  const std::string tmp = path + ".tmp";
+  {
+    std::ofstream f(tmp, std::ios::binary | std::ios::trunc);
+    if (!f) throw ConfigError("cannot create " + tmp + ": " + std::strerror(errno));
+    f << text;
+    f.flush();
+    if (!f) throw ConfigError("cannot write " + tmp);
+  }
+  if (std::rename(tmp.c_str(), path.c_str()) != 0)
+    throw ConfigError("cannot rename " + tmp + " to " + path + ": " + std::strerror(errno));
+}
+
+// The shortest decimal that reads back as x (JSON has no inf/nan; configs are validated finite).
+std::string json_number(double x) {
+  char buf[40];
+  for (int digits = 1; digits <= 17; ++digits) {
+    std::snprintf(buf, sizeof buf, "%.*g", digits, x);
+    if (std::strtod(buf, nullptr) == x) break;
+  }
+  return buf;
+}
+
+// A float that stays a float in Python (2.0, not 2).
+std::string json_float(double x) {
+  std::string s = json_number(x);
+  if (s.find_first_of(".eE") == std::string::npos) s += ".0";
+  return s;
+}
+
+// ---- the checks of one model config ----
+
+// The kind every layer uses, or "" when layers differ.
+std::string single_kind(const ModelConfig& model) {
+  std::string kind;
+  for (int64_t i = 0; i < model.n_layers(); ++i) {
+    std::string k = layer_mixer(model, i).kind;
+    if (i == 0) kind = k;
+    else if (k != kind) return "";
+  }
+  return kind;
+}
+
+// Python's int(a * b) == want (FLA computes widths so, e.g. head_v_dim = int(head_dim * expand_v)).
+bool python_int_product_is(double a, double b, int64_t want) {
+  return static_cast<int64_t>(a * b) == want;
+}
+
+// Python's round(a * b) == want and math.isclose(a * b, want).
+bool python_round_product_is(double a, double b, int64_t want) {
+  double p = a * b;
+  return static_cast<int64_t>(std::nearbyint(p)) == want && std::fabs(p - static_cast<double>(want)) <= 1e-9 * std::fabs(p);
+}
+
+std::string kind_reason(const std::string& kind) {
+  if (kind == "softmax_attn")
+    return "FLA's attention layer (fla.layers.attn.Attention, the `attn` entry of an FLA config) applies "
+           "rotary position embeddings and needs flash-attn; carry's softmax_attn has no position "
+           "encoding, so no FLA layer computes it";
+  if (kind == "mamba2")
+    return "FLA's Mamba2ForCausalLM blocks are mixer-only (RMSNorm, Mamba2, residual: no MLP) and share "
+           "B and C across the heads of a group through one fused in_proj; every carry block has a "
+           "SwiGLU MLP, so FLA has no model class for a carry mamba2 model";
+  if (kind == "mamba1")
+    return "FLA's MambaForCausalLM blocks are mixer-only (no MLP); every carry block has a SwiGLU MLP";
+  if (kind == "retnet")
+    return "FLA's RetNet layer (MultiScaleRetention) applies rotary position embeddings; carry's retnet "
+           "has none";
+  return "carry export does not map this kind to an FLA model class (FLA 0.6.0's nearest layer is built "
+         "differently)";
+}
+
+}  // namespace
+
+std::vector<std::string> fla_export_errors(const ModelConfig& model) {
+  std::vector<std::string> errors = model_config_errors(model);
+  if (!errors.empty()) return errors;
+  std::string kind = single_kind(model);
+  if (kind.empty()) {
+    std::set<std::string> seen;
+    std::string kinds;
+    for (int64_t i = 0; i < model.n_layers(); ++i) {
+      std::string k = layer_mixer(model, i).kind;
+      if (seen.insert(k).second) kinds += (kinds.empty() ? "" : ", ") + k;
+    }
+    errors.push_back("model.mixers: the layers mix kinds (" + kinds + "); an FLA model has one mixer "
+                     "kind in every layer (its `attn` entry adds softmax attention layers with rotary "
+                     "positions, which carry's softmax_attn does not have)");
+    for (const auto& k : seen)
+      if (!kind_by_carry(k)) errors.push_back("model.mixers: " + k + ": " + kind_reason(k));
+    return errors;
+  }
+  if (!kind_by_carry(kind)) {
+    errors.push_back("model.mixers: " + kind + ": " + kind_reason(kind) + ". Kinds carry exports to FLA: " +
+                     supported_kinds_text());
+    return errors;
+  }
+  const auto lm = layer_mixer(model, 0);
+  const int64_t d = model.d_model(), H = model.n_heads(), dk = head_dim_k(model), dv = head_dim_v(model);
+  if (kind == "gla" && lm.options.conv_size() > 0)
+    errors.push_back("model.mixer_options.conv_size: " + std::to_string(lm.options.conv_size()) +
+                     " for gla; FLA's GLA applies silu after its short convolutions and carry's gla does "
+                     "not, so only gla without convolutions (conv_size 0) exports");
+  if (kind == "gated_deltanet") {
+    double expand_v = static_cast<double>(dv) / static_cast<double>(dk);
+    if (!python_int_product_is(static_cast<double>(dk), expand_v, dv))
+      errors.push_back("model.head_dim_v: FLA derives the value width as int(head_dim * expand_v) = int(" +
+                       std::to_string(dk) + " * " + json_number(expand_v) + "), which is not " +
+                       std::to_string(dv));
+  } else {
+    double expand_k = static_cast<double>(H * dk) / static_cast<double>(d);
+    double expand_v = static_cast<double>(H * dv) / static_cast<double>(d);
+    if (!python_round_product_is(static_cast<double>(d), expand_k, H * dk))
+      errors.push_back("model.head_dim_k: FLA derives the key width as round(hidden_size * expand_k), which "
+                       "does not give n_heads * head_dim_k = " + std::to_string(H * dk));
+    if (!python_round_product_is(static_cast<double>(d), expand_v, H * dv))
+      errors.push_back("model.head_dim_v: FLA derives the value width as round(hidden_size * expand_v), "
+                       "which does not give n_heads * head_dim_v = " + std::to_string(H * dv));
+  }
+  return errors;
+}
+
+std::string fla_config_json(const ModelConfig& model) {
+  auto errors = fla_export_errors(model);
+  if (!errors.empty()) {
+    std::string msg = "this model cannot be written as an FLA model:";
+    for (auto& e : errors) msg += "\n  " + e;
+    throw ConfigError(msg);
+  }
+  const std::string kind = single_kind(model);
+  const FlaKind& fk = *kind_by_carry(kind);
+  const auto lm = layer_mixer(model, 0);
+  const int64_t d = model.d_model(), H = model.n_heads(), dk = head_dim_k(model), dv = head_dim_v(model);
+  const int64_t K = lm.options.conv_size();
+  std::vector<std::pair<std::string, std::string>> kv;  // key, JSON value
+  auto add = [&](const std::string& k, const std::string& v) { kv.emplace_back(k, v); };
+  auto str = [](const std::string& s) { return "\"" + s + "\""; };
+  auto boolean = [](bool b) { return std::string(b ? "true" : "false"); };
+  add("architectures", "[" + str(fk.architecture) + "]");
+  add("model_type", str(fk.model_type));
+  add("hidden_size", std::to_string(d));
+  add("num_hidden_layers", std::to_string(model.n_layers()));
+  add("num_heads", std::to_string(H));
+  if (kind == "gated_deltanet") {
+    add("head_dim", std::to_string(dk));
+    add("expand_v", json_float(static_cast<double>(dv) / static_cast<double>(dk)));
+    add("num_v_heads", "null");
+    add("use_gate", "true");
+    add("output_gate_activation", str("swish"));
+    add("allow_neg_eigval", "false");
+  } else {
+    add("expand_k", json_float(static_cast<double>(H * dk) / static_cast<double>(d)));
+    add("expand_v", json_float(static_cast<double>(H * dv) / static_cast<double>(d)));
+  }
+  if (kind == "deltanet") {
+    add("use_gate", "true");
+    add("use_beta", "true");
+    add("use_output_norm", "true");
+    add("qk_norm", str("l2"));
+    add("qk_activation", str("silu"));
+    add("allow_neg_eigval", "false");
+  }
+  if (kind == "gla") {
+    add("num_kv_heads", "null");
+    add("feature_map", "null");
+    add("use_output_gate", "true");
+    add("clamp_min", "null");
+    add("elementwise_affine", "true");
+    add("use_gk", "true");
+    add("use_gv", "false");
+  }
+  add("use_short_conv", boolean(K > 0));
+  add("conv_size", std::to_string(K > 0 ? K : 4));
+  add("attn_mode", str("chunk"));
+  add("attn", "null");
+  add("intermediate_size", std::to_string(mlp_hidden_size(model)));
+  add("hidden_act", str("swish"));
+  add("norm_eps", json_float(model.norm_eps()));
+  add("vocab_size", std::to_string(model.vocab_size()));
+  add("tie_word_embeddings", boolean(model.tie_embeddings()));
+  add("initializer_range", json_float(model.init_std()));
+  add("fuse_norm", "true");
+  add("fuse_swiglu", "true");
+  add("fuse_cross_entropy", "true");
+  add("bos_token_id", "null");
+  add("eos_token_id", "null");
+  add("pad_token_id", "null");
+  add("use_cache", "true");
+  add("torch_dtype", str("float32"));
+  std::string out = "{\n";
+  for (size_t i = 0; i < kv.size(); ++i)
+    out += "  \"" + kv[i].first + "\": " + kv[i].second + (i + 1 < kv.size() ? ",\n" : "\n");
+  return out + "}\n";
+}
+
+namespace {
+
+// carry's name -> FLA's, for a model of FLA kind `kind` ("" when the name is not mapped).
+std::string map_name(const std::string& kind, const std::string& name) {
+  if (name == "embedding.weight") return "model.embeddings.weight";
+  if (name == "norm.weight") return "model.norm.weight";
+  if (name == "lm_head.weight") return "lm_head.weight";
+  const std::string layers = "layers.";
+  if (name.compare(0, layers.size(), layers) != 0) return "";
+  size_t dot = name.find('.', layers.size());
+  if (dot == std::string::npos) return "";
+  const std::string prefix = "model." + name.substr(0, dot + 1);  // "model.layers.3."
+  const std::string rest = name.substr(dot + 1);
+  if (rest == "mixer_norm.weight") return prefix + "attn_norm.weight";
+  if (rest == "mlp_norm.weight") return prefix + "mlp_norm.weight";
+  if (rest == "mlp.w1.weight") return prefix + "mlp.gate_proj.weight";
+  if (rest == "mlp.w3.weight") return prefix + "mlp.up_proj.weight";
+  if (rest == "mlp.w2.weight") return prefix + "mlp.down_proj.weight";
+  const std::string mixer = "mixer.";
+  if (rest.compare(0, mixer.size(), mixer) != 0) return "";
+  std::string p = rest.substr(mixer.size());
+  if (p == "q_conv.weight" || p == "k_conv.weight" || p == "v_conv.weight") p = p.substr(0, 1) + "_conv1d.weight";
+  else if (p == "z_proj.weight") p = "g_proj.weight";
+  else if (p == "o_norm.weight") p = kind == "gla" ? "g_norm_swish_gate.weight" : "o_norm.weight";
+  static const std::set<std::string> same = {"q_proj.weight", "k_proj.weight", "v_proj.weight", "o_proj.weight",
+                                             "a_proj.weight", "b_proj.weight", "A_log", "dt_bias",
+                                             "gk_proj.0.weight", "gk_proj.1.weight", "gk_proj.1.bias",
+                                             "q_conv1d.weight", "k_conv1d.weight", "v_conv1d.weight",
+                                             "g_proj.weight", "o_norm.weight", "g_norm_swish_gate.weight"};
+  if (!same.count(p)) return "";
+  return prefix + "attn." + p;
+}
+
+bool is_conv(const std::string& carry_name) {
+  auto ends = [&](const char* s) {
+    std::string e = s;
+    return carry_name.size() >= e.size() && carry_name.compare(carry_name.size() - e.size(), e.size(), e) == 0;
+  };
+  return ends("_conv.weight");
+}
+
+// The carry model's parameter names and shapes (built on the meta device: nothing is drawn).
+NamedParameters meta_parameters(const ModelConfig& model) {
+  return build_model(model, 0, at::TensorOptions().dtype(at::kFloat).device(at::kMeta)).parameters();
+}
+
+std::string shape_text(at::IntArrayRef s) {
+  std::string out = "[";
+  for (size_t i = 0; i < s.size(); ++i) out += (i ? ", " : "") + std::to_string(s[i]);
+  return out + "]";
+}
+
+}  // namespace
+
+std::string fla_parameter_name(const ModelConfig& model, const std::string& carry_name) {
+  return map_name(single_kind(model), carry_name);
+}
+
+void export_fla_folder(const std::string& dir, const ModelConfig& model, const NamedParameters& weights,
+                       const FlaExportOptions& opt) {
+  const std::string config = fla_config_json(model);  // throws when the model does not map
+  const std::string kind = single_kind(model);
+  std::map<std::string, at::Tensor> given(weights.begin(), weights.end());
+  std::map<std::string, at::Tensor> out;
+  for (const auto& [name, like] : meta_parameters(model)) {
+    auto it = given.find(name);
+    if (it == given.end()) throw ConfigError("export: parameter '" + name + "' of the model is missing from the weights");
+    const at::Tensor& t = it->second;
+    if (t.sizes() != like.sizes())
+      throw ConfigError("export: parameter '" + name + "' has shape " + shape_text(t.sizes()) + ", the model's is " +
+                        shape_text(like.sizes()));
+    const std::string fla = map_name(kind, name);
+    TORCH_INTERNAL_ASSERT(!fla.empty(), "export: no FLA name for carry parameter '", name, "'");
+    at::Tensor v = t.detach().to(at::kCPU).to(opt.dtype).contiguous();
+    if (is_conv(name)) v = v.unsqueeze(1).contiguous();  // [C,K] -> [C,1,K]
+    out[fla] = v;
+    given.erase(it);
+  }
+  if (!given.empty())
+    throw ConfigError("export: the weights hold '" + given.begin()->first + "', which is not a parameter of the model (" +
+                      std::to_string(given.size()) + " such tensors)");
+  std::map<std::string, std::string> metadata = opt.metadata;
+  metadata["format"] = "pt";
+  metadata["carry_version"] = version();
+  metadata["carry_model_config"] = config_to_text(model);
+  make_dirs(dir);
+  write_text(join_path(dir, "config.json"), config);
+  save_safetensors(join_path(dir, "model.safetensors"), out, metadata);
+}
+
+bool is_fla_folder(const std::string& dir) { return file_exists(join_path(dir, "config.json")); }
+
+namespace {
+
+// config.json's fields, read through a Struct.
+class JsonConfig {
+ public:
+  JsonConfig(const std::string& path) : path_(path) {
+    std::string text = read_text(path);
+    google::protobuf::util::JsonParseOptions o;
+    o.ignore_unknown_fields = true;
+    auto status = google::protobuf::util::JsonStringToMessage(text, &root_, o);
+    if (!status.ok())
+      throw ConfigError(path + ": not a JSON object: " + std::string(status.message()));
+  }
+  bool has(const std::string& key) const {
+    auto it = root_.fields().find(key);
+    return it != root_.fields().end() && it->second.kind_case() != Value::kNullValue;
+  }
+  const Value* get(const std::string& key) const {
+    auto it = root_.fields().find(key);
+    return it == root_.fields().end() || it->second.kind_case() == Value::kNullValue ? nullptr : &it->second;
+  }
+  std::string string(const std::string& key, const std::string& fallback = "") const {
+    const Value* v = get(key);
+    if (!v) return fallback;
+    if (v->kind_case() != Value::kStringValue) fail(key, "a string");
+    return v->string_value();
+  }
+  double number(const std::string& key, double fallback) const {
+    const Value* v = get(key);
+    if (!v) return fallback;
+    if (v->kind_case() != Value::kNumberValue) fail(key, "a number");
+    return v->number_value();
+  }
+  int64_t integer(const std::string& key, int64_t fallback) const {
+    double x = number(key, static_cast<double>(fallback));
+    if (x != std::floor(x) || std::fabs(x) > 9007199254740992.0) fail(key, "an integer");
+    return static_cast<int64_t>(x);
+  }
+  int64_t required_integer(const std::string& key) const {
+    if (!has(key)) throw ConfigError(path_ + ": \"" + key + "\" is required");
+    return integer(key, 0);
+  }
+  bool boolean(const std::string& key, bool fallback) const {
+    const Value* v = get(key);
+    if (!v) return fallback;
+    if (v->kind_case() != Value::kBoolValue) fail(key, "true or false");
+    return v->bool_value();
+  }
+  // A config value carry cannot compute.
+  [[noreturn]] void refuse(const std::string& key, const std::string& found, const std::string& why) const {
+    throw ConfigError(path_ + ": \"" + key + "\": " + found + ": " + why);
+  }
+  const std::string& path() const { return path_; }
+
+ private:
+  [[noreturn]] void fail(const std::string& key, const std::string& what) const {
+    throw ConfigError(path_ + ": \"" + key + "\" must be " + what);
+  }
+  std::string path_;
+  Struct root_;
+};
+
+std::string value_text(const JsonConfig& c, const std::string& key) {
+  const Value* v = c.get(key);
+  if (!v) return "null";
+  switch (v->kind_case()) {
+    case Value::kStringValue: return "\"" + v->string_value() + "\"";
+    case Value::kNumberValue: return json_number(v->number_value());
+    case Value::kBoolValue: return v->bool_value() ? "true" : "false";
+    default: return "(a list or object)";
+  }
+}
+
+// FLA's MLP width when intermediate_size is null: int(hidden * hidden_ratio * 2/3) up to a multiple of 256.
+int64_t fla_intermediate_size(const JsonConfig& c, int64_t hidden) {
+  if (c.has("intermediate_size")) return c.integer("intermediate_size", 0);
+  double ratio = c.number("hidden_ratio", 4);
+  int64_t m = static_cast<int64_t>(static_cast<double>(hidden) * ratio * 2.0 / 3.0);
+  return 256 * ((m + 255) / 256);
+}
+
+ModelConfig model_from_config_json(const JsonConfig& c, const FlaKind& fk) {
+  const std::string kind = fk.carry_kind;
+  auto expect_bool = [&](const std::string& key, bool fallback, bool want, const std::string& why) {
+    if (c.boolean(key, fallback) != want) c.refuse(key, value_text(c, key), why);
+  };
+  auto expect_null = [&](const std::string& key, const std::string& why) {
+    if (c.has(key)) c.refuse(key, value_text(c, key), why);
+  };
+  const int64_t d = c.required_integer("hidden_size"), L = c.required_integer("num_hidden_layers");
+  const int64_t H = c.required_integer("num_heads");
+  if (d <= 0 || L <= 0 || H <= 0) throw ConfigError(c.path() + ": hidden_size, num_hidden_layers and num_heads must be positive");
+  int64_t dk = 0, dv = 0;
+  expect_null("attn", "carry imports no softmax attention layers from FLA (they apply rotary positions)");
+  expect_null("attnres_block_size", "attention residuals are not part of carry's model");
+  if (c.string("hidden_act", "swish") != "swish")
+    c.refuse("hidden_act", value_text(c, "hidden_act"), "carry's MLP is SwiGLU (swish)");
+  if (kind == "gated_deltanet") {
+    dk = c.integer("head_dim", 256);
+    double expand_v = c.number("expand_v", 2.0);
+    dv = static_cast<int64_t>(static_cast<double>(dk) * expand_v);
+    if (c.has("num_v_heads") && c.integer("num_v_heads", H) != H)
+      c.refuse("num_v_heads", value_text(c, "num_v_heads"), "carry has no grouped value heads (num_v_heads must equal num_heads)");
+    expect_bool("use_gate", true, true, "carry's Gated DeltaNet layer always has the gated output norm");
+    expect_bool("allow_neg_eigval", false, false, "carry's beta is sigmoid(W x) in (0, 1)");
+    std::string act = c.string("output_gate_activation", "swish");
+    if (act != "swish" && act != "silu")
+      c.refuse("output_gate_activation", value_text(c, "output_gate_activation"), "carry's output gate is silu");
+  } else {
+    double expand_k = c.number("expand_k", kind == "gla" ? 0.5 : 1.0);
+    double expand_v = c.number("expand_v", 1.0);
+    int64_t key_dim = static_cast<int64_t>(std::nearbyint(static_cast<double>(d) * expand_k));
+    int64_t value_dim = static_cast<int64_t>(std::nearbyint(static_cast<double>(d) * expand_v));
+    if (key_dim % H != 0 || value_dim % H != 0)
+      throw ConfigError(c.path() + ": hidden_size * expand_k and hidden_size * expand_v must be multiples of num_heads");
+    dk = key_dim / H, dv = value_dim / H;
+  }
+  if (kind == "deltanet") {
+    expect_bool("use_gate", false, true, "carry's DeltaNet layer always has the gated output norm (use_gate true)");
+    expect_bool("use_beta", true, true, "carry's DeltaNet layer always has beta = sigmoid(W x)");
+    expect_bool("use_output_norm", true, true, "carry's DeltaNet layer always has the output norm");
+    expect_bool("allow_neg_eigval", false, false, "carry's beta is sigmoid(W x) in (0, 1)");
+    if (c.string("qk_norm", "l2") != "l2") c.refuse("qk_norm", value_text(c, "qk_norm"), "carry L2-normalizes q and k");
+    if (c.string("qk_activation", "silu") != "silu")
+      c.refuse("qk_activation", value_text(c, "qk_activation"), "carry applies silu to q and k");
+  }
+  if (kind == "gla") {
+    expect_bool("use_short_conv", false, false, "FLA's GLA applies silu after its convolutions, carry's gla does not");
+    expect_null("feature_map", "carry's gla applies no feature map to q and k");
+    expect_null("clamp_min", "carry's gla does not clamp its gate");
+    if (c.has("num_kv_heads") && c.integer("num_kv_heads", H) != H)
+      c.refuse("num_kv_heads", value_text(c, "num_kv_heads"), "carry has no grouped key/value heads");
+    expect_bool("use_output_gate", true, true, "carry's gla always has the gated output norm");
+    expect_bool("elementwise_affine", true, true, "carry's output norm has a weight");
+    expect_bool("use_gk", true, true, "carry's gla has the per-key gate");
+    expect_bool("use_gv", false, false, "carry's gla has no value gate");
+    expect_bool("fuse_norm", true, true, "with fuse_norm false FLA names the output norm g_norm (the math is the same, "
+                "but the names carry reads are those of fuse_norm true)");
+  }
+  if (dk <= 0 || dv <= 0) throw ConfigError(c.path() + ": the key and value widths come out as " + std::to_string(dk) +
+                                            " and " + std::to_string(dv) + "; both must be positive");
+  const bool conv = kind != "gla" && c.boolean("use_short_conv", true);
+  const int64_t conv_size = conv ? c.integer("conv_size", 4) : 0;
+  const int64_t inter = fla_intermediate_size(c, d);
+  if (inter <= 0 || inter % 64 != 0)
+    throw ConfigError(c.path() + ": the MLP width (intermediate_size) is " + std::to_string(inter) +
+                      "; carry's MLP width is a multiple of 64");
+
+  ModelConfig m;
+  m.set_vocab_size(c.required_integer("vocab_size"));
+  m.set_d_model(d);
+  m.set_n_layers(L);
+  m.set_n_heads(H);
+  m.set_head_dim_k(dk);
+  m.set_head_dim_v(dv);
+  m.set_mlp_ratio(static_cast<double>(inter) / static_cast<double>(d));
+  m.set_norm_eps(c.number("norm_eps", 1e-6));
+  m.set_tie_embeddings(c.boolean("tie_word_embeddings", false));
+  m.set_init_std(c.number("initializer_range", 0.02));
+  m.add_mixers(kind);
+  auto* o = m.add_mixer_options();
+  o->set_chunk_size(64);
+  o->set_conv_size(conv_size);
+  if (mlp_hidden_size(m) != inter)
+    throw ConfigError(c.path() + ": the MLP width " + std::to_string(inter) + " does not come out of mlp_ratio " +
+                      json_number(m.mlp_ratio()) + " (carry rounds mlp_ratio * d_model up to a multiple of 64)");
+  return m;
+}
+
+// The shard files of a folder: model.safetensors, or those model.safetensors.index.json names.
+std::vector<std::string> weight_files(const std::string& dir) {
+  const std::string single = join_path(dir, "model.safetensors");
+  if (file_exists(single)) return {single};
+  const std::string index = join_path(dir, "model.safetensors.index.json");
+  if (!file_exists(index)) {
+    std::string hint = file_exists(join_path(dir, "pytorch_model.bin"))
+                           ? " (it holds pytorch_model.bin, a pickle, which carry does not read: save the model "
+                             "with safe_serialization=True)"
+                           : "";
+    throw ConfigError(dir + ": neither model.safetensors nor model.safetensors.index.json is there" + hint);
+  }
+  Struct root;
+  auto status = google::protobuf::util::JsonStringToMessage(read_text(index), &root);
+  if (!status.ok()) throw ConfigError(index + ": not a JSON object: " + std::string(status.message()));
+  auto it = root.fields().find("weight_map");
+  if (it == root.fields().end() || it->second.kind_case() != Value::kStructValue)
+    throw ConfigError(index + ": \"weight_map\" (an object of tensor name -> file) is required");
+  std::set<std::string> files;
+  for (const auto& [name, file] : it->second.struct_value().fields()) {
+    if (file.kind_case() != Value::kStringValue || file.string_value().find('/') != std::string::npos)
+      throw ConfigError(index + ": \"weight_map\": tensor '" + name + "' must name a file of the folder");
+    files.insert(file.string_value());
+  }
+  std::vector<std::string> out;
+  for (const auto& f : files) out.push_back(join_path(dir, f));
+  return out;
+}
+
+}  // namespace
+
+ImportedModel import_fla_folder(const std::string& dir) {
+  const JsonConfig c(join_path(dir, "config.json"));
+  const std::string model_type = c.string("model_type");
+  const FlaKind* fk = kind_by_model_type(model_type);
+  if (!fk) {
+    std::string known;
+    for (auto& f : fla_kinds()) known += (known.empty() ? "" : ", ") + std::string(f.model_type);
+    throw ConfigError(c.path() + ": \"model_type\": \"" + model_type + "\": carry imports the FLA model types " + known);
+  }
+  ImportedModel out;
+  out.model = model_from_config_json(c, *fk);
+
+  std::map<std::string, at::Tensor> tensors;
+  std::map<std::string, std::string> file_of;
+  bool first = true;
+  for (const auto& file : weight_files(dir)) {
+    std::map<std::string, std::string> meta;
+    std::map<std::string, at::Tensor> part;
+    try {
+      part = load_safetensors(file, &meta);
+    } catch (const c10::Error& e) {
+      throw ConfigError(e.what_without_backtrace());
+    }
+    if (first) out.metadata = meta, first = false;
+    for (auto& [name, t] : part) {
+      if (tensors.count(name)) throw ConfigError(file + ": tensor '" + name + "' is also in " + file_of[name]);
+      tensors[name] = t, file_of[name] = file;
+    }
+  }
+  // The carry config written by export restores carry-only fields (chunk_size, init_std) when its
+  // shapes are the folder's.
+  auto carry_config = out.metadata.find("carry_model_config");
+  if (carry_config != out.metadata.end()) {
+    ModelConfig stored;
+    if (google::protobuf::TextFormat::ParseFromString(carry_config->second, &stored) &&
+        model_config_errors(stored).empty() && fla_export_errors(stored).empty()) {
+      auto a = meta_parameters(stored), b = meta_parameters(out.model);
+      bool same = a.size() == b.size() && single_kind(stored) == single_kind(out.model) &&
+                  stored.vocab_size() == out.model.vocab_size() && stored.norm_eps() == out.model.norm_eps() &&
+                  stored.tie_embeddings() == out.model.tie_embeddings() &&
+                  layer_mixer(stored, 0).options.conv_size() == layer_mixer(out.model, 0).options.conv_size();
+      for (size_t i = 0; same && i < a.size(); ++i) same = a[i].first == b[i].first && a[i].second.sizes() == b[i].second.sizes();
+      if (same) out.model = stored;
+    }
+  }
+  const std::string kind = fk->carry_kind;
+  for (const auto& [name, like] : meta_parameters(out.model)) {
+    const std::string fla = map_name(kind, name);
+    TORCH_INTERNAL_ASSERT(!fla.empty(), "import: no FLA name for carry parameter '", name, "'");
+    auto it = tensors.find(fla);
+    if (it == tensors.end())
+      throw ConfigError(dir + ": tensor '" + fla + "' (carry's " + name + ") is missing from the weights");
+    at::Tensor t = it->second;
+    if (is_conv(name)) {
+      if (t.dim() != 3 || t.size(1) != 1)
+        throw ConfigError(file_of[fla] + ": tensor '" + fla + "' has shape " + shape_text(t.sizes()) +
+                          "; a depthwise convolution's weight is [channels, 1, kernel]");
+      t = t.squeeze(1);
+    }
+    if (t.sizes() != like.sizes())
+      throw ConfigError(file_of[fla] + ": tensor '" + fla + "' has shape " + shape_text(it->second.sizes()) +
+                        "; config.json implies " + shape_text(is_conv(name) ? like.unsqueeze(1).sizes() : like.sizes()));
+    if (!at::isFloatingType(t.scalar_type()))
+      throw ConfigError(file_of[fla] + ": tensor '" + fla + "' has dtype " + std::string(c10::toString(t.scalar_type())) +
+                        "; weights are floating point");
+    out.weights.emplace_back(name, t.to(at::kFloat).contiguous());
+    tensors.erase(it);
+  }
+  if (out.model.tie_embeddings()) tensors.erase("lm_head.weight");  // tied: the embedding is the head
+  if (!tensors.empty()) {
+    std::string names;
+    int shown = 0;
+    for (auto& [name, t] : tensors)
+      if (shown++ < 5) names += (names.empty() ? "" : ", ") + name;
+    throw ConfigError(dir + ": " + std::to_string(tensors.size()) + " tensor(s) of the weights belong to no parameter of "
+                      "the model config.json describes: " + names + (tensors.size() > 5 ? ", ..." : ""));
+  }
+  return out;
+}
+
+}  // namespace carry

@@ -1,0 +1,92 @@
+#!/usr/bin/env python3
+# The FLA cross-check of `carry export` (run on a GPU machine with flash-linear-attention installed;
+# tests/fla/make_export_check_inputs.sh makes the inputs, README.md "Using a trained model" gives the
+# commands). For each exported folder:
+#   1. strict load: the folder's model.safetensors goes into FLA's model class (config.json's
+#      architectures[0], from fla.models) with load_state_dict(strict=True): no missing, no unexpected
+#      key, every shape equal (a tied head is the embedding, as transformers ties it); then the same
+#      folder through transformers' AutoModelForCausalLM.from_pretrained, whose loading report must be
+#      empty too;
+#   2. logits: FLA's model on the tokens carry scored (the `tokens` of carry's logits file, written by
+#      `carry eval --dump-logits`), in fp32 and in bf16, against carry's fp32 logits: the max relative
+#      error max|fla - carry| / max|carry| and the share of positions whose argmax agrees.
+# One table row per folder and precision, then one verdict line. Exit status 0 when every row passes
+# (fp32: rel err <= 2e-3, FLA's kernels use TF32 dot products; bf16: <= 5e-2), 1 otherwise.
+#
+# usage: python3 tests/fla/export_check.py FOLDER [FOLDER ...]   (carry's logits: FOLDER/carry_logits.safetensors)
+import argparse
+import json
+import os
+import sys
+
+import torch
+
+
+def check(folder, device):
+    import fla  # noqa: F401  (registers FLA's classes with transformers)
+    import fla.models
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    with open(os.path.join(folder, "config.json")) as f:
+        config = json.load(f)
+    arch = config["architectures"][0]
+    cls = getattr(fla.models, arch)
+    model = cls(cls.config_class.from_pretrained(folder))
+    state = load_file(os.path.join(folder, "model.safetensors"))
+    if config.get("tie_word_embeddings") and "lm_head.weight" not in state:
+        state["lm_head.weight"] = state["model.embeddings.weight"]
+    result = model.load_state_dict(state, strict=True)  # raises on a missing, unexpected or misshapen key
+    try:
+        auto, info = AutoModelForCausalLM.from_pretrained(folder, output_loading_info=True, dtype=torch.float32)
+    except TypeError:  # transformers before 4.56 names it torch_dtype
+        auto, info = AutoModelForCausalLM.from_pretrained(folder, output_loading_info=True, torch_dtype=torch.float32)
+    tied = {"lm_head.weight"} if config.get("tie_word_embeddings") else set()
+    problems = {k: v for k, v in info.items() if v and set(v) - (tied if k == "missing_keys" else set())}
+    if problems:
+        raise RuntimeError(f"{folder}: transformers' loading report is not empty: {problems}")
+    if type(auto).__name__ != arch:
+        raise RuntimeError(f"{folder}: AutoModelForCausalLM gave {type(auto).__name__}, config.json says {arch}")
+    del auto
+
+    ref = load_file(os.path.join(folder, "carry_logits.safetensors"))
+    tokens, carry = ref["tokens"].to(device), ref["logits"].float().to(device)
+    rows = []
+    model = model.to(device).eval()
+    for name, dtype, bound in [("fp32", torch.float32, 2e-3), ("bf16", torch.bfloat16, 5e-2)]:
+        with torch.no_grad():
+            logits = model.to(dtype)(input_ids=tokens).logits.float()
+        err = ((logits - carry).abs().max() / carry.abs().max()).item()
+        agree = (logits.argmax(-1) == carry.argmax(-1)).float().mean().item()
+        rows.append((folder, arch, name, tuple(tokens.shape), err, agree, err <= bound, bound))
+    return len(state), rows
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("folders", nargs="+")
+    p.add_argument("--device", default="cuda")
+    a = p.parse_args()
+    import fla
+    print(f"torch {torch.__version__}, fla {getattr(fla, '__version__', '?')}, device "
+          f"{torch.cuda.get_device_name() if a.device == 'cuda' else a.device}", flush=True)
+    print(f"| folder | FLA class | tensors (strict) | precision | tokens [B, T] | max rel err vs carry | argmax agrees | bound | ok |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    ok = True
+    for folder in a.folders:
+        try:
+            n, rows = check(folder, a.device)
+        except Exception as e:  # one line per folder that fails to load or run
+            print(f"| {folder} | - | FAILED: {type(e).__name__}: {str(e)[:300]} | | | | | | no |")
+            ok = False
+            continue
+        for folder_, arch, name, shape, err, agree, passed, bound in rows:
+            print(f"| {os.path.basename(folder_.rstrip('/'))} | {arch} | {n} | {name} | {list(shape)} | {err:.2e} | "
+                  f"{agree:.4f} | {bound:g} | {'yes' if passed else 'no'} |")
+            ok = ok and passed
+    print(f"FLA cross-check: {'PASS' if ok else 'FAIL'} ({len(a.folders)} folder(s))")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

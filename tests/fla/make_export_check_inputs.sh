@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# The inputs of tests/fla/export_check.py: three small byte-level models trained 40 steps on this
+# repository's README.md (on the CPU: GPUs hidden), each exported to an FLA folder holding carry's
+# fp32 logits on two 256-token sequences (carry_logits.safetensors):
+#   OUT/gdn  Gated DeltaNet, short convolutions, its own head (expand_v 2)
+#   OUT/dn   DeltaNet, short convolutions, tied head
+#   OUT/gla  GLA without convolutions, tied head (expand_k 0.5)
+# usage: tests/fla/make_export_check_inputs.sh [CARRY_BINARY] [OUT]   (defaults: build/bin/carry .fla_check)
+# then:  python3 tests/fla/export_check.py OUT/gdn OUT/dn OUT/gla
+set -euo pipefail
+carry=${1:-build/bin/carry}
+out=${2:-.fla_check}
+mkdir -p "$out"
+export CUDA_VISIBLE_DEVICES= OMP_NUM_THREADS=1
+"$carry" tokenize --input README.md --output "$out/corpus.tok"
+cat > "$out/run.textproto" <<EOF
+name: "fla_check"
+seed: 7
+model { vocab_size: 257 d_model: 128 n_layers: 2 n_heads: 2 head_dim_k: 64 head_dim_v: 128 tie_embeddings: false
+        mixers: "gated_deltanet" mixer_options { chunk_size: 64 conv_size: 4 } }
+data { token_files { paths: "$out/corpus.tok" } seq_len: 128 batch_size: 4 }
+optimizer { lr: 3e-3 warmup_steps: 5 total_steps: 40 weight_decay: 0 }
+logging { every_steps: 40 }
+EOF
+train() {  # name, overrides...
+  local name=$1
+  shift
+  rm -rf "$out/ck_$name"
+  "$carry" train "$out/run.textproto" --set "checkpoint.dir=$out/ck_$name" "$@" | grep -E '^step +40/'
+  "$carry" export "$out/ck_$name" --format fla --out "$out/$name"
+  "$carry" eval "$out/ck_$name" --cpu --data "$out/corpus.tok" --seq-len 256 --max-sequences 2 --batch-size 2 \
+    --dump-logits "$out/$name/carry_logits.safetensors" | grep '^eval:'
+}
+train gdn
+train dn --set model.mixers=deltanet --set model.head_dim_v=64 --set model.tie_embeddings=true
+train gla --set model.mixers=gla --set model.head_dim_k=32 --set model.head_dim_v=64 --set model.tie_embeddings=true \
+  --set 'model.mixer_options[0].conv_size=0'
+echo "inputs in $out: python3 tests/fla/export_check.py $out/gdn $out/dn $out/gla"

@@ -1,0 +1,244 @@
+// Tests of framework/io/fla_format.*: export -> import is bit for bit (weights and model config) for
+// every kind that maps (Gated DeltaNet with convolutions and its own head, DeltaNet without
+// convolutions, GLA); the written folder has FLA's names, layouts ([C,1,K] convolutions) and config
+// keys; a folder as FLA writes it (bf16 weights, intermediate_size from hidden_ratio, no carry
+// metadata) imports; models that do not map are refused with their reasons; strict import refuses a
+// missing, misshapen or extra tensor and config values carry does not compute, naming them.
+#include "framework/io/fla_format.h"
+
+#include "framework/io/safetensors.h"
+#include "framework/train/model.h"
+#include "tests/helpers/temp_dir.h"
+#include "tests/paths.h"
+
+#include <gtest/gtest.h>
+
+#include <cstdio>
+#include <fstream>
+#include <functional>
+#include <sstream>
+#include <string>
+#include <tuple>
+
+namespace carry {
+namespace {
+
+using testing::make_temp_dir;
+using testing::remove_tree;
+
+ModelConfig small(const std::string& kind, int64_t conv, bool tie) {
+  ModelConfig m;
+  m.set_vocab_size(40);
+  m.set_d_model(32);
+  m.set_n_layers(2);
+  m.set_n_heads(2);
+  m.set_head_dim_k(kind == "gla" ? 8 : 16);
+  m.set_head_dim_v(kind == "gated_deltanet" ? 24 : 16);
+  m.set_mlp_ratio(2.0);
+  m.set_norm_eps(1e-5);
+  m.set_tie_embeddings(tie);
+  m.set_init_std(0.05);
+  m.add_mixers(kind);
+  auto* o = m.add_mixer_options();
+  o->set_chunk_size(16);
+  o->set_conv_size(conv);
+  return m;
+}
+
+std::string read(const std::string& path) {
+  std::ifstream f(path);
+  std::ostringstream s;
+  s << f.rdbuf();
+  return s.str();
+}
+
+void write(const std::string& path, const std::string& text) { std::ofstream(path) << text; }
+
+std::string message_of(const std::function<void()>& f) {
+  try {
+    f();
+  } catch (const std::exception& e) {
+    return e.what();
+  }
+  return "(no error)";
+}
+
+TEST(FlaFormat, ExportImportRoundTripIsBitExact) {
+  for (auto [kind, conv, tie] : {std::tuple<std::string, int64_t, bool>{"gated_deltanet", 4, false},
+                                 {"deltanet", 0, true}, {"gla", 0, true}}) {
+    SCOPED_TRACE(kind);
+    ModelConfig config = small(kind, conv, tie);
+    Model model = build_model(config, 7);
+    auto dir = make_temp_dir("carry_fla");
+    export_fla_folder(dir, config, model.parameters(), {});
+    ImportedModel back = import_fla_folder(dir);
+    EXPECT_EQ(config_to_text(back.model), config_to_text(config));
+    auto params = model.parameters();
+    ASSERT_EQ(back.weights.size(), params.size());
+    for (size_t i = 0; i < params.size(); ++i) {
+      EXPECT_EQ(back.weights[i].first, params[i].first);
+      EXPECT_TRUE(at::equal(back.weights[i].second, params[i].second.detach())) << params[i].first;
+    }
+    // FLA's names and layouts in the file.
+    std::map<std::string, std::string> meta;
+    auto tensors = load_safetensors(dir + "/model.safetensors", &meta);
+    EXPECT_EQ(meta["format"], "pt");
+    EXPECT_TRUE(tensors.count("model.embeddings.weight"));
+    EXPECT_TRUE(tensors.count("model.layers.1.attn_norm.weight"));
+    EXPECT_TRUE(tensors.count("model.layers.0.mlp.gate_proj.weight"));
+    EXPECT_EQ(tensors.count("lm_head.weight"), tie ? 0u : 1u);
+    EXPECT_TRUE(tensors.count(kind == "gla" ? "model.layers.0.attn.g_norm_swish_gate.weight"
+                                            : "model.layers.0.attn.o_norm.weight"));
+    if (conv > 0) {
+      EXPECT_EQ(tensors["model.layers.0.attn.q_conv1d.weight"].sizes(), (std::vector<int64_t>{32, 1, 4}));
+    }
+    std::string json = read(dir + "/config.json");
+    EXPECT_NE(json.find("\"intermediate_size\": 64"), std::string::npos) << json;
+    if (kind == "gated_deltanet") {
+      EXPECT_NE(json.find("\"model_type\": \"gated_deltanet\""), std::string::npos);
+      EXPECT_NE(json.find("\"head_dim\": 16"), std::string::npos);
+      EXPECT_NE(json.find("\"expand_v\": 1.5"), std::string::npos);
+    }
+    if (kind == "gla") EXPECT_NE(json.find("\"expand_k\": 0.5"), std::string::npos) << json;
+    remove_tree(dir);
+  }
+}
+
+TEST(FlaFormat, ImportsAFolderAsFlaWritesIt) {
+  // An FLA-written folder: bf16 weights, no carry metadata, intermediate_size from hidden_ratio
+  // (int(32 * 4 * 2/3) = 85, rounded up to 256), head_dim and expand_v.
+  ModelConfig expected = small("gated_deltanet", 4, true);
+  expected.set_mlp_ratio(8.0);  // 256 / 32
+  expected.mutable_mixer_options(0)->set_chunk_size(64);
+  Model model = build_model(expected, 3);
+  auto dir = make_temp_dir("carry_fla_native");
+  std::map<std::string, at::Tensor> tensors;
+  for (auto& [name, t] : model.parameters()) {
+    std::string fla = fla_parameter_name(expected, name);
+    ASSERT_FALSE(fla.empty()) << name;
+    auto v = t.detach().to(at::kBFloat16);
+    tensors[fla] = name.find("_conv.") != std::string::npos ? v.unsqueeze(1).contiguous() : v;
+  }
+  tensors["lm_head.weight"] = tensors["model.embeddings.weight"];  // a tied head may be saved too
+  save_safetensors(dir + "/model.safetensors", tensors, {{"format", "pt"}});
+  write(dir + "/config.json", R"({"model_type": "gated_deltanet", "hidden_size": 32, "num_hidden_layers": 2,
+    "num_heads": 2, "head_dim": 16, "expand_v": 1.5, "use_short_conv": true, "conv_size": 4,
+    "intermediate_size": null, "hidden_ratio": 4, "norm_eps": 1e-05, "vocab_size": 40,
+    "tie_word_embeddings": true, "initializer_range": 0.05, "attn": null, "transformers_version": "4.57"})");
+  ImportedModel m = import_fla_folder(dir);
+  EXPECT_EQ(config_to_text(m.model), config_to_text(expected));
+  auto params = model.parameters();
+  ASSERT_EQ(m.weights.size(), params.size());
+  for (size_t i = 0; i < params.size(); ++i) {
+    EXPECT_EQ(m.weights[i].first, params[i].first);
+    EXPECT_EQ(m.weights[i].second.scalar_type(), at::kFloat);
+    EXPECT_TRUE(at::equal(m.weights[i].second, params[i].second.detach().to(at::kBFloat16).to(at::kFloat)))
+        << params[i].first;
+  }
+
+  // Strictness: each message names the tensor or the key.
+  auto q = tensors["model.layers.1.attn.q_proj.weight"];
+  tensors.erase("model.layers.1.attn.q_proj.weight");
+  save_safetensors(dir + "/model.safetensors", tensors, {});
+  EXPECT_NE(message_of([&] { import_fla_folder(dir); }).find("'model.layers.1.attn.q_proj.weight' (carry's "
+                                                             "layers.1.mixer.q_proj.weight) is missing"),
+            std::string::npos);
+  tensors["model.layers.1.attn.q_proj.weight"] = q.narrow(0, 0, 16).contiguous();
+  save_safetensors(dir + "/model.safetensors", tensors, {});
+  EXPECT_NE(message_of([&] { import_fla_folder(dir); }).find("has shape [16, 32]; config.json implies [32, 32]"),
+            std::string::npos) << message_of([&] { import_fla_folder(dir); });
+  tensors["model.layers.1.attn.q_proj.weight"] = q;
+  tensors["model.layers.0.attn.extra.weight"] = q;
+  save_safetensors(dir + "/model.safetensors", tensors, {});
+  EXPECT_NE(message_of([&] { import_fla_folder(dir); }).find("model.layers.0.attn.extra.weight"), std::string::npos);
+  tensors.erase("model.layers.0.attn.extra.weight");
+  save_safetensors(dir + "/model.safetensors", tensors, {});
+  write(dir + "/config.json", R"({"model_type": "gated_deltanet", "hidden_size": 32, "num_hidden_layers": 2,
+    "num_heads": 2, "head_dim": 16, "expand_v": 1.5, "vocab_size": 40, "allow_neg_eigval": true})");
+  EXPECT_NE(message_of([&] { import_fla_folder(dir); }).find("\"allow_neg_eigval\": true"), std::string::npos);
+  write(dir + "/config.json", R"({"model_type": "rwkv7", "hidden_size": 32})");
+  EXPECT_NE(message_of([&] { import_fla_folder(dir); }).find("carry imports the FLA model types gated_deltanet, "
+                                                             "delta_net, gla"), std::string::npos);
+  write(dir + "/config.json", "{\"model_type\": ");
+  EXPECT_NE(message_of([&] { import_fla_folder(dir); }).find("config.json: not a JSON object"), std::string::npos);
+  remove_tree(dir);
+}
+
+TEST(FlaFormat, ShardedFolders) {
+  ModelConfig config = small("gla", 0, false);
+  Model model = build_model(config, 2);
+  auto dir = make_temp_dir("carry_fla_shards");
+  export_fla_folder(dir, config, model.parameters(), {});
+  auto all = load_safetensors(dir + "/model.safetensors");
+  std::map<std::string, at::Tensor> a, b;
+  std::string map;
+  for (auto& [name, t] : all) {
+    bool first = name.find("layers.1") == std::string::npos;
+    (first ? a : b)[name] = t;
+    map += std::string(map.empty() ? "" : ", ") + "\"" + name + "\": \"" + (first ? "a" : "b") + ".safetensors\"";
+  }
+  ::remove((dir + "/model.safetensors").c_str());
+  save_safetensors(dir + "/a.safetensors", a);
+  save_safetensors(dir + "/b.safetensors", b);
+  write(dir + "/model.safetensors.index.json", "{\"metadata\": {}, \"weight_map\": {" + map + "}}");
+  ImportedModel back = import_fla_folder(dir);
+  auto params = model.parameters();
+  for (size_t i = 0; i < params.size(); ++i) EXPECT_TRUE(at::equal(back.weights[i].second, params[i].second.detach()));
+  remove_tree(dir);
+}
+
+TEST(FlaFormat, RefusesModelsThatDoNotMapWithTheReasons) {
+  auto errors_of = [](const ModelConfig& m) {
+    std::string all;
+    for (auto& e : fla_export_errors(m)) all += e + "\n";
+    return all;
+  };
+  EXPECT_EQ(errors_of(small("gated_deltanet", 4, true)), "");
+  EXPECT_NE(errors_of(small("mamba2", 4, true)).find("no MLP"), std::string::npos);
+  EXPECT_NE(errors_of(small("gla", 4, true)).find("conv_size: 4 for gla"), std::string::npos);
+  ModelConfig hybrid = small("gated_deltanet", 4, true);
+  hybrid.add_mixers("softmax_attn");
+  std::string h = errors_of(hybrid);
+  EXPECT_NE(h.find("mix kinds (gated_deltanet, softmax_attn)"), std::string::npos) << h;
+  EXPECT_NE(h.find("rotary position embeddings"), std::string::npos) << h;
+  EXPECT_NE(errors_of(small("hla2", 0, true)).find("Kinds carry exports to FLA: gated_deltanet, deltanet, gla"),
+            std::string::npos);
+  ModelConfig odd = small("deltanet", 4, true);
+  odd.set_d_model(30);
+  odd.set_head_dim_k(7);
+  EXPECT_EQ(errors_of(odd), "");  // 14 / 30 * 30 rounds back to 14
+  auto dir = make_temp_dir("carry_fla_refused");
+  Model m = build_model(small("mamba2", 4, true), 1);
+  std::string msg = message_of([&] { export_fla_folder(dir, small("mamba2", 4, true), m.parameters(), {}); });
+  EXPECT_NE(msg.find("cannot be written as an FLA model"), std::string::npos) << msg;
+  EXPECT_FALSE(testing::exists(dir + "/config.json"));
+  remove_tree(dir);
+}
+
+// Which of the shipped model presets export (README.md lists the same).
+TEST(FlaFormat, PresetsThatExport) {
+  const std::string dir = std::string(CARRY_SOURCE_DIR) + "/configs/models/";
+  for (const char* name : {"gated_deltanet_125m", "gated_deltanet_340m", "gla_125m", "gla_340m"})
+    EXPECT_TRUE(fla_export_errors(load_model_config(dir + name + ".textproto")).empty()) << name;
+  for (const char* name : {"mamba2_125m", "mamba2_340m", "hybrid_gdn_swa_125m", "hla_125m", "loglinear_gdn_125m"})
+    EXPECT_FALSE(fla_export_errors(load_model_config(dir + name + ".textproto")).empty()) << name;
+  // carry's Gated DeltaNet 125M preset is FLA's config of the same shapes (shared/anchors/fla_train.py).
+  std::string json = fla_config_json(load_model_config(dir + "gated_deltanet_125m.textproto"));
+  for (const char* field : {"\"hidden_size\": 768", "\"num_hidden_layers\": 12", "\"num_heads\": 4", "\"head_dim\": 128",
+                            "\"expand_v\": 2.0", "\"conv_size\": 4", "\"vocab_size\": 32000", "\"tie_word_embeddings\": true"})
+    EXPECT_NE(json.find(field), std::string::npos) << field << " in\n" << json;
+}
+
+TEST(FlaFormat, ExportsBf16WhenAsked) {
+  ModelConfig config = small("deltanet", 4, true);
+  Model model = build_model(config, 4);
+  auto dir = make_temp_dir("carry_fla_bf16");
+  FlaExportOptions opt;
+  opt.dtype = at::kBFloat16;
+  export_fla_folder(dir, config, model.parameters(), opt);
+  for (auto& [name, t] : load_safetensors(dir + "/model.safetensors")) EXPECT_EQ(t.scalar_type(), at::kBFloat16) << name;
+  remove_tree(dir);
+}
+
+}  // namespace
+}  // namespace carry
