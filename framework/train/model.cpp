@@ -1,11 +1,13 @@
 // Model assembly (model.h): config → per-layer MixerLayerSpec → blocks; forward, losses, parameters.
 #include "framework/train/model.h"
 
+#include "layers/common/nvtx.h"
 #include "layers/recompute.h"
 
 #include <c10/util/Exception.h>
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstdio>
 #include <map>
@@ -87,8 +89,18 @@ Tensor Model::hidden(const Tensor& tokens, const ModelContext& ctx) const {
   auto shared = std::make_shared<const ModelContext>(ctx);
   for (size_t i = 0; i < blocks_.size(); ++i) {
     const ModelBlock* b = &blocks_[i];
-    auto block = [b, shared](const Tensor& x) {
-      auto y = x + b->mixer->forward(b->mixer_norm.forward(x), {}, shared->slice).y;
+    // NVTX names (layers/common/nvtx.h): "layer i kind" around the block, "mixer kind" and "mlp" inside;
+    // a recomputed block shows them again in the backward.
+    auto names = std::make_shared<const std::array<std::string, 2>>(
+        std::array<std::string, 2>{"layer " + std::to_string(i) + " " + b->mixer->spec().kind, "mixer " + b->mixer->spec().kind});
+    auto block = [b, shared, names](const Tensor& x) {
+      NvtxRange layer((*names)[0]);
+      Tensor y;
+      {
+        NvtxRange mixer((*names)[1]);
+        y = x + b->mixer->forward(b->mixer_norm.forward(x), {}, shared->slice).y;
+      }
+      NvtxRange mlp("mlp");
       return y + b->mlp.forward(b->mlp_norm.forward(y));
     };
     if (!ctx.recompute) {

@@ -1,8 +1,10 @@
 // The training loop (README.md, Design §4): a dp × sp grid of ranks, every rank holding the full parameters.
 // Per step:
-//   batch     dp rank d takes sequences [d·B, (d+1)·B) of the step's global batch (MQAR / needle:
-//             pure functions of (seed, step, global index); token files: consecutive windows of
-//             seq_len+1 tokens from the data cursor); sp rank r keeps tokens [r·T/P, (r+1)·T/P);
+//   batch     dp rank d takes sequences [d·A·B, (d+1)·A·B) of the step's global batch of dp·A·B
+//             (A = optimizer.grad_accum_steps micro-batches of B = data.batch_size, forward and
+//             backward one after another, gradients summed); every sequence is a pure function of
+//             (seed, step, global index): MQAR / needle draw it, token files pick a window
+//             (framework/data/token_dataset.h); sp rank r keeps tokens [r·T/P, (r+1)·T/P);
 //   forward   the model in the slice context of parallel::make_slice_context (the state scan over the
 //             sp communicator in the config's scan_mode, the halo exchange; sp == 1: the plain
 //             forward of each family);
@@ -25,6 +27,7 @@
 #include "framework/train/optimizer.h"
 #include "parallel/process_group.h"
 
+#include <algorithm>
 #include <cstdint>
 #include <cstdio>
 #include <functional>
@@ -35,6 +38,7 @@
 namespace carry {
 
 struct CheckpointData;  // framework/io/checkpoint.h
+class TokenDataset;     // framework/data/token_dataset.h
 struct StepStats;
 
 // The peak rates the MFU estimate divides by (per rank): an assumed figure, not a measurement.
@@ -118,7 +122,10 @@ class Trainer {
   struct Batch {
     at::Tensor tokens, targets, loss_mask;  // this rank's slice [B, T/sp]
   };
-  Batch batch_for(int64_t step, bool eval) const;
+  // Micro-batch `micro` (of optimizer.grad_accum_steps) of a step; eval: batch `step` of the evaluation.
+  Batch batch_for(int64_t step, int64_t micro, bool eval) const;
+  int64_t grad_accum_steps() const { return std::max<int64_t>(1, config_.optimizer().grad_accum_steps()); }
+  void open_token_data();
   // The model context of this rank's slice (sequence parallelism, recomputation).
   ModelContext context() const { return context_; }
   ModelContext context_;  // built once (the sp layout is agreed then, not per layer call)
@@ -128,7 +135,6 @@ class Trainer {
   std::string divergence_hint() const;  // what to try after a non-finite loss
   // Copies a loaded checkpoint into the model and the optimizer (checking names and shapes).
   void apply_checkpoint(const CheckpointData& d);
-  void write_metrics(const std::string& json_line) const;
 
   RunConfig config_;
   std::shared_ptr<parallel::ProcessGroups> groups_;
@@ -140,8 +146,7 @@ class Trainer {
   bool bf16_ = false;  // precision BF16: forward under bf16 autocast
   bool time_is_up_ = false;  // max_minutes passed on this rank (sent with the next step's loss sum)
   int64_t step_ = 0, tokens_seen_ = 0;
-  struct TokenStream;
-  std::shared_ptr<TokenStream> train_stream_, eval_stream_;
+  std::shared_ptr<TokenDataset> train_data_, eval_data_;
 };
 
 }  // namespace carry
