@@ -697,6 +697,13 @@ void check_run(const RunConfig& c, Errors& e) {
         if (t.eval_paths(i).empty()) e.add("data.token_files.eval_paths[" + std::to_string(i) + "]", "is empty");
       if (c.logging().eval_every_steps() > 0 && t.eval_paths().empty())
         e.add("logging.eval_every_steps", "evaluation needs data.token_files.eval_paths");
+      if (t.eod_token() < -1 || (m.vocab_size() > 0 && t.eod_token() >= m.vocab_size()))
+        e.add("data.token_files.eod_token", "must be -1 (no document resets) or an id below model.vocab_size (",
+              m.vocab_size(), "), got ", t.eod_token());
+      if (t.eod_token() >= 0 && c.parallel().sp() > 1 && c.parallel().scan_mode() != config::ParallelConfig::ORDERED)
+        e.add("data.token_files.eod_token", "document resets under sequence parallelism need parallel.scan_mode: "
+              "ORDERED (the tree and allgather scans do not reset their state summaries yet); got sp = ",
+              c.parallel().sp(), " with ", config::ParallelConfig::ScanMode_Name(c.parallel().scan_mode()));
       break;
     }
     case DataConfig::kMqar: {

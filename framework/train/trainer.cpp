@@ -285,9 +285,11 @@ Trainer::Batch Trainer::batch_for(int64_t step, int64_t micro, bool eval) const 
     targets = window.narrow(1, 1, T).contiguous();
     mask = at::ones({B, T}, at::kBool);
   }
+  at::Tensor starts;  // packed documents: a document starts at every end-of-document token
+  if (data.has_token_files() && data.token_files().eod_token() >= 0) starts = tokens.eq(data.token_files().eod_token());
   const int64_t Tp = T / sp_;
   auto slice = [&](const at::Tensor& x) { return x.narrow(1, sp_rank_ * Tp, Tp).contiguous().to(device_); };
-  return {slice(tokens), slice(targets), slice(mask)};
+  return {slice(tokens), slice(targets), slice(mask), starts};
 }
 
 
@@ -344,7 +346,7 @@ StepStats Trainer::train_step() {
     at::Tensor ce;
     {
       AutocastScope autocast(device_.type(), at::kBFloat16, bf16_);
-      ce = model_.token_losses(batch.tokens, batch.targets.clamp_min(0), context());
+      ce = model_.token_losses(batch.tokens, batch.targets.clamp_min(0), context(batch));
     }
     auto w = batch.loss_mask.to(ce.options());
     // [Σ ce·mask, Σ mask, stop signals] over all ranks; the loss each rank back-propagates is its share
@@ -376,7 +378,7 @@ StepStats Trainer::train_step() {
       at::Tensor ce;
       {
         AutocastScope autocast(device_.type(), at::kBFloat16, bf16_);
-        ce = model_.token_losses(batch.tokens, batch.targets.clamp_min(0), context());
+        ce = model_.token_losses(batch.tokens, batch.targets.clamp_min(0), context(batch));
       }
       auto w = batch.loss_mask.to(ce.options());
       auto part = (ce.detach() * w).sum().to(at::kDouble);
@@ -436,7 +438,7 @@ EvalStats Trainer::evaluate() {
     at::Tensor logits;
     {
       AutocastScope autocast(device_.type(), at::kBFloat16, bf16_);
-      logits = model_.forward(batch.tokens, context());
+      logits = model_.forward(batch.tokens, context(batch));
     }
     auto dt = at::promote_types(logits.scalar_type(), at::kFloat);
     auto logp = at::log_softmax(logits.to(dt), -1);

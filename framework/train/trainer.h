@@ -121,6 +121,7 @@ class Trainer {
  private:
   struct Batch {
     at::Tensor tokens, targets, loss_mask;  // this rank's slice [B, T/sp]
+    at::Tensor document_starts;             // the whole sequence [B, T], CPU bool (eod_token set), else undefined
   };
   // Micro-batch `micro` (of optimizer.grad_accum_steps) of a step; eval: batch `step` of the evaluation.
   Batch batch_for(int64_t step, int64_t micro, bool eval) const;
@@ -128,6 +129,11 @@ class Trainer {
   void open_token_data();
   // The model context of this rank's slice (sequence parallelism, recomputation).
   ModelContext context() const { return context_; }
+  ModelContext context(const Batch& b) const {
+    ModelContext c = context_;
+    c.document_starts = b.document_starts;
+    return c;
+  }
   ModelContext context_;  // built once (the sp layout is agreed then, not per layer call)
   void all_reduce(at::Tensor& t, bool sp_only = false) const;
   void log(const char* fmt, ...) const;
