@@ -244,7 +244,7 @@ std::string memory_report(const MemoryEstimate& m, const RunConfig& config) {
   const auto& par = config.parallel();
   auto row = [&](const std::string& what, double bytes, const std::string& note = "") {
     char buf[160];
-    std::snprintf(buf, sizeof buf, "  %-34s %12s%s%s\n", what.c_str(), bytes_text(bytes).c_str(), note.empty() ? "" : "   ",
+    std::snprintf(buf, sizeof buf, "  %-38s %11s%s%s\n", what.c_str(), bytes_text(bytes).c_str(), note.empty() ? "" : "   ",
                   note.c_str());
     os << buf;
   };
