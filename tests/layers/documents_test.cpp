@@ -6,6 +6,7 @@
 // boundary and at position 0. A change to one document's tokens leaves every other document's outputs
 // exactly as they were.
 #include "tests/helpers/mixer_testing.h"
+#include "tests/helpers/one_thread.h"
 
 #include <ATen/core/grad_mode.h>
 #include <torch/csrc/autograd/autograd.h>
@@ -62,6 +63,7 @@ Run differentiate(const Mixer& m, const MixerInputs& in, const State& st,
 }
 
 TEST_P(Documents, EachDocumentRunsAsIfAlone) {
+  OneCpuThread one_thread;
   const Mixer& m = mixer();
   Shape s;
   s.B = 3;

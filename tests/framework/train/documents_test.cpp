@@ -7,6 +7,7 @@
 #include "framework/train/model.h"
 #include "framework/train/trainer.h"
 #include "tests/helpers/temp_dir.h"
+#include "tests/helpers/one_thread.h"
 
 #include <ATen/core/grad_mode.h>
 #include <gtest/gtest.h>
@@ -33,6 +34,7 @@ data { mqar { num_kv_pairs: 2 num_queries: 2 vocab_size: 40 } seq_len: 48 batch_
 }
 
 TEST(ModelDocuments, EachDocumentGivesTheLogitsItGivesAlone) {
+  OneCpuThread one_thread;
   auto model = build_model(hybrid(), 3, at::TensorOptions().dtype(at::kDouble));
   at::manual_seed(4);
   auto tokens = at::randint(40, {2, 48}, at::kLong);
@@ -61,6 +63,7 @@ TEST(ModelDocuments, EachDocumentGivesTheLogitsItGivesAlone) {
 }
 
 TEST(TrainerDocuments, EodTokenStartsDocuments) {
+  OneCpuThread one_thread;
   auto dir = make_temp_dir("carry_documents");
   std::vector<uint32_t> t(2000);
   for (size_t i = 0; i < t.size(); ++i) t[i] = i % 23 == 0 ? 0 : 1 + (i * 7 + i / 5) % 39;

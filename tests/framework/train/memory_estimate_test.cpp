@@ -5,6 +5,7 @@
 #include "framework/train/memory_estimate.h"
 
 #include "framework/train/model.h"
+#include "tests/helpers/one_thread.h"
 
 #include <gtest/gtest.h>
 
@@ -12,6 +13,8 @@
 
 namespace carry {
 namespace {
+
+using testing::OneCpuThread;
 
 TEST(MemoryEstimate, CountingAllocatorSeesWhatStaysAndThePeak) {
   at::Tensor kept;
@@ -50,6 +53,7 @@ double block_bytes(const Model& model, int i, int64_t B, int64_t t) {
 }
 
 TEST(MemoryEstimate, ExtrapolationMatchesADirectMeasurement) {
+  OneCpuThread one_thread;
   auto cfg = run_config_from_text(kRun, "memory.textproto");
   auto m = estimate_memory(cfg);
   Model full = build_model(cfg.model(), cfg.seed());

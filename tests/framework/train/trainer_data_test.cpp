@@ -10,6 +10,7 @@
 #include "framework/train/run_log.h"
 #include "framework/train/trainer.h"
 #include "tests/helpers/temp_dir.h"
+#include "tests/helpers/one_thread.h"
 
 #include <gtest/gtest.h>
 
@@ -78,6 +79,7 @@ std::string read_all(std::FILE* f) {
 }
 
 TEST_F(TrainerData, GlobShardsTrainAndTheLinesSayWhatTheyShould) {
+  OneCpuThread one_thread;
   std::FILE* log = std::tmpfile();
   auto o = quiet();
   o.log = log;
@@ -124,6 +126,7 @@ TEST_F(TrainerData, AnIdOutsideTheVocabularyStopsTheRunBeforeAnyStep) {
 // The losses and parameters after 2 steps of (batch 4) and of (2 micro-batches of 2), in fp64, on token
 // files and on MQAR; and a check that the comparison can fail (other sequences give other losses).
 TEST_F(TrainerData, GradAccumulationOfHalfBatchesEqualsTheFullBatch) {
+  OneCpuThread one_thread;
   for (bool tokens : {true, false}) {
     auto run = [&](std::vector<std::string> o) {
       if (!tokens) {
@@ -169,6 +172,7 @@ std::vector<std::string> event_files(const std::string& dir) {
 // --max-steps 3 with an eval every 3 steps: the eval of step 3 is written before the stop. Then a run
 // that dies after step 5 (its checkpoint is step 4): resumed, step 5 is written once.
 TEST_F(TrainerData, StopsAndCrashesLoseNoEvalAndLeaveNoDuplicate) {
+  OneCpuThread one_thread;
   const std::string metrics = dir_ + "/run/metrics.jsonl";
   auto cfg = config({"logging.eval_every_steps=3", "checkpoint.dir=" + dir_ + "/ck", "checkpoint.every_steps=2",
                      "logging.metrics_file=" + metrics});

@@ -4,6 +4,7 @@
 #include "layers/common/nvtx.h"
 
 #include "framework/train/model.h"
+#include "tests/helpers/one_thread.h"
 
 #include <gtest/gtest.h>
 
@@ -12,6 +13,8 @@
 
 namespace carry {
 namespace {
+
+using testing::OneCpuThread;
 
 std::vector<std::string> g_events;
 
@@ -35,6 +38,7 @@ TEST(Nvtx, RangesNestAndBalance) {
 }
 
 TEST(Nvtx, ModelLayersAreNamed) {
+  OneCpuThread one_thread;
   ModelConfig mc;
   mc.set_vocab_size(16), mc.set_d_model(16), mc.set_n_layers(2), mc.set_n_heads(2);
   mc.add_mixers("gated_deltanet");
