@@ -30,7 +30,7 @@ const char* const kUsage =
     "  launch      start a training run on a cluster with mpirun (carry launch --help)\n"
     "  mixer       run a mixer family on tensors from a safetensors file (carry mixer --help)\n"
     "  scan-bench  sequence-parallel forward vs the serial run, under mpirun (carry scan-bench --help)\n"
-    "  tokenize    turn text files into a token file (byte-level)\n"
+    "  tokenize    turn text files into a token file (byte, SentencePiece, BPE; carry tokenize --help)\n"
     "  train       train a model from a run config (under mpirun; launcher/train starts it)\n"
     "\n"
     "  --help      this text\n"

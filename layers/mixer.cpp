@@ -136,6 +136,7 @@ Form Mixer::resolve_form(const MixerInputs& in, const MixerOptions& opt) const {
 
 MixerOutput Mixer::forward(const MixerInputs& in, const State& initial_state,
                            const MixerOptions& opt) const {
+  if (opt.document_starts.defined()) return forward_documents(*this, in, initial_state, opt);
   switch (resolve_form(in, opt)) {
     case Form::naive: return naive(in, initial_state, opt);
     case Form::kernel: return kernel(in, initial_state, opt);
@@ -156,6 +157,85 @@ Summary Mixer::compose(const Summary&, const Summary&) const {
 }
 State Mixer::apply(const Summary&, const State&) const {
   TORCH_CHECK(false, name(), " has no recurrent state, so no state summary");
+}
+
+// ---- packed documents ----
+
+MixerOutput forward_documents(const Mixer& mixer, const MixerInputs& in, const State& initial_state,
+                              const MixerOptions& opt) {
+  const Tensor& q = in.q.defined() ? in.q : in.get(mixer.input_names().at(0));
+  TORCH_CHECK(q.defined() && q.dim() >= 2, mixer.name(), ": packed documents need inputs [B, T, ...]");
+  const int64_t B = q.size(0), T = q.size(1);
+  const Tensor& starts = opt.document_starts;
+  TORCH_CHECK(starts.dim() == 2 && starts.size(0) == B && starts.size(1) == T && starts.scalar_type() == at::kBool &&
+                  starts.device().is_cpu(),
+              mixer.name(), ": document_starts must be a CPU bool tensor [B, T] = [", B, ", ", T, "], got ",
+              starts.scalar_type(), " ", shape_str(starts.sizes()), " on ", starts.device());
+  TORCH_CHECK(opt.document_offsets.empty() || static_cast<int64_t>(opt.document_offsets.size()) == B, mixer.name(),
+              ": document_offsets must hold one offset a sequence (", B, "), got ", opt.document_offsets.size());
+  const auto flags = starts.contiguous();
+  const bool* f = flags.data_ptr<bool>();
+  const bool stateful = mixer.has_summary();
+  MixerOptions base = opt;
+  base.document_starts = Tensor();
+  base.document_offsets.clear();
+  const int64_t C = std::max<int64_t>(1, opt.chunk_size);
+  State zero = stateful ? mixer.zero_state(in, base) : State{};
+  auto batch = [](const State& s, int64_t b) {
+    State out;
+    for (auto& t : s) out.push_back(t.narrow(0, b, 1));
+    return out;
+  };
+  std::vector<Tensor> outputs;
+  std::vector<State> finals;
+  for (int64_t b = 0; b < B; ++b) {
+    MixerInputs in_b;
+    for (const auto& n : MixerInputs::names())
+      if (in.get(n).defined()) in_b.get(n) = in.get(n).narrow(0, b, 1);
+    std::vector<int64_t> cuts{0};
+    for (int64_t p = 1; p < T; ++p)
+      if (f[b * T + p]) cuts.push_back(p);
+    cuts.push_back(T);
+    State s = f[b * T] || initial_state.empty() ? (stateful ? batch(zero, b) : State{}) : batch(initial_state, b);
+    std::vector<Tensor> pieces;
+    for (size_t k = 0; k + 1 < cuts.size(); ++k) {
+      const int64_t a = cuts[k], len = cuts[k + 1] - a;
+      if (k > 0 && stateful) s = batch(zero, b);  // a document starts here
+      MixerOptions o = base;
+      const bool continues = k == 0 && !f[b * T];
+      o.offset = continues ? (opt.document_offsets.empty() ? opt.offset : opt.document_offsets[b]) : 0;
+      const MixerInputs piece = in_b.slice(a, len);
+      const int64_t whole = o.offset % C == 0 ? len / C * C : 0;
+      if (!stateful) {
+        MixerOutput r = whole == len ? mixer.forward(piece, s, o) : mixer.naive(piece, s, o);
+        pieces.push_back(r.o);
+        continue;
+      }
+      if (whole > 0) {
+        MixerOutput r = mixer.forward(piece.slice(0, whole), s, o);
+        pieces.push_back(r.o);
+        s = r.final_state;
+      }
+      if (whole < len) {
+        MixerOptions tail = o;
+        tail.offset = o.offset + whole;
+        MixerOutput r = mixer.naive(piece.slice(whole, len - whole), s, tail);
+        pieces.push_back(r.o);
+        s = r.final_state;
+      }
+    }
+    outputs.push_back(pieces.size() == 1 ? pieces[0] : at::cat(pieces, 1));
+    finals.push_back(s);
+  }
+  MixerOutput out;
+  out.o = B == 1 ? outputs[0] : at::cat(outputs, 0);
+  if (stateful)
+    for (size_t i = 0; i < finals[0].size(); ++i) {
+      std::vector<Tensor> parts;
+      for (auto& st : finals) parts.push_back(st[i]);
+      out.final_state.push_back(B == 1 ? parts[0] : at::cat(parts, 0));
+    }
+  return out;
 }
 
 }  // namespace carry

@@ -65,6 +65,13 @@ struct MixerOptions {
   int64_t offset = 0;        // absolute position of the slice's first token (log-linear levels)
   Form form = Form::automatic;  // which form Mixer::forward runs
   bool check_values = false;    // also check values (finite, gate ranges): a device-to-host read
+  // Packed documents (FLA's cu_seqlens), honoured by Mixer::forward: a document starts at every
+  // position p where document_starts[b, p] is true ([B, T] bool, on the CPU); the state is reset to
+  // zero before token p and no token reaches another document. Undefined: one document.
+  Tensor document_starts;
+  // Per sequence, the position of this slice's first token within its document (where log-linear
+  // levels count from); empty: `offset` for every sequence.
+  std::vector<int64_t> document_offsets;
 
   double scale_for(int64_t dk) const;
 };
@@ -114,7 +121,8 @@ class Mixer {
                              const MixerOptions& opt) const;
 
   // The one dispatch every caller uses: the form opt.form names, `automatic` resolved by
-  // resolve_form. Differentiable in every input and the initial state.
+  // resolve_form. Differentiable in every input and the initial state. With opt.document_starts,
+  // every family runs document by document (forward_documents below).
   MixerOutput forward(const MixerInputs& in, const State& initial_state, const MixerOptions& opt) const;
   Form resolve_form(const MixerInputs& in, const MixerOptions& opt) const;
 
@@ -125,6 +133,16 @@ class Mixer {
   virtual Summary compose(const Summary& first, const Summary& second) const;
   virtual State apply(const Summary& summary, const State& state) const;
 };
+
+// Packed documents for every family, generically: per sequence, each piece between document starts
+// runs on its own, from the zero state when it starts a document (the first piece, when the slice does
+// not start with a document, from the initial state); a piece's whole chunks run in the form that
+// opt.form / the dispatch picks, its last partial chunk in the naive form from the state the chunks
+// left (softmax attention, which has no state, runs a piece with a partial chunk in the naive form
+// whole; a piece at an offset that is not a multiple of the chunk size, which log-linear's chunkwise
+// form cannot start at, does too). The final state is the last piece's. Exact: every form is.
+MixerOutput forward_documents(const Mixer& mixer, const MixerInputs& in, const State& initial_state,
+                              const MixerOptions& opt);
 
 // Registry. Families register themselves at static-initialization time with CARRY_REGISTER_MIXER
 // (layers is an OBJECT library, so every registration is linked).

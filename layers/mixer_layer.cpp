@@ -43,7 +43,16 @@ std::string mixer_layer_family(const std::string& kind) {
   return k ? k->family : "";
 }
 
-Tensor causal_conv1d(const Tensor& x, const Tensor& weight, const Tensor& halo) {
+Tensor document_start_of(const Tensor& starts, int64_t offset, int64_t T) {
+  TORCH_CHECK(starts.dim() == 2 && starts.scalar_type() == at::kBool && offset >= 0 && offset + T <= starts.size(1),
+              "document starts must be [B, N] bool covering positions [", offset, ", ", offset + T, "), got ",
+              starts.scalar_type(), " ", shape_str(starts.sizes()));
+  auto pos = at::arange(starts.size(1), at::kLong).expand_as(starts);
+  auto latest = std::get<0>(at::where(starts.cpu(), pos, at::full_like(pos, -1)).cummax(1));
+  return latest.narrow(1, offset, T).contiguous();
+}
+
+Tensor causal_conv1d(const Tensor& x, const Tensor& weight, const Tensor& halo, const Tensor& tap_mask) {
   TORCH_CHECK(x.dim() == 3, "causal_conv1d: x must be [B, T, C], got ", shape_str(x.sizes()));
   int64_t B = x.size(0), C = x.size(2);
   TORCH_CHECK(weight.dim() == 2 && weight.size(0) == C && weight.size(1) >= 1,
@@ -54,10 +63,14 @@ Tensor causal_conv1d(const Tensor& x, const Tensor& weight, const Tensor& halo) 
               "causal_conv1d: halo must be [", B, ", ", K - 1, ", ", C, "] (the K-1 tokens before the "
               "slice), got ", shape_str(before.sizes()));
   auto xp = at::cat({before.to(x.scalar_type()), x}, 1);  // [B, K-1+T, C]
+  TORCH_CHECK(!tap_mask.defined() || tap_mask.sizes() == at::IntArrayRef({B, T, K}),
+              "causal_conv1d: tap_mask must be [", B, ", ", T, ", ", K, "], got ",
+              tap_mask.defined() ? shape_str(tap_mask.sizes()) : std::string("undefined"));
   // Taps in a fixed order j = 0..K-1 (oldest token first); each output depends on tokens ≤ t only.
   Tensor y;
   for (int64_t j = 0; j < K; ++j) {
     auto term = xp.narrow(1, j, T) * weight.select(1, j);
+    if (tap_mask.defined()) term = term * tap_mask.select(2, j).unsqueeze(-1).to(term.scalar_type());
     y = y.defined() ? y + term : term;
   }
   return y;
@@ -175,6 +188,15 @@ MixerLayer::Projected MixerLayer::project(const Tensor& x, const MixerLayerConte
               "': x must be [B, T, ", spec_.d_model, "], got ", shape_str(x.sizes()));
   const int64_t B = x.size(0), T = x.size(1), H = spec_.n_heads, dk = spec_.head_dim_k,
                 dv = spec_.head_dim_v, K = spec_.conv_size;
+  // Packed documents: tap j of token t (at absolute position offset+t) reads position offset+t-K+1+j,
+  // which counts only from t's document start on.
+  Tensor tap_mask;
+  if (ctx.document_starts.defined() && K > 1) {
+    auto start = document_start_of(ctx.document_starts, ctx.offset, T);                     // [B,T]
+    auto source = at::arange(ctx.offset - K + 1, ctx.offset - K + 1 + T, at::kLong).view({1, T, 1}) +
+                  at::arange(K, at::kLong).view({1, 1, K});                                   // [1,T,K]
+    tap_mask = (source >= start.unsqueeze(-1)).to(x.device());
+  }
   // The K-1 tokens before the slice of `pre` (concatenated channels), split back per tensor.
   auto convolve = [&](std::vector<Tensor> pre, std::vector<Tensor> weights) {
     if (K == 0) return pre;
@@ -184,7 +206,7 @@ MixerLayer::Projected MixerLayer::project(const Tensor& x, const MixerLayerConte
     int64_t c0 = 0;
     for (size_t i = 0; i < pre.size(); ++i) {
       int64_t c = pre[i].size(-1);
-      out.push_back(causal_conv1d(pre[i], weights[i], halo.defined() ? halo.narrow(-1, c0, c) : Tensor()));
+      out.push_back(causal_conv1d(pre[i], weights[i], halo.defined() ? halo.narrow(-1, c0, c) : Tensor(), tap_mask));
       c0 += c;
     }
     return out;
@@ -273,6 +295,20 @@ MixerLayerOutput MixerLayer::forward(const Tensor& x, const State& initial_state
   auto p = project(x, ctx);
   const int64_t B = x.size(0), T = x.size(1);
   auto opt = mixer_options(T, ctx);
+  if (ctx.document_starts.defined()) {
+    // This slice's document starts (with the halo's positions before it when a sliding window took
+    // them), and where each sequence's first document began, for log-linear's levels.
+    const int64_t first = ctx.offset - p.kv_halo, n = T + p.kv_halo;
+    TORCH_CHECK(ctx.document_starts.size(0) == B && first >= 0 && first + n <= ctx.document_starts.size(1),
+                "mixer layer '", spec_.kind, "': document_starts must be [", B, ", sequence length] covering positions [",
+                first, ", ", first + n, "), got ", shape_str(ctx.document_starts.sizes()));
+    opt.document_starts = ctx.document_starts.narrow(1, first, n).cpu().contiguous();
+    auto start = document_start_of(ctx.document_starts, first, 1);
+    for (int64_t b = 0; b < B; ++b) {
+      const int64_t s0 = start[b][0].item<int64_t>();
+      opt.document_offsets.push_back(s0 >= 0 ? first - s0 : first);
+    }
+  }
   MixerOutput out;
   {
     // Under autocast the core (chunkwise form, recurrent state, cross-rank scan) still runs in fp32;

@@ -90,6 +90,11 @@ struct MixerLayerContext {
   // the convolutions (on q, k, v concatenated) and once for a sliding window (on k, v concatenated);
   // differentiable in x.
   std::function<Tensor(const Tensor& x, int64_t halo)> halo;
+  // Packed documents: [B, sequence length] bool on the CPU, true where a document starts (the whole
+  // sequence, on every rank). The family's state restarts there (MixerOptions::document_starts), the
+  // short convolutions and a sliding window see only the document's own tokens. Undefined: one
+  // document a sequence.
+  Tensor document_starts;
 };
 
 struct MixerLayerOutput {
@@ -138,7 +143,12 @@ class MixerLayer {
 
 // Short causal depthwise convolution over time: y[:,t,c] = Σ_j weight[c,j] · x[:, t−K+1+j, c] with
 // K = weight.size(1); positions before the slice come from `halo` [B,K−1,C] (undefined = zeros, the
-// sequence start). x [B,T,C].
-Tensor causal_conv1d(const Tensor& x, const Tensor& weight, const Tensor& halo = {});
+// sequence start). x [B,T,C]. `tap_mask` [B,T,K] (optional, 0 or 1): tap j of output t counts only
+// where it is 1 (packed documents: a token's taps stop at its document's start).
+Tensor causal_conv1d(const Tensor& x, const Tensor& weight, const Tensor& halo = {}, const Tensor& tap_mask = {});
+
+// For packed documents: `starts` [B, N] bool (the whole sequence) -> for positions [offset, offset+T),
+// the position of the latest document start at or before each ([B, T] int64; -1 where none).
+Tensor document_start_of(const Tensor& starts, int64_t offset, int64_t T);
 
 }  // namespace carry

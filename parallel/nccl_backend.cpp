@@ -16,6 +16,8 @@
 // (ncclCommAbort) and the failure handled as CommOptions says (MPI_Abort, or CommError).
 #include "parallel/process_group.h"
 
+#include "layers/common/nvtx.h"
+
 #include <c10/util/Exception.h>
 
 #if defined(CARRY_WITH_CUDA) && defined(__has_include)
@@ -168,6 +170,7 @@ class NcclCommunicator final : public Communicator {
   const CommOptions& options() const override { return opt_; }
 
   void send_recv(const Tensor& out, int dst, Tensor& in, int src, int tag) override {
+    NvtxRange range("send_recv " + opt_.name);
     std::string op;
     std::vector<int> peers;
     Tensor sbuf, rbuf;
@@ -204,6 +207,7 @@ class NcclCommunicator final : public Communicator {
   }
 
   std::vector<Tensor> all_gather(const Tensor& t) override {
+    NvtxRange range("all_gather " + opt_.name);
     Tensor buf = on_device(t);
     auto sizes = t.sizes().vec();
     sizes.insert(sizes.begin(), size_);
@@ -218,6 +222,7 @@ class NcclCommunicator final : public Communicator {
   }
 
   void all_reduce_sum(Tensor& t) override {
+    NvtxRange range("all_reduce_sum " + opt_.name);
     Tensor buf = on_device(t).clone();
     auto type = nccl_type_of(buf.scalar_type());
     run(describe("all_reduce_sum", buf.nbytes(), -1, "", -1), all_peers(), {buf},
@@ -229,6 +234,7 @@ class NcclCommunicator final : public Communicator {
   }
 
   void broadcast(Tensor& t, int root) override {
+    NvtxRange range("broadcast " + opt_.name);
     check_peer(root, "broadcast");
     Tensor buf = on_device(t).clone();
     run(describe("broadcast", buf.nbytes(), -1, "from root", root), all_peers(), {buf},
@@ -240,6 +246,7 @@ class NcclCommunicator final : public Communicator {
   }
 
   void barrier() override {
+    NvtxRange range("barrier " + opt_.name);
     Tensor one = at::ones({1}, at::TensorOptions().dtype(at::kFloat).device(device()));
     run("barrier", all_peers(), {one}, [&](cudaStream_t s) {
       return nccl().AllReduce(one.data_ptr(), one.data_ptr(), 1, ncclFloat32, ncclSum, comm_, s);

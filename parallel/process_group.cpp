@@ -5,6 +5,8 @@
 // completes only once its peer takes part (a missing receiver is then caught too).
 #include "parallel/process_group.h"
 
+#include "layers/common/nvtx.h"
+
 #include <c10/util/Exception.h>
 
 #include <algorithm>
@@ -137,6 +139,7 @@ class MpiCommunicator final : public Communicator {
   const CommOptions& options() const override { return opt_; }
 
   void send_recv(const Tensor& out, int dst, Tensor& in, int src, int tag) override {
+    NvtxRange range("send_recv " + opt_.name);
     std::string op;
     std::vector<int> peers;
     if (dst >= 0) {
@@ -175,6 +178,7 @@ class MpiCommunicator final : public Communicator {
   }
 
   std::vector<Tensor> all_gather(const Tensor& t) override {
+    NvtxRange range("all_gather " + opt_.name);
     enter("all_gather", all_peers());
     Tensor buf = host_contiguous(t);
     TORCH_CHECK(buf.nbytes() < INT_MAX, "all_gather of ", buf.nbytes(),
@@ -192,6 +196,7 @@ class MpiCommunicator final : public Communicator {
   }
 
   void all_reduce_sum(Tensor& t) override {
+    NvtxRange range("all_reduce_sum " + opt_.name);
     enter("all_reduce_sum", all_peers());
     MPI_Datatype type = mpi_type_of(t.scalar_type());
     bool widen = type == MPI_DATATYPE_NULL;  // half, bfloat16, ...: reduce in fp32
@@ -213,6 +218,7 @@ class MpiCommunicator final : public Communicator {
   }
 
   void broadcast(Tensor& t, int root) override {
+    NvtxRange range("broadcast " + opt_.name);
     enter("broadcast", {root});
     check_peer(root, "broadcast");
     bool direct = t.device().is_cpu() && t.is_contiguous();
@@ -228,6 +234,7 @@ class MpiCommunicator final : public Communicator {
   }
 
   void barrier() override {
+    NvtxRange range("barrier " + opt_.name);
     enter("barrier", all_peers());
     std::vector<MPI_Request> reqs(1);
     call(MPI_Ibarrier(comm_, &reqs[0]), "barrier", all_peers());

@@ -2,6 +2,7 @@
 #include "parallel/slice_context.h"
 
 #include "layers/common/layout.h"
+#include "layers/common/nvtx.h"
 #include "parallel/halo.h"
 
 namespace carry::parallel {
@@ -31,6 +32,7 @@ MixerLayerContext make_slice_context(std::shared_ptr<Communicator> sp, ScanMode 
   ctx.run_mixer = [sp, mode, head_groups](const Mixer& mixer, const MixerInputs& in, const State& s,
                                           const MixerOptions& o) -> MixerOutput {
     if (mixer.has_summary()) {
+      NvtxRange range(std::string("scan ") + scan_mode_name(mode) + " " + mixer.name());
       MixerOptions whole = o;
       whole.offset = 0;  // sp_mixer_forward wants the sequence's first position; rank r runs at r·T/P
       return sp_mixer_forward(mixer, *sp, in, s, whole, mode, head_groups, /*layout_agreed=*/true);

@@ -547,6 +547,12 @@ MixerOutput sp_mixer_forward(const Mixer& mixer, Communicator& sp, const MixerIn
                      " over sp=" + std::to_string(P) + " ranks";
   TORCH_CHECK(mixer.has_summary(), what,
               ": the family has no recurrent state to pass between ranks");
+  // Packed documents: the ordered chain runs each slice with its document starts (a start resets the
+  // state; the state sent on is the last document's). The summaries of the tree and allgather scans
+  // do not yet reset at a start.
+  TORCH_CHECK(!opt.document_starts.defined() || mode == ScanMode::ordered, what,
+              ": packed documents (document starts) need the ordered scan; the tree and allgather scans do "
+              "not reset their state summaries at a document start yet");
   TORCH_CHECK(head_groups >= 0 && head_groups <= kMaxHeadGroups, what,
               ": head_groups must be in 0..", kMaxHeadGroups, " (0 = the default), got ",
               head_groups);

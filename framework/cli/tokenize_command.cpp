@@ -1,16 +1,30 @@
-// `carry tokenize` (see tokenize_command.h): streams each input through a 1 MiB buffer into a
-// TokenFileWriter, so inputs of any size use constant memory; the output appears (by rename) only
-// once complete.
+// `carry tokenize` (see tokenize_command.h): a reader cuts the input files into pieces (a whole file for
+// SentencePiece, whose whitespace handling needs the document; pieces of about 4 MiB cut after a line
+// break that a printable ASCII character follows, where neither pre-tokenizer pattern ever joins two
+// pieces, for the byte and BPE tokenizers, so memory stays bounded whatever the file size), worker
+// threads encode them, and the writer appends them to one TokenFileWriter in input order, an
+// end-of-document token before each file's first piece. The output appears (by rename) only once complete.
 #include "framework/cli/tokenize_command.h"
 
 #include "framework/cli/error_text.h"
 #include "framework/data/token_file.h"
+#include "framework/data/tokenizer.h"
 
+#include <sys/stat.h>
+
+#include <algorithm>
+#include <atomic>
 #include <cerrno>
+#include <chrono>
+#include <condition_variable>
 #include <cstdio>
 #include <cstring>
+#include <deque>
+#include <exception>
+#include <mutex>
 #include <stdexcept>
 #include <string>
+#include <thread>
 #include <vector>
 
 namespace carry {
@@ -18,32 +32,122 @@ namespace carry {
 namespace {
 
 const char* kUsage =
-    "usage: carry tokenize --input FILE [FILE...] --output OUT.tok\n"
-    "  Turns text files into one token file with the byte-level tokenizer: token = byte value (0..255),\n"
-    "  and the end-of-document token 256 between consecutive files (vocabulary 257, 2 bytes a token).\n";
+    "usage: carry tokenize --input FILE [FILE...] --output OUT.tok [--tokenizer SPEC] [--eod-id N] [--threads N]\n"
+    "       carry tokenize --train-sentencepiece PREFIX --vocab-size N --input FILE [FILE...] [--model-type unigram|bpe]\n"
+    "  Turns text files into one token file. Each file is a document; the end-of-document token goes before\n"
+    "  each one. Files are tokenized in parallel (--threads, default: every core) and written in the order given.\n"
+    "  Tokenizers (--tokenizer SPEC):\n"
+    "    byte                    one token a byte, end of document 256, vocabulary 257 (the default)\n"
+    "    sentencepiece:M.model   a SentencePiece model (libsentencepiece); end of document: its </s>\n"
+    "    bpe:tokenizer.json      a byte-level BPE tokenizer.json (GPT-2, NeoX, Llama 3, Qwen2 style);\n"
+    "                            end of document: <|endoftext|> or <|end_of_text|>\n"
+    "    tiktoken:FILE[:PATTERN] a tiktoken rank file, PATTERN gpt2 or cl100k (default); needs --eod-id\n"
+    "  --eod-id N replaces the tokenizer's end-of-document id. Tokens are stored in 2 bytes when every id\n"
+    "  fits (vocabulary <= 65536), else 4. Large files are cut into pieces of about --piece-bytes (4 MiB)\n"
+    "  after a line break, where no pre-tokenizer joins tokens (SentencePiece: whole files).\n"
+    "  --train-sentencepiece trains a SentencePiece model on the input files (PREFIX.model, PREFIX.vocab;\n"
+    "  --model-type unigram by default).\n";
 
 struct TokenizeArgs {
   std::vector<std::string> inputs;
-  std::string output;
+  std::string output, tokenizer = "byte", train_prefix, model_type = "unigram";
+  int64_t eod_id = -1, vocab_size = 0;
+  int64_t piece_bytes = int64_t{4} << 20;  // --piece-bytes: the size pieces of a file are cut at
+  int threads = 0;
 };
+
+int64_t parse_count(const std::string& flag, const char* v, int64_t lo) {
+  char* end = nullptr;
+  errno = 0;
+  long long x = std::strtoll(v, &end, 10);
+  if (!*v || *end || errno || x < lo) throw std::invalid_argument(flag + " needs an integer >= " + std::to_string(lo) + ", got '" + v + "'");
+  return x;
+}
 
 TokenizeArgs parse(int argc, char** argv) {
   TokenizeArgs a;
+  auto value = [&](int& i, const std::string& flag) -> const char* {
+    if (i + 1 >= argc) throw std::invalid_argument(flag + " needs a value");
+    return argv[++i];
+  };
   for (int i = 1; i < argc; ++i) {
     std::string f = argv[i];
     if (f == "--input") {
       while (i + 1 < argc && std::strncmp(argv[i + 1], "--", 2) != 0) a.inputs.push_back(argv[++i]);
       if (a.inputs.empty()) throw std::invalid_argument("--input needs at least one file");
     } else if (f == "--output") {
-      if (i + 1 >= argc) throw std::invalid_argument("--output needs a file name");
-      a.output = argv[++i];
+      a.output = value(i, f);
+    } else if (f == "--tokenizer") {
+      a.tokenizer = value(i, f);
+    } else if (f == "--eod-id") {
+      a.eod_id = parse_count(f, value(i, f), 0);
+    } else if (f == "--threads") {
+      a.threads = static_cast<int>(std::min<int64_t>(parse_count(f, value(i, f), 1), 1024));
+    } else if (f == "--piece-bytes") {
+      a.piece_bytes = parse_count(f, value(i, f), 1);
+    } else if (f == "--train-sentencepiece") {
+      a.train_prefix = value(i, f);
+    } else if (f == "--vocab-size") {
+      a.vocab_size = parse_count(f, value(i, f), 1);
+    } else if (f == "--model-type") {
+      a.model_type = value(i, f);
+      if (a.model_type != "unigram" && a.model_type != "bpe" && a.model_type != "char" && a.model_type != "word")
+        throw std::invalid_argument("--model-type must be unigram, bpe, char or word, got '" + a.model_type + "'");
     } else {
       throw std::invalid_argument("unknown argument '" + f + "'");
     }
   }
   if (a.inputs.empty()) throw std::invalid_argument("no --input files");
+  if (!a.train_prefix.empty()) {
+    if (a.vocab_size <= 0) throw std::invalid_argument("--train-sentencepiece needs --vocab-size");
+    return a;
+  }
   if (a.output.empty()) throw std::invalid_argument("no --output file");
   return a;
+}
+
+std::string megabytes(double bytes) {
+  char buf[32];
+  if (bytes < 1e6) std::snprintf(buf, sizeof buf, "%.1f kB", bytes / 1e3);
+  else if (bytes < 1e9) std::snprintf(buf, sizeof buf, "%.1f MB", bytes / 1e6);
+  else std::snprintf(buf, sizeof buf, "%.2f GB", bytes / 1e9);
+  return buf;
+}
+
+// A cut point in [0, n): after a line break followed by printable ASCII; 0 if none.
+size_t safe_cut(const std::string& text) {
+  for (size_t p = text.size(); p-- > 1;) {
+    const auto c = static_cast<unsigned char>(text[p]);
+    if (text[p - 1] == '\n' && c >= 0x21 && c <= 0x7E) return p;
+  }
+  return 0;
+}
+
+struct Piece {
+  bool document_start = false;
+  std::string text;
+  std::vector<uint32_t> ids;
+  bool done = false;
+};
+
+int train(const TokenizeArgs& args) {
+  std::string inputs;
+  for (auto& f : args.inputs) {
+    struct stat st;
+    if (::stat(f.c_str(), &st) != 0) throw std::runtime_error(f + ": cannot open: " + std::strerror(errno));
+    inputs += (inputs.empty() ? "" : ",") + f;
+  }
+  const auto t0 = std::chrono::steady_clock::now();
+  std::fprintf(stderr, "carry tokenize: training a SentencePiece %s model of %lld pieces on %zu file%s...\n",
+               args.model_type.c_str(), static_cast<long long>(args.vocab_size), args.inputs.size(),
+               args.inputs.size() == 1 ? "" : "s");
+  train_sentencepiece("--input=" + inputs + " --model_prefix=" + args.train_prefix +
+                      " --vocab_size=" + std::to_string(args.vocab_size) + " --model_type=" + args.model_type +
+                      " --input_sentence_size=2000000 --shuffle_input_sentence=true --minloglevel=2");
+  std::printf("carry tokenize: wrote %s.model and %s.vocab (%.1f s); use --tokenizer sentencepiece:%s.model\n",
+              args.train_prefix.c_str(), args.train_prefix.c_str(),
+              std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count(), args.train_prefix.c_str());
+  return 0;
 }
 
 }  // namespace
@@ -62,27 +166,155 @@ int run_tokenize_command(int argc, char** argv) {
     return 2;
   }
   try {
-    TokenFileWriter writer(args.output, 2);
-    std::vector<unsigned char> bytes(1 << 20);
-    std::vector<uint32_t> tokens(bytes.size());
-    for (size_t f = 0; f < args.inputs.size(); ++f) {
-      if (f > 0) writer.append(kByteEndOfDocument);
-      auto& path = args.inputs[f];
-      std::FILE* in = std::fopen(path.c_str(), "rb");
-      if (!in) throw std::runtime_error(path + ": cannot open: " + std::strerror(errno));
-      size_t n;
-      while ((n = std::fread(bytes.data(), 1, bytes.size(), in)) > 0) {
-        for (size_t i = 0; i < n; ++i) tokens[i] = bytes[i];
-        writer.append(tokens.data(), n);
+    if (!args.train_prefix.empty()) return train(args);
+    auto tokenizer = load_tokenizer(args.tokenizer, args.eod_id);
+    const bool whole_files = args.tokenizer.rfind("sentencepiece:", 0) == 0;
+    const int threads = args.threads > 0 ? args.threads : static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+    const int width = tokenizer->vocab_size() <= 65536 ? 2 : 4;
+    TokenFileWriter writer(args.output, width);
+    const uint32_t eod = tokenizer->end_of_document();
+
+    // The pipeline: pieces in input order; the reader adds, the workers encode, this thread writes.
+    std::mutex mu;
+    std::condition_variable changed;
+    std::deque<Piece> window;       // pieces not yet written, in order
+    size_t first_index = 0;         // index of window.front()
+    size_t next_to_encode = 0;      // index of the next piece a worker takes
+    bool reading_done = false, failed = false;
+    std::exception_ptr failure;
+    const size_t max_window = static_cast<size_t>(2 * threads + 2);
+    const size_t kPieceBytes = static_cast<size_t>(args.piece_bytes);
+    std::atomic<double> bytes_read{0};
+
+    auto fail = [&](std::exception_ptr e) {
+      std::lock_guard<std::mutex> lock(mu);
+      if (!failed) failed = true, failure = e;
+      changed.notify_all();
+    };
+    auto push = [&](Piece p) {  // blocks while the window is full
+      std::unique_lock<std::mutex> lock(mu);
+      changed.wait(lock, [&] { return failed || window.size() < max_window; });
+      if (failed) return false;
+      window.push_back(std::move(p));
+      changed.notify_all();
+      return true;
+    };
+    std::thread reader([&] {
+      try {
+        std::vector<char> block(std::min<size_t>(kPieceBytes, size_t{1} << 20));
+        for (const auto& path : args.inputs) {
+          std::FILE* in = std::fopen(path.c_str(), "rb");
+          if (!in) throw std::runtime_error(path + ": cannot open: " + std::strerror(errno));
+          std::string pending;
+          bool first = true, ok = true;
+          size_t n;
+          while (ok && (n = std::fread(block.data(), 1, block.size(), in)) > 0) {
+            pending.append(block.data(), n);
+            bytes_read = bytes_read + static_cast<double>(n);
+            if (whole_files || pending.size() < kPieceBytes) continue;
+            const size_t cut = tokenizer->vocab_size() == 257 && args.tokenizer == "byte" ? pending.size() : safe_cut(pending);
+            if (cut == 0) continue;  // no safe place yet: read on
+            Piece p;
+            p.document_start = first;
+            p.text = pending.substr(0, cut);
+            pending.erase(0, cut);
+            first = false;
+            ok = push(std::move(p));
+          }
+          const bool read_error = std::ferror(in);
+          std::fclose(in);
+          if (read_error) throw std::runtime_error(path + ": read error");
+          if (!ok) return;
+          Piece p;
+          p.document_start = first;
+          p.text = std::move(pending);
+          if (!push(std::move(p))) return;
+        }
+        std::lock_guard<std::mutex> lock(mu);
+        reading_done = true;
+        changed.notify_all();
+      } catch (...) {
+        fail(std::current_exception());
       }
-      bool failed = std::ferror(in);
-      std::fclose(in);
-      if (failed) throw std::runtime_error(path + ": read error");
+    });
+    std::vector<std::thread> workers;
+    for (int t = 0; t < threads; ++t)
+      workers.emplace_back([&] {
+        try {
+          while (true) {
+            Piece* p = nullptr;
+            {
+              std::unique_lock<std::mutex> lock(mu);
+              changed.wait(lock, [&] {
+                return failed || next_to_encode < first_index + window.size() || reading_done;
+              });
+              if (failed) return;
+              if (next_to_encode >= first_index + window.size()) {
+                if (reading_done) return;
+                continue;
+              }
+              p = &window[next_to_encode - first_index];  // deque: stable while elements are only added at the back
+              ++next_to_encode;
+            }
+            std::vector<uint32_t> ids;
+            tokenizer->encode(p->text, &ids);
+            std::lock_guard<std::mutex> lock(mu);
+            p->ids = std::move(ids);
+            p->text.clear();
+            p->text.shrink_to_fit();
+            p->done = true;
+            changed.notify_all();
+          }
+        } catch (...) {
+          fail(std::current_exception());
+        }
+      });
+    // Write in order, with a progress line every 5 s.
+    const auto t0 = std::chrono::steady_clock::now();
+    auto last = t0;
+    int64_t documents = 0;
+    while (true) {
+      Piece p;
+      {
+        std::unique_lock<std::mutex> lock(mu);
+        changed.wait_for(lock, std::chrono::milliseconds(500), [&] {
+          return failed || (!window.empty() && window.front().done) || (reading_done && window.empty());
+        });
+        if (failed) break;
+        if (window.empty() && reading_done) break;
+        if (window.empty() || !window.front().done) {
+          lock.unlock();
+          auto now = std::chrono::steady_clock::now();
+          if (now - last > std::chrono::seconds(5)) {
+            last = now;
+            const double s = std::chrono::duration<double>(now - t0).count();
+            std::fprintf(stderr, "carry tokenize: %s read, %lld tokens written, %.0f s\n", megabytes(bytes_read).c_str(),
+                         static_cast<long long>(writer.count()), s);
+          }
+          continue;
+        }
+        p = std::move(window.front());
+        window.pop_front();
+        ++first_index;
+        changed.notify_all();
+      }
+      if (p.document_start) {
+        writer.append(eod);
+        ++documents;
+      }
+      if (!p.ids.empty()) writer.append(p.ids.data(), p.ids.size());
     }
+    reader.join();
+    for (auto& w : workers) w.join();
+    if (failure) std::rethrow_exception(failure);
     writer.commit();
-    std::printf("carry tokenize: wrote %s: %lld tokens from %zu file%s (byte-level, vocabulary %lld)\n",
-                args.output.c_str(), static_cast<long long>(writer.count()), args.inputs.size(),
-                args.inputs.size() == 1 ? "" : "s", static_cast<long long>(kByteVocabSize));
+    const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    std::printf("carry tokenize: wrote %s: %lld tokens, %lld document%s from %zu file%s, %s (%.1f s, %.1f MB/s, %d thread%s)\n"
+                "  tokenizer: %s; vocabulary %lld (model.vocab_size must be at least this), end of document %u\n",
+                args.output.c_str(), static_cast<long long>(writer.count()), static_cast<long long>(documents),
+                documents == 1 ? "" : "s", args.inputs.size(), args.inputs.size() == 1 ? "" : "s",
+                megabytes(bytes_read).c_str(), s, s > 0 ? bytes_read / 1e6 / s : 0.0, threads, threads == 1 ? "" : "s",
+                tokenizer->description().c_str(), static_cast<long long>(tokenizer->vocab_size()), eod);
     return 0;
   } catch (const std::exception& e) {
     std::fprintf(stderr, "carry tokenize: %s\n", error_text(e).c_str());

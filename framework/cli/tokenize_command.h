@@ -1,6 +1,7 @@
-// `carry tokenize`: text files -> one carry token file (framework/data/token_file.h) with the built-in
-// byte-level tokenizer: each byte is its own token (0..255), and an end-of-document token (256)
-// separates consecutive input files. Vocabulary: 257 tokens; stored 2 bytes per token.
+// `carry tokenize`: text files -> one carry token file (framework/data/token_file.h), each file a
+// document preceded by the end-of-document token, tokenized in parallel by one of the tokenizers of
+// framework/data/tokenizer.h (the byte-level one by default: each byte its own token 0..255, end of
+// document 256, vocabulary 257). `--train-sentencepiece` trains a SentencePiece model instead.
 #pragma once
 
 #include <cstdint>

@@ -3,6 +3,7 @@
 
 #include "framework/cli/error_text.h"
 #include "framework/config/config.h"
+#include "framework/train/memory_estimate.h"
 #include "framework/train/trainer.h"
 #include "layers/common/device.h"
 #include "parallel/process_group.h"
@@ -21,11 +22,13 @@ namespace {
 
 const char* kUsage =
     "usage: carry train RUN.textproto [--set field.path=value ...] [--max-steps N] [--max-minutes M]\n"
-    "                   [--allow-config-change] [--print-world-size] [--print-config]\n"
+    "                   [--allow-config-change] [--print-world-size] [--print-config] [--dry-run]\n"
     "  Trains the model of a run config on dp x sp ranks (start them with mpirun -np dp*sp, or use\n"
     "  launcher/train RUN.textproto, which does). --set overrides config fields (repeatable), e.g.\n"
     "  --set optimizer.lr=1e-3 --set parallel.sp=2. --print-world-size prints dp*sp and exits;\n"
-    "  --print-config prints the resolved config (textproto) and exits. --max-steps N / --max-minutes M\n"
+    "  --print-config prints the resolved config (textproto) and exits. --dry-run prints the model and the\n"
+    "  memory one rank needs (parameters, gradients, optimizer state, activations per layer with and\n"
+    "  without recomputation; measured on this CPU) and exits. --max-steps N / --max-minutes M\n"
     "  end this invocation after N steps / the first step past M minutes with a checkpoint and exit\n"
     "  status 75, as SIGTERM, SIGINT or SIGUSR1 do; the same command continues the run.\n"
     "  A run resumes from checkpoint.dir as checkpoint.resume says (AUTO, REQUIRED, NEVER); a checkpoint\n"
@@ -46,7 +49,7 @@ std::string gpu_rank_layout_error(const std::string& host, int ranks_on_host, in
 int run_train_command(int argc, char** argv) {
   std::string path;
   std::vector<std::string> overrides;
-  bool print_world_size = false, print_config = false;
+  bool print_world_size = false, print_config = false, dry_run = false;
   TrainerOptions limits;
   for (int i = 1; i < argc; ++i) {
     std::string a = argv[i];
@@ -67,6 +70,8 @@ int run_train_command(int argc, char** argv) {
       print_config = true;
     } else if (a == "--allow-config-change") {
       limits.allow_config_change = true;
+    } else if (a == "--dry-run") {
+      dry_run = true;
     } else if (a == "--max-steps" || a == "--max-minutes") {
       char* end = nullptr;
       const char* v = i + 1 < argc ? argv[++i] : "";
@@ -105,6 +110,16 @@ int run_train_command(int argc, char** argv) {
   }
   if (print_config) {
     std::fputs(config_to_text(config).c_str(), stdout);
+    return 0;
+  }
+  if (dry_run) {
+    try {
+      auto estimate = estimate_memory(config, stderr);
+      std::fputs(memory_report(estimate, config).c_str(), stdout);
+    } catch (const std::exception& e) {
+      std::fprintf(stderr, "carry train --dry-run: %s\n", e.what());
+      return 1;
+    }
     return 0;
   }
   if (print_world_size) {

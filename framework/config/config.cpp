@@ -404,7 +404,13 @@ void fill_defaults(Message& m) {
   auto* r = m.GetReflection();
   for (int i = 0; i < d->field_count(); ++i) {
     auto* f = d->field(i);
-    if (f->is_repeated()) continue;
+    if (f->is_repeated()) {
+      // Entries of a repeated message are filled too (data.token_files.sources), except mixer_options,
+      // whose unset fields mean "inherit" (carry.proto).
+      if (f->cpp_type() == FieldDescriptor::CPPTYPE_MESSAGE && f->message_type() != config::MixerOptions::descriptor())
+        for (int j = 0; j < r->FieldSize(m, f); ++j) fill_defaults(*r->MutableRepeatedMessage(&m, f, j));
+      continue;
+    }
     if (f->cpp_type() == FieldDescriptor::CPPTYPE_MESSAGE) {
       if (f->real_containing_oneof() && !r->HasField(m, f)) continue;
       fill_defaults(*r->MutableMessage(&m, f));
@@ -775,13 +781,32 @@ void check_run(const RunConfig& c, Errors& e) {
       break;
     case DataConfig::kTokenFiles: {
       auto& t = d.token_files();
-      if (t.paths().empty()) e.add("data.token_files.paths", "at least one token file is needed");
+      if (t.paths().empty() && t.sources().empty())
+        e.add("data.token_files.paths", "at least one token file is needed (or data.token_files.sources)");
+      if (!t.paths().empty() && !t.sources().empty())
+        e.add("data.token_files", "give either paths (one source) or sources (a blend), not both");
       for (int i = 0; i < t.paths_size(); ++i)
         if (t.paths(i).empty()) e.add("data.token_files.paths[" + std::to_string(i) + "]", "is empty");
+      for (int s = 0; s < t.sources_size(); ++s) {
+        const std::string at = "data.token_files.sources[" + std::to_string(s) + "]";
+        auto& src = t.sources(s);
+        if (src.paths().empty()) e.add(at + ".paths", "at least one token file is needed");
+        for (int i = 0; i < src.paths_size(); ++i)
+          if (src.paths(i).empty()) e.add(at + ".paths[" + std::to_string(i) + "]", "is empty");
+        if (std::isfinite(src.weight()) && !(src.weight() > 0))
+          e.add(at + ".weight", "must be positive, got ", src.weight());
+      }
       for (int i = 0; i < t.eval_paths_size(); ++i)
         if (t.eval_paths(i).empty()) e.add("data.token_files.eval_paths[" + std::to_string(i) + "]", "is empty");
       if (c.logging().eval_every_steps() > 0 && t.eval_paths().empty())
         e.add("logging.eval_every_steps", "evaluation needs data.token_files.eval_paths");
+      if (t.eod_token() < -1 || (m.vocab_size() > 0 && t.eod_token() >= m.vocab_size()))
+        e.add("data.token_files.eod_token", "must be -1 (no document resets) or an id below model.vocab_size (",
+              m.vocab_size(), "), got ", t.eod_token());
+      if (t.eod_token() >= 0 && c.parallel().sp() > 1 && c.parallel().scan_mode() != config::ParallelConfig::ORDERED)
+        e.add("data.token_files.eod_token", "document resets under sequence parallelism need parallel.scan_mode: "
+              "ORDERED (the tree and allgather scans do not reset their state summaries yet); got sp = ",
+              c.parallel().sp(), " with ", config::ParallelConfig::ScanMode_Name(c.parallel().scan_mode()));
       break;
     }
     case DataConfig::kMqar: {
@@ -836,10 +861,14 @@ void check_run(const RunConfig& c, Errors& e) {
   }
   const bool sp_ok = sp >= 1 && sp <= kMaxRanks;
   int64_t step_tokens = 0;  // tokens a step over all dp replicas: the trainer counts them in int64
-  if (T_ok && d.batch_size() > 0 && d.batch_size() <= kMaxSeqLen && ranks_ok &&
-      (!mul_ok(T, d.batch_size(), &step_tokens) || !mul_ok(step_tokens, par.dp(), &step_tokens)))
-    e.add("data.batch_size", "data.seq_len*data.batch_size*parallel.dp (tokens a step) must fit in int64, got ", T,
-          "*", d.batch_size(), "*", par.dp());
+  const int64_t accum = c.optimizer().grad_accum_steps();
+  const bool accum_ok = accum >= 1 && accum <= kMaxSeqLen;
+  if (!accum_ok) e.add("optimizer.grad_accum_steps", "must lie in [1, 2^40 = ", kMaxSeqLen, "], got ", accum);
+  if (T_ok && d.batch_size() > 0 && d.batch_size() <= kMaxSeqLen && ranks_ok && accum_ok &&
+      (!mul_ok(T, d.batch_size(), &step_tokens) || !mul_ok(step_tokens, par.dp(), &step_tokens) ||
+       !mul_ok(step_tokens, accum, &step_tokens)))
+    e.add("data.batch_size", "data.seq_len*data.batch_size*parallel.dp*optimizer.grad_accum_steps (tokens a step) "
+          "must fit in int64, got ", T, "*", d.batch_size(), "*", par.dp(), "*", accum);
   if (T_ok && sp_ok) {
     int64_t per_rank = T / sp;
     for (auto& k : distinct_kinds(m)) {

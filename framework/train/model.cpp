@@ -1,11 +1,13 @@
 // Model assembly (model.h): config → per-layer MixerLayerSpec → blocks; forward, losses, parameters.
 #include "framework/train/model.h"
 
+#include "layers/common/nvtx.h"
 #include "layers/recompute.h"
 
 #include <c10/util/Exception.h>
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstdio>
 #include <map>
@@ -84,11 +86,30 @@ Tensor Model::hidden(const Tensor& tokens, const ModelContext& ctx) const {
   auto h = at::embedding(embedding_, tokens.to(embedding_.device()));
   // The context is shared by value with each layer's closure: a recomputation in backward runs after
   // the caller's context is gone.
-  auto shared = std::make_shared<const ModelContext>(ctx);
+  auto with_documents = std::make_shared<ModelContext>(ctx);
+  if (ctx.document_starts.defined()) {
+    const int64_t total = ctx.slice.sequence_length > 0 ? ctx.slice.sequence_length : ctx.slice.offset + tokens.size(1);
+    TORCH_CHECK(ctx.document_starts.dim() == 2 && ctx.document_starts.size(0) == tokens.size(0) &&
+                    ctx.document_starts.size(1) == total && ctx.document_starts.scalar_type() == at::kBool,
+                "model: document_starts must be bool [B, sequence length] = [", tokens.size(0), ", ", total, "], got ",
+                ctx.document_starts.scalar_type(), " ", ctx.document_starts.sizes());
+    with_documents->slice.document_starts = ctx.document_starts.cpu();
+  }
+  std::shared_ptr<const ModelContext> shared = with_documents;
   for (size_t i = 0; i < blocks_.size(); ++i) {
     const ModelBlock* b = &blocks_[i];
-    auto block = [b, shared](const Tensor& x) {
-      auto y = x + b->mixer->forward(b->mixer_norm.forward(x), {}, shared->slice).y;
+    // NVTX names (layers/common/nvtx.h): "layer i kind" around the block, "mixer kind" and "mlp" inside;
+    // a recomputed block shows them again in the backward.
+    auto names = std::make_shared<const std::array<std::string, 2>>(
+        std::array<std::string, 2>{"layer " + std::to_string(i) + " " + b->mixer->spec().kind, "mixer " + b->mixer->spec().kind});
+    auto block = [b, shared, names](const Tensor& x) {
+      NvtxRange layer((*names)[0]);
+      Tensor y;
+      {
+        NvtxRange mixer((*names)[1]);
+        y = x + b->mixer->forward(b->mixer_norm.forward(x), {}, shared->slice).y;
+      }
+      NvtxRange mlp("mlp");
       return y + b->mlp.forward(b->mlp_norm.forward(y));
     };
     if (!ctx.recompute) {

@@ -41,6 +41,10 @@ struct ModelContext {
   // Per-layer activation recomputation: each block keeps only its input and recomputes the rest in
   // backward (layers/recompute.h). Gradients equal those without it.
   bool recompute = false;
+  // Packed documents: [B, sequence length] bool on the CPU, true where a document starts (the whole
+  // sequence, also under sequence parallelism). Every layer's state, convolutions and attention
+  // restart there (MixerLayerContext::document_starts). Undefined: one document a sequence.
+  Tensor document_starts;
 };
 
 class Model {

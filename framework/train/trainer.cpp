@@ -6,7 +6,9 @@
 #include "framework/io/model_source.h"
 #include "framework/io/output_file.h"
 #include "framework/printable.h"
+#include "framework/train/run_log.h"
 #include "framework/data/synthetic.h"
+#include "framework/data/token_dataset.h"
 #include "framework/data/token_file.h"
 #include "layers/common/device.h"
 #include "layers/precision.h"
@@ -79,28 +81,6 @@ double available_memory_bytes() {
   return -1;
 }
 
-// Every token of the files must be < vocab: one pass over each file, a progress line every 10 s.
-void check_token_ids(const google::protobuf::RepeatedPtrField<std::string>& paths, const char* field, int64_t vocab,
-                     const std::function<void(const std::string&)>& progress) {
-  const auto bound = static_cast<uint32_t>(std::min<int64_t>(vocab, UINT32_MAX));
-  double last = now_s();
-  for (int i = 0; i < paths.size(); ++i) {
-    TokenFile file(paths[i]);
-    if (vocab > static_cast<int64_t>(UINT32_MAX)) continue;  // every 32-bit id fits
-    const int64_t at = file.find_token_at_least(bound, [&](int64_t done, int64_t total) {
-      if (now_s() - last < 10) return;
-      last = now_s();
-      char buf[256];
-      std::snprintf(buf, sizeof buf, "checking the token ids of %s: %lld/%lld tokens (%.0f%%)\n", paths[i].c_str(),
-                    static_cast<long long>(done), static_cast<long long>(total), 100.0 * done / std::max<int64_t>(total, 1));
-      progress(buf);
-    });
-    TORCH_CHECK(at < 0, field, "[", i, "]: ", paths[i], ": the token at index ", at, " is ", file.at(at),
-                ", which does not fit model.vocab_size = ", vocab, " (ids must be < vocab_size); the data was "
-                "tokenized for a larger vocabulary");
-  }
-}
-
 // The stop signals (see Trainer::run): the first sets the flag, a second one ends the process.
 volatile std::sig_atomic_t g_stop_signal = 0;
 
@@ -144,41 +124,24 @@ std::string number_text(double x) {
   return buf;
 }
 
-std::string json_number(double x) {
-  if (!std::isfinite(x)) return "null";
-  char buf[64];
-  std::snprintf(buf, sizeof buf, "%.9g", x);
+// Seconds since the Unix epoch (the metrics' timestamps).
+double wall_clock_s() {
+  return std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count();
+}
+
+// "45s", "12m05s", "3h07m", "2d04h".
+std::string duration_text(double seconds) {
+  if (!std::isfinite(seconds) || seconds < 0) return "?";
+  const long long s = std::llround(seconds);
+  char buf[32];
+  if (s < 60) std::snprintf(buf, sizeof buf, "%llds", s);
+  else if (s < 3600) std::snprintf(buf, sizeof buf, "%lldm%02llds", s / 60, s % 60);
+  else if (s < 86400) std::snprintf(buf, sizeof buf, "%lldh%02lldm", s / 3600, s % 3600 / 60);
+  else std::snprintf(buf, sizeof buf, "%lldd%02lldh", s / 86400, s % 86400 / 3600);
   return buf;
 }
 
 }  // namespace
-
-// Several token files read as one stream; windows of seq_len+1 tokens at stride seq_len, wrapping
-// around at the end.
-struct Trainer::TokenStream {
-  std::vector<TokenFile> files;
-  std::vector<int64_t> starts;  // first stream position of each file
-  int64_t total = 0;
-
-  explicit TokenStream(const google::protobuf::RepeatedPtrField<std::string>& paths) {
-    for (auto& p : paths) {
-      starts.push_back(total);
-      files.emplace_back(p);
-      total += files.back().size();
-    }
-  }
-  int64_t windows(int64_t seq_len) const { return (total - 1) / seq_len; }
-  void read(int64_t pos, int64_t count, int64_t* out) const {
-    for (size_t i = 0; i < files.size() && count > 0; ++i) {
-      int64_t begin = starts[i], end = starts[i] + files[i].size();
-      if (pos >= end) continue;
-      int64_t n = std::min(count, end - pos);
-      files[i].read(pos - begin, n, out);
-      pos += n, out += n, count -= n;
-    }
-    TORCH_INTERNAL_ASSERT(count == 0, "token stream read past its end");
-  }
-};
 
 Trainer::Trainer(const RunConfig& config, std::shared_ptr<parallel::ProcessGroups> groups,
                  TrainerOptions options)
@@ -230,25 +193,7 @@ Trainer::Trainer(const RunConfig& config, std::shared_ptr<parallel::ProcessGroup
     TORCH_CHECK(false, "trainer: cannot allocate the model (", model_fields, "; ", gib(model_bytes),
                 " a rank with gradients and AdamW state) on ", device_.str(), ": out of memory");
   }
-  if (config_.data().has_token_files()) {
-    // Every token id must fit model.vocab_size: one pass over the files before the first step (world
-    // rank 0 reads them; every rank gets the verdict), not when a batch happens to read a bad one.
-    const auto& tf = config_.data().token_files();
-    on_rank0("checking the token files", [&] {
-      auto progress = [&](const std::string& line) { log("%s", line.c_str()); };
-      check_token_ids(tf.paths(), "data.token_files.paths", mc.vocab_size(), progress);
-      check_token_ids(tf.eval_paths(), "data.token_files.eval_paths", mc.vocab_size(), progress);
-    });
-    train_stream_ = std::make_shared<TokenStream>(config_.data().token_files().paths());
-    TORCH_CHECK(train_stream_->windows(config_.data().seq_len()) > 0, "data.token_files.paths: ",
-                train_stream_->total, " tokens are fewer than one window of data.seq_len+1 = ",
-                config_.data().seq_len() + 1);
-    if (config_.data().token_files().eval_paths_size() > 0) {
-      eval_stream_ = std::make_shared<TokenStream>(config_.data().token_files().eval_paths());
-      TORCH_CHECK(eval_stream_->windows(config_.data().seq_len()) > 0, "data.token_files.eval_paths: ",
-                  eval_stream_->total, " tokens are fewer than one window of data.seq_len+1");
-    }
-  }
+  if (config_.data().has_token_files()) open_token_data();
   context_.recompute = config_.parallel().recompute();
   if (sp_ > 1)  // collective: every rank of the sp group agrees on the layout here, once
     context_.slice = parallel::make_slice_context(groups_->sp, scan_mode_of(config_.parallel().scan_mode()),
@@ -256,6 +201,74 @@ Trainer::Trainer(const RunConfig& config, std::shared_ptr<parallel::ProcessGroup
 }
 
 int Trainer::rank() const { return groups_ ? groups_->world_info.rank : 0; }
+
+// Token files: world rank 0 expands the patterns and reads every token once (ids below
+// model.vocab_size) before any rank trains; then every rank opens the files. A failure on any rank
+// stops every rank with the message (from rank 0, or from the rank that could not open a file).
+void Trainer::open_token_data() {
+  const auto& tf = config_.data().token_files();
+  std::vector<TokenSourceSpec> sources;
+  if (tf.sources_size() == 0) {
+    sources.push_back({"data.token_files", {tf.paths().begin(), tf.paths().end()}, 1.0});
+  } else {
+    for (int s = 0; s < tf.sources_size(); ++s)
+      sources.push_back({"data.token_files.sources[" + std::to_string(s) + "]",
+                         {tf.sources(s).paths().begin(), tf.sources(s).paths().end()}, tf.sources(s).weight()});
+  }
+  const std::vector<std::string> eval_patterns(tf.eval_paths().begin(), tf.eval_paths().end());
+  const int64_t T = config_.data().seq_len(), V = config_.model().vocab_size();
+  auto agree = [&](bool failed, const std::string& what_others_see) {  // every rank learns whether some rank failed
+    if (!groups_ || groups_->world->size() == 1) return failed;
+    auto flag = at::scalar_tensor(failed ? 1.0 : 0.0, at::kDouble).reshape({1}).to(device_);
+    groups_->world->all_reduce_sum(flag);
+    const bool any = flag.cpu().item<double>() > 0;
+    TORCH_CHECK(!any || failed, what_others_see);
+    return any;
+  };
+  std::string error;
+  bool failed = false;
+  if (rank() == 0) {
+    try {
+      std::vector<std::string> all;
+      for (auto& s : sources) {
+        auto files = expand_token_paths(s.paths, s.name + ".paths");
+        all.insert(all.end(), files.begin(), files.end());
+      }
+      auto eval_files = expand_token_paths(eval_patterns, "data.token_files.eval_paths");
+      all.insert(all.end(), eval_files.begin(), eval_files.end());
+      const double t0 = now_s();
+      const int64_t n = check_token_files(all, V, options_.log);
+      log("data check: %zu token file%s, %lld tokens, every id below model.vocab_size = %lld (%.1f s)\n", all.size(),
+          all.size() == 1 ? "" : "s", static_cast<long long>(n), static_cast<long long>(V), now_s() - t0);
+    } catch (const std::exception& e) {
+      failed = true, error = e.what();
+    }
+  }
+  if (agree(failed, "the token files failed the check on world rank 0 (its message says why)"))
+    TORCH_CHECK(false, "data check: ", error);
+  try {
+    train_data_ = std::make_shared<TokenDataset>(sources, T, tf.shuffle(), config_.seed());
+    if (!eval_patterns.empty())
+      eval_data_ = std::make_shared<TokenDataset>(
+          std::vector<TokenSourceSpec>{{"data.token_files.eval_paths", eval_patterns, 1.0}}, T, false, config_.seed());
+    failed = false;
+  } catch (const std::exception& e) {
+    failed = true, error = e.what();
+  }
+  if (agree(failed, "another rank could not open the token files (its message says why)"))
+    TORCH_CHECK(false, "data (world rank ", rank(), "): ", error);
+  for (int s = 0; s < train_data_->num_sources(); ++s) {
+    const auto& st = train_data_->stream(s);
+    log("data: %s: %zu file%s, %lld tokens, %lld windows of %lld tokens (%s)%s\n",
+        train_data_->source_name(s).c_str(), st.files().size(), st.files().size() == 1 ? "" : "s",
+        static_cast<long long>(st.size()), static_cast<long long>(train_data_->windows(s)),
+        static_cast<long long>(T + 1), tf.shuffle() ? "shuffled every epoch" : "in order",
+        train_data_->num_sources() > 1
+            ? (", " + std::to_string(100.0 * train_data_->slots(s) / TokenDataset::kBlendPeriod).substr(0, 5) +
+               "% of the sequences").c_str()
+            : "");
+  }
+}
 
 std::string Trainer::divergence_hint() const {
   const auto& ck = config_.checkpoint();
@@ -303,34 +316,40 @@ void Trainer::on_rank0(const std::string& what, const std::function<void()>& wor
   TORCH_CHECK(!failed, rank() == 0 ? error : what + " failed on world rank 0 (its message says why)");
 }
 
-void Trainer::write_metrics(const std::string& json_line) const {
-  if (rank() != 0 || !config_.logging().has_metrics_file() || config_.logging().metrics_file().empty()) return;
-  append_to_file(config_.logging().metrics_file(), json_line + "\n", "logging.metrics_file");
-}
-
 void Trainer::all_reduce(at::Tensor& t, bool sp_only) const {
   if (!groups_) return;
   auto& comm = sp_only ? *groups_->sp : *groups_->world;
   if (comm.size() > 1) comm.all_reduce_sum(t);
 }
 
-Trainer::Batch Trainer::batch_for(int64_t step, bool eval) const {
+Trainer::Batch Trainer::batch_for(int64_t step, int64_t micro, bool eval) const {
   const auto& data = config_.data();
   const int64_t B = data.batch_size(), T = data.seq_len();
   const auto split = eval ? Split::eval : Split::train;
+  // A step's global batch is dp x accum x B sequences; dp rank d's micro-batch m holds the global
+  // indices [((step*dp + d)*accum + m)*B, ... + B), so accum micro-batches of B make the sequences of
+  // one batch of accum*B (and accum = 1 is the plain dp x B cut).
+  const int64_t accum = eval ? 1 : grad_accum_steps();
+  const int64_t block = (step * dp_ + dp_rank_) * accum + micro;  // in units of B sequences
   at::Tensor tokens, targets, mask;
   if (data.has_mqar() || data.has_needle()) {
-    auto b = data.has_mqar() ? mqar_batch(mqar_spec(data), config_.seed(), step, dp_rank_, B, split)
-                             : needle_batch(needle_spec(data), config_.seed(), step, dp_rank_, B, split);
+    // The synthetic tasks number sequences (step, dp_rank * B + i): block b of step s is their "dp rank" b - s*dp*accum.
+    const int64_t as_rank = block - step * dp_ * accum;
+    auto b = data.has_mqar() ? mqar_batch(mqar_spec(data), config_.seed(), step, as_rank, B, split)
+                             : needle_batch(needle_spec(data), config_.seed(), step, as_rank, B, split);
     tokens = b.tokens, targets = b.targets, mask = b.loss_mask;
   } else {
-    const TokenStream* stream = eval ? eval_stream_.get() : train_stream_.get();
-    TORCH_CHECK(stream, "trainer: evaluation needs data.token_files.eval_paths");
-    const int64_t windows = stream->windows(T);
+    const TokenDataset* source = eval ? eval_data_.get() : train_data_.get();
+    TORCH_CHECK(source, "trainer: evaluation needs data.token_files.eval_paths");
     auto window = at::empty({B, T + 1}, at::kLong);
     for (int64_t b = 0; b < B; ++b) {
-      int64_t w = ((step * dp_ + dp_rank_) * B + b) % windows;
-      stream->read(w * T, T + 1, window[b].data_ptr<int64_t>());
+      const int64_t g = block * B + b;
+      if (eval) {  // in order, wrapping around
+        const int64_t windows = source->windows(0);
+        source->stream(0).read((g % windows) * T, T + 1, window[b].data_ptr<int64_t>());
+      } else {
+        source->sequence(g, window[b].data_ptr<int64_t>());
+      }
     }
     const int64_t V = config_.model().vocab_size();
     auto hi = window.max().item<int64_t>();
@@ -339,9 +358,11 @@ Trainer::Batch Trainer::batch_for(int64_t step, bool eval) const {
     targets = window.narrow(1, 1, T).contiguous();
     mask = at::ones({B, T}, at::kBool);
   }
+  at::Tensor starts;  // packed documents: a document starts at every end-of-document token
+  if (data.has_token_files() && data.token_files().eod_token() >= 0) starts = tokens.eq(data.token_files().eod_token());
   const int64_t Tp = T / sp_;
   auto slice = [&](const at::Tensor& x) { return x.narrow(1, sp_rank_ * Tp, Tp).contiguous().to(device_); };
-  return {slice(tokens), slice(targets), slice(mask)};
+  return {slice(tokens), slice(targets), slice(mask), starts};
 }
 
 
@@ -385,29 +406,66 @@ StepStats Trainer::train_step() {
   const double t0 = now_s();
   SyncAudit audit;
   const auto& data = config_.data();
-  auto batch = SyncAudit::allowed([&] { return batch_for(step_, false); });  // the input upload
   for (auto& [name, p] : model_.parameters()) p.mutable_grad() = at::Tensor();
-
-  // Ignored targets (kIgnoreIndex) are gathered as token 0 and then weighted by the mask's 0.
-  at::Tensor ce;
-  {
-    AutocastScope autocast(device_.type(), at::kBFloat16, bf16_);
-    ce = model_.token_losses(batch.tokens, batch.targets.clamp_min(0), context());
+  const int64_t accum = grad_accum_steps();
+  const auto stop_flag = [&](const at::TensorOptions& o) {
+    return at::scalar_tensor(g_stop_signal != 0 || time_is_up_ ? 1.0 : 0.0, o.dtype(at::kDouble));
+  };
+  double loss_sum = 0, count = 0;
+  bool stop_requested = false;
+  if (accum == 1) {
+    auto batch = SyncAudit::allowed([&] { return batch_for(step_, 0, false); });  // the input upload
+    // Ignored targets (kIgnoreIndex) are gathered as token 0 and then weighted by the mask's 0.
+    at::Tensor ce;
+    {
+      AutocastScope autocast(device_.type(), at::kBFloat16, bf16_);
+      ce = model_.token_losses(batch.tokens, batch.targets.clamp_min(0), context(batch));
+    }
+    auto w = batch.loss_mask.to(ce.options());
+    // [Σ ce·mask, Σ mask, stop signals] over all ranks; the loss each rank back-propagates is its share
+    // of the mean. The stop flag rides along so that every rank decides the same.
+    auto sums = at::stack({(ce.detach() * w).sum().to(at::kDouble), w.sum().to(at::kDouble), stop_flag(ce.options())});
+    all_reduce(sums);
+    auto host = SyncAudit::allowed([&] { return sums.cpu(); });
+    loss_sum = host[0].item<double>(), count = host[1].item<double>();
+    stop_requested = host[2].item<double>() > 0;
+    TORCH_CHECK(count > 0, "trainer: step ", step_ + 1, ": the loss mask selects no token in the global batch");
+    TORCH_CHECK(std::isfinite(loss_sum), "trainer: step ", step_ + 1, ": the loss is ", number_text(loss_sum / count),
+                "; the parameters were not updated. ", divergence_hint());
+    auto local = (ce * w).sum() / count;
+    local.backward();
+  } else {
+    // Gradient accumulation: the micro-batches' masks give the global token count first (one small
+    // all-reduce), then each micro-batch back-propagates its share Σ ce·mask / count, so the summed
+    // gradients are those of the whole batch's mean; the loss sums and the stop flag travel after.
+    std::vector<Batch> micro;
+    for (int64_t m = 0; m < accum; ++m)
+      micro.push_back(SyncAudit::allowed([&] { return batch_for(step_, m, false); }));
+    auto masked = at::zeros({1}, at::TensorOptions().dtype(at::kDouble).device(device_));
+    for (auto& b : micro) masked += b.loss_mask.to(at::kDouble).sum();
+    all_reduce(masked);
+    count = SyncAudit::allowed([&] { return masked.cpu().item<double>(); });
+    TORCH_CHECK(count > 0, "trainer: step ", step_ + 1, ": the loss mask selects no token in the global batch");
+    at::Tensor local_sum;
+    for (auto& batch : micro) {
+      at::Tensor ce;
+      {
+        AutocastScope autocast(device_.type(), at::kBFloat16, bf16_);
+        ce = model_.token_losses(batch.tokens, batch.targets.clamp_min(0), context(batch));
+      }
+      auto w = batch.loss_mask.to(ce.options());
+      auto part = (ce.detach() * w).sum().to(at::kDouble);
+      local_sum = local_sum.defined() ? local_sum + part : part;
+      ((ce * w).sum() / count).backward();
+    }
+    auto sums = at::stack({local_sum, stop_flag(local_sum.options())});
+    all_reduce(sums);
+    auto host = SyncAudit::allowed([&] { return sums.cpu(); });
+    loss_sum = host[0].item<double>();
+    stop_requested = host[1].item<double>() > 0;
+    TORCH_CHECK(std::isfinite(loss_sum), "trainer: step ", step_ + 1, ": the loss is ", number_text(loss_sum / count),
+                "; the parameters were not updated. ", divergence_hint());
   }
-  auto w = batch.loss_mask.to(ce.options());
-  // [Σ ce·mask, Σ mask, stop signals] over all ranks; the loss each rank back-propagates is its share
-  // of the mean. The stop flag rides along so that every rank decides the same.
-  auto sums = at::stack({(ce.detach() * w).sum().to(at::kDouble), w.sum().to(at::kDouble),
-                         at::scalar_tensor(g_stop_signal != 0 || time_is_up_ ? 1.0 : 0.0, ce.options().dtype(at::kDouble))});
-  all_reduce(sums);
-  auto host = SyncAudit::allowed([&] { return sums.cpu(); });
-  const double loss_sum = host[0].item<double>(), count = host[1].item<double>();
-  const bool stop_requested = host[2].item<double>() > 0;
-  TORCH_CHECK(count > 0, "trainer: step ", step_ + 1, ": the loss mask selects no token in the global batch");
-  TORCH_CHECK(std::isfinite(loss_sum), "trainer: step ", step_ + 1, ": the loss is ", number_text(loss_sum / count),
-              "; the parameters were not updated. ", divergence_hint());
-  auto local = (ce * w).sum() / count;
-  local.backward();
 
   // Sum the gradients over all ranks in one message.
   auto params = model_.parameters();
@@ -429,7 +487,7 @@ StepStats Trainer::train_step() {
   const double lr = learning_rate(config_.optimizer(), step_);
   optimizer_->step(lr);
   ++step_;
-  const int64_t tokens = static_cast<int64_t>(dp_) * data.batch_size() * data.seq_len();
+  const int64_t tokens = static_cast<int64_t>(dp_) * accum * data.batch_size() * data.seq_len();
   tokens_seen_ += tokens;
   StepStats s;
   s.step = step_;
@@ -449,11 +507,11 @@ EvalStats Trainer::evaluate() {
   auto totals = at::zeros({3}, at::kDouble);
   double sequences = 0, sequences_correct = 0;
   for (int64_t e = 0; e < batches; ++e) {
-    auto batch = batch_for(e, true);
+    auto batch = batch_for(e, 0, true);
     at::Tensor logits;
     {
       AutocastScope autocast(device_.type(), at::kBFloat16, bf16_);
-      logits = model_.forward(batch.tokens, context());
+      logits = model_.forward(batch.tokens, context(batch));
     }
     auto dt = at::promote_types(logits.scalar_type(), at::kFloat);
     auto logp = at::log_softmax(logits.to(dt), -1);
@@ -532,7 +590,7 @@ void Trainer::save_checkpoint() {
     for (auto& [name, p] : model_.parameters()) d.model.emplace_back(name, p.detach());
     d.optimizer = optimizer_->state();
     d.extra["layout"] = layout_text();
-    d.extra["global_batch"] = std::to_string(dp_ * config_.data().batch_size());
+    d.extra["global_batch"] = std::to_string(dp_ * grad_accum_steps() * config_.data().batch_size());
     // Where the metrics file ends at this step: a run resumed from here drops what comes after.
     const std::string& metrics = config_.logging().metrics_file();
     if (!metrics.empty() && file_size(metrics) >= 0) {
@@ -621,10 +679,17 @@ void Trainer::apply_checkpoint(const CheckpointData& d) {
               " differs from step ", d.step, " (this trainer keeps them equal)");
   // The state is layout-free (full parameters and optimizer state; batches are functions of the step
   // and the global sequence index), so another dp x sp continues the same run when the global batch
-  // is the same (check_config_against made sure of that).
-  auto it = d.extra.find("layout");
-  if (it != d.extra.end() && it->second != layout_text())
-    log("note: the checkpoint was written by %s, this run is %s\n", it->second.c_str(), layout_text().c_str());
+  // is the same (check_config_against made sure of that, unless --allow-config-change).
+  auto was = [&](const char* key) {
+    auto it = d.extra.find(key);
+    return it == d.extra.end() ? std::string() : it->second;
+  };
+  const std::string global_batch = std::to_string(dp_ * grad_accum_steps() * config_.data().batch_size());
+  if (!was("layout").empty() && was("layout") != layout_text())
+    log("note: the checkpoint was written by %s, this run is %s\n", was("layout").c_str(), layout_text().c_str());
+  if (!was("global_batch").empty() && was("global_batch") != global_batch)
+    log("note: the global batch (dp x optimizer.grad_accum_steps x data.batch_size) was %s sequences and is now %s: the run goes on with "
+        "other batches than the original would have\n", was("global_batch").c_str(), global_batch.c_str());
 }
 
 std::string Trainer::initialize_from(const std::string& path) {
@@ -825,10 +890,23 @@ int Trainer::run() {
       config_.parallel().recompute() ? "recomputed per layer in backward" : "kept");
   if (resumed) log("resumed from %s at step %lld\n", config_.checkpoint().dir().c_str(), static_cast<long long>(step_));
 
-  const int64_t log_every = std::max<int64_t>(1, config_.logging().every_steps());
-  const int64_t eval_every = config_.logging().eval_every_steps();
+  // The metrics file and its TensorBoard mirror (rank 0): records past the resumed step go first.
+  const auto& lg = config_.logging();
+  RunLog metrics(lg.has_metrics_file() ? lg.metrics_file() : "", lg.tensorboard(), rank() == 0);
+  const auto begun = metrics.start(step_, resumed, wall_clock_s());
+  if (begun.dropped > 0)
+    log(resumed ? "metrics: dropped %lld records of %s written after step %lld (after the checkpoint this run resumed "
+                  "from)\n"
+                : "metrics: %lld records of an earlier run dropped from %s (a new run from step %lld)\n",
+        static_cast<long long>(begun.dropped), metrics.metrics_file().c_str(), static_cast<long long>(step_));
+  if (!begun.tensorboard_file.empty()) log("tensorboard: %s\n", begun.tensorboard_file.c_str());
+
+  const int64_t log_every = std::max<int64_t>(1, lg.every_steps());
+  const int64_t eval_every = lg.eval_every_steps();
   const int64_t ckpt_every = config_.checkpoint().every_steps();
-  const double peak = (device_.is_cuda() ? kAssumedGpuPeakFlopsPerRank : kAssumedCpuPeakFlopsPerRank) * dp_ * sp_;
+  // MFU only on GPUs: the CPU has no peak rate worth dividing by.
+  const bool show_mfu = device_.is_cuda();
+  const double peak = kAssumedGpuPeakFlopsPerRank * dp_ * sp_;
   const double flops_per_token = 6.0 * static_cast<double>(model_.num_parameters());
   int64_t window_tokens = 0;
   double window_seconds = 0;
@@ -847,24 +925,49 @@ int Trainer::run() {
       const double tps = window_seconds > 0 ? window_tokens / window_seconds : 0;
       const double mfu = flops_per_token * tps / peak;
       const double rss = rss_mib();
+      // Elapsed: the whole run's (earlier invocations' time included); ETA: the steps left at this
+      // invocation's pace.
+      const double here = now_s() - started;
+      const double elapsed = begun.elapsed_s + here;
+      const double eta = here / static_cast<double>(steps_here) * static_cast<double>(total - s.step);
       // GPU: the caching allocator's peak since the last line (this rank's device).
       const double gpu_peak = device_.is_cuda() ? cuda_peak_allocated_bytes(device_.index()) / (1024.0 * 1024.0) : 0;
       if (device_.is_cuda()) cuda_reset_peak_allocated(device_.index());
-      char gpu[48] = "";
+      char gpu[48] = "", mfu_text[32] = "";
       if (device_.is_cuda()) std::snprintf(gpu, sizeof gpu, " | gpu peak %.0f MiB", gpu_peak);
-      log("step %6lld/%lld | loss %.4f | grad norm %.3f | lr %.3e | %.0f tok/s | MFU %.2f%% | rss %.0f MiB%s\n",
-          static_cast<long long>(s.step), static_cast<long long>(total), s.loss, s.grad_norm, s.lr, tps,
-          100 * mfu, rss, gpu);
-      std::ostringstream js;
-      js << "{\"step\":" << s.step << ",\"loss\":" << json_number(s.loss) << ",\"grad_norm\":"
-         << json_number(s.grad_norm) << ",\"lr\":" << json_number(s.lr) << ",\"tokens_per_s\":"
-         << json_number(tps) << ",\"mfu\":" << json_number(mfu) << ",\"rss_mib\":" << json_number(rss)
-         << ",\"gpu_peak_mib\":" << json_number(gpu_peak)
-         << ",\"tokens_seen\":" << tokens_seen_ << "}";
-      write_metrics(js.str());
+      if (show_mfu) std::snprintf(mfu_text, sizeof mfu_text, " | MFU %.2f%%", 100 * mfu);
+      log("step %6lld/%lld | loss %.4f | grad norm %.3f | lr %.3e | %.0f tok/s%s | rss %.0f MiB%s | elapsed %s | eta %s\n",
+          static_cast<long long>(s.step), static_cast<long long>(total), s.loss, s.grad_norm, s.lr, tps, mfu_text,
+          rss, gpu, duration_text(elapsed).c_str(), duration_text(eta).c_str());
+      std::vector<std::pair<std::string, double>> fields = {
+          {"elapsed_s", elapsed}, {"loss", s.loss}, {"grad_norm", s.grad_norm}, {"lr", s.lr}, {"tokens_per_s", tps}};
+      if (show_mfu) fields.emplace_back("mfu", mfu);
+      fields.emplace_back("rss_mib", rss);
+      if (device_.is_cuda()) fields.emplace_back("gpu_peak_mib", gpu_peak);
+      fields.emplace_back("tokens_seen", static_cast<double>(tokens_seen_));
+      metrics.record(s.step, wall_clock_s(), fields);
       window_tokens = 0, window_seconds = 0;
     }
     if (options_.on_step) options_.on_step(s);
+    // The evaluation of this step comes before a stop: an invocation cut by --max-steps, --max-minutes or
+    // a signal at an eval step still evaluates it (its resumed run starts at the next step).
+    if (eval_every > 0 && (s.step % eval_every == 0 || s.step == total)) {
+      auto e = evaluate();
+      if (config_.data().has_token_files()) {
+        // Language data: the mean next-token loss, its perplexity and the top-1 accuracy.
+        log("eval step %lld | loss %.4f | perplexity %.2f | next-token accuracy %.4f | %lld tokens\n",
+            static_cast<long long>(s.step), e.loss, std::exp(e.loss), e.accuracy, static_cast<long long>(e.positions));
+        metrics.record(s.step, wall_clock_s(),
+                       {{"eval_loss", e.loss}, {"eval_perplexity", std::exp(e.loss)}, {"eval_accuracy", e.accuracy}});
+      } else {
+        log("eval step %lld | loss %.4f | accuracy %.4f | sequences all right %.4f | %lld positions\n",
+            static_cast<long long>(s.step), e.loss, e.accuracy, e.sequence_accuracy,
+            static_cast<long long>(e.positions));
+        metrics.record(s.step, wall_clock_s(),
+                       {{"eval_loss", e.loss}, {"eval_accuracy", e.accuracy},
+                        {"eval_sequence_accuracy", e.sequence_accuracy}});
+      }
+    }
     if ((s.stop_requested || step_limit) && s.step < total) {  // (at the last step: the normal end)
       save_checkpoint();
       const auto& ck = config_.checkpoint();
@@ -876,16 +979,6 @@ int Trainer::run() {
                              : "no checkpoint.dir, so this run's progress is not saved");
       time_is_up_ = false;
       return kExitStoppedBySignal;
-    }
-    if (eval_every > 0 && (s.step % eval_every == 0 || s.step == total)) {
-      auto e = evaluate();
-      log("eval step %lld | loss %.4f | accuracy %.4f | sequences all right %.4f | %lld positions\n",
-          static_cast<long long>(s.step), e.loss, e.accuracy, e.sequence_accuracy,
-          static_cast<long long>(e.positions));
-      std::ostringstream js;
-      js << "{\"step\":" << s.step << ",\"eval_loss\":" << json_number(e.loss) << ",\"eval_accuracy\":"
-         << json_number(e.accuracy) << ",\"eval_sequence_accuracy\":" << json_number(e.sequence_accuracy) << "}";
-      write_metrics(js.str());
     }
     if (ckpt_every > 0 && s.step % ckpt_every == 0 && s.step != total) save_checkpoint();
   }

@@ -1,8 +1,10 @@
 // The training loop (README.md, Design §4): a dp × sp grid of ranks, every rank holding the full parameters.
 // Per step:
-//   batch     dp rank d takes sequences [d·B, (d+1)·B) of the step's global batch (MQAR / needle:
-//             pure functions of (seed, step, global index); token files: consecutive windows of
-//             seq_len+1 tokens from the data cursor); sp rank r keeps tokens [r·T/P, (r+1)·T/P);
+//   batch     dp rank d takes sequences [d·A·B, (d+1)·A·B) of the step's global batch of dp·A·B
+//             (A = optimizer.grad_accum_steps micro-batches of B = data.batch_size, forward and
+//             backward one after another, gradients summed); every sequence is a pure function of
+//             (seed, step, global index): MQAR / needle draw it, token files pick a window
+//             (framework/data/token_dataset.h); sp rank r keeps tokens [r·T/P, (r+1)·T/P);
 //   forward   the model in the slice context of parallel::make_slice_context (the state scan over the
 //             sp communicator in the config's scan_mode, the halo exchange; sp == 1: the plain
 //             forward of each family);
@@ -28,6 +30,7 @@
 #include "framework/train/optimizer.h"
 #include "parallel/process_group.h"
 
+#include <algorithm>
 #include <cstdint>
 #include <cstdio>
 #include <functional>
@@ -39,6 +42,7 @@ namespace carry {
 
 struct CheckpointData;  // framework/io/checkpoint.h
 class CheckpointDirLock;
+class TokenDataset;     // framework/data/token_dataset.h
 struct StepStats;
 
 // The peak rates the MFU estimate divides by (per rank): an assumed figure, not a measurement.
@@ -133,10 +137,19 @@ class Trainer {
  private:
   struct Batch {
     at::Tensor tokens, targets, loss_mask;  // this rank's slice [B, T/sp]
+    at::Tensor document_starts;             // the whole sequence [B, T], CPU bool (eod_token set), else undefined
   };
-  Batch batch_for(int64_t step, bool eval) const;
+  // Micro-batch `micro` (of optimizer.grad_accum_steps) of a step; eval: batch `step` of the evaluation.
+  Batch batch_for(int64_t step, int64_t micro, bool eval) const;
+  int64_t grad_accum_steps() const { return std::max<int64_t>(1, config_.optimizer().grad_accum_steps()); }
+  void open_token_data();
   // The model context of this rank's slice (sequence parallelism, recomputation).
   ModelContext context() const { return context_; }
+  ModelContext context(const Batch& b) const {
+    ModelContext c = context_;
+    c.document_starts = b.document_starts;
+    return c;
+  }
   ModelContext context_;  // built once (the sp layout is agreed then, not per layer call)
   void all_reduce(at::Tensor& t, bool sp_only = false) const;
   void log(const char* fmt, ...) const;
@@ -160,7 +173,6 @@ class Trainer {
   void warn(const std::string& text) const;  // rank 0: "carry: <text>" on stderr
   // Copies init_from's weights into the model (names and shapes must match); returns its description.
   std::string initialize_from(const std::string& path);
-  void write_metrics(const std::string& json_line) const;
 
   RunConfig config_;
   std::shared_ptr<parallel::ProcessGroups> groups_;
@@ -174,8 +186,7 @@ class Trainer {
   int64_t step_ = 0, tokens_seen_ = 0;
   std::string run_id_;  // rank 0: the id of the run its checkpoints carry (new, or the resumed one's)
   std::shared_ptr<CheckpointDirLock> lock_;  // rank 0 during run()
-  struct TokenStream;
-  std::shared_ptr<TokenStream> train_stream_, eval_stream_;
+  std::shared_ptr<TokenDataset> train_data_, eval_data_;
 };
 
 }  // namespace carry

@@ -18,5 +18,6 @@ class OneThread {
  private:
   int before_;
 };
+using OneCpuThread = OneThread;
 
 }  // namespace carry::testing

@@ -237,10 +237,11 @@ TEST_F(TokenFileTest, TokenizeRoundTrip) {
   TokenFile f(out);
   EXPECT_EQ(f.width(), 2);
   std::vector<uint32_t> expected;
+  expected.push_back(kByteEndOfDocument);  // before every document
   for (unsigned char c : a) expected.push_back(c);
   expected.push_back(kByteEndOfDocument);
   for (unsigned char c : b) expected.push_back(c);
-  expected.push_back(kByteEndOfDocument);  // before the empty third file
+  expected.push_back(kByteEndOfDocument);  // the empty third file
   ASSERT_EQ(f.size(), static_cast<int64_t>(expected.size()));
   for (size_t i = 0; i < expected.size(); ++i) ASSERT_EQ(f.at(i), expected[i]) << i;
 
@@ -248,7 +249,7 @@ TEST_F(TokenFileTest, TokenizeRoundTrip) {
   std::string decoded;
   for (int64_t i = 0; i < f.size(); ++i)
     decoded += f.at(i) == kByteEndOfDocument ? std::string("<EOD>") : std::string(1, static_cast<char>(f.at(i)));
-  EXPECT_EQ(decoded, a + "<EOD>" + b + "<EOD>");
+  EXPECT_EQ(decoded, "<EOD>" + a + "<EOD>" + b + "<EOD>");
 
   // A large file goes through the streaming buffer in several pieces.
   std::string big(3 * (1 << 20) + 17, 'x');
@@ -256,8 +257,9 @@ TEST_F(TokenFileTest, TokenizeRoundTrip) {
   write_bytes(path("big.txt"), big);
   ASSERT_EQ(tokenize({"--input", path("big.txt"), "--output", out}), 0);
   TokenFile g(out);
-  ASSERT_EQ(g.size(), static_cast<int64_t>(big.size()));
-  for (size_t i = 0; i < big.size(); i += 4099) ASSERT_EQ(g.at(i), static_cast<unsigned char>(big[i]));
+  ASSERT_EQ(g.size(), static_cast<int64_t>(big.size()) + 1);
+  EXPECT_EQ(g.at(0), kByteEndOfDocument);
+  for (size_t i = 0; i < big.size(); i += 4099) ASSERT_EQ(g.at(i + 1), static_cast<unsigned char>(big[i]));
   EXPECT_EQ(g.at(g.size() - 1), static_cast<uint32_t>('x'));
 }
 

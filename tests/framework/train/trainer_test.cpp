@@ -113,7 +113,7 @@ TEST(Trainer, RunWritesMetricsAndCheckpoints) {
     if (std::strstr(buf, "eval_accuracy")) ++evals;
   }
   std::fclose(f);
-  EXPECT_EQ(lines, 12);  // 10 steps + 2 evaluations
+  EXPECT_EQ(lines, 13);  // the start marker, 10 steps, 2 evaluations
   EXPECT_EQ(evals, 2);
   EXPECT_TRUE(exists(dir + "/ck/latest"));
   // A finished run resumes at its last step and does nothing more.

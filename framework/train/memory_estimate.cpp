@@ -1,0 +1,288 @@
+// The memory estimate (see memory_estimate.h): a counting CPU allocator, one forward per distinct
+// layer at three lengths, the parabola through them, the table.
+#include "framework/train/memory_estimate.h"
+
+#include "framework/train/model.h"
+#include "layers/precision.h"
+
+#include <c10/core/CPUAllocator.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <map>
+#include <mutex>
+#include <numeric>
+#include <sstream>
+
+namespace carry {
+
+namespace {
+
+// Wraps the CPU allocator; counts the bytes of its allocations of the current generation.
+class CountingAllocator final : public c10::Allocator {
+ public:
+  c10::DataPtr allocate(size_t n) override {
+    c10::DataPtr inner = base_->allocate(n);
+    void* data = inner.get();
+    const c10::Device device = inner.device();
+    auto* ctx = new Context{std::move(inner), n, generation_.load(), this};
+    const int64_t now = live_.fetch_add(static_cast<int64_t>(n)) + static_cast<int64_t>(n);
+    int64_t peak = peak_.load();
+    while (now > peak && !peak_.compare_exchange_weak(peak, now)) {
+    }
+    return {data, ctx, &CountingAllocator::release, device};
+  }
+  void copy_data(void* dest, const void* src, std::size_t count) const override { default_copy_data(dest, src, count); }
+
+  void begin(c10::Allocator* base) {
+    base_ = base;
+    ++generation_;
+    live_ = 0, peak_ = 0;
+  }
+  int64_t live() const { return live_.load(); }
+  int64_t peak() const { return peak_.load(); }
+
+ private:
+  struct Context {
+    c10::DataPtr inner;
+    size_t bytes;
+    int64_t generation;
+    CountingAllocator* owner;
+  };
+  static void release(void* p) {
+    auto* ctx = static_cast<Context*>(p);
+    if (ctx->generation == ctx->owner->generation_.load()) ctx->owner->live_ -= static_cast<int64_t>(ctx->bytes);
+    delete ctx;  // frees through the wrapped allocator's deleter
+  }
+  c10::Allocator* base_ = nullptr;
+  std::atomic<int64_t> generation_{0}, live_{0}, peak_{0};
+};
+
+CountingAllocator& counting_allocator() {
+  static auto* a = new CountingAllocator;  // never destroyed: tensors it allocated may outlive any scope
+  return *a;
+}
+
+std::string bytes_text(double b) {
+  char buf[32];
+  if (b >= 1024.0 * 1024 * 1024) std::snprintf(buf, sizeof buf, "%.2f GiB", b / (1024.0 * 1024 * 1024));
+  else if (b >= 1024.0 * 1024) std::snprintf(buf, sizeof buf, "%.1f MiB", b / (1024.0 * 1024));
+  else std::snprintf(buf, sizeof buf, "%.1f KiB", b / 1024.0);
+  return buf;
+}
+
+// The parabola through (x_i, y_i), i = 0..2, at x.
+double parabola_at(const std::vector<double>& xs, const std::vector<double>& ys, double x) {
+  double r = 0;
+  for (int i = 0; i < 3; ++i) {
+    double l = 1;
+    for (int j = 0; j < 3; ++j)
+      if (j != i) l *= (x - xs[j]) / (xs[i] - xs[j]);
+    r += ys[i] * l;
+  }
+  return r;
+}
+
+}  // namespace
+
+CpuAllocation measure_cpu_allocation(const std::function<void()>& f) {
+  static std::mutex mu;  // one measurement at a time (the CPU allocator is process-wide)
+  std::lock_guard<std::mutex> lock(mu);
+  auto& counter = counting_allocator();
+  c10::Allocator* previous = c10::GetCPUAllocator();
+  counter.begin(previous);
+  c10::SetCPUAllocator(&counter, /*priority=*/0);
+  CpuAllocation r;
+  try {
+    f();
+  } catch (...) {
+    c10::SetCPUAllocator(previous, 0);
+    throw;
+  }
+  c10::SetCPUAllocator(previous, 0);
+  r.live_bytes = static_cast<double>(counter.live());
+  r.peak_bytes = static_cast<double>(counter.peak());
+  return r;
+}
+
+MemoryEstimate estimate_memory(const RunConfig& config, std::FILE* progress) {
+  MemoryEstimate m;
+  const auto& mc = config.model();
+  const int64_t L = mc.n_layers(), kinds = std::max(1, mc.mixers_size());
+  const int64_t sp = config.parallel().sp();
+  m.batch = config.data().batch_size();
+  m.slice_tokens = config.data().seq_len() / sp;
+  const bool bf16 = config.precision() == RunConfig::BF16;
+
+  // The distinct layers: the first min(L, |mixers|) of the model (layer i repeats layer i mod |mixers|).
+  ModelConfig small = mc;
+  small.set_n_layers(std::min<int64_t>(L, kinds));
+  const auto options = at::TensorOptions().dtype(at::kFloat);
+  Model model = build_model(small, config.seed(), options);
+
+  // Parameters of the full model: embedding (+ head), each layer as its distinct twin, the final norm.
+  std::vector<int64_t> layer_params(small.n_layers(), 0);
+  int64_t outside = 0;
+  for (auto& [name, p] : model.parameters()) {
+    if (name.rfind("layers.", 0) == 0) {
+      layer_params[std::stoll(name.substr(7, name.find('.', 7) - 7))] += p.numel();
+    } else {
+      outside += p.numel();
+    }
+  }
+  m.parameters = outside;
+  for (int64_t i = 0; i < L; ++i) m.parameters += layer_params[i % small.n_layers()];
+  m.parameter_bytes = 4.0 * static_cast<double>(m.parameters);
+  m.gradient_bytes = m.parameter_bytes;
+  m.optimizer_bytes = 2 * m.parameter_bytes;
+
+  // Slice lengths: multiples of every layer's chunk size, past every sliding window (a windowed
+  // attention layer's cost is quadratic up to its window, linear after it).
+  int64_t unit = 64, window = 0;
+  for (int64_t i = 0; i < small.n_layers(); ++i) {
+    auto o = layer_mixer(small, i).options;
+    unit = std::max(unit, o.chunk_size());
+    window = std::max(window, o.window());
+  }
+  const int64_t first = std::max(2 * unit, (window / unit + 1) * unit), stride = 2 * unit;
+  std::vector<int64_t> lengths;
+  if (m.slice_tokens <= first + 2 * stride) {
+    lengths = {m.slice_tokens};
+  } else {
+    lengths = {first, first + stride, first + 2 * stride};
+  }
+  m.measured_at = lengths;
+  const int64_t d = mc.d_model();
+  auto extrapolate = [&](const std::vector<double>& ys) {
+    if (ys.size() == 1) return ys[0];
+    std::vector<double> xs(lengths.begin(), lengths.end());
+    return std::max(ys[2], parabola_at(xs, ys, static_cast<double>(m.slice_tokens)));
+  };
+  at::manual_seed(0);
+  std::vector<double> per_kind(small.n_layers(), 0), backward_of_kind(small.n_layers(), 0);
+  for (int64_t i = 0; i < small.n_layers(); ++i) {
+    const ModelBlock& b = model.blocks()[i];
+    std::vector<double> ys, bs;
+    for (int64_t t : lengths) {
+      auto x = at::randn({m.batch, t, d}, options).requires_grad_(true);
+      at::Tensor y;
+      auto used = measure_cpu_allocation([&] {
+        AutocastScope autocast(at::kCPU, at::kBFloat16, bf16);
+        auto h = x + b.mixer->forward(b.mixer_norm.forward(x), {}, {}).y;
+        y = h + b.mlp.forward(b.mlp_norm.forward(h));
+      });
+      ys.push_back(used.live_bytes);
+      if (progress) {
+        std::fprintf(progress, "memory: layer %lld (%s) forward at %lld tokens: %.1f MiB kept; its backward...\n",
+                     static_cast<long long>(i), b.mixer->spec().kind.c_str(), static_cast<long long>(t),
+                     used.live_bytes / (1024.0 * 1024.0));
+        std::fflush(progress);
+      }
+      auto grad = at::randn_like(y);
+      bs.push_back(measure_cpu_allocation([&] { y.backward(grad); }).peak_bytes);
+      for (auto& [name, p] : model.parameters()) p.mutable_grad() = at::Tensor();
+    }
+    per_kind[i] = extrapolate(ys);
+    backward_of_kind[i] = extrapolate(bs);
+
+  }
+  {
+    std::vector<double> ys;
+    auto params = model.parameters();
+    at::Tensor head = params.front().second, norm_weight;
+    for (auto& [name, p] : params) {
+      if (name == "lm_head.weight") head = p;
+      if (name == "norm.weight") norm_weight = p;
+    }
+    std::vector<double> bs;
+    for (int64_t t : lengths) {
+      auto x = at::randn({m.batch, t, d}, options).requires_grad_(true);
+      auto targets = at::randint(mc.vocab_size(), {m.batch, t}, at::kLong);
+      at::Tensor loss;
+      auto used = measure_cpu_allocation([&] {
+        AutocastScope autocast(at::kCPU, at::kBFloat16, bf16);
+        auto h = x * at::rsqrt(x.pow(2).mean(-1, true) + mc.norm_eps()) * norm_weight;
+        auto logits = at::linear(h, head);
+        auto logp = at::log_softmax(logits.to(at::kFloat), -1);
+        loss = -logp.gather(-1, targets.unsqueeze(-1)).sum();
+      });
+      ys.push_back(used.live_bytes);
+      bs.push_back(measure_cpu_allocation([&] { loss.backward(); }).peak_bytes);
+      for (auto& [name, p] : model.parameters()) p.mutable_grad() = at::Tensor();
+    }
+    m.head_bytes = extrapolate(ys);
+    m.head_backward_bytes = extrapolate(bs);
+  }
+  const double input = 4.0 * static_cast<double>(m.batch * m.slice_tokens * d);
+  double largest = 0, largest_backward = 0, largest_rebuilt = 0;
+  for (int64_t i = 0; i < L; ++i) {
+    MemoryEstimate::Layer l;
+    l.index = i;
+    l.kind = model.blocks()[i % small.n_layers()].mixer->spec().kind;
+    l.kept_bytes = per_kind[i % small.n_layers()];
+    l.backward_bytes = backward_of_kind[i % small.n_layers()];
+    l.input_bytes = input;
+    m.activations_kept += l.kept_bytes;
+    largest = std::max(largest, l.kept_bytes);
+    largest_backward = std::max(largest_backward, l.backward_bytes);
+    largest_rebuilt = std::max(largest_rebuilt, l.kept_bytes + l.backward_bytes);
+    m.layers.push_back(l);
+  }
+  m.activations_kept += m.head_bytes;
+  m.activations_recomputed = static_cast<double>(L) * input + m.head_bytes;
+  const double fixed = m.parameter_bytes + m.gradient_bytes + m.optimizer_bytes;
+  // Peaks: the backward starts with every activation alive and the head's gradients; with
+  // recomputation a layer is rebuilt and differentiated while the others keep only their inputs.
+  m.total_kept = fixed + m.activations_kept + std::max(m.head_backward_bytes, largest_backward);
+  m.total_recomputed = fixed + m.activations_recomputed + std::max(m.head_backward_bytes, largest_rebuilt);
+  return m;
+}
+
+std::string memory_report(const MemoryEstimate& m, const RunConfig& config) {
+  std::ostringstream os;
+  const auto& par = config.parallel();
+  auto row = [&](const std::string& what, double bytes, const std::string& note = "") {
+    char buf[160];
+    std::snprintf(buf, sizeof buf, "  %-38s %11s%s%s\n", what.c_str(), bytes_text(bytes).c_str(), note.empty() ? "" : "   ",
+                  note.c_str());
+    os << buf;
+  };
+  os << "memory estimate per rank (one GPU each): dp " << par.dp() << " x sp " << par.sp() << ", " << m.batch
+     << " sequence" << (m.batch == 1 ? "" : "s") << " a micro-batch, " << m.slice_tokens << " tokens of each on a rank"
+     << (config.precision() == RunConfig::BF16 ? ", bf16 autocast" : ", fp32") << "\n";
+  row("parameters (fp32)", m.parameter_bytes, std::to_string(m.parameters) + " parameters");
+  row("gradients (fp32)", m.gradient_bytes);
+  row("AdamW moments (fp32, 2 a parameter)", m.optimizer_bytes);
+  std::string at;
+  for (size_t i = 0; i < m.measured_at.size(); ++i) at += (i ? ", " : "") + std::to_string(m.measured_at[i]);
+  os << "  activations kept for the backward, per layer (measured on the CPU at " << at << " tokens"
+     << (m.measured_at.size() > 1 ? ", extrapolated" : "") << "):\n";
+  // Runs of equal layers on one line.
+  for (size_t i = 0; i < m.layers.size();) {
+    size_t j = i;
+    while (j + 1 < m.layers.size() && m.layers[j + 1].kind == m.layers[i].kind &&
+           m.layers[j + 1].kept_bytes == m.layers[i].kept_bytes)
+      ++j;
+    // Only consecutive equal layers merge when the model is not a cycle of several kinds.
+    std::string name = "layer " + std::to_string(i) + (j > i ? "-" + std::to_string(j) : "") + " " + m.layers[i].kind;
+    row("  " + name, m.layers[i].kept_bytes,
+        (j > i ? "each; " : "") + std::string("recomputed: keeps its input, ") + bytes_text(m.layers[i].input_bytes));
+    i = j + 1;
+  }
+  row("  head and loss (logits, log-softmax)", m.head_bytes);
+  double layer_backward = 0;
+  for (auto& l : m.layers) layer_backward = std::max(layer_backward, l.backward_bytes);
+  row("backward transients, largest", std::max(m.head_backward_bytes, layer_backward),
+      "head " + bytes_text(m.head_backward_bytes) + ", a layer " + bytes_text(layer_backward));
+  row("activations, kept", m.activations_kept, "every layer + head");
+  row("activations, recomputed", m.activations_recomputed, "layer inputs + head; one layer rebuilt at a time");
+  const bool recompute = par.recompute();
+  row("peak, activations kept", m.total_kept, recompute ? "" : "<- this config (parallel.recompute: false)");
+  row("peak, recomputed", m.total_recomputed, recompute ? "<- this config (parallel.recompute: true)" : "");
+  os << "  (ATen forms as measured; CUDA kernel forms keep less. Allocator fragmentation and communication\n"
+        "  buffers come on top.)\n";
+  return os.str();
+}
+
+}  // namespace carry

@@ -1,0 +1,86 @@
+// Tests for framework/train/memory_estimate.h: the counting allocator sees what stays and what peaks;
+// the estimate's parameter count is the model's; a layer's activations extrapolated from three short
+// lengths match a direct measurement at the run's length (a chunkwise Gated DeltaNet layer: linear in
+// the length; full causal softmax attention: quadratic); recomputation needs less than keeping.
+#include "framework/train/memory_estimate.h"
+
+#include "framework/train/model.h"
+#include "tests/helpers/one_thread.h"
+
+#include <gtest/gtest.h>
+
+#include <cmath>
+
+namespace carry {
+namespace {
+
+using testing::OneCpuThread;
+
+TEST(MemoryEstimate, CountingAllocatorSeesWhatStaysAndThePeak) {
+  at::Tensor kept;
+  auto m = measure_cpu_allocation([&] {
+    kept = at::ones({256, 1024}, at::kFloat);         // 1 MiB, kept
+    auto temp = at::ones({1024, 1024}, at::kFloat);   // 4 MiB, freed
+    kept += temp.sum();
+  });
+  EXPECT_NEAR(m.live_bytes, 1 << 20, 4096);
+  EXPECT_GE(m.peak_bytes, 5 << 20);
+  EXPECT_LT(m.peak_bytes, (5 << 20) + 65536);
+  // Backward allocations count too: the gradient of a [512, 1000] log-softmax is 2 MB.
+  auto x = at::randn({512, 1000}).requires_grad_(true);
+  auto y = at::log_softmax(x, -1).sum();
+  auto b = measure_cpu_allocation([&] { y.backward(); });
+  EXPECT_GE(b.peak_bytes, 2.0 * 512 * 1000 * 4 * 0.99);
+}
+
+const char* kRun = R"(
+name: "memory"
+model { vocab_size: 96 d_model: 32 n_layers: 3 n_heads: 2 mixers: ["gated_deltanet", "softmax_attn"]
+        mixer_options { chunk_size: 32 } }
+data { mqar { num_kv_pairs: 4 num_queries: 4 vocab_size: 96 } seq_len: 512 batch_size: 2 }
+)";
+
+// The direct measurement of one block at batch B and length t.
+double block_bytes(const Model& model, int i, int64_t B, int64_t t) {
+  const auto& b = model.blocks()[i];
+  auto x = at::randn({B, t, model.config().d_model()}).requires_grad_(true);
+  at::Tensor y;
+  return measure_cpu_allocation([&] {
+           auto h = x + b.mixer->forward(b.mixer_norm.forward(x), {}, {}).y;
+           y = h + b.mlp.forward(b.mlp_norm.forward(h));
+         })
+      .live_bytes;
+}
+
+TEST(MemoryEstimate, ExtrapolationMatchesADirectMeasurement) {
+  OneCpuThread one_thread;
+  auto cfg = run_config_from_text(kRun, "memory.textproto");
+  auto m = estimate_memory(cfg);
+  Model full = build_model(cfg.model(), cfg.seed());
+  EXPECT_EQ(m.parameters, full.num_parameters());
+  EXPECT_EQ(m.parameter_bytes, 4.0 * full.num_parameters());
+  EXPECT_EQ(m.optimizer_bytes, 2 * m.parameter_bytes);
+  ASSERT_EQ(m.layers.size(), 3u);
+  EXPECT_EQ(m.slice_tokens, 512);
+  ASSERT_EQ(m.measured_at.size(), 3u);
+  EXPECT_LT(m.measured_at.back(), 512) << "the point is to extrapolate";
+  for (int i = 0; i < 2; ++i) {
+    const double direct = block_bytes(full, i, 2, 512);
+    const double rel = std::abs(m.layers[i].kept_bytes - direct) / direct;
+    std::printf("[ errors   ] memory estimate, layer %d (%s), extrapolated vs measured at T=512: %.3g (%.0f vs %.0f bytes)\n",
+                i, m.layers[i].kind.c_str(), rel, m.layers[i].kept_bytes, direct);
+    EXPECT_LT(rel, 0.03) << m.layers[i].kind;
+    EXPECT_GT(m.layers[i].backward_bytes, 0);
+  }
+  EXPECT_EQ(m.layers[2].kept_bytes, m.layers[0].kept_bytes);  // layer 2 is layer 0's kind again
+  // Quadratic attention costs more per token than the linear layer at this length.
+  EXPECT_GT(m.layers[1].kept_bytes, m.layers[0].kept_bytes);
+  EXPECT_GT(m.head_bytes, 2.0 * 512 * 96 * 4);  // at least the log-softmax of [2, 512, 96] fp32
+  EXPECT_LT(m.total_recomputed, m.total_kept);
+  auto report = memory_report(m, cfg);
+  EXPECT_NE(report.find("layer 1 softmax_attn"), std::string::npos) << report;
+  EXPECT_NE(report.find("<- this config (parallel.recompute: false)"), std::string::npos) << report;
+}
+
+}  // namespace
+}  // namespace carry
