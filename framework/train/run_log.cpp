@@ -143,7 +143,11 @@ RunLog::Start RunLog::start(int64_t step, bool resumed, double wall_time) {
   std::vector<std::string> kept_lines;
   std::vector<RunLogRecord> kept;
   bool rewrite = false;
-  {
+  // Only a regular file holds earlier records: a device (/dev/null, /dev/full) or a pipe is written to,
+  // never read back (/dev/full reads as endless zeros).
+  struct stat st {};
+  const bool regular = ::stat(path_.c_str(), &st) == 0 && S_ISREG(st.st_mode);
+  if (regular) {
     std::ifstream in(path_);
     std::string line;
     while (std::getline(in, line)) {

@@ -56,6 +56,6 @@ grep -q "resumed from $tmp/ck at step $first" "$tmp/run2.log" || fail "run 2 did
 second=$(latest_step)
 [ -n "$second" ] && [ "$second" -gt "$first" ] || fail "after SIGINT: latest is step '$second', not past $first"
 # Each logged step once: the resumed run dropped nothing and repeated nothing.
-steps=$(sed -n 's/^{"step":\([0-9]*\),"loss".*/\1/p' "$tmp/metrics.jsonl" | tr '\n' ' ')
+steps=$(sed -n 's/^{"step":\([0-9]*\),"time":[^,]*,"elapsed_s":[^,]*,"loss".*/\1/p' "$tmp/metrics.jsonl" | tr '\n' ' ')
 [ "$steps" = "$(seq -s ' ' 1 "$second") " ] || fail "metrics steps are '$steps', expected 1 to $second once each"
 echo "launcher/train: SIGTERM -> checkpoint of step $first, exit 75; resumed, SIGINT -> step $second, exit 75"

@@ -44,7 +44,7 @@ check "full disk for the metrics" "logging.metrics_file: cannot write to /dev/fu
   -- "$tmp/run.textproto" --set logging.metrics_file=/dev/full
 check "checkpoint.dir not writable" "checkpoint.dir: cannot create a file in /proc" \
   -- "$tmp/run.textproto" --set checkpoint.dir=/proc
-check "out-of-vocabulary token" "the token at index 32 is 32, which does not fit model.vocab_size = 32" \
+check "out-of-vocabulary token" "token 32 (id 32) is not below model.vocab_size = 32" \
   -- "$tmp/run.textproto" --set "data.token_files={paths: \"$tmp/oov.tok\"}"
 check "model too large for the host" "of available memory; lower model.d_model" \
   -- "$tmp/run.textproto" --set model.d_model=65536 --set model.n_layers=64 --set model.n_heads=64

@@ -240,7 +240,10 @@ TEST_F(TrainerReliability, ResumedRunDoesNotDuplicateMetricsLines) {
   ASSERT_EQ(run_capturing(cfg, quiet(), &error, &err), 0) << error;
   // The values that depend on the state (tokens/s, MFU and memory differ from run to run).
   auto values = [](const std::string& path) {
-    static const std::regex re("\\{\"step\":([0-9]+),\"loss\":([^,]+),\"grad_norm\":([^,]+),\"lr\":([^,]+),");
+    // {"step":N,"time":...,"elapsed_s":...,"loss":...,"grad_norm":...,"lr":...,...}
+    static const std::regex re(
+        "\\{\"step\":([0-9]+),\"time\":[^,]+,\"elapsed_s\":[^,]+,\"loss\":([^,]+),\"grad_norm\":([^,]+),"
+        "\"lr\":([^,]+),");
     std::string out, text = read_text(path);
     for (std::sregex_iterator it(text.begin(), text.end(), re), end; it != end; ++it)
       out += (*it)[1].str() + " " + (*it)[2].str() + " " + (*it)[3].str() + " " + (*it)[4].str() + "\n";
@@ -262,9 +265,8 @@ TEST_F(TrainerReliability, OutOfVocabularyTokenIsFoundBeforeTheFirstStep) {
     Trainer t(cfg, nullptr, quiet());
     ADD_FAILURE() << "a token file with id 40 was accepted for vocab_size 32";
   } catch (const c10::Error& e) {
-    EXPECT_EQ(std::string(e.what_without_backtrace()),
-              "data.token_files.paths[0]: " + path + ": the token at index 4321 is 40, which does not fit "
-              "model.vocab_size = 32 (ids must be < vocab_size); the data was tokenized for a larger vocabulary");
+    const std::string m = e.what_without_backtrace();
+    EXPECT_CONTAINS(m, path + ": token 4321 (id 40) is not below model.vocab_size = 32");
   }
 }
 
@@ -283,7 +285,8 @@ TEST_F(TrainerReliability, TokenFileTruncatedDuringTrainingIsAnError) {
   } catch (const std::exception& e) {
     const auto* c = dynamic_cast<const c10::Error*>(&e);
     std::string m = c ? c->what_without_backtrace() : e.what();
-    EXPECT_CONTAINS(m, path + ": the file ends at byte 100 but bytes up to ");
+    EXPECT_CONTAINS(m, path + ": the file ends at byte ");
+    EXPECT_CONTAINS(m, "(it has 100 bytes now, 8024 when it was opened)");
     EXPECT_CONTAINS(m, "it was truncated or replaced while in use");
   }
 }
