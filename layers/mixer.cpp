@@ -89,7 +89,7 @@ void Mixer::check(const MixerInputs& in, const MixerOptions& opt, bool chunked) 
     else if (n == "g" || n == "beta") check_tensor(t, name() + ": '" + n + "'", {B, T, H});
     else if (n == "l") check_tensor(t, name() + ": 'l'", {B, T, H, -1});
     // Gates may stay fp32 next to reduced-precision q, k, v (what the kernel forms read under autocast).
-    const bool fp32_gate = (n == "g" || n == "gk" || n == "beta") && t.scalar_type() == at::kFloat;
+    const bool fp32_gate = MixerInputs::is_gate(n) && t.scalar_type() == at::kFloat;
     TORCH_CHECK(t.scalar_type() == q.scalar_type() || fp32_gate, name(), ": '", n, "' has dtype ",
                 t.scalar_type(), " but '", names[0], "' has ", q.scalar_type(),
                 "; all inputs must share one dtype (the gates g, gk and beta may be fp32)");

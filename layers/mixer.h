@@ -40,6 +40,8 @@ struct MixerInputs {
 
   // Every input name, in this order: q, k, v, g, gk, beta, l.
   static const std::vector<std::string>& names();
+  // The gates (g, gk, beta): they may stay fp32 beside reduced-precision q, k, v.
+  static bool is_gate(const std::string& name) { return name == "g" || name == "gk" || name == "beta"; }
   const Tensor& get(const std::string& name) const;
   Tensor& get(const std::string& name);
   // The slice [start, start+len) along T of every defined tensor.

@@ -319,9 +319,9 @@ MixerLayerOutput MixerLayer::forward(const Tensor& x, const State& initial_state
     State s0 = initial_state;
     if (autocast_active_for(x)) {
       fp32.emplace();
-      MixerInputs low = kernel_precision(in);
-      const bool kernel = !ctx.run_mixer && mixer_->resolve_form(low, opt) == Form::kernel;
-      in = kernel ? low : full_precision(in);
+      // The kernel forms take bf16 and fp32 alike, so the form is known before any cast.
+      const bool kernel = !ctx.run_mixer && mixer_->resolve_form(in, opt) == Form::kernel;
+      in = kernel ? kernel_precision(in) : full_precision(in);
       s0 = full_precision(s0);
     }
     out = ctx.run_mixer ? ctx.run_mixer(*mixer_, in, s0, opt) : mixer_->forward(in, s0, opt);

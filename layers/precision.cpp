@@ -64,8 +64,7 @@ MixerInputs kernel_precision(const MixerInputs& in) {
   for (const auto& n : MixerInputs::names()) {
     const Tensor& t = in.get(n);
     if (!t.defined() || !at::isFloatingType(t.scalar_type())) continue;
-    const bool gate = n == "g" || n == "gk" || n == "beta";
-    const auto dt = gate ? at::kFloat : at::autocast::get_autocast_dtype(t.device().type());
+    const auto dt = MixerInputs::is_gate(n) ? at::kFloat : at::autocast::get_autocast_dtype(t.device().type());
     out.get(n) = t.to(dt);
   }
   return out;

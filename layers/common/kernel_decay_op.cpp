@@ -63,6 +63,15 @@ void check_decay_kernel_supports(const std::string& family, const MixerInputs& i
               opt.chunk_size);
 }
 
+MixerOutput decay_kernel_form(const Mixer& family, DecayKernel kind, const Tensor& gate, const MixerInputs& in,
+                              const State& initial_state, const MixerOptions& opt) {
+  family.check(in, opt, /*chunked=*/true);
+  check_decay_kernel_supports(family.name(), in, opt);
+  auto r = decay_kernel_forward(kind, in.q, in.k, in.v, gate, initial_state.empty() ? Tensor() : initial_state[0],
+                                opt.scale_for(in.q.size(3)));
+  return {r.first, {r.second}};
+}
+
 std::pair<Tensor, Tensor> decay_kernel_forward(DecayKernel kind, const Tensor& q, const Tensor& k, const Tensor& v,
                                                const Tensor& g, const Tensor& initial_state, double scale) {
   const int64_t B = q.size(0), H = q.size(2), dk = q.size(3), dv = v.size(3);

@@ -20,6 +20,11 @@ bool decay_kernel_supports(const MixerInputs& in, const MixerOptions& opt);
 std::pair<Tensor, Tensor> decay_kernel_forward(DecayKernel kind, const Tensor& q, const Tensor& k, const Tensor& v,
                                                const Tensor& g, const Tensor& initial_state, double scale);
 
+// The kernel form of a family of this class with one state S and gate `gate` (undefined for none):
+// the family's checks, the supported-shape check, then decay_kernel_forward.
+MixerOutput decay_kernel_form(const Mixer& family, DecayKernel kind, const Tensor& gate, const MixerInputs& in,
+                              const State& initial_state, const MixerOptions& opt);
+
 // The error when the kernel form is forced on inputs it does not take.
 void check_decay_kernel_supports(const std::string& family, const MixerInputs& in, const MixerOptions& opt);
 

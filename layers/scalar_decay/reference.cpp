@@ -67,11 +67,7 @@ class ScalarDecay final : public Mixer {
     return decay_kernel_supports(in, opt);
   }
   MixerOutput kernel(const MixerInputs& in, const State& init, const MixerOptions& opt) const override {
-    check(in, opt, /*chunked=*/true);
-    check_decay_kernel_supports(name(), in, opt);
-    auto r = decay_kernel_forward(DecayKernel::scalar, in.q, in.k, in.v, in.g, init.empty() ? Tensor() : init[0],
-                                  opt.scale_for(in.q.size(3)));
-    return {r.first, {r.second}};
+    return decay_kernel_form(*this, DecayKernel::scalar, in.g, in, init, opt);
   }
 #endif
 
