@@ -1,0 +1,11 @@
+// One process-wide switch between the fused CUDA ops and their ATen forms (for comparisons).
+#pragma once
+
+namespace carry {
+
+// Default true; CARRY_FUSED_OPS=0 in the environment (read once, at the first call) sets false.
+// Only CUDA tensors are affected: on the CPU the ATen forms always run.
+bool fused_ops_enabled();
+void set_fused_ops(bool enabled);
+
+}  // namespace carry
