@@ -1,6 +1,7 @@
 // The mixer registry, the input-bundle helpers and the default input validation of the contract.
 #include "layers/mixer.h"
 
+#include "layers/common/fused_switch.h"
 #include "layers/common/layout.h"
 
 #include <cstdlib>
@@ -130,8 +131,9 @@ Form parse_form(const std::string& name) {
 
 Form Mixer::resolve_form(const MixerInputs& in, const MixerOptions& opt) const {
   if (opt.form != Form::automatic) return opt.form;
-  return has_kernel() && in.q.defined() && in.q.is_cuda() && kernel_supports(in, opt) ? Form::kernel
-                                                                                       : Form::chunkwise;
+  return has_kernel() && in.q.defined() && in.q.is_cuda() && fused_ops_enabled() && kernel_supports(in, opt)
+             ? Form::kernel
+             : Form::chunkwise;
 }
 
 MixerOutput Mixer::forward(const MixerInputs& in, const State& initial_state,

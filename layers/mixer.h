@@ -48,8 +48,9 @@ struct MixerInputs {
   MixerInputs slice(int64_t start, int64_t len) const;
 };
 
-// The forms of a family. `automatic`: the kernel form on CUDA tensors when the family has one, else
-// the chunkwise form.
+// The forms of a family. `automatic`: the kernel form on CUDA tensors when the family has one (and
+// CARRY_FUSED_OPS=0 does not ask for the ATen forms, layers/common/fused_switch.h), else the chunkwise
+// form.
 enum class Form { automatic, naive, chunkwise, kernel };
 const char* form_name(Form form);
 // Training's debug option: CARRY_CHECK_VALUES=1 in the environment (read once) checks every mixer
@@ -67,6 +68,10 @@ struct MixerOptions {
   int64_t offset = 0;        // absolute position of the slice's first token (log-linear levels)
   Form form = Form::automatic;  // which form Mixer::forward runs
   bool check_values = false;    // also check values (finite, gate ranges): a device-to-host read
+  // The kernel forms carry the state chunk after chunk, with no in-GPU segment scan: every chunk then
+  // runs the same operations wherever the sequence is cut, so a sequence split over ranks by the
+  // ordered scan gives the bits of the whole. The ordered scan mode sets it, on one rank too.
+  bool serial_states = false;
   // Packed documents (FLA's cu_seqlens), honoured by Mixer::forward: a document starts at every
   // position p where document_starts[b, p] is true ([B, T] bool, on the CPU); the state is reset to
   // zero before token p and no token reaches another document. Undefined: one document.

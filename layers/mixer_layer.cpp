@@ -178,6 +178,7 @@ MixerOptions MixerLayer::mixer_options(int64_t, const MixerLayerContext& ctx) co
   opt.normalize = spec_.normalize;
   opt.offset = ctx.offset;
   opt.check_values = check_values_requested();
+  opt.serial_states = ctx.serial_states;
   if (tr.mamba2) opt.scale = 1.0;  // Mamba-2 reads C·h unscaled
   return opt;
 }
@@ -319,8 +320,9 @@ MixerLayerOutput MixerLayer::forward(const Tensor& x, const State& initial_state
     State s0 = initial_state;
     if (autocast_active_for(x)) {
       fp32.emplace();
-      // The kernel forms take bf16 and fp32 alike, so the form is known before any cast.
-      const bool kernel = !ctx.run_mixer && mixer_->resolve_form(in, opt) == Form::kernel;
+      // The kernel forms take bf16 and fp32 alike, so the form is known before any cast. The tree and
+      // allgather scans also summarize the slice with the ATen forms, which want fp32 inputs.
+      const bool kernel = (!ctx.run_mixer || ctx.serial_states) && mixer_->resolve_form(in, opt) == Form::kernel;
       in = kernel ? kernel_precision(in) : full_precision(in);
       s0 = full_precision(s0);
     }

@@ -95,6 +95,9 @@ struct MixerLayerContext {
   // short convolutions and a sliding window see only the document's own tokens. Undefined: one
   // document a sequence.
   Tensor document_starts;
+  // The ordered scan mode (at any sp): MixerOptions::serial_states, and the scan calls only the
+  // family's forward, so a kernel form reads q, k, v in the autocast dtype as on one rank.
+  bool serial_states = false;
 };
 
 struct MixerLayerOutput {

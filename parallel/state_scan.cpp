@@ -569,7 +569,11 @@ MixerOutput sp_mixer_forward(const Mixer& mixer, Communicator& sp, const MixerIn
   for (const auto& n : kInputNames)
     if (in.get(n).defined()) xs.push_back(in.get(n));
 
+  // States are carried and sent in fp32 at least: a kernel form reads q, k, v in bf16 but keeps its
+  // states in fp32 (MixerLayer::forward under autocast).
   State zero = mixer.zero_state(in, lopt);
+  for (auto& t : zero)
+    if (t.defined() && at::isReducedFloatingType(t.scalar_type())) t = t.to(at::kFloat);
 
   // Head groups. From here on every check depends only on the agreed layout and head_groups, so it
   // fails alike on every rank.

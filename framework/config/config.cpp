@@ -850,6 +850,10 @@ void check_run(const RunConfig& c, Errors& e) {
 
   if (par.dp() < 1) e.add("parallel.dp", "must be >= 1, got ", par.dp());
   if (sp < 1) e.add("parallel.sp", "must be >= 1, got ", sp);
+  if (par.has_serial_states() && par.serial_states() && sp > 1 && par.scan_mode() != config::ParallelConfig::ORDERED)
+    e.add("parallel.serial_states", "true at sp > 1 needs parallel.scan_mode: ORDERED (the tree and allgather "
+          "scans summarize slices with the ATen forms); got sp = ", sp, " with ",
+          config::ParallelConfig::ScanMode_Name(par.scan_mode()));
   int64_t ranks = 0;
   bool ranks_ok = false;
   if (par.dp() >= 1 && sp >= 1) {

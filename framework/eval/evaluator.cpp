@@ -119,6 +119,7 @@ EvalResult evaluate_model(const Model& model, const EvalSpec& spec, parallel::Pr
   parallel::ScanMode mode = spec.scan_mode;
   MixerLayerContext slice;
   if (sp > 1) slice = parallel::make_slice_context(groups->sp, mode, /*head_groups=*/1, T);
+  slice.serial_states = sp > 1 && mode == parallel::ScanMode::ordered;
   ModelContext context;
   context.slice = slice;
   const NamedParameters params = model.parameters();

@@ -198,6 +198,9 @@ Trainer::Trainer(const RunConfig& config, std::shared_ptr<parallel::ProcessGroup
   if (sp_ > 1)  // collective: every rank of the sp group agrees on the layout here, once
     context_.slice = parallel::make_slice_context(groups_->sp, scan_mode_of(config_.parallel().scan_mode()),
                                                   /*head_groups=*/1, config_.data().seq_len());
+  context_.slice.serial_states = par.has_serial_states()
+                                     ? par.serial_states()
+                                     : sp_ > 1 && par.scan_mode() == config::ParallelConfig::ORDERED;
 }
 
 int Trainer::rank() const { return groups_ ? groups_->world_info.rank : 0; }

@@ -3,8 +3,10 @@
 
 namespace carry {
 
-// Default true; CARRY_FUSED_OPS=0 in the environment (read once, at the first call) sets false.
-// Only CUDA tensors are affected: on the CPU the ATen forms always run.
+// Default true; CARRY_FUSED_OPS=0 in the environment (read once, at the first call) sets false: then
+// every op runs its ATen form on CUDA too (the mixers their chunkwise forms under automatic dispatch;
+// the norms, the MLP's activation and the convolutions their ATen chains), for comparisons. Only CUDA
+// tensors are affected: on the CPU the ATen forms always run.
 bool fused_ops_enabled();
 void set_fused_ops(bool enabled);
 

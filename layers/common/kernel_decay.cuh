@@ -9,6 +9,10 @@
 //
 // decay_fwd returns {o, final_state, saved...}; pass the saved tensors unchanged to decay_bwd.
 // decay_bwd returns {dq, dk, dv, dg (undefined for none), d_initial_state}.
+// `segments` cuts the state recurrence into that many segments walked in parallel and joined (0: by
+// the grid's size, or decay_set_segments' value). 1 walks the chunks in order: every chunk then runs
+// the same operations wherever the sequence is cut, so a sequence split over ranks (the ordered scan)
+// gives the bits of the whole (MixerOptions::serial_states).
 #pragma once
 
 #include <ATen/ATen.h>
@@ -23,12 +27,13 @@ enum class Decay : int { none = 0, scalar = 1, diag = 2 };
 // empty for none), H (the state entering each chunk, input dtype [B,H,N,dk,dv]), P (the scaled,
 // decayed, causal intra-chunk matrix, input dtype [B,H,N,64,64]).
 std::vector<at::Tensor> decay_fwd(Decay kind, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                                  const at::Tensor& g, double scale, const at::Tensor& initial_state);
+                                  const at::Tensor& g, double scale, const at::Tensor& initial_state,
+                                  int segments = 0);
 
 std::vector<at::Tensor> decay_bwd(Decay kind, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                   const at::Tensor& g, double scale, const at::Tensor& initial_state,
                                   const std::vector<at::Tensor>& saved, const at::Tensor& d_o,
-                                  const at::Tensor& d_final_state);
+                                  const at::Tensor& d_final_state, int segments = 0);
 
 // Debug: fill every output and intermediate with NaN right after allocation. Off by default.
 void decay_set_poison(bool on);

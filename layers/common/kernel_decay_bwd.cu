@@ -284,7 +284,7 @@ std::vector<at::Tensor> bwd_impl(const Dims& d, const at::Tensor& q, const at::T
   auto dH = alloc({d.B, d.H, d.N, d.DK, d.DV}, q.options());
   auto ds0 = alloc({d.B, d.H, d.DK, d.DV}, f32);
   launch_state<T, KIND, true>(q, dO, G, dfinal, dH, ds0, d.B, d.T, d.H, d.DK, d.DV, (float)scale, stream,
-                              forced_segments());
+                              segments_of(d));
 
   auto dv = alloc(v.sizes(), v.options());
   {
@@ -349,8 +349,9 @@ std::vector<at::Tensor> bwd_kind(Decay kind, const Dims& d, const at::Tensor& q,
 std::vector<at::Tensor> decay_bwd(Decay kind, const at::Tensor& q_in, const at::Tensor& k_in,
                                   const at::Tensor& v_in, const at::Tensor& g_in, double scale,
                                   const at::Tensor& initial_state, const std::vector<at::Tensor>& saved,
-                                  const at::Tensor& d_o, const at::Tensor& d_final_state) {
-  const Dims d = check_inputs("decay_bwd", kind, q_in, k_in, v_in, g_in);
+                                  const at::Tensor& d_o, const at::Tensor& d_final_state, int segments) {
+  Dims d = check_inputs("decay_bwd", kind, q_in, k_in, v_in, g_in);
+  d.segments = segments;
   (void)initial_state;
   TORCH_CHECK(saved.size() == 3, "decay_bwd: expected the 3 tensors saved by decay_fwd, got ", saved.size());
   TORCH_CHECK(d_o.sizes() == v_in.sizes(), "decay_bwd: d_o must have v's shape ", v_in.sizes(), ", got ", d_o.sizes());

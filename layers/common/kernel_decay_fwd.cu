@@ -213,7 +213,7 @@ std::vector<at::Tensor> fwd_impl(const Dims& d, const at::Tensor& q, const at::T
   auto Hsave = alloc({d.B, d.H, d.N, d.DK, d.DV}, q.options());
   auto Sfinal = alloc({d.B, d.H, d.DK, d.DV}, f32);
   launch_state<T, KIND, false>(k, v, G, s0, Hsave, Sfinal, d.B, d.T, d.H, d.DK, d.DV, (float)scale, stream,
-                               forced_segments());
+                               segments_of(d));
   auto o = alloc({d.B, d.T, d.H, d.DV}, q.options());
   auto P = alloc({d.B, d.H, d.N, kChunk, kChunk}, q.options());
   if (d.DK == 64) launch_out<T, KIND, 64>(d, q, k, v, G, Hsave, o, P, (float)scale, stream);
@@ -236,8 +236,9 @@ std::vector<at::Tensor> fwd_kind(Decay kind, const Dims& d, const at::Tensor& q,
 
 std::vector<at::Tensor> decay_fwd(Decay kind, const at::Tensor& q_in, const at::Tensor& k_in,
                                   const at::Tensor& v_in, const at::Tensor& g_in, double scale,
-                                  const at::Tensor& initial_state) {
-  const Dims d = check_inputs("decay_fwd", kind, q_in, k_in, v_in, g_in);
+                                  const at::Tensor& initial_state, int segments) {
+  Dims d = check_inputs("decay_fwd", kind, q_in, k_in, v_in, g_in);
+  d.segments = segments;
   c10::cuda::CUDAGuard guard(q_in.device());
   auto q = dense(q_in), k = dense(k_in), v = dense(v_in);
   at::Tensor g = g_in.defined() ? dense(g_in) : g_in;

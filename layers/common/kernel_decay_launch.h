@@ -24,7 +24,10 @@ inline at::Tensor dense(const at::Tensor& t) { return carry_tiles::dense16(t); }
 
 struct Dims {
   int B, T, H, DK, DV, N;
+  int segments = 0;  // the state recurrence's segments: 0 = decay_set_segments' value or automatic
 };
+// The segments a launch uses: the call's own choice, else the forced (test) value, else automatic (0).
+inline int segments_of(const Dims& d) { return d.segments > 0 ? d.segments : forced_segments(); }
 
 inline Dims check_inputs(const char* who, Decay kind, const at::Tensor& q, const at::Tensor& k,
                          const at::Tensor& v, const at::Tensor& g) {

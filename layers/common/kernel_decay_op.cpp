@@ -16,15 +16,17 @@ using torch::autograd::variable_list;
 struct DecayKernelOp : public torch::autograd::Function<DecayKernelOp> {
   // g travels as an empty tensor for linear attention (autograd Functions take no undefined tensors).
   static variable_list forward(AutogradContext* ctx, const Tensor& q, const Tensor& k, const Tensor& v,
-                               const Tensor& g_or_empty, const Tensor& s0, double scale, int64_t kind) {
+                               const Tensor& g_or_empty, const Tensor& s0, double scale, int64_t kind,
+                               int64_t segments) {
     const auto decay = static_cast<carry_decay::Decay>(kind);
     const Tensor g = g_or_empty.numel() == 0 ? Tensor() : g_or_empty;
-    auto out = carry_decay::decay_fwd(decay, q, k, v, g, scale, s0);
+    auto out = carry_decay::decay_fwd(decay, q, k, v, g, scale, s0, static_cast<int>(segments));
     variable_list keep{q, k, v, g_or_empty};
     keep.insert(keep.end(), out.begin() + 2, out.end());
     ctx->save_for_backward(keep);
     ctx->saved_data["scale"] = scale;
     ctx->saved_data["kind"] = kind;
+    ctx->saved_data["segments"] = segments;
     return {out[0], out[1]};
   }
 
@@ -39,8 +41,8 @@ struct DecayKernelOp : public torch::autograd::Function<DecayKernelOp> {
     Tensor d_s = grads[1].defined() ? grads[1].contiguous()
                                     : at::zeros({B, H, dk, dv}, q.options().dtype(at::kFloat));
     auto d = carry_decay::decay_bwd(decay, q, k, v, g, ctx->saved_data["scale"].toDouble(), Tensor(), saved, d_o,
-                                    d_s);
-    return {d[0], d[1], d[2], g.defined() ? d[3] : Tensor(), d[4], Tensor(), Tensor()};
+                                    d_s, static_cast<int>(ctx->saved_data["segments"].toInt()));
+    return {d[0], d[1], d[2], g.defined() ? d[3] : Tensor(), d[4], Tensor(), Tensor(), Tensor()};
   }
 };
 
@@ -68,18 +70,20 @@ MixerOutput decay_kernel_form(const Mixer& family, DecayKernel kind, const Tenso
   family.check(in, opt, /*chunked=*/true);
   check_decay_kernel_supports(family.name(), in, opt);
   auto r = decay_kernel_forward(kind, in.q, in.k, in.v, gate, initial_state.empty() ? Tensor() : initial_state[0],
-                                opt.scale_for(in.q.size(3)));
+                                opt.scale_for(in.q.size(3)), opt.serial_states);
   return {r.first, {r.second}};
 }
 
 std::pair<Tensor, Tensor> decay_kernel_forward(DecayKernel kind, const Tensor& q, const Tensor& k, const Tensor& v,
-                                               const Tensor& g, const Tensor& initial_state, double scale) {
+                                               const Tensor& g, const Tensor& initial_state, double scale,
+                                               bool serial_states) {
   const int64_t B = q.size(0), H = q.size(2), dk = q.size(3), dv = v.size(3);
   Tensor s0 = initial_state.defined() ? initial_state.to(at::kFloat).contiguous()
                                       : at::zeros({B, H, dk, dv}, q.options().dtype(at::kFloat));
   Tensor g32 = kind == DecayKernel::none ? at::empty({0}, q.options().dtype(at::kFloat))
                                          : g.to(at::kFloat).contiguous();
-  auto out = DecayKernelOp::apply(dense(q), dense(k), dense(v), g32, s0, scale, static_cast<int64_t>(kind));
+  auto out = DecayKernelOp::apply(dense(q), dense(k), dense(v), g32, s0, scale, static_cast<int64_t>(kind),
+                                  int64_t{serial_states ? 1 : 0});
   return {out[0], out[1]};
 }
 

@@ -16,9 +16,11 @@ bool decay_kernel_supports(const MixerInputs& in, const MixerOptions& opt);
 // The recurrence S_t = diag(e^{g_t}) S_{t−1} + k_t v_tᵀ, o_t = scale · S_tᵀ q_t from `initial_state`
 // [B,H,dk,dv] (undefined: zeros); g undefined (none), [B,T,H] (scalar) or [B,T,H,dk] (diag), any
 // float dtype (the kernels read it in fp32). Returns o [B,T,H,dv] in q's dtype and the final state in
-// fp32; differentiable in q, k, v, g and the initial state.
+// fp32; differentiable in q, k, v, g and the initial state. serial_states: the state recurrence walks
+// the chunks in order (MixerOptions::serial_states), else an in-GPU segment scan may run.
 std::pair<Tensor, Tensor> decay_kernel_forward(DecayKernel kind, const Tensor& q, const Tensor& k, const Tensor& v,
-                                               const Tensor& g, const Tensor& initial_state, double scale);
+                                               const Tensor& g, const Tensor& initial_state, double scale,
+                                               bool serial_states = false);
 
 // The kernel form of a family of this class with one state S and gate `gate` (undefined for none):
 // the family's checks, the supported-shape check, then decay_kernel_forward.

@@ -99,7 +99,7 @@ class LinearAttention final : public Mixer {
     // numerator or of o's gradient would show in it, so the kernels then read fp32 copies and o is fp32.
     const auto kdt = opt.normalize ? at::kFloat : in.q.scalar_type();
     auto [num, S] = decay_kernel_forward(DecayKernel::none, in.q.to(kdt), in.k.to(kdt), in.v.to(kdt), Tensor(), S0,
-                                         scale);
+                                         scale, opt.serial_states);
     const auto f32 = in.k.options().dtype(at::kFloat);
     Tensor z0 = init.size() > 1 && init[1].defined() ? init[1].to(at::kFloat)
                                                      : at::zeros({in.q.size(0), in.q.size(2), in.q.size(3)}, f32);
