@@ -244,7 +244,8 @@ MixerLayer::Projected MixerLayer::project(const Tensor& x, const MixerLayerConte
       // At least fp32: under autocast on CUDA x is the norm's bf16 output, and a log decay in bf16 loses
       // its cumulative sum.
       const auto dt = at::promote_types(x.scalar_type(), at::kFloat);
-      in.g = at::tensor(g, at::TensorOptions().dtype(at::kDouble)).to(x.options().dtype(dt)).view({1, 1, H}).expand({B, T, H});
+      in.g = at::tensor(g, at::TensorOptions().dtype(at::kDouble)).to(x.options().dtype(dt)).view({1, 1, H})
+                 .expand({B, T, H});
       break;
     }
     case Decay::mamba: {

@@ -6,15 +6,17 @@
 // accesses of a row per thread in registers: K = 1 up to D = 2048 (the model's rows; few registers,
 // many blocks per SM), K = 4 up to 8192; one-element accesses hold 16.
 //
-//  norm_fwd_kernel, grid N (one row per block), threads = min(512, D/V rounded up to 32): the row is
-//    read once into registers (≤ 16 elements per thread), Σx² is reduced over the block, and
-//    y = (x·rstd)·w [·silu(z)] is written in the output dtype. HBM: N·D·(|x| + |z| + |y|) + 4N bytes.
-//  norm_bwd_kernel, grid G = min(N, 2^18 / threads), each block walks rows blockIdx.x, +G, ...:
+//  norm_fwd_kernel: one row per row group, a block (threads = min(512, D/V rounded up to 32)), or for
+//    short rows (D ≤ 128) a warp, 8 rows per 256-thread block: the row is read once into registers
+//    (≤ 16 elements per thread), Σx² is reduced over the group, and y = (x·rstd)·w [·silu(z)] is
+//    written in the output dtype. HBM: N·D·(|x| + |z| + |y|) + 4N bytes.
+//  norm_bwd_kernel: about 2^18 threads in row groups, group p walks rows p, p + P, ... (P groups):
 //    with g = dy [·silu(z)] (the gradient reaching x·rstd·w),
 //      dz = dy · (x·rstd·w) · silu'(z),   dx = rstd·g·w − x·rstd³·mean(g·w·x),   dw = Σ_rows g·x·rstd.
-//    Each thread keeps its columns' w and partial dw in registers; the block writes its partial dw to
-//    a [G, D] fp32 buffer, and column_sum_kernel adds the G partials in a fixed order (no atomics:
-//    bitwise reproducible). HBM: N·D·(|dy| + |x| + |dx| [+ 2|z|]) + 8·G·D bytes.
+//    Each thread keeps its columns' w and partial dw in registers; group p writes its partial dw to
+//    row p of a [P, D] fp32 buffer, and column_sum_kernel adds the P partials in a fixed order (no
+//    atomics; P depends only on N and D: bitwise reproducible). HBM: N·D·(|dy| + |x| + |dx| [+ 2|z|])
+//    + 8·P·D bytes.
 //  swiglu_fwd_kernel / swiglu_bwd_kernel: elementwise over [N, H] rows with their own strides
 //    (a and b may be the two halves of one [N, 2H] tensor, and so may da and db).
 //    y = silu(a)·b;  da = dy·b·silu'(a),  db = dy·silu(a),  silu'(a) = s·(1 + a·(1 − s)), s = σ(a).
@@ -107,30 +109,52 @@ __device__ __forceinline__ float block_sum(float v, float* sh) {
 
 // ---- RMSNorm / gated RMSNorm ----
 
-template <int V, int K>
+// Who owns a row: the whole block (WARP false), or one warp (WARP true: short rows, D ≤ 32·V, so that a
+// block of 256 threads works on 8 rows at once and a 32-thread block does not idle the SM).
+template <bool WARP>
+struct RowGroup {
+  __device__ __forceinline__ static int lane() { return WARP ? (int)(threadIdx.x & 31) : (int)threadIdx.x; }
+  __device__ __forceinline__ static int width() { return WARP ? 32 : (int)blockDim.x; }
+  __device__ __forceinline__ static int index() { return WARP ? (int)(threadIdx.x >> 5) : 0; }
+  __device__ __forceinline__ static int count() { return WARP ? (int)(blockDim.x >> 5) : 1; }
+  // The sum over the group, in a fixed order; every thread of the group gets it.
+  __device__ __forceinline__ static float sum(float v, float* sh) {
+    if constexpr (WARP) {
+      for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+      return v;
+    } else {
+      return block_sum(v, sh);
+    }
+  }
+};
+
+template <int V, int K, bool WARP>
 __global__ void __launch_bounds__(kMaxThreads)
     norm_fwd_kernel(const void* __restrict__ x, int xdt, const void* __restrict__ z, int zdt,
-                    const float* __restrict__ w, void* __restrict__ y, int ydt, float* __restrict__ rstd, int D,
-                    float eps) {
+                    const float* __restrict__ w, void* __restrict__ y, int ydt, float* __restrict__ rstd, int64_t N,
+                    int D, float eps) {
   static_assert(K * V <= kRowElems, "registers");
+  using G = RowGroup<WARP>;
   __shared__ float sh[33];
-  const int64_t base = (int64_t)blockIdx.x * D;
+  const int64_t row = (int64_t)blockIdx.x * G::count() + G::index();
+  if (row >= N) return;  // a whole warp (WARP), never part of a block's group
+  const int64_t base = row * D;
   float xv[K][V];
   float ss = 0.f;
 #pragma unroll
   for (int k = 0; k < K; ++k) {
-    const int c = (k * (int)blockDim.x + (int)threadIdx.x) * V;
+    const int c = (k * G::width() + G::lane()) * V;
     if (c < D) {
       load<V>(x, xdt, base + c, xv[k]);
 #pragma unroll
       for (int j = 0; j < V; ++j) ss += xv[k][j] * xv[k][j];
     }
   }
-  const float r = rsqrtf(block_sum(ss, sh) / (float)D + eps);
-  if (threadIdx.x == 0) rstd[blockIdx.x] = r;
+  const float r = rsqrtf(G::sum(ss, sh) / (float)D + eps);
+  if (G::lane() == 0) rstd[row] = r;
 #pragma unroll
   for (int k = 0; k < K; ++k) {
-    const int c = (k * (int)blockDim.x + (int)threadIdx.x) * V;
+    const int c = (k * G::width() + G::lane()) * V;
     if (c < D) {
       float wv[V], o[V];
       load<V>(w, kF32, c, wv);
@@ -147,30 +171,34 @@ __global__ void __launch_bounds__(kMaxThreads)
   }
 }
 
-template <int V, int K>
+// Group p (of P = gridDim.x · groups per block) walks rows p, p + P, ... and writes its partial dw to
+// dw_part row p.
+template <int V, int K, bool WARP>
 __global__ void __launch_bounds__(kMaxThreads)
     norm_bwd_kernel(const void* __restrict__ dy, int dydt, const void* __restrict__ x, int xdt,
                     const void* __restrict__ z, int zdt, const float* __restrict__ w,
                     const float* __restrict__ rstd, void* __restrict__ dx, void* __restrict__ dz,
                     float* __restrict__ dw_part, int64_t N, int D) {
   static_assert(K * V <= kRowElems, "registers");
+  using G = RowGroup<WARP>;
   __shared__ float sh[33];
+  const int64_t p = (int64_t)blockIdx.x * G::count() + G::index(), P = (int64_t)gridDim.x * G::count();
   float wv[K][V], acc[K][V];
 #pragma unroll
   for (int k = 0; k < K; ++k) {
-    const int c = (k * (int)blockDim.x + (int)threadIdx.x) * V;
+    const int c = (k * G::width() + G::lane()) * V;
 #pragma unroll
     for (int j = 0; j < V; ++j) wv[k][j] = 0.f, acc[k][j] = 0.f;
     if (c < D) load<V>(w, kF32, c, wv[k]);
   }
-  for (int64_t row = blockIdx.x; row < N; row += gridDim.x) {
+  for (int64_t row = p; row < N; row += P) {
     const int64_t base = row * D;
     const float r = rstd[row];
     float xv[K][V], gv[K][V];  // x, and g = the gradient reaching x·rstd·w
     float dot = 0.f;
 #pragma unroll
     for (int k = 0; k < K; ++k) {
-      const int c = (k * (int)blockDim.x + (int)threadIdx.x) * V;
+      const int c = (k * G::width() + G::lane()) * V;
       if (c < D) {
         load<V>(x, xdt, base + c, xv[k]);
         load<V>(dy, dydt, base + c, gv[k]);
@@ -192,10 +220,10 @@ __global__ void __launch_bounds__(kMaxThreads)
         }
       }
     }
-    const float c3 = r * r * r * (block_sum(dot, sh) / (float)D);
+    const float c3 = r * r * r * (G::sum(dot, sh) / (float)D);
 #pragma unroll
     for (int k = 0; k < K; ++k) {
-      const int c = (k * (int)blockDim.x + (int)threadIdx.x) * V;
+      const int c = (k * G::width() + G::lane()) * V;
       if (c < D) {
         float o[V];
 #pragma unroll
@@ -206,8 +234,8 @@ __global__ void __launch_bounds__(kMaxThreads)
   }
 #pragma unroll
   for (int k = 0; k < K; ++k) {
-    const int c = (k * (int)blockDim.x + (int)threadIdx.x) * V;
-    if (c < D) store<V>(dw_part, kF32, (int64_t)blockIdx.x * D + c, acc[k]);
+    const int c = (k * G::width() + G::lane()) * V;
+    if (c < D) store<V>(dw_part, kF32, p * D + c, acc[k]);
   }
 }
 
@@ -285,6 +313,19 @@ int norm_threads(int64_t D, int V) {
   return threads;
 }
 
+// How the norm kernels run rows of D: one warp per row (short rows, 8 rows per 256-thread block), or
+// one block per row with K accesses of V elements per thread (k1: K = 1).
+struct NormShape {
+  bool warp, k1;
+  int threads, rows_per_block;
+};
+
+NormShape norm_shape(int64_t D, bool vec) {
+  if (vec && D <= 32 * 4) return {true, true, 256, 8};
+  const int V = vec ? 4 : 1, threads = norm_threads(D, V);
+  return {false, vec && D <= 4 * threads, threads, 1};
+}
+
 void check_rows(const char* who, const char* name, const at::Tensor& t, const at::Tensor& like) {
   TORCH_CHECK(t.is_cuda() && t.device() == like.device(), who, ": ", name, " must be on ", like.device(), ", got ",
               t.device());
@@ -323,12 +364,16 @@ std::vector<at::Tensor> norm_fwd(const at::Tensor& x, const at::Tensor& z, const
   auto rstd = at::empty({N}, x.options().dtype(at::kFloat));
   if (N == 0) return {y, rstd};
   const bool vec = D % 4 == 0 && aligned(x, 4) && aligned(y, 4) && aligned(w, 4) && (!z.defined() || aligned(z, 4));
-  const int V = vec ? 4 : 1, threads = norm_threads(D, V);
+  const NormShape sh = norm_shape(D, vec);
   auto stream = at::cuda::getCurrentCUDAStream();
-  auto kern = !vec ? norm_fwd_kernel<1, kRowElems> : D <= 4 * threads ? norm_fwd_kernel<4, 1> : norm_fwd_kernel<4, 4>;
-  kern<<<(unsigned)N, threads, 0, stream>>>(x.data_ptr(), dtype_code(x), z.defined() ? z.data_ptr() : nullptr,
-                                            z.defined() ? dtype_code(z) : kF32, w.data_ptr<float>(), y.data_ptr(),
-                                            dtype_code(y), rstd.data_ptr<float>(), D, (float)eps);
+  auto kern = !vec    ? norm_fwd_kernel<1, kRowElems, false>
+              : sh.warp ? norm_fwd_kernel<4, 1, true>
+              : sh.k1   ? norm_fwd_kernel<4, 1, false>
+                        : norm_fwd_kernel<4, 4, false>;
+  const unsigned blocks = (unsigned)((N + sh.rows_per_block - 1) / sh.rows_per_block);
+  kern<<<blocks, sh.threads, 0, stream>>>(x.data_ptr(), dtype_code(x), z.defined() ? z.data_ptr() : nullptr,
+                                          z.defined() ? dtype_code(z) : kF32, w.data_ptr<float>(), y.data_ptr(),
+                                          dtype_code(y), rstd.data_ptr<float>(), N, D, (float)eps);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   return {y, rstd};
 }
@@ -350,15 +395,22 @@ std::vector<at::Tensor> norm_bwd(const at::Tensor& dy, const at::Tensor& x, cons
   if (N == 0) return {dx, dz, dw};
   const bool vec = D % 4 == 0 && aligned(x, 4) && aligned(dy, 4) && aligned(dx, 4) && aligned(w, 4) &&
                    (!z.defined() || (aligned(z, 4) && aligned(dz, 4)));
-  const int V = vec ? 4 : 1, threads = norm_threads(D, V);
-  const int G = (int)std::min<int64_t>(N, std::max(1, kBwdThreadsInFlight / threads));
+  const NormShape sh = norm_shape(D, vec);
+  // Row groups walking the rows (each keeps a partial dw): about kBwdThreadsInFlight threads, at most N
+  // groups; fixed by (N, D), so the same inputs give the same bits.
+  const int64_t groups = std::min<int64_t>(N, std::max(1, kBwdThreadsInFlight / (sh.threads / sh.rows_per_block)));
+  const int blocks = (int)((groups + sh.rows_per_block - 1) / sh.rows_per_block);
+  const int G = blocks * sh.rows_per_block;  // partial rows (a group past the last row writes zeros)
   auto part = at::empty({G, D}, w.options());
   auto stream = at::cuda::getCurrentCUDAStream();
-  auto kern = !vec ? norm_bwd_kernel<1, kRowElems> : D <= 4 * threads ? norm_bwd_kernel<4, 1> : norm_bwd_kernel<4, 4>;
-  kern<<<G, threads, 0, stream>>>(dy.data_ptr(), dtype_code(dy), x.data_ptr(), dtype_code(x),
-                                  z.defined() ? z.data_ptr() : nullptr, z.defined() ? dtype_code(z) : kF32,
-                                  w.data_ptr<float>(), rstd.data_ptr<float>(), dx.data_ptr(),
-                                  z.defined() ? dz.data_ptr() : nullptr, part.data_ptr<float>(), N, D);
+  auto kern = !vec    ? norm_bwd_kernel<1, kRowElems, false>
+              : sh.warp ? norm_bwd_kernel<4, 1, true>
+              : sh.k1   ? norm_bwd_kernel<4, 1, false>
+                        : norm_bwd_kernel<4, 4, false>;
+  kern<<<blocks, sh.threads, 0, stream>>>(dy.data_ptr(), dtype_code(dy), x.data_ptr(), dtype_code(x),
+                                          z.defined() ? z.data_ptr() : nullptr, z.defined() ? dtype_code(z) : kF32,
+                                          w.data_ptr<float>(), rstd.data_ptr<float>(), dx.data_ptr(),
+                                          z.defined() ? dz.data_ptr() : nullptr, part.data_ptr<float>(), N, D);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   column_sum_kernel<<<(D + 31) / 32, dim3(32, 8), 0, stream>>>(part.data_ptr<float>(), dw.data_ptr<float>(), G, D);
   C10_CUDA_KERNEL_LAUNCH_CHECK();

@@ -80,8 +80,8 @@ Tensor norm(const char* who, const Tensor& x, const Tensor& z, const Tensor& wei
               carry_fused::kMaxNormDim, "], got ", x.scalar_type(), " ", x.sizes(), " on ", x.device());
   TORCH_CHECK(weight.dim() == 1 && weight.size(0) == x.size(-1), who, ": weight [", x.size(-1),
               "] expected for inputs of last size ", x.size(-1), ", got weight of shape ", weight.sizes());
-  TORCH_CHECK(out_dtype == at::kFloat || out_dtype == at::kBFloat16, who, ": the output dtype must be fp32 or bf16, got ",
-              out_dtype);
+  TORCH_CHECK(out_dtype == at::kFloat || out_dtype == at::kBFloat16, who,
+              ": the output dtype must be fp32 or bf16, got ", out_dtype);
   const bool gated = z.defined();
   if (gated)
     TORCH_CHECK(z.sizes() == x.sizes() && z.device() == x.device() && float_or_bf16(z), who,

@@ -2,13 +2,15 @@
 // layers/mlp.cpp, run on the same GPU with the fused-ops switch off) and against fp64 on the same
 // values: RMSNorm, gated RMSNorm and SwiGLU (two tensors, and the halves of one), forward and the
 // gradient of every input for a random functional of the output, in fp32, in bf16, and fp32 in with
-// bf16 out (the autocast case). Rows of D = 768, 2048, 192, 4096, 70 (not a multiple of 4: one element
-// per access) and odd row counts. Relative max error (max |a − b| / max |b|) ≤ 1e-5 in fp32; in bf16,
-// ≤ 4e-3 against fp64 (one rounding to bf16 is ≤ 2^-9 of the element) and ≤ 8e-3 against the ATen
-// form (both round). The norm's weight gradient is fp32 and reproducible bit for bit. The SwiGLU MLP
-// and a small model: fused and ATen forms agree (fp32 tightly; bf16 autocast within bf16's reach),
-// and under autocast the norms return bf16 while the residual stream stays fp32. GPU tests skip
-// themselves without a GPU. On the CPU: the switch, and the CPU path's bits are the switch's neither way.
+// bf16 out (the autocast case). Rows of D = 768, 2048, 192, 4096, 8192, 128, 64 and 70 (not a
+// multiple of 4: one element per access), odd row counts. Relative max error (max |a − b| / max |b|)
+// ≤ 1e-5 in fp32; in bf16, ≤ 4e-3 against fp64 (one rounding to bf16 is ≤ 2^-9 of the element) and
+// ≤ 8e-3 against the ATen form (both round). The norm's gradients are the same bits on every run
+// (the weight's is a fixed-order reduction). The SwiGLU MLP (one matmul for W1 and W3) and a small
+// model: fused and ATen forms agree (fp32 tightly; bf16 autocast within bf16's reach), and under
+// autocast the norms return bf16 while the parameters' gradients stay fp32. GPU tests skip
+// themselves without a GPU. On the CPU: the switch reads back, and the CPU path gives the same bits
+// whichever way it is set.
 #include "framework/train/model.h"
 #include "layers/common/device.h"
 #include "layers/common/fused_switch.h"
@@ -111,8 +113,10 @@ struct DtypeCase {
   at::ScalarType in, out;
 };
 const DtypeCase kNormDtypes[] = {{at::kFloat, at::kFloat}, {at::kBFloat16, at::kBFloat16}, {at::kFloat, at::kBFloat16}};
+// Rows of one block (K = 1 and K = 4 accesses per thread, one element per access for D = 70), of one
+// warp (D ≤ 128: 8 rows per block, 37 rows leave the last block part empty).
 const std::vector<std::vector<int64_t>> kNormShapes = {{37, 768}, {5, 2048}, {129, 192}, {3, 4096}, {17, 70},
-                                                       {2, 33, 4, 64}};
+                                                       {2, 33, 4, 64}, {37, 128}, {9, 8192}};
 
 double bound_ref_for(at::ScalarType t) { return t == at::kFloat ? 1e-5 : 4e-3; }
 double bound_aten_for(at::ScalarType t) { return t == at::kFloat ? 1e-5 : 8e-3; }
@@ -216,21 +220,24 @@ TEST(FusedOps, SwigluMatchesAten) {
 }
 
 // The norm's weight gradient (a fixed-order reduction over row blocks) and dx are the same bits on
-// every run; many rows, so that the backward's grid walks several rows per block.
+// every run; many rows, so that each of the backward's row groups walks several rows.
 TEST(FusedOps, NormBackwardIsReproducible) {
   if (cuda_device_count() == 0) GTEST_SKIP() << "no CUDA device: GPU tests skipped";
 #ifndef CARRY_WITH_CUDA
   GTEST_SKIP() << "built without CUDA";
 #else
-  auto g = gen(5);
-  auto x = randn({4099, 768}, 2.0, g).to(at::kBFloat16), z = randn({4099, 768}, 2.0, g).to(at::kBFloat16);
-  auto w = 1.0 + randn({768}, 0.2, g);
-  auto r = randn({4099, 768}, 1.0, g).to(at::kBFloat16);
-  Op f = [](const std::vector<Tensor>& t) { return fused_gated_rms_norm(t[0], t[1], t[2], 1e-6, at::kBFloat16); };
-  auto first = value_and_grads(f, {x, z, w}, r);
-  for (int i = 0; i < 3; ++i) {
-    auto again = value_and_grads(f, {x, z, w}, r);
-    for (size_t k = 0; k < first.size(); ++k) EXPECT_TRUE(at::equal(first[k], again[k])) << "output " << k << " run " << i;
+  for (int64_t D : {768, 128}) {  // a block per row, a warp per row
+    auto g = gen(5);
+    auto x = randn({40099, D}, 2.0, g).to(at::kBFloat16), z = randn({40099, D}, 2.0, g).to(at::kBFloat16);
+    auto w = 1.0 + randn({D}, 0.2, g);
+    auto r = randn({40099, D}, 1.0, g).to(at::kBFloat16);
+    Op f = [](const std::vector<Tensor>& t) { return fused_gated_rms_norm(t[0], t[1], t[2], 1e-6, at::kBFloat16); };
+    auto first = value_and_grads(f, {x, z, w}, r);
+    for (int i = 0; i < 3; ++i) {
+      auto again = value_and_grads(f, {x, z, w}, r);
+      for (size_t k = 0; k < first.size(); ++k)
+        EXPECT_TRUE(at::equal(first[k], again[k])) << "D " << D << " output " << k << " run " << i;
+    }
   }
 #endif
 }
