@@ -242,7 +242,11 @@ MixerLayer::Projected MixerLayer::project(const Tensor& x, const MixerLayerConte
     case Decay::retnet: {
       std::vector<double> g(H);
       for (int64_t h = 0; h < H; ++h) g[h] = std::log1p(-std::pow(2.0, -5.0 - static_cast<double>(h)));
-      in.g = at::tensor(g, at::TensorOptions().dtype(at::kDouble)).to(x.options()).view({1, 1, H}).expand({B, T, H});
+      // At least fp32: under autocast on CUDA x is the norm's bf16 output, and a log decay in bf16 loses
+      // its cumulative sum.
+      const auto dt = at::promote_types(x.scalar_type(), at::kFloat);
+      in.g = at::tensor(g, at::TensorOptions().dtype(at::kDouble)).to(x.options().dtype(dt)).view({1, 1, H})
+                 .expand({B, T, H});
       break;
     }
     case Decay::mamba: {
@@ -330,7 +334,9 @@ MixerLayerOutput MixerLayer::forward(const Tensor& x, const State& initial_state
   }
   Tensor o = out.o;
   if (p.kv_halo > 0) o = o.narrow(1, p.kv_halo, T);
-  o = o.to(x.scalar_type());
+  // Under autocast on CUDA, x is the norm's bf16 output (layers/norm.h), and o keeps the core's dtype
+  // (fp32, or bf16 from a kernel form): what follows reads it exactly, and o_proj casts it to bf16 anyway.
+  if (!(x.is_cuda() && autocast_active_for(x))) o = o.to(x.scalar_type());
   if (p.unused_halo.defined()) o = o + (p.unused_halo.sum() * 0).to(o.scalar_type());
 
   if (is_mamba1(spec_)) {

@@ -1,4 +1,5 @@
 // SwiGLU MLP: y = W2 (silu(W1 x) ⊙ W3 x), W1, W3: d_model -> hidden, W2: hidden -> d_model, no biases.
+// On CUDA, W1 and W3 run as one matmul and silu(·) ⊙ (·) as one fused kernel (mlp.cpp).
 // Initialization: W1, W3 ~ N(0, init_std²); W2 ~ N(0, (init_std / sqrt(2·n_layers))²), the GPT-2 scaling
 // of projections that write into the residual stream.
 #pragma once

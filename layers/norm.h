@@ -1,11 +1,20 @@
 // RMSNorm, y = x / sqrt(mean(x²) + eps) ⊙ weight over the last dimension, and the gated RMSNorm of the
 // Mamba-2 / Gated DeltaNet output, y = rms_norm(x) ⊙ silu(z). Both compute in the input dtype promoted
-// to at least fp32 and return the input dtype.
+// to at least fp32 and return norm_output_dtype(x): x's dtype, except under autocast on CUDA, where
+// they return the autocast dtype (bf16) for x in fp32 or below, since every consumer of a norm in the
+// model is a matmul that would cast its input to that dtype (the values are the same, the separate
+// cast pass is gone). The residual stream the norm reads stays in its own dtype (fp32).
+// On CUDA tensors (fp32 or bf16, last dimension ≤ 8192) fused kernels compute both, forward and
+// backward (layers/common/kernel_fused_op.h), unless fused_ops_enabled() is false
+// (layers/common/fused_switch.h, CARRY_FUSED_OPS=0); the CPU always runs the ATen forms.
 #pragma once
 
 #include "layers/parameters.h"
 
 namespace carry {
+
+// The dtype the norms return for input x (see above).
+at::ScalarType norm_output_dtype(const Tensor& x);
 
 Tensor rms_norm(const Tensor& x, const Tensor& weight, double eps);
 Tensor gated_rms_norm(const Tensor& x, const Tensor& z, const Tensor& weight, double eps);

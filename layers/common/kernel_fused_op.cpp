@@ -1,0 +1,136 @@
+// The fused norms and SwiGLU as torch autograd Functions (see kernel_fused_op.h). Compiled with the
+// CUDA sources (CARRY_CUDA builds and the compile-and-link check). Inputs are flattened to [N, D] rows
+// outside the Functions (views, differentiable); the Functions see contiguous 2-D tensors.
+#include "layers/common/kernel_fused_op.h"
+
+#include "layers/common/kernel_fused.cuh"
+
+#include <torch/csrc/autograd/custom_function.h>
+
+namespace carry {
+namespace {
+
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+
+// y = rms_norm(x, w) [⊙ silu(z)]; z travels as an empty tensor when `gated` is false (autograd
+// Functions take no undefined tensors).
+struct NormOp : public torch::autograd::Function<NormOp> {
+  static variable_list forward(AutogradContext* ctx, const Tensor& x, const Tensor& z_or_empty, const Tensor& w,
+                               bool gated, double eps, int64_t out_dtype) {
+    const Tensor z = gated ? z_or_empty : Tensor();
+    auto r = carry_fused::norm_fwd(x, z, w, eps, static_cast<at::ScalarType>(out_dtype));
+    ctx->save_for_backward({x, z_or_empty, w, r[1]});
+    ctx->saved_data["gated"] = gated;
+    return {r[0]};
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    auto s = ctx->get_saved_variables();
+    const bool gated = ctx->saved_data["gated"].toBool();
+    if (!grads[0].defined()) return {Tensor(), Tensor(), Tensor(), Tensor(), Tensor(), Tensor()};
+    auto d = carry_fused::norm_bwd(grads[0].contiguous(), s[0], gated ? s[1] : Tensor(), s[2], s[3]);
+    return {d[0], gated ? d[1] : Tensor(), d[2], Tensor(), Tensor(), Tensor()};
+  }
+};
+
+// y = silu(a) ⊙ b for two [N, H] tensors.
+struct SwiGLUOp : public torch::autograd::Function<SwiGLUOp> {
+  static variable_list forward(AutogradContext* ctx, const Tensor& a, const Tensor& b) {
+    ctx->save_for_backward({a, b});
+    return {carry_fused::swiglu_fwd(a, b, a.scalar_type())};
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    auto s = ctx->get_saved_variables();
+    if (!grads[0].defined()) return {Tensor(), Tensor()};
+    auto da = at::empty_like(s[0]), db = at::empty_like(s[1]);
+    carry_fused::swiglu_bwd(grads[0].contiguous(), s[0], s[1], da, db);
+    return {da, db};
+  }
+};
+
+// y = silu(a) ⊙ b with [a | b] = ab [N, 2H]; the gradient of ab is written as one [N, 2H] tensor.
+struct SwiGLUPackedOp : public torch::autograd::Function<SwiGLUPackedOp> {
+  static variable_list forward(AutogradContext* ctx, const Tensor& ab) {
+    const int64_t H = ab.size(1) / 2;
+    ctx->save_for_backward({ab});
+    return {carry_fused::swiglu_fwd(ab.narrow(1, 0, H), ab.narrow(1, H, H), ab.scalar_type())};
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const Tensor ab = ctx->get_saved_variables()[0];
+    if (!grads[0].defined()) return {Tensor()};
+    const int64_t H = ab.size(1) / 2;
+    auto dab = at::empty_like(ab);
+    carry_fused::swiglu_bwd(grads[0].contiguous(), ab.narrow(1, 0, H), ab.narrow(1, H, H), dab.narrow(1, 0, H),
+                            dab.narrow(1, H, H));
+    return {dab};
+  }
+};
+
+bool float_or_bf16(const Tensor& t) { return t.scalar_type() == at::kFloat || t.scalar_type() == at::kBFloat16; }
+
+// x as contiguous [N, D] rows.
+Tensor rows(const Tensor& x) { return x.reshape({-1, x.size(-1)}).contiguous(); }
+
+Tensor norm(const char* who, const Tensor& x, const Tensor& z, const Tensor& weight, double eps,
+            at::ScalarType out_dtype) {
+  TORCH_CHECK(fused_norm_supports(x), who, ": x must be a CUDA tensor in fp32 or bf16 with a last dimension in [1, ",
+              carry_fused::kMaxNormDim, "], got ", x.scalar_type(), " ", x.sizes(), " on ", x.device());
+  TORCH_CHECK(weight.dim() == 1 && weight.size(0) == x.size(-1), who, ": weight [", x.size(-1),
+              "] expected for inputs of last size ", x.size(-1), ", got weight of shape ", weight.sizes());
+  TORCH_CHECK(out_dtype == at::kFloat || out_dtype == at::kBFloat16, who,
+              ": the output dtype must be fp32 or bf16, got ", out_dtype);
+  const bool gated = z.defined();
+  if (gated)
+    TORCH_CHECK(z.sizes() == x.sizes() && z.device() == x.device() && float_or_bf16(z), who,
+                ": the gate z must be fp32 or bf16 of x's shape ", x.sizes(), " on ", x.device(), ", got ",
+                z.scalar_type(), " ", z.sizes(), " on ", z.device());
+  const Tensor w = weight.to(x.device(), at::kFloat).contiguous();
+  const Tensor z2 = gated ? rows(z) : at::empty({0}, x.options());
+  auto y = NormOp::apply(rows(x), z2, w, gated, eps, static_cast<int64_t>(out_dtype))[0];
+  return y.view(x.sizes());
+}
+
+}  // namespace
+
+bool fused_norm_supports(const Tensor& x) {
+  if (!x.defined() || !x.is_cuda() || x.dim() < 1 || !float_or_bf16(x)) return false;
+  const int64_t D = x.size(-1);
+  return D >= 1 && D <= carry_fused::kMaxNormDim && x.numel() / D <= INT32_MAX;
+}
+
+Tensor fused_rms_norm(const Tensor& x, const Tensor& weight, double eps, at::ScalarType out_dtype) {
+  return norm("fused_rms_norm", x, Tensor(), weight, eps, out_dtype);
+}
+
+Tensor fused_gated_rms_norm(const Tensor& x, const Tensor& z, const Tensor& weight, double eps,
+                            at::ScalarType out_dtype) {
+  TORCH_CHECK(z.defined(), "fused_gated_rms_norm: the gate z is undefined");
+  return norm("fused_gated_rms_norm", x, z, weight, eps, out_dtype);
+}
+
+bool fused_swiglu_supports(const Tensor& t) {
+  return t.defined() && t.is_cuda() && t.dim() >= 1 && float_or_bf16(t);
+}
+
+Tensor fused_swiglu(const Tensor& a, const Tensor& b) {
+  TORCH_CHECK(fused_swiglu_supports(a), "fused_swiglu: a must be a CUDA tensor in fp32 or bf16, got ", a.scalar_type(),
+              " ", a.sizes(), " on ", a.device());
+  TORCH_CHECK(b.sizes() == a.sizes() && b.scalar_type() == a.scalar_type() && b.device() == a.device(),
+              "fused_swiglu: b must match a (", a.scalar_type(), " ", a.sizes(), " on ", a.device(), "), got ",
+              b.scalar_type(), " ", b.sizes(), " on ", b.device());
+  return SwiGLUOp::apply(rows(a), rows(b))[0].view(a.sizes());
+}
+
+Tensor fused_swiglu_packed(const Tensor& ab) {
+  TORCH_CHECK(fused_swiglu_supports(ab) && ab.size(-1) % 2 == 0,
+              "fused_swiglu_packed: ab must be a CUDA tensor in fp32 or bf16 with an even last dimension [..., 2H], "
+              "got ", ab.scalar_type(), " ", ab.sizes(), " on ", ab.device());
+  auto shape = ab.sizes().vec();
+  shape.back() /= 2;
+  return SwiGLUPackedOp::apply(rows(ab))[0].view(shape);
+}
+
+}  // namespace carry
