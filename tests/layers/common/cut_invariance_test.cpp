@@ -104,20 +104,31 @@ TEST(KernelCuts, SerialStatesGiveTheBitsOfTheWhole) {
       opt.serial_states = true;
       opt.offset = 64;
       auto whole = run_cut(m, in, s0, 0, opt);
+      std::vector<std::string> names{"o", "final_state"};
+      for (const auto& n : MixerInputs::names())
+        if (in.get(n).defined()) names.push_back("d" + n);
+      names.push_back("d_initial_state");
       for (int64_t cut : {64, 128, 192}) {
         auto piece = run_cut(m, in, s0, cut, opt);
         ASSERT_EQ(piece.size(), whole.size());
         double worst = 0;
         size_t unequal = 0;
+        std::string which;
         for (size_t i = 0; i < whole.size(); ++i) {
           ASSERT_TRUE(whole[i].defined() && piece[i].defined()) << f.mixer << " entry " << i;
           if (!at::equal(whole[i], piece[i])) {
             ++unequal;
-            worst = std::max(worst, (whole[i].to(at::kDouble) - piece[i].to(at::kDouble)).abs().max().item<double>());
+            auto diff = (whole[i].to(at::kDouble) - piece[i].to(at::kDouble)).abs();
+            worst = std::max(worst, diff.max().item<double>());
+            // Where: the entry's name and the token of its largest difference (dim 1 of [B,T,...]).
+            auto at_max = diff.flatten().argmax().item<int64_t>();
+            int64_t t = diff.dim() >= 2 ? (at_max / (diff.numel() / diff.size(0) / diff.size(1))) % diff.size(1) : -1;
+            which += " " + names[i] + (i >= 2 && i + 1 < whole.size() ? "@t=" + std::to_string(t) : "");
           }
         }
         std::cout << "[ errors   ] " << f.mixer << " " << c10::toString(dt) << " cut at " << cut << ": "
-                  << unequal << " of " << whole.size() << " tensors differ, max |diff| " << worst << "\n";
+                  << unequal << " of " << whole.size() << " tensors differ" << which << ", max |diff| " << worst
+                  << "\n";
         EXPECT_EQ(unequal, 0u) << f.mixer << " " << c10::toString(dt) << " cut at " << cut;
       }
     }
