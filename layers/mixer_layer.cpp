@@ -41,14 +41,9 @@ int64_t ceil_to(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 
 // The fused CUDA ops (layers/common/kernel_conv_op.h) run for CUDA tensors unless the switch says
 // otherwise; on the CPU (and in builds without CUDA) the ATen forms always run.
-bool use_fused(const Tensor& x) {
 #ifdef CARRY_WITH_CUDA
-  return x.is_cuda() && fused_ops_enabled();
-#else
-  (void)x;
-  return false;
+bool use_fused(const Tensor& x) { return x.is_cuda() && fused_ops_enabled(); }
 #endif
-}
 
 Tensor l2_normalize_any(const Tensor& x) {
 #ifdef CARRY_WITH_CUDA
@@ -103,9 +98,9 @@ void index_documents(MixerLayerContext& ctx, int64_t length, const at::Device& d
   ctx.slice_document_starts = starts.narrow(1, ctx.offset, length).contiguous();
   ctx.slice_document_offsets.clear();
   if (length == 0) return;
-  auto at = ctx.document_start_at.accessor<int64_t, 2>();
+  auto pos = ctx.document_start_at.accessor<int64_t, 2>();
   for (int64_t b = 0; b < B; ++b) {
-    const int64_t s0 = at[b][ctx.offset];
+    const int64_t s0 = pos[b][ctx.offset];
     ctx.slice_document_offsets.push_back(s0 >= 0 ? ctx.offset - s0 : ctx.offset);
   }
 }
