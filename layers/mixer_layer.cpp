@@ -6,11 +6,16 @@
 
 #include "layers/layer_kind.h"
 
+#include "layers/common/fused_switch.h"
 #include "layers/common/layout.h"
 #include "layers/log_linear/fenwick.h"
 #include "layers/linear_attn/linear_attn.h"
 #include "layers/diag_decay/mamba1.h"
 #include "layers/precision.h"
+
+#ifdef CARRY_WITH_CUDA
+#include "layers/common/kernel_conv_op.h"
+#endif
 
 #include <c10/util/Exception.h>
 
@@ -34,6 +39,33 @@ Tensor inverse_softplus(const Tensor& y) { return y + at::log(-at::expm1(-y)); }
 
 int64_t ceil_to(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 
+// The fused CUDA ops (layers/common/kernel_conv_op.h) run for CUDA tensors unless the switch says
+// otherwise; on the CPU (and in builds without CUDA) the ATen forms always run.
+#ifdef CARRY_WITH_CUDA
+bool use_fused(const Tensor& x) { return x.is_cuda() && fused_ops_enabled(); }
+#endif
+
+Tensor l2_normalize_any(const Tensor& x) {
+#ifdef CARRY_WITH_CUDA
+  if (use_fused(x) && fused_l2_supports(x)) return fused_l2_normalize(x);
+#endif
+  return l2_normalize(x);
+}
+
+// The latest document start at or before positions [first, first + n) ([B, n] int64, CPU): from the
+// context's index when it has one.
+Tensor document_start_host(const MixerLayerContext& ctx, int64_t first, int64_t n) {
+  if (ctx.document_start_at.defined()) return ctx.document_start_at.narrow(1, first, n);
+  return document_start_of(ctx.document_starts, first, n);
+}
+
+// The same over the whole sequence on `device` (the index's copy when it has one there).
+Tensor document_start_device(const MixerLayerContext& ctx, const at::Device& device) {
+  const Tensor& d = ctx.document_start_at_device;
+  if (d.defined() && d.device() == device) return d;
+  return document_start_host(ctx, 0, ctx.document_starts.size(1)).to(device);
+}
+
 }  // namespace
 
 const std::vector<std::string>& mixer_layer_kinds() { return layer_kind_names(); }
@@ -50,6 +82,27 @@ Tensor document_start_of(const Tensor& starts, int64_t offset, int64_t T) {
   auto pos = at::arange(starts.size(1), at::kLong).expand_as(starts);
   auto latest = std::get<0>(at::where(starts.cpu(), pos, at::full_like(pos, -1)).cummax(1));
   return latest.narrow(1, offset, T).contiguous();
+}
+
+void index_documents(MixerLayerContext& ctx, int64_t length, const at::Device& device) {
+  if (!ctx.document_starts.defined()) return;
+  const Tensor& starts = ctx.document_starts;
+  TORCH_CHECK(starts.dim() == 2 && starts.scalar_type() == at::kBool && starts.device().is_cpu() && length >= 0 &&
+                  ctx.offset >= 0 && ctx.offset + length <= starts.size(1),
+              "index_documents: document_starts must be a CPU bool tensor [B, N] covering positions [", ctx.offset,
+              ", ", ctx.offset + length, "), got ", starts.scalar_type(), " ", shape_str(starts.sizes()), " on ",
+              starts.device());
+  const int64_t B = starts.size(0);
+  ctx.document_start_at = document_start_of(starts, 0, starts.size(1));
+  ctx.document_start_at_device = device.is_cpu() ? Tensor() : ctx.document_start_at.to(device);
+  ctx.slice_document_starts = starts.narrow(1, ctx.offset, length).contiguous();
+  ctx.slice_document_offsets.clear();
+  if (length == 0) return;
+  auto pos = ctx.document_start_at.accessor<int64_t, 2>();
+  for (int64_t b = 0; b < B; ++b) {
+    const int64_t s0 = pos[b][ctx.offset];
+    ctx.slice_document_offsets.push_back(s0 >= 0 ? ctx.offset - s0 : ctx.offset);
+  }
 }
 
 Tensor causal_conv1d(const Tensor& x, const Tensor& weight, const Tensor& halo, const Tensor& tap_mask) {
@@ -190,32 +243,71 @@ MixerLayer::Projected MixerLayer::project(const Tensor& x, const MixerLayerConte
   const int64_t B = x.size(0), T = x.size(1), H = spec_.n_heads, dk = spec_.head_dim_k,
                 dv = spec_.head_dim_v, K = spec_.conv_size;
   // Packed documents: tap j of token t (at absolute position offset+t) reads position offset+t-K+1+j,
-  // which counts only from t's document start on.
-  Tensor tap_mask;
-  if (ctx.document_starts.defined() && K > 1) {
-    auto start = document_start_of(ctx.document_starts, ctx.offset, T);                     // [B,T]
+  // which counts only from t's document start on. The fused convolution (CUDA) reads the document
+  // starts itself; the ATen form takes a tap mask, built on the device from the context's index there,
+  // or on the host (the CPU, or no index).
+  const bool documents = ctx.document_starts.defined() && K > 1;
+  auto tap_mask = [&]() -> Tensor {
+    if (!documents) return Tensor();
+    if (x.is_cuda() && ctx.document_start_at_device.defined()) {
+      auto start = document_start_device(ctx, x.device()).narrow(1, ctx.offset, T);     // [B,T]
+      auto lo = x.options().dtype(at::kLong);
+      auto source = at::arange(ctx.offset - K + 1, ctx.offset - K + 1 + T, lo).view({1, T, 1}) +
+                    at::arange(K, lo).view({1, 1, K});                                    // [1,T,K]
+      return source >= start.unsqueeze(-1);
+    }
+    auto start = document_start_host(ctx, ctx.offset, T);                                // [B,T]
     auto source = at::arange(ctx.offset - K + 1, ctx.offset - K + 1 + T, at::kLong).view({1, T, 1}) +
                   at::arange(K, at::kLong).view({1, 1, K});                                   // [1,T,K]
-    tap_mask = (source >= start.unsqueeze(-1)).to(x.device());
-  }
-  // The K-1 tokens before the slice of `pre` (concatenated channels), split back per tensor.
-  auto convolve = [&](std::vector<Tensor> pre, std::vector<Tensor> weights) {
+    return (source >= start.unsqueeze(-1)).to(x.device());
+  };
+  auto convolve = [&](std::vector<Tensor> pre, const std::vector<Tensor>& weights) {
     if (K == 0) return pre;
     Tensor halo;
     if (K > 1 && ctx.halo) halo = ctx.halo(pre.size() == 1 ? pre[0] : at::cat(pre, -1), K - 1);
+    const Tensor mask = tap_mask();
     std::vector<Tensor> out;
     int64_t c0 = 0;
     for (size_t i = 0; i < pre.size(); ++i) {
       int64_t c = pre[i].size(-1);
-      out.push_back(causal_conv1d(pre[i], weights[i], halo.defined() ? halo.narrow(-1, c0, c) : Tensor(), tap_mask));
+      out.push_back(causal_conv1d(pre[i], weights[i], halo.defined() ? halo.narrow(-1, c0, c) : Tensor(), mask));
       c0 += c;
     }
+    return out;
+  };
+  // The convolutions of the projections x·Wᵢᵀ, then silu when `silu`: with the fused op one projection
+  // and one convolution over the channels of all (the weights concatenated per call, the parameters
+  // stay apart), else one per projection. The halo: the K-1 tokens before the slice of the
+  // concatenated channels, split back per tensor.
+  auto project_convolve = [&](const std::vector<Tensor>& proj, const std::vector<Tensor>& weights, bool silu) {
+    std::vector<Tensor> pre;
+#ifdef CARRY_WITH_CUDA
+    if (use_fused(x) && K > 0) {
+      auto cat_proj = proj.size() == 1 ? proj[0] : at::cat(proj, 0);
+      auto cat_conv = weights.size() == 1 ? weights[0] : at::cat(weights, 0);
+      auto all = at::linear(x, cat_proj);
+      if (fused_conv_supports(all, cat_conv)) {
+        Tensor halo = K > 1 && ctx.halo ? ctx.halo(all, K - 1) : Tensor();
+        std::vector<int64_t> widths;
+        for (const auto& w : proj) widths.push_back(w.size(0));
+        return fused_causal_conv1d(all, cat_conv, halo, documents ? document_start_device(ctx, x.device()) : Tensor(),
+                                   ctx.offset, silu, widths);
+      }
+      int64_t c0 = 0;
+      for (const auto& w : proj) pre.push_back(all.narrow(-1, c0, w.size(0))), c0 += w.size(0);
+    }
+#endif
+    if (pre.empty())
+      for (const auto& w : proj) pre.push_back(at::linear(x, w));
+    auto out = convolve(pre, weights);
+    if (silu)
+      for (auto& t : out) t = at::silu(t);
     return out;
   };
   Projected p;
 
   if (is_mamba1(spec_)) {
-    auto xc = at::silu(convolve({at::linear(x, v_proj_)}, {v_conv_})[0]);  // [B,T,D]
+    auto xc = project_convolve({v_proj_}, {v_conv_}, /*silu=*/true)[0];  // [B,T,D]
     auto Bm = at::linear(xc, k_proj_), Cm = at::linear(xc, q_proj_);      // [B,T,N]
     auto dt = at::softplus(at::linear(at::linear(xc, dt_proj0_), dt_proj1_) + dt_bias_);
     // Under autocast the projections come out in bf16 next to fp32 ones: the core takes one dtype.
@@ -228,13 +320,11 @@ MixerLayer::Projected MixerLayer::project(const Tensor& x, const MixerLayerConte
     return p;
   }
 
-  auto qkv = convolve({at::linear(x, q_proj_), at::linear(x, k_proj_), at::linear(x, v_proj_)},
-                      {q_conv_, k_conv_, v_conv_});
+  auto qkv = project_convolve({q_proj_, k_proj_, v_proj_}, {q_conv_, k_conv_, v_conv_}, tr.silu_qkv);
   auto q = qkv[0], k = qkv[1], v = qkv[2];
-  if (tr.silu_qkv) q = at::silu(q), k = at::silu(k), v = at::silu(v);
   q = q.view({B, T, H, dk}), k = k.view({B, T, H, dk}), v = v.view({B, T, H, dv});
   if (tr.elu_qk) q = elu_feature_map(q), k = elu_feature_map(k);
-  if (tr.l2_qk) q = l2_normalize(q), k = l2_normalize(k);
+  if (tr.l2_qk) q = l2_normalize_any(q), k = l2_normalize_any(k);
 
   MixerInputs& in = p.in;
   switch (tr.decay) {
@@ -307,11 +397,16 @@ MixerLayerOutput MixerLayer::forward(const Tensor& x, const State& initial_state
     TORCH_CHECK(ctx.document_starts.size(0) == B && first >= 0 && first + n <= ctx.document_starts.size(1),
                 "mixer layer '", spec_.kind, "': document_starts must be [", B, ", sequence length] covering positions [",
                 first, ", ", first + n, "), got ", shape_str(ctx.document_starts.sizes()));
-    opt.document_starts = ctx.document_starts.narrow(1, first, n).cpu().contiguous();
-    auto start = document_start_of(ctx.document_starts, first, 1);
-    for (int64_t b = 0; b < B; ++b) {
-      const int64_t s0 = start[b][0].item<int64_t>();
-      opt.document_offsets.push_back(s0 >= 0 ? first - s0 : first);
+    // The context's index (index_documents) has both for the slice itself: no host work per layer.
+    if (p.kv_halo == 0 && ctx.slice_document_starts.defined() && ctx.slice_document_starts.size(0) == B &&
+        ctx.slice_document_starts.size(1) == n && static_cast<int64_t>(ctx.slice_document_offsets.size()) == B) {
+      opt.document_starts = ctx.slice_document_starts;
+      opt.document_offsets = ctx.slice_document_offsets;
+    } else {
+      opt.document_starts = ctx.document_starts.narrow(1, first, n).cpu().contiguous();
+      auto start = document_start_host(ctx, first, 1).contiguous();
+      const int64_t* s = start.data_ptr<int64_t>();
+      for (int64_t b = 0; b < B; ++b) opt.document_offsets.push_back(s[b] >= 0 ? first - s[b] : first);
     }
   }
   MixerOutput out;

@@ -98,7 +98,24 @@ struct MixerLayerContext {
   // The ordered scan mode (at any sp): MixerOptions::serial_states, and the scan calls only the
   // family's forward, so a kernel form reads q, k, v in the autocast dtype as on one rank.
   bool serial_states = false;
+  // What the layers read of the packed documents, derived from document_starts once per model call
+  // by index_documents() (Model::hidden does), so that no layer reads the starts on the host or copies
+  // them to the device per call. Undefined / empty: each layer derives what it needs itself.
+  //   document_start_at         [B, sequence length] int64, CPU: the latest document start at or before
+  //                             each position (−1: none), as document_start_of;
+  //   document_start_at_device  the same on the layers' device (undefined on the CPU), read there by the
+  //                             convolutions' document masks;
+  //   slice_document_starts     document_starts over this slice's tokens [B, T], CPU, contiguous;
+  //   slice_document_offsets    per sequence, the tokens of its first document before this slice
+  //                             (MixerOptions::document_offsets).
+  Tensor document_start_at, document_start_at_device, slice_document_starts;
+  std::vector<int64_t> slice_document_offsets;
 };
+
+// Fills the derived packed-document fields of `context` (see MixerLayerContext) for a slice of
+// `length` tokens at context.offset, the device copy on `device` (one host-to-device copy when it is
+// not the CPU). Does nothing without document_starts.
+void index_documents(MixerLayerContext& context, int64_t length, const at::Device& device);
 
 struct MixerLayerOutput {
   Tensor y;           // [B,T,d_model]

@@ -94,6 +94,8 @@ Tensor Model::hidden(const Tensor& tokens, const ModelContext& ctx) const {
                 "model: document_starts must be bool [B, sequence length] = [", tokens.size(0), ", ", total, "], got ",
                 ctx.document_starts.scalar_type(), " ", ctx.document_starts.sizes());
     with_documents->slice.document_starts = ctx.document_starts.cpu();
+    // Once per call: what every layer reads of the documents (no per-layer host work or copies).
+    index_documents(with_documents->slice, tokens.size(1), embedding_.device());
   }
   std::shared_ptr<const ModelContext> shared = with_documents;
   for (size_t i = 0; i < blocks_.size(); ++i) {
