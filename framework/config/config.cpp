@@ -850,6 +850,8 @@ void check_run(const RunConfig& c, Errors& e) {
 
   if (par.dp() < 1) e.add("parallel.dp", "must be >= 1, got ", par.dp());
   if (sp < 1) e.add("parallel.sp", "must be >= 1, got ", sp);
+  if (par.loss_chunk_tokens() < 0)
+    e.add("parallel.loss_chunk_tokens", "must be >= 0 (0: about 64 MiB of logits a chunk), got ", par.loss_chunk_tokens());
   int64_t ranks = 0;
   bool ranks_ok = false;
   if (par.dp() >= 1 && sp >= 1) {
