@@ -42,7 +42,7 @@ at::ScalarType matmul_type(const Tensor& hidden, const Tensor& weight) {
 Pass chunked_pass(const Tensor& hidden, const Tensor& weight, const Tensor& targets, const Tensor& weights,
                   int64_t chunk, bool grads, bool predictions) {
   at::NoGradGuard no_grad;
-  const int64_t N = hidden.size(0), V = weight.size(0);
+  const int64_t N = hidden.size(0);
   const auto ct = matmul_type(hidden, weight);
   const auto lt = at::promote_types(ct, at::kFloat);
   const Tensor hc = hidden.to(ct), wc = weight.to(ct);
@@ -74,7 +74,6 @@ Pass chunked_pass(const Tensor& hidden, const Tensor& weight, const Tensor& targ
     out.grad_hidden.narrow(0, start, n).copy_(at::mm(dlogits, wc));
     out.grad_weight.add_(at::mm(dlogits.t(), h));
   }
-  (void)V;
   return out;
 }
 
