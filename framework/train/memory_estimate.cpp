@@ -203,9 +203,9 @@ MemoryEstimate estimate_memory(const RunConfig& config, std::FILE* progress) {
       auto used = measure_cpu_allocation([&] {
         AutocastScope autocast(at::kCPU, at::kBFloat16, bf16);
         auto h = x * at::rsqrt(x.pow(2).mean(-1, true) + mc.norm_eps()) * norm_weight;
-        auto logits = at::linear(h, head);
-        auto logp = at::log_softmax(logits.to(at::kFloat), -1);
-        loss = -logp.gather(-1, targets.unsqueeze(-1)).sum();
+        // The trainer's chunked head and loss (chunked_loss.h): keeps the gradients of h and of the
+        // head, never the logits.
+        loss = linear_cross_entropy(h, head, targets, {}, config.parallel().loss_chunk_tokens()).loss;
       });
       ys.push_back(used.live_bytes);
       bs.push_back(measure_cpu_allocation([&] { loss.backward(); }).peak_bytes);
@@ -270,7 +270,7 @@ std::string memory_report(const MemoryEstimate& m, const RunConfig& config) {
         (j > i ? "each; " : "") + std::string("recomputed: keeps its input, ") + bytes_text(m.layers[i].input_bytes));
     i = j + 1;
   }
-  row("  head and loss (logits, log-softmax)", m.head_bytes);
+  row("  head and loss (chunked: gradients of h and the head)", m.head_bytes);
   double layer_backward = 0;
   for (auto& l : m.layers) layer_backward = std::max(layer_backward, l.backward_bytes);
   row("backward transients, largest", std::max(m.head_backward_bytes, layer_backward),

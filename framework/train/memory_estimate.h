@@ -10,7 +10,8 @@
 // the parabola through them (exact for costs linear or quadratic in the length: chunkwise forms are
 // linear, full causal attention quadratic; the batch is measured whole, as ATen's cost of B sequences
 // is not always B times one). The head (the
-// final norm, logits and log-softmax of the loss) is measured the same way, and so is the peak each
+// final norm and the chunked head + cross entropy, which keeps the gradients of the hidden states and
+// of the head but never the logits) is measured the same way, and so is the peak each
 // one's backward allocates on top of what it kept (the gradients of its activations). Peaks:
 //   kept:       fixed + Σ layers + head + the larger of the head's and a layer's backward peak;
 //   recomputed: fixed + every layer's input (B·t·d fp32 values) + head + the larger of the head's

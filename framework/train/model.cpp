@@ -4,6 +4,7 @@
 #include "layers/common/nvtx.h"
 #include "layers/recompute.h"
 
+#include <ATen/core/grad_mode.h>
 #include <c10/util/Exception.h>
 
 #include <algorithm>
@@ -128,28 +129,42 @@ Tensor Model::hidden(const Tensor& tokens, const ModelContext& ctx) const {
 }
 
 Tensor Model::forward(const Tensor& tokens, const ModelContext& ctx) const {
-  return at::linear(hidden(tokens, ctx), lm_head_.defined() ? lm_head_ : embedding_);
+  return at::linear(hidden(tokens, ctx), head_weight());
 }
 
-Tensor Model::token_losses(const Tensor& tokens, const Tensor& targets, const ModelContext& ctx) const {
+namespace {
+void check_targets(const Tensor& tokens, const Tensor& targets) {
   TORCH_CHECK(targets.sizes() == tokens.sizes(), "model: targets must have the shape of tokens ",
               tokens.sizes(), ", got ", targets.sizes());
   TORCH_CHECK(targets.scalar_type() == at::kLong, "model: targets must be int64, got ", targets.scalar_type());
+}
+}  // namespace
+
+Tensor Model::token_losses(const Tensor& tokens, const Tensor& targets, const ModelContext& ctx) const {
+  check_targets(tokens, targets);
+  if (!at::GradMode::is_enabled()) return loss_sum(tokens, targets, {}, ctx).token_losses;
   auto logits = forward(tokens, ctx);
   auto dt = at::promote_types(logits.scalar_type(), at::kFloat);
   auto logp = at::log_softmax(logits.to(dt), -1);
   return -logp.gather(-1, targets.to(logits.device()).unsqueeze(-1)).squeeze(-1);
 }
 
+LinearCrossEntropy Model::loss_sum(const Tensor& tokens, const Tensor& targets, const Tensor& weights,
+                                   const ModelContext& ctx, bool predictions) const {
+  check_targets(tokens, targets);
+  TORCH_CHECK(!weights.defined() || weights.sizes() == tokens.sizes(), "model: loss weights must have the shape of tokens ",
+              tokens.sizes(), ", got ", weights.sizes());
+  return linear_cross_entropy(hidden(tokens, ctx), head_weight(), targets, weights, ctx.loss_chunk_tokens, predictions);
+}
+
 Tensor Model::loss(const Tensor& tokens, const Tensor& targets, const Tensor& mask, const ModelContext& ctx) const {
-  auto ce = token_losses(tokens, targets, ctx);
-  if (!mask.defined()) return ce.mean();
-  TORCH_CHECK(mask.sizes() == tokens.sizes(), "model: mask must have the shape of tokens ", tokens.sizes(),
-              ", got ", mask.sizes());
-  auto w = mask.to(ce.options());
-  auto count = w.sum();
-  TORCH_CHECK(count.item<double>() > 0, "model: the loss mask selects no token");
-  return (ce * w).sum() / count;
+  TORCH_CHECK(!mask.defined() || mask.sizes() == tokens.sizes(), "model: mask must have the shape of tokens ",
+              tokens.sizes(), ", got ", mask.sizes());
+  auto r = loss_sum(tokens, targets, mask, ctx);
+  if (!mask.defined()) return r.loss / static_cast<double>(std::max<int64_t>(1, targets.numel()));
+  // The count stays on the device; an empty mask gives 0 / 1.
+  auto count = mask.to(r.loss.device(), r.loss.scalar_type()).sum().clamp_min(1);
+  return r.loss / count;
 }
 
 NamedParameters Model::parameters() const {

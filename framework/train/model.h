@@ -15,6 +15,7 @@
 #pragma once
 
 #include "framework/config/config.h"
+#include "framework/train/chunked_loss.h"
 #include "layers/mixer_layer.h"
 #include "layers/mlp.h"
 #include "layers/norm.h"
@@ -45,6 +46,9 @@ struct ModelContext {
   // sequence, also under sequence parallelism). Every layer's state, convolutions and attention
   // restart there (MixerLayerContext::document_starts). Undefined: one document a sequence.
   Tensor document_starts;
+  // Tokens per chunk of the chunked head + cross entropy (framework/train/chunked_loss.h); 0: about
+  // 64 MiB of fp32 logits a chunk.
+  int64_t loss_chunk_tokens = 0;
 };
 
 class Model {
@@ -54,10 +58,18 @@ class Model {
   // The final hidden states [B,T,d] (after the last norm), before the head.
   Tensor hidden(const Tensor& tokens, const ModelContext& context = {}) const;
   // Cross entropy per token [B,T] (computed in fp32 at least) of targets [B,T] int64 under logits.
+  // Without a gradient to take (grad mode off, e.g. evaluation) it runs chunk by chunk and never holds
+  // the [B,T,V] logits; with one it builds them (per-token gradients; training uses loss_sum).
   Tensor token_losses(const Tensor& tokens, const Tensor& targets, const ModelContext& context = {}) const;
+  // The head and its cross entropy chunk by chunk (chunked_loss.h): .loss = Σ weights·ce (differentiable,
+  // exact for any upstream gradient, never holding the logits), .token_losses = ce [B,T] (no gradient),
+  // .predictions = the argmax tokens [B,T] when asked. Targets < 0 are ignored (loss 0, no gradient);
+  // weights [B,T] bool or float (undefined: all ones). Sequence-parallel and data-parallel trainers sum
+  // .loss and the weights over ranks and back-propagate .loss / global count.
+  LinearCrossEntropy loss_sum(const Tensor& tokens, const Tensor& targets, const Tensor& weights = {},
+                              const ModelContext& context = {}, bool predictions = false) const;
   // Masked mean cross entropy: Σ mask·ce / Σ mask; mask [B,T] (bool or float; undefined = all ones).
-  // Throws if the mask selects no token. Sequence-parallel and data-parallel trainers that need the
-  // global mean sum token_losses·mask and the mask over ranks instead.
+  // Chunked (loss_sum); no host read: a mask that selects no token gives 0 (and zero gradients).
   Tensor loss(const Tensor& tokens, const Tensor& targets, const Tensor& mask = {},
               const ModelContext& context = {}) const;
 
@@ -71,6 +83,8 @@ class Model {
   const ModelConfig& config() const { return config_; }
   const std::vector<ModelBlock>& blocks() const { return blocks_; }
   at::TensorOptions options() const { return embedding_.options(); }
+  // The head's weight [V,d]: lm_head.weight, or the embedding when tied.
+  const Tensor& head_weight() const { return lm_head_.defined() ? lm_head_ : embedding_; }
 
  private:
   friend Model build_model(const ModelConfig&, uint64_t, at::TensorOptions);

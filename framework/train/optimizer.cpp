@@ -22,27 +22,33 @@ double learning_rate(const config::OptimizerConfig& opt, int64_t step) {
   return lr * (ratio + (1.0 - ratio) * 0.5 * (1.0 + std::cos(M_PI * progress)));
 }
 
-double clip_grad_norm(const NamedParameters& params, double max_norm) {
+at::Tensor clip_grad_norm_on_device(const NamedParameters& params, double max_norm) {
   at::NoGradGuard no_grad;
-  // Every tensor's sum of squares stays on the device; one read of their total (a step's only other
-  // host read besides the loss).
-  std::vector<at::Tensor> sums;
+  // Every tensor's sum of squares stays on the device, and so do their total and the scale.
+  std::vector<at::Tensor> sums, grads;
   for (auto& [name, p] : params) {
     const auto& g = p.grad();
-    if (g.defined()) sums.push_back(g.to(at::kDouble).pow(2).sum());
+    if (!g.defined()) continue;
+    sums.push_back(g.to(at::kDouble).pow(2).sum());
+    grads.push_back(g);
   }
-  if (sums.empty()) return 0;
-  const double norm = std::sqrt(at::stack(sums).sum().item<double>());
-  if (max_norm > 0 && norm > max_norm) {
-    const double scale = max_norm / (norm + 1e-6);
-    for (auto& [name, p] : params)
-      if (p.grad().defined()) p.mutable_grad().mul_(scale);
+  if (sums.empty()) return {};
+  at::Tensor norm = at::stack(sums).sum().sqrt();
+  if (max_norm > 0) {
+    // max_norm / (norm + 1e-6) as a division (Scalar / Tensor would multiply by a reciprocal).
+    auto scale = at::where(norm > max_norm, at::full_like(norm, max_norm).div_(norm + 1e-6), at::ones_like(norm));
+    for (auto& g : grads) g.mul_(scale);
   }
   return norm;
 }
 
-AdamW::AdamW(NamedParameters params, const config::OptimizerConfig& opt)
-    : params_(std::move(params)), opt_(opt) {
+double clip_grad_norm(const NamedParameters& params, double max_norm) {
+  auto norm = clip_grad_norm_on_device(params, max_norm);
+  return norm.defined() ? norm.item<double>() : 0.0;
+}
+
+AdamW::AdamW(NamedParameters params, const config::OptimizerConfig& opt, bool fused)
+    : params_(std::move(params)), opt_(opt), fused_(fused) {
   for (auto& [name, p] : params_) {
     exp_avg_.push_back(at::zeros(p.sizes(), p.options()));
     exp_avg_sq_.push_back(at::zeros(p.sizes(), p.options()));
@@ -56,17 +62,38 @@ void AdamW::step(double lr) {
   const double bc1 = 1.0 - std::pow(b1, static_cast<double>(steps_));
   const double bc2 = 1.0 - std::pow(b2, static_cast<double>(steps_));
   const double step_size = lr / bc1, bc2_sqrt = std::sqrt(bc2);
+  // The fused form's lists: [decayed, not decayed] × (parameters, gradients, exp_avg, exp_avg_sq, steps).
+  std::vector<at::Tensor> lists[2][5];
   for (size_t i = 0; i < params_.size(); ++i) {
     at::Tensor p = params_[i].second;
     auto& m = exp_avg_[i];
     auto& v = exp_avg_sq_[i];
     at::Tensor g = p.grad().defined() ? p.grad() : at::zeros_like(p);
     if (g.scalar_type() != p.scalar_type()) g = g.to(p.scalar_type());
+    if (fused_ && p.is_cuda()) {
+      // The fused kernel needs every list's tensors laid out as the parameter.
+      if (g.strides() != p.strides()) g = at::empty_like(p).copy_(g);
+      auto it = step_tensors_.find(p.device());
+      if (it == step_tensors_.end())
+        it = step_tensors_.emplace(p.device(), at::zeros({}, p.options().dtype(at::kFloat))).first;
+      auto& l = lists[(wd != 0 && p.dim() >= 2) ? 0 : 1];
+      l[0].push_back(p), l[1].push_back(g), l[2].push_back(m), l[3].push_back(v), l[4].push_back(it->second);
+      continue;
+    }
     if (wd != 0 && p.dim() >= 2) p.mul_(1.0 - lr * wd);
     m.mul_(b1).add_(g, 1.0 - b1);
     v.mul_(b2).addcmul_(g, g, 1.0 - b2);
     auto denom = (v.sqrt() / bc2_sqrt).add_(eps);
     p.addcdiv_(m, denom, -step_size);
+  }
+  if (lists[0][0].empty() && lists[1][0].empty()) return;
+  // The step count t on each device (a fill kernel, no host read); fp32 holds every count up to 2^24.
+  for (auto& [device, t] : step_tensors_) t.fill_(static_cast<double>(steps_));
+  for (int decayed = 0; decayed < 2; ++decayed) {
+    auto& l = lists[decayed];
+    if (l[0].empty()) continue;
+    at::_fused_adamw_(l[0], l[1], l[2], l[3], /*max_exp_avg_sqs=*/{}, l[4], lr, b1, b2, decayed == 0 ? wd : 0.0, eps,
+                      /*amsgrad=*/false, /*maximize=*/false, /*grad_scale=*/std::nullopt, /*found_inf=*/std::nullopt);
   }
 }
 

@@ -10,12 +10,22 @@
 // in checkpoints), in the parameters' dtype and device; the step count t is the trainer's step. All
 // operations are elementwise and in place, in a fixed parameter order: the same state and gradients
 // give the same bits.
+//
+// Two forms of the same update. CPU parameters (and every parameter when `fused` is false) take the
+// per-parameter loop of ATen ops above (the reference). CUDA parameters take ATen's fused multi-tensor
+// AdamW, at::_fused_adamw_ (a few kernels for all parameters), in two calls: the decayed parameters
+// (2+ dims) with weight decay λ, the rest with 0. Its math is the loop's (decoupled decay p −= η·λ·p
+// first, the moments, then p −= η/(1−β1^t) · m / (sqrt(v)/sqrt(1−β2^t) + ε)), computed per element in
+// the parameters' opmath type with the bias corrections in that type (the loop takes them in fp64): the
+// two agree to rounding (tests/framework/train/optimizer_test.cpp, the GPU test). No amsgrad, no
+// maximize, no gradient scaling; the step count travels as a one-element fp32 tensor on the device.
 #pragma once
 
 #include "framework/config/carry.pb.h"
 #include "layers/parameters.h"
 
 #include <cstdint>
+#include <unordered_map>
 #include <string>
 #include <utility>
 #include <vector>
@@ -29,10 +39,15 @@ double learning_rate(const config::OptimizerConfig& opt, int64_t step);
 // Scales every defined gradient so that the global L2 norm (over all of them, accumulated in fp64)
 // is at most max_norm (max_norm <= 0: no clipping). Returns the norm before clipping.
 double clip_grad_norm(const NamedParameters& params, double max_norm);
+// The same without a host read: the norm stays a 0-dim fp64 tensor on the gradients' device (undefined
+// when no gradient is defined) and the scale min(1, max_norm/(norm + 1e-6)) is applied there (a scale
+// of exactly 1 leaves the gradients' bits as they are). Same bits as clip_grad_norm.
+at::Tensor clip_grad_norm_on_device(const NamedParameters& params, double max_norm);
 
 class AdamW {
  public:
-  AdamW(NamedParameters params, const config::OptimizerConfig& opt);
+  // fused: CUDA parameters take at::_fused_adamw_ (false: the loop on every device).
+  AdamW(NamedParameters params, const config::OptimizerConfig& opt, bool fused = true);
 
   // One update with learning rate `lr` from the parameters' .grad() (a parameter without a gradient
   // is treated as having a zero gradient: its moments still decay). Advances steps().
@@ -53,6 +68,8 @@ class AdamW {
   config::OptimizerConfig opt_;
   std::vector<at::Tensor> exp_avg_, exp_avg_sq_;
   int64_t steps_ = 0;
+  bool fused_ = true;
+  std::unordered_map<at::Device, at::Tensor> step_tensors_;  // the fused form's step count, one per CUDA device
 };
 
 }  // namespace carry

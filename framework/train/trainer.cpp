@@ -195,6 +195,7 @@ Trainer::Trainer(const RunConfig& config, std::shared_ptr<parallel::ProcessGroup
   }
   if (config_.data().has_token_files()) open_token_data();
   context_.recompute = config_.parallel().recompute();
+  context_.loss_chunk_tokens = config_.parallel().loss_chunk_tokens();
   if (sp_ > 1)  // collective: every rank of the sp group agrees on the layout here, once
     context_.slice = parallel::make_slice_context(groups_->sp, scan_mode_of(config_.parallel().scan_mode()),
                                                   /*head_groups=*/1, config_.data().seq_len());
@@ -414,29 +415,26 @@ StepStats Trainer::train_step() {
   const auto stop_flag = [&](const at::TensorOptions& o) {
     return at::scalar_tensor(g_stop_signal != 0 || time_is_up_ ? 1.0 : 0.0, o.dtype(at::kDouble));
   };
-  double loss_sum = 0, count = 0;
-  bool stop_requested = false;
+  // No host read until the step's one sanctioned read after the backward and the clipping: the global
+  // token count divides the loss as a device tensor, the loss sums, the stop flag and the gradient norm
+  // travel to the host together, and the checks (a token selected, a finite loss and norm) come before
+  // the update.
+  at::Tensor sums;  // [Σ ce·mask, Σ mask, stop signals] over all ranks, fp64 on the device
   if (accum == 1) {
     auto batch = SyncAudit::allowed([&] { return batch_for(step_, 0, false); });  // the input upload
-    // Ignored targets (kIgnoreIndex) are gathered as token 0 and then weighted by the mask's 0.
-    at::Tensor ce;
+    // The head and cross entropy run chunk by chunk (chunked_loss.h): Σ ce·mask, never the logits.
+    // Ignored targets (kIgnoreIndex < 0) contribute 0.
+    LinearCrossEntropy ce;
     {
       AutocastScope autocast(device_.type(), at::kBFloat16, bf16_);
-      ce = model_.token_losses(batch.tokens, batch.targets.clamp_min(0), context(batch));
+      ce = model_.loss_sum(batch.tokens, batch.targets, batch.loss_mask, context(batch));
     }
-    auto w = batch.loss_mask.to(ce.options());
-    // [Σ ce·mask, Σ mask, stop signals] over all ranks; the loss each rank back-propagates is its share
-    // of the mean. The stop flag rides along so that every rank decides the same.
-    auto sums = at::stack({(ce.detach() * w).sum().to(at::kDouble), w.sum().to(at::kDouble), stop_flag(ce.options())});
+    auto w = batch.loss_mask.to(ce.token_losses.options());
+    // The loss each rank back-propagates is its share of the mean. The stop flag rides along so that
+    // every rank decides the same.
+    sums = at::stack({ce.loss.detach().to(at::kDouble), w.sum().to(at::kDouble), stop_flag(w.options())});
     all_reduce(sums);
-    auto host = SyncAudit::allowed([&] { return sums.cpu(); });
-    loss_sum = host[0].item<double>(), count = host[1].item<double>();
-    stop_requested = host[2].item<double>() > 0;
-    TORCH_CHECK(count > 0, "trainer: step ", step_ + 1, ": the loss mask selects no token in the global batch");
-    TORCH_CHECK(std::isfinite(loss_sum), "trainer: step ", step_ + 1, ": the loss is ", number_text(loss_sum / count),
-                "; the parameters were not updated. ", divergence_hint());
-    auto local = (ce * w).sum() / count;
-    local.backward();
+    (ce.loss / sums[1].to(ce.loss.scalar_type())).backward();
   } else {
     // Gradient accumulation: the micro-batches' masks give the global token count first (one small
     // all-reduce), then each micro-batch back-propagates its share Σ ce·mask / count, so the summed
@@ -447,27 +445,20 @@ StepStats Trainer::train_step() {
     auto masked = at::zeros({1}, at::TensorOptions().dtype(at::kDouble).device(device_));
     for (auto& b : micro) masked += b.loss_mask.to(at::kDouble).sum();
     all_reduce(masked);
-    count = SyncAudit::allowed([&] { return masked.cpu().item<double>(); });
-    TORCH_CHECK(count > 0, "trainer: step ", step_ + 1, ": the loss mask selects no token in the global batch");
     at::Tensor local_sum;
     for (auto& batch : micro) {
-      at::Tensor ce;
+      LinearCrossEntropy ce;
       {
         AutocastScope autocast(device_.type(), at::kBFloat16, bf16_);
-        ce = model_.token_losses(batch.tokens, batch.targets.clamp_min(0), context(batch));
+        ce = model_.loss_sum(batch.tokens, batch.targets, batch.loss_mask, context(batch));
       }
-      auto w = batch.loss_mask.to(ce.options());
-      auto part = (ce.detach() * w).sum().to(at::kDouble);
+      auto part = ce.loss.detach().to(at::kDouble);
       local_sum = local_sum.defined() ? local_sum + part : part;
-      ((ce * w).sum() / count).backward();
+      (ce.loss / masked[0].to(ce.loss.scalar_type())).backward();
     }
-    auto sums = at::stack({local_sum, stop_flag(local_sum.options())});
-    all_reduce(sums);
-    auto host = SyncAudit::allowed([&] { return sums.cpu(); });
-    loss_sum = host[0].item<double>();
-    stop_requested = host[1].item<double>() > 0;
-    TORCH_CHECK(std::isfinite(loss_sum), "trainer: step ", step_ + 1, ": the loss is ", number_text(loss_sum / count),
-                "; the parameters were not updated. ", divergence_hint());
+    auto local = at::stack({local_sum, stop_flag(local_sum.options())});
+    all_reduce(local);
+    sums = at::stack({local[0], masked[0], local[1]});
   }
 
   // Sum the gradients over all ranks in one message.
@@ -484,7 +475,16 @@ StepStats Trainer::train_step() {
       offset += p.numel();
     }
   }
-  const double grad_norm = SyncAudit::allowed([&] { return clip_grad_norm(params, config_.optimizer().grad_clip()); });
+  auto norm = clip_grad_norm_on_device(params, config_.optimizer().grad_clip());
+  if (!norm.defined()) norm = at::zeros({}, sums.options());
+  // The step's one host read.
+  auto host = SyncAudit::allowed([&] { return at::cat({sums, norm.view({1}).to(sums.device())}).cpu(); });
+  const double* h = host.data_ptr<double>();
+  const double loss_sum = h[0], count = h[1], grad_norm = h[3];
+  const bool stop_requested = h[2] > 0;
+  TORCH_CHECK(count > 0, "trainer: step ", step_ + 1, ": the loss mask selects no token in the global batch");
+  TORCH_CHECK(std::isfinite(loss_sum), "trainer: step ", step_ + 1, ": the loss is ", number_text(loss_sum / count),
+              "; the parameters were not updated. ", divergence_hint());
   TORCH_CHECK(std::isfinite(grad_norm), "trainer: step ", step_ + 1, ": the gradient norm is ", number_text(grad_norm),
               " (loss ", number_text(loss_sum / count), "); the parameters were not updated. ", divergence_hint());
   const double lr = learning_rate(config_.optimizer(), step_);
@@ -511,17 +511,15 @@ EvalStats Trainer::evaluate() {
   double sequences = 0, sequences_correct = 0;
   for (int64_t e = 0; e < batches; ++e) {
     auto batch = batch_for(e, 0, true);
-    at::Tensor logits;
+    // Chunk by chunk (chunked_loss.h): the losses and the argmax tokens, never the [B,T,V] logits.
+    LinearCrossEntropy r;
     {
       AutocastScope autocast(device_.type(), at::kBFloat16, bf16_);
-      logits = model_.forward(batch.tokens, context(batch));
+      r = model_.loss_sum(batch.tokens, batch.targets, {}, context(batch), /*predictions=*/true);
     }
-    auto dt = at::promote_types(logits.scalar_type(), at::kFloat);
-    auto logp = at::log_softmax(logits.to(dt), -1);
-    auto safe_targets = batch.targets.clamp_min(0);
-    auto ce = -logp.gather(-1, safe_targets.unsqueeze(-1)).squeeze(-1);
+    const auto& ce = r.token_losses;
     auto w = batch.loss_mask.to(ce.options());
-    auto right = (logits.argmax(-1) == batch.targets).logical_and(batch.loss_mask).to(at::kDouble);
+    auto right = (r.predictions == batch.targets).logical_and(batch.loss_mask).to(at::kDouble);
     auto per_seq = at::stack({batch.loss_mask.to(at::kDouble).sum(1), right.sum(1)}, 1).cpu();  // [B,2]
     all_reduce(per_seq, /*sp_only=*/true);
     auto masked = per_seq.select(1, 0), correct = per_seq.select(1, 1);

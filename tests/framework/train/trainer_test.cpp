@@ -202,6 +202,27 @@ TEST(GpuTrainer, Fp32Bf16AndRecomputeOnCuda) {
   }
 }
 
+// CARRY_SYNC_DEBUG=error turns every synchronizing CUDA call inside a training step into an error,
+// except the batch upload and the step's one sanctioned read (loss sums, stop flag, gradient norm):
+// fp32 and bf16 steps on CUDA, with gradient accumulation too, run through. The switch is read once a
+// process, so this test runs only when the caller set it (skipped otherwise, and without a GPU):
+//   CARRY_SYNC_DEBUG=error bin/carry_tests --gtest_filter='GpuTrainer.StepsRunWithoutHiddenSyncs'
+TEST(GpuTrainer, StepsRunWithoutHiddenSyncs) {
+  if (cuda_device_count() == 0) GTEST_SKIP() << "no CUDA device";
+  const char* v = std::getenv("CARRY_SYNC_DEBUG");
+  if (!v || std::string(v) != "error") GTEST_SKIP() << "run with CARRY_SYNC_DEBUG=error";
+  auto on_gpu = quiet();
+  on_gpu.force_cpu = false;
+  for (auto extra : std::vector<std::vector<std::string>>{{}, {"precision=BF16"}, {"optimizer.grad_accum_steps=2"}}) {
+    Trainer t(tiny_config(extra), nullptr, on_gpu);
+    for (int i = 0; i < 3; ++i) {
+      auto s = t.train_step();
+      EXPECT_TRUE(std::isfinite(s.loss));
+      EXPECT_GT(s.grad_norm, 0);
+    }
+  }
+}
+
 // A stop signal during run() (here SIGUSR1 raised after step 3, as mpirun forwards it): the step
 // finishes, a checkpoint of step 3 is written, run() returns kExitStoppedBySignal and the previous
 // handler is back; running again resumes at step 3 and ends at total_steps with the losses of a run

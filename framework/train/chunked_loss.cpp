@@ -1,0 +1,144 @@
+// Chunked linear + cross entropy as a torch autograd Function (see chunked_loss.h).
+#include "framework/train/chunked_loss.h"
+
+#include <ATen/autocast_mode.h>
+#include <ATen/core/grad_mode.h>
+#include <c10/util/Exception.h>
+#include <torch/csrc/autograd/custom_function.h>
+
+#include <algorithm>
+
+namespace carry {
+
+using at::Tensor;
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+
+int64_t default_loss_chunk_tokens(int64_t vocab_size) {
+  constexpr int64_t kChunkBytes = int64_t{64} << 20;
+  const int64_t n = kChunkBytes / (4 * std::max<int64_t>(vocab_size, 1));
+  return std::max<int64_t>(64, n / 64 * 64);
+}
+
+namespace {
+
+// What one pass over the chunks gives. hidden [N,d], weight [V,d], targets [N], weights [N] (loss dtype).
+struct Pass {
+  Tensor ce;            // [N], loss dtype
+  Tensor predictions;   // [N] int64 (if asked)
+  Tensor grad_hidden;   // [N,d], hidden's dtype (if asked)
+  Tensor grad_weight;   // [V,d], weight's dtype promoted to fp32 at least (if asked)
+};
+
+// The matmul dtype: the autocast dtype when autocast is on for the device and the inputs are
+// eligible (floating, not fp64), as at::linear would run; else the promoted dtype of the inputs.
+at::ScalarType matmul_type(const Tensor& hidden, const Tensor& weight) {
+  const auto dev = hidden.device().type();
+  const bool eligible = hidden.scalar_type() != at::kDouble && weight.scalar_type() != at::kDouble;
+  if (eligible && at::autocast::is_autocast_enabled(dev)) return at::autocast::get_autocast_dtype(dev);
+  return at::promote_types(hidden.scalar_type(), weight.scalar_type());
+}
+
+Pass chunked_pass(const Tensor& hidden, const Tensor& weight, const Tensor& targets, const Tensor& weights,
+                  int64_t chunk, bool grads, bool predictions) {
+  at::NoGradGuard no_grad;
+  const int64_t N = hidden.size(0);
+  const auto ct = matmul_type(hidden, weight);
+  const auto lt = at::promote_types(ct, at::kFloat);
+  const Tensor hc = hidden.to(ct), wc = weight.to(ct);
+  Pass out;
+  out.ce = at::empty({N}, hidden.options().dtype(lt));
+  if (predictions) out.predictions = at::empty({N}, hidden.options().dtype(at::kLong));
+  if (grads) {
+    out.grad_hidden = at::empty_like(hidden, at::MemoryFormat::Contiguous);
+    out.grad_weight = at::zeros(weight.sizes(), weight.options().dtype(at::promote_types(weight.scalar_type(), at::kFloat)));
+  }
+  for (int64_t start = 0; start < N; start += chunk) {
+    const int64_t n = std::min(chunk, N - start);
+    const Tensor h = hc.narrow(0, start, n);
+    const Tensor t = targets.narrow(0, start, n);
+    const Tensor logits = at::mm(h, wc.t());  // [n,V] in ct
+    if (predictions) out.predictions.narrow(0, start, n).copy_(logits.argmax(-1));
+    // The log-softmax row by row, as the full form computes it: the same per-token losses.
+    Tensor logp = at::log_softmax(logits.to(lt), -1);
+    const Tensor valid = t.ge(0);
+    const Tensor index = t.clamp_min(0).unsqueeze(1);
+    const Tensor picked = logp.gather(1, index).squeeze(1);
+    out.ce.narrow(0, start, n).copy_(at::where(valid, -picked, at::zeros({}, picked.options())));
+    if (!grads) continue;
+    // dL/dlogits = w_t·(p_t − onehot(y_t)), zero for ignored targets; in place over logp.
+    Tensor w = at::where(valid, weights.narrow(0, start, n), at::zeros({}, logp.options())).unsqueeze(1);
+    Tensor p = logp.exp_();
+    p.scatter_(1, index, p.gather(1, index) - valid.to(lt).unsqueeze(1));
+    const Tensor dlogits = p.mul_(w).to(ct);
+    out.grad_hidden.narrow(0, start, n).copy_(at::mm(dlogits, wc));
+    out.grad_weight.add_(at::mm(dlogits.t(), h));
+  }
+  return out;
+}
+
+struct LinearCrossEntropyFunction : public torch::autograd::Function<LinearCrossEntropyFunction> {
+  // Outputs: the weighted sum, the per-token losses (no gradient), the predictions (if asked; else empty).
+  static variable_list forward(AutogradContext* ctx, const Tensor& hidden, const Tensor& weight, const Tensor& targets,
+                               const Tensor& weights, int64_t chunk, bool predictions) {
+    auto pass = chunked_pass(hidden, weight, targets, weights, chunk, /*grads=*/true, predictions);
+    ctx->save_for_backward({pass.grad_hidden, pass.grad_weight});
+    ctx->saved_data["weight_dtype"] = static_cast<int64_t>(weight.scalar_type());
+    Tensor loss = (pass.ce * weights).sum();
+    Tensor preds = predictions ? pass.predictions : at::empty({0}, targets.options());
+    ctx->mark_non_differentiable({pass.ce, preds});
+    return {loss, pass.ce, preds};
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    auto saved = ctx->get_saved_variables();
+    const Tensor& g = grads[0];
+    if (!g.defined()) return {Tensor(), Tensor(), Tensor(), Tensor(), Tensor(), Tensor()};
+    const auto weight_dtype = static_cast<at::ScalarType>(ctx->saved_data["weight_dtype"].toInt());
+    Tensor dh = saved[0] * g.to(saved[0].scalar_type());
+    Tensor dw = (saved[1] * g.to(saved[1].scalar_type())).to(weight_dtype);
+    return {dh, dw, Tensor(), Tensor(), Tensor(), Tensor()};
+  }
+};
+
+}  // namespace
+
+LinearCrossEntropy linear_cross_entropy(const Tensor& hidden, const Tensor& weight, const Tensor& targets,
+                                        const Tensor& token_weights, int64_t chunk_tokens, bool predictions) {
+  TORCH_CHECK(hidden.dim() >= 1 && hidden.is_floating_point(),
+              "linear_cross_entropy: hidden must be floating [..., d], got ", hidden.scalar_type(), " ", hidden.sizes());
+  TORCH_CHECK(weight.dim() == 2 && weight.is_floating_point() && weight.size(1) == hidden.size(-1),
+              "linear_cross_entropy: weight must be floating [vocab, d] with d = ", hidden.size(-1), ", got ",
+              weight.scalar_type(), " ", weight.sizes());
+  const auto lead = hidden.sizes().slice(0, hidden.dim() - 1);
+  TORCH_CHECK(targets.sizes() == lead, "linear_cross_entropy: targets must have the leading shape of hidden ", lead,
+              ", got ", targets.sizes());
+  TORCH_CHECK(targets.scalar_type() == at::kLong, "linear_cross_entropy: targets must be int64, got ",
+              targets.scalar_type());
+  TORCH_CHECK(!token_weights.defined() || token_weights.sizes() == lead,
+              "linear_cross_entropy: token weights must have the shape of targets ", lead, ", got ",
+              token_weights.sizes());
+  const int64_t d = hidden.size(-1), V = weight.size(0);
+  const int64_t chunk = chunk_tokens > 0 ? chunk_tokens : default_loss_chunk_tokens(V);
+  const auto lt = at::promote_types(matmul_type(hidden, weight), at::kFloat);
+  const Tensor h = hidden.reshape({-1, d});
+  const Tensor t = targets.to(hidden.device()).reshape({-1}).contiguous();
+  const Tensor w = token_weights.defined() ? token_weights.to(hidden.device(), lt).reshape({-1}).contiguous()
+                                           : at::ones({h.size(0)}, hidden.options().dtype(lt));
+  LinearCrossEntropy out;
+  const bool grads = at::GradMode::is_enabled() && (hidden.requires_grad() || weight.requires_grad());
+  if (grads) {
+    auto r = LinearCrossEntropyFunction::apply(h, weight, t, w, chunk, predictions);
+    out.loss = r[0];
+    out.token_losses = r[1].view(lead);
+    if (predictions) out.predictions = r[2].view(lead);
+  } else {
+    auto pass = chunked_pass(h, weight, t, w, chunk, /*grads=*/false, predictions);
+    out.loss = (pass.ce * w).sum();
+    out.token_losses = pass.ce.view(lead);
+    if (predictions) out.predictions = pass.predictions.view(lead);
+  }
+  return out;
+}
+
+}  // namespace carry
