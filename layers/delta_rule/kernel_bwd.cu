@@ -518,6 +518,7 @@ __global__ void __launch_bounds__(NW * 32) bwd_chunk_kernel(
     const int mt = (warp & 3) * 16, fh = (warp >> 2) * (DK / NG), mh = (warp >> 2) * (C / NG);
     const int yn = (warp >> 2) * (BVt / NG);
     float f1[FN][4] = {}, f2[FN][4] = {}, f3[FN][4] = {}, m1[MN][4] = {}, m2[MN][4] = {};
+    float db[2] = {0.f, 0.f};  // Σ V⊙Y of rows mt+g and mt+g+8 over this warp's columns, all dv tiles
     for (int v0 = 0; v0 < DV; v0 += BVt) {
     load_tile_async<T, C, BVt, NT>(tdO, L::LT, dO + ((long)b * T_ + t0) * rowv + (long)h * DV + v0, rowv);
     load_tile_async<T, C, BVt, NT>(tV, L::LT, v + ((long)b * T_ + t0) * rowv + (long)h * DV + v0, rowv);
@@ -584,13 +585,21 @@ __global__ void __launch_bounds__(NW * 32) bwd_chunk_kernel(
             sacc += vv.x * y0 + vv.y * y1;
             *reinterpret_cast<unsigned*>(dvr + col) = tc::pack_bf16(br * y0, br * y1);
           }
-          sacc = quad_sum(sacc);
-          if (t4 == 0) atomicAdd(&sDB[r], sacc);
+          db[hf] += quad_sum(sacc);
         }
       }
       for (int i = tid; i < DK * BVt; i += NT) {
         const int r = i / BVt, j = i % BVt;
         hs += to_f(tH[r * L::LT + j]) * to_f(tdH[r * L::LT + j]);
+      }
+      __syncthreads();
+    }
+    // dβ's share from phase 1: the column groups add theirs in a fixed order (no atomics), so dβ has
+    // the same bits run to run and wherever the sequence is cut.
+    for (int grp = 0; grp < NG; ++grp) {
+      if ((warp >> 2) == grp && t4 == 0) {
+        sDB[mt + g] += db[0];
+        sDB[mt + g + 8] += db[1];
       }
       __syncthreads();
     }

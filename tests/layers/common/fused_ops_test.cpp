@@ -359,8 +359,10 @@ TEST(FusedOps, ModelMatchesAtenForms) {
     for (size_t i = 0; i < fu.size(); ++i) {
       const std::string name = i == 0 ? "loss" : names[i - 1].first;
       double e = rel_err(fu[i], at_[i]);
-      // bf16: the two forms round the activation and the matmul inputs in different places.
-      EXPECT_LE(e, bf16 ? 5e-2 : 1e-4) << (bf16 ? "bf16 autocast " : "fp32 ") << name;
+      // bf16: the two forms round the activation and the matmul inputs in different places. fp32: the
+      // fused convolution reads one q/k/v projection matmul in place of three; Mamba-2's D, whose
+      // gradient sums dO ⊙ v over every token and cancels strongly, showed 6.0e-4 on an H200.
+      EXPECT_LE(e, bf16 ? 5e-2 : 1e-3) << (bf16 ? "bf16 autocast " : "fp32 ") << name;
       if (e > worst) worst = e, worst_name = name;
     }
     std::cout << "[ errors   ] model " << (bf16 ? "bf16 autocast" : "fp32") << " fused vs ATen: loss "
