@@ -241,6 +241,65 @@ Adjoint unflatten_adjoint(const std::vector<Tensor>& ts) {
   return {{parts[0], parts[1]}, parts[2]};
 }
 
+// The scan's summary algebra. Without packed documents it is the family's own. With them (the tree
+// and allgather scans), a range of ranks in which a document starts maps every incoming state to the
+// same state, its state from the last start on: such a summary carries, as its transport's last
+// entry, a flag per sequence [B] in the state's dtype (1: a document starts in the range). `apply`
+// then gives the state part for flagged sequences and `compose` keeps the later range's state where
+// that range is flagged, so the prefixes, S_in and the state gradients (the vector-Jacobian products
+// of `apply`, zero through a flagged sequence) all reset at document starts.
+struct Algebra {
+  const Mixer* m = nullptr;
+  bool resets = false;
+
+  // (the family's summary, the flags or undefined)
+  std::pair<Summary, Tensor> split(const Summary& M) const {
+    if (!resets) return {M, Tensor()};
+    TORCH_INTERNAL_ASSERT(!M.transport.empty(), "a summary with document resets lacks its flags");
+    Summary f{std::vector<Tensor>(M.transport.begin(), M.transport.end() - 1), M.state};
+    return {f, M.transport.back()};
+  }
+  // Per sequence (dim 0): `flagged` where flag is 1, else `other`.
+  static Tensor rows(const Tensor& flag, const Tensor& flagged, const Tensor& other) {
+    std::vector<int64_t> shape(other.dim(), 1);
+    shape[0] = flag.size(0);
+    return at::where(flag.view(shape) > 0, flagged, other);
+  }
+  Summary compose(const Summary& first, const Summary& second) const {
+    if (!resets) return m->compose(first, second);
+    auto [a, fa] = split(first);
+    auto [b, fb] = split(second);
+    Summary out = m->compose(a, b);
+    for (size_t i = 0; i < out.state.size(); ++i) out.state[i] = rows(fb, b.state[i], out.state[i]);
+    out.transport.push_back(at::maximum(fa, fb));
+    return out;
+  }
+  State apply(const Summary& M, const State& S) const {
+    if (!resets) return m->apply(M, S);
+    auto [f, flag] = split(M);
+    State y = m->apply(f, S);
+    for (size_t i = 0; i < y.size(); ++i)
+      if (y[i].defined()) y[i] = rows(flag, f.state[i].to(y[i].scalar_type()), y[i]);
+    return y;
+  }
+  // This rank's summary: with document starts, each sequence's state from its last start on (its
+  // flag set) where one lies in the slice, the family's summary elsewhere.
+  Summary summarize(const MixerInputs& in, const MixerOptions& opt, const State& zero) const {
+    if (!resets) return m->summarize(in, opt);
+    MixerOptions plain = opt;
+    plain.document_starts = Tensor();
+    plain.document_offsets.clear();
+    Summary M = m->summarize(in, plain);
+    State since_start = m->forward(in, zero, opt).final_state;  // resets at every start
+    TORCH_INTERNAL_ASSERT(since_start.size() == M.state.size() && !M.state.empty());
+    Tensor flag = opt.document_starts.any(1).to(M.state[0].options());
+    for (size_t i = 0; i < M.state.size(); ++i)
+      M.state[i] = rows(flag, since_start[i].to(M.state[i].scalar_type()), M.state[i]);
+    M.transport.push_back(flag);
+    return M;
+  }
+};
+
 State zeros_like_state(const State& s) {
   State z;
   for (auto& t : s) z.push_back(at::zeros_like(t));
@@ -260,12 +319,12 @@ State add(const State& a, const State& b) {
 
 // Aᵀ·c for the transport of `M`: the vector-Jacobian product of S ↦ apply(M, S) with cotangent `c`.
 // `like` gives the layout of the state M acts on (it equals the layout of the gradient there).
-State apply_transposed(const Mixer& m, const Summary& M, const State& c, const State& like) {
+State apply_transposed(const Algebra& m, const Summary& M, const State& c, const State& like) {
   at::AutoGradMode grad_on(true);
   State S;
   for (auto& t : like) S.push_back(at::zeros_like(t).requires_grad_(true));
   State y = m.apply(detached(M), S);
-  TORCH_INTERNAL_ASSERT(y.size() == c.size(), m.name(), ": apply returned ", y.size(),
+  TORCH_INTERNAL_ASSERT(y.size() == c.size(), m.m->name(), ": apply returned ", y.size(),
                         " state entries, the gradient has ", c.size());
   variable_list outs, cots;
   for (size_t i = 0; i < y.size(); ++i)
@@ -282,7 +341,7 @@ State apply_transposed(const Mixer& m, const Summary& M, const State& c, const S
 }
 
 // a then b (a covers the ranks just left of b's): x ↦ c_a + M_aᵀ(c_b + M_bᵀx).
-Adjoint combine(const Mixer& m, const Adjoint& a, const Adjoint& b, bool need_transport) {
+Adjoint combine(const Algebra& m, const Adjoint& a, const Adjoint& b, bool need_transport) {
   Adjoint out;
   out.c = add(a.c, apply_transposed(m, a.M, b.c, a.c));
   if (need_transport) out.M = m.compose(a.M, b.M);
@@ -301,6 +360,7 @@ struct HeadGroup {
 
 struct ScanContext {
   const Mixer* mixer = nullptr;
+  Algebra algebra;  // the summaries' algebra (document resets in the tree and allgather scans)
   Communicator* sp = nullptr;
   ScanMode mode = ScanMode::ordered;
   MixerOptions opt;  // this rank's (offset of the slice)
@@ -348,7 +408,7 @@ variable_list local_vjp(const HeadGroup& c, const Tensor& d_o, const State& d_s_
 // Λ_{r+1} by the mirrored Hillis-Steele scan: round d sends this rank's inclusive adjoint (covering
 // ranks r..r+d-1) to r-d and receives r+d's; E accumulates ranks r+1.. .
 State reverse_tree_scan(const ScanContext& c, const State& g) {
-  const Mixer& m = *c.mixer;
+  const Algebra& m = c.algebra;
   Adjoint X{c.summary, g};
   std::optional<Adjoint> E;
   auto dev = at::TensorOptions().device(g.empty() ? at::Device(at::kCPU) : g[0].device());
@@ -372,7 +432,7 @@ State reverse_tree_scan(const ScanContext& c, const State& g) {
 
 // Λ_{r+1} from every rank's (summary, g): fold from the right.
 State reverse_allgather(const ScanContext& c, const State& g) {
-  const Mixer& m = *c.mixer;
+  const Algebra& m = c.algebra;
   auto dev = at::TensorOptions().device(g.empty() ? at::Device(at::kCPU) : g[0].device());
   std::vector<std::vector<Tensor>> all;
   {
@@ -548,11 +608,13 @@ MixerOutput sp_mixer_forward(const Mixer& mixer, Communicator& sp, const MixerIn
   TORCH_CHECK(mixer.has_summary(), what,
               ": the family has no recurrent state to pass between ranks");
   // Packed documents: the ordered chain runs each slice with its document starts (a start resets the
-  // state; the state sent on is the last document's). The summaries of the tree and allgather scans
-  // do not yet reset at a start.
-  TORCH_CHECK(!opt.document_starts.defined() || mode == ScanMode::ordered, what,
-              ": packed documents (document starts) need the ordered scan; the tree and allgather scans do "
-              "not reset their state summaries at a document start yet");
+  // state; the state sent on is the last document's); the tree and allgather scans reset their
+  // summaries at a start (Algebra). Log-linear summaries hold the slice's positions, which a document
+  // start would have to move: there only the ordered chain.
+  const bool log_linear = mixer.name().rfind("loglinear", 0) == 0;
+  TORCH_CHECK(!opt.document_starts.defined() || mode == ScanMode::ordered || !log_linear, what,
+              ": packed documents (document starts) in a log-linear family need the ordered scan (its "
+              "summaries hold the slice's positions, which do not reset at a document start)");
   TORCH_CHECK(head_groups >= 0 && head_groups <= kMaxHeadGroups, what,
               ": head_groups must be in 0..", kMaxHeadGroups, " (0 = the default), got ",
               head_groups);
@@ -610,6 +672,7 @@ MixerOutput sp_mixer_forward(const Mixer& mixer, Communicator& sp, const MixerIn
 
   auto c = std::make_shared<ScanContext>();
   c->mixer = &mixer;
+  c->algebra = Algebra{&mixer, opt.document_starts.defined() && mode != ScanMode::ordered};
   c->sp = &sp;
   c->mode = mode;
   c->opt = lopt;
@@ -675,8 +738,9 @@ MixerOutput sp_mixer_forward(const Mixer& mixer, Communicator& sp, const MixerIn
     State s_in;
     {
       at::NoGradGuard no_grad;
-      Summary mine = mixer.summarize(det, lopt);
-      if (r == 0 && !init.empty()) mine.state = mixer.apply(mine, init_det);  // fold S_init in
+      const Algebra& alg = c->algebra;
+      Summary mine = alg.summarize(det, lopt, zero);
+      if (r == 0 && !init.empty()) mine.state = alg.apply(mine, init_det);  // fold S_init in
       mine = detached(mine);
       auto dev = at::TensorOptions().device(zero.empty() ? at::Device(at::kCPU) : zero[0].device());
       std::optional<Summary> prefix;  // ranks 0..r-1
@@ -694,8 +758,8 @@ MixerOutput sp_mixer_forward(const Mixer& mixer, Communicator& sp, const MixerIn
           }
           if (src < 0) continue;
           Summary Y = unflatten_summary(got);  // ranks max(0, r-2d+1)..r-d
-          prefix = prefix ? mixer.compose(Y, *prefix) : Y;
-          if (r + 2 * d < P) X = mixer.compose(Y, X);  // a later round sends X
+          prefix = prefix ? alg.compose(Y, *prefix) : Y;
+          if (r + 2 * d < P) X = alg.compose(Y, X);  // a later round sends X
         }
       } else {
         std::vector<std::vector<Tensor>> all;
@@ -705,7 +769,7 @@ MixerOutput sp_mixer_forward(const Mixer& mixer, Communicator& sp, const MixerIn
         }
         for (auto& a : all) c->all_summaries.push_back(unflatten_summary(a));
         for (int j = 0; j < r; ++j)
-          prefix = prefix ? mixer.compose(*prefix, c->all_summaries[j]) : c->all_summaries[j];
+          prefix = prefix ? alg.compose(*prefix, c->all_summaries[j]) : c->all_summaries[j];
       }
       // S_in of rank r is the state part of the prefix (the zero state before rank 0, S_init
       // folded).

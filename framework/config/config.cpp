@@ -804,9 +804,14 @@ void check_run(const RunConfig& c, Errors& e) {
         e.add("data.token_files.eod_token", "must be -1 (no document resets) or an id below model.vocab_size (",
               m.vocab_size(), "), got ", t.eod_token());
       if (t.eod_token() >= 0 && c.parallel().sp() > 1 && c.parallel().scan_mode() != config::ParallelConfig::ORDERED)
-        e.add("data.token_files.eod_token", "document resets under sequence parallelism need parallel.scan_mode: "
-              "ORDERED (the tree and allgather scans do not reset their state summaries yet); got sp = ",
-              c.parallel().sp(), " with ", config::ParallelConfig::ScanMode_Name(c.parallel().scan_mode()));
+        for (const auto& k : m.mixers())
+          if (is_known_kind(k) && layer_kind(k).levels) {
+            e.add("data.token_files.eod_token", "document resets in the log-linear layer '", k, "' under sequence "
+                  "parallelism need parallel.scan_mode: ORDERED (its summaries hold the slice's positions, which "
+                  "do not reset at a document start); got sp = ", c.parallel().sp(), " with ",
+                  config::ParallelConfig::ScanMode_Name(c.parallel().scan_mode()));
+            break;
+          }
       break;
     }
     case DataConfig::kMqar: {

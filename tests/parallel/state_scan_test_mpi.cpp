@@ -505,6 +505,91 @@ TEST_P(SequenceParallel, OrderedHeadGroupsBitwiseEqualSerial) {
   }
 }
 
+// Packed documents in every mode (fp64, B = 2, T = 128, chunk 16): sequence 0 has starts at 40 and
+// at 64 (a rank boundary at 2 and 4 ranks), sequence 1 only at 100, so at 4 ranks its first slices
+// carry a state through (their transport) and its last resets. The outputs, final state and the
+// gradients of every input and of the initial state equal one process running the whole sequence
+// with the same starts (Mixer::forward's documents path). Log-linear families take documents only in
+// the ordered scan (their summaries hold positions): the tree and allgather scans refuse them.
+TEST_P(SequenceParallel, DocumentStartsResetInEveryMode) {
+  const Mixer& m = family(GetParam());
+  ProcessGroups& g = groups(1, world_size());
+  Communicator& sp = *g.sp;
+  const int P = g.layout.sp, r = sp.rank();
+  const bool log_linear = m.name().rfind("loglinear", 0) == 0;
+  Shape s;
+  s.B = 2;
+  s.T = 128;
+  s.H = 2;
+  s.dk = 8;
+  s.dv = 6;
+  s.offset = 0;
+  MixerOptions opt;
+  opt.chunk_size = 16;
+  auto in = random_inputs(m, s, at::kDouble, 91);
+  State init = random_state(m, in, opt, 92);
+  auto w = random_weights(m, in, opt, P, /*boundaries=*/false, 93);
+  Tensor starts = at::zeros({s.B, s.T}, at::kBool);
+  starts[0][40] = true;
+  starts[0][64] = true;
+  starts[1][100] = true;
+  const int64_t len = s.T / P;
+  for (ScanMode mode : {ScanMode::ordered, ScanMode::tree, ScanMode::allgather}) {
+    MixerOptions local = opt;
+    local.document_starts = starts.narrow(1, r * len, len).contiguous();
+    for (int64_t b = 0; b < s.B; ++b) {  // tokens of the slice's first document before the slice
+      int64_t begin = 0;
+      for (int64_t p = 0; p <= r * len; ++p)
+        if (starts[b][p].item<bool>()) begin = p;
+      local.document_offsets.push_back(r * len - begin);
+    }
+    MixerLeaves leaves = make_mixer_leaves(sp_slice(in, r, P, opt.chunk_size), r == 0 ? init : State{});
+    if (log_linear && mode != ScanMode::ordered) {
+      expect_same_error_everywhere(error_of([&] { sp_mixer_forward(m, sp, leaves.in, leaves.state, local, mode, 1); }),
+                                   "in a log-linear family need the ordered scan");
+      continue;
+    }
+    auto out = sp_mixer_forward(m, sp, leaves.in, leaves.state, local, mode, 1);
+    Tensor loss = (out.o * w.o.narrow(1, r * len, len)).sum();
+    if (r == P - 1) loss = loss + weighted(out.final_state, w.final_state);
+    auto xs = leaves.all();
+    auto gs = leaf_grads({loss}, xs);
+    auto gather_T = [&](const Tensor& t) { return at::cat(sp.all_gather(t.contiguous()), 1); };
+    ScanRun par;
+    par.outputs.push_back(gather_T(out.o.detach()));
+    for (auto& t : out.final_state) {
+      Tensor x = r == P - 1 ? t.detach().clone() : at::zeros_like(t);
+      sp.broadcast(x, P - 1);
+      par.outputs.push_back(x);
+    }
+    const size_t n_in = xs.size() - leaves.state.size();
+    for (size_t i = 0; i < n_in; ++i) par.grads.push_back(gather_T(gs[i]));
+    for (size_t i = 0; i < init.size(); ++i) {
+      Tensor x = r == 0 ? gs[n_in + i].detach().clone() : at::zeros_like(init[i]);
+      sp.broadcast(x, 0);
+      par.grads.push_back(x);
+    }
+    double e_out = 0, e_grad = 0;
+    if (r == 0) {
+      MixerLeaves whole = make_mixer_leaves(in, init);
+      MixerOptions o = opt;
+      o.document_starts = starts;
+      auto ser_out = m.forward(whole.in, whole.state, o);
+      Tensor ser_loss = (ser_out.o * w.o).sum() + weighted(ser_out.final_state, w.final_state);
+      std::vector<Tensor> outs{ser_out.o.detach()};
+      for (auto& t : ser_out.final_state) outs.push_back(t.detach());
+      e_out = carry::testing::max_rel_err(par.outputs, outs);
+      e_grad = carry::testing::max_rel_err(par.grads, leaf_grads({ser_loss}, whole.all()));
+    }
+    e_out = max_over_world(e_out);
+    e_grad = max_over_world(e_grad);
+    std::string tag = m.name() + " documents " + scan_mode_name(mode) + " fp64 sp=" + std::to_string(P);
+    if (world_rank() == 0) std::cout << "[ errors   ] " << tag << ": forward " << e_out << " gradients " << e_grad << "\n";
+    EXPECT_LE(e_out, 1e-12) << tag;
+    EXPECT_LE(e_grad, 1e-12) << tag;
+  }
+}
+
 INSTANTIATE_TEST_SUITE_P(AllFamilies, SequenceParallel, ::testing::ValuesIn(family_names()),
                          [](const auto& info) { return info.param; });
 

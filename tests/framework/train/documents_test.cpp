@@ -90,8 +90,8 @@ optimizer { lr: 1e-2 total_steps: 3 }
   try {
     run_config_from_text(R"(
 name: "documents"
-model { vocab_size: 40 d_model: 32 n_layers: 2 n_heads: 2 mixers: "gated_deltanet" mixer_options { chunk_size: 8 } }
-data { token_files { paths: "x.tok" eod_token: 40 } seq_len: 48 batch_size: 2 }
+model { vocab_size: 40 d_model: 32 n_layers: 2 n_heads: 2 mixers: ["gated_deltanet", "loglinear_gdn"] mixer_options { chunk_size: 8 } }
+data { token_files { paths: "x.tok" eod_token: 40 } seq_len: 64 batch_size: 2 }
 parallel { sp: 2 scan_mode: TREE }
 )",
                          "bad.textproto");
@@ -100,7 +100,11 @@ parallel { sp: 2 scan_mode: TREE }
     std::string m = e.what();
     EXPECT_NE(m.find("data.token_files.eod_token: must be -1 (no document resets) or an id below model.vocab_size (40), got 40"),
               std::string::npos) << m;
-    EXPECT_NE(m.find("need parallel.scan_mode: ORDERED"), std::string::npos) << m;
+    // Gated DeltaNet's summaries reset at a document start in the tree scan; log-linear's do not.
+    EXPECT_NE(m.find("document resets in the log-linear layer 'loglinear_gdn' under sequence parallelism need "
+                     "parallel.scan_mode: ORDERED"),
+              std::string::npos) << m;
+    EXPECT_EQ(m.find("'gated_deltanet'"), std::string::npos) << m;
   }
   remove_tree(dir);
 }

@@ -1,8 +1,8 @@
-// Packed documents under sequence parallelism (CPU, fp64, 3 steps): the ordered scan with document
-// starts inside a rank's slice and exactly at a rank boundary gives the losses and parameters of one
-// rank, for Gated DeltaNet with short convolutions and for a hybrid with sliding-window softmax
-// attention (whose window and convolutions reach into the previous rank's slice). Skipped unless 2
-// or 4 ranks.
+// Packed documents under sequence parallelism (CPU, fp64, 3 steps): the ordered, tree and allgather
+// scans with document starts inside a rank's slice and exactly at a rank boundary (and, at 4 ranks, a
+// slice without one between slices with) give the losses and parameters of one rank, for Gated
+// DeltaNet with short convolutions and for a hybrid with sliding-window softmax attention (whose
+// window and convolutions reach into the previous rank's slice). Skipped unless 2 or 4 ranks.
 #include "framework/data/token_file.h"
 #include "framework/train/trainer.h"
 #include "parallel/process_group.h"
@@ -22,7 +22,7 @@ double max_over_ranks(double x) {
   return y;
 }
 
-TEST(DocumentsSp, OrderedScanWithDocumentStartsEqualsOneRank) {
+TEST(DocumentsSp, ScansWithDocumentStartsEqualOneRank) {
   const int P = parallel::world_info().size;
   if (P != 2 && P != 4) GTEST_SKIP() << "needs 2 or 4 ranks";
   // Every window of 64 tokens (stride 64) has end-of-document tokens at 13, 32 and 45 (and 48 with 4
@@ -41,6 +41,7 @@ TEST(DocumentsSp, OrderedScanWithDocumentStartsEqualsOneRank) {
   std::snprintf(buf, sizeof buf, "%s", dir.c_str());
   MPI_Bcast(buf, sizeof buf, MPI_CHAR, 0, MPI_COMM_WORLD);
   dir = buf;
+  for (const char* mode : {"ORDERED", "TREE", "ALLGATHER"})
   for (const char* mixers : {"\"gated_deltanet\"",
                              "[\"gated_deltanet\", \"softmax_attn\"] mixer_options { kind: \"softmax_attn\" window: 12 }"}) {
     auto cfg = [&](int sp) {
@@ -53,7 +54,7 @@ optimizer { lr: 1e-2 total_steps: 3 }
 )",
                                   "documents_sp.textproto",
                                   {"data.token_files={paths: \"" + dir + "/train.tok\" eod_token: 0}",
-                                   "parallel.sp=" + std::to_string(sp)});
+                                   "parallel.sp=" + std::to_string(sp), std::string("parallel.scan_mode=") + mode});
     };
     TrainerOptions o;
     o.log = nullptr;
@@ -75,8 +76,8 @@ optimizer { lr: 1e-2 total_steps: 3 }
                                   std::max(pb[i].second.abs().max().item<double>(), 1e-30));
     worst = max_over_ranks(worst);
     if (parallel::world_info().rank == 0)
-      std::printf("[ errors   ] documents, ordered scan sp=%d vs 1 rank (%s, fp64, 3 steps): %.3g\n", P, mixers, worst);
-    EXPECT_LT(worst, 1e-11) << mixers;
+      std::printf("[ errors   ] documents, %s scan sp=%d vs 1 rank (%s, fp64, 3 steps): %.3g\n", mode, P, mixers, worst);
+    EXPECT_LT(worst, 1e-11) << mode << " " << mixers;
   }
   MPI_Barrier(MPI_COMM_WORLD);
   if (parallel::world_info().rank == 0) remove_tree(dir);
