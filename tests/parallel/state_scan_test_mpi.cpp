@@ -323,15 +323,18 @@ ScanRun serial_run(const Mixer& m, const MixerInputs& in, const State& init,
   return run;
 }
 
-// The sp group, each rank its slice; results gathered on every rank of the group.
+// The sp group, each rank its slice; results gathered on every rank of the group. `per_rank`, when
+// given, adapts the options to rank r's slice of `len` tokens (packed documents).
 ScanRun parallel_run(const Mixer& m, Communicator& sp, const MixerInputs& whole, const State& init,
-                     const MixerOptions& opt, const Weights& w, ScanMode mode,
-                     int head_groups = 0) {
+                     const MixerOptions& opt, const Weights& w, ScanMode mode, int head_groups = 0,
+                     const std::function<void(MixerOptions&, int r, int64_t len)>& per_rank = {}) {
   const int r = sp.rank(), P = sp.size();
   MixerInputs local = sp_slice(whole, r, P, opt.chunk_size);
   int64_t len = local.q.size(1);
   MixerLeaves leaves = make_mixer_leaves(local, r == 0 ? init : State{});
-  auto out = sp_mixer_forward(m, sp, leaves.in, leaves.state, opt, mode, head_groups);
+  MixerOptions ropt = opt;
+  if (per_rank) per_rank(ropt, r, len);
+  auto out = sp_mixer_forward(m, sp, leaves.in, leaves.state, ropt, mode, head_groups);
   Tensor loss = (out.o * w.o.narrow(1, r * len, len)).sum();
   if (r == P - 1)
     loss = loss + weighted(out.final_state, w.final_state);
@@ -533,42 +536,23 @@ TEST_P(SequenceParallel, DocumentStartsResetInEveryMode) {
   starts[0][40] = true;
   starts[0][64] = true;
   starts[1][100] = true;
-  const int64_t len = s.T / P;
-  for (ScanMode mode : {ScanMode::ordered, ScanMode::tree, ScanMode::allgather}) {
-    MixerOptions local = opt;
-    local.document_starts = starts.narrow(1, r * len, len).contiguous();
-    for (int64_t b = 0; b < s.B; ++b) {  // tokens of the slice's first document before the slice
+  // Rank r's slice of the starts, and per sequence the tokens of its first document before the slice.
+  auto documents = [&](MixerOptions& o, int rank, int64_t len) {
+    o.document_starts = starts.narrow(1, rank * len, len).contiguous();
+    for (int64_t b = 0; b < s.B; ++b) {
       int64_t begin = 0;
-      for (int64_t p = 0; p <= r * len; ++p)
+      for (int64_t p = 0; p <= rank * len; ++p)
         if (starts[b][p].item<bool>()) begin = p;
-      local.document_offsets.push_back(r * len - begin);
+      o.document_offsets.push_back(rank * len - begin);
     }
-    MixerLeaves leaves = make_mixer_leaves(sp_slice(in, r, P, opt.chunk_size), r == 0 ? init : State{});
+  };
+  for (ScanMode mode : {ScanMode::ordered, ScanMode::tree, ScanMode::allgather}) {
     if (log_linear && mode != ScanMode::ordered) {
-      expect_same_error_everywhere(error_of([&] { sp_mixer_forward(m, sp, leaves.in, leaves.state, local, mode, 1); }),
+      expect_same_error_everywhere(error_of([&] { parallel_run(m, sp, in, init, opt, w, mode, 1, documents); }),
                                    "in a log-linear family need the ordered scan");
       continue;
     }
-    auto out = sp_mixer_forward(m, sp, leaves.in, leaves.state, local, mode, 1);
-    Tensor loss = (out.o * w.o.narrow(1, r * len, len)).sum();
-    if (r == P - 1) loss = loss + weighted(out.final_state, w.final_state);
-    auto xs = leaves.all();
-    auto gs = leaf_grads({loss}, xs);
-    auto gather_T = [&](const Tensor& t) { return at::cat(sp.all_gather(t.contiguous()), 1); };
-    ScanRun par;
-    par.outputs.push_back(gather_T(out.o.detach()));
-    for (auto& t : out.final_state) {
-      Tensor x = r == P - 1 ? t.detach().clone() : at::zeros_like(t);
-      sp.broadcast(x, P - 1);
-      par.outputs.push_back(x);
-    }
-    const size_t n_in = xs.size() - leaves.state.size();
-    for (size_t i = 0; i < n_in; ++i) par.grads.push_back(gather_T(gs[i]));
-    for (size_t i = 0; i < init.size(); ++i) {
-      Tensor x = r == 0 ? gs[n_in + i].detach().clone() : at::zeros_like(init[i]);
-      sp.broadcast(x, 0);
-      par.grads.push_back(x);
-    }
+    ScanRun par = parallel_run(m, sp, in, init, opt, w, mode, 1, documents);
     double e_out = 0, e_grad = 0;
     if (r == 0) {
       MixerLeaves whole = make_mixer_leaves(in, init);
