@@ -236,7 +236,7 @@ MixerOptions MixerLayer::mixer_options(int64_t, const MixerLayerContext& ctx) co
   return opt;
 }
 
-MixerLayer::Projected MixerLayer::project(const Tensor& x, const MixerLayerContext& ctx) const {
+MixerLayer::Projected MixerLayer::project(const Tensor& x, const MixerLayerContext& ctx, bool kernel_bf16) const {
   const auto& tr = layer_kind(spec_.kind);
   TORCH_CHECK(x.dim() == 3 && x.size(2) == spec_.d_model, "mixer layer '", spec_.kind,
               "': x must be [B, T, ", spec_.d_model, "], got ", shape_str(x.sizes()));
@@ -291,7 +291,7 @@ MixerLayer::Projected MixerLayer::project(const Tensor& x, const MixerLayerConte
         std::vector<int64_t> widths;
         for (const auto& w : proj) widths.push_back(w.size(0));
         return fused_causal_conv1d(all, cat_conv, halo, documents ? document_start_device(ctx, x.device()) : Tensor(),
-                                   ctx.offset, silu, widths);
+                                   ctx.offset, silu, widths, kernel_bf16);
       }
       int64_t c0 = 0;
       for (const auto& w : proj) pre.push_back(all.narrow(-1, c0, w.size(0))), c0 += w.size(0);
@@ -387,7 +387,11 @@ MixerInputs MixerLayer::mixer_inputs(const Tensor& x, const MixerLayerContext& c
 
 MixerLayerOutput MixerLayer::forward(const Tensor& x, const State& initial_state,
                                      const MixerLayerContext& ctx) const {
-  auto p = project(x, ctx);
+  // Whether the core will run a kernel form on bf16 inputs (CUDA, autocast, no ATen summarizing pass):
+  // then the convolutions write q, k, v in bf16 (what the kernel would cast them to).
+  const bool kernel_bf16 = x.is_cuda() && autocast_active_for(x) && (!ctx.run_mixer || ctx.serial_states) &&
+                           mixer_->has_kernel() && fused_ops_enabled();
+  auto p = project(x, ctx, kernel_bf16);
   const int64_t B = x.size(0), T = x.size(1);
   auto opt = mixer_options(T, ctx);
   if (ctx.document_starts.defined()) {

@@ -145,7 +145,9 @@ class MixerLayer {
 
  private:
   struct Projected;
-  Projected project(const Tensor& x, const MixerLayerContext& context) const;
+  // kernel_bf16: the mixer will run its kernel form on bf16 inputs (CUDA under autocast), so the
+  // convolutions may write q, k, v in bf16 directly.
+  Projected project(const Tensor& x, const MixerLayerContext& context, bool kernel_bf16 = false) const;
   int64_t levels_for(int64_t length, const MixerLayerContext& context) const;
 
   MixerLayerSpec spec_;

@@ -1,7 +1,9 @@
 // SwiGLU MLP (mlp.h): y = W2 (silu(W1 x) ⊙ W3 x). On CUDA (builds with CARRY_WITH_CUDA, unless
 // fused_ops_enabled() is false) W1 and W3 run as one matmul with [W1; W3] (concatenated per call; the
 // parameters stay two) and silu(a) ⊙ b is one fused kernel over the two halves of its output
-// (layers/common/kernel_fused_op.h), forward and backward. The CPU runs the ATen form below.
+// (layers/common/kernel_fused_op.h), forward and backward, with W2 in the same op so that the activation
+// is recomputed in the backward instead of kept (one [T, hidden] tensor less a layer). The CPU runs the
+// ATen form below.
 #include "layers/mlp.h"
 
 #ifdef CARRY_WITH_CUDA
@@ -23,7 +25,7 @@ Tensor SwiGLU::forward(const Tensor& x) const {
 #ifdef CARRY_WITH_CUDA
   if (x.is_cuda() && fused_ops_enabled()) {
     auto ab = at::linear(x, at::cat({w1, w3}, 0));  // [..., 2·hidden] = [W1 x | W3 x]
-    if (fused_swiglu_supports(ab)) return at::linear(fused_swiglu_packed(ab), w2);
+    if (fused_swiglu_supports(ab)) return fused_swiglu_linear(ab, w2);
     auto h = ab.chunk(2, -1);
     return at::linear(at::silu(h[0]) * h[1], w2);
   }

@@ -68,6 +68,22 @@ Tensor gated_rms_norm(const Tensor& x, const Tensor& z, const Tensor& weight, do
   return y.to(out);
 }
 
+std::pair<Tensor, Tensor> residual_rms_norm(const Tensor& x, const Tensor& residual, const Tensor& weight, double eps) {
+  TORCH_CHECK(!residual.defined() || residual.sizes() == x.sizes(), "residual_rms_norm: the residual must have the shape of x ",
+              x.sizes(), ", got ", residual.sizes());
+#ifdef CARRY_WITH_CUDA
+  if (use_fused(x) && (!residual.defined() || (fused_norm_supports(residual) && residual.device() == x.device() &&
+                                               at::promote_types(x.scalar_type(), residual.scalar_type()) ==
+                                                   x.scalar_type()))) {
+    check_weight("residual_rms_norm", x, weight);
+    const auto out = norm_output_dtype(x);
+    if (out == at::kFloat || out == at::kBFloat16) return fused_residual_rms_norm(x, residual, weight, eps, out);
+  }
+#endif
+  Tensor h = residual.defined() ? x + residual : x;
+  return {h, rms_norm(h, weight, eps)};
+}
+
 RMSNorm::RMSNorm(int64_t dim, double eps_, ParameterInit& init) : weight(init.full({dim}, 1.0)), eps(eps_) {}
 
 }  // namespace carry

@@ -18,6 +18,10 @@ at::ScalarType norm_output_dtype(const Tensor& x);
 
 Tensor rms_norm(const Tensor& x, const Tensor& weight, double eps);
 Tensor gated_rms_norm(const Tensor& x, const Tensor& z, const Tensor& weight, double eps);
+// The residual add and the norm after it: h = x + residual (residual undefined: h = x), and
+// rms_norm(h, weight); returns {h, norm}. On CUDA one fused pass each way (the backward adds the
+// gradient reaching h directly into the norm's, and writes the residual's gradient in its dtype).
+std::pair<Tensor, Tensor> residual_rms_norm(const Tensor& x, const Tensor& residual, const Tensor& weight, double eps);
 
 // An RMSNorm over `dim` features; weight initialized to ones. Parameter: "weight" [dim].
 struct RMSNorm {
@@ -26,6 +30,10 @@ struct RMSNorm {
   Tensor forward(const Tensor& x) const { return rms_norm(x, weight, eps); }
   // y = rms_norm(x) ⊙ silu(z)
   Tensor forward_gated(const Tensor& x, const Tensor& z) const { return gated_rms_norm(x, z, weight, eps); }
+  // {h, rms_norm(h)} with h = x + residual (see residual_rms_norm)
+  std::pair<Tensor, Tensor> forward_residual(const Tensor& x, const Tensor& residual) const {
+    return residual_rms_norm(x, residual, weight, eps);
+  }
   NamedParameters parameters() const { return {{"weight", weight}}; }
 
   Tensor weight;

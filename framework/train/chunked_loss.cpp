@@ -1,6 +1,12 @@
 // Chunked linear + cross entropy as a torch autograd Function (see chunked_loss.h).
 #include "framework/train/chunked_loss.h"
 
+#include "layers/common/fused_switch.h"
+
+#ifdef CARRY_WITH_CUDA
+#include "layers/common/kernel_loss.cuh"
+#endif
+
 #include <ATen/autocast_mode.h>
 #include <ATen/core/grad_mode.h>
 #include <c10/util/Exception.h>
@@ -39,6 +45,17 @@ at::ScalarType matmul_type(const Tensor& hidden, const Tensor& weight) {
   return at::promote_types(hidden.scalar_type(), weight.scalar_type());
 }
 
+// Whether the chunks' cross-entropy runs as one CUDA kernel per chunk (layers/common/kernel_loss.cuh):
+// CUDA logits in bf16 or fp32 with an fp32 loss, the fused ops on.
+bool fused_loss(const Tensor& hidden, at::ScalarType ct, at::ScalarType lt) {
+#ifdef CARRY_WITH_CUDA
+  return hidden.is_cuda() && fused_ops_enabled() && (ct == at::kBFloat16 || ct == at::kFloat) && lt == at::kFloat;
+#else
+  (void)hidden, (void)ct, (void)lt;
+  return false;
+#endif
+}
+
 Pass chunked_pass(const Tensor& hidden, const Tensor& weight, const Tensor& targets, const Tensor& weights,
                   int64_t chunk, bool grads, bool predictions) {
   at::NoGradGuard no_grad;
@@ -46,6 +63,7 @@ Pass chunked_pass(const Tensor& hidden, const Tensor& weight, const Tensor& targ
   const auto ct = matmul_type(hidden, weight);
   const auto lt = at::promote_types(ct, at::kFloat);
   const Tensor hc = hidden.to(ct), wc = weight.to(ct);
+  const bool fused = fused_loss(hidden, ct, lt);
   Pass out;
   out.ce = at::empty({N}, hidden.options().dtype(lt));
   if (predictions) out.predictions = at::empty({N}, hidden.options().dtype(at::kLong));
@@ -53,26 +71,43 @@ Pass chunked_pass(const Tensor& hidden, const Tensor& weight, const Tensor& targ
     out.grad_hidden = at::empty_like(hidden, at::MemoryFormat::Contiguous);
     out.grad_weight = at::zeros(weight.sizes(), weight.options().dtype(at::promote_types(weight.scalar_type(), at::kFloat)));
   }
+  // On CUDA with bf16 products, cuBLAS adds each chunk's weight gradient into the fp32 sum in its
+  // epilogue (no bf16 rounding per chunk, no separate add pass).
+  const bool fp32_accumulate = fused && ct == at::kBFloat16 && grads && out.grad_weight.scalar_type() == at::kFloat;
   for (int64_t start = 0; start < N; start += chunk) {
     const int64_t n = std::min(chunk, N - start);
     const Tensor h = hc.narrow(0, start, n);
     const Tensor t = targets.narrow(0, start, n);
-    const Tensor logits = at::mm(h, wc.t());  // [n,V] in ct
-    if (predictions) out.predictions.narrow(0, start, n).copy_(logits.argmax(-1));
-    // The log-softmax row by row, as the full form computes it: the same per-token losses.
-    Tensor logp = at::log_softmax(logits.to(lt), -1);
-    const Tensor valid = t.ge(0);
-    const Tensor index = t.clamp_min(0).unsqueeze(1);
-    const Tensor picked = logp.gather(1, index).squeeze(1);
-    out.ce.narrow(0, start, n).copy_(at::where(valid, -picked, at::zeros({}, picked.options())));
+    Tensor logits = at::mm(h, wc.t());  // [n,V] in ct
+    Tensor dlogits;
+    if (fused) {
+#ifdef CARRY_WITH_CUDA
+      // The loss of each row, the predictions, and the gradient written over the logits, in one kernel.
+      carry_loss::cross_entropy_rows(logits, t, weights.narrow(0, start, n), out.ce.narrow(0, start, n),
+                                     predictions ? out.predictions.narrow(0, start, n) : Tensor(), grads);
+      dlogits = logits;
+#endif
+    } else {
+      if (predictions) out.predictions.narrow(0, start, n).copy_(logits.argmax(-1));
+      // The log-softmax row by row, as the full form computes it: the same per-token losses.
+      Tensor logp = at::log_softmax(logits.to(lt), -1);
+      const Tensor valid = t.ge(0);
+      const Tensor index = t.clamp_min(0).unsqueeze(1);
+      const Tensor picked = logp.gather(1, index).squeeze(1);
+      out.ce.narrow(0, start, n).copy_(at::where(valid, -picked, at::zeros({}, picked.options())));
+      if (!grads) continue;
+      // dL/dlogits = w_t·(p_t − onehot(y_t)), zero for ignored targets; in place over logp.
+      Tensor w = at::where(valid, weights.narrow(0, start, n), at::zeros({}, logp.options())).unsqueeze(1);
+      Tensor p = logp.exp_();
+      p.scatter_(1, index, p.gather(1, index) - valid.to(lt).unsqueeze(1));
+      dlogits = p.mul_(w).to(ct);
+    }
     if (!grads) continue;
-    // dL/dlogits = w_t·(p_t − onehot(y_t)), zero for ignored targets; in place over logp.
-    Tensor w = at::where(valid, weights.narrow(0, start, n), at::zeros({}, logp.options())).unsqueeze(1);
-    Tensor p = logp.exp_();
-    p.scatter_(1, index, p.gather(1, index) - valid.to(lt).unsqueeze(1));
-    const Tensor dlogits = p.mul_(w).to(ct);
-    out.grad_hidden.narrow(0, start, n).copy_(at::mm(dlogits, wc));
-    out.grad_weight.add_(at::mm(dlogits.t(), h));
+    Tensor gh = out.grad_hidden.narrow(0, start, n);
+    if (gh.scalar_type() == ct) at::mm_out(gh, dlogits, wc);
+    else gh.copy_(at::mm(dlogits, wc));
+    if (fp32_accumulate) at::addmm_out(out.grad_weight, out.grad_weight, dlogits.t(), h, at::kFloat);
+    else out.grad_weight.add_(at::mm(dlogits.t(), h));
   }
   return out;
 }

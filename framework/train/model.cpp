@@ -12,6 +12,7 @@
 #include <cmath>
 #include <cstdio>
 #include <map>
+#include <tuple>
 #include <sstream>
 
 namespace carry {
@@ -107,13 +108,16 @@ Tensor Model::hidden(const Tensor& tokens, const ModelContext& ctx) const {
         std::array<std::string, 2>{"layer " + std::to_string(i) + " " + b->mixer->spec().kind, "mixer " + b->mixer->spec().kind});
     auto block = [b, shared, names](const Tensor& x) {
       NvtxRange layer((*names)[0]);
-      Tensor y;
+      // y = x + mixer(norm(x)), then y + mlp(norm(y)); each residual add goes with the norm after it (one
+      // pass each way on CUDA), and x passes through the first norm so that its two gradients are summed there.
+      Tensor y, n;
       {
         NvtxRange mixer((*names)[1]);
-        y = x + b->mixer->forward(b->mixer_norm.forward(x), {}, shared->slice).y;
+        auto [x1, n1] = b->mixer_norm.forward_residual(x, Tensor());
+        std::tie(y, n) = b->mlp_norm.forward_residual(x1, b->mixer->forward(n1, {}, shared->slice).y);
       }
       NvtxRange mlp("mlp");
-      return y + b->mlp.forward(b->mlp_norm.forward(y));
+      return y + b->mlp.forward(n);
     };
     if (!ctx.recompute) {
       h = block(h);

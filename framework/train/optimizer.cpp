@@ -25,19 +25,31 @@ double learning_rate(const config::OptimizerConfig& opt, int64_t step) {
 at::Tensor clip_grad_norm_on_device(const NamedParameters& params, double max_norm) {
   at::NoGradGuard no_grad;
   // Every tensor's sum of squares stays on the device, and so do their total and the scale.
-  std::vector<at::Tensor> sums, grads;
+  std::vector<at::Tensor> grads;
+  bool cuda_fp32 = true;
   for (auto& [name, p] : params) {
     const auto& g = p.grad();
     if (!g.defined()) continue;
-    sums.push_back(g.to(at::kDouble).pow(2).sum());
     grads.push_back(g);
+    cuda_fp32 = cuda_fp32 && g.is_cuda() && g.scalar_type() == at::kFloat && g.device() == grads[0].device();
   }
-  if (sums.empty()) return {};
-  at::Tensor norm = at::stack(sums).sum().sqrt();
+  if (grads.empty()) return {};
+  at::Tensor norm;
+  if (cuda_fp32) {
+    // On one GPU: a few multi-tensor launches (each tensor's norm in fp32, their squares summed in fp64)
+    // instead of three kernels a tensor.
+    norm = at::stack(at::_foreach_norm(grads, 2)).to(at::kDouble).pow(2).sum().sqrt();
+  } else {
+    std::vector<at::Tensor> sums;
+    for (const auto& g : grads) sums.push_back(g.to(at::kDouble).pow(2).sum());
+    norm = at::stack(sums).sum().sqrt();
+  }
   if (max_norm > 0) {
     // max_norm / (norm + 1e-6) as a division (Scalar / Tensor would multiply by a reciprocal).
     auto scale = at::where(norm > max_norm, at::full_like(norm, max_norm).div_(norm + 1e-6), at::ones_like(norm));
-    for (auto& g : grads) g.mul_(scale);
+    if (cuda_fp32) at::_foreach_mul_(grads, scale.to(at::kFloat));
+    else
+      for (auto& g : grads) g.mul_(scale);
   }
   return norm;
 }

@@ -74,12 +74,12 @@ bool fused_conv_supports(const Tensor& x, const Tensor& weight) {
 
 std::vector<Tensor> fused_causal_conv1d(const Tensor& x, const Tensor& weight, const Tensor& halo,
                                         const Tensor& document_start, int64_t offset, bool silu,
-                                        const std::vector<int64_t>& widths) {
+                                        const std::vector<int64_t>& widths, bool bf16_out) {
   TORCH_CHECK(fused_conv_supports(x, weight), "fused_causal_conv1d: takes x [B,T,C] bf16 or fp32 on CUDA and weight "
               "[C,K] with 1 <= K <= ", carry_conv::kMaxTaps, " (promoted dtype fp32, or bf16 for bf16 x); got x ",
               x.sizes(), " ", x.scalar_type(), " on ", x.device(), ", weight ", weight.sizes(), " ",
               weight.scalar_type());
-  const auto out = conv_out_dtype(x, weight);
+  const auto out = bf16_out && x.scalar_type() == at::kBFloat16 ? at::kBFloat16 : conv_out_dtype(x, weight);
   // Casts outside the Function: autograd casts their gradients back (weight's to its own dtype).
   Tensor w32 = weight.to(at::kFloat).contiguous();
   Tensor h = halo.defined() ? halo.to(x.scalar_type()).contiguous() : Tensor();

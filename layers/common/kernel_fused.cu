@@ -14,13 +14,14 @@
 //    with g = dy [·silu(z)] (the gradient reaching x·rstd·w),
 //      dz = dy · (x·rstd·w) · silu'(z),   dx = rstd·g·w − x·rstd³·mean(g·w·x),   dw = Σ_rows g·x·rstd.
 //    Each thread keeps its columns' w and partial dw in registers; group p writes its partial dw to
-//    row p of a [P, D] fp32 buffer, and column_sum_kernel adds the P partials in a fixed order (no
-//    atomics; P depends only on N and D: bitwise reproducible). HBM: N·D·(|dy| + |x| + |dx| [+ 2|z|])
+//    row p of a [P, D] fp32 buffer, and carry_reduce::column_sum (kernel_reduce.cuh) adds the P
+//    partials in a fixed order (no atomics; P depends only on N and D: bitwise reproducible). HBM: N·D·(|dy| + |x| + |dx| [+ 2|z|])
 //    + 8·P·D bytes.
 //  swiglu_fwd_kernel / swiglu_bwd_kernel: elementwise over [N, H] rows with their own strides
 //    (a and b may be the two halves of one [N, 2H] tensor, and so may da and db).
 //    y = silu(a)·b;  da = dy·b·silu'(a),  db = dy·silu(a),  silu'(a) = s·(1 + a·(1 − s)), s = σ(a).
 #include "layers/common/kernel_fused.cuh"
+#include "layers/common/kernel_reduce.cuh"
 
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -132,7 +133,7 @@ template <int V, int K, bool WARP>
 __global__ void __launch_bounds__(kMaxThreads)
     norm_fwd_kernel(const void* __restrict__ x, int xdt, const void* __restrict__ z, int zdt,
                     const float* __restrict__ w, void* __restrict__ y, int ydt, float* __restrict__ rstd, int64_t N,
-                    int D, float eps) {
+                    int D, float eps, const void* __restrict__ res, int resdt, void* __restrict__ hout) {
   static_assert(K * V <= kRowElems, "registers");
   using G = RowGroup<WARP>;
   __shared__ float sh[33];
@@ -146,6 +147,14 @@ __global__ void __launch_bounds__(kMaxThreads)
     const int c = (k * G::width() + G::lane()) * V;
     if (c < D) {
       load<V>(x, xdt, base + c, xv[k]);
+      if (res != nullptr) {  // the residual add: h = x + res, written in x's dtype, normalized as rounded
+        float rv[V];
+        load<V>(res, resdt, base + c, rv);
+#pragma unroll
+        for (int j = 0; j < V; ++j) xv[k][j] += rv[j];
+        store<V>(hout, xdt, base + c, xv[k]);
+        if (xdt == kBF16) load<V>(hout, xdt, base + c, xv[k]);
+      }
 #pragma unroll
       for (int j = 0; j < V; ++j) ss += xv[k][j] * xv[k][j];
     }
@@ -178,7 +187,8 @@ __global__ void __launch_bounds__(kMaxThreads)
     norm_bwd_kernel(const void* __restrict__ dy, int dydt, const void* __restrict__ x, int xdt,
                     const void* __restrict__ z, int zdt, const float* __restrict__ w,
                     const float* __restrict__ rstd, void* __restrict__ dx, void* __restrict__ dz,
-                    float* __restrict__ dw_part, int64_t N, int D) {
+                    float* __restrict__ dw_part, int64_t N, int D, const void* __restrict__ dh, int dhdt,
+                    void* __restrict__ dres, int resdt) {
   static_assert(K * V <= kRowElems, "registers");
   using G = RowGroup<WARP>;
   __shared__ float sh[33];
@@ -228,7 +238,14 @@ __global__ void __launch_bounds__(kMaxThreads)
         float o[V];
 #pragma unroll
         for (int j = 0; j < V; ++j) o[j] = r * (gv[k][j] * wv[k][j]) - xv[k][j] * c3;
+        if (dh != nullptr) {  // the gradient reaching the residual stream directly, added once
+          float hv[V];
+          load<V>(dh, dhdt, base + c, hv);
+#pragma unroll
+          for (int j = 0; j < V; ++j) o[j] += hv[j];
+        }
         store<V>(dx, xdt, base + c, o);
+        if (dres != nullptr) store<V>(dres, resdt, base + c, o);
       }
     }
   }
@@ -236,23 +253,6 @@ __global__ void __launch_bounds__(kMaxThreads)
   for (int k = 0; k < K; ++k) {
     const int c = (k * G::width() + G::lane()) * V;
     if (c < D) store<V>(dw_part, kF32, p * D + c, acc[k]);
-  }
-}
-
-// out[c] = Σ_b part[b, c] over b = 0..G-1 in a fixed order: block (32 columns × 8), thread (tx, ty)
-// sums b = ty, ty+8, ... in order, then thread (tx, 0) adds the 8 sums in order.
-__global__ void column_sum_kernel(const float* __restrict__ part, float* __restrict__ out, int G, int D) {
-  __shared__ float sh[8][33];
-  const int c = blockIdx.x * 32 + threadIdx.x;
-  float s = 0.f;
-  if (c < D)
-    for (int b = threadIdx.y; b < G; b += 8) s += part[(int64_t)b * D + c];
-  sh[threadIdx.y][threadIdx.x] = s;
-  __syncthreads();
-  if (threadIdx.y == 0 && c < D) {
-    float t = 0.f;
-    for (int i = 0; i < 8; ++i) t += sh[i][threadIdx.x];
-    out[c] = t;
   }
 }
 
@@ -354,16 +354,22 @@ void check_norm(const char* who, const at::Tensor& x, const at::Tensor& z, const
 }  // namespace
 
 std::vector<at::Tensor> norm_fwd(const at::Tensor& x, const at::Tensor& z, const at::Tensor& w, double eps,
-                                 at::ScalarType out_dtype) {
+                                 at::ScalarType out_dtype, const at::Tensor& res) {
   check_norm("fused rms_norm", x, z, w);
+  if (res.defined()) {
+    check_rows("fused rms_norm", "the residual", res, x);
+    TORCH_CHECK(res.is_contiguous(), "fused rms_norm: the residual must be contiguous");
+  }
   TORCH_CHECK(float_or_bf16(out_dtype), "fused rms_norm: the output dtype must be fp32 or bf16, got ", out_dtype);
   c10::cuda::CUDAGuard guard(x.device());
   const int64_t N = x.size(0);
   const int D = (int)x.size(1);
   auto y = at::empty({N, D}, x.options().dtype(out_dtype));
   auto rstd = at::empty({N}, x.options().dtype(at::kFloat));
-  if (N == 0) return {y, rstd};
-  const bool vec = D % 4 == 0 && aligned(x, 4) && aligned(y, 4) && aligned(w, 4) && (!z.defined() || aligned(z, 4));
+  at::Tensor h = res.defined() ? at::empty_like(x) : at::Tensor();
+  if (N == 0) return {y, rstd, h};
+  const bool vec = D % 4 == 0 && aligned(x, 4) && aligned(y, 4) && aligned(w, 4) && (!z.defined() || aligned(z, 4)) &&
+                   (!res.defined() || (aligned(res, 4) && aligned(h, 4)));
   const NormShape sh = norm_shape(D, vec);
   auto stream = at::cuda::getCurrentCUDAStream();
   auto kern = !vec    ? norm_fwd_kernel<1, kRowElems, false>
@@ -373,14 +379,21 @@ std::vector<at::Tensor> norm_fwd(const at::Tensor& x, const at::Tensor& z, const
   const unsigned blocks = (unsigned)((N + sh.rows_per_block - 1) / sh.rows_per_block);
   kern<<<blocks, sh.threads, 0, stream>>>(x.data_ptr(), dtype_code(x), z.defined() ? z.data_ptr() : nullptr,
                                           z.defined() ? dtype_code(z) : kF32, w.data_ptr<float>(), y.data_ptr(),
-                                          dtype_code(y), rstd.data_ptr<float>(), N, D, (float)eps);
+                                          dtype_code(y), rstd.data_ptr<float>(), N, D, (float)eps,
+                                          res.defined() ? res.data_ptr() : nullptr,
+                                          res.defined() ? dtype_code(res) : kF32, res.defined() ? h.data_ptr() : nullptr);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
-  return {y, rstd};
+  return {y, rstd, h};
 }
 
 std::vector<at::Tensor> norm_bwd(const at::Tensor& dy, const at::Tensor& x, const at::Tensor& z, const at::Tensor& w,
-                                 const at::Tensor& rstd) {
+                                 const at::Tensor& rstd, const at::Tensor& dh, c10::optional<at::ScalarType> res_dtype) {
   check_norm("fused rms_norm backward", x, z, w);
+  if (dh.defined()) {
+    check_rows("fused rms_norm backward", "dh", dh, x);
+    TORCH_CHECK(dh.is_contiguous(), "fused rms_norm backward: dh must be contiguous");
+  }
+  TORCH_CHECK(!res_dtype || float_or_bf16(*res_dtype), "fused rms_norm backward: the residual's dtype must be fp32 or bf16");
   check_rows("fused rms_norm backward", "dy", dy, x);
   TORCH_CHECK(dy.is_contiguous(), "fused rms_norm backward: dy must be contiguous");
   TORCH_CHECK(rstd.scalar_type() == at::kFloat && rstd.dim() == 1 && rstd.size(0) == x.size(0) && rstd.is_contiguous(),
@@ -392,9 +405,11 @@ std::vector<at::Tensor> norm_bwd(const at::Tensor& dy, const at::Tensor& x, cons
   auto dx = at::empty_like(x);
   at::Tensor dz = z.defined() ? at::empty_like(z) : at::Tensor();
   auto dw = at::zeros({D}, w.options());
-  if (N == 0) return {dx, dz, dw};
+  at::Tensor dres = res_dtype ? at::empty_like(x, x.options().dtype(*res_dtype)) : at::Tensor();
+  if (N == 0) return {dx, dz, dw, dres};
   const bool vec = D % 4 == 0 && aligned(x, 4) && aligned(dy, 4) && aligned(dx, 4) && aligned(w, 4) &&
-                   (!z.defined() || (aligned(z, 4) && aligned(dz, 4)));
+                   (!z.defined() || (aligned(z, 4) && aligned(dz, 4))) && (!dh.defined() || aligned(dh, 4)) &&
+                   (!dres.defined() || aligned(dres, 4));
   const NormShape sh = norm_shape(D, vec);
   // Row groups walking the rows (each keeps a partial dw): about kBwdThreadsInFlight threads, at most N
   // groups; fixed by (N, D) and the access width (4 for 16-byte-aligned rows of D % 4 == 0, as every
@@ -411,11 +426,13 @@ std::vector<at::Tensor> norm_bwd(const at::Tensor& dy, const at::Tensor& x, cons
   kern<<<blocks, sh.threads, 0, stream>>>(dy.data_ptr(), dtype_code(dy), x.data_ptr(), dtype_code(x),
                                           z.defined() ? z.data_ptr() : nullptr, z.defined() ? dtype_code(z) : kF32,
                                           w.data_ptr<float>(), rstd.data_ptr<float>(), dx.data_ptr(),
-                                          z.defined() ? dz.data_ptr() : nullptr, part.data_ptr<float>(), N, D);
+                                          z.defined() ? dz.data_ptr() : nullptr, part.data_ptr<float>(), N, D,
+                                          dh.defined() ? dh.data_ptr() : nullptr, dh.defined() ? dtype_code(dh) : kF32,
+                                          dres.defined() ? dres.data_ptr() : nullptr,
+                                          dres.defined() ? dtype_code(dres) : kF32);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
-  column_sum_kernel<<<(D + 31) / 32, dim3(32, 8), 0, stream>>>(part.data_ptr<float>(), dw.data_ptr<float>(), G, D);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
-  return {dx, dz, dw};
+  carry_reduce::column_sum(part.data_ptr<float>(), dw.data_ptr<float>(), G, D, part.options(), stream);
+  return {dx, dz, dw, dres};
 }
 
 namespace {

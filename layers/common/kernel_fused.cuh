@@ -20,10 +20,15 @@ namespace carry_fused {
 constexpr int64_t kMaxNormDim = 8192;
 
 // x, z (undefined: plain RMSNorm) [N, D] contiguous, w [D] fp32 contiguous, N ≥ 1, D ≤ kMaxNormDim.
+// With a residual `res` (x's shape, fp32 or bf16) the norm reads h = x + res (written in x's dtype and
+// returned third) instead of x: {y, rstd, h}; without, the third is undefined.
 std::vector<at::Tensor> norm_fwd(const at::Tensor& x, const at::Tensor& z, const at::Tensor& w, double eps,
-                                 at::ScalarType out_dtype);
+                                 at::ScalarType out_dtype, const at::Tensor& res = at::Tensor());
+// With dh (x's shape), the gradient reaching x (or h) directly is added to dx in the same pass; with
+// res_dtype, that dx is also returned fourth in the residual's dtype (the residual's gradient).
 std::vector<at::Tensor> norm_bwd(const at::Tensor& dy, const at::Tensor& x, const at::Tensor& z, const at::Tensor& w,
-                                 const at::Tensor& rstd);
+                                 const at::Tensor& rstd, const at::Tensor& dh = at::Tensor(),
+                                 c10::optional<at::ScalarType> res_dtype = c10::nullopt);
 
 // a, b [N, H] 2-D views whose last dimension is contiguous (any row stride), one dtype; y [N, H] contiguous.
 at::Tensor swiglu_fwd(const at::Tensor& a, const at::Tensor& b, at::ScalarType out_dtype);

@@ -34,6 +34,37 @@ struct NormOp : public torch::autograd::Function<NormOp> {
   }
 };
 
+// h = x + res (or h = x when `has_res` is false: x itself comes back, so that the gradient reaching it
+// there is added in the norm's backward pass), y = rms_norm(h, w). Outputs {h, y}. Backward: with dh
+// the gradient of h and dy that of y, dx = dh + (the norm's gradient) in one pass, and the residual's
+// gradient is the same values in its own dtype.
+struct ResidualNormOp : public torch::autograd::Function<ResidualNormOp> {
+  static variable_list forward(AutogradContext* ctx, const Tensor& x, const Tensor& res_or_empty, const Tensor& w,
+                               bool has_res, double eps, int64_t out_dtype) {
+    auto r = carry_fused::norm_fwd(x, Tensor(), w, eps, static_cast<at::ScalarType>(out_dtype),
+                                   has_res ? res_or_empty : Tensor());
+    const Tensor h = has_res ? r[2] : x;
+    ctx->save_for_backward({h, w, r[1]});
+    ctx->saved_data["has_res"] = has_res;
+    ctx->saved_data["res_dtype"] = static_cast<int64_t>(res_or_empty.scalar_type());
+    return {h, r[0]};
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    auto s = ctx->get_saved_variables();
+    const bool has_res = ctx->saved_data["has_res"].toBool();
+    const auto res_dtype = static_cast<at::ScalarType>(ctx->saved_data["res_dtype"].toInt());
+    const Tensor dh = grads[0].defined() ? grads[0].contiguous() : Tensor();
+    if (!grads[1].defined()) {
+      if (!dh.defined()) return {Tensor(), Tensor(), Tensor(), Tensor(), Tensor(), Tensor()};
+      return {dh, has_res ? dh.to(res_dtype) : Tensor(), Tensor(), Tensor(), Tensor(), Tensor()};
+    }
+    auto d = carry_fused::norm_bwd(grads[1].contiguous(), s[0], Tensor(), s[1], s[2], dh,
+                                   has_res ? c10::optional<at::ScalarType>(res_dtype) : c10::nullopt);
+    return {d[0], has_res ? d[3] : Tensor(), d[2], Tensor(), Tensor(), Tensor()};
+  }
+};
+
 // y = silu(a) ⊙ b for two [N, H] tensors.
 struct SwiGLUOp : public torch::autograd::Function<SwiGLUOp> {
   static variable_list forward(AutogradContext* ctx, const Tensor& a, const Tensor& b) {
@@ -66,6 +97,35 @@ struct SwiGLUPackedOp : public torch::autograd::Function<SwiGLUPackedOp> {
     carry_fused::swiglu_bwd(grads[0].contiguous(), ab.narrow(1, 0, H), ab.narrow(1, H, H), dab.narrow(1, 0, H),
                             dab.narrow(1, H, H));
     return {dab};
+  }
+};
+
+// y = silu(a) ⊙ b · W2ᵀ with [a | b] = ab [N, 2H] and W2 [d, H]: the activation is not kept for the
+// backward, which recomputes it from ab (one elementwise pass) instead of holding [N, H] per layer.
+// The product runs in ab's dtype (what autocast's linear would do); W2's gradient comes back in W2's dtype,
+// summed in fp32 by cuBLAS when ab is bf16 and W2 fp32.
+struct SwiGLULinearOp : public torch::autograd::Function<SwiGLULinearOp> {
+  static variable_list forward(AutogradContext* ctx, const Tensor& ab, const Tensor& w2) {
+    const int64_t H = ab.size(1) / 2;
+    ctx->save_for_backward({ab, w2});
+    const Tensor s = carry_fused::swiglu_fwd(ab.narrow(1, 0, H), ab.narrow(1, H, H), ab.scalar_type());
+    return {at::mm(s, w2.to(ab.scalar_type()).t())};
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    auto saved = ctx->get_saved_variables();
+    const Tensor &ab = saved[0], &w2 = saved[1];
+    if (!grads[0].defined()) return {Tensor(), Tensor()};
+    const int64_t H = ab.size(1) / 2;
+    const auto dt = ab.scalar_type();
+    const Tensor dy = grads[0].to(dt).contiguous();
+    const Tensor s = carry_fused::swiglu_fwd(ab.narrow(1, 0, H), ab.narrow(1, H, H), dt);
+    const Tensor ds = at::mm(dy, w2.to(dt));
+    Tensor dw2 = dt == at::kBFloat16 && w2.scalar_type() == at::kFloat ? at::mm(dy.t(), s, at::kFloat)
+                                                                       : at::mm(dy.t(), s).to(w2.scalar_type());
+    auto dab = at::empty_like(ab);
+    carry_fused::swiglu_bwd(ds, ab.narrow(1, 0, H), ab.narrow(1, H, H), dab.narrow(1, 0, H), dab.narrow(1, H, H));
+    return {dab, dw2};
   }
 };
 
@@ -111,6 +171,29 @@ Tensor fused_gated_rms_norm(const Tensor& x, const Tensor& z, const Tensor& weig
   return norm("fused_gated_rms_norm", x, z, weight, eps, out_dtype);
 }
 
+std::pair<Tensor, Tensor> fused_residual_rms_norm(const Tensor& x, const Tensor& residual, const Tensor& weight,
+                                                  double eps, at::ScalarType out_dtype) {
+  const char* who = "fused_residual_rms_norm";
+  TORCH_CHECK(fused_norm_supports(x), who, ": x must be a CUDA tensor in fp32 or bf16 with a last dimension in [1, ",
+              carry_fused::kMaxNormDim, "], got ", x.scalar_type(), " ", x.sizes(), " on ", x.device());
+  TORCH_CHECK(weight.dim() == 1 && weight.size(0) == x.size(-1), who, ": weight [", x.size(-1),
+              "] expected for inputs of last size ", x.size(-1), ", got weight of shape ", weight.sizes());
+  TORCH_CHECK(out_dtype == at::kFloat || out_dtype == at::kBFloat16, who,
+              ": the output dtype must be fp32 or bf16, got ", out_dtype);
+  const bool has_res = residual.defined();
+  if (has_res)
+    TORCH_CHECK(residual.sizes() == x.sizes() && residual.device() == x.device() && float_or_bf16(residual) &&
+                    at::promote_types(x.scalar_type(), residual.scalar_type()) == x.scalar_type(),
+                who, ": the residual must be fp32 or bf16 of x's shape ", x.sizes(), " on ", x.device(),
+                ", no wider than x (", x.scalar_type(), "), got ", residual.scalar_type(), " ", residual.sizes(),
+                " on ", residual.device());
+  const Tensor w = weight.to(x.device(), at::kFloat).contiguous();
+  const Tensor x2 = rows(x);
+  const Tensor r2 = has_res ? rows(residual) : at::empty({0}, x.options());
+  auto out = ResidualNormOp::apply(x2, r2, w, has_res, eps, static_cast<int64_t>(out_dtype));
+  return {out[0].view(x.sizes()), out[1].view(x.sizes())};
+}
+
 bool fused_swiglu_supports(const Tensor& t) {
   return t.defined() && t.is_cuda() && t.dim() >= 1 && float_or_bf16(t);
 }
@@ -131,6 +214,18 @@ Tensor fused_swiglu_packed(const Tensor& ab) {
   auto shape = ab.sizes().vec();
   shape.back() /= 2;
   return SwiGLUPackedOp::apply(rows(ab))[0].view(shape);
+}
+
+Tensor fused_swiglu_linear(const Tensor& ab, const Tensor& w2) {
+  TORCH_CHECK(fused_swiglu_supports(ab) && ab.size(-1) % 2 == 0,
+              "fused_swiglu_linear: ab must be a CUDA tensor in fp32 or bf16 with an even last dimension [..., 2H], "
+              "got ", ab.scalar_type(), " ", ab.sizes(), " on ", ab.device());
+  TORCH_CHECK(w2.dim() == 2 && w2.size(1) == ab.size(-1) / 2 && w2.device() == ab.device() && w2.is_floating_point(),
+              "fused_swiglu_linear: w2 must be a floating [d, ", ab.size(-1) / 2, "] matrix on ", ab.device(), ", got ",
+              w2.scalar_type(), " ", w2.sizes(), " on ", w2.device());
+  auto shape = ab.sizes().vec();
+  shape.back() = w2.size(0);
+  return SwiGLULinearOp::apply(rows(ab), w2)[0].view(shape);
 }
 
 }  // namespace carry

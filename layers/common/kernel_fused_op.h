@@ -20,6 +20,12 @@ Tensor fused_rms_norm(const Tensor& x, const Tensor& weight, double eps, at::Sca
 Tensor fused_gated_rms_norm(const Tensor& x, const Tensor& z, const Tensor& weight, double eps,
                             at::ScalarType out_dtype);
 
+// h = x + residual and rms_norm(h, weight) in out_dtype, in one pass each way: {h, norm}. residual may be
+// undefined (h is x itself; the norm's backward then adds the gradient reaching x directly), or a tensor
+// of x's shape no wider than x (the sum keeps x's dtype: fp32 residual stream + bf16 branch output).
+std::pair<Tensor, Tensor> fused_residual_rms_norm(const Tensor& x, const Tensor& residual, const Tensor& weight,
+                                                  double eps, at::ScalarType out_dtype);
+
 // Whether the fused SwiGLU takes `t`: a CUDA tensor, fp32 or bf16, at least 1-D.
 bool fused_swiglu_supports(const Tensor& t);
 // silu(a) ⊙ b in a's dtype; a and b one shape, one dtype.
@@ -27,5 +33,9 @@ Tensor fused_swiglu(const Tensor& a, const Tensor& b);
 // silu(a) ⊙ b where a and b are the two halves of ab's last dimension: ab [..., 2H] -> [..., H]. Its
 // backward writes the gradient of ab in one tensor (no concatenation).
 Tensor fused_swiglu_packed(const Tensor& ab);
+
+// fused_swiglu_packed(ab) · w2ᵀ (w2 [d, H]) in ab's dtype, without keeping silu(a) ⊙ b for the backward:
+// the backward recomputes it from ab. w2's gradient comes back in w2's dtype.
+Tensor fused_swiglu_linear(const Tensor& ab, const Tensor& w2);
 
 }  // namespace carry

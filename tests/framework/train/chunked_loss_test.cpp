@@ -2,9 +2,11 @@
 // loss, per-token losses, predictions and the gradients of the hidden states, of the head and of a
 // tied embedding, in fp64 and fp32, with a float mask and ignored targets, for several chunk sizes
 // (one not dividing the token count), under an arbitrary upstream gradient; run-to-run bitwise
-// equality; bf16 autocast on the CPU; the GPU against the CPU (skips without a GPU).
+// equality; bf16 autocast on the CPU; the GPU against the CPU, and the CUDA cross-entropy kernel
+// (layers/common/kernel_loss.cuh) against the ATen form on the same GPU (skip without a GPU).
 #include "framework/train/chunked_loss.h"
 #include "layers/common/device.h"
+#include "layers/common/fused_switch.h"
 
 #include <gtest/gtest.h>
 
@@ -249,6 +251,60 @@ TEST(ChunkedLoss, GpuMatchesCpuAndFullForm) {
   // cuBLAS may tile a chunk's rows unlike the whole batch's: a logit may then round to the next bf16.
   EXPECT_LE(e_ce, 1e-2);
   EXPECT_LE(e_grad, 2e-2);
+}
+
+// The CUDA cross-entropy kernel (fused ops on) against the ATen form of the same chunks (fused ops off)
+// and both against the fp64 full form: fp32, and bf16 autocast (where the kernel's weight gradient is
+// also summed over chunks in fp32 by cuBLAS instead of rounding each chunk's to bf16). Per-token losses,
+// loss, the gradients of every input, and the predictions (equal but for ties among bf16 logits).
+TEST(ChunkedLoss, CudaKernelMatchesAtenForm) {
+  if (cuda_device_count() == 0) GTEST_SKIP() << "no CUDA device: GPU tests skipped";
+  const bool was = fused_ops_enabled();
+  for (bool bf16 : {false, true}) {
+    // V = 1000 is a multiple of 8 (16-byte accesses); V = 997 is not (one element per access).
+    for (int64_t V : {1000, 997}) {
+      auto p = make_problem(at::kFloat, false, 2, 300, V, 64, 21 + V, at::Device(at::kCUDA, 0));
+      auto ref = [&] {
+        auto q = p;
+        q.E = p.E.detach().to(at::kDouble).set_requires_grad(true);
+        q.A = p.A.detach().to(at::kDouble).set_requires_grad(true);
+        q.W = p.W.detach().to(at::kDouble).set_requires_grad(true);
+        return full_form(q, 0.5);
+      }();
+      auto run = [&](bool fused, Tensor* preds) {
+        set_fused_ops(fused);
+        at::autocast::set_autocast_enabled(at::kCUDA, bf16);
+        at::autocast::set_autocast_dtype(at::kCUDA, at::kBFloat16);
+        auto out = linear_cross_entropy(p.hidden(), p.head(), p.targets, p.mask, 128, /*predictions=*/true);
+        Result r{out.loss.detach(), out.token_losses, torch::autograd::grad({out.loss * 0.5}, leaves(p))};
+        *preds = out.predictions;
+        at::autocast::set_autocast_enabled(at::kCUDA, false);
+        at::autocast::clear_cache();
+        return r;
+      };
+      Tensor pf, pa;
+      auto f = run(true, &pf), a = run(false, &pa);
+      set_fused_ops(was);
+      double e_ce = rel_err(f.ce, a.ce), e_loss = rel_err(f.loss, a.loss), e_grad = 0, e_gf = 0, e_ga = 0;
+      for (size_t i = 0; i < f.grads.size(); ++i) {
+        EXPECT_EQ(f.grads[i].scalar_type(), a.grads[i].scalar_type());
+        e_grad = std::max(e_grad, rel_err(f.grads[i], a.grads[i]));
+        e_gf = std::max(e_gf, rel_err(f.grads[i], ref.grads[i]));
+        e_ga = std::max(e_ga, rel_err(a.grads[i], ref.grads[i]));
+      }
+      const int64_t differ = pf.ne(pa).sum().item<int64_t>();
+      std::printf("[ errors   ] CE kernel vs ATen form, %s V=%ld: per token %.2e, loss %.2e, gradients %.2e; "
+                  "gradients vs fp64: kernel %.2e, ATen %.2e; predictions differing %ld of %ld\n",
+                  bf16 ? "bf16 autocast" : "fp32", (long)V, e_ce, e_loss, e_grad, e_gf, e_ga, (long)differ,
+                  (long)pf.numel());
+      EXPECT_LE(e_ce, bf16 ? 1e-5 : 1e-6);  // the same logits; the log-sum-exp summed in another order
+      EXPECT_LE(e_loss, bf16 ? 1e-5 : 1e-6);
+      EXPECT_LE(e_grad, bf16 ? 1e-2 : 1e-5);
+      EXPECT_LE(e_gf, bf16 ? 1.1 * e_ga + 1e-4 : 1e-5);  // the kernel is no less accurate than the ATen form
+      EXPECT_LE(differ, bf16 ? pf.numel() / 100 : 0);
+      EXPECT_TRUE(at::isfinite(f.ce).all().item<bool>());
+    }
+  }
 }
 
 }  // namespace

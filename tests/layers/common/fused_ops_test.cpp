@@ -219,6 +219,69 @@ TEST(FusedOps, SwigluMatchesAten) {
 #endif
 }
 
+// The residual add with the norm after it: {h = x + residual, rms_norm(h)} (fused_residual_rms_norm)
+// against the ATen form (x + residual, then rms_norm) and fp64: the model's case (fp32 stream, bf16
+// branch, bf16 norm out), fp32 throughout, bf16 throughout, and no residual (x passes through, its
+// two gradients summed in the norm's backward). The output compared is h and the norm concatenated.
+TEST(FusedOps, ResidualRmsNormMatchesAten) {
+  if (cuda_device_count() == 0) GTEST_SKIP() << "no CUDA device: GPU tests skipped";
+#ifndef CARRY_WITH_CUDA
+  GTEST_SKIP() << "built without CUDA";
+#else
+  const double eps = 1e-6;
+  struct Case {
+    at::ScalarType x, res, out;
+    bool has_res;
+  };
+  const Case cases[] = {{at::kFloat, at::kBFloat16, at::kBFloat16, true},
+                        {at::kFloat, at::kFloat, at::kFloat, true},
+                        {at::kBFloat16, at::kBFloat16, at::kBFloat16, true},
+                        {at::kFloat, at::kFloat, at::kBFloat16, false}};
+  const std::vector<std::vector<int64_t>> shapes = {{37, 768}, {129, 192}, {17, 70}, {2, 33, 4, 64}};
+  for (const auto& shape : shapes)
+    for (const auto& cs : cases) {
+      auto g = gen(41 + shape[0]);
+      const int64_t D = shape.back();
+      auto x = (randn(shape, 2.0, g) + 0.3).to(cs.x);
+      auto res = randn(shape, 1.0, g).to(cs.res);
+      auto w = 1.0 + randn({D}, 0.2, g);
+      auto r = randn({2 * x.numel()}, 1.0, g).to(cs.x);
+      const auto out = cs.out;
+      const bool has = cs.has_res;
+      Op fused = [&](const std::vector<Tensor>& t) {
+        auto [h, y] = fused_residual_rms_norm(t[0], has ? t[1] : Tensor(), t[has ? 2 : 1], eps, out);
+        return at::cat({h.flatten(), y.to(h.scalar_type()).flatten()});
+      };
+      Op aten = [&](const std::vector<Tensor>& t) {
+        auto h = has ? t[0] + t[1] : t[0];
+        auto y = rms_norm(h, t[has ? 2 : 1], eps);
+        if (t[0].scalar_type() != at::kDouble) y = y.to(out);
+        return at::cat({h.flatten(), y.to(h.scalar_type()).flatten()});
+      };
+      Check c;
+      c.what = std::string("residual rms_norm ") + shape_str(shape) + " x " + dt_name(cs.x) +
+               (has ? " + " + dt_name(cs.res) : std::string(" (no residual)")) + " -> " + dt_name(out);
+      // With bf16 anywhere, the gradient reaching the norm is rounded to bf16 (the cast of y in the
+      // compared output) and so is the sum: bf16 bounds against fp64 for every output. Against the ATen
+      // form: the fused backward rounds dx once, ATen rounds the norm's gradient and then the sum (bf16 x).
+      const bool low = cs.x == at::kBFloat16 || cs.res == at::kBFloat16 || out == at::kBFloat16;
+      const double ref = low ? 8e-3 : 1e-5, dx_aten = cs.x == at::kBFloat16 ? 1.6e-2 : 1e-5;
+      const double dres_aten = cs.x == at::kBFloat16 ? 1.6e-2 : cs.res == at::kBFloat16 ? 8e-3 : 1e-5;
+      if (has) {
+        c.names = {"h|y", "dx", "dres", "dw"};
+        c.bound_ref = {ref, ref, ref, ref};
+        c.bound_aten = {low ? 8e-3 : 1e-5, dx_aten, dres_aten, 1e-5};
+        compare(c, fused, aten, {x, res, w}, r);
+      } else {
+        c.names = {"h|y", "dx", "dw"};
+        c.bound_ref = {ref, ref, ref};
+        c.bound_aten = {low ? 8e-3 : 1e-5, dx_aten, 1e-5};
+        compare(c, fused, aten, {x, w}, r);
+      }
+    }
+#endif
+}
+
 // The norm's weight gradient (a fixed-order reduction over row blocks) and dx are the same bits on
 // every run; many rows, so that each of the backward's row groups walks several rows.
 TEST(FusedOps, NormBackwardIsReproducible) {
