@@ -51,7 +51,8 @@ template <typename T, int KIND, bool REV, int TK, int TV, int NW>
 __global__ void __launch_bounds__(NW * 32) state_kernel(const T* __restrict__ X, const T* __restrict__ Y,
                                                         const float* __restrict__ G, const float* __restrict__ S0,
                                                         T* __restrict__ Hsave, float* __restrict__ Sfinal, int Tn,
-                                                        int H, int DK, int DV, float scale, int NS, int L) {
+                                                        int H, int DK, int DV, float scale, int NS, int L,
+                                                        float* __restrict__ SegG) {
   constexpr int C = kChunk, NT = NW * 32, P = pad_of<T>();
   constexpr int LX = TK + P, LY = TV + P, LG = TK + 4, LS = TV + 4;
   extern __shared__ __align__(128) unsigned char smem[];
@@ -82,6 +83,7 @@ __global__ void __launch_bounds__(NW * 32) state_kernel(const T* __restrict__ X,
     const int r = i / TV, c = i % TV;
     Ss[r * LS + c] = from_given ? S0[(bh * DK + k0 + r) * DV + v0 + c] : 0.f;
   }
+  float seg_gate = 0.f;  // thread d < TK: Σ Γ over this segment's chunks for row k0 + d (walking order)
   issue(REV ? n_end - 1 : n_begin, 0);
   for (int it = 0; it < count; ++it) {
     const int n = REV ? n_end - 1 - it : n_begin + it, buf = it & 1;
@@ -106,7 +108,11 @@ __global__ void __launch_bounds__(NW * 32) state_kernel(const T* __restrict__ X,
       const float f = REV ? scale * __expf(Gt) : __expf(Gl - Gt);
       Xb[t * LX + d] = from_f<T>(to_f(Xb[t * LX + d]) * f);
     }
-    if (threadIdx.x < TK) gam[threadIdx.x] = __expf(gate<KIND>(Gb, LG, C - 1, threadIdx.x));
+    if (threadIdx.x < TK) {
+      const float gl = gate<KIND>(Gb, LG, C - 1, threadIdx.x);
+      gam[threadIdx.x] = __expf(gl);
+      seg_gate += gl;
+    }
     __syncthreads();
     if constexpr (KIND != kNone) {
       for (int i = threadIdx.x; i < TK * TV; i += NT) Ss[(i / TV) * LS + i % TV] *= gam[i / TV];
@@ -115,6 +121,8 @@ __global__ void __launch_bounds__(NW * 32) state_kernel(const T* __restrict__ X,
     gemm<T, TK, TV, C, true, false, NW>(Xb, LX, Yb, LY, Ss, LS, true);
     __syncthreads();
   }
+  // Several segments: the segment's summed gate per row, for segment_fix_kernel ([B,H,NS,DK]).
+  if (NS > 1 && SegG != nullptr && iv == 0 && threadIdx.x < TK) SegG[(bh * NS + seg) * DK + k0 + threadIdx.x] = seg_gate;
   // One segment: the final state; several: this segment's end state, in Send = Sfinal [B,H,NS,DK,DV].
   float* out = Sfinal + ((bh * NS + seg) * DK + k0) * DV + v0;
   for (int i = threadIdx.x; i < TK * TV; i += NT) {
@@ -133,7 +141,8 @@ __global__ void __launch_bounds__(NW * 32) state_kernel(const T* __restrict__ X,
 template <typename T, int KIND, bool REV, int TK, int TV>
 __global__ void __launch_bounds__(128) segment_fix_kernel(const float* __restrict__ G, const float* __restrict__ Send,
                                                           T* __restrict__ Hsave, float* __restrict__ Sfinal, int Tn,
-                                                          int H, int DK, int DV, int NS, int L) {
+                                                          int H, int DK, int DV, int NS, int L,
+                                                          const float* __restrict__ SegG) {
   constexpr int C = kChunk, NT = 128, PER = TK * TV / NT;
   __shared__ float gam[TK];  // e^{decay} factors per row of the tile
   __shared__ float run[TK];  // a running sum of chunk gates per row (thread d < TK owns row d)
@@ -147,10 +156,9 @@ __global__ void __launch_bounds__(128) segment_fix_kernel(const float* __restric
     const long tok = (long)b * Tn + (long)m * C + C - 1;
     return G[(tok * H + h) * GD + (KIND == kDiag ? k0 + d : 0)];
   };
-  auto seg_sum = [&](int i, int d) {  // Σ Γ over segment i
-    float s = 0.f;
-    for (int m = i * L; m < min(N, i * L + L); ++m) s += chunk_gate(m, d);
-    return s;
+  auto seg_sum = [&](int i, int d) {  // Σ Γ over segment i (summed by state_kernel)
+    if constexpr (KIND == kNone) return 0.f;
+    return SegG[(bh * NS + i) * DK + k0 + d];
   };
   const bool first = REV ? j == NS - 1 : j == 0;  // walked first: nothing carried in
   const bool last = REV ? j == 0 : j == NS - 1;
@@ -231,17 +239,18 @@ void launch_state(const at::Tensor& X, const at::Tensor& Y, const at::Tensor& G,
   const int L = (N + NS - 1) / NS;
   NS = (N + L - 1) / L;
   at::Tensor Send = NS == 1 ? Sfinal : at::empty({B, H, NS, DK, DV}, Sfinal.options());
+  at::Tensor SegG = NS == 1 || KIND == kNone ? at::Tensor() : at::empty({B, H, NS, DK}, Sfinal.options());
   dim3 grid((DK / TK) * (DV / TV), H, B * NS);
   kern<<<grid, NW * 32, smem, stream>>>(reinterpret_cast<const T*>(X.data_ptr()),
                                         reinterpret_cast<const T*>(Y.data_ptr()),
                                         KIND == kNone ? nullptr : G.data_ptr<float>(), S0.data_ptr<float>(),
                                         reinterpret_cast<T*>(Hsave.data_ptr()), Send.data_ptr<float>(), Tn, H,
-                                        DK, DV, scale, NS, L);
+                                        DK, DV, scale, NS, L, SegG.defined() ? SegG.data_ptr<float>() : nullptr);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   if (NS > 1) {
     segment_fix_kernel<T, KIND, REV, TK, TV><<<grid, 128, 0, stream>>>(
         KIND == kNone ? nullptr : G.data_ptr<float>(), Send.data_ptr<float>(), reinterpret_cast<T*>(Hsave.data_ptr()),
-        Sfinal.data_ptr<float>(), Tn, H, DK, DV, NS, L);
+        Sfinal.data_ptr<float>(), Tn, H, DK, DV, NS, L, SegG.defined() ? SegG.data_ptr<float>() : nullptr);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   }
 }

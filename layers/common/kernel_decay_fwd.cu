@@ -6,8 +6,8 @@
 //     saves the state entering each chunk (input dtype) and the final state (fp32).
 //     Per chunk: reads 2·C·(32+32) bytes (bf16), 2·C·32·32·2 FLOPs; the rows of the state are
 //     independent, so B·H·(dk/32)·(dv/32) blocks fill the GPU even at B·H = 4.
-//  3. out_kernel, grid (N, dv/TV, B·H), 256 threads: one block owns one chunk of one head and TV
-//     columns of its output. P = scale·(intra-chunk decayed causal QKᵀ); then
+//  3. out_kernel, grid (N, 1, B·H), 256 threads: one block owns one chunk of one head. P =
+//     scale·(intra-chunk decayed causal QKᵀ), once; then for each TV-wide tile of dv in turn,
 //     O = scale·(Q ⊙ e^G)·H_n + P·V. For the diagonal decay, P's off-diagonal 16x16 blocks are
 //     tensor-core products of Q and K rescaled against the gate just before the row block (every
 //     factor ≤ 1, no overflow for any decay), its diagonal blocks are summed elementwise, exactly.
@@ -151,12 +151,15 @@ __global__ void __launch_bounds__(NW * 32) out_kernel(const T* __restrict__ q, c
   T* scratch = reinterpret_cast<T*>(smem + L::oScr);
   float* Os = reinterpret_cast<float*>(smem + L::oScr);
 
-  const int n = blockIdx.x, iv = blockIdx.y, bh = blockIdx.z, b = bh / H, h = bh % H, N = Tn / C;
+  const int n = blockIdx.x, bh = blockIdx.z, b = bh / H, h = bh % H, N = Tn / C;
   const long tok = (long)b * Tn + (long)n * C, qs = (long)H * DK, vs = (long)H * DV;
+  auto load_hv = [&](int iv) {  // the state rows and values of dv tile iv
+    load_tile_async<T, DK, TV, NT>(Hs, L::LH, Hsave + ((long)bh * N + n) * DK * DV + iv * TV, DV);
+    load_tile_async<T, C, TV, NT>(Vs, L::LH, v + tok * vs + (long)h * DV + iv * TV, vs);
+  };
   load_tile_async<T, C, DK, NT>(Qs, L::LQ, q + tok * qs + (long)h * DK, qs);
   load_tile_async<T, C, DK, NT>(Ks, L::LQ, k + tok * qs + (long)h * DK, qs);
-  load_tile_async<T, DK, TV, NT>(Hs, L::LH, Hsave + ((long)bh * N + n) * DK * DV + iv * TV, DV);
-  load_tile_async<T, C, TV, NT>(Vs, L::LH, v + tok * vs + (long)h * DV + iv * TV, vs);
+  load_hv(0);
   if constexpr (KIND == kDiag) load_tile_async<float, C, DK, NT>(Gs, L::LG, G + tok * qs + (long)h * DK, qs);
   cp_async_commit();
   if constexpr (KIND == kScalar) {
@@ -165,6 +168,7 @@ __global__ void __launch_bounds__(NW * 32) out_kernel(const T* __restrict__ q, c
   cp_async_wait<0>();
   __syncthreads();
 
+  // P once per chunk, for every dv tile.
   intra_matrix<T, KIND, DK, L::LQ, L::LG, L::LA, L::LAb, NW>(Qs, Ks, Gs, As, Ab, scratch, scale);
   // Q ⊙ e^{G} · scale, in place.
   for (int i = threadIdx.x; i < C * DK; i += NT) {
@@ -172,11 +176,20 @@ __global__ void __launch_bounds__(NW * 32) out_kernel(const T* __restrict__ q, c
     Qs[t * L::LQ + d] = from_f<T>(to_f(Qs[t * L::LQ + d]) * scale * __expf(gate<KIND>(Gs, L::LG, t, d)));
   }
   __syncthreads();
-  gemm<T, C, TV, DK, false, false, NW>(Qs, L::LQ, Hs, L::LH, Os, L::LO, false);
-  gemm<T, C, TV, C, false, false, NW>(Ab, L::LAb, Vs, L::LH, Os, L::LO, true);
-  __syncthreads();
-  store_tile<T, C, TV, NT>(o + tok * vs + (long)h * DV + iv * TV, vs, Os, L::LO);
-  if (iv == 0) copy_tile_out<T, C, C, NT>(Psave + ((long)bh * N + n) * C * C, C, Ab, L::LAb);
+  copy_tile_out<T, C, C, NT>(Psave + ((long)bh * N + n) * C * C, C, Ab, L::LAb);
+  for (int iv = 0; iv < DV / TV; ++iv) {
+    if (iv > 0) {  // the previous tile's H, V and O are done with
+      load_hv(iv);
+      cp_async_commit();
+      cp_async_wait<0>();
+      __syncthreads();
+    }
+    gemm<T, C, TV, DK, false, false, NW>(Qs, L::LQ, Hs, L::LH, Os, L::LO, false);
+    gemm<T, C, TV, C, false, false, NW>(Ab, L::LAb, Vs, L::LH, Os, L::LO, true);
+    __syncthreads();
+    store_tile<T, C, TV, NT>(o + tok * vs + (long)h * DV + iv * TV, vs, Os, L::LO);
+    __syncthreads();
+  }
 }
 
 template <typename T, int KIND, int DK>
@@ -187,7 +200,7 @@ void launch_out(const Dims& d, const at::Tensor& q, const at::Tensor& k, const a
   using L = OutSmem<T, KIND, DK, TV>;
   auto kern = out_kernel<T, KIND, DK, TV, NW>;
   cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)L::bytes);
-  dim3 grid(d.N, d.DV / TV, d.B * d.H);
+  dim3 grid(d.N, 1, d.B * d.H);
   kern<<<grid, NW * 32, L::bytes, stream>>>(
       reinterpret_cast<const T*>(q.data_ptr()), reinterpret_cast<const T*>(k.data_ptr()),
       reinterpret_cast<const T*>(v.data_ptr()), KIND == kNone ? nullptr : G.data_ptr<float>(),

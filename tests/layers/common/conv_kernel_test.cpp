@@ -105,6 +105,7 @@ struct ConvCase {
   bool halo, documents, silu;
   int64_t K;
   bool bf16_out = false;  // bf16 x, fp32 weight, bf16 output (the kernel-form autocast path)
+  bool odd = false;       // odd channel groups: one channel a thread instead of two
 };
 
 struct ConvResult {
@@ -167,8 +168,6 @@ const char* dname(at::ScalarType t) { return t == at::kFloat ? "fp32" : (t == at
 TEST(ConvKernel, ConvMatchesAtenForm) {
   if (cuda_device_count() == 0) GTEST_SKIP() << "no CUDA device: GPU tests skipped";
   const int64_t B = 2, T = 200, offset = 37, N = 300;
-  const std::vector<int64_t> widths{96, 96, 72};
-  const int64_t C = 96 + 96 + 72;
   const Tensor starts = packed_starts(B, N, offset);
   const Tensor start_dev = document_start_of(starts, 0, N).to(at::kCUDA);
   std::vector<ConvCase> cases;
@@ -183,8 +182,12 @@ TEST(ConvKernel, ConvMatchesAtenForm) {
   cases.push_back({at::kBFloat16, at::kFloat, true, true, true, 3});
   cases.push_back({at::kBFloat16, at::kFloat, true, true, true, 4, /*bf16_out=*/true});
   cases.push_back({at::kBFloat16, at::kFloat, false, false, false, 4, /*bf16_out=*/true});
+  cases.push_back({at::kFloat, at::kFloat, true, true, true, 4, false, /*odd=*/true});
+  cases.push_back({at::kBFloat16, at::kFloat, true, true, true, 4, true, /*odd=*/true});
   uint64_t seed = 11;
   for (const auto& c : cases) {
+    const std::vector<int64_t> widths = c.odd ? std::vector<int64_t>{95, 97, 71} : std::vector<int64_t>{96, 96, 72};
+    const int64_t C = widths[0] + widths[1] + widths[2];
     auto gen = at::make_generator<at::CPUGeneratorImpl>(seed++);
     auto x = at::randn({B, T, C}, gen, at::kDouble).to(at::kCUDA).to(c.x_dtype);
     auto w = (at::rand({C, c.K}, gen, at::kDouble) * 2 - 1).to(at::kCUDA).to(c.w_dtype);
@@ -203,7 +206,7 @@ TEST(ConvKernel, ConvMatchesAtenForm) {
     const char* names[] = {"y.q", "y.k", "y.v", "dx", "dweight", "dhalo"};
     std::string label = std::string(dname(c.x_dtype)) + " w " + dname(c.w_dtype) + " K=" + std::to_string(c.K) +
                         (c.halo ? " halo" : "") + (c.documents ? " documents" : "") + (c.silu ? " silu" : "") +
-                        (c.bf16_out ? " bf16 out" : "");
+                        (c.bf16_out ? " bf16 out" : "") + (c.odd ? " odd groups" : "");
     for (size_t i = 0; i < fused.out.size(); ++i) {
       if (!ref.out[i].defined()) {
         EXPECT_FALSE(fused.out[i].defined()) << label << " " << names[i];
