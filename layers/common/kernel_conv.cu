@@ -90,9 +90,7 @@ __device__ __forceinline__ void shift(float* a, int K, float fill) {
     if (j == K - 1) a[j] = fill;
 }
 
-// The logistic function and SiLU with the fast exponential and reciprocal (within a few ulp of
-// 1/(1+expf(−a)) and a/(1+expf(−a))).
-__device__ __forceinline__ float sigmoid_f(float a) { return __frcp_rn(1.f + __expf(-a)); }
+__device__ __forceinline__ float sigmoid_f(float a) { return 1.f / (1.f + expf(-a)); }
 
 // N consecutive elements as fp32, one access (N = 2: 4 bytes of bf16 or 8 of fp32).
 template <int N>
@@ -179,7 +177,7 @@ __global__ void __launch_bounds__(kThreads) conv_fwd_kernel(const TX* __restrict
         for (int j = 0; j < kMaxTaps; ++j)
           if (j == K - 1) win[i][j] = xs[u][i];
         float a = taps(wc[i], win[i], K, first);
-        if (silu) a = a * sigmoid_f(a);
+        if (silu) a = a / (1.f + expf(-a));  // as ATen's silu
         o[i] = a;
         shift(win[i], K, 0.f);
       }
