@@ -1,7 +1,7 @@
 // Fused short convolution and L2 normalization (kernel_conv.cuh).
 //
-// conv: grid (C/(128·CPT), T/kRun, B), 128 threads, one thread per CPT adjacent channels (2 when every
-// group allows, one 4- or 8-byte access each) and run of kRun tokens, channels fastest (coalesced rows). Each thread keeps the K−1 previous inputs in registers (a sliding
+// conv: grid (C/128, T/kRun, B), 128 threads, one thread per channel and run of kRun tokens, channels
+// fastest (coalesced rows). Each thread keeps the K−1 previous inputs in registers (a sliding
 // window), so x is read once plus K−1 rows per run. The backward walks the run forward once: it
 // recomputes the pre-activation (silu), accumulates each input's gradient from the K outputs that read
 // it in a ring of K fp32 accumulators (an input's gradient is complete K−1 outputs later), and sums
@@ -64,6 +64,15 @@ struct Shape {
   long offset;
 };
 
+// x at local position s ≥ −(K−1) (s < 0: the halo, or 0 without one).
+template <typename TX>
+__device__ __forceinline__ float load_x(const TX* __restrict__ x, const TX* __restrict__ halo, const Shape& d, int b,
+                                        int s, int c) {
+  if (s >= 0) return to_f(x[((long)b * d.T + s) * d.C + c]);
+  if (!halo) return 0.f;
+  return to_f(halo[((long)b * (d.K - 1) + (d.K - 1 + s)) * d.C + c]);
+}
+
 // Tap j of output t counts iff j ≥ first_tap (packed documents; INT_MIN without).
 __device__ __forceinline__ int first_tap(const Shape& d, int b, int t) {
   if (!d.start) return INT_MIN;
@@ -92,183 +101,109 @@ __device__ __forceinline__ void shift(float* a, int K, float fill) {
 
 __device__ __forceinline__ float sigmoid_f(float a) { return 1.f / (1.f + expf(-a)); }
 
-// N consecutive elements as fp32, one access (N = 2: 4 bytes of bf16 or 8 of fp32).
-template <int N>
-__device__ __forceinline__ void ldv(const float* p, float (&v)[N]) {
-  if constexpr (N == 1) {
-    v[0] = *p;
-  } else {
-    const float2 f = *reinterpret_cast<const float2*>(p);
-    v[0] = f.x, v[1] = f.y;
-  }
-}
-template <int N>
-__device__ __forceinline__ void ldv(const __nv_bfloat16* p, float (&v)[N]) {
-  if constexpr (N == 1) {
-    v[0] = __bfloat162float(*p);
-  } else {
-    const float2 f = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(p));
-    v[0] = f.x, v[1] = f.y;
-  }
-}
-template <int N>
-__device__ __forceinline__ void stv(float* p, const float (&v)[N]) {
-  if constexpr (N == 1) *p = v[0];
-  else *reinterpret_cast<float2*>(p) = make_float2(v[0], v[1]);
-}
-template <int N>
-__device__ __forceinline__ void stv(__nv_bfloat16* p, const float (&v)[N]) {
-  if constexpr (N == 1) *p = __float2bfloat16_rn(v[0]);
-  else *reinterpret_cast<__nv_bfloat162*>(p) = __floats2bfloat162_rn(v[0], v[1]);
-}
-
-// x at local position s ≥ −(K−1) for the CPT channels from c (s < 0: the halo, or 0 without one).
-template <int CPT, typename TX>
-__device__ __forceinline__ void load_xv(const TX* __restrict__ x, const TX* __restrict__ halo, const Shape& d, int b,
-                                        int s, int c, float (&v)[CPT]) {
-  if (s >= 0) {
-    ldv<CPT>(x + ((long)b * d.T + s) * d.C + c, v);
-  } else if (halo) {
-    ldv<CPT>(halo + ((long)b * (d.K - 1) + (d.K - 1 + s)) * d.C + c, v);
-  } else {
-#pragma unroll
-    for (int i = 0; i < CPT; ++i) v[i] = 0.f;
-  }
-}
-
-// One thread per CPT adjacent channels (one group) and run of kRun tokens.
-template <typename TX, typename TY, int CPT>
+template <typename TX, typename TY>
 __global__ void __launch_bounds__(kThreads) conv_fwd_kernel(const TX* __restrict__ x, const TX* __restrict__ halo,
                                                             const float* __restrict__ w, Shape d, Groups<TY*> y,
                                                             bool silu) {
-  const int c = (blockIdx.x * kThreads + threadIdx.x) * CPT;
+  const int c = blockIdx.x * kThreads + threadIdx.x;
   if (c >= d.C) return;
   const int b = blockIdx.z, t0 = blockIdx.y * kRun, t1 = min(t0 + kRun, d.T), K = d.K;
   TY* out = nullptr;
   int cc = 0, width = 1;
   find_group(y, c, out, cc, width);
-  float wc[CPT][kMaxTaps], win[CPT][kMaxTaps];
+  float wc[kMaxTaps], win[kMaxTaps];
 #pragma unroll
   for (int j = 0; j < kMaxTaps; ++j) {
-    float v[CPT];
-    if (j < K - 1) load_xv<CPT>(x, halo, d, b, t0 - K + 1 + j, c, v);
-#pragma unroll
-    for (int i = 0; i < CPT; ++i) {
-      wc[i][j] = j < K ? w[(long)(c + i) * K + j] : 0.f;
-      win[i][j] = j < K - 1 ? v[i] : 0.f;
-    }
+    wc[j] = j < K ? w[(long)c * K + j] : 0.f;
+    win[j] = j < K - 1 ? load_x(x, halo, d, b, t0 - K + 1 + j, c) : 0.f;
   }
   // kAhead tokens' inputs are loaded together before they are used (independent loads in flight).
   for (int tb = t0; tb < t1; tb += kAhead) {
-    float xs[kAhead][CPT];
+    float xs[kAhead];
 #pragma unroll
-    for (int u = 0; u < kAhead; ++u) {
-      if (tb + u < t1) ldv<CPT>(x + ((long)b * d.T + tb + u) * d.C + c, xs[u]);
-    }
+    for (int u = 0; u < kAhead; ++u) xs[u] = tb + u < t1 ? to_f(x[((long)b * d.T + tb + u) * d.C + c]) : 0.f;
 #pragma unroll
     for (int u = 0; u < kAhead; ++u) {
       const int t = tb + u;
       if (t >= t1) break;
-      const int first = first_tap(d, b, t);
-      float o[CPT];
 #pragma unroll
-      for (int i = 0; i < CPT; ++i) {
-#pragma unroll
-        for (int j = 0; j < kMaxTaps; ++j)
-          if (j == K - 1) win[i][j] = xs[u][i];
-        float a = taps(wc[i], win[i], K, first);
-        if (silu) a = a / (1.f + expf(-a));  // as ATen's silu
-        o[i] = a;
-        shift(win[i], K, 0.f);
-      }
-      stv<CPT>(out + ((long)b * d.T + t) * width + cc, o);
+      for (int j = 0; j < kMaxTaps; ++j)
+        if (j == K - 1) win[j] = xs[u];
+      float a = taps(wc, win, K, first_tap(d, b, t));
+      if (silu) a = a / (1.f + expf(-a));  // as ATen's silu
+      out[((long)b * d.T + t) * width + cc] = from_f<TY>(a);
+      shift(win, K, 0.f);
     }
   }
 }
 
 // dx, dhalo, and the weight gradient's partial sums over this run: partial[(b·runs + run)·C + c][j].
-template <typename TX, typename TY, int CPT>
+template <typename TX, typename TY>
 __global__ void __launch_bounds__(kThreads) conv_bwd_kernel(const TX* __restrict__ x, const TX* __restrict__ halo,
                                                             const float* __restrict__ w, Shape d,
                                                             Groups<const TY*> dy, bool silu, TX* __restrict__ dx,
                                                             TX* __restrict__ dhalo, float* __restrict__ partial) {
-  const int c = (blockIdx.x * kThreads + threadIdx.x) * CPT;
+  const int c = blockIdx.x * kThreads + threadIdx.x;
   if (c >= d.C) return;
   const int b = blockIdx.z, t0 = blockIdx.y * kRun, t1 = min(t0 + kRun, d.T), K = d.K;
   const TY* g = nullptr;
   int cc = 0, width = 1;
   find_group(dy, c, g, cc, width);
-  float wc[CPT][kMaxTaps], win[CPT][kMaxTaps], acc[CPT][kMaxTaps], pw[CPT][kMaxTaps];
+  float wc[kMaxTaps], win[kMaxTaps], acc[kMaxTaps], pw[kMaxTaps];
 #pragma unroll
   for (int j = 0; j < kMaxTaps; ++j) {
-    float v[CPT];
-    if (j < K - 1) load_xv<CPT>(x, halo, d, b, t0 - K + 1 + j, c, v);
-#pragma unroll
-    for (int i = 0; i < CPT; ++i) {
-      wc[i][j] = j < K ? w[(long)(c + i) * K + j] : 0.f;
-      win[i][j] = j < K - 1 ? v[i] : 0.f;
-      acc[i][j] = 0.f;  // acc[i][j]: the gradient of x[t−K+1+j]
-      pw[i][j] = 0.f;
-    }
+    wc[j] = j < K ? w[(long)c * K + j] : 0.f;
+    win[j] = j < K - 1 ? load_x(x, halo, d, b, t0 - K + 1 + j, c) : 0.f;
+    acc[j] = 0.f;  // acc[j]: the gradient of x[t−K+1+j]
+    pw[j] = 0.f;
   }
   const int tend = min(t0 + kRun, d.T) + K - 1, tread = min(tend, d.T);
   // kAhead tokens' x and dy are loaded together before they are used (independent loads in flight).
-  for (int tb = t0; tb < tend; tb += kAhead) {
-    float xs[kAhead][CPT], gs[kAhead][CPT];
+  float xs[kAhead], gs[kAhead];
+  for (int t = t0; t < tend; ++t) {
+    const int u = (t - t0) % kAhead;
+    if (u == 0) {
 #pragma unroll
-    for (int u = 0; u < kAhead; ++u) {
-      const int tv = tb + u;
-#pragma unroll
-      for (int i = 0; i < CPT; ++i) xs[u][i] = 0.f, gs[u][i] = 0.f;
-      if (tv < tread) {
-        ldv<CPT>(x + ((long)b * d.T + tv) * d.C + c, xs[u]);
-        if (g) ldv<CPT>(g + ((long)b * d.T + tv) * width + cc, gs[u]);
+      for (int v = 0; v < kAhead; ++v) {
+        const int tv = t + v;
+        xs[v] = tv < tread ? to_f(x[((long)b * d.T + tv) * d.C + c]) : 0.f;
+        gs[v] = tv < tread && g ? to_f(g[((long)b * d.T + tv) * width + cc]) : 0.f;
       }
     }
+    if (t < d.T) {
+      float xt = 0.f, gt = 0.f;
 #pragma unroll
-    for (int u = 0; u < kAhead; ++u) {
-      const int t = tb + u;
-      if (t >= tend) break;
-      const int first = t < d.T ? first_tap(d, b, t) : 0;
-      float dxv[CPT];
+      for (int v = 0; v < kAhead; ++v)
+        if (v == u) xt = xs[v], gt = gs[v];
 #pragma unroll
-      for (int i = 0; i < CPT; ++i) {
-        if (t < d.T) {
+      for (int j = 0; j < kMaxTaps; ++j)
+        if (j == K - 1) win[j] = xt;
+      const int first = first_tap(d, b, t);
+      if (silu) {
+        const float a = taps(wc, win, K, first), s = sigmoid_f(a);
+        gt = gt * (s * (1.f + a * (1.f - s)));
+      }
 #pragma unroll
-          for (int j = 0; j < kMaxTaps; ++j)
-            if (j == K - 1) win[i][j] = xs[u][i];
-          float gt = gs[u][i];
-          if (silu) {
-            const float a = taps(wc[i], win[i], K, first), sg = sigmoid_f(a);
-            gt = gt * (sg * (1.f + a * (1.f - sg)));
-          }
-#pragma unroll
-          for (int j = 0; j < kMaxTaps; ++j) {
-            if (j < K && j >= first) {
-              acc[i][j] += wc[i][j] * gt;
-              if (t < t1) pw[i][j] += gt * win[i][j];
-            }
-          }
+      for (int j = 0; j < kMaxTaps; ++j) {
+        if (j < K && j >= first) {
+          acc[j] += wc[j] * gt;
+          if (t < t1) pw[j] += gt * win[j];
         }
-        dxv[i] = acc[i][0];
-        shift(acc[i], K, 0.f);
-        shift(win[i], K, 0.f);
-      }
-      const int s = t - K + 1;  // its gradient is complete: every output reading it is done
-      if (s >= t0 && s < t1) {
-        stv<CPT>(dx + ((long)b * d.T + s) * d.C + c, dxv);
-      } else if (s < 0 && dhalo) {
-        stv<CPT>(dhalo + ((long)b * (K - 1) + (K - 1 + s)) * d.C + c, dxv);
       }
     }
+    const int s = t - K + 1;  // its gradient is complete: every output reading it is done
+    if (s >= t0 && s < t1) {
+      dx[((long)b * d.T + s) * d.C + c] = from_f<TX>(acc[0]);
+    } else if (s < 0 && dhalo) {
+      dhalo[((long)b * (K - 1) + (K - 1 + s)) * d.C + c] = from_f<TX>(acc[0]);
+    }
+    shift(acc, K, 0.f);
+    shift(win, K, 0.f);
   }
+  float* p = partial + ((long)(b * gridDim.y + blockIdx.y) * d.C + c) * K;
 #pragma unroll
-  for (int i = 0; i < CPT; ++i) {
-    float* p = partial + ((long)(b * gridDim.y + blockIdx.y) * d.C + c + i) * K;
-#pragma unroll
-    for (int j = 0; j < kMaxTaps; ++j)
-      if (j < K) p[j] = pw[i][j];
-  }
+  for (int j = 0; j < kMaxTaps; ++j)
+    if (j < K) p[j] = pw[j];
 }
 
 __device__ __forceinline__ float warp_sum(float v) {
@@ -357,27 +292,7 @@ Shape check_conv(const char* who, const at::Tensor& x, const at::Tensor& w, cons
                start.defined() ? (long)start.stride(0) : 0, (long)offset};
 }
 
-dim3 conv_grid(const Shape& d, int cpt) {
-  const int threads = (d.C + cpt - 1) / cpt;
-  return dim3((threads + kThreads - 1) / kThreads, (d.T + kRun - 1) / kRun, d.B);
-}
-
-bool aligned_to(const at::Tensor& t, size_t bytes) {
-  return !t.defined() || reinterpret_cast<uintptr_t>(t.data_ptr()) % bytes == 0;
-}
-
-// Two channels a thread when every group, the row length and the pointers allow pairs.
-template <typename TX, typename TY>
-bool pairs_ok(const Shape& d, const at::Tensor& x, const at::Tensor& halo, const int* ends, int n,
-              const std::vector<at::Tensor>& outs) {
-  if (d.C % 2 != 0) return false;
-  for (int i = 0; i < n; ++i)
-    if (ends[i] % 2 != 0) return false;
-  if (!aligned_to(x, 2 * sizeof(TX)) || !aligned_to(halo, 2 * sizeof(TX))) return false;
-  for (const auto& t : outs)
-    if (!aligned_to(t, 2 * sizeof(TY))) return false;
-  return true;
-}
+dim3 conv_grid(const Shape& d) { return dim3((d.C + kThreads - 1) / kThreads, (d.T + kRun - 1) / kRun, d.B); }
 
 template <typename TX, typename TY>
 void launch_fwd(const at::Tensor& x, const at::Tensor& w, const at::Tensor& halo, const Shape& d, bool silu,
@@ -393,13 +308,8 @@ void launch_fwd(const at::Tensor& x, const at::Tensor& w, const at::Tensor& halo
     g.end[i] = end;
   }
   if (d.T == 0 || d.B == 0 || d.C == 0) return;
-  auto stream = at::cuda::getCurrentCUDAStream();
-  if (pairs_ok<X, Y>(d, x, halo, g.end, g.n, y))
-    conv_fwd_kernel<X, Y, 2><<<conv_grid(d, 2), kThreads, 0, stream>>>(ptr<TX>(x), ptr<TX>(halo), w.data_ptr<float>(),
-                                                                        d, g, silu);
-  else
-    conv_fwd_kernel<X, Y, 1><<<conv_grid(d, 1), kThreads, 0, stream>>>(ptr<TX>(x), ptr<TX>(halo), w.data_ptr<float>(),
-                                                                        d, g, silu);
+  conv_fwd_kernel<X, Y><<<conv_grid(d), kThreads, 0, at::cuda::getCurrentCUDAStream()>>>(
+      ptr<TX>(x), ptr<TX>(halo), w.data_ptr<float>(), d, g, silu);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
@@ -417,21 +327,9 @@ void launch_bwd(const at::Tensor& x, const at::Tensor& w, const at::Tensor& halo
     end += (int)widths[i];
     g.end[i] = end;
   }
-  auto stream = at::cuda::getCurrentCUDAStream();
-  std::vector<at::Tensor> tensors;
-  for (const auto& t : dy)
-    if (t.defined()) tensors.push_back(t);
-  const bool pairs = pairs_ok<X, Y>(d, x, halo, g.end, g.n, tensors) && aligned_to(dx, 2 * sizeof(X)) &&
-                     aligned_to(dhalo, 2 * sizeof(X));
-  // runs = gridDim.y: the partial rows are (b, run) whatever the channels a thread holds.
-  if (pairs)
-    conv_bwd_kernel<X, Y, 2><<<conv_grid(d, 2), kThreads, 0, stream>>>(
-        ptr<TX>(x), ptr<TX>(halo), w.data_ptr<float>(), d, g, silu, ptr<TX>(dx), ptr<TX>(dhalo),
-        partial.data_ptr<float>());
-  else
-    conv_bwd_kernel<X, Y, 1><<<conv_grid(d, 1), kThreads, 0, stream>>>(
-        ptr<TX>(x), ptr<TX>(halo), w.data_ptr<float>(), d, g, silu, ptr<TX>(dx), ptr<TX>(dhalo),
-        partial.data_ptr<float>());
+  conv_bwd_kernel<X, Y><<<conv_grid(d), kThreads, 0, at::cuda::getCurrentCUDAStream()>>>(
+      ptr<TX>(x), ptr<TX>(halo), w.data_ptr<float>(), d, g, silu, ptr<TX>(dx), ptr<TX>(dhalo),
+      partial.data_ptr<float>());
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 

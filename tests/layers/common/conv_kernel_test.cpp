@@ -105,7 +105,7 @@ struct ConvCase {
   bool halo, documents, silu;
   int64_t K;
   bool bf16_out = false;  // bf16 x, fp32 weight, bf16 output (the kernel-form autocast path)
-  bool odd = false;       // odd channel groups: one channel a thread instead of two
+  bool odd = false;       // odd channel groups (an odd C)
 };
 
 struct ConvResult {
