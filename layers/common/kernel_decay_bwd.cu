@@ -3,8 +3,8 @@
 //  1. state_kernel in reverse (kernel_decay_device.cuh): dH_n for every chunk and the initial
 //     state's gradient, dH ← e^{Γ} ⊙ dH + scale·(Q ⊙ e^G)ᵀ dO, chunks from last to first.
 //  2. dv_kernel, grid (N, dv/TV, B·H): dV = Pᵀ dO + (K ⊙ e^{Γ−G}) dH_n, with P saved by the forward.
-//  3. dqk_kernel, grid (N, dk/TK, B·H), TK = 96 for bf16 dk = 96 (one block a chunk), else 64 (32 for
-//     fp32 dk = 96: shared memory), TK/8 warps: for TK key columns, over the dv tiles:
+//  3. dqk_kernel, grid (N, dk/TK, B·H), TK = 96 for GLA in bf16 with dk = 96 (one block a chunk), else 64
+//     (32 for other dk = 96: shared memory), TK/8 warps: for TK key columns, over the dv tiles:
 //     dP = dO Vᵀ, dq = scale·e^G ⊙ (dO H_nᵀ), dk = e^{Γ−G} ⊙ (V dH_nᵀ); then the intra-chunk parts
 //     dq += (dP ⊙ decay) K, dk += (dP ⊙ decay)ᵀ Q (the diagonal decay rescaled per 16-row block as in
 //     the forward, its diagonal blocks exact), and the gate's gradient
@@ -310,9 +310,11 @@ std::vector<at::Tensor> bwd_impl(const Dims& d, const at::Tensor& q, const at::T
   auto dq = alloc(q.sizes(), q.options());
   auto dk = alloc(k.sizes(), k.options());
   at::Tensor dg;
-  // bf16 with dk = 96: one block a chunk holds every key column (dP = dO Vᵀ computed once, not once per
+  // GLA in bf16 with dk = 96: one block a chunk holds every key column (dP = dO Vᵀ computed once, not once per
   // key tile); otherwise key tiles of 64 (32 for fp32 dk = 96, to fit shared memory).
-  const int TKq = sizeof(T) == 2 && d.DK == 96 ? 96 : (d.DK % 64 == 0 ? 64 : 32), nkt = d.DK / TKq;
+  // (GLA only: the scalar decay sums its gate gradient over d in a [C, C+4] scratch, so TK ≤ 64 there.)
+  constexpr bool kWide = sizeof(T) == 2 && KIND == kDiag;
+  const int TKq = kWide && d.DK == 96 ? 96 : (d.DK % 64 == 0 ? 64 : 32), nkt = d.DK / TKq;
   if (KIND == kDiag) dg = alloc(q.sizes(), f32);
   else if (KIND == kScalar) dg = alloc({d.B, d.T, d.H, nkt}, f32);
   auto run_qk = [&](auto tk_tag) {
@@ -330,7 +332,7 @@ std::vector<at::Tensor> bwd_impl(const Dims& d, const at::Tensor& q, const at::T
         (float)scale);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   };
-  if constexpr (sizeof(T) == 2) {
+  if constexpr (kWide) {
     if (TKq == 96) run_qk(std::integral_constant<int, 96>());
     else run_qk(std::integral_constant<int, 64>());
   } else {
