@@ -1,0 +1,70 @@
+#!/usr/bin/env python3
+# Where a training step's GPU time goes, by part, from ncu's CSV of one step:
+#   mpirun -np 1 ncu --clock-control none --cache-control none --csv --metrics gpu__time_duration.sum \
+#     build-gpu/bin/carry train RUN.textproto --set optimizer.total_steps=1 ... > step.csv
+#   python3 launcher/ncu_step_breakdown.py step.csv
+# Prints a markdown table: mixer kernels, the head + loss (the products next to each cross-entropy
+# kernel of the chunked loss, and that kernel), the other matrix products, norms and SwiGLU,
+# convolutions, the remaining ATen kernels, the optimizer. Kernels are serialized under ncu.
+import collections
+import csv
+import sys
+
+
+def category(name):
+    n = name.lower()
+    if 'carry_gdn' in n or 'carry_decay' in n:
+        return 'mixer kernels'
+    if 'carry_conv' in n:
+        return 'short convolutions and L2 norm'
+    if 'carry_fused' in n or 'carry_reduce' in n:
+        return 'norms (with residual adds) and SwiGLU'
+    if 'adam' in n or 'multi_tensor' in n:
+        return 'AdamW and gradient norm'
+    if any(s in n for s in ('gemm', 'cutlass', 'xmma', 'nvjet', 'cublas')):
+        return 'projections and MLP matrix products'
+    return 'remaining ATen kernels'
+
+
+def is_product(name):
+    return any(s in name for s in ('nvjet', 'splitK', 'cutlass', 'gemm'))
+
+
+def main(path):
+    rows = [r for r in csv.reader(l for l in open(path) if l.startswith('"'))]
+    if not rows:
+        sys.exit(f"ncu_step_breakdown: no ncu CSV rows in {path}")
+    head = rows[0]
+    try:
+        ki, vi = head.index('Kernel Name'), head.index('Metric Value')
+    except ValueError:
+        sys.exit(f"ncu_step_breakdown: {path} has no 'Kernel Name'/'Metric Value' columns (ncu --csv expected)")
+    seq = [(r[ki], float(r[vi].replace(',', '')) / 1e6) for r in rows[1:]]  # ns -> ms
+    loss = set()
+    for i, (name, _) in enumerate(seq):
+        if 'ce_kernel' not in name:
+            continue
+        loss.add(i)
+        j = i - 1
+        while j >= 0 and is_product(seq[j][0]):
+            loss.add(j)
+            j -= 1
+        j = i + 1
+        while j < len(seq) and is_product(seq[j][0]):
+            loss.add(j)
+            j += 1
+    parts = collections.Counter()
+    for i, (name, ms) in enumerate(seq):
+        parts['head + loss' if i in loss else category(name)] += ms
+    total = sum(parts.values())
+    print('| part | ms | share |')
+    print('| --- | --- | --- |')
+    for part, ms in parts.most_common():
+        print(f'| {part} | {ms:.1f} | {100 * ms / total:.0f}% |')
+    print(f'| total (kernels, serialized) | {total:.1f} | |')
+
+
+if __name__ == '__main__':
+    if len(sys.argv) != 2:
+        sys.exit('usage: launcher/ncu_step_breakdown.py STEP.csv')
+    main(sys.argv[1])
