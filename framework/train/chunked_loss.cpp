@@ -46,12 +46,12 @@ at::ScalarType matmul_type(const Tensor& hidden, const Tensor& weight) {
 }
 
 // Whether the chunks' cross-entropy runs as one CUDA kernel per chunk (layers/common/kernel_loss.cuh):
-// CUDA logits in bf16 or fp32 with an fp32 loss, the fused ops on.
-bool fused_loss(const Tensor& hidden, at::ScalarType ct, at::ScalarType lt) {
+// CUDA logits in bf16 or fp32 (the loss then in fp32), the fused ops on.
+bool fused_loss(const Tensor& hidden, at::ScalarType ct) {
 #ifdef CARRY_WITH_CUDA
-  return hidden.is_cuda() && fused_ops_enabled() && (ct == at::kBFloat16 || ct == at::kFloat) && lt == at::kFloat;
+  return hidden.is_cuda() && fused_ops_enabled() && (ct == at::kBFloat16 || ct == at::kFloat);
 #else
-  (void)hidden, (void)ct, (void)lt;
+  (void)hidden, (void)ct;
   return false;
 #endif
 }
@@ -63,7 +63,7 @@ Pass chunked_pass(const Tensor& hidden, const Tensor& weight, const Tensor& targ
   const auto ct = matmul_type(hidden, weight);
   const auto lt = at::promote_types(ct, at::kFloat);
   const Tensor hc = hidden.to(ct), wc = weight.to(ct);
-  const bool fused = fused_loss(hidden, ct, lt);
+  const bool fused = fused_loss(hidden, ct);
   Pass out;
   out.ce = at::empty({N}, hidden.options().dtype(lt));
   if (predictions) out.predictions = at::empty({N}, hidden.options().dtype(at::kLong));

@@ -6,7 +6,8 @@
 // recomputes the pre-activation (silu), accumulates each input's gradient from the K outputs that read
 // it in a ring of K fp32 accumulators (an input's gradient is complete K−1 outputs later), and sums
 // the weight gradient of its own outputs; carry_reduce::column_sum (kernel_reduce.cuh) sums those
-// per-run partials over the runs in fixed order. Threads load kAhead tokens' inputs at once. Tap masks (packed documents) come from the int64 document start of each output token.
+// per-run partials over the runs in fixed order. Tap masks (packed documents) come from the int64
+// document start of each output token.
 // l2norm: one warp per row of D ≤ 256 (8 values a lane in registers), fp32, butterfly reduction.
 #include "layers/common/kernel_conv.cuh"
 #include "layers/common/kernel_reduce.cuh"
@@ -24,7 +25,6 @@ constexpr int kRun = 64;      // tokens a thread walks
 constexpr int kThreads = 128;  // channels a block
 constexpr int kMaxGroups = 3;
 constexpr int kMaxD = 256;     // l2norm row length
-constexpr int kAhead = 4;      // tokens whose loads a thread issues together
 
 __device__ __forceinline__ float to_f(float v) { return v; }
 __device__ __forceinline__ float to_f(__nv_bfloat16 v) { return __bfloat162float(v); }
@@ -117,23 +117,15 @@ __global__ void __launch_bounds__(kThreads) conv_fwd_kernel(const TX* __restrict
     wc[j] = j < K ? w[(long)c * K + j] : 0.f;
     win[j] = j < K - 1 ? load_x(x, halo, d, b, t0 - K + 1 + j, c) : 0.f;
   }
-  // kAhead tokens' inputs are loaded together before they are used (independent loads in flight).
-  for (int tb = t0; tb < t1; tb += kAhead) {
-    float xs[kAhead];
+  for (int t = t0; t < t1; ++t) {
+    const float xt = to_f(x[((long)b * d.T + t) * d.C + c]);
 #pragma unroll
-    for (int u = 0; u < kAhead; ++u) xs[u] = tb + u < t1 ? to_f(x[((long)b * d.T + tb + u) * d.C + c]) : 0.f;
-#pragma unroll
-    for (int u = 0; u < kAhead; ++u) {
-      const int t = tb + u;
-      if (t >= t1) break;
-#pragma unroll
-      for (int j = 0; j < kMaxTaps; ++j)
-        if (j == K - 1) win[j] = xs[u];
-      float a = taps(wc, win, K, first_tap(d, b, t));
-      if (silu) a = a / (1.f + expf(-a));  // as ATen's silu
-      out[((long)b * d.T + t) * width + cc] = from_f<TY>(a);
-      shift(win, K, 0.f);
-    }
+    for (int j = 0; j < kMaxTaps; ++j)
+      if (j == K - 1) win[j] = xt;
+    float a = taps(wc, win, K, first_tap(d, b, t));
+    if (silu) a = a / (1.f + expf(-a));  // as ATen's silu
+    out[((long)b * d.T + t) * width + cc] = from_f<TY>(a);
+    shift(win, K, 0.f);
   }
 }
 
@@ -157,28 +149,15 @@ __global__ void __launch_bounds__(kThreads) conv_bwd_kernel(const TX* __restrict
     acc[j] = 0.f;  // acc[j]: the gradient of x[t−K+1+j]
     pw[j] = 0.f;
   }
-  const int tend = min(t0 + kRun, d.T) + K - 1, tread = min(tend, d.T);
-  // kAhead tokens' x and dy are loaded together before they are used (independent loads in flight).
-  float xs[kAhead], gs[kAhead];
+  const int tend = min(t0 + kRun, d.T) + K - 1;
   for (int t = t0; t < tend; ++t) {
-    const int u = (t - t0) % kAhead;
-    if (u == 0) {
-#pragma unroll
-      for (int v = 0; v < kAhead; ++v) {
-        const int tv = t + v;
-        xs[v] = tv < tread ? to_f(x[((long)b * d.T + tv) * d.C + c]) : 0.f;
-        gs[v] = tv < tread && g ? to_f(g[((long)b * d.T + tv) * width + cc]) : 0.f;
-      }
-    }
     if (t < d.T) {
-      float xt = 0.f, gt = 0.f;
-#pragma unroll
-      for (int v = 0; v < kAhead; ++v)
-        if (v == u) xt = xs[v], gt = gs[v];
+      const float xt = to_f(x[((long)b * d.T + t) * d.C + c]);
 #pragma unroll
       for (int j = 0; j < kMaxTaps; ++j)
         if (j == K - 1) win[j] = xt;
       const int first = first_tap(d, b, t);
+      float gt = g ? to_f(g[((long)b * d.T + t) * width + cc]) : 0.f;
       if (silu) {
         const float a = taps(wc, win, K, first), s = sigmoid_f(a);
         gt = gt * (s * (1.f + a * (1.f - s)));

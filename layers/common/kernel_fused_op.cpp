@@ -134,14 +134,19 @@ bool float_or_bf16(const Tensor& t) { return t.scalar_type() == at::kFloat || t.
 // x as contiguous [N, D] rows.
 Tensor rows(const Tensor& x) { return x.reshape({-1, x.size(-1)}).contiguous(); }
 
-Tensor norm(const char* who, const Tensor& x, const Tensor& z, const Tensor& weight, double eps,
-            at::ScalarType out_dtype) {
+// What every fused norm entry point requires of x, its weight and the output dtype.
+void check_norm_args(const char* who, const Tensor& x, const Tensor& weight, at::ScalarType out_dtype) {
   TORCH_CHECK(fused_norm_supports(x), who, ": x must be a CUDA tensor in fp32 or bf16 with a last dimension in [1, ",
               carry_fused::kMaxNormDim, "], got ", x.scalar_type(), " ", x.sizes(), " on ", x.device());
   TORCH_CHECK(weight.dim() == 1 && weight.size(0) == x.size(-1), who, ": weight [", x.size(-1),
               "] expected for inputs of last size ", x.size(-1), ", got weight of shape ", weight.sizes());
   TORCH_CHECK(out_dtype == at::kFloat || out_dtype == at::kBFloat16, who,
               ": the output dtype must be fp32 or bf16, got ", out_dtype);
+}
+
+Tensor norm(const char* who, const Tensor& x, const Tensor& z, const Tensor& weight, double eps,
+            at::ScalarType out_dtype) {
+  check_norm_args(who, x, weight, out_dtype);
   const bool gated = z.defined();
   if (gated)
     TORCH_CHECK(z.sizes() == x.sizes() && z.device() == x.device() && float_or_bf16(z), who,
@@ -174,12 +179,7 @@ Tensor fused_gated_rms_norm(const Tensor& x, const Tensor& z, const Tensor& weig
 std::pair<Tensor, Tensor> fused_residual_rms_norm(const Tensor& x, const Tensor& residual, const Tensor& weight,
                                                   double eps, at::ScalarType out_dtype) {
   const char* who = "fused_residual_rms_norm";
-  TORCH_CHECK(fused_norm_supports(x), who, ": x must be a CUDA tensor in fp32 or bf16 with a last dimension in [1, ",
-              carry_fused::kMaxNormDim, "], got ", x.scalar_type(), " ", x.sizes(), " on ", x.device());
-  TORCH_CHECK(weight.dim() == 1 && weight.size(0) == x.size(-1), who, ": weight [", x.size(-1),
-              "] expected for inputs of last size ", x.size(-1), ", got weight of shape ", weight.sizes());
-  TORCH_CHECK(out_dtype == at::kFloat || out_dtype == at::kBFloat16, who,
-              ": the output dtype must be fp32 or bf16, got ", out_dtype);
+  check_norm_args(who, x, weight, out_dtype);
   const bool has_res = residual.defined();
   if (has_res)
     TORCH_CHECK(residual.sizes() == x.sizes() && residual.device() == x.device() && float_or_bf16(residual) &&
@@ -188,9 +188,8 @@ std::pair<Tensor, Tensor> fused_residual_rms_norm(const Tensor& x, const Tensor&
                 ", no wider than x (", x.scalar_type(), "), got ", residual.scalar_type(), " ", residual.sizes(),
                 " on ", residual.device());
   const Tensor w = weight.to(x.device(), at::kFloat).contiguous();
-  const Tensor x2 = rows(x);
   const Tensor r2 = has_res ? rows(residual) : at::empty({0}, x.options());
-  auto out = ResidualNormOp::apply(x2, r2, w, has_res, eps, static_cast<int64_t>(out_dtype));
+  auto out = ResidualNormOp::apply(rows(x), r2, w, has_res, eps, static_cast<int64_t>(out_dtype));
   return {out[0].view(x.sizes()), out[1].view(x.sizes())};
 }
 

@@ -267,17 +267,15 @@ TEST(FusedOps, ResidualRmsNormMatchesAten) {
       const bool low = cs.x == at::kBFloat16 || cs.res == at::kBFloat16 || out == at::kBFloat16;
       const double ref = low ? 8e-3 : 1e-5, dx_aten = cs.x == at::kBFloat16 ? 1.6e-2 : 1e-5;
       const double dres_aten = cs.x == at::kBFloat16 ? 1.6e-2 : cs.res == at::kBFloat16 ? 8e-3 : 1e-5;
+      c.names = {"h|y", "dx"}, c.bound_ref = {ref, ref}, c.bound_aten = {low ? 8e-3 : 1e-5, dx_aten};
+      std::vector<Tensor> inputs{x};
       if (has) {
-        c.names = {"h|y", "dx", "dres", "dw"};
-        c.bound_ref = {ref, ref, ref, ref};
-        c.bound_aten = {low ? 8e-3 : 1e-5, dx_aten, dres_aten, 1e-5};
-        compare(c, fused, aten, {x, res, w}, r);
-      } else {
-        c.names = {"h|y", "dx", "dw"};
-        c.bound_ref = {ref, ref, ref};
-        c.bound_aten = {low ? 8e-3 : 1e-5, dx_aten, 1e-5};
-        compare(c, fused, aten, {x, w}, r);
+        c.names.push_back("dres"), c.bound_ref.push_back(ref), c.bound_aten.push_back(dres_aten);
+        inputs.push_back(res);
       }
+      c.names.push_back("dw"), c.bound_ref.push_back(ref), c.bound_aten.push_back(1e-5);
+      inputs.push_back(w);
+      compare(c, fused, aten, inputs, r);
     }
 #endif
 }
