@@ -3,6 +3,7 @@
 // over the slice goes through MixerLayerContext::run_mixer (default: chunkwise), the tokens before the
 // slice through MixerLayerContext::halo (default: none, the slice starts the sequence).
 #include "layers/mixer_layer.h"
+#include "layers/recompute.h"
 
 #include "layers/layer_kind.h"
 
@@ -429,7 +430,8 @@ MixerLayerOutput MixerLayer::forward(const Tensor& x, const State& initial_state
       in = kernel ? kernel_precision(in) : full_precision(in);
       s0 = full_precision(s0);
     }
-    out = ctx.run_mixer ? ctx.run_mixer(*mixer_, in, s0, opt) : mixer_->forward(in, s0, opt);
+    if (ctx.core_stash && !ctx.run_mixer && s0.empty()) out = stashed_mixer_core(ctx.core_stash, *mixer_, in, opt);
+    else out = ctx.run_mixer ? ctx.run_mixer(*mixer_, in, s0, opt) : mixer_->forward(in, s0, opt);
   }
   Tensor o = out.o;
   if (p.kv_halo > 0) o = o.narrow(1, p.kv_halo, T);

@@ -47,6 +47,7 @@
 #include "layers/parameters.h"
 
 #include <functional>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -76,6 +77,8 @@ std::string mixer_layer_family(const std::string& kind);
 
 // How the layer reaches the rest of the sequence. The defaults describe one slice that is the whole
 // sequence.
+struct MixerCoreStash;  // layers/recompute.h
+
 struct MixerLayerContext {
   // Absolute position of this slice's first token (log-linear levels; MixerOptions::offset).
   int64_t offset = 0;
@@ -110,6 +113,10 @@ struct MixerLayerContext {
   //                             (MixerOptions::document_offsets).
   Tensor document_start_at, document_start_at_device, slice_document_starts;
   std::vector<int64_t> slice_document_offsets;
+  // Selective recomputation (layers/recompute.h): where set, and the core runs on this rank alone
+  // (no run_mixer) from the zero state, the core goes through this layer's stash: run once in the
+  // forward, its graph kept for the recomputation in the backward.
+  std::shared_ptr<MixerCoreStash> core_stash;
 };
 
 // Fills the derived packed-document fields of `context` (see MixerLayerContext) for a slice of

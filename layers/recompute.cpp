@@ -66,7 +66,74 @@ class RecomputeBackward final : public torch::autograd::Node {
   std::vector<int64_t> y_sizes_;
 };
 
+// The recomputation's stand-in for a stashed core: its inputs are the recomputed core inputs, its
+// output the kept core output; the backward runs the kept graph from that output to its leaves.
+class StashedCoreBackward final : public torch::autograd::Node {
+ public:
+  explicit StashedCoreBackward(std::shared_ptr<MixerCoreStash> stash) : stash_(std::move(stash)) {}
+  std::string name() const override { return "carry::StashedCoreBackward"; }
+
+  variable_list apply(variable_list&& grads) override {
+    TORCH_CHECK(stash_ && stash_->o.defined(), "recompute: the kept mixer core was differentiated twice");
+    variable_list out(stash_->leaves.size());
+    const Tensor& go = grads.at(0);
+    std::vector<Tensor> wrt;
+    std::vector<size_t> slot;
+    for (size_t i = 0; i < stash_->leaves.size(); ++i)
+      if (stash_->leaves[i].requires_grad()) wrt.push_back(stash_->leaves[i]), slot.push_back(i);
+    if (go.defined() && !wrt.empty() && stash_->o.requires_grad()) {
+      auto g = torch::autograd::grad({stash_->o}, wrt, {go.to(stash_->o.scalar_type())}, /*retain_graph=*/false,
+                                     /*create_graph=*/false, /*allow_unused=*/true);
+      for (size_t j = 0; j < g.size(); ++j) out[slot[j]] = g[j];
+    }
+    *stash_ = MixerCoreStash{};
+    stash_.reset();
+    return out;
+  }
+
+ private:
+  std::shared_ptr<MixerCoreStash> stash_;
+};
+
 }  // namespace
+
+MixerOutput stashed_mixer_core(const std::shared_ptr<MixerCoreStash>& stash, const Mixer& mixer,
+                               const MixerInputs& in, const MixerOptions& options) {
+  TORCH_CHECK(stash, "recompute: no stash for the mixer core");
+  auto& st = *stash;
+  if (!st.o.defined()) {
+    // The forward pass: the core with its own graph over leaf copies of its inputs.
+    at::AutoGradMode grad_on(true);
+    MixerInputs leaf;
+    st.names.clear(), st.leaves.clear();
+    for (const auto& name : MixerInputs::names()) {
+      const Tensor& t = in.get(name);
+      if (!t.defined()) continue;
+      Tensor l = t.detach();
+      if (l.is_floating_point()) l.requires_grad_(true);
+      leaf.get(name) = l;
+      st.names.push_back(name);
+      st.leaves.push_back(l);
+    }
+    MixerOutput out = mixer.forward(leaf, {}, options);
+    st.o = out.o;
+    for (auto& s : out.final_state) st.final_state.push_back(s.defined() ? s.detach() : s);
+    return {out.o.detach(), st.final_state};
+  }
+  // The recomputation: the kept output, attached to the recomputed inputs.
+  variable_list inputs;
+  for (const auto& name : st.names) {
+    const Tensor& t = in.get(name);
+    TORCH_CHECK(t.defined() && t.sizes() == st.leaves[inputs.size()].sizes(), "recompute: the mixer core's input '",
+                name, "' was recomputed with another shape");
+    inputs.push_back(t);
+  }
+  auto node = std::shared_ptr<StashedCoreBackward>(new StashedCoreBackward(stash), torch::autograd::deleteNode);
+  node->set_next_edges(torch::autograd::collect_next_edges(inputs));
+  Tensor o = st.o.detach();
+  torch::autograd::set_history(o, node);
+  return {o, st.final_state};
+}
 
 Tensor recompute_in_backward(std::function<Tensor(const Tensor&)> f, const Tensor& x,
                              const std::vector<Tensor>& parameters) {

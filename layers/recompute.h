@@ -10,11 +10,34 @@
 #include "layers/mixer.h"
 
 #include <functional>
+#include <memory>
+#include <string>
 #include <vector>
 
 namespace carry {
 
 Tensor recompute_in_backward(std::function<Tensor(const Tensor&)> f, const Tensor& x,
                              const std::vector<Tensor>& parameters);
+
+// Selective recomputation (parallel.recompute_keeps_mixer): a recomputed layer runs its family's core
+// once. The forward pass (under recompute_in_backward's no-grad forward) runs the core with autograd
+// on over detached copies of its inputs and keeps that graph here (the core's saved tensors: its
+// inputs and, for a kernel form, the per-chunk states it keeps for its backward). The recomputation
+// in the backward replays the projections, convolutions and everything after the core, takes the
+// core's output from here, and differentiates through the kept graph. The core's inputs are
+// recomputed bit for bit (the projections are deterministic), so the gradients equal full
+// recomputation's. One stash per layer and step; it is emptied by the backward.
+struct MixerCoreStash {
+  std::vector<std::string> names;  // the core's defined inputs, in MixerInputs::names() order
+  std::vector<Tensor> leaves;      // their detached copies, requiring grad where floating
+  Tensor o;                        // the core's output, with the kept graph
+  State final_state;
+};
+
+// The core's output for `in` through `stash`: the first call runs mixer.forward(in, {}, options) and
+// keeps its graph (returning the output without it); a second call returns the kept output attached
+// to `in` by a node whose backward runs the kept graph.
+MixerOutput stashed_mixer_core(const std::shared_ptr<MixerCoreStash>& stash, const Mixer& mixer,
+                               const MixerInputs& in, const MixerOptions& options);
 
 }  // namespace carry

@@ -859,8 +859,11 @@ void check_run(const RunConfig& c, Errors& e) {
     e.add("parallel.serial_states", "true at sp > 1 needs parallel.scan_mode: ORDERED (the tree and allgather "
           "scans summarize slices with the ATen forms); got sp = ", sp, " with ",
           config::ParallelConfig::ScanMode_Name(par.scan_mode()));
+  if (par.recompute_keeps_mixer() && !par.recompute())
+    e.add("parallel.recompute_keeps_mixer", "true needs parallel.recompute: true (it chooses what the recomputation "
+          "keeps); got recompute: false");
   if (par.loss_chunk_tokens() < 0)
-    e.add("parallel.loss_chunk_tokens", "must be >= 0 (0: about 64 MiB of logits a chunk), got ", par.loss_chunk_tokens());
+    e.add("parallel.loss_chunk_tokens", "must be >= 0 (0: the default for the form that runs), got ", par.loss_chunk_tokens());
   int64_t ranks = 0;
   bool ranks_ok = false;
   if (par.dp() >= 1 && sp >= 1) {

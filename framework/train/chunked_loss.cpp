@@ -20,9 +20,9 @@ using at::Tensor;
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 
-int64_t default_loss_chunk_tokens(int64_t vocab_size) {
-  constexpr int64_t kChunkBytes = int64_t{64} << 20;
-  const int64_t n = kChunkBytes / (4 * std::max<int64_t>(vocab_size, 1));
+int64_t default_loss_chunk_tokens(int64_t vocab_size, int64_t fused_logit_bytes) {
+  const int64_t bytes = fused_logit_bytes > 0 ? int64_t{256} << 20 : int64_t{64} << 20;
+  const int64_t n = bytes / ((fused_logit_bytes > 0 ? fused_logit_bytes : 4) * std::max<int64_t>(vocab_size, 1));
   return std::max<int64_t>(64, n / 64 * 64);
 }
 
@@ -154,8 +154,10 @@ LinearCrossEntropy linear_cross_entropy(const Tensor& hidden, const Tensor& weig
               "linear_cross_entropy: token weights must have the shape of targets ", lead, ", got ",
               token_weights.sizes());
   const int64_t d = hidden.size(-1), V = weight.size(0);
-  const int64_t chunk = chunk_tokens > 0 ? chunk_tokens : default_loss_chunk_tokens(V);
-  const auto lt = at::promote_types(matmul_type(hidden, weight), at::kFloat);
+  const auto ct = matmul_type(hidden, weight);
+  const int64_t chunk =
+      chunk_tokens > 0 ? chunk_tokens : default_loss_chunk_tokens(V, fused_loss(hidden, ct) ? c10::elementSize(ct) : 0);
+  const auto lt = at::promote_types(ct, at::kFloat);
   const Tensor h = hidden.reshape({-1, d});
   const Tensor t = targets.to(hidden.device()).reshape({-1}).contiguous();
   const Tensor w = token_weights.defined() ? token_weights.to(hidden.device(), lt).reshape({-1}).contiguous()

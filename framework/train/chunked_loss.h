@@ -22,8 +22,12 @@
 
 namespace carry {
 
-// Tokens per chunk when none is given: the chunk's fp32 logits take about 64 MiB (at least 64 tokens).
-int64_t default_loss_chunk_tokens(int64_t vocab_size);
+// Tokens per chunk when none is given (a multiple of 64, at least 64). fused_logit_bytes = 0: the ATen
+// form, which holds an fp32 log-softmax and gradient beside the logits: about 64 MiB of fp32 logits a
+// chunk. > 0: the fused CUDA kernel (one logits buffer, the gradient written over it) with logits of
+// that many bytes: about 256 MiB of logits a chunk (4160 tokens at V = 32000 in bf16: fewer, larger
+// matrix products, and the head's fp32 weight-gradient sum read and written fewer times).
+int64_t default_loss_chunk_tokens(int64_t vocab_size, int64_t fused_logit_bytes = 0);
 
 struct LinearCrossEntropy {
   at::Tensor loss;          // Σ_t w_t·ce_t, 0-dim, fp32 at least; differentiable in hidden and weight
@@ -33,7 +37,7 @@ struct LinearCrossEntropy {
 
 // hidden [..., d] (floating), weight [V, d], targets [...] int64 (the leading dims of hidden; < 0:
 // ignored), token_weights [...] (bool or floating; undefined: all ones). chunk_tokens <= 0 picks
-// default_loss_chunk_tokens(V). The gradients are computed (and kept) only when grad mode is on and
+// default_loss_chunk_tokens(V, ...) for the form that runs. The gradients are computed (and kept) only when grad mode is on and
 // hidden or weight requires one.
 LinearCrossEntropy linear_cross_entropy(const at::Tensor& hidden, const at::Tensor& weight, const at::Tensor& targets,
                                         const at::Tensor& token_weights = {}, int64_t chunk_tokens = 0,

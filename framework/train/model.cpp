@@ -106,7 +106,14 @@ Tensor Model::hidden(const Tensor& tokens, const ModelContext& ctx) const {
     // a recomputed block shows them again in the backward.
     auto names = std::make_shared<const std::array<std::string, 2>>(
         std::array<std::string, 2>{"layer " + std::to_string(i) + " " + b->mixer->spec().kind, "mixer " + b->mixer->spec().kind});
-    auto block = [b, shared, names](const Tensor& x) {
+    // Selective recomputation: this layer's own context, with a stash for its core (layers/recompute.h).
+    std::shared_ptr<const MixerLayerContext> slice(shared, &shared->slice);
+    if (ctx.recompute && ctx.recompute_keeps_mixer && at::GradMode::is_enabled()) {
+      auto own = std::make_shared<MixerLayerContext>(shared->slice);
+      own->core_stash = std::make_shared<MixerCoreStash>();
+      slice = own;
+    }
+    auto block = [b, slice, names](const Tensor& x) {
       NvtxRange layer((*names)[0]);
       // y = x + mixer(norm(x)), then y + mlp(norm(y)); each residual add goes with the norm after it (one
       // pass each way on CUDA), and x passes through the first norm so that its two gradients are summed there.
@@ -114,7 +121,7 @@ Tensor Model::hidden(const Tensor& tokens, const ModelContext& ctx) const {
       {
         NvtxRange mixer((*names)[1]);
         auto [x1, n1] = b->mixer_norm.forward_residual(x, Tensor());
-        std::tie(y, n) = b->mlp_norm.forward_residual(x1, b->mixer->forward(n1, {}, shared->slice).y);
+        std::tie(y, n) = b->mlp_norm.forward_residual(x1, b->mixer->forward(n1, {}, *slice).y);
       }
       NvtxRange mlp("mlp");
       return y + b->mlp.forward(n);

@@ -42,12 +42,16 @@ struct ModelContext {
   // Per-layer activation recomputation: each block keeps only its input and recomputes the rest in
   // backward (layers/recompute.h). Gradients equal those without it.
   bool recompute = false;
+  // With recompute: each layer's mixer core runs once and keeps what its backward needs; the
+  // recomputation replays the rest of the layer (layers/recompute.h, MixerCoreStash). Only where the
+  // core runs on one rank (sp = 1).
+  bool recompute_keeps_mixer = false;
   // Packed documents: [B, sequence length] bool on the CPU, true where a document starts (the whole
   // sequence, also under sequence parallelism). Every layer's state, convolutions and attention
   // restart there (MixerLayerContext::document_starts). Undefined: one document a sequence.
   Tensor document_starts;
-  // Tokens per chunk of the chunked head + cross entropy (framework/train/chunked_loss.h); 0: about
-  // 64 MiB of fp32 logits a chunk.
+  // Tokens per chunk of the chunked head + cross entropy (framework/train/chunked_loss.h); 0: the
+  // default for the form that runs (default_loss_chunk_tokens).
   int64_t loss_chunk_tokens = 0;
 };
 

@@ -195,6 +195,7 @@ Trainer::Trainer(const RunConfig& config, std::shared_ptr<parallel::ProcessGroup
   }
   if (config_.data().has_token_files()) open_token_data();
   context_.recompute = config_.parallel().recompute();
+  context_.recompute_keeps_mixer = config_.parallel().recompute_keeps_mixer();
   context_.loss_chunk_tokens = config_.parallel().loss_chunk_tokens();
   if (sp_ > 1)  // collective: every rank of the sp group agrees on the layout here, once
     context_.slice = parallel::make_slice_context(groups_->sp, scan_mode_of(config_.parallel().scan_mode()),
@@ -888,7 +889,9 @@ int Trainer::run() {
       parallel::scan_mode_name(scan_mode_of(config_.parallel().scan_mode())).c_str());
   log("precision: %s; activations: %s\n",
       bf16_ ? "bf16 autocast (fp32 master weights and optimizer, mixer kernels read bf16 q, k, v and fp32 gates, fp32 states; ATen mixer forms in fp32)" : "fp32",
-      config_.parallel().recompute() ? "recomputed per layer in backward" : "kept");
+      !config_.parallel().recompute()                ? "kept"
+      : config_.parallel().recompute_keeps_mixer() ? "recomputed per layer in backward around each kept mixer core"
+                                                    : "recomputed per layer in backward");
   if (resumed) log("resumed from %s at step %lld\n", config_.checkpoint().dir().c_str(), static_cast<long long>(step_));
 
   // The metrics file and its TensorBoard mirror (rank 0): records past the resumed step go first.

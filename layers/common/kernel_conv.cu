@@ -1,7 +1,8 @@
 // Fused short convolution and L2 normalization (kernel_conv.cuh).
 //
-// conv: grid (C/128, T/kRun, B), 128 threads, one thread per channel and run of kRun tokens, channels
-// fastest (coalesced rows). Each thread keeps the K−1 previous inputs in registers (a sliding
+// conv: grid (C/(128·V), T/kRun, B), 128 threads, one thread per V channels (V = 16 bytes of x, 4 at
+// most in the backward; 1 where widths or alignment do not allow it) and run of kRun tokens, channels
+// fastest (coalesced rows, 16-byte loads; the next row is loaded before the current one is computed). Each thread keeps the K−1 previous inputs in registers (a sliding
 // window), so x is read once plus K−1 rows per run. The backward walks the run forward once: it
 // recomputes the pre-activation (silu), accumulates each input's gradient from the K outputs that read
 // it in a ring of K fp32 accumulators (an input's gradient is complete K−1 outputs later), and sums
@@ -16,7 +17,11 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <cuda_bf16.h>
 
+#include <algorithm>
 #include <climits>
+#include <cstdint>
+#include <initializer_list>
+#include <type_traits>
 
 namespace carry_conv {
 namespace {
@@ -101,88 +106,163 @@ __device__ __forceinline__ void shift(float* a, int K, float fill) {
 
 __device__ __forceinline__ float sigmoid_f(float a) { return 1.f / (1.f + expf(-a)); }
 
-template <typename TX, typename TY>
+// V consecutive channels of one row as one aligned load or store (V·sizeof(T) bytes).
+template <typename T, int V>
+struct alignas(sizeof(T) * V) Pack {
+  T v[V];
+};
+template <int V>
+struct Row {
+  float v[V];
+};
+template <int V, typename T>
+__device__ __forceinline__ Row<V> load_row(const T* __restrict__ p) {
+  const Pack<T, V> q = *reinterpret_cast<const Pack<T, V>*>(p);
+  Row<V> r;
+#pragma unroll
+  for (int i = 0; i < V; ++i) r.v[i] = to_f(q.v[i]);
+  return r;
+}
+template <int V, typename T>
+__device__ __forceinline__ void store_row(T* __restrict__ p, const Row<V>& r) {
+  if constexpr (std::is_same_v<T, float> && V % 4 == 0) {
+#pragma unroll
+    for (int i = 0; i < V; i += 4)
+      reinterpret_cast<float4*>(p)[i / 4] = make_float4(r.v[i], r.v[i + 1], r.v[i + 2], r.v[i + 3]);
+  } else if constexpr (std::is_same_v<T, __nv_bfloat16> && V % 2 == 0) {
+    // Pairs packed into 32-bit words (round to nearest, as from_f), stored as one V·2-byte vector.
+    struct alignas(2 * V) Words {
+      __nv_bfloat162 w[V / 2];
+    } q;
+#pragma unroll
+    for (int i = 0; i < V; i += 2) q.w[i / 2] = __floats2bfloat162_rn(r.v[i], r.v[i + 1]);
+    *reinterpret_cast<Words*>(p) = q;
+  } else {
+#pragma unroll
+    for (int i = 0; i < V; ++i) p[i] = from_f<T>(r.v[i]);
+  }
+}
+
+// One thread: V consecutive channels c0.. (one channel group; the launcher checks alignment) and a run
+// of kRun tokens. KT: the taps at compile time (0: d.K at run time; a run-time K turns the window's
+// updates into indexed stores to local memory, so the V > 1 forms take K = kMaxTaps only). Each channel's arithmetic is the one-channel form's, in the same order; the V channels
+// only share the loads (V·sizeof bytes each) and the token loop, which loads the next row before it
+// computes the current one.
+template <typename TX, typename TY, int V, int KT>
 __global__ void __launch_bounds__(kThreads) conv_fwd_kernel(const TX* __restrict__ x, const TX* __restrict__ halo,
                                                             const float* __restrict__ w, Shape d, Groups<TY*> y,
                                                             bool silu) {
-  const int c = blockIdx.x * kThreads + threadIdx.x;
-  if (c >= d.C) return;
-  const int b = blockIdx.z, t0 = blockIdx.y * kRun, t1 = min(t0 + kRun, d.T), K = d.K;
+  const int c0 = (blockIdx.x * kThreads + threadIdx.x) * V;
+  if (c0 >= d.C) return;
+  const int b = blockIdx.z, t0 = blockIdx.y * kRun, t1 = min(t0 + kRun, d.T), K = KT ? KT : d.K;
   TY* out = nullptr;
   int cc = 0, width = 1;
-  find_group(y, c, out, cc, width);
-  float wc[kMaxTaps], win[kMaxTaps];
+  find_group(y, c0, out, cc, width);
+  float wc[V][kMaxTaps], win[V][kMaxTaps];
 #pragma unroll
-  for (int j = 0; j < kMaxTaps; ++j) {
-    wc[j] = j < K ? w[(long)c * K + j] : 0.f;
-    win[j] = j < K - 1 ? load_x(x, halo, d, b, t0 - K + 1 + j, c) : 0.f;
-  }
+  for (int i = 0; i < V; ++i)
+#pragma unroll
+    for (int j = 0; j < kMaxTaps; ++j) {
+      wc[i][j] = j < K ? w[(long)(c0 + i) * K + j] : 0.f;
+      win[i][j] = j < K - 1 ? load_x(x, halo, d, b, t0 - K + 1 + j, c0 + i) : 0.f;
+    }
+  Row<V> nx{};
+  if (t0 < t1) nx = load_row<V>(x + ((long)b * d.T + t0) * d.C + c0);
   for (int t = t0; t < t1; ++t) {
-    const float xt = to_f(x[((long)b * d.T + t) * d.C + c]);
+    const Row<V> xt = nx;
+    if (t + 1 < t1) nx = load_row<V>(x + ((long)b * d.T + t + 1) * d.C + c0);
+    const int first = first_tap(d, b, t);
+    Row<V> a;
 #pragma unroll
-    for (int j = 0; j < kMaxTaps; ++j)
-      if (j == K - 1) win[j] = xt;
-    float a = taps(wc, win, K, first_tap(d, b, t));
-    if (silu) a = a / (1.f + expf(-a));  // as ATen's silu
-    out[((long)b * d.T + t) * width + cc] = from_f<TY>(a);
-    shift(win, K, 0.f);
+    for (int i = 0; i < V; ++i) {
+#pragma unroll
+      for (int j = 0; j < kMaxTaps; ++j)
+        if (j == K - 1) win[i][j] = xt.v[i];
+      float y = taps(wc[i], win[i], K, first);
+      if (silu) y = y / (1.f + expf(-y));  // as ATen's silu
+      a.v[i] = y;
+      shift(win[i], K, 0.f);
+    }
+    store_row<V>(out + ((long)b * d.T + t) * width + cc, a);
   }
 }
 
 // dx, dhalo, and the weight gradient's partial sums over this run: partial[(b·runs + run)·C + c][j].
-template <typename TX, typename TY>
+template <typename TX, typename TY, int V, int KT>
 __global__ void __launch_bounds__(kThreads) conv_bwd_kernel(const TX* __restrict__ x, const TX* __restrict__ halo,
                                                             const float* __restrict__ w, Shape d,
                                                             Groups<const TY*> dy, bool silu, TX* __restrict__ dx,
                                                             TX* __restrict__ dhalo, float* __restrict__ partial) {
-  const int c = blockIdx.x * kThreads + threadIdx.x;
-  if (c >= d.C) return;
-  const int b = blockIdx.z, t0 = blockIdx.y * kRun, t1 = min(t0 + kRun, d.T), K = d.K;
+  const int c0 = (blockIdx.x * kThreads + threadIdx.x) * V;
+  if (c0 >= d.C) return;
+  const int b = blockIdx.z, t0 = blockIdx.y * kRun, t1 = min(t0 + kRun, d.T), K = KT ? KT : d.K;
   const TY* g = nullptr;
   int cc = 0, width = 1;
-  find_group(dy, c, g, cc, width);
-  float wc[kMaxTaps], win[kMaxTaps], acc[kMaxTaps], pw[kMaxTaps];
+  find_group(dy, c0, g, cc, width);
+  float wc[V][kMaxTaps], win[V][kMaxTaps], acc[V][kMaxTaps], pw[V][kMaxTaps];
 #pragma unroll
-  for (int j = 0; j < kMaxTaps; ++j) {
-    wc[j] = j < K ? w[(long)c * K + j] : 0.f;
-    win[j] = j < K - 1 ? load_x(x, halo, d, b, t0 - K + 1 + j, c) : 0.f;
-    acc[j] = 0.f;  // acc[j]: the gradient of x[t−K+1+j]
-    pw[j] = 0.f;
-  }
+  for (int i = 0; i < V; ++i)
+#pragma unroll
+    for (int j = 0; j < kMaxTaps; ++j) {
+      wc[i][j] = j < K ? w[(long)(c0 + i) * K + j] : 0.f;
+      win[i][j] = j < K - 1 ? load_x(x, halo, d, b, t0 - K + 1 + j, c0 + i) : 0.f;
+      acc[i][j] = 0.f;  // acc[i][j]: the gradient of x[t−K+1+j] in channel c0 + i
+      pw[i][j] = 0.f;
+    }
   const int tend = min(t0 + kRun, d.T) + K - 1;
+  const int tlast = min(tend, d.T);  // rows t < tlast are read
+  Row<V> nx{}, ng{};
+  auto load = [&](int t) {
+    nx = load_row<V>(x + ((long)b * d.T + t) * d.C + c0);
+    if (g) ng = load_row<V>(g + ((long)b * d.T + t) * width + cc);
+  };
+  if (t0 < tlast) load(t0);
   for (int t = t0; t < tend; ++t) {
     if (t < d.T) {
-      const float xt = to_f(x[((long)b * d.T + t) * d.C + c]);
+      float xt[V], gt[V];
 #pragma unroll
-      for (int j = 0; j < kMaxTaps; ++j)
-        if (j == K - 1) win[j] = xt;
+      for (int i = 0; i < V; ++i) xt[i] = nx.v[i], gt[i] = g ? ng.v[i] : 0.f;
+      if (t + 1 < tlast) load(t + 1);
       const int first = first_tap(d, b, t);
-      float gt = g ? to_f(g[((long)b * d.T + t) * width + cc]) : 0.f;
-      if (silu) {
-        const float a = taps(wc, win, K, first), s = sigmoid_f(a);
-        gt = gt * (s * (1.f + a * (1.f - s)));
-      }
 #pragma unroll
-      for (int j = 0; j < kMaxTaps; ++j) {
-        if (j < K && j >= first) {
-          acc[j] += wc[j] * gt;
-          if (t < t1) pw[j] += gt * win[j];
+      for (int i = 0; i < V; ++i) {
+#pragma unroll
+        for (int j = 0; j < kMaxTaps; ++j)
+          if (j == K - 1) win[i][j] = xt[i];
+        if (silu) {
+          const float a = taps(wc[i], win[i], K, first), s = sigmoid_f(a);
+          gt[i] = gt[i] * (s * (1.f + a * (1.f - s)));
+        }
+#pragma unroll
+        for (int j = 0; j < kMaxTaps; ++j) {
+          if (j < K && j >= first) {
+            acc[i][j] += wc[i][j] * gt[i];
+            if (t < t1) pw[i][j] += gt[i] * win[i][j];
+          }
         }
       }
     }
     const int s = t - K + 1;  // its gradient is complete: every output reading it is done
-    if (s >= t0 && s < t1) {
-      dx[((long)b * d.T + s) * d.C + c] = from_f<TX>(acc[0]);
-    } else if (s < 0 && dhalo) {
-      dhalo[((long)b * (K - 1) + (K - 1 + s)) * d.C + c] = from_f<TX>(acc[0]);
-    }
-    shift(acc, K, 0.f);
-    shift(win, K, 0.f);
-  }
-  float* p = partial + ((long)(b * gridDim.y + blockIdx.y) * d.C + c) * K;
+    Row<V> done;
 #pragma unroll
-  for (int j = 0; j < kMaxTaps; ++j)
-    if (j < K) p[j] = pw[j];
+    for (int i = 0; i < V; ++i) done.v[i] = acc[i][0];
+    if (s >= t0 && s < t1) {
+      store_row<V>(dx + ((long)b * d.T + s) * d.C + c0, done);
+    } else if (s < 0 && dhalo) {
+      store_row<V>(dhalo + ((long)b * (K - 1) + (K - 1 + s)) * d.C + c0, done);
+    }
+#pragma unroll
+    for (int i = 0; i < V; ++i) {
+      shift(acc[i], K, 0.f);
+      shift(win[i], K, 0.f);
+    }
+  }
+  float* p = partial + ((long)(b * gridDim.y + blockIdx.y) * d.C + c0) * K;
+#pragma unroll
+  for (int i = 0; i < V; ++i)
+#pragma unroll
+    for (int j = 0; j < kMaxTaps; ++j)
+      if (j < K) p[i * K + j] = pw[i][j];
 }
 
 __device__ __forceinline__ float warp_sum(float v) {
@@ -271,7 +351,22 @@ Shape check_conv(const char* who, const at::Tensor& x, const at::Tensor& w, cons
                start.defined() ? (long)start.stride(0) : 0, (long)offset};
 }
 
-dim3 conv_grid(const Shape& d) { return dim3((d.C + kThreads - 1) / kThreads, (d.T + kRun - 1) / kRun, d.B); }
+dim3 conv_grid(const Shape& d, int v) {
+  return dim3((d.C / v + kThreads - 1) / kThreads, (d.T + kRun - 1) / kRun, d.B);
+}
+
+// The channels a thread takes: v = min(16 / sizeof(X), cap) (16-byte rows of x) where C, every channel
+// group's boundary and every pointer's alignment allow it (xs: x-typed, ys: y-typed); else 1.
+template <typename X, typename Y>
+int channels_a_thread(const Shape& d, const int* ends, int n, std::initializer_list<const void*> xs,
+                      std::initializer_list<const void*> ys, int cap) {
+  const int v = std::min<int>(16 / sizeof(X), cap);
+  bool ok = d.C % v == 0;
+  for (int i = 0; i < n; ++i) ok = ok && ends[i] % v == 0;
+  for (const void* p : xs) ok = ok && reinterpret_cast<uintptr_t>(p) % (v * sizeof(X)) == 0;
+  for (const void* p : ys) ok = ok && reinterpret_cast<uintptr_t>(p) % (v * sizeof(Y)) == 0;
+  return ok ? v : 1;
+}
 
 template <typename TX, typename TY>
 void launch_fwd(const at::Tensor& x, const at::Tensor& w, const at::Tensor& halo, const Shape& d, bool silu,
@@ -287,8 +382,17 @@ void launch_fwd(const at::Tensor& x, const at::Tensor& w, const at::Tensor& halo
     g.end[i] = end;
   }
   if (d.T == 0 || d.B == 0 || d.C == 0) return;
-  conv_fwd_kernel<X, Y><<<conv_grid(d), kThreads, 0, at::cuda::getCurrentCUDAStream()>>>(
-      ptr<TX>(x), ptr<TX>(halo), w.data_ptr<float>(), d, g, silu);
+  // 16 bytes of x a thread: V = 8 for bf16 x (fp32 outputs: two 16-byte stores), 4 for fp32.
+  constexpr int kV = 16 / sizeof(X);
+  const int v = channels_a_thread<X, Y>(d, g.end, g.n, {x.data_ptr()},
+                                        {g.ptr[0], g.ptr[1 < g.n ? 1 : 0], g.ptr[2 < g.n ? 2 : 0]}, kV);
+  auto stream = at::cuda::getCurrentCUDAStream();
+  const X* xp = ptr<TX>(x);
+  const X* hp = ptr<TX>(halo);
+  if (v == kV && d.K == kMaxTaps)
+    conv_fwd_kernel<X, Y, kV, kMaxTaps><<<conv_grid(d, kV), kThreads, 0, stream>>>(xp, hp, w.data_ptr<float>(), d, g, silu);
+  else
+    conv_fwd_kernel<X, Y, 1, 0><<<conv_grid(d, 1), kThreads, 0, stream>>>(xp, hp, w.data_ptr<float>(), d, g, silu);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
@@ -306,9 +410,18 @@ void launch_bwd(const at::Tensor& x, const at::Tensor& w, const at::Tensor& halo
     end += (int)widths[i];
     g.end[i] = end;
   }
-  conv_bwd_kernel<X, Y><<<conv_grid(d), kThreads, 0, at::cuda::getCurrentCUDAStream()>>>(
-      ptr<TX>(x), ptr<TX>(halo), w.data_ptr<float>(), d, g, silu, ptr<TX>(dx), ptr<TX>(dhalo),
-      partial.data_ptr<float>());
+  // Four channels a thread (16 accumulators each); V = 1 where alignment does not allow it.
+  const int v = channels_a_thread<X, Y>(d, g.end, g.n, {x.data_ptr(), dx.data_ptr()},
+                                        {g.ptr[0], g.ptr[1 < g.n ? 1 : 0], g.ptr[2 < g.n ? 2 : 0]}, 4) == 4 ? 4 : 1;
+  auto stream = at::cuda::getCurrentCUDAStream();
+  if (v == 4 && d.K == kMaxTaps)
+    conv_bwd_kernel<X, Y, 4, kMaxTaps><<<conv_grid(d, 4), kThreads, 0, stream>>>(ptr<TX>(x), ptr<TX>(halo), w.data_ptr<float>(), d,
+                                                                      g, silu, ptr<TX>(dx), ptr<TX>(dhalo),
+                                                                      partial.data_ptr<float>());
+  else
+    conv_bwd_kernel<X, Y, 1, 0><<<conv_grid(d, 1), kThreads, 0, stream>>>(ptr<TX>(x), ptr<TX>(halo), w.data_ptr<float>(), d,
+                                                                      g, silu, ptr<TX>(dx), ptr<TX>(dhalo),
+                                                                      partial.data_ptr<float>());
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 

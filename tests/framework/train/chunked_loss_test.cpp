@@ -206,6 +206,8 @@ TEST(ChunkedLoss, Bf16AutocastFollowsTheFullForm) {
 TEST(ChunkedLoss, DefaultChunkAndBadInputs) {
   EXPECT_EQ(default_loss_chunk_tokens(32000), 512);  // 64 MiB / (4 B · 32000), down to a multiple of 64
   EXPECT_EQ(default_loss_chunk_tokens(1 << 30), 64);
+  EXPECT_EQ(default_loss_chunk_tokens(32000, 2), 4160);  // the fused kernel: 256 MiB / (2 B · 32000)
+  EXPECT_EQ(default_loss_chunk_tokens(32000, 4), 2048);
   auto h = at::randn({2, 3, 4}, at::kDouble), W = at::randn({5, 4}, at::kDouble);
   auto t = at::zeros({2, 3}, at::kLong);
   auto message = [](auto f) {

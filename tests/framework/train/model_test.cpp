@@ -243,6 +243,29 @@ TEST(Model, RecomputationRunsEachLayerAgainWithTheSameGradients) {
   }
 }
 
+// Recomputation that keeps each layer's mixer core (ModelContext::recompute_keeps_mixer, sp = 1: no
+// run_mixer) gives every parameter the gradient of the run that keeps all its activations, bit for bit
+// (fp64, every mixer kind). That the core runs once is Recompute.KeptMixerCoreRunsOnceWithTheSameGradients.
+TEST(Model, RecomputationKeepingTheMixerCoreGivesTheSameGradients) {
+  for (const std::string& kind : known_mixer_kinds()) {
+    auto model = build_model(tiny_config({kind}), 4, at::TensorOptions().dtype(at::kDouble));
+    auto tokens = random_tokens(2, 16, 16, 5), targets = random_tokens(2, 16, 16, 6);
+    auto grads = [&](bool recompute) {
+      ModelContext ctx;
+      ctx.recompute = recompute;
+      ctx.recompute_keeps_mixer = recompute;
+      for (auto& [n, p] : model.parameters()) p.mutable_grad() = Tensor();
+      model.loss(tokens, targets, {}, ctx).backward();
+      std::vector<Tensor> g;
+      for (auto& [n, p] : model.parameters()) g.push_back(p.grad().clone());
+      return g;
+    };
+    auto kept = grads(false), again = grads(true);
+    ASSERT_EQ(kept.size(), again.size());
+    for (size_t i = 0; i < kept.size(); ++i) EXPECT_TRUE(at::equal(kept[i], again[i])) << kind << " parameter " << i;
+  }
+}
+
 // The chunked head + cross entropy (chunked_loss.h) behind Model::loss gives the full-logits form's
 // loss and every parameter's gradient (fp64, tied and untied head, chunks of 5 tokens not dividing
 // B·T = 32, the default chunk), and token_losses without grad mode gives its per-token losses.

@@ -184,18 +184,24 @@ TEST(GpuTrainer, Fp32Bf16AndRecomputeOnCuda) {
   Trainer fp32(tiny_config(), nullptr, on_gpu);
   Trainer bf16(tiny_config({"precision=BF16"}), nullptr, on_gpu);
   Trainer bf16_recompute(tiny_config({"precision=BF16", "parallel.recompute=true"}), nullptr, on_gpu);
-  double e_fp32 = 0, e_bf16 = 0, e_recompute = 0;
+  Trainer bf16_keep(tiny_config({"precision=BF16", "parallel.recompute=true", "parallel.recompute_keeps_mixer=true"}),
+                    nullptr, on_gpu);
+  double e_fp32 = 0, e_bf16 = 0, e_recompute = 0, e_keep = 0;
   for (int i = 0; i < 5; ++i) {
     auto c = cpu.train_step(), a = fp32.train_step(), b = bf16.train_step(), r = bf16_recompute.train_step();
+    auto k = bf16_keep.train_step();
     e_fp32 = std::max(e_fp32, std::abs(a.loss - c.loss) / c.loss);
     e_bf16 = std::max(e_bf16, std::abs(b.loss - a.loss) / a.loss);
     e_recompute = std::max(e_recompute, std::abs(r.loss - b.loss) / b.loss);
+    e_keep = std::max(e_keep, std::abs(k.loss - b.loss) / b.loss);
   }
   std::printf("[ errors   ] gpu trainer (5 steps, losses): fp32 cuda vs cpu %.3e, bf16 vs fp32 %.3e, "
-              "bf16 recomputed vs kept %.3e\n", e_fp32, e_bf16, e_recompute);
+              "bf16 recomputed vs kept %.3e, recomputed around kept mixer cores vs kept %.3e\n", e_fp32, e_bf16,
+              e_recompute, e_keep);
   EXPECT_LE(e_fp32, 1e-4);
   EXPECT_LE(e_bf16, 2e-2);
   EXPECT_LE(e_recompute, 1e-6);
+  EXPECT_LE(e_keep, 1e-6);
   for (auto& [name, p] : bf16.model().parameters()) {
     EXPECT_TRUE(p.is_cuda()) << name;
     EXPECT_EQ(p.scalar_type(), at::kFloat) << name;
