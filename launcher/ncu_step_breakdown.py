@@ -15,7 +15,7 @@ def category(name):
     n = name.lower()
     if 'carry_gdn' in n or 'carry_decay' in n:
         return 'mixer kernels'
-    if 'carry_conv' in n:
+    if 'carry_conv' in n or 'conv_fwd_kernel' in n or 'conv_bwd_kernel' in n or 'l2norm_kernel' in n:
         return 'short convolutions and L2 norm'
     if 'carry_fused' in n or 'carry_reduce' in n:
         return 'norms (with residual adds) and SwiGLU'
