@@ -2,9 +2,12 @@
 // layer at three lengths, the parabola through them, the table.
 #include "framework/train/memory_estimate.h"
 
+#include "layers/recompute.h"
+
 #include "framework/train/model.h"
 #include "layers/precision.h"
 
+#include <ATen/core/grad_mode.h>
 #include <c10/core/CPUAllocator.h>
 
 #include <algorithm>
@@ -160,12 +163,24 @@ MemoryEstimate estimate_memory(const RunConfig& config, std::FILE* progress) {
     return std::max(ys[2], parabola_at(xs, ys, static_cast<double>(m.slice_tokens)));
   };
   at::manual_seed(0);
-  std::vector<double> per_kind(small.n_layers(), 0), backward_of_kind(small.n_layers(), 0);
+  std::vector<double> per_kind(small.n_layers(), 0), backward_of_kind(small.n_layers(), 0), core_of_kind(small.n_layers(), 0);
   for (int64_t i = 0; i < small.n_layers(); ++i) {
     const ModelBlock& b = model.blocks()[i];
-    std::vector<double> ys, bs;
+    std::vector<double> ys, bs, cs;
     for (int64_t t : lengths) {
       auto x = at::randn({m.batch, t, d}, options).requires_grad_(true);
+      {
+        // Recomputation around the kept core: the forward runs without autograd and keeps the core's
+        // graph in the layer's stash (layers/recompute.h).
+        auto stash = std::make_shared<MixerCoreStash>();
+        MixerLayerContext with_stash;
+        with_stash.core_stash = stash;
+        cs.push_back(measure_cpu_allocation([&] {
+                       at::NoGradGuard no_grad;
+                       AutocastScope autocast(at::kCPU, at::kBFloat16, bf16);
+                       (void)b.mixer->forward(b.mixer_norm.forward(x), {}, with_stash);
+                     }).live_bytes);
+      }
       at::Tensor y;
       auto used = measure_cpu_allocation([&] {
         AutocastScope autocast(at::kCPU, at::kBFloat16, bf16);
@@ -185,6 +200,7 @@ MemoryEstimate estimate_memory(const RunConfig& config, std::FILE* progress) {
     }
     per_kind[i] = extrapolate(ys);
     backward_of_kind[i] = extrapolate(bs);
+    core_of_kind[i] = extrapolate(cs);
 
   }
   {
@@ -223,7 +239,9 @@ MemoryEstimate estimate_memory(const RunConfig& config, std::FILE* progress) {
     l.kept_bytes = per_kind[i % small.n_layers()];
     l.backward_bytes = backward_of_kind[i % small.n_layers()];
     l.input_bytes = input;
+    l.core_bytes = core_of_kind[i % small.n_layers()];
     m.activations_kept += l.kept_bytes;
+    m.activations_keeps_mixer += l.input_bytes + l.core_bytes;
     largest = std::max(largest, l.kept_bytes);
     largest_backward = std::max(largest_backward, l.backward_bytes);
     largest_rebuilt = std::max(largest_rebuilt, l.kept_bytes + l.backward_bytes);
@@ -236,6 +254,8 @@ MemoryEstimate estimate_memory(const RunConfig& config, std::FILE* progress) {
   // recomputation a layer is rebuilt and differentiated while the others keep only their inputs.
   m.total_kept = fixed + m.activations_kept + std::max(m.head_backward_bytes, largest_backward);
   m.total_recomputed = fixed + m.activations_recomputed + std::max(m.head_backward_bytes, largest_rebuilt);
+  m.activations_keeps_mixer += m.head_bytes;
+  m.total_keeps_mixer = fixed + m.activations_keeps_mixer + std::max(m.head_backward_bytes, largest_rebuilt);
   return m;
 }
 
@@ -267,7 +287,8 @@ std::string memory_report(const MemoryEstimate& m, const RunConfig& config) {
     // Only consecutive equal layers merge when the model is not a cycle of several kinds.
     std::string name = "layer " + std::to_string(i) + (j > i ? "-" + std::to_string(j) : "") + " " + m.layers[i].kind;
     row("  " + name, m.layers[i].kept_bytes,
-        (j > i ? "each; " : "") + std::string("recomputed: keeps its input, ") + bytes_text(m.layers[i].input_bytes));
+        (j > i ? "each; " : "") + std::string("recomputed: keeps its input, ") + bytes_text(m.layers[i].input_bytes) +
+            ", and its mixer core " + bytes_text(m.layers[i].core_bytes) + " when kept");
     i = j + 1;
   }
   row("  head and loss (chunked: gradients of h and the head)", m.head_bytes);
@@ -277,9 +298,12 @@ std::string memory_report(const MemoryEstimate& m, const RunConfig& config) {
       "head " + bytes_text(m.head_backward_bytes) + ", a layer " + bytes_text(layer_backward));
   row("activations, kept", m.activations_kept, "every layer + head");
   row("activations, recomputed", m.activations_recomputed, "layer inputs + head; one layer rebuilt at a time");
-  const bool recompute = par.recompute();
+  row("activations, around kept mixers", m.activations_keeps_mixer, "layer inputs + mixer cores + head");
+  const bool recompute = par.recompute(), keeps = recompute && par.recompute_keeps_mixer();
   row("peak, activations kept", m.total_kept, recompute ? "" : "<- this config (parallel.recompute: false)");
-  row("peak, recomputed", m.total_recomputed, recompute ? "<- this config (parallel.recompute: true)" : "");
+  row("peak, recomputed", m.total_recomputed, recompute && !keeps ? "<- this config (parallel.recompute: true)" : "");
+  row("peak, recomputed around kept mixers", m.total_keeps_mixer,
+      keeps ? "<- this config (parallel.recompute_keeps_mixer: true)" : "");
   os << "  (ATen forms as measured; CUDA kernel forms keep less. Allocator fragmentation and communication\n"
         "  buffers come on top.)\n";
   return os.str();

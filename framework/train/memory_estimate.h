@@ -42,11 +42,12 @@ struct MemoryEstimate {
     double kept_bytes = 0;      // activations kept for the backward, at batch x slice_tokens
     double backward_bytes = 0;  // the peak its backward allocates on top (gradients of its activations)
     double input_bytes = 0;  // the layer's input: what a recomputed layer keeps
+    double core_bytes = 0;   // what its mixer core keeps (parallel.recompute_keeps_mixer), beside the input
   };
   std::vector<Layer> layers;
   double head_bytes = 0, head_backward_bytes = 0;
-  double activations_kept = 0, activations_recomputed = 0;
-  double total_kept = 0, total_recomputed = 0;
+  double activations_kept = 0, activations_recomputed = 0, activations_keeps_mixer = 0;
+  double total_kept = 0, total_recomputed = 0, total_keeps_mixer = 0;
 };
 
 // Measures and extrapolates (see the top). `progress` (may be null) gets a line per measured layer kind.

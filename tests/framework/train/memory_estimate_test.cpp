@@ -78,7 +78,16 @@ TEST(MemoryEstimate, ExtrapolationMatchesADirectMeasurement) {
   // The chunked loss keeps at least the gradient of the hidden states [2, 512, 32] fp32 and of the head.
   EXPECT_GT(m.head_bytes, 2.0 * 512 * 32 * 4 + 96 * 32 * 4);
   EXPECT_LT(m.total_recomputed, m.total_kept);
+  // Recomputation around kept mixer cores keeps each core's saved tensors beside the layer inputs:
+  // more than full recomputation, at most what the layer keeps without recomputation.
+  for (const auto& l : m.layers) {
+    EXPECT_GT(l.core_bytes, 0) << l.kind;
+    EXPECT_LE(l.core_bytes, l.kept_bytes) << l.kind;
+  }
+  EXPECT_LT(m.total_recomputed, m.total_keeps_mixer);
+  EXPECT_LE(m.total_keeps_mixer, m.total_kept);
   auto report = memory_report(m, cfg);
+  EXPECT_NE(report.find("peak, recomputed around kept mixers"), std::string::npos) << report;
   EXPECT_NE(report.find("layer 1 softmax_attn"), std::string::npos) << report;
   EXPECT_NE(report.find("<- this config (parallel.recompute: false)"), std::string::npos) << report;
 }
