@@ -937,6 +937,10 @@ int Trainer::run() {
       // GPU: the caching allocator's peak since the last line (this rank's device).
       const double gpu_peak = device_.is_cuda() ? cuda_peak_allocated_bytes(device_.index()) / (1024.0 * 1024.0) : 0;
       if (device_.is_cuda()) cuda_reset_peak_allocated(device_.index());
+      // The caching allocator's cudaMallocs since the last line (none once the steps are steady).
+      const int64_t mallocs = device_.is_cuda() ? cuda_device_mallocs(device_.index()) : 0;
+      const int64_t new_mallocs = mallocs - logged_mallocs_;
+      logged_mallocs_ = mallocs;
       char gpu[48] = "", mfu_text[32] = "";
       if (device_.is_cuda()) std::snprintf(gpu, sizeof gpu, " | gpu peak %.0f MiB", gpu_peak);
       if (show_mfu) std::snprintf(mfu_text, sizeof mfu_text, " | MFU %.2f%%", 100 * mfu);
@@ -947,7 +951,11 @@ int Trainer::run() {
           {"elapsed_s", elapsed}, {"loss", s.loss}, {"grad_norm", s.grad_norm}, {"lr", s.lr}, {"tokens_per_s", tps}};
       if (show_mfu) fields.emplace_back("mfu", mfu);
       fields.emplace_back("rss_mib", rss);
-      if (device_.is_cuda()) fields.emplace_back("gpu_peak_mib", gpu_peak);
+      if (device_.is_cuda()) {
+        fields.emplace_back("gpu_peak_mib", gpu_peak);
+        fields.emplace_back("gpu_mallocs", static_cast<double>(new_mallocs));
+        fields.emplace_back("gpu_alloc_retries", static_cast<double>(cuda_alloc_retries(device_.index())));
+      }
       fields.emplace_back("tokens_seen", static_cast<double>(tokens_seen_));
       metrics.record(s.step, wall_clock_s(), fields);
       window_tokens = 0, window_seconds = 0;

@@ -182,6 +182,7 @@ class Trainer {
   std::unique_ptr<AdamW> optimizer_;
   int dp_ = 1, sp_ = 1, dp_rank_ = 0, sp_rank_ = 0;
   bool bf16_ = false;  // precision BF16: forward under bf16 autocast
+  int64_t logged_mallocs_ = 0;  // the caching allocator's cudaMalloc count at the last step line
   bool time_is_up_ = false;  // max_minutes passed on this rank (sent with the next step's loss sum)
   int64_t step_ = 0, tokens_seen_ = 0;
   std::string run_id_;  // rank 0: the id of the run its checkpoints carry (new, or the resumed one's)

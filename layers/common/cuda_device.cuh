@@ -10,5 +10,9 @@ const char* device_name(int index);
 // PyTorch's caching allocator on device `index`: the peak of allocated bytes, and its reset.
 long long peak_allocated_bytes(int index);
 void reset_peak_allocated(int index);
+// The caching allocator's cudaMalloc calls on device `index` so far, and its retries (a malloc that
+// failed, freed the cache and tried again).
+long long device_mallocs(int index);
+long long alloc_retries(int index);
 void synchronize();
 }  // namespace carry::cuda

@@ -35,6 +35,22 @@ void cuda_reset_peak_allocated(int index) {
   (void)index;
 #endif
 }
+int64_t cuda_device_mallocs(int index) {
+#ifdef CARRY_WITH_CUDA
+  return cuda::device_mallocs(index);
+#else
+  (void)index;
+  return 0;
+#endif
+}
+int64_t cuda_alloc_retries(int index) {
+#ifdef CARRY_WITH_CUDA
+  return cuda::alloc_retries(index);
+#else
+  (void)index;
+  return 0;
+#endif
+}
 void cuda_synchronize() {
 #ifdef CARRY_WITH_CUDA
   cuda::synchronize();

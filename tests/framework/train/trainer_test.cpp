@@ -229,6 +229,28 @@ TEST(GpuTrainer, StepsRunWithoutHiddenSyncs) {
   }
 }
 
+// No allocation churn (on a GPU; skipped without one): once two steps have run, further steps take
+// every buffer from the caching allocator's cache, with no new cudaMalloc and no retry, in fp32 and
+// bf16, with recomputation (whole and around kept mixer cores) and with gradient accumulation.
+TEST(GpuTrainer, SteadyStepsMallocNothing) {
+  if (cuda_device_count() == 0) GTEST_SKIP() << "no CUDA device";
+  auto on_gpu = quiet();
+  on_gpu.force_cpu = false;
+  for (auto extra : std::vector<std::vector<std::string>>{
+           {}, {"precision=BF16"}, {"precision=BF16", "parallel.recompute=true"},
+           {"precision=BF16", "parallel.recompute=true", "parallel.recompute_keeps_mixer=true"},
+           {"optimizer.grad_accum_steps=2"}}) {
+    Trainer t(tiny_config(extra), nullptr, on_gpu);
+    for (int i = 0; i < 2; ++i) t.train_step();
+    const int64_t mallocs = cuda_device_mallocs(0), retries = cuda_alloc_retries(0);
+    for (int i = 0; i < 3; ++i) t.train_step();
+    std::string what;
+    for (auto& e : extra) what += e + " ";
+    EXPECT_EQ(cuda_device_mallocs(0), mallocs) << what << ": steps 3-5 called cudaMalloc";
+    EXPECT_EQ(cuda_alloc_retries(0), retries) << what;
+  }
+}
+
 // A stop signal during run() (here SIGUSR1 raised after step 3, as mpirun forwards it): the step
 // finishes, a checkpoint of step 3 is written, run() returns kExitStoppedBySignal and the previous
 // handler is back; running again resumes at step 3 and ends at total_steps with the losses of a run
