@@ -75,10 +75,10 @@ struct MixerLayerSpec {
 const std::vector<std::string>& mixer_layer_kinds();
 std::string mixer_layer_family(const std::string& kind);
 
-// How the layer reaches the rest of the sequence. The defaults describe one slice that is the whole
-// sequence.
 struct MixerCoreStash;  // layers/recompute.h
 
+// How the layer reaches the rest of the sequence. The defaults describe one slice that is the whole
+// sequence.
 struct MixerLayerContext {
   // Absolute position of this slice's first token (log-linear levels; MixerOptions::offset).
   int64_t offset = 0;

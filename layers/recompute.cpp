@@ -15,6 +15,21 @@ namespace {
 
 using torch::autograd::variable_list;
 
+// The gradient of y (for the incoming gy) with respect to each of `inputs` that requires one, in
+// `inputs`' order; undefined for the others (and for all when none does).
+variable_list grads_wrt(const Tensor& y, const Tensor& gy, const std::vector<Tensor>& inputs) {
+  variable_list out(inputs.size());
+  std::vector<Tensor> wrt;
+  std::vector<size_t> slot;
+  for (size_t i = 0; i < inputs.size(); ++i)
+    if (inputs[i].requires_grad()) wrt.push_back(inputs[i]), slot.push_back(i);
+  if (wrt.empty()) return out;
+  auto g = torch::autograd::grad({y}, wrt, {gy.to(y.scalar_type())}, /*retain_graph=*/false,
+                                 /*create_graph=*/false, /*allow_unused=*/true);
+  for (size_t j = 0; j < g.size(); ++j) out[slot[j]] = g[j];
+  return out;
+}
+
 class RecomputeBackward final : public torch::autograd::Node {
  public:
   RecomputeBackward(std::function<Tensor(const Tensor&)> f, Tensor x, std::vector<Tensor> parameters,
@@ -41,18 +56,11 @@ class RecomputeBackward final : public torch::autograd::Node {
       y = f_(x);
     }
 
-    // Differentiate with respect to x (when it needs a gradient) and the parameters that do.
-    std::vector<Tensor> wrt;
-    std::vector<size_t> slot;  // output slot of each wrt entry: 0 = x, 1 + i = parameter i
-    if (x_grad) wrt.push_back(x), slot.push_back(0);
-    for (size_t i = 0; i < parameters_.size(); ++i)
-      if (parameters_[i].requires_grad()) wrt.push_back(parameters_[i]), slot.push_back(1 + i);
-    variable_list out(1 + parameters_.size());
-    if (!wrt.empty()) {
-      auto g = torch::autograd::grad({y}, wrt, {gy.to(y.scalar_type())}, /*retain_graph=*/false,
-                                     /*create_graph=*/false, /*allow_unused=*/true);
-      for (size_t j = 0; j < g.size(); ++j) out[slot[j]] = g[j];
-    }
+    // Differentiate with respect to x (when it needs a gradient) and the parameters that do: output
+    // slot 0 is x, 1 + i parameter i.
+    std::vector<Tensor> inputs{x};
+    inputs.insert(inputs.end(), parameters_.begin(), parameters_.end());
+    variable_list out = grads_wrt(y, gy, inputs);
     f_ = nullptr, x_ = Tensor(), parameters_.clear();
     return out;
   }
@@ -75,17 +83,9 @@ class StashedCoreBackward final : public torch::autograd::Node {
 
   variable_list apply(variable_list&& grads) override {
     TORCH_CHECK(stash_ && stash_->o.defined(), "recompute: the kept mixer core was differentiated twice");
-    variable_list out(stash_->leaves.size());
     const Tensor& go = grads.at(0);
-    std::vector<Tensor> wrt;
-    std::vector<size_t> slot;
-    for (size_t i = 0; i < stash_->leaves.size(); ++i)
-      if (stash_->leaves[i].requires_grad()) wrt.push_back(stash_->leaves[i]), slot.push_back(i);
-    if (go.defined() && !wrt.empty() && stash_->o.requires_grad()) {
-      auto g = torch::autograd::grad({stash_->o}, wrt, {go.to(stash_->o.scalar_type())}, /*retain_graph=*/false,
-                                     /*create_graph=*/false, /*allow_unused=*/true);
-      for (size_t j = 0; j < g.size(); ++j) out[slot[j]] = g[j];
-    }
+    variable_list out = go.defined() && stash_->o.requires_grad() ? grads_wrt(stash_->o, go, stash_->leaves)
+                                                                  : variable_list(stash_->leaves.size());
     *stash_ = MixerCoreStash{};
     stash_.reset();
     return out;
@@ -105,7 +105,6 @@ MixerOutput stashed_mixer_core(const std::shared_ptr<MixerCoreStash>& stash, con
     // The forward pass: the core with its own graph over leaf copies of its inputs.
     at::AutoGradMode grad_on(true);
     MixerInputs leaf;
-    st.names.clear(), st.leaves.clear();
     for (const auto& name : MixerInputs::names()) {
       const Tensor& t = in.get(name);
       if (!t.defined()) continue;
