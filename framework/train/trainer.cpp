@@ -937,10 +937,11 @@ int Trainer::run() {
       // GPU: the caching allocator's peak since the last line (this rank's device).
       const double gpu_peak = device_.is_cuda() ? cuda_peak_allocated_bytes(device_.index()) / (1024.0 * 1024.0) : 0;
       if (device_.is_cuda()) cuda_reset_peak_allocated(device_.index());
-      // The caching allocator's cudaMallocs since the last line (none once the steps are steady).
-      const int64_t mallocs = device_.is_cuda() ? cuda_device_mallocs(device_.index()) : 0;
-      const int64_t new_mallocs = mallocs - logged_mallocs_;
-      logged_mallocs_ = mallocs;
+      // The caching allocator's cudaMallocs since the last line (the first: since the start; none once
+      // the steps are steady) and its retries so far.
+      const CudaAllocatorCounts alloc = device_.is_cuda() ? cuda_allocator_counts(device_.index()) : CudaAllocatorCounts{};
+      const int64_t new_mallocs = alloc.mallocs - logged_mallocs_;
+      logged_mallocs_ = alloc.mallocs;
       char gpu[48] = "", mfu_text[32] = "";
       if (device_.is_cuda()) std::snprintf(gpu, sizeof gpu, " | gpu peak %.0f MiB", gpu_peak);
       if (show_mfu) std::snprintf(mfu_text, sizeof mfu_text, " | MFU %.2f%%", 100 * mfu);
@@ -954,7 +955,7 @@ int Trainer::run() {
       if (device_.is_cuda()) {
         fields.emplace_back("gpu_peak_mib", gpu_peak);
         fields.emplace_back("gpu_mallocs", static_cast<double>(new_mallocs));
-        fields.emplace_back("gpu_alloc_retries", static_cast<double>(cuda_alloc_retries(device_.index())));
+        fields.emplace_back("gpu_alloc_retries", static_cast<double>(alloc.retries));
       }
       fields.emplace_back("tokens_seen", static_cast<double>(tokens_seen_));
       metrics.record(s.step, wall_clock_s(), fields);

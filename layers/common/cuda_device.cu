@@ -37,12 +37,10 @@ long long peak_allocated_bytes(int index) {
   return stats.allocated_bytes[static_cast<size_t>(c10::CachingAllocator::StatType::AGGREGATE)].peak;
 }
 
-long long device_mallocs(int index) {
-  return c10::cuda::CUDACachingAllocator::getDeviceStats(static_cast<c10::DeviceIndex>(index)).num_device_alloc;
-}
-
-long long alloc_retries(int index) {
-  return c10::cuda::CUDACachingAllocator::getDeviceStats(static_cast<c10::DeviceIndex>(index)).num_alloc_retries;
+void allocator_counts(int index, long long* mallocs, long long* retries) {
+  const auto stats = c10::cuda::CUDACachingAllocator::getDeviceStats(static_cast<c10::DeviceIndex>(index));
+  *mallocs = stats.num_device_alloc;
+  *retries = stats.num_alloc_retries;
 }
 
 void synchronize() { cudaDeviceSynchronize(); }

@@ -12,7 +12,6 @@ long long peak_allocated_bytes(int index);
 void reset_peak_allocated(int index);
 // The caching allocator's cudaMalloc calls on device `index` so far, and its retries (a malloc that
 // failed, freed the cache and tried again).
-long long device_mallocs(int index);
-long long alloc_retries(int index);
+void allocator_counts(int index, long long* mallocs, long long* retries);
 void synchronize();
 }  // namespace carry::cuda

@@ -35,21 +35,16 @@ void cuda_reset_peak_allocated(int index) {
   (void)index;
 #endif
 }
-int64_t cuda_device_mallocs(int index) {
+CudaAllocatorCounts cuda_allocator_counts(int index) {
+  CudaAllocatorCounts c;
 #ifdef CARRY_WITH_CUDA
-  return cuda::device_mallocs(index);
+  long long mallocs = 0, retries = 0;
+  cuda::allocator_counts(index, &mallocs, &retries);
+  c.mallocs = mallocs, c.retries = retries;
 #else
   (void)index;
-  return 0;
 #endif
-}
-int64_t cuda_alloc_retries(int index) {
-#ifdef CARRY_WITH_CUDA
-  return cuda::alloc_retries(index);
-#else
-  (void)index;
-  return 0;
-#endif
+  return c;
 }
 void cuda_synchronize() {
 #ifdef CARRY_WITH_CUDA

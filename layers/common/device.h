@@ -11,10 +11,12 @@ std::string cuda_device_name(int index);
 // The caching allocator's peak of allocated bytes on a device since the last reset (0 without CUDA).
 int64_t cuda_peak_allocated_bytes(int index);
 void cuda_reset_peak_allocated(int index);
-// The caching allocator's cudaMalloc calls on a device so far, and its retries after a failed one (0
-// without CUDA): a steady training step adds to neither.
-int64_t cuda_device_mallocs(int index);
-int64_t cuda_alloc_retries(int index);
+// The caching allocator's cudaMalloc calls on a device so far, and its retries after a failed one
+// (zeros without CUDA): a steady training step adds to neither.
+struct CudaAllocatorCounts {
+  int64_t mallocs = 0, retries = 0;
+};
+CudaAllocatorCounts cuda_allocator_counts(int index);
 // Waits for all work on the current CUDA device (benchmarks); a no-op without CUDA.
 void cuda_synchronize();
 }  // namespace carry

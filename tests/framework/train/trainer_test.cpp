@@ -242,12 +242,13 @@ TEST(GpuTrainer, SteadyStepsMallocNothing) {
            {"optimizer.grad_accum_steps=2"}}) {
     Trainer t(tiny_config(extra), nullptr, on_gpu);
     for (int i = 0; i < 2; ++i) t.train_step();
-    const int64_t mallocs = cuda_device_mallocs(0), retries = cuda_alloc_retries(0);
+    const CudaAllocatorCounts before = cuda_allocator_counts(0);
     for (int i = 0; i < 3; ++i) t.train_step();
+    const CudaAllocatorCounts after = cuda_allocator_counts(0);
     std::string what;
     for (auto& e : extra) what += e + " ";
-    EXPECT_EQ(cuda_device_mallocs(0), mallocs) << what << ": steps 3-5 called cudaMalloc";
-    EXPECT_EQ(cuda_alloc_retries(0), retries) << what;
+    EXPECT_EQ(after.mallocs, before.mallocs) << what << ": steps 3-5 called cudaMalloc";
+    EXPECT_EQ(after.retries, before.retries) << what;
   }
 }
 
