@@ -12,6 +12,7 @@
 // l2norm: one warp per row of D ≤ 256 (8 values a lane in registers), fp32, butterfly reduction.
 #include "layers/common/kernel_conv.cuh"
 #include "layers/common/kernel_reduce.cuh"
+#include "layers/common/kernel_tiles.cuh"
 
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -31,14 +32,9 @@ constexpr int kThreads = 128;  // channels a block
 constexpr int kMaxGroups = 3;
 constexpr int kMaxD = 256;     // l2norm row length
 
-__device__ __forceinline__ float to_f(float v) { return v; }
-__device__ __forceinline__ float to_f(__nv_bfloat16 v) { return __bfloat162float(v); }
-template <typename T>
-__device__ __forceinline__ T from_f(float v);
-template <>
-__device__ __forceinline__ float from_f<float>(float v) { return v; }
-template <>
-__device__ __forceinline__ __nv_bfloat16 from_f<__nv_bfloat16>(float v) { return __float2bfloat16_rn(v); }
+using carry_tiles::from_f;
+using carry_tiles::Pack;
+using carry_tiles::to_f;
 
 // The output's channel groups: group g holds channels [end[g−1], end[g]) as its own [B,T,width] tensor.
 template <typename P>
@@ -106,11 +102,7 @@ __device__ __forceinline__ void shift(float* a, int K, float fill) {
 
 __device__ __forceinline__ float sigmoid_f(float a) { return 1.f / (1.f + expf(-a)); }
 
-// V consecutive channels of one row as one aligned load or store (V·sizeof(T) bytes).
-template <typename T, int V>
-struct alignas(sizeof(T) * V) Pack {
-  T v[V];
-};
+// V consecutive channels of one row in fp32 (loaded and stored as one Pack of V·sizeof(T) bytes).
 template <int V>
 struct Row {
   float v[V];

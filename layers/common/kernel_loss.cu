@@ -5,6 +5,7 @@
 // (grads) reads the row again (from L2: a 32000-token row of bf16 is 64 KB) and writes the gradient
 // over it. HBM per row: V·|x| read, V·|x| written (grads), 16 bytes of row data.
 #include "layers/common/kernel_loss.cuh"
+#include "layers/common/kernel_tiles.cuh"
 
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -17,17 +18,9 @@ namespace carry_loss {
 
 namespace {
 
-__device__ __forceinline__ float to_f(float x) { return x; }
-__device__ __forceinline__ float to_f(__nv_bfloat16 x) { return __bfloat162float(x); }
-template <typename T> __device__ __forceinline__ T from_f(float x);
-template <> __device__ __forceinline__ float from_f<float>(float x) { return x; }
-template <> __device__ __forceinline__ __nv_bfloat16 from_f<__nv_bfloat16>(float x) { return __float2bfloat16_rn(x); }
-
-// E consecutive elements as one access (16 bytes when E·sizeof(T) = 16).
-template <typename T, int E>
-struct alignas(sizeof(T) * E) Pack {
-  T v[E];
-};
+using carry_tiles::from_f;
+using carry_tiles::Pack;
+using carry_tiles::to_f;
 
 // The running (max, Σ e^{x − max}) of a thread, and its first largest value and index.
 struct Acc {

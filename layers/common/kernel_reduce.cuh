@@ -14,6 +14,7 @@
 
 namespace carry_reduce {
 
+// A template so that every translation unit including this header may instantiate it (no ODR clash).
 template <int kUnused = 0>
 __global__ void rows_sum_kernel(const float* __restrict__ part, float* __restrict__ out, long R, long n, long L) {
   const long i = (long)blockIdx.x * blockDim.x + threadIdx.x;
