@@ -304,8 +304,8 @@ std::string memory_report(const MemoryEstimate& m, const RunConfig& config) {
   row("peak, recomputed", m.total_recomputed, recompute && !keeps ? "<- this config (parallel.recompute: true)" : "");
   row("peak, recomputed around kept mixers", m.total_keeps_mixer,
       keeps ? "<- this config (parallel.recompute_keeps_mixer: true)" : "");
-  os << "  (ATen forms as measured; CUDA kernel forms keep less. Allocator fragmentation and communication\n"
-        "  buffers come on top.)\n";
+  os << "  (ATen forms as measured; CUDA kernel forms keep other tensors. Allocator fragmentation and\n"
+        "  communication buffers come on top.)\n";
   return os.str();
 }
 
