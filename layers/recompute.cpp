@@ -15,6 +15,29 @@ namespace {
 
 using torch::autograd::variable_list;
 
+// What the forward of one recomputed layer received, in order (received_once).
+struct MessageLog {
+  std::vector<std::vector<Tensor>> received;
+  size_t next = 0;    // the next one the recomputation takes
+  bool replay = false;
+};
+thread_local MessageLog* t_log = nullptr;
+
+// While alive, received_once on this thread records into (or replays from) `log`.
+class LogScope {
+ public:
+  LogScope(MessageLog* log, bool replay) : saved_(t_log) {
+    log->replay = replay;
+    t_log = log;
+  }
+  ~LogScope() { t_log = saved_; }
+  LogScope(const LogScope&) = delete;
+  LogScope& operator=(const LogScope&) = delete;
+
+ private:
+  MessageLog* saved_;
+};
+
 // The gradient of y (for the incoming gy) with respect to each of `inputs` that requires one, in
 // `inputs`' order; undefined for the others (and for all when none does).
 variable_list grads_wrt(const Tensor& y, const Tensor& gy, const std::vector<Tensor>& inputs) {
@@ -33,9 +56,10 @@ variable_list grads_wrt(const Tensor& y, const Tensor& gy, const std::vector<Ten
 class RecomputeBackward final : public torch::autograd::Node {
  public:
   RecomputeBackward(std::function<Tensor(const Tensor&)> f, Tensor x, std::vector<Tensor> parameters,
-                    AutocastState autocast, at::TensorOptions y_options, std::vector<int64_t> y_sizes)
+                    AutocastState autocast, at::TensorOptions y_options, std::vector<int64_t> y_sizes,
+                    MessageLog log)
       : f_(std::move(f)), x_(std::move(x)), parameters_(std::move(parameters)), autocast_(autocast),
-        y_options_(y_options), y_sizes_(std::move(y_sizes)) {}
+        y_options_(y_options), y_sizes_(std::move(y_sizes)), log_(std::move(log)) {}
 
   std::string name() const override { return "carry::RecomputeBackward"; }
 
@@ -53,15 +77,18 @@ class RecomputeBackward final : public torch::autograd::Node {
       // The forward's autocast for the recomputation only; the backward below runs without it, as
       // the backward of a layer that kept its activations does.
       AutocastStateScope autocast(autocast_);
+      LogScope replay(&log_, /*replay=*/true);
       y = f_(x);
     }
+    TORCH_CHECK(log_.next == log_.received.size(), "recompute: the recomputation took ", log_.next,
+                " of the ", log_.received.size(), " messages the forward received");
 
     // Differentiate with respect to x (when it needs a gradient) and the parameters that do: output
     // slot 0 is x, 1 + i parameter i.
     std::vector<Tensor> inputs{x};
     inputs.insert(inputs.end(), parameters_.begin(), parameters_.end());
     variable_list out = grads_wrt(y, gy, inputs);
-    f_ = nullptr, x_ = Tensor(), parameters_.clear();
+    f_ = nullptr, x_ = Tensor(), parameters_.clear(), log_ = MessageLog{};
     return out;
   }
 
@@ -72,6 +99,7 @@ class RecomputeBackward final : public torch::autograd::Node {
   AutocastState autocast_;
   at::TensorOptions y_options_;
   std::vector<int64_t> y_sizes_;
+  MessageLog log_;
 };
 
 // The recomputation's stand-in for a stashed core: its inputs are the recomputed core inputs, its
@@ -141,19 +169,36 @@ Tensor recompute_in_backward(std::function<Tensor(const Tensor&)> f, const Tenso
   if (!at::GradMode::is_enabled() || !any) return f(x);
 
   Tensor y;
+  MessageLog log;
   {
     at::NoGradGuard no_grad;
+    LogScope record(&log, /*replay=*/false);
     y = f(x.detach());
   }
   auto node = std::shared_ptr<RecomputeBackward>(
       new RecomputeBackward(std::move(f), x.detach().requires_grad_(x.requires_grad()), parameters,
-                            AutocastState::current(), y.options(), y.sizes().vec()),
+                            AutocastState::current(), y.options(), y.sizes().vec(), std::move(log)),
       torch::autograd::deleteNode);
   variable_list inputs{x};
   inputs.insert(inputs.end(), parameters.begin(), parameters.end());
   node->set_next_edges(torch::autograd::collect_next_edges(inputs));
   torch::autograd::set_history(y, node);
   return y;
+}
+
+std::vector<Tensor> received_once(const std::function<std::vector<Tensor>()>& exchange) {
+  if (!t_log) return exchange();
+  if (t_log->replay) {
+    TORCH_CHECK(t_log->next < t_log->received.size(), "recompute: the recomputation asks for message ",
+                t_log->next + 1, " but the forward received ", t_log->received.size());
+    std::vector<Tensor> got;
+    for (auto& t : t_log->received[t_log->next]) got.push_back(t.defined() ? t.detach() : t);
+    ++t_log->next;
+    return got;
+  }
+  auto got = exchange();
+  t_log->received.push_back(got);
+  return got;
 }
 
 }  // namespace carry

@@ -5,6 +5,8 @@
 // collectives (sequence-parallel scans, halo exchanges): every rank recomputes its layers in the same
 // order, so the collectives of the recomputation match across ranks.
 // Without grad mode, or when neither x nor a parameter requires grad, this is plain f(x).
+// What f receives from other ranks (received_once) is recorded by the forward and replayed by the
+// recomputation, which therefore sends nothing and waits for no rank.
 #pragma once
 
 #include "layers/mixer.h"
@@ -18,6 +20,13 @@ namespace carry {
 
 Tensor recompute_in_backward(std::function<Tensor(const Tensor&)> f, const Tensor& x,
                              const std::vector<Tensor>& parameters);
+
+// A message exchange inside a layer (a sequence-parallel state, a halo): `exchange` sends what it
+// sends and returns what it received. Inside the forward of a recomputed layer the result is recorded;
+// inside its recomputation the recorded tensors come back in the same order and `exchange` does not
+// run, so the recomputation of one rank never waits for another's (they recompute the same values).
+// Elsewhere: exchange().
+std::vector<Tensor> received_once(const std::function<std::vector<Tensor>()>& exchange);
 
 // Selective recomputation (parallel.recompute_keeps_mixer): a recomputed layer runs its family's core
 // once. The forward pass (under recompute_in_backward's no-grad forward) runs the core with autograd

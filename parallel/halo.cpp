@@ -2,6 +2,8 @@
 // to the left in the backward, so neither direction can deadlock.
 #include "parallel/halo.h"
 
+#include "layers/recompute.h"
+
 #include <torch/csrc/autograd/function.h>
 #include <torch/csrc/autograd/functions/utils.h>
 
@@ -58,7 +60,11 @@ Tensor halo_exchange(Communicator& sp, const Tensor& x, int64_t halo) {
   auto got = at::zeros(shape, x.options());
   {
     CommContext ctx("halo exchange forward: last tokens to the next rank");
-    sp.send_recv(tail, r + 1 < P ? r + 1 : -1, got, r > 0 ? r - 1 : -1, kTagHaloForward);
+    // A recomputation takes the halo its forward received (layers/recompute.h).
+    got = received_once([&] {
+      sp.send_recv(tail, r + 1 < P ? r + 1 : -1, got, r > 0 ? r - 1 : -1, kTagHaloForward);
+      return std::vector<Tensor>{got};
+    })[0];
   }
   if (!(x.requires_grad() && at::GradMode::is_enabled())) return got;
   auto node = std::shared_ptr<HaloBackward>(new HaloBackward(&sp, x.sizes().vec(), x.options(), halo),

@@ -7,15 +7,13 @@
 
 namespace carry::parallel {
 
-MixerLayerContext make_slice_context(std::shared_ptr<Communicator> sp, ScanMode mode, int head_groups,
-                                     int64_t sequence_length) {
-  MixerLayerContext ctx;
-  if (!sp || sp->size() == 1) return ctx;
+namespace {
+
+// The layout is agreed here, once: every rank must run the same sequence length, scan mode and head
+// groups; the per-call scans then send no agreement messages.
+void agree_layout(Communicator* sp, ScanMode mode, int head_groups, int64_t sequence_length) {
+  if (!sp || sp->size() == 1) return;
   const int64_t P = sp->size();
-  TORCH_CHECK(sequence_length % P == 0, "slice context: a sequence of ", sequence_length,
-              " tokens does not split evenly over sp = ", P, " ranks");
-  // The layout is agreed here, once: every rank must run the same sequence length, scan mode and head
-  // groups; the per-call scans then send no agreement messages.
   {
     CommContext cc("slice context: agreeing on the sequence layout");
     auto all = sp->all_gather(at::tensor({sequence_length, static_cast<int64_t>(mode), int64_t{head_groups}}, at::kLong));
@@ -27,6 +25,15 @@ MixerLayerContext make_slice_context(std::shared_ptr<Communicator> sp, ScanMode 
       TORCH_CHECK(at::equal(all[i], all[0]), "slice context: sp rank ", i, " runs (sequence length, scan mode, "
                   "head groups) = ", text(all[i]), " but sp rank 0 runs ", text(all[0]));
   }
+}
+
+// The context of slice sp->rank() of sp->size(), its layout agreed.
+MixerLayerContext route_over(std::shared_ptr<Communicator> sp, ScanMode mode, int head_groups,
+                             int64_t sequence_length) {
+  MixerLayerContext ctx;
+  const int64_t P = sp->size();
+  TORCH_CHECK(sequence_length % P == 0, "slice context: a sequence of ", sequence_length,
+              " tokens does not split evenly into ", P, " slices");
   ctx.offset = sp->rank() * (sequence_length / P);
   ctx.sequence_length = sequence_length;
   ctx.run_mixer = [sp, mode, head_groups](const Mixer& mixer, const MixerInputs& in, const State& s,
@@ -45,6 +52,23 @@ MixerLayerContext make_slice_context(std::shared_ptr<Communicator> sp, ScanMode 
   // The tokens before this slice (sp rank 0 receives zeros: the sequence's start for a convolution;
   // a sliding window at offset 0 ignores them, see MixerLayer).
   ctx.halo = [sp](const Tensor& x, int64_t n) { return halo_exchange(*sp, x, n); };
+  return ctx;
+}
+
+}  // namespace
+
+MixerLayerContext make_slice_context(std::shared_ptr<Communicator> sp, ScanMode mode, int head_groups,
+                                     int64_t sequence_length) {
+  if (!sp || sp->size() == 1) return {};
+  agree_layout(sp.get(), mode, head_groups, sequence_length);
+  return route_over(std::move(sp), mode, head_groups, sequence_length);
+}
+
+MixerLayerContext make_segment_context(std::shared_ptr<SegmentCommunicator> segments, int head_groups,
+                                       int64_t sequence_length) {
+  agree_layout(segments->sp(), ScanMode::ordered, head_groups, sequence_length);
+  MixerLayerContext ctx = route_over(segments, ScanMode::ordered, head_groups, sequence_length);
+  ctx.serial_states = true;
   return ctx;
 }
 

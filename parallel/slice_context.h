@@ -6,6 +6,7 @@
 
 #include "layers/mixer_layer.h"
 #include "parallel/process_group.h"
+#include "parallel/segments.h"
 #include "parallel/state_scan.h"
 
 #include <memory>
@@ -18,5 +19,11 @@ namespace carry::parallel {
 // the short convolutions and sliding windows. With one rank: the default context (the whole sequence).
 MixerLayerContext make_slice_context(std::shared_ptr<Communicator> sp, ScanMode mode, int head_groups,
                                      int64_t sequence_length);
+
+// The same over ordered segments (parallel/segments.h): the layout agreed over their sp group, the
+// layers' states and halos routed through `segments`. The offset is that of segment 0 of this rank;
+// the caller sets it for each segment it runs (segment rank × its length).
+MixerLayerContext make_segment_context(std::shared_ptr<SegmentCommunicator> segments, int head_groups,
+                                       int64_t sequence_length);
 
 }  // namespace carry::parallel

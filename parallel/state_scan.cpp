@@ -6,6 +6,7 @@
 #include "parallel/state_scan.h"
 
 #include "layers/common/layout.h"
+#include "layers/recompute.h"
 
 #include <torch/csrc/autograd/autograd.h>
 #include <torch/csrc/autograd/function.h>
@@ -721,8 +722,10 @@ MixerOutput sp_mixer_forward(const Mixer& mixer, Communicator& sp, const MixerIn
         at::NoGradGuard no_grad;
         CommContext ctx(what + ": ordered forward, state of head group " + std::to_string(gi) +
                         " from the previous rank");
-        s_in = recv_tensors(sp, G > 1 ? heads_of(zero, 1, gi, n_heads) : zero, r - 1,
-                            ordered_tag(gi, false));
+        // A recomputation takes the state its forward received (layers/recompute.h).
+        s_in = received_once([&] {
+          return recv_tensors(sp, G > 1 ? heads_of(zero, 1, gi, n_heads) : zero, r - 1, ordered_tag(gi, false));
+        });
       } else {
         s_in = G > 1 ? heads_of(init_det, 1, gi, n_heads) : init_det;
       }
@@ -730,7 +733,10 @@ MixerOutput sp_mixer_forward(const Mixer& mixer, Communicator& sp, const MixerIn
       if (r < P - 1) {
         CommContext ctx(what + ": ordered forward, state of head group " + std::to_string(gi) +
                         " to the next rank");
-        send_tensors(sp, detached(outs.back().final_state), r + 1, ordered_tag(gi, false));
+        received_once([&] {
+          send_tensors(sp, detached(outs.back().final_state), r + 1, ordered_tag(gi, false));
+          return std::vector<Tensor>{};
+        });
       }
     }
   } else {
@@ -753,8 +759,10 @@ MixerOutput sp_mixer_forward(const Mixer& mixer, Communicator& sp, const MixerIn
           std::vector<Tensor> got;
           {
             CommContext ctx(what + ": tree scan forward, round " + std::to_string(round));
-            got = exchange_packed(sp, dst >= 0 ? flatten(X) : std::vector<Tensor>{}, dst, src, dev,
-                                  kTagTreeForward + round);
+            got = received_once([&] {
+              return exchange_packed(sp, dst >= 0 ? flatten(X) : std::vector<Tensor>{}, dst, src, dev,
+                                     kTagTreeForward + round);
+            });
           }
           if (src < 0) continue;
           Summary Y = unflatten_summary(got);  // ranks max(0, r-2d+1)..r-d
@@ -765,7 +773,20 @@ MixerOutput sp_mixer_forward(const Mixer& mixer, Communicator& sp, const MixerIn
         std::vector<std::vector<Tensor>> all;
         {
           CommContext ctx(what + ": allgather forward");
-          all = all_gather_packed(sp, flatten(mine), dev);
+          // One list: every rank's summary flattened, with the count of tensors a rank first.
+          std::vector<Tensor> packed = received_once([&] {
+            std::vector<Tensor> flat;
+            for (auto& a : all_gather_packed(sp, flatten(mine), dev)) {
+              flat.push_back(at::tensor({static_cast<int64_t>(a.size())}, at::kLong));
+              flat.insert(flat.end(), a.begin(), a.end());
+            }
+            return flat;
+          });
+          for (size_t i = 0; i < packed.size();) {
+            const int64_t n = packed[i].item<int64_t>();
+            all.emplace_back(packed.begin() + i + 1, packed.begin() + i + 1 + n);
+            i += 1 + n;
+          }
         }
         for (auto& a : all) c->all_summaries.push_back(unflatten_summary(a));
         for (int j = 0; j < r; ++j)

@@ -862,6 +862,14 @@ void check_run(const RunConfig& c, Errors& e) {
   if (par.recompute_keeps_mixer() && !par.recompute())
     e.add("parallel.recompute_keeps_mixer", "true needs parallel.recompute: true (it chooses what the recomputation "
           "keeps); got recompute: false");
+  const bool ordered = par.scan_mode() == config::ParallelConfig::ORDERED;
+  if (par.segments() < 0) e.add("parallel.segments", "must be >= 0 (0: sp), got ", par.segments());
+  else if (par.segments() > 0 && !ordered)
+    e.add("parallel.segments", "needs parallel.scan_mode: ORDERED (segments make the ordered chain reproducible "
+          "across layouts); got ", config::ParallelConfig::ScanMode_Name(par.scan_mode()));
+  else if (par.segments() > 0 && sp >= 1 && (par.segments() % sp != 0 || ((par.segments() / sp) & (par.segments() / sp - 1)) != 0))
+    e.add("parallel.segments", "must be sp times a power of two (each rank holds a power of two of them), got ",
+          par.segments(), " with sp = ", sp);
   if (par.loss_chunk_tokens() < 0)
     e.add("parallel.loss_chunk_tokens", "must be >= 0 (0: the default for the form that runs), got ", par.loss_chunk_tokens());
   int64_t ranks = 0;
@@ -883,26 +891,33 @@ void check_run(const RunConfig& c, Errors& e) {
        !mul_ok(step_tokens, accum, &step_tokens)))
     e.add("data.batch_size", "data.seq_len*data.batch_size*parallel.dp*optimizer.grad_accum_steps (tokens a step) "
           "must fit in int64, got ", T, "*", d.batch_size(), "*", par.dp(), "*", accum);
+  // The pieces the sequence is cut into: sp slices, or the ordered segments.
+  const bool segmented = ordered && par.segments() > 0 && sp_ok && par.segments() <= kMaxRanks &&
+                         par.segments() % sp == 0 && ((par.segments() / sp) & (par.segments() / sp - 1)) == 0;
+  const int64_t pieces = segmented ? par.segments() : sp;
+  const char* pieces_name = segmented ? "parallel.segments" : "sp";
   if (T_ok && sp_ok) {
-    int64_t per_rank = T / sp;
+    int64_t per_rank = T / pieces;
     for (auto& k : distinct_kinds(m)) {
       if (!is_known_kind(k)) continue;
       int64_t layer = std::find(m.mixers().begin(), m.mixers().end(), k) - m.mixers().begin();
       auto o = layer_mixer(m, layer).options;
       if (layer_kind(k).window) {
-        if (o.window() == 0 && sp > 1)
-          e.add("parallel.sp", "softmax_attn layers with window 0 (full causal attention) cannot be sequence-"
-                "parallel (sp = ", sp, "); give them a window: mixer_options { kind: \"softmax_attn\" window: ... }");
-        if (o.window() > 0 && sp > 1 && o.window() > per_rank)
-          e.add(path_of_option(m, k, "window"), "window ", o.window(), " exceeds the ", per_rank,
-                " tokens each of the ", sp, " sp ranks holds (the halo comes from the previous rank only)");
-      } else if (o.chunk_size() > 0 && o.chunk_size() <= kMaxChunkSize && T % (o.chunk_size() * sp) != 0) {
-        e.add("data.seq_len", "must be a multiple of chunk_size*sp = ", o.chunk_size(), "*", sp, " = ",
-              o.chunk_size() * sp, " (", k, " layers), got ", T);
+        if (o.window() == 0 && pieces > 1)
+          e.add(segmented ? "parallel.segments" : "parallel.sp", "softmax_attn layers with window 0 (full causal "
+                "attention) cannot be ", segmented ? "cut into segments" : "sequence-parallel", " (", pieces_name,
+                " = ", pieces, "); give them a window: mixer_options { kind: \"softmax_attn\" window: ... }");
+        if (o.window() > 0 && pieces > 1 && o.window() > per_rank)
+          e.add(path_of_option(m, k, "window"), "window ", o.window(), " exceeds the ", per_rank, " tokens each of the ",
+                pieces, segmented ? " segments holds (the halo comes from the previous segment only)"
+                                  : " sp ranks holds (the halo comes from the previous rank only)");
+      } else if (o.chunk_size() > 0 && o.chunk_size() <= kMaxChunkSize && T % (o.chunk_size() * pieces) != 0) {
+        e.add("data.seq_len", "must be a multiple of chunk_size*", segmented ? "segments" : "sp", " = ",
+              o.chunk_size(), "*", pieces, " = ", o.chunk_size() * pieces, " (", k, " layers), got ", T);
       }
-      if (o.conv_size() > 1 && sp > 1 && o.conv_size() - 1 > per_rank)
+      if (o.conv_size() > 1 && pieces > 1 && o.conv_size() - 1 > per_rank)
         e.add(path_of_option(m, k, "conv_size"), "conv_size ", o.conv_size(), " needs a halo of ", o.conv_size() - 1,
-              " tokens, more than the ", per_rank, " each sp rank holds");
+              " tokens, more than the ", per_rank, segmented ? " each segment holds" : " each sp rank holds");
       if (layer_kind(k).levels && o.levels() > 0 && o.levels() < bit_width(T) + 1)
         e.add(path_of_option(m, k, "levels"), k, " over data.seq_len = ", T, " needs levels >= ", bit_width(T) + 1,
               " (or 0 for as many as needed), got ", o.levels());

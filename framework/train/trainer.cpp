@@ -197,12 +197,17 @@ Trainer::Trainer(const RunConfig& config, std::shared_ptr<parallel::ProcessGroup
   context_.recompute = config_.parallel().recompute();
   context_.recompute_keeps_mixer = config_.parallel().recompute_keeps_mixer();
   context_.loss_chunk_tokens = config_.parallel().loss_chunk_tokens();
-  if (sp_ > 1)  // collective: every rank of the sp group agrees on the layout here, once
-    context_.slice = parallel::make_slice_context(groups_->sp, scan_mode_of(config_.parallel().scan_mode()),
+  // Collective: every rank of the sp group agrees on the layout here, once.
+  const int64_t segments = par.segments() > 0 ? par.segments() : sp_;
+  if (par.scan_mode() == config::ParallelConfig::ORDERED && segments > 1) {
+    segments_ = std::make_shared<parallel::SegmentCommunicator>(sp_ > 1 ? groups_->sp : nullptr,
+                                                                static_cast<int>(segments / sp_), device_);
+    context_.slice = parallel::make_segment_context(segments_, /*head_groups=*/1, config_.data().seq_len());
+  } else if (sp_ > 1) {
+    context_.slice = parallel::make_slice_context(groups_->sp, scan_mode_of(par.scan_mode()),
                                                   /*head_groups=*/1, config_.data().seq_len());
-  context_.slice.serial_states = par.has_serial_states()
-                                     ? par.serial_states()
-                                     : sp_ > 1 && par.scan_mode() == config::ParallelConfig::ORDERED;
+  }
+  if (par.has_serial_states()) context_.slice.serial_states = par.serial_states();
 }
 
 int Trainer::rank() const { return groups_ ? groups_->world_info.rank : 0; }
@@ -371,6 +376,16 @@ Trainer::Batch Trainer::batch_for(int64_t step, int64_t micro, bool eval) const 
 }
 
 
+std::pair<Trainer::Batch, ModelContext> Trainer::segment_of(const Batch& b, int j) const {
+  segments_->set_segment(j);
+  const int64_t L = b.tokens.size(1) / segments_->per_rank();
+  auto part = [&](const at::Tensor& x) { return x.narrow(1, j * L, L); };
+  Batch s{part(b.tokens), part(b.targets), part(b.loss_mask), b.document_starts};
+  ModelContext c = context(s);
+  c.slice.offset = segments_->rank() * L;
+  return {s, c};
+}
+
 namespace {
 // CARRY_SYNC_DEBUG=error (CUDA builds): inside a training step, any synchronizing CUDA call (a
 // device-to-host copy, .item(), a stream synchronization through PyTorch) throws, naming the
@@ -407,6 +422,51 @@ class SyncAudit {
 };
 }  // namespace
 
+at::Tensor Trainer::segmented_forward_backward(const std::vector<Batch>& micro, const at::Tensor& stop) {
+  const int k = segments_->per_rank();
+  auto params = model_.parameters();
+  // The global token count first (exact in any order): every segment's loss is divided by it.
+  auto masked = at::zeros({1}, at::TensorOptions().dtype(at::kDouble).device(device_));
+  for (auto& b : micro) masked += b.loss_mask.to(at::kDouble).sum();
+  all_reduce(masked);
+  // Per local segment: [Σ ce·mask, stop signals] and the gradients, each summed over the micro-batches in order (the
+  // same order on every layout), then over the segments by the tree.
+  std::vector<at::Tensor> losses(k), grads(k);
+  for (auto& batch : micro) {
+    std::vector<LinearCrossEntropy> ce(k);
+    for (int j = 0; j < k; ++j) {
+      auto [seg, ctx] = segment_of(batch, j);
+      AutocastScope autocast(device_.type(), at::kBFloat16, bf16_);
+      ce[j] = model_.loss_sum(seg.tokens, seg.targets, seg.loss_mask, ctx);
+      auto l = at::stack({ce[j].loss.detach().to(at::kDouble), at::zeros({}, masked.options())});
+      losses[j] = losses[j].defined() ? losses[j] + l : l;
+    }
+    for (int j = k - 1; j >= 0; --j) {  // the state gradients flow right to left
+      segments_->set_segment(j);
+      (ce[j].loss / masked[0].to(ce[j].loss.scalar_type())).backward();
+      ce[j] = LinearCrossEntropy{};
+      std::vector<at::Tensor> flat;
+      for (auto& [name, p] : params) {
+        flat.push_back(p.grad().defined() ? p.grad().reshape({-1}) : at::zeros({p.numel()}, p.options()));
+        p.mutable_grad() = at::Tensor();
+      }
+      auto g = at::cat(flat);
+      grads[j] = grads[j].defined() ? grads[j] + g : g;
+    }
+  }
+  auto* sp = segments_->sp();
+  auto buffer = parallel::tree_sum(grads, sp);
+  grads.clear();
+  int64_t offset = 0;
+  for (auto& [name, p] : params) {
+    p.mutable_grad() = buffer.narrow(0, offset, p.numel()).view(p.sizes()).clone();
+    offset += p.numel();
+  }
+  losses[0] = losses[0] + at::stack({at::zeros({}, stop.options()), stop});  // the stop signals ride along
+  auto loss = parallel::tree_sum(losses, sp);
+  return at::stack({loss[0], masked[0], loss[1]});
+}
+
 StepStats Trainer::train_step() {
   const double t0 = now_s();
   SyncAudit audit;
@@ -421,7 +481,18 @@ StepStats Trainer::train_step() {
   // travel to the host together, and the checks (a token selected, a finite loss and norm) come before
   // the update.
   at::Tensor sums;  // [Σ ce·mask, Σ mask, stop signals] over all ranks, fp64 on the device
-  if (accum == 1) {
+  if (segments_) {
+    std::vector<Batch> micro;
+    for (int64_t m = 0; m < accum; ++m)
+      micro.push_back(SyncAudit::allowed([&] { return batch_for(step_, m, false); }));
+    // Summed over the sp group by the segment tree; the data-parallel replicas below.
+    sums = segmented_forward_backward(micro, stop_flag(at::TensorOptions().device(device_)));
+    if (dp_ > 1) {
+      auto dp_sums = at::stack({sums[0], sums[2]});
+      groups_->dp->all_reduce_sum(dp_sums);
+      sums = at::stack({dp_sums[0], sums[1], dp_sums[1]});
+    }
+  } else if (accum == 1) {
     auto batch = SyncAudit::allowed([&] { return batch_for(step_, 0, false); });  // the input upload
     // The head and cross entropy run chunk by chunk (chunked_loss.h): Σ ce·mask, never the logits.
     // Ignored targets (kIgnoreIndex < 0) contribute 0.
@@ -462,14 +533,16 @@ StepStats Trainer::train_step() {
     sums = at::stack({local[0], masked[0], local[1]});
   }
 
-  // Sum the gradients over all ranks in one message.
+  // Sum the gradients over all ranks in one message (with segments: over the dp replicas; the sp group
+  // summed them already).
   auto params = model_.parameters();
-  if (groups_ && groups_->world->size() > 1) {
+  parallel::Communicator* grad_comm = !groups_ ? nullptr : segments_ ? groups_->dp.get() : groups_->world.get();
+  if (grad_comm && grad_comm->size() > 1) {
     std::vector<at::Tensor> flat;
     for (auto& [name, p] : params)
       flat.push_back(p.grad().defined() ? p.grad().reshape({-1}) : at::zeros({p.numel()}, p.options()));
     auto buffer = at::cat(flat);
-    groups_->world->all_reduce_sum(buffer);
+    grad_comm->all_reduce_sum(buffer);
     int64_t offset = 0;
     for (auto& [name, p] : params) {
       p.mutable_grad() = buffer.narrow(0, offset, p.numel()).view(p.sizes()).clone();
@@ -511,17 +584,24 @@ EvalStats Trainer::evaluate() {
   auto totals = at::zeros({3}, at::kDouble);
   double sequences = 0, sequences_correct = 0;
   for (int64_t e = 0; e < batches; ++e) {
-    auto batch = batch_for(e, 0, true);
-    // Chunk by chunk (chunked_loss.h): the losses and the argmax tokens, never the [B,T,V] logits.
-    LinearCrossEntropy r;
-    {
-      AutocastScope autocast(device_.type(), at::kBFloat16, bf16_);
-      r = model_.loss_sum(batch.tokens, batch.targets, {}, context(batch), /*predictions=*/true);
+    auto whole = batch_for(e, 0, true);
+    at::Tensor per_seq;  // [B,2]
+    for (int j = 0; j < (segments_ ? segments_->per_rank() : 1); ++j) {  // ordered segments in order
+      auto [batch, ctx] = segments_ ? segment_of(whole, j) : std::pair{whole, context(whole)};
+      // Chunk by chunk (chunked_loss.h): the losses and the argmax tokens, never the [B,T,V] logits.
+      LinearCrossEntropy r;
+      {
+        AutocastScope autocast(device_.type(), at::kBFloat16, bf16_);
+        r = model_.loss_sum(batch.tokens, batch.targets, {}, ctx, /*predictions=*/true);
+      }
+      const auto& ce = r.token_losses;
+      auto w = batch.loss_mask.to(ce.options());
+      auto right = (r.predictions == batch.targets).logical_and(batch.loss_mask).to(at::kDouble);
+      auto part = at::stack({batch.loss_mask.to(at::kDouble).sum(1), right.sum(1)}, 1).cpu();
+      per_seq = per_seq.defined() ? per_seq + part : part;
+      totals += at::stack({(ce * w).sum().to(at::kDouble).cpu(), w.sum().to(at::kDouble).cpu(),
+                           right.sum().cpu()});
     }
-    const auto& ce = r.token_losses;
-    auto w = batch.loss_mask.to(ce.options());
-    auto right = (r.predictions == batch.targets).logical_and(batch.loss_mask).to(at::kDouble);
-    auto per_seq = at::stack({batch.loss_mask.to(at::kDouble).sum(1), right.sum(1)}, 1).cpu();  // [B,2]
     all_reduce(per_seq, /*sp_only=*/true);
     auto masked = per_seq.select(1, 0), correct = per_seq.select(1, 1);
     auto has = masked > 0;
@@ -529,8 +609,6 @@ EvalStats Trainer::evaluate() {
     double n_ok = (has.logical_and(correct == masked)).sum().item<double>();
     // Sequences count once per dp rank: only sp rank 0 contributes them to the world sum below.
     if (sp_rank_ == 0) sequences += n_seq, sequences_correct += n_ok;
-    totals += at::stack({(ce * w).sum().to(at::kDouble).cpu(), w.sum().to(at::kDouble).cpu(),
-                         right.sum().cpu()});
   }
   auto all = at::cat({totals, at::tensor({sequences, sequences_correct}, at::kDouble)});
   all_reduce(all);

@@ -29,6 +29,7 @@
 #include "framework/train/model.h"
 #include "framework/train/optimizer.h"
 #include "parallel/process_group.h"
+#include "parallel/segments.h"
 
 #include <algorithm>
 #include <cstdint>
@@ -150,7 +151,17 @@ class Trainer {
     c.document_starts = b.document_starts;
     return c;
   }
+  // Segment j of this rank's slice of `b` (parallel/segments.h), with the model context that runs it;
+  // the segment communicator is set to it.
+  std::pair<Batch, ModelContext> segment_of(const Batch& b, int j) const;
+  // Forward and backward of the step's micro-batches over ordered segments (parallel/segments.h);
+  // leaves every parameter's gradient summed over the sp group by the segment tree (not yet over dp)
+  // and returns [Σ ce·mask over the sp group, global Σ mask, stop signals] (fp64, on the device).
+  at::Tensor segmented_forward_backward(const std::vector<Batch>& micro, const at::Tensor& stop);
   ModelContext context_;  // built once (the sp layout is agreed then, not per layer call)
+  // Ordered segments (parallel.segments, or sp under the ORDERED scan when that is more than one):
+  // the virtual ranks the layers talk through; null: no segments.
+  std::shared_ptr<parallel::SegmentCommunicator> segments_;
   void all_reduce(at::Tensor& t, bool sp_only = false) const;
   void log(const char* fmt, ...) const;
   std::string layout_text() const;  // "dp=2 x sp=4"

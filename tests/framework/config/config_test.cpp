@@ -463,6 +463,21 @@ TEST_F(ConfigTest, ValidationErrorFromAnOverrideSaysSo) {
                    "recomputation keeps); got recompute: false (set by --set parallel.recompute_keeps_mixer=true)");
 }
 
+// Ordered segments: the ORDERED scan only, sp times a power of two, and the sequence cut into them
+// whole chunks (the same checks as for sp slices, naming the segments).
+TEST_F(ConfigTest, SegmentsAreCheckedLikeSlices) {
+  auto path = (dir_ + "/run.textproto");
+  EXPECT_EQ(load_error(kValid, {"parallel.segments=6"}),
+            path + ": parallel.segments: must be sp times a power of two (each rank holds a power of two of them), "
+                   "got 6 with sp = 2 (set by --set parallel.segments=6)");
+  EXPECT_EQ(load_error(kValid, {"parallel.scan_mode=TREE", "parallel.segments=2"}),
+            path + ": parallel.segments: needs parallel.scan_mode: ORDERED (segments make the ordered chain "
+                   "reproducible across layouts); got TREE (set by --set parallel.segments=2)");
+  EXPECT_EQ(load_error(kValid, {"parallel.segments=4"}),
+            path + ":11:3: data.seq_len: must be a multiple of chunk_size*segments = 64*4 = 256 (gla layers), got 128");
+  EXPECT_NO_THROW(load_run_config(write("ok.textproto", kValid), {"parallel.segments=2"}));
+}
+
 TEST_F(ConfigTest, ModelPresetIsOverlaidByTheRunsModel) {
   write("models/m.textproto",
         "vocab_size: 256\nd_model: 64\nn_layers: 4\nn_heads: 4\nmixers: [\"gla\", \"gla\"]\n"
