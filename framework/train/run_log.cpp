@@ -31,10 +31,15 @@ std::string directory_of(const std::string& path) {
   return slash == std::string::npos ? "." : (slash == 0 ? "/" : path.substr(0, slash));
 }
 
+// The shortest of %.9g .. %.17g that reads back as the same double: two runs' losses compare bit for
+// bit from their metrics files.
 std::string json_number(double x) {
   if (!std::isfinite(x)) return "null";
   char buf[64];
-  std::snprintf(buf, sizeof buf, "%.9g", x);
+  for (int digits = 9; digits <= 17; ++digits) {
+    std::snprintf(buf, sizeof buf, "%.*g", digits, x);
+    if (std::strtod(buf, nullptr) == x) break;
+  }
   return buf;
 }
 
