@@ -10,10 +10,16 @@
 // touches is recorded on it (CUDACachingAllocator::recordStream), so the allocator never hands its
 // memory out while NCCL may still use it.
 //
-// Timeouts: the communicator is nonblocking (ncclConfig_t::blocking = 0), so no NCCL call blocks
-// the host; every operation is enqueued and then polled (ncclCommGetAsyncError and the event that
-// follows it on the NCCL stream) against the timeout. On timeout the NCCL communicator is aborted
-// (ncclCommAbort) and the failure handled as CommOptions says (MPI_Abort, or CommError).
+// Host-asynchronous: an operation returns once it is enqueued, and the caller's stream waits for it
+// on the GPU, so the host goes on queueing work (PyTorch's ProcessGroupNCCL does the same). A send
+// alone sends a copy and does not hold the caller's stream back, so a rank that runs ahead in the
+// ordered chain never waits for the rank it sends to.
+//
+// Timeouts: the communicator is nonblocking (ncclConfig_t::blocking = 0), so no NCCL call blocks the
+// host. A watchdog thread polls each enqueued operation's completion event and NCCL's async error
+// against the timeout. On a failure it aborts the NCCL communicator (ncclCommAbort, so no stream
+// waits forever on a dead peer) and handles it as CommOptions say: MPI_Abort at once, or a CommError
+// thrown by this rank's next call on the communicator (or by synchronize()).
 #include "parallel/process_group.h"
 
 #include "layers/common/nvtx.h"
@@ -36,8 +42,11 @@
 #include <nccl.h>
 
 #include <chrono>
+#include <condition_variable>
 #include <cstdlib>
 #include <cstring>
+#include <deque>
+#include <mutex>
 #include <thread>
 
 namespace carry::parallel {
@@ -142,9 +151,16 @@ class NcclCommunicator final : public Communicator {
         world_ranks_(std::move(world_ranks)),
         opt_(std::move(opt)),
         stream_(c10::cuda::getStreamFromPool(/*isHighPriority=*/true,
-                                             static_cast<c10::DeviceIndex>(device))) {}
+                                             static_cast<c10::DeviceIndex>(device))),
+        watchdog_([this] { watch(); }) {}
 
   ~NcclCommunicator() override {
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      stop_ = true;
+    }
+    wake_.notify_all();
+    watchdog_.join();
     if (!broken_.empty() || comm_ == nullptr) return;
     // Finalize (flushes outstanding work), bounded by the timeout; abort if it does not finish.
     ncclResult_t r = nccl().CommFinalize(comm_);
@@ -176,7 +192,8 @@ class NcclCommunicator final : public Communicator {
     Tensor sbuf, rbuf;
     if (dst >= 0) {
       check_peer(dst, "send");
-      sbuf = on_device(out);
+      // A send alone goes from a copy (see the top of the file); with a receive the caller waits anyway.
+      sbuf = src < 0 ? on_device(out).clone() : on_device(out);
       op = describe("send", sbuf.nbytes(), tag, "to", dst);
       peers.push_back(dst);
     }
@@ -189,7 +206,7 @@ class NcclCommunicator final : public Communicator {
       if (src != dst) peers.push_back(src);
     }
     if (peers.empty()) return;
-    run(op, peers, {sbuf, rbuf}, [&](cudaStream_t s) {
+    run(op, peers, {sbuf, rbuf}, /*caller_waits=*/src >= 0, [&](cudaStream_t s) {
       ncclResult_t r = nccl().GroupStart();
       if (r != ncclSuccess) return r;
       // Zero-byte messages are skipped on both sides (both know the size).
@@ -212,7 +229,7 @@ class NcclCommunicator final : public Communicator {
     auto sizes = t.sizes().vec();
     sizes.insert(sizes.begin(), size_);
     Tensor out = at::empty(sizes, buf.options());
-    run(describe("all_gather", buf.nbytes(), -1, "", -1), all_peers(), {buf, out},
+    run(describe("all_gather", buf.nbytes(), -1, "", -1), all_peers(), {buf, out}, /*caller_waits=*/true,
         [&](cudaStream_t s) {
           return nccl().AllGather(buf.data_ptr(), out.data_ptr(), buf.nbytes(), ncclUint8, comm_,
                                   s);
@@ -225,7 +242,7 @@ class NcclCommunicator final : public Communicator {
     NvtxRange range("all_reduce_sum " + opt_.name);
     Tensor buf = on_device(t).clone();
     auto type = nccl_type_of(buf.scalar_type());
-    run(describe("all_reduce_sum", buf.nbytes(), -1, "", -1), all_peers(), {buf},
+    run(describe("all_reduce_sum", buf.nbytes(), -1, "", -1), all_peers(), {buf}, /*caller_waits=*/true,
         [&](cudaStream_t s) {
           return nccl().AllReduce(buf.data_ptr(), buf.data_ptr(), buf.numel(), type, ncclSum, comm_,
                                   s);
@@ -237,7 +254,7 @@ class NcclCommunicator final : public Communicator {
     NvtxRange range("broadcast " + opt_.name);
     check_peer(root, "broadcast");
     Tensor buf = on_device(t).clone();
-    run(describe("broadcast", buf.nbytes(), -1, "from root", root), all_peers(), {buf},
+    run(describe("broadcast", buf.nbytes(), -1, "from root", root), all_peers(), {buf}, /*caller_waits=*/true,
         [&](cudaStream_t s) {
           return nccl().Broadcast(buf.data_ptr(), buf.data_ptr(), buf.nbytes(), ncclUint8, root,
                                   comm_, s);
@@ -245,10 +262,20 @@ class NcclCommunicator final : public Communicator {
     t.copy_(buf);
   }
 
+  void synchronize() override {
+    std::unique_lock<std::mutex> lock(mutex_);
+    idle_.wait(lock, [&] { return pending_.empty() || !broken_.empty(); });
+    if (!broken_.empty()) {
+      const std::string msg = broken_message_;
+      lock.unlock();
+      fail(msg);
+    }
+  }
+
   void barrier() override {
     NvtxRange range("barrier " + opt_.name);
     Tensor one = at::ones({1}, at::TensorOptions().dtype(at::kFloat).device(device()));
-    run("barrier", all_peers(), {one}, [&](cudaStream_t s) {
+    run("barrier", all_peers(), {one}, /*caller_waits=*/true, [&](cudaStream_t s) {
       return nccl().AllReduce(one.data_ptr(), one.data_ptr(), 1, ncclFloat32, ncclSum, comm_, s);
     });
   }
@@ -283,16 +310,29 @@ class NcclCommunicator final : public Communicator {
                 ", this is rank ", rank_, ")");
   }
 
+  // An enqueued operation the watchdog follows until its event completes.
+  struct Work {
+    std::shared_ptr<CudaEvent> done;
+    std::string op;
+    std::vector<int> peers;
+    std::vector<std::string> context;  // the CommContext lines where it was started
+    std::chrono::steady_clock::time_point start;
+  };
+
   // Runs one operation on our NCCL stream, after the work already on the caller's current stream,
-  // and waits for it, polling NCCL's async error and a CUDA event against the timeout; the
-  // caller's stream then waits for it too. `buffers`: the tensors the operation reads or writes
-  // (undefined entries skipped).
+  // and hands its completion to the watchdog; with `caller_waits` the caller's stream waits for it on
+  // the GPU. `buffers`: the tensors the operation reads or writes (undefined entries skipped).
   template <class Enqueue>
   void run(const std::string& op, const std::vector<int>& peers,
-           std::initializer_list<Tensor> buffers, Enqueue enqueue) {
-    if (!broken_.empty())
-      fail(detail::comm_error_message(
-          *this, op, peers, "communicator unusable after an earlier failure (" + broken_ + ")"));
+           std::initializer_list<Tensor> buffers, bool caller_waits, Enqueue enqueue) {
+    {
+      std::unique_lock<std::mutex> lock(mutex_);
+      if (!broken_.empty()) {  // the failure itself, as the watchdog found it (or an earlier call)
+        const std::string msg = broken_message_ + "\n  (reported by the next call on the communicator: " + op + ")";
+        lock.unlock();
+        fail(msg);
+      }
+    }
     c10::cuda::CUDAGuard guard(device_);
     const cudaStream_t caller =
         c10::cuda::getCurrentCUDAStream(static_cast<c10::DeviceIndex>(device_)).stream();
@@ -303,7 +343,8 @@ class NcclCommunicator final : public Communicator {
                                         std::string(what) + ": " + cudaGetErrorString(e)));
     };
     // The NCCL stream starts after what the caller has enqueued (the buffers' contents).
-    CudaEvent ready, done;
+    CudaEvent ready;
+    auto done = std::make_shared<CudaEvent>();
     cuda_check(cudaEventRecord(ready.get(), caller), "cudaEventRecord on the caller's stream");
     cuda_check(cudaStreamWaitEvent(stream, ready.get(), 0), "cudaStreamWaitEvent");
     for (const Tensor& t : buffers)
@@ -312,7 +353,7 @@ class NcclCommunicator final : public Communicator {
     auto start = std::chrono::steady_clock::now();
     ncclResult_t r = enqueue(stream);
     if (r != ncclSuccess && r != ncclInProgress) nccl_fail(op, peers, r);
-    // A nonblocking communicator may still be enqueuing.
+    // A nonblocking communicator may still be enqueuing (host work, not the GPU's).
     for (;;) {
       ncclResult_t st = ncclSuccess;
       nccl().CommGetAsyncError(comm_, &st);
@@ -321,37 +362,89 @@ class NcclCommunicator final : public Communicator {
       if (elapsed(start) > timeout_s()) time_out(op, peers);
       std::this_thread::sleep_for(std::chrono::microseconds(20));
     }
-    cuda_check(cudaEventRecord(done.get(), stream), "cudaEventRecord on the NCCL stream");
-    int spins = 0;
-    for (;;) {
-      cudaError_t q = cudaEventQuery(done.get());
-      if (q == cudaSuccess) break;
-      if (q != cudaErrorNotReady) cuda_check(q, "CUDA error");
-      ncclResult_t st = ncclSuccess;
-      nccl().CommGetAsyncError(comm_, &st);
-      if (st != ncclSuccess && st != ncclInProgress) nccl_fail(op, peers, st);
-      if (elapsed(start) > timeout_s()) time_out(op, peers);
-      if (++spins > 100) std::this_thread::sleep_for(std::chrono::microseconds(20));
-    }
+    cuda_check(cudaEventRecord(done->get(), stream), "cudaEventRecord on the NCCL stream");
     // What the caller enqueues next (reading received data) comes after the operation.
-    cuda_check(cudaStreamWaitEvent(caller, done.get(), 0), "cudaStreamWaitEvent");
+    if (caller_waits) cuda_check(cudaStreamWaitEvent(caller, done->get(), 0), "cudaStreamWaitEvent");
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      pending_.push_back(Work{std::move(done), op, peers, detail::comm_context_lines(), start});
+    }
+    wake_.notify_all();
+  }
+
+  // The watchdog: drops completed operations, and on an error or a timeout aborts the communicator
+  // and records (or, in abort mode, reports) the failure.
+  void watch() {
+    cudaSetDevice(device_);
+    std::unique_lock<std::mutex> lock(mutex_);
+    while (!stop_) {
+      if (pending_.empty() || !broken_.empty()) {
+        wake_.wait(lock, [&] { return stop_ || (!pending_.empty() && broken_.empty()); });
+        continue;
+      }
+      std::string why;
+      while (!pending_.empty()) {
+        const Work& w = pending_.front();
+        cudaError_t q = cudaEventQuery(w.done->get());
+        if (q == cudaSuccess) {
+          pending_.pop_front();
+          continue;
+        }
+        if (q != cudaErrorNotReady) {
+          why = std::string("CUDA error: ") + cudaGetErrorString(q);
+        } else {
+          ncclResult_t st = ncclSuccess;
+          nccl().CommGetAsyncError(comm_, &st);
+          if (st != ncclSuccess && st != ncclInProgress)
+            why = std::string("NCCL error: ") + nccl().GetErrorString(st);
+          else if (elapsed(w.start) > timeout_s())
+            why = "timeout after " + std::to_string(timeout_s()) + " s";
+        }
+        break;
+      }
+      if (!why.empty()) {
+        const Work& w = pending_.front();
+        broken_message_ = detail::comm_error_message(*this, w.op, w.peers, why, &w.context);
+        broken_ = w.op + " failed";
+        nccl().CommAbort(comm_);
+        if (opt_.on_timeout == CommOptions::OnTimeout::abort) {
+          std::fprintf(stderr, "%s\n  Aborting the job (MPI_Abort) so that no rank hangs.\n",
+                       broken_message_.c_str());
+          std::fflush(stderr);
+          MPI_Abort(MPI_COMM_WORLD, 3);
+          std::abort();
+        }
+      }
+      if (pending_.empty() || !broken_.empty()) {
+        idle_.notify_all();
+        continue;
+      }
+      lock.unlock();
+      std::this_thread::sleep_for(std::chrono::microseconds(200));
+      lock.lock();
+    }
   }
 
   [[noreturn]] void nccl_fail(const std::string& op, const std::vector<int>& peers,
                               ncclResult_t r) {
     std::string msg = detail::comm_error_message(
         *this, op, peers, std::string("NCCL error: ") + nccl().GetErrorString(r));
-    nccl().CommAbort(comm_);
-    broken_ = op + " failed";
+    mark_broken(op + " failed", msg);
     fail(msg);
   }
 
   [[noreturn]] void time_out(const std::string& op, const std::vector<int>& peers) {
     std::string msg = detail::comm_error_message(
         *this, op, peers, "timeout after " + std::to_string(timeout_s()) + " s");
-    nccl().CommAbort(comm_);
-    broken_ = op + " timed out";
+    mark_broken(op + " timed out", msg);
     fail(msg);
+  }
+
+  void mark_broken(const std::string& what, const std::string& msg) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (broken_.empty()) nccl().CommAbort(comm_);
+    broken_ = what, broken_message_ = msg;
+    idle_.notify_all();
   }
 
   [[noreturn]] void fail(const std::string& msg) const { detail::comm_fail(*this, msg); }
@@ -361,7 +454,14 @@ class NcclCommunicator final : public Communicator {
   std::vector<int> world_ranks_;
   CommOptions opt_;
   c10::cuda::CUDAStream stream_;  // where every NCCL operation of this communicator runs
-  std::string broken_;
+  // Under mutex_: the operations not known to be complete, in order; the failure, once there is one
+  // (broken_: what failed, broken_message_: the full message), after which no call is accepted.
+  std::mutex mutex_;
+  std::condition_variable wake_, idle_;
+  std::deque<Work> pending_;
+  std::string broken_, broken_message_;
+  bool stop_ = false;
+  std::thread watchdog_;  // last: started once the rest is constructed
 };
 
 }  // namespace

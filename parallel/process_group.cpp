@@ -399,8 +399,12 @@ CommContext::~CommContext() { t_context.pop_back(); }
 
 namespace detail {
 
+std::vector<std::string> comm_context_lines() { return t_context; }
+
 std::string comm_error_message(const Communicator& comm, const std::string& op,
-                               const std::vector<int>& peers, const std::string& why) {
+                               const std::vector<int>& peers, const std::string& why,
+                               const std::vector<std::string>* context) {
+  const std::vector<std::string>& lines = context ? *context : t_context;
   const auto& w = world_info();
   std::vector<int> world_peers;
   for (int p : peers) world_peers.push_back(comm.world_rank_of(p));
@@ -411,7 +415,7 @@ std::string comm_error_message(const Communicator& comm, const std::string& op,
   if (!peers.empty())
     s << "; waiting for peer rank(s) " << join_ints(peers) << " (world rank(s) "
       << join_ints(world_peers) << ")";
-  for (auto it = t_context.rbegin(); it != t_context.rend(); ++it) s << "\n  while: " << *it;
+  for (auto it = lines.rbegin(); it != lines.rend(); ++it) s << "\n  while: " << *it;
   s << "\n  A peer rank probably failed, exited, or waits in a different operation. Timeout: "
     << (comm.options().timeout_s > 0 ? comm.options().timeout_s : default_comm_timeout_s())
     << " s (CommOptions::timeout_s or CARRY_COMM_TIMEOUT_S).";

@@ -71,9 +71,12 @@ class CommContext {
 };
 
 // Ranks are ranks of this communicator (0..size-1). Tensors may live on any device: a backend
-// stages them through its own device when needed (MPI: host memory; NCCL: its GPU). Every call is
-// blocking (returns when the data has arrived or left this rank's buffers) and collective calls
-// must be made by every rank of the communicator in the same order.
+// stages them through its own device when needed (MPI: host memory; NCCL: its GPU). Collective calls
+// must be made by every rank of the communicator in the same order. MPI calls block until the data
+// has arrived or left this rank's buffers. NCCL calls on CUDA tensors return once the operation is
+// enqueued: what the caller enqueues afterwards on its current CUDA stream sees the received data
+// (a send alone does not hold that stream back: it sends a copy), host reads (.cpu(), .item())
+// synchronize as usual, and a watchdog thread enforces the timeout.
 class Communicator {
  public:
   virtual ~Communicator() = default;
@@ -96,6 +99,9 @@ class Communicator {
   virtual void all_reduce_sum(Tensor& t) = 0;
   virtual void broadcast(Tensor& t, int root) = 0;
   virtual void barrier() = 0;
+  // Blocks until every operation this rank has started has completed, and raises a failure found
+  // meanwhile (as CommOptions say). Backends whose calls complete before they return (MPI) do nothing.
+  virtual void synchronize() {}
 };
 
 // A communicator over a duplicate of `comm` (MPI_Comm_idup, so it never shares message matching
@@ -150,9 +156,14 @@ ProcessGroups make_process_groups(ParallelLayout layout, Backend backend = Backe
                                   CommOptions opt = {});
 
 namespace detail {
-// The message of a communication error: the operation, this rank, the peers, the context lines.
+// The message of a communication error: the operation, this rank, the peers, the context lines
+// (this thread's CommContext lines, or `context` when given: those captured where the operation
+// was started, for a failure found on another thread).
 std::string comm_error_message(const Communicator& comm, const std::string& op,
-                               const std::vector<int>& peers, const std::string& why);
+                               const std::vector<int>& peers, const std::string& why,
+                               const std::vector<std::string>* context = nullptr);
+// This thread's CommContext lines, outermost first.
+std::vector<std::string> comm_context_lines();
 // Handles a failure as the communicator's options say: print and MPI_Abort, or throw CommError.
 [[noreturn]] void comm_fail(const Communicator& comm, const std::string& message);
 }  // namespace detail

@@ -649,6 +649,35 @@ TEST(Communicator, NcclOnGpus) {
                      at::Device(at::kCUDA, world_info().local_rank));
 }
 
+// NCCL calls return before the GPU has finished them; a receive that no rank sends is found by the
+// watchdog thread, and the next call (here synchronize) throws its timeout, naming the operation and
+// the context it was started in.
+TEST(Communicator, NcclWatchdogReportsAReceiveNobodySends) {
+  if (!gpus_for_every_rank()) GTEST_SKIP() << "needs NCCL and one CUDA device a rank";
+  CommOptions opt;
+  opt.timeout_s = 3;
+  opt.on_timeout = CommOptions::OnTimeout::throw_error;
+  opt.name = "watchdog test";
+  auto comm = make_nccl_communicator(MPI_COMM_WORLD, world_info().local_rank, opt);
+  if (comm->rank() == 1) {
+    Tensor t = at::empty({16}, at::TensorOptions().dtype(at::kFloat).device(at::kCUDA, world_info().local_rank));
+    {
+      CommContext ctx("waiting for a message rank 0 never sends");
+      comm->recv(t, 0, 5);  // returns once enqueued
+    }
+    try {
+      comm->synchronize();
+      ADD_FAILURE() << "a receive nobody sends completed";
+    } catch (const CommError& e) {
+      const std::string msg = e.what();
+      EXPECT_NE(msg.find("timeout after 3"), std::string::npos) << msg;
+      EXPECT_NE(msg.find("recv of 64 bytes"), std::string::npos) << msg;
+      EXPECT_NE(msg.find("while: waiting for a message rank 0 never sends"), std::string::npos) << msg;
+    }
+  }
+  MPI_Barrier(MPI_COMM_WORLD);
+}
+
 TEST(ProcessGroups, GridOfConsecutiveSpGroups) {
   const int W = world_size();
   EXPECT_EQ(world_info().local_size, W);  // one host in these tests
