@@ -649,9 +649,9 @@ TEST(Communicator, NcclOnGpus) {
                      at::Device(at::kCUDA, world_info().local_rank));
 }
 
-// NCCL calls return before the GPU has finished them; a receive that no rank sends is found by the
-// watchdog thread, and the next call (here synchronize) throws its timeout, naming the operation and
-// the context it was started in.
+// NCCL calls return before the GPU has finished them; a receive that no rank sends times out (found by
+// the watchdog thread once enqueued, or while NCCL connects to the silent peer) and throws, naming the
+// operation and the context it was started in; every rank then goes on.
 TEST(Communicator, NcclWatchdogReportsAReceiveNobodySends) {
   if (!gpus_for_every_rank()) GTEST_SKIP() << "needs NCCL and one CUDA device a rank";
   CommOptions opt;
@@ -661,11 +661,12 @@ TEST(Communicator, NcclWatchdogReportsAReceiveNobodySends) {
   auto comm = make_nccl_communicator(MPI_COMM_WORLD, world_info().local_rank, opt);
   if (comm->rank() == 1) {
     Tensor t = at::empty({16}, at::TensorOptions().dtype(at::kFloat).device(at::kCUDA, world_info().local_rank));
-    {
-      CommContext ctx("waiting for a message rank 0 never sends");
-      comm->recv(t, 0, 5);  // returns once enqueued
-    }
     try {
+      {
+        // Returns once enqueued; or, when NCCL must first connect to the silent peer, times out here.
+        CommContext ctx("waiting for a message rank 0 never sends");
+        comm->recv(t, 0, 5);
+      }
       comm->synchronize();
       ADD_FAILURE() << "a receive nobody sends completed";
     } catch (const CommError& e) {
