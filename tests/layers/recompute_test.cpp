@@ -54,5 +54,25 @@ TEST(Recompute, KeptMixerCoreRunsOnceWithTheSameGradients) {
   }
 }
 
+// A recomputed layer's exchanges run once: the forward runs them and records what they returned, the
+// recomputation in the backward gets the same tensors back without running them; outside a
+// recomputation every call runs. The gradient flows through the replayed value as through the first.
+TEST(Recompute, ExchangesRunOnceAndAreReplayed) {
+  int runs = 0;
+  auto exchange = [&] {
+    ++runs;
+    return std::vector<Tensor>{at::full({3}, 2.0 + runs, at::kDouble)};  // differs per run
+  };
+  auto f = [&](const Tensor& x) { return x * received_once(exchange)[0]; };
+  auto x = at::arange(3, at::kDouble).requires_grad_(true);
+  auto y = recompute_in_backward(f, x, {});
+  EXPECT_EQ(runs, 1);
+  y.sum().backward();
+  EXPECT_EQ(runs, 1) << "the recomputation ran the exchange again";
+  EXPECT_TRUE(at::equal(x.grad(), at::full({3}, 3.0, at::kDouble)));  // the forward's value, 2 + 1
+  received_once(exchange);
+  EXPECT_EQ(runs, 2);
+}
+
 }  // namespace
 }  // namespace carry

@@ -50,6 +50,23 @@ TEST(Segments, RankMustHoldAPowerOfTwo) {
   }
 }
 
+// A segment that asks for a message its predecessor has not sent (segments run out of order) gets a
+// clear error, not a hang.
+TEST(Segments, OutOfOrderSegmentsAreRefusedClearly) {
+  SegmentCommunicator seg(nullptr, 2, at::kCPU);
+  seg.set_segment(1);
+  Tensor t = at::empty({4});
+  try {
+    seg.recv(t, 0, 9);
+    FAIL() << "a message nobody sent was received";
+  } catch (const c10::Error& e) {
+    EXPECT_NE(std::string(e.what_without_backtrace()).find("segment 1 waits for a message (tag 9) from segment 0, which "
+                                                            "did not send one"),
+              std::string::npos)
+        << e.what_without_backtrace();
+  }
+}
+
 // A halo exchange over 8 segments, run segment after segment on each rank, equals the serial shift:
 // segment i receives segment i−1's last tokens, and the gradient of the halo reaches segment i−1.
 TEST(Segments, HaloCrossesSegmentsAndRanks) {
