@@ -961,10 +961,14 @@ int Trainer::run() {
   }
   log("config (resolved):\n%s", config_to_text(config_).c_str());
   log("%s\n", model_.summary().c_str());
-  log("parameters: %lld, ranks: dp %d x sp %d (%s, %s), scan mode %s\n",
+  const std::string segments =
+      segments_ ? ", " + std::to_string(segments_->size()) + " segments (" + std::to_string(segments_->per_rank()) +
+                      " a rank; the same bits on every layout with as many)"
+                : "";
+  log("parameters: %lld, ranks: dp %d x sp %d (%s, %s), scan mode %s%s\n",
       static_cast<long long>(model_.num_parameters()), dp_, sp_,
       groups_ ? groups_->world->backend().c_str() : "single process", device_.str().c_str(),
-      parallel::scan_mode_name(scan_mode_of(config_.parallel().scan_mode())).c_str());
+      parallel::scan_mode_name(scan_mode_of(config_.parallel().scan_mode())).c_str(), segments.c_str());
   log("precision: %s; activations: %s\n",
       bf16_ ? "bf16 autocast (fp32 master weights and optimizer, mixer kernels read bf16 q, k, v and fp32 gates, fp32 states; ATen mixer forms in fp32)" : "fp32",
       !config_.parallel().recompute()                ? "kept"
