@@ -161,7 +161,7 @@ class NcclCommunicator final : public Communicator {
     }
     wake_.notify_all();
     watchdog_.join();
-    if (!broken_.empty() || comm_ == nullptr) return;
+    if (!failure_.empty() || comm_ == nullptr) return;
     // Finalize (flushes outstanding work), bounded by the timeout; abort if it does not finish.
     ncclResult_t r = nccl().CommFinalize(comm_);
     if (r == ncclSuccess || r == ncclInProgress) {
@@ -264,9 +264,9 @@ class NcclCommunicator final : public Communicator {
 
   void synchronize() override {
     std::unique_lock<std::mutex> lock(mutex_);
-    idle_.wait(lock, [&] { return pending_.empty() || !broken_.empty(); });
-    if (!broken_.empty()) {
-      const std::string msg = broken_message_;
+    idle_.wait(lock, [&] { return pending_.empty() || !failure_.empty(); });
+    if (!failure_.empty()) {
+      const std::string msg = failure_;
       lock.unlock();
       fail(msg);
     }
@@ -327,8 +327,8 @@ class NcclCommunicator final : public Communicator {
            std::initializer_list<Tensor> buffers, bool caller_waits, Enqueue enqueue) {
     {
       std::unique_lock<std::mutex> lock(mutex_);
-      if (!broken_.empty()) {  // the failure itself, as the watchdog found it (or an earlier call)
-        const std::string msg = broken_message_ + "\n  (reported by the next call on the communicator: " + op + ")";
+      if (!failure_.empty()) {  // the failure itself, as the watchdog found it (or an earlier call)
+        const std::string msg = failure_ + "\n  (reported by the next call on the communicator: " + op + ")";
         lock.unlock();
         fail(msg);
       }
@@ -378,8 +378,8 @@ class NcclCommunicator final : public Communicator {
     cudaSetDevice(device_);
     std::unique_lock<std::mutex> lock(mutex_);
     while (!stop_) {
-      if (pending_.empty() || !broken_.empty()) {
-        wake_.wait(lock, [&] { return stop_ || (!pending_.empty() && broken_.empty()); });
+      if (pending_.empty() || !failure_.empty()) {
+        wake_.wait(lock, [&] { return stop_ || (!pending_.empty() && failure_.empty()); });
         continue;
       }
       std::string why;
@@ -404,18 +404,12 @@ class NcclCommunicator final : public Communicator {
       }
       if (!why.empty()) {
         const Work& w = pending_.front();
-        broken_message_ = detail::comm_error_message(*this, w.op, w.peers, why, &w.context);
-        broken_ = w.op + " failed";
+        failure_ = detail::comm_error_message(*this, w.op, w.peers, why, &w.context);
         nccl().CommAbort(comm_);
-        if (opt_.on_timeout == CommOptions::OnTimeout::abort) {
-          std::fprintf(stderr, "%s\n  Aborting the job (MPI_Abort) so that no rank hangs.\n",
-                       broken_message_.c_str());
-          std::fflush(stderr);
-          MPI_Abort(MPI_COMM_WORLD, 3);
-          std::abort();
-        }
+        // Abort mode stops the job here (comm_fail); throw mode leaves the failure to the next call.
+        if (opt_.on_timeout == CommOptions::OnTimeout::abort) detail::comm_fail(*this, failure_);
       }
-      if (pending_.empty() || !broken_.empty()) {
+      if (pending_.empty() || !failure_.empty()) {
         idle_.notify_all();
         continue;
       }
@@ -429,21 +423,21 @@ class NcclCommunicator final : public Communicator {
                               ncclResult_t r) {
     std::string msg = detail::comm_error_message(
         *this, op, peers, std::string("NCCL error: ") + nccl().GetErrorString(r));
-    mark_broken(op + " failed", msg);
+    mark_broken(msg);
     fail(msg);
   }
 
   [[noreturn]] void time_out(const std::string& op, const std::vector<int>& peers) {
     std::string msg = detail::comm_error_message(
         *this, op, peers, "timeout after " + std::to_string(timeout_s()) + " s");
-    mark_broken(op + " timed out", msg);
+    mark_broken(msg);
     fail(msg);
   }
 
-  void mark_broken(const std::string& what, const std::string& msg) {
+  void mark_broken(const std::string& msg) {
     std::lock_guard<std::mutex> lock(mutex_);
-    if (broken_.empty()) nccl().CommAbort(comm_);
-    broken_ = what, broken_message_ = msg;
+    if (failure_.empty()) nccl().CommAbort(comm_);
+    failure_ = msg;
     idle_.notify_all();
   }
 
@@ -454,12 +448,12 @@ class NcclCommunicator final : public Communicator {
   std::vector<int> world_ranks_;
   CommOptions opt_;
   c10::cuda::CUDAStream stream_;  // where every NCCL operation of this communicator runs
-  // Under mutex_: the operations not known to be complete, in order; the failure, once there is one
-  // (broken_: what failed, broken_message_: the full message), after which no call is accepted.
+  // Under mutex_: the operations not known to be complete, in order; the failure's message, once there
+  // is one (empty until then), after which no call is accepted.
   std::mutex mutex_;
   std::condition_variable wake_, idle_;
   std::deque<Work> pending_;
-  std::string broken_, broken_message_;
+  std::string failure_;
   bool stop_ = false;
   std::thread watchdog_;  // last: started once the rest is constructed
 };
