@@ -1,12 +1,10 @@
 // Activation recomputation (per layer): y = f(x) where the forward keeps only x and the layer's
 // parameters, not f's intermediate activations. The backward runs f(x) again with autograd on (under
 // the autocast setting the forward had) and back-propagates the incoming gradient of y through that
-// fresh graph to x and the parameters. f must be deterministic (no dropout) and may contain
-// collectives (sequence-parallel scans, halo exchanges): every rank recomputes its layers in the same
-// order, so the collectives of the recomputation match across ranks.
+// fresh graph to x and the parameters. f must be deterministic (no dropout). What f receives from
+// other ranks through received_once (sequence-parallel states, halos, summaries) is recorded by the
+// forward and replayed by the recomputation, which therefore sends nothing and waits for no rank.
 // Without grad mode, or when neither x nor a parameter requires grad, this is plain f(x).
-// What f receives from other ranks (received_once) is recorded by the forward and replayed by the
-// recomputation, which therefore sends nothing and waits for no rank.
 #pragma once
 
 #include "layers/mixer.h"
