@@ -422,7 +422,27 @@ class SyncAudit {
 };
 }  // namespace
 
-at::Tensor Trainer::segmented_forward_backward(const std::vector<Batch>& micro, const at::Tensor& stop) {
+namespace {
+// Every parameter's gradient in one flat buffer, in parameter order (zeros where a parameter has none).
+at::Tensor flat_gradients(const NamedParameters& params) {
+  std::vector<at::Tensor> flat;
+  for (auto& [name, p] : params)
+    flat.push_back(p.grad().defined() ? p.grad().reshape({-1}) : at::zeros({p.numel()}, p.options()));
+  return at::cat(flat);
+}
+
+// The inverse: each parameter's gradient from its piece of `buffer` (its own copy).
+void set_gradients(const NamedParameters& params, const at::Tensor& buffer) {
+  int64_t offset = 0;
+  for (auto& [name, p] : params) {
+    p.mutable_grad() = buffer.narrow(0, offset, p.numel()).view(p.sizes()).clone();
+    offset += p.numel();
+  }
+}
+}  // namespace
+
+at::Tensor Trainer::segmented_forward_backward(const std::vector<Batch>& micro, const at::Tensor& stop,
+                                               at::Tensor& gradients) {
   const int k = segments_->per_rank();
   auto params = model_.parameters();
   // The global token count first (exact in any order): every segment's loss is divided by it.
@@ -445,23 +465,14 @@ at::Tensor Trainer::segmented_forward_backward(const std::vector<Batch>& micro, 
       segments_->set_segment(j);
       (ce[j].loss / masked[0].to(ce[j].loss.scalar_type())).backward();
       ce[j] = LinearCrossEntropy{};
-      std::vector<at::Tensor> flat;
-      for (auto& [name, p] : params) {
-        flat.push_back(p.grad().defined() ? p.grad().reshape({-1}) : at::zeros({p.numel()}, p.options()));
-        p.mutable_grad() = at::Tensor();
-      }
-      auto g = at::cat(flat);
+      auto g = flat_gradients(params);
+      for (auto& [name, p] : params) p.mutable_grad() = at::Tensor();
       grads[j] = grads[j].defined() ? grads[j] + g : g;
     }
   }
   auto* sp = segments_->sp();
-  auto buffer = parallel::tree_sum(grads, sp);
+  gradients = parallel::tree_sum(grads, sp);
   grads.clear();
-  int64_t offset = 0;
-  for (auto& [name, p] : params) {
-    p.mutable_grad() = buffer.narrow(0, offset, p.numel()).view(p.sizes()).clone();
-    offset += p.numel();
-  }
   losses[0] = losses[0] + at::stack({at::zeros({}, stop.options()), stop});  // the stop signals ride along
   auto loss = parallel::tree_sum(losses, sp);
   return at::stack({loss[0], masked[0], loss[1]});
@@ -481,12 +492,13 @@ StepStats Trainer::train_step() {
   // travel to the host together, and the checks (a token selected, a finite loss and norm) come before
   // the update.
   at::Tensor sums;  // [Σ ce·mask, Σ mask, stop signals] over all ranks, fp64 on the device
+  at::Tensor gradients;  // with segments: the flat gradients summed over the sp group
   if (segments_) {
     std::vector<Batch> micro;
     for (int64_t m = 0; m < accum; ++m)
       micro.push_back(SyncAudit::allowed([&] { return batch_for(step_, m, false); }));
     // Summed over the sp group by the segment tree; the data-parallel replicas below.
-    sums = segmented_forward_backward(micro, stop_flag(at::TensorOptions().device(device_)));
+    sums = segmented_forward_backward(micro, stop_flag(at::TensorOptions().device(device_)), gradients);
     if (dp_ > 1) {
       auto dp_sums = at::stack({sums[0], sums[2]});
       groups_->dp->all_reduce_sum(dp_sums);
@@ -538,17 +550,10 @@ StepStats Trainer::train_step() {
   auto params = model_.parameters();
   parallel::Communicator* grad_comm = !groups_ ? nullptr : segments_ ? groups_->dp.get() : groups_->world.get();
   if (grad_comm && grad_comm->size() > 1) {
-    std::vector<at::Tensor> flat;
-    for (auto& [name, p] : params)
-      flat.push_back(p.grad().defined() ? p.grad().reshape({-1}) : at::zeros({p.numel()}, p.options()));
-    auto buffer = at::cat(flat);
-    grad_comm->all_reduce_sum(buffer);
-    int64_t offset = 0;
-    for (auto& [name, p] : params) {
-      p.mutable_grad() = buffer.narrow(0, offset, p.numel()).view(p.sizes()).clone();
-      offset += p.numel();
-    }
+    if (!gradients.defined()) gradients = flat_gradients(params);
+    grad_comm->all_reduce_sum(gradients);
   }
+  if (gradients.defined()) set_gradients(params, gradients);
   auto norm = clip_grad_norm_on_device(params, config_.optimizer().grad_clip());
   if (!norm.defined()) norm = at::zeros({}, sums.options());
   // The step's one host read.

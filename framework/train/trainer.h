@@ -155,9 +155,11 @@ class Trainer {
   // the segment communicator is set to it.
   std::pair<Batch, ModelContext> segment_of(const Batch& b, int j) const;
   // Forward and backward of the step's micro-batches over ordered segments (parallel/segments.h);
-  // leaves every parameter's gradient summed over the sp group by the segment tree (not yet over dp)
-  // and returns [Σ ce·mask over the sp group, global Σ mask, stop signals] (fp64, on the device).
-  at::Tensor segmented_forward_backward(const std::vector<Batch>& micro, const at::Tensor& stop);
+  // sets `gradients` to every parameter's gradient, flat in parameter order, summed over the sp group
+  // by the segment tree (not yet over dp), and returns [Σ ce·mask over the sp group, global Σ mask,
+  // stop signals] (fp64, on the device).
+  at::Tensor segmented_forward_backward(const std::vector<Batch>& micro, const at::Tensor& stop,
+                                        at::Tensor& gradients);
   ModelContext context_;  // built once (the sp layout is agreed then, not per layer call)
   // Ordered segments (parallel.segments, or sp under the ORDERED scan when that is more than one):
   // the virtual ranks the layers talk through; null: no segments.
