@@ -863,11 +863,16 @@ void check_run(const RunConfig& c, Errors& e) {
     e.add("parallel.recompute_keeps_mixer", "true needs parallel.recompute: true (it chooses what the recomputation "
           "keeps); got recompute: false");
   const bool ordered = par.scan_mode() == config::ParallelConfig::ORDERED;
+  // Segments a rank holds when parallel.segments is sp times a power of two; else 0.
+  const int64_t rank_segments = sp >= 1 && par.segments() > 0 && par.segments() % sp == 0 &&
+                                        ((par.segments() / sp) & (par.segments() / sp - 1)) == 0
+                                    ? par.segments() / sp
+                                    : 0;
   if (par.segments() < 0) e.add("parallel.segments", "must be >= 0 (0: sp), got ", par.segments());
   else if (par.segments() > 0 && !ordered)
     e.add("parallel.segments", "needs parallel.scan_mode: ORDERED (segments make the ordered chain reproducible "
           "across layouts); got ", config::ParallelConfig::ScanMode_Name(par.scan_mode()));
-  else if (par.segments() > 0 && sp >= 1 && (par.segments() % sp != 0 || ((par.segments() / sp) & (par.segments() / sp - 1)) != 0))
+  else if (par.segments() > 0 && sp >= 1 && rank_segments == 0)
     e.add("parallel.segments", "must be sp times a power of two (each rank holds a power of two of them), got ",
           par.segments(), " with sp = ", sp);
   if (par.loss_chunk_tokens() < 0)
@@ -892,8 +897,7 @@ void check_run(const RunConfig& c, Errors& e) {
     e.add("data.batch_size", "data.seq_len*data.batch_size*parallel.dp*optimizer.grad_accum_steps (tokens a step) "
           "must fit in int64, got ", T, "*", d.batch_size(), "*", par.dp(), "*", accum);
   // The pieces the sequence is cut into: sp slices, or the ordered segments.
-  const bool segmented = ordered && par.segments() > 0 && sp_ok && par.segments() <= kMaxRanks &&
-                         par.segments() % sp == 0 && ((par.segments() / sp) & (par.segments() / sp - 1)) == 0;
+  const bool segmented = ordered && rank_segments > 0 && sp_ok && par.segments() <= kMaxRanks;
   const int64_t pieces = segmented ? par.segments() : sp;
   const char* pieces_name = segmented ? "parallel.segments" : "sp";
   if (T_ok && sp_ok) {
