@@ -131,83 +131,275 @@ __global__ void __launch_bounds__(NW * 32) state_kernel(const T* __restrict__ X,
   }
 }
 
+// 4-byte asynchronous copy (the scalar gate: one float a token, H apart in global memory).
+__device__ __forceinline__ void cp_async4(void* smem, const void* gmem) {
+  unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(s), "l"(gmem));
+}
+
+// bf16: the same recurrence with the state tile in mma.sync accumulators (the plan of the delta
+// rule's fwd_state_mma_kernel, without its W·S product). A block of NW warps owns a TK = 16·NW by
+// TV tile of one head's state; warp w owns its rows 16w..16w+15 and all TV columns (TV/8 m16n8
+// accumulators). X, Y (and G) of a chunk stream through NBUF shared-memory stages, NBUF − 1 chunks
+// in flight. Per chunk, one block barrier, then each warp alone: writes S to Hsave[n] through a
+// warp-private staging tile (16-byte stores), decays S by e^{Γ} per row, and adds X̃ᵀ·Y in 4 k-steps
+// of 16 tokens, where X̃ᵀ's fragments are scaled in registers right after ldmatrix by the
+// recurrence's factor (rounded to bf16, as state_kernel rounds X̃ in shared memory). The launcher
+// uses one warp a block and TV = 32: a warp's chain of instructions a chunk is what sets the pace
+// (ncu: one warp a scheduler, an instruction every 3.3 cycles), so every warp gets little to do and
+// the grid holds as many warps as the state has 16 x 32 pieces. Grid and segments as state_kernel.
+template <int KIND, bool REV, int NW, int TV, int NBUF>
+struct StateMmaSmem {
+  static constexpr int C = kChunk, TK = 16 * NW, LX = TK + 8, LY = TV + 8, LG = TK + 4;
+  static constexpr size_t oX = 0;
+  static constexpr size_t oY = oX + (size_t)NBUF * C * LX * 2;
+  static constexpr size_t oG = oY + (size_t)NBUF * C * LY * 2;
+  static constexpr size_t oSt = oG + (size_t)NBUF * (KIND == kDiag ? C * LG : C) * 4;
+  static constexpr size_t bytes = oSt + (size_t)NW * 16 * LY * 2;
+  static_assert(bytes <= 227 * 1024, "state_mma_kernel shared memory");
+};
+
+// The factor X is scaled by, for token t and state row d: forward e^{Γ_d − G_td}, reverse
+// scale · e^{G_td} (scalar decay: G_t; none: 1 or scale). Gb: the chunk's G stage; gl: Γ_d.
+template <int KIND, bool REV>
+__device__ __forceinline__ float state_factor(const float* Gb, int LG, int t, int d, float gl, float scale) {
+  if constexpr (KIND == kNone) return REV ? scale : 1.f;
+  const float gt = KIND == kDiag ? Gb[t * LG + d] : Gb[t];
+  return REV ? scale * __expf(gt) : __expf(gl - gt);
+}
+
+template <int KIND, bool REV, int NW, int TV, int NBUF>
+__global__ void __launch_bounds__(NW * 32) state_mma_kernel(const bf16* __restrict__ X, const bf16* __restrict__ Y,
+                                                            const float* __restrict__ G, const float* __restrict__ S0,
+                                                            bf16* __restrict__ Hsave, float* __restrict__ Sfinal,
+                                                            int Tn, int H, int DK, int DV, float scale, int NS, int L,
+                                                            float* __restrict__ SegG) {
+  using Sm = StateMmaSmem<KIND, REV, NW, TV, NBUF>;
+  constexpr int C = kChunk, TK = Sm::TK, NT = NW * 32, LX = Sm::LX, LY = Sm::LY, LG = Sm::LG, NTL = TV / 8;
+  static_assert(NBUF >= 2 && TV % 16 == 0, "state_mma_kernel tiling");
+  extern __shared__ __align__(128) unsigned char smem[];
+  bf16* Xs = reinterpret_cast<bf16*>(smem + Sm::oX);
+  bf16* Ys = reinterpret_cast<bf16*>(smem + Sm::oY);
+  float* Gs = reinterpret_cast<float*>(smem + Sm::oG);
+  bf16* St = reinterpret_cast<bf16*>(smem + Sm::oSt);
+
+  const int ntv = DV / TV, ik = blockIdx.x / ntv, iv = blockIdx.x % ntv;
+  const int h = blockIdx.y, b = blockIdx.z / NS, seg = blockIdx.z % NS, N = Tn / C;
+  const int n_begin = seg * L, n_end = min(N, n_begin + L), count = n_end - n_begin;
+  const bool from_given = REV ? seg == NS - 1 : seg == 0;
+  const long xs = (long)H * DK, ys = (long)H * DV, bh = (long)b * H + h;
+  const int k0 = ik * TK, v0 = iv * TV;
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, t4 = lane & 3;
+  const int r0 = 16 * warp;  // the warp's first state row in the tile
+  constexpr int GSTAGE = KIND == kDiag ? C * LG : C;
+
+  auto chunk_at = [&](int it) { return REV ? n_end - 1 - it : n_begin + it; };
+  auto issue = [&](int it, int buf) {
+    const long tok = (long)b * Tn + (long)chunk_at(it) * C;
+    load_tile_async<bf16, C, TK, NT>(Xs + buf * C * LX, LX, X + tok * xs + (long)h * DK + k0, xs);
+    load_tile_async<bf16, C, TV, NT>(Ys + buf * C * LY, LY, Y + tok * ys + (long)h * DV + v0, ys);
+    if constexpr (KIND == kDiag) {
+      load_tile_async<float, C, TK, NT>(Gs + buf * GSTAGE, LG, G + tok * xs + (long)h * DK + k0, xs);
+    } else if constexpr (KIND == kScalar) {
+      for (int t = tid; t < C; t += NT) cp_async4(Gs + buf * GSTAGE + t, G + (tok + t) * H + h);
+    }
+  };
+
+  float acc[NTL][4];
+#pragma unroll
+  for (int j = 0; j < NTL; ++j) {
+    const int col = v0 + 8 * j + 2 * t4;
+#pragma unroll
+    for (int hf = 0; hf < 2; ++hf) {
+      const long row = bh * DK + k0 + r0 + g + 8 * hf;
+      acc[j][2 * hf] = from_given ? S0[row * DV + col] : 0.f;
+      acc[j][2 * hf + 1] = from_given ? S0[row * DV + col + 1] : 0.f;
+    }
+  }
+  float seg_gate[2] = {0.f, 0.f};  // Σ Γ over this segment's chunks for rows r0+g and r0+g+8
+#pragma unroll
+  for (int s = 0; s < NBUF - 1; ++s) {
+    if (s < count) issue(s, s);
+    cp_async_commit();
+  }
+  bf16* st = St + warp * 16 * LY;
+  const int da = r0 + g, db = da + 8;  // this lane's state rows (in the tile), as A-fragment rows
+  for (int it = 0; it < count; ++it) {
+    const int buf = it % NBUF, n = chunk_at(it);
+    cp_async_wait<NBUF - 2>();
+    __syncthreads();  // chunk it is in shared memory; every warp is past chunk it − 1 (its buffer is free)
+    if (it + NBUF - 1 < count) issue(it + NBUF - 1, (it + NBUF - 1) % NBUF);
+    cp_async_commit();
+    const bf16* Xb = Xs + buf * C * LX;
+    const bf16* Yb = Ys + buf * C * LY;
+    const float* Gb = Gs + buf * GSTAGE;
+    // Hsave[n] = S (bf16), through the staging tile
+#pragma unroll
+    for (int j = 0; j < NTL; ++j) {
+      const int col = 8 * j + 2 * t4;
+      *reinterpret_cast<unsigned*>(st + g * LY + col) = tc::pack_bf16(acc[j][0], acc[j][1]);
+      *reinterpret_cast<unsigned*>(st + (g + 8) * LY + col) = tc::pack_bf16(acc[j][2], acc[j][3]);
+    }
+    __syncwarp();
+    {
+      bf16* hn = Hsave + ((bh * N + n) * DK + k0 + r0) * DV + v0;
+      constexpr int VR = TV / 8;
+#pragma unroll
+      for (int i = lane; i < 16 * VR; i += 32) {
+        const int r = i / VR, c = (i % VR) * 8;
+        *reinterpret_cast<uint4*>(hn + (long)r * DV + c) = *reinterpret_cast<const uint4*>(st + r * LY + c);
+      }
+    }
+    // S ← e^{Γ} ⊙ S
+    float gla = 0.f, glb = 0.f;  // Γ of rows da, db
+    if constexpr (KIND != kNone) {
+      gla = KIND == kDiag ? Gb[(C - 1) * LG + da] : Gb[C - 1];
+      glb = KIND == kDiag ? Gb[(C - 1) * LG + db] : gla;
+      seg_gate[0] += gla, seg_gate[1] += glb;
+      const float ea = __expf(gla), eb = __expf(glb);
+#pragma unroll
+      for (int j = 0; j < NTL; ++j) acc[j][0] *= ea, acc[j][1] *= ea, acc[j][2] *= eb, acc[j][3] *= eb;
+    }
+    // S += X̃ᵀ Y; A fragment (16 rows d x 16 tokens): a0 (da; t, t+1), a1 (db; t, t+1), a2 (da; t+8, t+9),
+    // a3 (db; t+8, t+9) with t = k + 2·t4.
+#pragma unroll
+    for (int k = 0; k < C; k += 16) {
+      tc::u32 a[4];
+      tc::load_a_t(a, Xb, LX, r0, k);
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int t = k + 2 * t4 + (e >> 1) * 8, d = (e & 1) ? db : da;
+        const float gl = (e & 1) ? glb : gla;
+        const float2 x = tc::unpack_bf16(a[e]);
+        a[e] = tc::pack_bf16(x.x * state_factor<KIND, REV>(Gb, LG, t, d, gl, scale),
+                             x.y * state_factor<KIND, REV>(Gb, LG, t + 1, d, gl, scale));
+      }
+#pragma unroll
+      for (int jp = 0; jp < NTL / 2; ++jp) {
+        tc::u32 bb[4];
+        tc::load_b2_t(bb, Yb, LY, k, 16 * jp);
+        tc::mma16816(acc[2 * jp], a, bb[0], bb[1]);
+        tc::mma16816(acc[2 * jp + 1], a, bb[2], bb[3]);
+      }
+    }
+  }
+  if (NS > 1 && SegG != nullptr && iv == 0 && t4 == 0) {
+    SegG[(bh * NS + seg) * DK + k0 + da] = seg_gate[0];
+    SegG[(bh * NS + seg) * DK + k0 + db] = seg_gate[1];
+  }
+  float* out = Sfinal + ((bh * NS + seg) * DK + k0 + r0) * DV + v0;
+#pragma unroll
+  for (int j = 0; j < NTL; ++j) {
+    const int col = 8 * j + 2 * t4;
+    *reinterpret_cast<float2*>(out + g * DV + col) = make_float2(acc[j][0], acc[j][1]);
+    *reinterpret_cast<float2*>(out + (g + 8) * DV + col) = make_float2(acc[j][2], acc[j][3]);
+  }
+}
+
+// Eight consecutive elements of a row (16- or 32-byte aligned) as floats, and back.
+template <typename T>
+__device__ __forceinline__ void load_row8(const T* p, float (&f)[8]) {
+  if constexpr (sizeof(T) == 2) {
+    const uint4 u = *reinterpret_cast<const uint4*>(p);
+    const unsigned w[4] = {u.x, u.y, u.z, u.w};
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const float2 x = tc::unpack_bf16(w[e]);
+      f[2 * e] = x.x;
+      f[2 * e + 1] = x.y;
+    }
+  } else {
+    const float4 a = reinterpret_cast<const float4*>(p)[0], b = reinterpret_cast<const float4*>(p)[1];
+    f[0] = a.x, f[1] = a.y, f[2] = a.z, f[3] = a.w, f[4] = b.x, f[5] = b.y, f[6] = b.z, f[7] = b.w;
+  }
+}
+template <typename T>
+__device__ __forceinline__ void store_row8(T* p, const float (&f)[8]) {
+  if constexpr (sizeof(T) == 2) {
+    *reinterpret_cast<uint4*>(p) = make_uint4(tc::pack_bf16(f[0], f[1]), tc::pack_bf16(f[2], f[3]),
+                                              tc::pack_bf16(f[4], f[5]), tc::pack_bf16(f[6], f[7]));
+  } else {
+    reinterpret_cast<float4*>(p)[0] = make_float4(f[0], f[1], f[2], f[3]);
+    reinterpret_cast<float4*>(p)[1] = make_float4(f[4], f[5], f[6], f[7]);
+  }
+}
+
 // Segments joined. For one TK x TV tile of one head and one segment j: the state carried into it
 // from the segments before (forward) or after (reverse), X_j = Σ over those segments i of
 // (the decay between i's end and j) ⊙ Send_i, is added to every saved state of the segment with the
 // decay from the segment's edge to that chunk: forward Hsave[n] += e^{Σ_{m=start_j}^{n−1} Γ_m} ⊙ X_j,
 // reverse Hsave[n] += e^{Σ_{m=n+1}^{end_j} Γ_m} ⊙ X_j (Γ_m the gate summed over chunk m). The block of
 // the last segment in walking order also writes the final state (forward: e^{Σ_j Γ} ⊙ X + Send;
-// reverse: the initial state's gradient). Grid ((dk/TK)·(dv/TV), H, B·NS), 128 threads.
+// reverse: the initial state's gradient). Grid ((dk/TK)·(dv/TV), H, B·NS), 128 threads: a thread
+// owns 8 consecutive columns of one state row (16-byte loads and stores), keeps that row's decay
+// sums itself (no block barriers), and reads kUnroll chunks' states before writing any of them, so
+// several loads are in flight: the pass runs at memory speed.
 template <typename T, int KIND, bool REV, int TK, int TV>
 __global__ void __launch_bounds__(128) segment_fix_kernel(const float* __restrict__ G, const float* __restrict__ Send,
                                                           T* __restrict__ Hsave, float* __restrict__ Sfinal, int Tn,
                                                           int H, int DK, int DV, int NS, int L,
                                                           const float* __restrict__ SegG) {
-  constexpr int C = kChunk, NT = 128, PER = TK * TV / NT;
-  __shared__ float gam[TK];  // e^{decay} factors per row of the tile
-  __shared__ float run[TK];  // a running sum of chunk gates per row (thread d < TK owns row d)
+  constexpr int C = kChunk, VPR = TV / 8, kUnroll = 4;
+  static_assert(TK * VPR == 128, "one thread per 8 columns of a state row");
   const int ntv = DV / TV, ik = blockIdx.x / ntv, iv = blockIdx.x % ntv;
   const int h = blockIdx.y, b = blockIdx.z / NS, j = blockIdx.z % NS, N = Tn / C;
-  const int k0 = ik * TK, v0 = iv * TV;
+  const int r = threadIdx.x / VPR, col = iv * TV + (threadIdx.x % VPR) * 8, row = ik * TK + r;
   const long bh = (long)b * H + h;
   const int GD = KIND == kDiag ? DK : 1;
-  auto chunk_gate = [&](int m, int d) -> float {  // Γ_m for row k0 + d
+  auto chunk_gate = [&](int m) -> float {  // Γ_m for this row
     if constexpr (KIND == kNone) return 0.f;
     const long tok = (long)b * Tn + (long)m * C + C - 1;
-    return G[(tok * H + h) * GD + (KIND == kDiag ? k0 + d : 0)];
+    return G[(tok * H + h) * GD + (KIND == kDiag ? row : 0)];
   };
-  auto seg_sum = [&](int i, int d) {  // Σ Γ over segment i (summed by state_kernel)
+  auto seg_sum = [&](int i) -> float {  // Σ Γ over segment i (summed by state_kernel)
     if constexpr (KIND == kNone) return 0.f;
-    return SegG[(bh * NS + i) * DK + k0 + d];
+    return SegG[(bh * NS + i) * DK + row];
   };
   const bool first = REV ? j == NS - 1 : j == 0;  // walked first: nothing carried in
   const bool last = REV ? j == 0 : j == NS - 1;
   if (first && !last) return;
-  float X[PER];
-#pragma unroll
-  for (int e = 0; e < PER; ++e) X[e] = 0.f;
+  float X[8] = {};
   // X_j, walking the segments between the first one and j in order.
   const int step = REV ? -1 : 1;
   for (int i = REV ? NS - 1 : 0; i != j; i += step) {
-    if (threadIdx.x < TK) gam[threadIdx.x] = __expf(seg_sum(i, threadIdx.x));
-    __syncthreads();
-    const float* Si = Send + ((bh * NS + i) * DK + k0) * DV + v0;
+    const float gm = __expf(seg_sum(i));
+    float si[8];
+    load_row8(Send + ((bh * NS + i) * DK + row) * DV + col, si);
 #pragma unroll
-    for (int e = 0; e < PER; ++e) {
-      const int idx = threadIdx.x + e * NT, r = idx / TV, c = idx % TV;
-      X[e] = gam[r] * X[e] + Si[r * DV + c];
-    }
-    __syncthreads();
+    for (int e = 0; e < 8; ++e) X[e] = gm * X[e] + si[e];
   }
-  const int n0 = j * L, n1 = min(N, n0 + L);
+  const int n0 = j * L, n1 = min(N, n0 + L), count = n1 - n0;
   if (!first) {
-    if (threadIdx.x < TK) run[threadIdx.x] = 0.f;
-    for (int it = 0; it < n1 - n0; ++it) {
-      const int n = REV ? n1 - 1 - it : n0 + it;
-      if (threadIdx.x < TK) {
-        gam[threadIdx.x] = __expf(run[threadIdx.x]);
-        run[threadIdx.x] += chunk_gate(n, threadIdx.x);
-      }
-      __syncthreads();
-      T* Hn = Hsave + ((bh * N + n) * DK + k0) * DV + v0;
+    float run = 0.f;  // Σ Γ from the segment's edge to the chunk
+    for (int it0 = 0; it0 < count; it0 += kUnroll) {
+      float hv[kUnroll][8], fac[kUnroll];
 #pragma unroll
-      for (int e = 0; e < PER; ++e) {
-        const int idx = threadIdx.x + e * NT, r = idx / TV, c = idx % TV;
-        Hn[r * DV + c] = from_f<T>(to_f(Hn[r * DV + c]) + gam[r] * X[e]);
+      for (int u = 0; u < kUnroll; ++u) {
+        if (it0 + u < count) {
+          const int n = REV ? n1 - 1 - (it0 + u) : n0 + it0 + u;
+          load_row8(Hsave + ((bh * N + n) * DK + row) * DV + col, hv[u]);
+          fac[u] = __expf(run);
+          run += chunk_gate(n);
+        }
       }
-      __syncthreads();
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        if (it0 + u < count) {
+          const int n = REV ? n1 - 1 - (it0 + u) : n0 + it0 + u;
+#pragma unroll
+          for (int e = 0; e < 8; ++e) hv[u][e] = hv[u][e] + fac[u] * X[e];
+          store_row8(Hsave + ((bh * N + n) * DK + row) * DV + col, hv[u]);
+        }
+      }
     }
   }
   if (last) {
-    if (threadIdx.x < TK) gam[threadIdx.x] = first ? 0.f : __expf(seg_sum(j, threadIdx.x));
-    __syncthreads();
-    const float* Sj = Send + ((bh * NS + j) * DK + k0) * DV + v0;
-    float* out = Sfinal + (bh * DK + k0) * DV + v0;
+    const float gm = first ? 0.f : __expf(seg_sum(j));
+    float sj[8];
+    load_row8(Send + ((bh * NS + j) * DK + row) * DV + col, sj);
 #pragma unroll
-    for (int e = 0; e < PER; ++e) {
-      const int idx = threadIdx.x + e * NT, r = idx / TV, c = idx % TV;
-      out[r * DV + c] = gam[r] * X[e] + Sj[r * DV + c];
-    }
+    for (int e = 0; e < 8; ++e) sj[e] = gm * X[e] + sj[e];
+    store_row8(Sfinal + (bh * DK + row) * DV + col, sj);
   }
 }
 
@@ -222,35 +414,64 @@ constexpr size_t state_smem() {
 
 namespace carry_decay {
 
-// Launch the state recurrence (forward or reverse) with 32 x 32 state tiles and 4 warps.
+// The current device's SM count (CUDA runtime; asked once a launch, which costs no synchronisation).
+inline int sm_count() {
+  int dev = 0, n = 0;
+  C10_CUDA_CHECK(cudaGetDevice(&dev));
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev));
+  return n;
+}
+
+// Launch the state recurrence (forward or reverse). bf16: state_mma_kernel (16 x 32 tiles, one warp,
+// 3 stages); fp32: state_kernel (32 x 32 tiles on shared memory, 4 warps). Segments: the forced count,
+// else (bf16) enough for one warp on each of an SM's 4 schedulers when the tiles alone leave them
+// idle, at least 16 chunks each (the join pass reads and writes the saved states once more, so
+// segments pay only there), or (fp32) enough to fill the GPU with about 2048 blocks, at least 4
+// chunks each.
 template <typename T, int KIND, bool REV>
 void launch_state(const at::Tensor& X, const at::Tensor& Y, const at::Tensor& G, const at::Tensor& S0,
                   at::Tensor& Hsave, at::Tensor& Sfinal, int B, int Tn, int H, int DK, int DV, float scale,
                   cudaStream_t stream, int segments = 0) {
-  constexpr int TK = 32, TV = 32, NW = 4;
-  constexpr size_t smem = state_smem<T, KIND, TK, TV>();
-  auto kern = state_kernel<T, KIND, REV, TK, TV, NW>;
-  cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
-  // Segments: enough blocks to fill the GPU (about 2048 of 4 warps) with at least 4 chunks each;
-  // segments = 1 (or a short sequence) walks the chunks in order, like the ATen forms.
+  constexpr bool kMma = sizeof(T) == 2;
+  constexpr int TK = kMma ? 16 : 32, TV = 32, NW = kMma ? 1 : 4, NBUF = 3;
   const int N = Tn / kChunk, base = (DK / TK) * (DV / TV) * H * B;
-  int NS = segments > 0 ? segments : std::max(1, std::min(N / 4, (2048 + base - 1) / base));
+  int NS = segments;
+  if (NS <= 0) {
+    if (kMma) NS = std::min(N / 16, 4 * sm_count() / base);
+    else NS = std::min(N / 4, (2048 + base - 1) / base);
+  }
   NS = std::max(1, std::min(NS, N));
   const int L = (N + NS - 1) / NS;
   NS = (N + L - 1) / L;
   at::Tensor Send = NS == 1 ? Sfinal : at::empty({B, H, NS, DK, DV}, Sfinal.options());
   at::Tensor SegG = NS == 1 || KIND == kNone ? at::Tensor() : at::empty({B, H, NS, DK}, Sfinal.options());
   dim3 grid((DK / TK) * (DV / TV), H, B * NS);
-  kern<<<grid, NW * 32, smem, stream>>>(reinterpret_cast<const T*>(X.data_ptr()),
-                                        reinterpret_cast<const T*>(Y.data_ptr()),
-                                        KIND == kNone ? nullptr : G.data_ptr<float>(), S0.data_ptr<float>(),
-                                        reinterpret_cast<T*>(Hsave.data_ptr()), Send.data_ptr<float>(), Tn, H,
-                                        DK, DV, scale, NS, L, SegG.defined() ? SegG.data_ptr<float>() : nullptr);
+  const float* g = KIND == kNone ? nullptr : G.data_ptr<float>();
+  float* segg = SegG.defined() ? SegG.data_ptr<float>() : nullptr;
+  if constexpr (kMma) {
+    using Sm = StateMmaSmem<KIND, REV, NW, TV, NBUF>;
+    auto kern = state_mma_kernel<KIND, REV, NW, TV, NBUF>;
+    cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)Sm::bytes);
+    kern<<<grid, NW * 32, Sm::bytes, stream>>>(reinterpret_cast<const bf16*>(X.data_ptr()),
+                                               reinterpret_cast<const bf16*>(Y.data_ptr()), g, S0.data_ptr<float>(),
+                                               reinterpret_cast<bf16*>(Hsave.data_ptr()), Send.data_ptr<float>(), Tn,
+                                               H, DK, DV, scale, NS, L, segg);
+  } else {
+    constexpr size_t smem = state_smem<T, KIND, TK, TV>();
+    auto kern = state_kernel<T, KIND, REV, TK, TV, NW>;
+    cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
+    kern<<<grid, NW * 32, smem, stream>>>(reinterpret_cast<const T*>(X.data_ptr()),
+                                          reinterpret_cast<const T*>(Y.data_ptr()), g, S0.data_ptr<float>(),
+                                          reinterpret_cast<T*>(Hsave.data_ptr()), Send.data_ptr<float>(), Tn, H, DK,
+                                          DV, scale, NS, L, segg);
+  }
   C10_CUDA_KERNEL_LAUNCH_CHECK();
-  if (NS > 1) {
-    segment_fix_kernel<T, KIND, REV, TK, TV><<<grid, 128, 0, stream>>>(
-        KIND == kNone ? nullptr : G.data_ptr<float>(), Send.data_ptr<float>(), reinterpret_cast<T*>(Hsave.data_ptr()),
-        Sfinal.data_ptr<float>(), Tn, H, DK, DV, NS, L, SegG.defined() ? SegG.data_ptr<float>() : nullptr);
+  if (NS > 1) {  // the join pass has its own 32 x 32 tiling, whatever the state kernel's
+    constexpr int FK = 32, FV = 32;
+    dim3 fgrid((DK / FK) * (DV / FV), H, B * NS);
+    segment_fix_kernel<T, KIND, REV, FK, FV><<<fgrid, 128, 0, stream>>>(
+        g, Send.data_ptr<float>(), reinterpret_cast<T*>(Hsave.data_ptr()), Sfinal.data_ptr<float>(), Tn, H, DK, DV,
+        NS, L, segg);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   }
 }
