@@ -79,27 +79,47 @@ template <typename T, int KIND, int TK_>
 struct QkSmem {
   static constexpr int C = kChunk, TK = TK_, TV = 64, P = pad_of<T>();
   static constexpr int LK = TK + P, LG = TK + 4, LA = C + 4, LAb = C + P, LD = TK + 4, LV = TV + P;
+  // The region R holds the dv-tile buffers (V, dO, H, dH) during the dv loop; afterwards the scratch
+  // of the diagonal decay's blocks (Qh, Kh, Pq, Pk) and, where it fits after that scratch, the
+  // intra-chunk matrix Ab (bf16, written after the loop): without its own 9 KB the scalar decay and
+  // linear attention at TK = 64 take 108 KB, two blocks an SM, so one block's loads overlap the
+  // other's products.
+  static constexpr size_t rV = 0;
+  static constexpr size_t rDO = al128(rV + C * LV * sizeof(T));
+  static constexpr size_t rH = al128(rDO + C * LV * sizeof(T));
+  static constexpr size_t rDH = al128(rH + TK * LV * sizeof(T));
+  static constexpr size_t rEnd = al128(rDH + TK * LV * sizeof(T));
+  static constexpr size_t rQh = 0;
+  static constexpr size_t rKh = al128(rQh + 16 * LK * sizeof(T));
+  static constexpr size_t rPq = al128(rKh + 48 * LK * sizeof(T));
+  static constexpr size_t rPk = al128(rPq + 16 * LD * 4);
+  static constexpr size_t rScrEnd = KIND == kDiag ? al128(rPk + 48 * LD * 4) : 0;
+  static constexpr size_t kAbBytes = C * LAb * sizeof(T);
+  static constexpr bool kAbInR = rScrEnd + kAbBytes <= rEnd;
+  static constexpr size_t rSize = kAbInR ? rEnd : (rEnd > rScrEnd ? rEnd : rScrEnd);
   static constexpr size_t oQ = 0;
   static constexpr size_t oK = al128(oQ + C * LK * sizeof(T));
   static constexpr size_t oG = al128(oK + C * LK * sizeof(T));
   static constexpr size_t oA = al128(oG + (KIND == kDiag ? C * LG * 4 : KIND == kScalar ? C * 4 : 0));
-  static constexpr size_t oAb = al128(oA + C * LA * 4);
-  static constexpr size_t oDQ = al128(oAb + C * LAb * sizeof(T));
+  static constexpr size_t oAbOwn = al128(oA + C * LA * 4);
+  static constexpr size_t oDQ = al128(oAbOwn + (kAbInR ? 0 : kAbBytes));
   static constexpr size_t oDK = al128(oDQ + C * LD * 4);
   static constexpr size_t oX = al128(oDK + C * LD * 4);  // gx [TK], ext [TK]
-  // The dv-tile buffers (V, dO, H, dH); afterwards the scratch of the diagonal decay's blocks.
-  static constexpr size_t oV = al128(oX + 2 * TK * 4);
-  static constexpr size_t oDO = al128(oV + C * LV * sizeof(T));
-  static constexpr size_t oH = al128(oDO + C * LV * sizeof(T));
-  static constexpr size_t oDH = al128(oH + TK * LV * sizeof(T));
-  static constexpr size_t oEnd = al128(oDH + TK * LV * sizeof(T));
-  static constexpr size_t oQh = oV;
-  static constexpr size_t oKh = al128(oQh + 16 * LK * sizeof(T));
-  static constexpr size_t oPq = al128(oKh + 48 * LK * sizeof(T));
-  static constexpr size_t oPk = al128(oPq + 16 * LD * 4);
-  static constexpr size_t oScrEnd = al128(oPk + 48 * LD * 4);
-  static constexpr size_t bytes = oEnd > oScrEnd ? oEnd : oScrEnd;
+  static constexpr size_t oR = al128(oX + 2 * TK * 4);
+  static constexpr size_t oV = oR + rV;
+  static constexpr size_t oDO = oR + rDO;
+  static constexpr size_t oH = oR + rH;
+  static constexpr size_t oDH = oR + rDH;
+  static constexpr size_t oQh = oR + rQh;
+  static constexpr size_t oKh = oR + rKh;
+  static constexpr size_t oPq = oR + rPq;
+  static constexpr size_t oPk = oR + rPk;
+  static constexpr size_t oAb = kAbInR ? oR + rScrEnd : oAbOwn;
+  static constexpr size_t bytes = oR + rSize;
   static_assert(bytes <= 227 * 1024, "dqk_kernel shared memory");
+  static_assert(oV < oDO && oDO < oH && oH < oDH && oDH < bytes, "dv-tile buffers inside the region");
+  static_assert(oQh < oKh && oKh < oPq && oPq < oPk && oPk < oR + (KIND == kDiag ? rScrEnd : rEnd) + 1,
+                "the diagonal decay's scratch inside the region");
 };
 
 // Off-diagonal row block I of the intra-chunk gradient for the diagonal decay (see the forward's
@@ -145,7 +165,8 @@ __global__ void __launch_bounds__(NW * 32) dqk_kernel(const T* __restrict__ q, c
                                                       T* __restrict__ dk, float* __restrict__ dg, int Tn, int H,
                                                       int DK, int DV, float scale) {
   using L = QkSmem<T, KIND, TK_>;
-  constexpr int C = kChunk, NT = NW * 32, TK = L::TK, TV = L::TV;
+  constexpr int C = kChunk, NT = NW * 32, TK = L::TK, TV = L::TV, kRG = NT / TK;
+  static_assert(kRG == 4, "four threads a key column in the row reductions");
   extern __shared__ __align__(128) unsigned char smem[];
   T* Qs = reinterpret_cast<T*>(smem + L::oQ);
   T* Ks = reinterpret_cast<T*>(smem + L::oK);
@@ -185,10 +206,15 @@ __global__ void __launch_bounds__(NW * 32) dqk_kernel(const T* __restrict__ q, c
     gemm<T, C, C, TV, false, true, NW>(dOs, L::LV, Vs, L::LV, dA, L::LA, j > 0);
     gemm<T, C, TK, TV, false, true, NW>(dOs, L::LV, Hs, L::LV, dQs, L::LD, j > 0);
     gemm<T, C, TK, TV, false, true, NW>(Vs, L::LV, dHs, L::LV, dKs, L::LD, j > 0);
-    if (KIND != kNone && threadIdx.x < TK) {
+    if constexpr (KIND != kNone) {  // diag(H dHᵀ) for this dv tile: 4 consecutive lanes a row
+      const int d = threadIdx.x / kRG, part = threadIdx.x % kRG;
       float s = 0.f;
-      for (int c = 0; c < TV; ++c) s += to_f(Hs[threadIdx.x * L::LV + c]) * to_f(dHs[threadIdx.x * L::LV + c]);
-      gx[threadIdx.x] += s;
+#pragma unroll 4
+      for (int c = part * (TV / kRG); c < (part + 1) * (TV / kRG); ++c)
+        s += to_f(Hs[d * L::LV + c]) * to_f(dHs[d * L::LV + c]);
+      s += __shfl_xor_sync(0xffffffffu, s, 1);
+      s += __shfl_xor_sync(0xffffffffu, s, 2);
+      if (part == 0) gx[d] += s;
     }
     __syncthreads();
   }
@@ -200,11 +226,14 @@ __global__ void __launch_bounds__(NW * 32) dqk_kernel(const T* __restrict__ q, c
     dKs[t * L::LD + d] *= __expf(Gl - Gt);
   }
   __syncthreads();
-  if (KIND != kNone && threadIdx.x < TK) {  // the chunk-end gate's share from the state terms
-    const int d = threadIdx.x;
+  if constexpr (KIND != kNone) {  // the chunk-end gate's share from the state terms, 4 lanes a column
+    const int d = threadIdx.x / kRG, part = threadIdx.x % kRG;
     float s = 0.f;
-    for (int t = 0; t < C; ++t) s += to_f(Ks[t * L::LK + d]) * dKs[t * L::LD + d];
-    ext[d] = s + __expf(gate<KIND>(Gs, L::LG, C - 1, d)) * gx[d];
+#pragma unroll 4
+    for (int t = part * (C / kRG); t < (part + 1) * (C / kRG); ++t) s += to_f(Ks[t * L::LK + d]) * dKs[t * L::LD + d];
+    s += __shfl_xor_sync(0xffffffffu, s, 1);
+    s += __shfl_xor_sync(0xffffffffu, s, 2);
+    if (part == 0) ext[d] = s + __expf(gate<KIND>(Gs, L::LG, C - 1, d)) * gx[d];
   }
   for (int i = threadIdx.x; i < C * C; i += NT) {
     const int t = i / C, s = i % C;
