@@ -45,14 +45,28 @@ template <int N>
 __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
 
 // ROWS x COLS tile of T from global (row stride gstride elements) into shared (row stride lds).
+// When the block's threads cover whole rows a pass (NT a multiple of the row's 16-byte pieces, and
+// the tile a multiple of NT pieces), a thread's pieces sit a fixed number of rows apart: it computes
+// its addresses once and steps them, in an unrolled loop (a state kernel issues these every chunk,
+// and their address arithmetic was a large share of its instructions).
 template <typename T, int ROWS, int COLS, int NT>
 __device__ __forceinline__ void load_tile_async(T* s, int lds, const T* g, long gstride) {
   constexpr int E = 16 / sizeof(T);
   constexpr int VPR = COLS / E;
   static_assert(COLS % E == 0, "tile width must be a multiple of 16 bytes");
-  for (int i = threadIdx.x; i < ROWS * VPR; i += NT) {
-    int r = i / VPR, c = (i % VPR) * E;
-    cp_async16(s + r * lds + c, g + r * gstride + c);
+  if constexpr (NT % VPR == 0 && (ROWS * VPR) % NT == 0) {
+    constexpr int STEP = NT / VPR, PASSES = ROWS * VPR / NT;  // rows between a thread's pieces, pieces
+    if (threadIdx.x >= NT) return;  // a block wider than NT: the others copy nothing (NT covers the tile)
+    const int r = threadIdx.x / VPR, c = (threadIdx.x % VPR) * E;
+    T* sp = s + r * lds + c;
+    const T* gp = g + r * gstride + c;
+#pragma unroll
+    for (int j = 0; j < PASSES; ++j) cp_async16(sp + j * STEP * lds, gp + (long)j * STEP * gstride);
+  } else {
+    for (int i = threadIdx.x; i < ROWS * VPR; i += NT) {
+      int r = i / VPR, c = (i % VPR) * E;
+      cp_async16(s + r * lds + c, g + r * gstride + c);
+    }
   }
 }
 

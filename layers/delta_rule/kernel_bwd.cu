@@ -322,16 +322,21 @@ __global__ void __launch_bounds__(NW * 32) bwd_state_mma_kernel(
     {  // dH_c = dS (16-byte copies)
       bf16* dh = dHs + (bh * N + c) * DK * DV + v0;
       constexpr int VR = BV / 8;
-      for (int i = tid; i < DK * VR; i += NT) {
-        const int r = i / VR, cv = (i % VR) * 8;
+      static_assert(NT % VR == 0 && (DK * VR) % NT == 0, "whole rows a pass");
+      const int r0 = tid / VR, cv = (tid % VR) * 8;
+#pragma unroll
+      for (int j = 0; j < DK * VR / NT; ++j) {
+        const int r = r0 + j * (NT / VR);
         *reinterpret_cast<uint4*>(dh + (long)r * DV + cv) = *reinterpret_cast<const uint4*>(sSb + r * LB + cv);
       }
     }
     {  // dO <- scale e^G ⊙ dO, in place (pairs)
       constexpr int PR = BV / 2;
-      for (int i = tid; i < C * PR; i += NT) {
-        const int r = i / PR, cp = (i % PR) * 2;
-        const float s = scale * expf(G[r]);
+      static_assert(NT % PR == 0 && (C * PR) % NT == 0, "whole rows a pass");
+#pragma unroll
+      for (int j = 0; j < C * PR / NT; ++j) {
+        const int r = tid / PR + j * (NT / PR), cp = (tid % PR) * 2;
+        const float s = scale * __expf(G[r]);
         unsigned* p = reinterpret_cast<unsigned*>(cdO + r * LB + cp);
         const float2 x = tc::unpack_bf16(*p);
         *p = tc::pack_bf16(x.x * s, x.y * s);
@@ -362,7 +367,7 @@ __global__ void __launch_bounds__(NW * 32) bwd_state_mma_kernel(
 #pragma unroll
       for (int hf = 0; hf < 2; ++hf) {
         const int r = m0 + g + hf * 8;
-        const float e = expf(gl - G[r]);
+        const float e = __expf(gl - G[r]);
 #pragma unroll
         for (int nt = 0; nt < 2; ++nt) {
           const int col = n0 + nt * 8 + 2 * t4;
@@ -375,7 +380,7 @@ __global__ void __launch_bounds__(NW * 32) bwd_state_mma_kernel(
       }
     }
     __syncthreads();
-    const float egl = expf(gl);
+    const float egl = __expf(gl);
 #pragma unroll
     for (int i = 0; i < U2W; ++i) {
       const int u = warp + i * NW, m0 = (u / NP) * 16, n0 = (u % NP) * 16;

@@ -396,8 +396,11 @@ __global__ void __launch_bounds__(NW * 32) fwd_state_mma_kernel(const bf16* __re
     {  // H_c = S (16-byte copies)
       bf16* hc = Hs + (bh * N + c) * DK * DV + v0;
       constexpr int VR = BV / 8;
-      for (int i = tid; i < DK * VR; i += NT) {
-        const int r = i / VR, cv = (i % VR) * 8;
+      static_assert(NT % VR == 0 && (DK * VR) % NT == 0, "whole rows a pass");
+      const int r0 = tid / VR, cv = (tid % VR) * 8;
+#pragma unroll
+      for (int j = 0; j < DK * VR / NT; ++j) {
+        const int r = r0 + j * (NT / VR);
         *reinterpret_cast<uint4*>(hc + (long)r * DV + cv) = *reinterpret_cast<const uint4*>(sSb + r * LB + cv);
       }
     }
@@ -418,7 +421,7 @@ __global__ void __launch_bounds__(NW * 32) fwd_state_mma_kernel(const bf16* __re
 #pragma unroll
       for (int hf = 0; hf < 2; ++hf) {
         const int r = m0 + g + hf * 8;
-        const float e = expf(gl - G[r]);
+        const float e = __expf(gl - G[r]);
 #pragma unroll
         for (int nt = 0; nt < 2; ++nt) {
           const int col = n0 + nt * 8 + 2 * t4;
@@ -431,7 +434,7 @@ __global__ void __launch_bounds__(NW * 32) fwd_state_mma_kernel(const bf16* __re
       }
     }
     __syncthreads();
-    const float egl = expf(gl);
+    const float egl = __expf(gl);
 #pragma unroll
     for (int i = 0; i < U2W; ++i) {
       const int u = warp + i * NW, m0 = (u / NP) * 16, n0 = (u % NP) * 16;
