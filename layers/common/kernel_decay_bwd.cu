@@ -77,7 +77,10 @@ __global__ void __launch_bounds__(NW * 32) dv_kernel(const T* __restrict__ k, co
 // ---- dq, dk, dg -----------------------------------------------------------------------------
 template <typename T, int KIND, int TK_>
 struct QkSmem {
-  static constexpr int C = kChunk, TK = TK_, TV = 64, P = pad_of<T>();
+  // bf16 GLA with 64 key columns (compact): dv tiles of 32 and the diagonal decay's Pk in pieces of 16
+  // rows, so that its region holds the scratch and Ab within 27 KB: 113 KB, two blocks an SM.
+  static constexpr bool kCompact = sizeof(T) == 2 && KIND == kDiag && TK_ == 64;
+  static constexpr int C = kChunk, TK = TK_, TV = kCompact ? 32 : 64, P = pad_of<T>(), kPkRows = kCompact ? 16 : 48;
   static constexpr int LK = TK + P, LG = TK + 4, LA = C + 4, LAb = C + P, LD = TK + 4, LV = TV + P;
   // The region R holds the dv-tile buffers (V, dO, H, dH) during the dv loop; afterwards the scratch
   // of the diagonal decay's blocks (Qh, Kh, Pq, Pk) and, where it fits after that scratch, the
@@ -93,10 +96,11 @@ struct QkSmem {
   static constexpr size_t rKh = al128(rQh + 16 * LK * sizeof(T));
   static constexpr size_t rPq = al128(rKh + 48 * LK * sizeof(T));
   static constexpr size_t rPk = al128(rPq + 16 * LD * 4);
-  static constexpr size_t rScrEnd = KIND == kDiag ? al128(rPk + 48 * LD * 4) : 0;
+  static constexpr size_t rScrEnd = KIND == kDiag ? al128(rPk + kPkRows * LD * 4) : 0;
   static constexpr size_t kAbBytes = C * LAb * sizeof(T);
-  static constexpr bool kAbInR = rScrEnd + kAbBytes <= rEnd;
-  static constexpr size_t rSize = kAbInR ? rEnd : (rEnd > rScrEnd ? rEnd : rScrEnd);
+  static constexpr bool kAbInR = kCompact || rScrEnd + kAbBytes <= rEnd;
+  static constexpr size_t rAbEnd = al128(rScrEnd + kAbBytes);
+  static constexpr size_t rSize = kAbInR ? (rEnd > rAbEnd ? rEnd : rAbEnd) : (rEnd > rScrEnd ? rEnd : rScrEnd);
   static constexpr size_t oQ = 0;
   static constexpr size_t oK = al128(oQ + C * LK * sizeof(T));
   static constexpr size_t oG = al128(oK + C * LK * sizeof(T));
@@ -117,6 +121,7 @@ struct QkSmem {
   static constexpr size_t oAb = kAbInR ? oR + rScrEnd : oAbOwn;
   static constexpr size_t bytes = oR + rSize;
   static_assert(bytes <= 227 * 1024, "dqk_kernel shared memory");
+  static_assert(!kCompact || bytes <= 113 * 1024, "compact dqk_kernel: two blocks an SM");
   static_assert(oV < oDO && oDO < oH && oH < oDH && oDH < bytes, "dv-tile buffers inside the region");
   static_assert(oQh < oKh && oKh < oPq && oPq < oPk && oPk < oR + (KIND == kDiag ? rScrEnd : rEnd) + 1,
                 "the diagonal decay's scratch inside the region");
@@ -142,19 +147,36 @@ __device__ __forceinline__ void diag_offdiag_grad(const T* Qs, const T* Ks, cons
   }
   __syncthreads();
   gemm<T, 16, TK, R, false, false, NW>(Ab + R * L::LAb, L::LAb, Kh, L::LK, Pq, L::LD, false);
-  gemm<T, R, TK, 16, true, false, NW>(Ab + R * L::LAb, L::LAb, Qh, L::LK, Pk, L::LD, false);
-  __syncthreads();
-  for (int i = threadIdx.x; i < (16 + R) * TK; i += NT) {
-    const int r = i / TK, d = i % TK;
-    const float ref = Gs[(R - 1) * L::LG + d];
-    if (r < 16) {
-      dq[(R + r) * L::LD + d] += Pq[r * L::LD + d] * __expf(Gs[(R + r) * L::LG + d] - ref);
-    } else {
-      const int s = r - 16;
-      dk[s * L::LD + d] += Pk[s * L::LD + d] * __expf(ref - Gs[s * L::LG + d]);
+  if constexpr (L::kPkRows < R) {  // Pk in pieces of kPkRows rows (same products, element by element)
+    __syncthreads();
+    for (int i = threadIdx.x; i < 16 * TK; i += NT) {
+      const int r = i / TK, d = i % TK;
+      dq[(R + r) * L::LD + d] += Pq[r * L::LD + d] * __expf(Gs[(R + r) * L::LG + d] - Gs[(R - 1) * L::LG + d]);
     }
+    for (int p = 0; p < R; p += L::kPkRows) {
+      gemm<T, L::kPkRows, TK, 16, true, false, NW>(Ab + R * L::LAb + p, L::LAb, Qh, L::LK, Pk, L::LD, false);
+      __syncthreads();
+      for (int i = threadIdx.x; i < L::kPkRows * TK; i += NT) {
+        const int r = i / TK, d = i % TK, s = p + r;
+        dk[s * L::LD + d] += Pk[r * L::LD + d] * __expf(Gs[(R - 1) * L::LG + d] - Gs[s * L::LG + d]);
+      }
+      __syncthreads();
+    }
+  } else {
+    gemm<T, R, TK, 16, true, false, NW>(Ab + R * L::LAb, L::LAb, Qh, L::LK, Pk, L::LD, false);
+    __syncthreads();
+    for (int i = threadIdx.x; i < (16 + R) * TK; i += NT) {
+      const int r = i / TK, d = i % TK;
+      const float ref = Gs[(R - 1) * L::LG + d];
+      if (r < 16) {
+        dq[(R + r) * L::LD + d] += Pq[r * L::LD + d] * __expf(Gs[(R + r) * L::LG + d] - ref);
+      } else {
+        const int s = r - 16;
+        dk[s * L::LD + d] += Pk[s * L::LD + d] * __expf(ref - Gs[s * L::LG + d]);
+      }
+    }
+    __syncthreads();
   }
-  __syncthreads();
 }
 
 template <typename T, int KIND, int TK_, int NW>
