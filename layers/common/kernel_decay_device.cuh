@@ -424,10 +424,12 @@ inline int sm_count() {
 
 // Launch the state recurrence (forward or reverse). bf16: state_mma_kernel (16 x 32 tiles, one warp,
 // 3 stages); fp32: state_kernel (32 x 32 tiles on shared memory, 4 warps). Segments: the forced count,
-// else (bf16) enough for one warp on each of an SM's 4 schedulers when the tiles alone leave them
-// idle, at least 16 chunks each (the join pass reads and writes the saved states once more, so
-// segments pay only there), or (fp32) enough to fill the GPU with about 2048 blocks, at least 4
-// chunks each.
+// else (bf16) at least 16 chunks each and, when the tiles alone give fewer than half the SM
+// schedulers a warp, enough for two warps a scheduler, otherwise enough for one (the join pass
+// reads and writes the saved states once more). Measured on an H200: at H=16, dk=dv=128 (512 tiles)
+// two segments ran slower than one (simple GLA 1.797 → 1.895 ms forward+backward at 16k); at H=4
+// (dk=128, dv=256: 256 tiles; dk=96, dv=192: 144) two warps a scheduler ran faster than one (1.827 →
+// 1.716 and 1.468 → 1.260 ms). fp32: enough to fill the GPU with about 2048 blocks, at least 4 chunks each.
 template <typename T, int KIND, bool REV>
 void launch_state(const at::Tensor& X, const at::Tensor& Y, const at::Tensor& G, const at::Tensor& S0,
                   at::Tensor& Hsave, at::Tensor& Sfinal, int B, int Tn, int H, int DK, int DV, float scale,
@@ -437,7 +439,10 @@ void launch_state(const at::Tensor& X, const at::Tensor& Y, const at::Tensor& G,
   const int N = Tn / kChunk, base = (DK / TK) * (DV / TV) * H * B;
   int NS = segments;
   if (NS <= 0) {
-    if (kMma) NS = std::min(N / 16, 4 * sm_count() / base);
+    if (kMma) {
+      const int sms = sm_count();
+      NS = std::min(N / 16, (base > 2 * sms ? 4 : 8) * sms / base);
+    }
     else NS = std::min(N / 4, (2048 + base - 1) / base);
   }
   NS = std::max(1, std::min(NS, N));
