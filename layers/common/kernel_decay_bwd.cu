@@ -123,8 +123,9 @@ struct QkSmem {
   static_assert(bytes <= 227 * 1024, "dqk_kernel shared memory");
   static_assert(!kCompact || bytes <= 113 * 1024, "compact dqk_kernel: two blocks an SM");
   static_assert(oV < oDO && oDO < oH && oH < oDH && oDH < bytes, "dv-tile buffers inside the region");
-  static_assert(oQh < oKh && oKh < oPq && oPq < oPk && oPk < oR + (KIND == kDiag ? rScrEnd : rEnd) + 1,
-                "the diagonal decay's scratch inside the region");
+  static_assert(oQh < oKh && oKh < oPq && oPq < oPk &&
+                    (KIND != kDiag || !kAbInR || oPk + (size_t)kPkRows * LD * 4 <= oAb),
+                "the diagonal decay's scratch ends before Ab");
 };
 
 // Off-diagonal row block I of the intra-chunk gradient for the diagonal decay (see the forward's

@@ -148,7 +148,7 @@ __device__ __forceinline__ void cp_async4(void* smem, const void* gmem) {
 // uses one warp a block and TV = 32: a warp's chain of instructions a chunk is what sets the pace
 // (ncu: one warp a scheduler, an instruction every 3.3 cycles), so every warp gets little to do and
 // the grid holds as many warps as the state has 16 x 32 pieces. Grid and segments as state_kernel.
-template <int KIND, bool REV, int NW, int TV, int NBUF>
+template <int KIND, int NW, int TV, int NBUF>
 struct StateMmaSmem {
   static constexpr int C = kChunk, TK = 16 * NW, LX = TK + 8, LY = TV + 8, LG = TK + 4;
   static constexpr size_t oX = 0;
@@ -174,7 +174,7 @@ __global__ void __launch_bounds__(NW * 32) state_mma_kernel(const bf16* __restri
                                                             bf16* __restrict__ Hsave, float* __restrict__ Sfinal,
                                                             int Tn, int H, int DK, int DV, float scale, int NS, int L,
                                                             float* __restrict__ SegG) {
-  using Sm = StateMmaSmem<KIND, REV, NW, TV, NBUF>;
+  using Sm = StateMmaSmem<KIND, NW, TV, NBUF>;
   constexpr int C = kChunk, TK = Sm::TK, NT = NW * 32, LX = Sm::LX, LY = Sm::LY, LG = Sm::LG, NTL = TV / 8;
   static_assert(NBUF >= 2 && TV % 16 == 0, "state_mma_kernel tiling");
   extern __shared__ __align__(128) unsigned char smem[];
@@ -442,8 +442,9 @@ void launch_state(const at::Tensor& X, const at::Tensor& Y, const at::Tensor& G,
     if (kMma) {
       const int sms = sm_count();
       NS = std::min(N / 16, (base > 2 * sms ? 4 : 8) * sms / base);
+    } else {
+      NS = std::min(N / 4, (2048 + base - 1) / base);
     }
-    else NS = std::min(N / 4, (2048 + base - 1) / base);
   }
   NS = std::max(1, std::min(NS, N));
   const int L = (N + NS - 1) / NS;
@@ -454,7 +455,7 @@ void launch_state(const at::Tensor& X, const at::Tensor& Y, const at::Tensor& G,
   const float* g = KIND == kNone ? nullptr : G.data_ptr<float>();
   float* segg = SegG.defined() ? SegG.data_ptr<float>() : nullptr;
   if constexpr (kMma) {
-    using Sm = StateMmaSmem<KIND, REV, NW, TV, NBUF>;
+    using Sm = StateMmaSmem<KIND, NW, TV, NBUF>;
     auto kern = state_mma_kernel<KIND, REV, NW, TV, NBUF>;
     cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)Sm::bytes);
     kern<<<grid, NW * 32, Sm::bytes, stream>>>(reinterpret_cast<const bf16*>(X.data_ptr()),

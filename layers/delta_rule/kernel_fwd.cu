@@ -364,7 +364,7 @@ __global__ void __launch_bounds__(NW * 32) fwd_state_mma_kernel(const bf16* __re
       }
     }
   }
-  // NBUF − 1 chunks in flight: one chunk's work is shorter than a load's latency from HBM.
+  // NBUF − 1 chunks in flight (kStateStages says what was measured).
 #pragma unroll
   for (int c = 0; c < NBUF - 1; ++c) {
     if (c < N) issue(c, c);

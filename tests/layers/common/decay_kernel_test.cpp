@@ -4,8 +4,8 @@
 // input and of the initial state for a random functional of (o, final state). Gates with half-lives
 // from about 2 to 7·10^4 tokens, and a strong-decay case (half-lives down to a fifth of a token) for
 // the diagonal decay's rescaled blocks; a nonzero initial state. Relative max error ≤ 1e-4 for fp32
-// inputs, ≤ 1e-2 for bf16 (1.5e-2 for normalized linear attention, see below). Outputs are poisoned (NaN) before each kernel run so that unwritten
-// elements show. The state recurrence runs in order (1 segment) and cut into 3 segments joined
+// inputs, ≤ 1e-2 for bf16 (1.5e-2 for normalized linear attention's gradients, see below). Outputs
+// are poisoned (NaN) before each kernel run so that unwritten elements show. The state recurrence runs in order (1 segment) and cut into 3 segments joined
 // afterwards. Skips itself without a GPU (and on builds without CUDA).
 #include "layers/common/device.h"
 #include "tests/helpers/mixer_testing.h"
