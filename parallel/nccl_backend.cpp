@@ -41,6 +41,7 @@
 #include <dlfcn.h>
 #include <nccl.h>
 
+#include <atomic>
 #include <chrono>
 #include <condition_variable>
 #include <cstdlib>
@@ -124,11 +125,11 @@ ncclDataType_t nccl_type_of(at::ScalarType t) {
   }
 }
 
-// A CUDA event without timing, destroyed on every path out.
+// A CUDA event (without timing unless asked), destroyed on every path out.
 class CudaEvent {
  public:
-  CudaEvent() {
-    cudaError_t e = cudaEventCreateWithFlags(&event_, cudaEventDisableTiming);
+  explicit CudaEvent(bool timing = false) {
+    cudaError_t e = cudaEventCreateWithFlags(&event_, timing ? cudaEventDefault : cudaEventDisableTiming);
     TORCH_CHECK(e == cudaSuccess, "NCCL backend: cudaEventCreate failed: ", cudaGetErrorString(e));
   }
   ~CudaEvent() { cudaEventDestroy(event_); }
@@ -262,6 +263,14 @@ class NcclCommunicator final : public Communicator {
     t.copy_(buf);
   }
 
+  void set_wait_timing(bool on) override { timing_.store(on); }
+  double take_waited_seconds() override {
+    std::lock_guard<std::mutex> lock(mutex_);
+    const double s = waited_ms_ / 1000.0;
+    waited_ms_ = 0;
+    return s;
+  }
+
   void synchronize() override {
     std::unique_lock<std::mutex> lock(mutex_);
     idle_.wait(lock, [&] { return pending_.empty() || !failure_.empty(); });
@@ -313,6 +322,7 @@ class NcclCommunicator final : public Communicator {
   // An enqueued operation the watchdog follows until its event completes.
   struct Work {
     std::shared_ptr<CudaEvent> done;
+    std::shared_ptr<CudaEvent> ready;  // with wait timing, for an operation the caller waits for
     std::string op;
     std::vector<int> peers;
     std::vector<std::string> context;  // the CommContext lines where it was started
@@ -343,10 +353,11 @@ class NcclCommunicator final : public Communicator {
                                         std::string(what) + ": " + cudaGetErrorString(e)));
     };
     // The NCCL stream starts after what the caller has enqueued (the buffers' contents).
-    CudaEvent ready;
-    auto done = std::make_shared<CudaEvent>();
-    cuda_check(cudaEventRecord(ready.get(), caller), "cudaEventRecord on the caller's stream");
-    cuda_check(cudaStreamWaitEvent(stream, ready.get(), 0), "cudaStreamWaitEvent");
+    const bool timed = caller_waits && timing_.load();
+    auto ready = std::make_shared<CudaEvent>(timed);
+    auto done = std::make_shared<CudaEvent>(timed);
+    cuda_check(cudaEventRecord(ready->get(), caller), "cudaEventRecord on the caller's stream");
+    cuda_check(cudaStreamWaitEvent(stream, ready->get(), 0), "cudaStreamWaitEvent");
     for (const Tensor& t : buffers)
       if (t.defined() && t.is_cuda() && t.storage().data_ptr().get() != nullptr)
         c10::cuda::CUDACachingAllocator::recordStream(t.storage().data_ptr(), stream_);
@@ -367,7 +378,8 @@ class NcclCommunicator final : public Communicator {
     if (caller_waits) cuda_check(cudaStreamWaitEvent(caller, done->get(), 0), "cudaStreamWaitEvent");
     {
       std::lock_guard<std::mutex> lock(mutex_);
-      pending_.push_back(Work{std::move(done), op, peers, detail::comm_context_lines(), start});
+      pending_.push_back(Work{std::move(done), timed ? std::move(ready) : nullptr, op, peers,
+                              detail::comm_context_lines(), start});
     }
     wake_.notify_all();
   }
@@ -387,6 +399,8 @@ class NcclCommunicator final : public Communicator {
         const Work& w = pending_.front();
         cudaError_t q = cudaEventQuery(w.done->get());
         if (q == cudaSuccess) {
+          float ms = 0;
+          if (w.ready && cudaEventElapsedTime(&ms, w.ready->get(), w.done->get()) == cudaSuccess) waited_ms_ += ms;
           pending_.pop_front();
           continue;
         }
@@ -454,6 +468,8 @@ class NcclCommunicator final : public Communicator {
   std::condition_variable wake_, idle_;
   std::deque<Work> pending_;
   std::string failure_;
+  double waited_ms_ = 0;  // set_wait_timing's sum, under mutex_
+  std::atomic<bool> timing_{false};
   bool stop_ = false;
   std::thread watchdog_;  // last: started once the rest is constructed
 };

@@ -674,14 +674,18 @@ ProcessGroups make_process_groups(ParallelLayout layout, Backend backend, CommOp
   CommOptions so = opt, dpo = opt;
   so.name = "sp";
   dpo.name = "dp";
+  CommOptions go = opt;
+  go.name = "sp gradients";
   if (backend == Backend::mpi) {
     g.world = mpi_world;
     g.sp = make_mpi_communicator(sp_comm, so);
     g.dp = make_mpi_communicator(dp_comm, dpo);
+    if (layout.sp > 1) g.sp_gradients = make_mpi_communicator(sp_comm, go);
   } else {
     g.world = make_nccl_communicator(MPI_COMM_WORLD, w.local_rank, wo);
     g.sp = make_nccl_communicator(sp_comm, w.local_rank, so);
     g.dp = make_nccl_communicator(dp_comm, w.local_rank, dpo);
+    if (layout.sp > 1) g.sp_gradients = make_nccl_communicator(sp_comm, w.local_rank, go);
   }
   MPI_Comm_free(&sp_comm);
   MPI_Comm_free(&dp_comm);

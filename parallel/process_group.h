@@ -102,6 +102,13 @@ class Communicator {
   // Blocks until every operation this rank has started has completed, and raises a failure found
   // meanwhile (as CommOptions say). Backends whose calls complete before they return (MPI) do nothing.
   virtual void synchronize() {}
+  // Waiting time, measured when turned on (NCCL; other backends measure nothing and return 0): for each
+  // operation the caller's stream waits for (a receive, a collective), the GPU time from the caller's
+  // stream reaching it to its completion, which is how long that stream stood still when it needs the
+  // data at once (as the ordered chain does). take_waited_seconds() returns the sum since the last call,
+  // over completed operations: call synchronize() first for all of them.
+  virtual void set_wait_timing(bool) {}
+  virtual double take_waited_seconds() { return 0; }
 };
 
 // A communicator over a duplicate of `comm` (MPI_Comm_idup, so it never shares message matching
@@ -148,6 +155,10 @@ struct ProcessGroups {
   ParallelLayout layout;
   int dp_rank = 0, sp_rank = 0;
   std::shared_ptr<Communicator> world, sp, dp;
+  // The sp group again, for the weight gradients summed while the backward runs
+  // (parallel/gradient_sum.h): a communicator (NCCL: a stream) of their own, so the state chain's
+  // messages never queue behind them. Null when sp = 1.
+  std::shared_ptr<Communicator> sp_gradients;
 };
 
 // Checks dp·sp == world size (the same clear error on every rank otherwise), then builds the world,

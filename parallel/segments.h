@@ -53,6 +53,14 @@ class SegmentCommunicator final : public Communicator {
   void all_reduce_sum(Tensor& t) override;
   void broadcast(Tensor& t, int root) override;
   void barrier() override;
+  void synchronize() override {
+    if (sp_) sp_->synchronize();
+  }
+  // The real rank's waits (between segments of one rank nothing waits).
+  void set_wait_timing(bool on) override {
+    if (sp_) sp_->set_wait_timing(on);
+  }
+  double take_waited_seconds() override { return sp_ ? sp_->take_waited_seconds() : 0; }
 
  private:
   bool local(int r) const { return r / per_rank_ == sp_rank_; }

@@ -208,6 +208,24 @@ Trainer::Trainer(const RunConfig& config, std::shared_ptr<parallel::ProcessGroup
                                                   /*head_groups=*/1, config_.data().seq_len());
   }
   if (par.has_serial_states()) context_.slice.serial_states = par.serial_states();
+  const char* overlap = std::getenv("CARRY_GRADIENT_OVERLAP");
+  if (segments_ && segments_->per_rank() == 1 && sp_ > 1 && groups_->sp_gradients &&
+      !(overlap && std::string(overlap) == "0"))
+    gradient_sum_ = std::make_unique<parallel::OverlappedGradientSum>(model_.parameters(), groups_->sp_gradients,
+                                                                      /*bucket_bytes=*/int64_t{64} << 20);
+  const char* timing = std::getenv("CARRY_COMM_TIMING");
+  comm_timing_ = timing && std::string(timing) == "1" && groups_;
+  if (comm_timing_) {
+    groups_->sp->set_wait_timing(true);
+    if (gradient_sum_) gradient_sum_->set_timing(true);
+  }
+}
+
+void Trainer::take_comm_waits() {
+  if (!comm_timing_) return;
+  groups_->sp->synchronize();
+  comm_wait_s_ += groups_->sp->take_waited_seconds();
+  if (gradient_sum_) gradient_wait_s_ += gradient_sum_->take_waited_seconds();
 }
 
 int Trainer::rank() const { return groups_ ? groups_->world_info.rank : 0; }
@@ -461,17 +479,23 @@ at::Tensor Trainer::segmented_forward_backward(const std::vector<Batch>& micro, 
       auto l = at::stack({ce[j].loss.detach().to(at::kDouble), at::zeros({}, masked.options())});
       losses[j] = losses[j].defined() ? losses[j] + l : l;
     }
+    // One segment and one micro-batch: the gradients' sum goes in buckets while the backward runs.
+    const bool overlap = gradient_sum_ && micro.size() == 1;
     for (int j = k - 1; j >= 0; --j) {  // the state gradients flow right to left
       segments_->set_segment(j);
+      if (overlap) gradient_sum_->begin();
       (ce[j].loss / masked[0].to(ce[j].loss.scalar_type())).backward();
       ce[j] = LinearCrossEntropy{};
-      auto g = flat_gradients(params);
+      if (overlap) gradients = gradient_sum_->finish();
+      else {
+        auto g = flat_gradients(params);
+        grads[j] = grads[j].defined() ? grads[j] + g : g;
+      }
       for (auto& [name, p] : params) p.mutable_grad() = at::Tensor();
-      grads[j] = grads[j].defined() ? grads[j] + g : g;
     }
   }
   auto* sp = segments_->sp();
-  gradients = parallel::tree_sum(grads, sp);
+  if (!gradients.defined()) gradients = parallel::tree_sum(grads, sp);
   grads.clear();
   losses[0] = losses[0] + at::stack({at::zeros({}, stop.options()), stop});  // the stop signals ride along
   auto loss = parallel::tree_sum(losses, sp);
@@ -1007,6 +1031,7 @@ int Trainer::run() {
   while (step_ < total) {
     auto s = train_step();
     ++steps_here;
+    take_comm_waits();
     // This invocation's limits. The step count is the same on every rank; the clock is not, so a rank
     // past max_minutes raises its stop flag, which the next step's loss sum carries to all ranks.
     const bool step_limit = options_.max_steps > 0 && steps_here >= options_.max_steps;
@@ -1045,6 +1070,15 @@ int Trainer::run() {
         fields.emplace_back("gpu_alloc_retries", static_cast<double>(alloc.retries));
       }
       fields.emplace_back("tokens_seen", static_cast<double>(tokens_seen_));
+      if (comm_timing_) {  // the mean over the ranks of the window's waits (a message at log steps only)
+        auto w = at::tensor({comm_wait_s_, gradient_wait_s_}, at::kDouble).to(device_);
+        groups_->world->all_reduce_sum(w);
+        w = w.cpu() / groups_->world->size();
+        fields.emplace_back("comm_wait_s", w[0].item<double>());
+        fields.emplace_back("gradient_wait_s", w[1].item<double>());
+        fields.emplace_back("window_s", window_seconds);
+        comm_wait_s_ = gradient_wait_s_ = 0;
+      }
       metrics.record(s.step, wall_clock_s(), fields);
       window_tokens = 0, window_seconds = 0;
     }

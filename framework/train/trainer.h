@@ -28,6 +28,7 @@
 #include "framework/config/config.h"
 #include "framework/train/model.h"
 #include "framework/train/optimizer.h"
+#include "parallel/gradient_sum.h"
 #include "parallel/process_group.h"
 #include "parallel/segments.h"
 
@@ -164,6 +165,16 @@ class Trainer {
   // Ordered segments (parallel.segments, or sp under the ORDERED scan when that is more than one):
   // the virtual ranks the layers talk through; null: no segments.
   std::shared_ptr<parallel::SegmentCommunicator> segments_;
+  // One segment a rank, sp > 1: the weight gradients' tree sum goes in buckets during the backward
+  // (parallel/gradient_sum.h; CARRY_GRADIENT_OVERLAP=0 turns it off). Null otherwise.
+  std::unique_ptr<parallel::OverlappedGradientSum> gradient_sum_;
+  // CARRY_COMM_TIMING=1: the GPU time the step's stream waits on the sp group's messages (the state
+  // chain, halos, loss sums; the gradients too when they are summed after the backward) and on the
+  // gradient buckets after the backward, summed since the last log line (metrics comm_wait_s,
+  // gradient_wait_s: the mean over the ranks).
+  bool comm_timing_ = false;
+  double comm_wait_s_ = 0, gradient_wait_s_ = 0;
+  void take_comm_waits();
   void all_reduce(at::Tensor& t, bool sp_only = false) const;
   void log(const char* fmt, ...) const;
   std::string layout_text() const;  // "dp=2 x sp=4"
