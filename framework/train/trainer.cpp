@@ -208,9 +208,11 @@ Trainer::Trainer(const RunConfig& config, std::shared_ptr<parallel::ProcessGroup
                                                   /*head_groups=*/1, config_.data().seq_len());
   }
   if (par.has_serial_states()) context_.slice.serial_states = par.serial_states();
+  // Off by default: on two NVLinked H200s the buckets' messages and sums slowed the backward they ran
+  // beside by more than they saved (README, "Two GPUs").
   const char* overlap = std::getenv("CARRY_GRADIENT_OVERLAP");
-  if (segments_ && segments_->per_rank() == 1 && sp_ > 1 && groups_->sp_gradients &&
-      !(overlap && std::string(overlap) == "0"))
+  if (segments_ && segments_->per_rank() == 1 && sp_ > 1 && groups_->sp_gradients && overlap &&
+      std::string(overlap) == "1")
     gradient_sum_ = std::make_unique<parallel::OverlappedGradientSum>(model_.parameters(), groups_->sp_gradients,
                                                                       /*bucket_bytes=*/int64_t{64} << 20);
   const char* timing = std::getenv("CARRY_COMM_TIMING");

@@ -165,8 +165,8 @@ class Trainer {
   // Ordered segments (parallel.segments, or sp under the ORDERED scan when that is more than one):
   // the virtual ranks the layers talk through; null: no segments.
   std::shared_ptr<parallel::SegmentCommunicator> segments_;
-  // One segment a rank, sp > 1: the weight gradients' tree sum goes in buckets during the backward
-  // (parallel/gradient_sum.h; CARRY_GRADIENT_OVERLAP=0 turns it off). Null otherwise.
+  // One segment a rank, sp > 1 and CARRY_GRADIENT_OVERLAP=1: the weight gradients' tree sum goes in
+  // buckets during the backward (parallel/gradient_sum.h). Null otherwise.
   std::unique_ptr<parallel::OverlappedGradientSum> gradient_sum_;
   // CARRY_COMM_TIMING=1: the GPU time the step's stream waits on the sp group's messages (the state
   // chain, halos, loss sums; the gradients too when they are summed after the backward) and on the

@@ -219,6 +219,16 @@ TEST(Trainer, OrderedSegmentsGiveTheSameBitsOnEveryLayout) {
       EXPECT_TRUE(same_bits(sp, serial, "sp=" + std::to_string(P) + " vs sp=1 with " + std::to_string(P) +
                                             " segments (fp32, 5 steps, " + what + ")"));
     }
+  {
+    // The weight gradients' sum in buckets during the backward (parallel/gradient_sum.h) keeps the bits.
+    const std::string sp = "parallel.sp=" + std::to_string(P);
+    auto serial = train_bits(config({"parallel.segments=" + std::to_string(P)}), false);
+    setenv("CARRY_GRADIENT_OVERLAP", "1", 1);
+    auto overlapped = train_bits(config({sp}), true);
+    unsetenv("CARRY_GRADIENT_OVERLAP");
+    EXPECT_TRUE(same_bits(overlapped, serial, sp + ", gradients summed during the backward, vs sp=1 with " +
+                                                  std::to_string(P) + " segments (fp32, 5 steps)"));
+  }
   if (P != 2) return;
   // Two segments a rank, against four on one rank.
   auto serial = train_bits(config({"parallel.segments=4"}), false);
