@@ -12,7 +12,7 @@
 //   accumulators).
 // At the end o = O/l (bf16, through shared memory for 16-byte stores) and lse = m + log2 l (fp32).
 // HBM per query block: reads q once and k, v once per key block met (64·(dk+dv)·2 bytes each), writes o
-// and lse. FLOPs: 4·64·64·d per (query block, key block) pair, half of them on the diagonal block.
+// and lse. FLOPs: 4·64·64·d per (query block, key block) pair met (the diagonal block's hidden half too).
 // Shared memory: Q 64×dk, 2×(K, V): 87 KB at d = 128.
 //
 // fwd_f32_kernel: the fp32 inputs' path, same schedule and order, on shared-memory tiles with the
