@@ -8,6 +8,9 @@
 //   FLOPs, forward: the chunk form's products, 2·C·(dk + dv) (intra-chunk QKᵀ and PV) plus
 //     4·dk·dv (the state's product with q and its update); the delta rule adds its WY preparation,
 //     2·C·(dk + dk + dv). Forward+backward counts three forwards.
+//   softmax attention (sliding window w, --window): the same bytes without gates; FLOPs, forward,
+//     2·(dk + dv) a visible (query, key) pair (QKᵀ and PV), min(t+1, w) pairs for query t; forward+
+//     backward counts 3.5 forwards (FlashAttention's convention: the backward's five products).
 #include "framework/cli/bench_command.h"
 
 #include "framework/cli/args.h"
@@ -29,20 +32,24 @@ namespace carry {
 namespace {
 
 const char* kUsage =
-    "usage: carry bench kernels [--families gla,scalar_decay,linear_attn,deltanet,gated_deltanet]\n"
-    "                           [--T 16384,65536] [--heads 16] [--dk 128] [--dv 128] [--reps 10]\n"
+    "usage: carry bench kernels [--families gla,scalar_decay,linear_attn,deltanet,gated_deltanet,softmax_attn]\n"
+    "                           [--T 16384,65536] [--heads 16] [--dk 128] [--dv 128] [--window 2048] [--reps 10]\n"
     "  Times the kernel forms on the GPU (bf16, B = 1): forward and forward+backward ms, tokens/s,\n"
     "  GB/s and TFLOP/s against counted floors. Without --T/--heads/--dk/--dv it runs the issue's shapes:\n"
-    "  H=16 dk=dv=128 at T = 16384, 65536, 131072; H=4 dk=128 dv=256 and H=4 dk=96 dv=192 at 32768, 131072.\n";
+    "  H=16 dk=dv=128 at T = 16384, 65536, 131072; H=4 dk=128 dv=256 and H=4 dk=96 dv=192 at 32768, 131072;\n"
+    "  softmax_attn (sliding window --window) at H=6 dk=dv=128, T = 32768, 131072.\n";
 
 struct Shape {
   int64_t H, dk, dv;
   std::vector<int64_t> Ts;
+  std::vector<std::string> families;  // the families timed on this shape
 };
 
 struct Args {
-  std::vector<std::string> families{"gla", "scalar_decay", "linear_attn", "deltanet", "gated_deltanet"};
+  std::vector<std::string> families{"gla", "scalar_decay", "linear_attn", "deltanet", "gated_deltanet",
+                                    "softmax_attn"};
   std::vector<Shape> shapes;
+  int64_t window = 2048;  // softmax_attn's sliding window
   int reps = 10;
 };
 
@@ -64,15 +71,24 @@ Args parse(int argc, char** argv) {
     } else if (f == "--heads") custom.H = parse_positive_int(f, value()), any_shape = true;
     else if (f == "--dk") custom.dk = parse_positive_int(f, value()), any_shape = true;
     else if (f == "--dv") custom.dv = parse_positive_int(f, value()), any_shape = true;
+    else if (f == "--window") a.window = parse_positive_int(f, value());
     else if (f == "--reps") a.reps = (int)parse_positive_int(f, value());
     else throw std::invalid_argument("unknown option '" + f + "'");
   }
   for (auto& name : a.families) get_mixer(name);  // an unknown family fails here, with the list
   if (any_shape) {
     if (custom.Ts.empty()) custom.Ts = {16384};
+    custom.families = a.families;
     a.shapes = {custom};
   } else {
-    a.shapes = {{16, 128, 128, {16384, 65536, 131072}}, {4, 128, 256, {32768, 131072}}, {4, 96, 192, {32768, 131072}}};
+    // The linear-attention families on the shapes, softmax attention on its own.
+    std::vector<std::string> linear;
+    for (auto& name : a.families)
+      if (name != "softmax_attn") linear.push_back(name);
+    if (!linear.empty())
+      a.shapes = {{16, 128, 128, {16384, 65536, 131072}, linear}, {4, 128, 256, {32768, 131072}, linear},
+                  {4, 96, 192, {32768, 131072}, linear}};
+    if (linear.size() < a.families.size()) a.shapes.push_back({6, 128, 128, {32768, 131072}, {"softmax_attn"}});
   }
   return a;
 }
@@ -115,10 +131,10 @@ MixerInputs bench_inputs(const Mixer& m, int64_t T, const Shape& s) {
 }
 
 struct Floors {
-  double fwd_bytes, fb_bytes, fwd_flops;
+  double fwd_bytes, fb_bytes, fwd_flops, fb_flops;
 };
 
-Floors floors(const Mixer& m, int64_t T, const Shape& s) {
+Floors floors(const Mixer& m, int64_t T, const Shape& s, int64_t window) {
   double per = 2.0 * (2 * s.dk + s.dv), gate = 0, C = 64;
   for (const auto& n : m.input_names()) {
     if (n == "g") gate += 4;
@@ -126,24 +142,35 @@ Floors floors(const Mixer& m, int64_t T, const Shape& s) {
     if (n == "beta") gate += 2;
   }
   const double out = 2.0 * s.dv, th = double(T) * s.H;
+  const double fwd_bytes = th * (per + gate + out), fb_bytes = th * (2 * (per + gate) + 2 * out + per + gate);
+  if (m.name() == "softmax_attn") {
+    // Σ_t min(t+1, w) visible pairs a head: T·w − w(w−1)/2 when w ≤ T, T(T+1)/2 otherwise.
+    const double w = double(std::min<int64_t>(window, T)), pairs = T * w - w * (w - 1) / 2;
+    const double flops = 2.0 * (s.dk + s.dv) * pairs * s.H;
+    return {fwd_bytes, fb_bytes, flops, 3.5 * flops};
+  }
   double flops = 2 * C * (s.dk + s.dv) + 4.0 * s.dk * s.dv;
   if (m.name() == "deltanet" || m.name() == "gated_deltanet") flops += 2 * C * (2 * s.dk + s.dv);
-  return {th * (per + gate + out), th * (2 * (per + gate) + 2 * out + per + gate), th * flops};
+  return {fwd_bytes, fb_bytes, th * flops, 3 * th * flops};
 }
 
 int run(const Args& a) {
   std::printf("carry bench kernels: %s, bf16, B = 1, median of %d (after 3 warm-ups)\n",
               cuda_device_name(0).c_str(), a.reps);
   for (const Shape& s : a.shapes) {
-    std::printf("\nH=%lld dk=%lld dv=%lld\n", (long long)s.H, (long long)s.dk, (long long)s.dv);
+    const bool attention = std::find(s.families.begin(), s.families.end(), "softmax_attn") != s.families.end();
+    std::printf("\nH=%lld dk=%lld dv=%lld", (long long)s.H, (long long)s.dk, (long long)s.dv);
+    if (attention) std::printf(" (softmax_attn: window %lld)", (long long)a.window);
+    std::printf("\n");
     std::printf("%-16s %8s %10s %12s %14s %9s %9s %9s\n", "family", "T", "fwd ms", "fwd+bwd ms", "tokens/s",
                 "fwd GB/s", "f+b GB/s", "f+b TF/s");
     for (int64_t T : s.Ts) {
-      for (const auto& name : a.families) {
+      for (const auto& name : s.families) {
         const Mixer& m = get_mixer(name);
         MixerInputs in = bench_inputs(m, T, s);
         MixerOptions opt;
         opt.form = Form::kernel;
+        if (name == "softmax_attn") opt.window = a.window;
         if (!m.has_kernel() || !m.kernel_supports(in, opt)) {
           std::printf("%-16s %8lld   (no kernel form for this shape)\n", name.c_str(), (long long)T);
           continue;
@@ -161,10 +188,10 @@ int run(const Args& a) {
           auto out = m.forward(leaves, {}, opt);
           torch::autograd::backward({out.o}, {d_o});
         }, a.reps);
-        Floors f = floors(m, T, s);
+        Floors f = floors(m, T, s, a.window);
         std::printf("%-16s %8lld %10.3f %12.3f %14.0f %9.0f %9.0f %9.1f\n", name.c_str(), (long long)T, fwd, fb,
                     T / (fb * 1e-3), f.fwd_bytes / (fwd * 1e-3) / 1e9, f.fb_bytes / (fb * 1e-3) / 1e9,
-                    3 * f.fwd_flops / (fb * 1e-3) / 1e12);
+                    f.fb_flops / (fb * 1e-3) / 1e12);
         std::fflush(stdout);
       }
     }

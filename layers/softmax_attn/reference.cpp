@@ -4,10 +4,14 @@
 // chunkwise = per query block of C tokens, the reachable key blocks (softmax_attn_key_blocks) with an
 // online softmax: a running row max m (a stabilizer, detached: the result does not depend on it), a
 // running sum l and an accumulator, rescaled by exp(m_old − m_new) as blocks arrive. Masking is done on
-// the scores (−inf) before exp. MixerOptions::normalize and ::offset are not used.
+// the scores (−inf) before exp. MixerOptions::normalize and ::offset are not used. On GPU builds the
+// kernel form (layers/softmax_attn/kernel_*: FlashAttention-2 style, 64-row blocks) serves CUDA inputs.
 #include "layers/softmax_attn/softmax_attn.h"
 
 #include "layers/common/layout.h"
+#ifdef CARRY_WITH_CUDA
+#include "layers/softmax_attn/kernel_op.h"
+#endif
 
 #include <limits>
 
@@ -58,6 +62,23 @@ class SoftmaxAttention final : public Mixer {
     auto scores = at::matmul(q, k.transpose(-1, -2)).masked_fill(excluded(pos, pos, opt.window), kNegInf);
     return {from_bhtd(at::matmul(at::softmax(scores, -1), v)), {}};
   }
+
+#ifdef CARRY_WITH_CUDA
+  // The kernel form: layers/softmax_attn/kernel_*.cu through the autograd op of kernel_op.cpp.
+  bool has_kernel() const override { return true; }
+  bool kernel_supports(const MixerInputs& in, const MixerOptions& opt) const override {
+    return softmax_attn_kernel_supports(in, opt);
+  }
+  MixerOutput kernel(const MixerInputs& in, const State& init, const MixerOptions& opt) const override {
+    check(in, opt, /*chunked=*/true);
+    check_no_state(init);
+    TORCH_CHECK(softmax_attn_kernel_supports(in, opt), name(), ": the kernel form takes CUDA tensors q, k, v of one "
+                "dtype, bf16 or fp32, with dk = dv in {64, 128} and T a multiple of 64; got q ", shape_str(in.q.sizes()),
+                " ", in.q.scalar_type(), " on ", in.q.device(), ", v ", shape_str(in.v.sizes()), " ",
+                in.v.scalar_type());
+    return {softmax_attn_kernel_forward(in, opt), {}};
+  }
+#endif
 
   MixerOutput chunkwise(const MixerInputs& in, const State& init,
                         const MixerOptions& opt) const override {
