@@ -273,4 +273,39 @@ __device__ __forceinline__ void gemm_rb64(const bf16* A, int lda, const bf16* B,
   __syncwarp();
 }
 
+// c += op(A)·op(B) on this warp's fragments (rows m0.., NT8 n-tiles from n0), A and B bf16 in shared.
+// op(A)[m,k] = TA ? A[k][m] : A[m][k];  op(B)[k,n] = TB ? B[n][k] : B[k][n].
+template <int NT8, int K, bool TA, bool TB>
+__device__ __forceinline__ void frag_mma(float (&c)[NT8][4], const bf16* A, int lda, const bf16* B, int ldb, int m0,
+                                         int n0) {
+  static_assert(NT8 % 2 == 0, "n-tiles come in pairs");
+#pragma unroll
+  for (int k0 = 0; k0 < K; k0 += 16) {
+    tc::u32 a[4];
+    if constexpr (TA) tc::load_a_t(a, A, lda, m0, k0);
+    else tc::load_a(a, A, lda, m0, k0);
+#pragma unroll
+    for (int np = 0; np < NT8 / 2; ++np) {
+      tc::u32 b[4];
+      if constexpr (TB) tc::load_b2(b, B, ldb, k0, n0 + np * 16);
+      else tc::load_b2_t(b, B, ldb, k0, n0 + np * 16);
+      tc::mma16816(c[2 * np], a, b[0], b[1]);
+      tc::mma16816(c[2 * np + 1], a, b[2], b[3]);
+    }
+  }
+}
+
+// Stores this warp's fragments (rows m0 + g and m0 + g + 8, NT8 n-tiles from n0) to global bf16
+// rows of stride ld, two columns (4 bytes) a store.
+template <int NT8>
+__device__ __forceinline__ void frag_store_bf16(bf16* g, long ld, const float (&c)[NT8][4], int m0, int n0) {
+  const int lane = threadIdx.x & 31, r = m0 + (lane >> 2), t4 = lane & 3;
+#pragma unroll
+  for (int nt = 0; nt < NT8; ++nt) {
+    const int col = n0 + nt * 8 + 2 * t4;
+    *reinterpret_cast<unsigned*>(g + (long)r * ld + col) = tc::pack_bf16(c[nt][0], c[nt][1]);
+    *reinterpret_cast<unsigned*>(g + (long)(r + 8) * ld + col) = tc::pack_bf16(c[nt][2], c[nt][3]);
+  }
+}
+
 }  // namespace carry_tiles

@@ -20,6 +20,7 @@
 #include "layers/delta_rule/kernel.cuh"
 #include "layers/common/kernel_tiles.cuh"
 #include "layers/delta_rule/kernel_launch.h"
+#include "layers/delta_rule/kernel_frag.cuh"
 
 #include <cstdlib>
 #include <limits>
@@ -101,6 +102,72 @@ __global__ void __launch_bounds__(256) bwd_dv_local_kernel(const T* __restrict__
     __syncthreads();
     store_tile<float, C, 64, NT>(dVl + (bh * T_ + t0) * DV + v0, DV, sO, L::LO);
     __syncthreads();
+  }
+}
+
+// 1b. bf16 intra-chunk dV_new with the products in mma.sync registers (the plan of fwd_o_reg_kernel):
+// P once in bf16 shared memory, then per 64-wide dv tile Pᵀ·dO summed in registers and stored in
+// fp32 straight to global; the dO tiles double-buffered, the first loaded with Q and K.
+template <int DK>
+struct DvRegSmem {
+  static constexpr int C = kChunk, LK = DK + 8, LPb = C + 8, LV = 64 + 8;
+  static constexpr size_t oQ = 0;
+  static constexpr size_t oK = al128(oQ + C * LK * 2);
+  static constexpr size_t oPb = al128(oK + C * LK * 2);
+  static constexpr size_t oG = al128(oPb + C * LPb * 2);
+  static constexpr size_t oBuf = al128(oG + C * 4);
+  static constexpr size_t buf = al128(C * LV * 2);
+  static constexpr size_t bytes = oBuf + 2 * buf;
+};
+
+template <int DK, int DV>
+__global__ void __launch_bounds__(256) bwd_dv_local_reg_kernel(const bf16* __restrict__ q, const bf16* __restrict__ k,
+                                                               const float* __restrict__ Gc, const bf16* __restrict__ dO,
+                                                               float* __restrict__ dVl, float scale, int T_, int H) {
+  constexpr int C = kChunk, NT = 256, NTILE = DV / 64;
+  using L = DvRegSmem<DK>;
+  extern __shared__ __align__(128) char smem[];
+  bf16* sQ = reinterpret_cast<bf16*>(smem + L::oQ);
+  bf16* sK = reinterpret_cast<bf16*>(smem + L::oK);
+  bf16* sPb = reinterpret_cast<bf16*>(smem + L::oPb);
+  float* sG = reinterpret_cast<float*>(smem + L::oG);
+  const int c = blockIdx.x, h = blockIdx.y, b = blockIdx.z, tid = threadIdx.x;
+  const long t0 = (long)c * C, bh = (long)b * H + h, rowk = (long)H * DK, rowv = (long)H * DV;
+  const int warp = tid >> 5, lane = tid & 31, g = lane >> 2, t4 = lane & 3;
+  const int m0 = (warp & 3) * 16, n0 = (warp >> 2) * 32;
+  auto load_do = [&](int v0, int bi) {
+    load_tile_async<bf16, C, 64, NT>(reinterpret_cast<bf16*>(smem + L::oBuf + bi * L::buf), L::LV,
+                                     dO + ((long)b * T_ + t0) * rowv + (long)h * DV + v0, rowv);
+    cp_async_commit();
+  };
+  load_tile_async<bf16, C, DK, NT>(sQ, L::LK, q + ((long)b * T_ + t0) * rowk + (long)h * DK, rowk);
+  load_tile_async<bf16, C, DK, NT>(sK, L::LK, k + ((long)b * T_ + t0) * rowk + (long)h * DK, rowk);
+  cp_async_commit();
+  load_do(0, 0);
+  if (NTILE > 1) load_do(64, 1);
+  if (tid < C) sG[tid] = Gc[bh * T_ + t0 + tid];
+  if (NTILE > 1) cp_async_wait<2>();
+  else cp_async_wait<1>();
+  __syncthreads();
+  causal_p_bf16<DK>(sQ, sK, L::LK, sG, scale, sPb, L::LPb);
+  for (int it = 0; it < NTILE; ++it) {
+    const bf16* sV = reinterpret_cast<const bf16*>(smem + L::oBuf + (it & 1) * L::buf);
+    if (it + 1 < NTILE) cp_async_wait<1>();
+    else cp_async_wait<0>();
+    __syncthreads();
+    float o[4][4] = {};
+    frag_mma<4, C, true, false>(o, sPb, L::LPb, sV, L::LV, m0, n0);  // Pᵀ dO
+    float* out = dVl + (bh * T_ + t0) * DV + it * 64;
+#pragma unroll
+    for (int nt = 0; nt < 4; ++nt) {
+      const int col = n0 + nt * 8 + 2 * t4;
+      *reinterpret_cast<float2*>(out + (long)(m0 + g) * DV + col) = make_float2(o[nt][0], o[nt][1]);
+      *reinterpret_cast<float2*>(out + (long)(m0 + g + 8) * DV + col) = make_float2(o[nt][2], o[nt][3]);
+    }
+    if (it + 2 < NTILE) {
+      __syncthreads();
+      load_do((it + 2) * 64, it & 1);
+    }
   }
 }
 
@@ -760,28 +827,6 @@ struct ChunkRegSmem {
 };
 enum RowSlot { kRowDB1, kRowA1, kRowA2, kRowC, kRowF, kRowH1, kRowH2 };
 
-// c += op(A)·op(B) on this warp's fragments (rows m0.., NT8 n-tiles from n0), A and B bf16 in shared.
-// op(A)[m,k] = TA ? A[k][m] : A[m][k];  op(B)[k,n] = TB ? B[n][k] : B[k][n].
-template <int NT8, int K, bool TA, bool TB>
-__device__ __forceinline__ void frag_mma(float (&c)[NT8][4], const bf16* A, int lda, const bf16* B, int ldb, int m0,
-                                         int n0) {
-  static_assert(NT8 % 2 == 0, "n-tiles come in pairs");
-#pragma unroll
-  for (int k0 = 0; k0 < K; k0 += 16) {
-    tc::u32 a[4];
-    if constexpr (TA) tc::load_a_t(a, A, lda, m0, k0);
-    else tc::load_a(a, A, lda, m0, k0);
-#pragma unroll
-    for (int np = 0; np < NT8 / 2; ++np) {
-      tc::u32 b[4];
-      if constexpr (TB) tc::load_b2(b, B, ldb, k0, n0 + np * 16);
-      else tc::load_b2_t(b, B, ldb, k0, n0 + np * 16);
-      tc::mma16816(c[2 * np], a, b[0], b[1]);
-      tc::mma16816(c[2 * np + 1], a, b[2], b[3]);
-    }
-  }
-}
-
 template <int DK, int DV>
 __global__ void __launch_bounds__(512) bwd_chunk_reg_kernel(
     const bf16* __restrict__ q, const bf16* __restrict__ k, const bf16* __restrict__ v, const float* __restrict__ Gc,
@@ -1158,7 +1203,14 @@ bool bwd_impl(BwdArgs& a) {
   auto stream = at::cuda::getCurrentCUDAStream();
   const Dims& d = a.d;
   auto P = [](const at::Tensor& t) { return reinterpret_cast<T*>(t.data_ptr()); };
-  {
+  if constexpr (std::is_same<T, bf16>::value) {
+    auto kern = bwd_dv_local_reg_kernel<DK, DV>;
+    constexpr size_t sm = DvRegSmem<DK>::bytes;
+    set_smem(kern, sm);
+    kern<<<dim3(d.N, d.H, d.B), 256, sm, stream>>>(P(a.q), P(a.k), a.Gc.data_ptr<float>(), P(a.dO),
+                                                    a.dVl.data_ptr<float>(), a.scale, d.T, d.H);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  } else {
     auto kern = bwd_dv_local_kernel<T, DK, DV>;
     size_t sm = DvSmem<T, DK>::bytes;
     set_smem(kern, sm);

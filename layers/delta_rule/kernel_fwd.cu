@@ -23,6 +23,7 @@
 #include "layers/delta_rule/kernel.cuh"
 #include "layers/common/kernel_tiles.cuh"
 #include "layers/delta_rule/kernel_launch.h"
+#include "layers/delta_rule/kernel_frag.cuh"
 
 #include <atomic>
 #include <cstdlib>
@@ -187,6 +188,122 @@ __global__ void __launch_bounds__(256) prep_kernel(const T* __restrict__ k, cons
     gemm<T, C, 64, C, false, false, NW>(pT, ldT, sV, L::LV, sO, L::LO, false);  // U = T (β V)
     __syncthreads();
     store_tile<T, C, 64, NT>(U + (bh * T_ + t0) * DV + v0, DV, sO, L::LO);
+  }
+}
+
+// 1b. bf16 chunk preparation with the products in mma.sync registers: eight warps, warp w owns rows
+// 16·(w%4) and the column half w/4 of KKᵀ (straight into A), of W and of each 64-wide U tile. β and
+// e^G fold into T's columns (W = (T·diag(β e^G))·K, U = (T·diag(β))·V, two bf16 copies of T) instead
+// of passes that scale K and V in shared memory; W and U go from registers to global; the V tiles
+// are double-buffered and the first ones load with K. 91 KB of shared memory: two blocks an SM.
+template <int DK>
+struct PrepRegSmem {
+  static constexpr int C = kChunk, LK = DK + 8, LA = C + kPadF, LTb = C + 8, LV = 64 + 8;
+  static constexpr size_t oK = 0;
+  static constexpr size_t oA = al128(oK + C * LK * 2);
+  static constexpr size_t oTm = al128(oA + C * LA * 4);
+  static constexpr size_t oTw = al128(oTm + C * LA * 4);
+  static constexpr size_t oTu = al128(oTw + C * LTb * 2);
+  static constexpr size_t oZ = al128(oTu + C * LTb * 2);
+  static constexpr size_t oG = al128(oZ + 3 * 256 * 4);
+  static constexpr size_t oB = oG + C * 4;
+  static constexpr size_t oBuf = al128(oB + C * 4);
+  static constexpr size_t buf = al128(C * LV * 2);
+  static constexpr size_t bytes = oBuf + 2 * buf;
+};
+
+template <int DK, int DV>
+__global__ void __launch_bounds__(256) prep_reg_kernel(const bf16* __restrict__ k, const bf16* __restrict__ v,
+                                                       const float* __restrict__ g, const float* __restrict__ beta,
+                                                       float* __restrict__ Gc, float* __restrict__ Tm,
+                                                       bf16* __restrict__ W, bf16* __restrict__ U, int T_, int H) {
+  constexpr int C = kChunk, NT = 256, NTILE = DV / 64, WN = DK / 16;  // W: n8-tiles a warp
+  using L = PrepRegSmem<DK>;
+  extern __shared__ __align__(128) char smem[];
+  bf16* sK = reinterpret_cast<bf16*>(smem + L::oK);
+  float* sA = reinterpret_cast<float*>(smem + L::oA);
+  float* sTm = reinterpret_cast<float*>(smem + L::oTm);
+  bf16* sTw = reinterpret_cast<bf16*>(smem + L::oTw);
+  bf16* sTu = reinterpret_cast<bf16*>(smem + L::oTu);
+  float* sZ = reinterpret_cast<float*>(smem + L::oZ);
+  float* sG = reinterpret_cast<float*>(smem + L::oG);
+  float* sB = reinterpret_cast<float*>(smem + L::oB);
+
+  const int c = blockIdx.x, h = blockIdx.y, b = blockIdx.z, tid = threadIdx.x;
+  const int N = T_ / C;
+  const long t0 = (long)c * C, bh = (long)b * H + h;
+  const long rowk = (long)H * DK, rowv = (long)H * DV;
+  const int warp = tid >> 5, lane = tid & 31, gq = lane >> 2, t4 = lane & 3;
+  const int m0 = (warp & 3) * 16, n0 = (warp >> 2) * 32;
+  auto load_v = [&](int v0, int bi) {
+    load_tile_async<bf16, C, 64, NT>(reinterpret_cast<bf16*>(smem + L::oBuf + bi * L::buf), L::LV,
+                                     v + ((long)b * T_ + t0) * rowv + (long)h * DV + v0, rowv);
+    cp_async_commit();
+  };
+  load_tile_async<bf16, C, DK, NT>(sK, L::LK, k + ((long)b * T_ + t0) * rowk + (long)h * DK, rowk);
+  cp_async_commit();
+  load_v(0, 0);
+  if (NTILE > 1) load_v(64, 1);
+  if (tid < C) {
+    const long idx = ((long)b * T_ + t0 + tid) * H + h;
+    sG[tid] = g ? g[idx] : 0.f;
+    sB[tid] = beta[idx];
+  }
+  __syncthreads();
+  if (tid < 32) warp_cumsum64(sG);
+  if (NTILE > 1) cp_async_wait<2>();
+  else cp_async_wait<1>();
+  __syncthreads();
+  if (tid < C) Gc[bh * T_ + t0 + tid] = sG[tid];
+  {  // A = strictly_lower(diag(β) KKᵀ ⊙ Γ) in fp32; T's storage zeroed
+    float kk[4][4] = {};
+    frag_mma<4, DK, false, true>(kk, sK, L::LK, sK, L::LK, m0, n0);
+#pragma unroll
+    for (int nt = 0; nt < 4; ++nt) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int r = m0 + gq + (e >> 1) * 8, s = n0 + nt * 8 + 2 * t4 + (e & 1);
+        sA[r * L::LA + s] = s < r ? sB[r] * kk[nt][e] * expf(sG[r] - sG[s]) : 0.f;
+        sTm[r * L::LA + s] = 0.f;
+      }
+    }
+  }
+  __syncthreads();
+  unit_lower_inverse64<NT>(sA, sTm, L::LA, sZ);
+  {  // T to global (fp32, for backward); T·diag(β e^G) and T·diag(β) in bf16
+    float* tm = Tm + (bh * N + c) * C * C;
+    for (int i = tid; i < C * C / 4; i += NT) {
+      const int r = (4 * i) / C, s = (4 * i) % C;
+      const float4 x = *reinterpret_cast<const float4*>(sTm + r * L::LA + s);
+      reinterpret_cast<float4*>(tm)[i] = x;
+      const float b0 = sB[s], b1 = sB[s + 1], b2 = sB[s + 2], b3 = sB[s + 3];
+      uint2 uw, uu;
+      uw.x = tc::pack_bf16(x.x * b0 * expf(sG[s]), x.y * b1 * expf(sG[s + 1]));
+      uw.y = tc::pack_bf16(x.z * b2 * expf(sG[s + 2]), x.w * b3 * expf(sG[s + 3]));
+      uu.x = tc::pack_bf16(x.x * b0, x.y * b1);
+      uu.y = tc::pack_bf16(x.z * b2, x.w * b3);
+      *reinterpret_cast<uint2*>(sTw + r * L::LTb + s) = uw;
+      *reinterpret_cast<uint2*>(sTu + r * L::LTb + s) = uu;
+    }
+  }
+  __syncthreads();
+  {  // W = (T·diag(β e^G))·K
+    float w[WN][4] = {};
+    frag_mma<WN, C, false, false>(w, sTw, L::LTb, sK, L::LK, m0, (warp >> 2) * (DK / 2));
+    frag_store_bf16<WN>(W + (bh * T_ + t0) * DK, DK, w, m0, (warp >> 2) * (DK / 2));
+  }
+  for (int it = 0; it < NTILE; ++it) {  // U = (T·diag(β))·V, by 64-wide tiles
+    const bf16* sV = reinterpret_cast<const bf16*>(smem + L::oBuf + (it & 1) * L::buf);
+    if (it + 1 < NTILE) cp_async_wait<1>();
+    else cp_async_wait<0>();
+    __syncthreads();
+    float u[4][4] = {};
+    frag_mma<4, C, false, false>(u, sTu, L::LTb, sV, L::LV, m0, n0);
+    frag_store_bf16<4>(U + (bh * T_ + t0) * DV + it * 64, DV, u, m0, n0);
+    if (it + 2 < NTILE) {
+      __syncthreads();
+      load_v((it + 2) * 64, it & 1);
+    }
   }
 }
 
@@ -544,6 +661,85 @@ __global__ void __launch_bounds__(256) fwd_o_kernel(const T* __restrict__ q, con
   }
 }
 
+// 3b. bf16 output with the products in mma.sync registers: eight warps, warp w owns rows 16·(w%4)
+// and the column half w/4 of P = scale·(QKᵀ⊙Γ) [C,C] and of each 64-wide output tile. P goes to
+// shared memory once in bf16; each tile's O = scale·e^G ⊙ (Q·H_c) + P·V_new is summed in registers
+// and stored straight to global. The H_c and V_new tiles are double-buffered (the next loads while
+// this one multiplies). The fp32-staged version above spent two block barriers and an fp32
+// shared-memory round trip a tile.
+template <int DK>
+struct OutRegSmem {
+  static constexpr int C = kChunk, LK = DK + 8, LPb = C + 8, LV = 64 + 8;
+  static constexpr size_t oQ = 0;
+  static constexpr size_t oK = al128(oQ + C * LK * 2);
+  static constexpr size_t oPb = al128(oK + C * LK * 2);
+  static constexpr size_t oG = al128(oPb + C * LPb * 2);
+  static constexpr size_t oBuf = al128(oG + C * 4);
+  static constexpr size_t oV = al128(DK * LV * 2);  // within a buffer: H_c tile, then V_new tile
+  static constexpr size_t buf = al128(oV + C * LV * 2);
+  static constexpr size_t bytes = oBuf + 2 * buf;
+};
+
+template <int DK, int DV>
+__global__ void __launch_bounds__(256) fwd_o_reg_kernel(const bf16* __restrict__ q, const bf16* __restrict__ k,
+                                                        const float* __restrict__ Gc, const bf16* __restrict__ Hs,
+                                                        const bf16* __restrict__ Vn, bf16* __restrict__ O, float scale,
+                                                        int T_, int H) {
+  constexpr int C = kChunk, NT = 256, NTILE = DV / 64;
+  using L = OutRegSmem<DK>;
+  extern __shared__ __align__(128) char smem[];
+  bf16* sQ = reinterpret_cast<bf16*>(smem + L::oQ);
+  bf16* sK = reinterpret_cast<bf16*>(smem + L::oK);
+  bf16* sPb = reinterpret_cast<bf16*>(smem + L::oPb);
+  float* sG = reinterpret_cast<float*>(smem + L::oG);
+
+  const int c = blockIdx.x, h = blockIdx.y, b = blockIdx.z, tid = threadIdx.x;
+  const int N = T_ / C;
+  const long t0 = (long)c * C, bh = (long)b * H + h, rowk = (long)H * DK, rowv = (long)H * DV;
+  const int warp = tid >> 5, lane = tid & 31, g = lane >> 2, t4 = lane & 3;
+  const int m0 = (warp & 3) * 16, n0 = (warp >> 2) * 32;
+  auto load_tiles = [&](int v0, int bi) {
+    char* base = smem + L::oBuf + bi * L::buf;
+    load_tile_async<bf16, DK, 64, NT>(reinterpret_cast<bf16*>(base), L::LV, Hs + ((bh * N + c) * DK) * DV + v0, DV);
+    load_tile_async<bf16, C, 64, NT>(reinterpret_cast<bf16*>(base + L::oV), L::LV, Vn + (bh * T_ + t0) * DV + v0, DV);
+    cp_async_commit();
+  };
+  load_tile_async<bf16, C, DK, NT>(sQ, L::LK, q + ((long)b * T_ + t0) * rowk + (long)h * DK, rowk);
+  load_tile_async<bf16, C, DK, NT>(sK, L::LK, k + ((long)b * T_ + t0) * rowk + (long)h * DK, rowk);
+  cp_async_commit();
+  load_tiles(0, 0);
+  if (NTILE > 1) load_tiles(64, 1);
+  if (tid < C) sG[tid] = Gc[bh * T_ + t0 + tid];
+  if (NTILE > 1) cp_async_wait<2>();
+  else cp_async_wait<1>();
+  __syncthreads();
+  causal_p_bf16<DK>(sQ, sK, L::LK, sG, scale, sPb, L::LPb);
+  const float e0 = scale * expf(sG[m0 + g]), e1 = scale * expf(sG[m0 + g + 8]);
+  for (int it = 0; it < NTILE; ++it) {
+    const char* base = smem + L::oBuf + (it & 1) * L::buf;
+    const bf16* sH = reinterpret_cast<const bf16*>(base);
+    const bf16* sV = reinterpret_cast<const bf16*>(base + L::oV);
+    if (it + 1 < NTILE) cp_async_wait<1>();
+    else cp_async_wait<0>();
+    __syncthreads();  // this tile's loads (and, on the first, P) are visible
+    float o[4][4] = {};
+    frag_mma<4, DK, false, false>(o, sQ, L::LK, sH, L::LV, m0, n0);  // Q·H_c
+#pragma unroll
+    for (int nt = 0; nt < 4; ++nt) {
+      o[nt][0] *= e0;
+      o[nt][1] *= e0;
+      o[nt][2] *= e1;
+      o[nt][3] *= e1;
+    }
+    frag_mma<4, C, false, false>(o, sPb, L::LPb, sV, L::LV, m0, n0);  // += P·V_new
+    frag_store_bf16<4>(O + ((long)b * T_ + t0) * rowv + (long)h * DV + it * 64, rowv, o, m0, n0);
+    if (it + 2 < NTILE) {
+      __syncthreads();  // every warp is done with this buffer
+      load_tiles((it + 2) * 64, it & 1);
+    }
+  }
+}
+
 template <typename K>
 void set_smem(K kernel, size_t bytes) {
   C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)bytes));
@@ -564,10 +760,17 @@ void fwd_impl(const Dims& d, const at::Tensor& q, const at::Tensor& k, const at:
   T* Op = reinterpret_cast<T*>(O.data_ptr());
   dim3 gc(d.N, d.H, d.B);
   {
-    auto kern = prep_kernel<T, DK, DV>;
-    size_t sm = PrepSmem<T, DK>::bytes;
-    set_smem(kern, sm);
-    kern<<<gc, 256, sm, stream>>>(kp, vp, g, beta, Gc.data_ptr<float>(), Tm.data_ptr<float>(), Wp, Up, d.T, d.H);
+    if constexpr (std::is_same<T, bf16>::value) {
+      auto kern = prep_reg_kernel<DK, DV>;
+      constexpr size_t sm = PrepRegSmem<DK>::bytes;
+      set_smem(kern, sm);
+      kern<<<gc, 256, sm, stream>>>(kp, vp, g, beta, Gc.data_ptr<float>(), Tm.data_ptr<float>(), Wp, Up, d.T, d.H);
+    } else {
+      auto kern = prep_kernel<T, DK, DV>;
+      size_t sm = PrepSmem<T, DK>::bytes;
+      set_smem(kern, sm);
+      kern<<<gc, 256, sm, stream>>>(kp, vp, g, beta, Gc.data_ptr<float>(), Tm.data_ptr<float>(), Wp, Up, d.T, d.H);
+    }
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   }
   {
@@ -607,7 +810,13 @@ void fwd_impl(const Dims& d, const at::Tensor& q, const at::Tensor& k, const at:
     else launch_mma(I16{}, I4{});
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   }
-  {
+  if constexpr (std::is_same<T, bf16>::value) {
+    auto kern = fwd_o_reg_kernel<DK, DV>;
+    constexpr size_t sm = OutRegSmem<DK>::bytes;
+    set_smem(kern, sm);
+    kern<<<gc, 256, sm, stream>>>(qp, kp, Gc.data_ptr<float>(), Hp, Vnp, Op, scale, d.T, d.H);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  } else {
     auto kern = fwd_o_kernel<T, DK, DV>;
     size_t sm = OutSmem<T, DK>::bytes;
     set_smem(kern, sm);
