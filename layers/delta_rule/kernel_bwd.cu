@@ -11,12 +11,12 @@
 //       dV_new = (e^{G_C−G} ⊙ K)·dS + dV_local,
 //       dS ← e^{G_C} dS + (scale·e^G ⊙ Q)ᵀ dO − Wᵀ dV_new,
 //     and at the end d_initial_state = dS.
-//  3. bwd_chunk_kernel, grid (N, H, B), 512 threads (bf16; 256 for fp32): the chunk-local
-//     gradients dq, dk, dv, dg, dbeta from H_c, dH_c, V_new, dV_new, T. Phase 1 walks dv in tiles
-//     (bf16: 64 wide, raw mma.sync with the five accumulators F1..F3 [C,dk], M1, M2 [C,C] in
-//     registers); phase 2 is ~12 C×C×{C,dk} products on shared tiles (gemm_rb64) plus row and
-//     column reductions. ~220 KB shared memory (bf16, dk=128): one block per SM.
-//     fp32 with dk=128 does not fit: it falls back to chunk_grads (batched ATen, same formulas).
+//  3. bwd_chunk_reg_kernel (bf16), grid (N, H, B), 512 threads: the chunk-local gradients dq, dk,
+//     dv, dg, dbeta from H_c, dH_c, V_new, dV_new, T, every C×dk and C×C intermediate in mma.sync
+//     registers (see 3b below; ~197 KB of shared memory at dk = 128, dv tiles double-buffered).
+//     bwd_chunk_kernel (fp32), 256 threads: the same formulas on shared fp32 tiles with FMA
+//     products; fp32 with dk=128 does not fit: it falls back to chunk_grads (batched ATen).
+//  For bf16 the intra-chunk dV is bwd_dv_local_reg_kernel (1b), the same product from registers.
 #include "layers/delta_rule/kernel.cuh"
 #include "layers/common/kernel_tiles.cuh"
 #include "layers/delta_rule/kernel_launch.h"
@@ -492,7 +492,7 @@ __global__ void __launch_bounds__(NW * 32) bwd_state_mma_kernel(
 //   F1 = dO Hᵀ, F2 = V_new dH'ᵀ, F3 = dV_new Hᵀ  [C,dk];  M1 = dO V_newᵀ, M2 = dV_new Vᵀ  [C,C]
 // and finishes dv = β ⊙ Tᵀ dV_new per tile. Phase 2 turns them into dq, dk, dg, dbeta with a
 // handful of C×C×dk and C×C×C products (see chunk_grads for the formulas, same order).
-// Shared memory ~220 KB for bf16, dk=128: one block per SM.
+// The fp32 kernel (bf16 runs bwd_chunk_reg_kernel below).
 template <typename T, int DK, int BVt>
 struct ChunkSmem {
   static constexpr int C = kChunk, P = pad_of<T>();
@@ -513,7 +513,7 @@ struct ChunkSmem {
   static constexpr size_t oH = al128(oV + C * LT * sizeof(T));
   static constexpr size_t odH = al128(oH + DK * LT * sizeof(T));
   static constexpr size_t oY = al128(odH + DK * LT * sizeof(T));
-  static constexpr size_t end1 = oY + (std::is_same<T, bf16>::value ? 0 : C * LY * 4);  // bf16: no Y tile
+  static constexpr size_t end1 = oY + C * LY * 4;
   // phase 2 (in R)
   static constexpr size_t oQ = oR;
   static constexpr size_t oK = al128(oQ + C * LK * sizeof(T));

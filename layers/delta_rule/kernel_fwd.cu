@@ -8,6 +8,8 @@
 //     saved for backward), W = T·(β e^G K) and U = T·(β V) in the input dtype.
 //     HBM floor per token and head: read 2(dk+dv) bytes, write 2(dk+dv) + 4·64 + 4 bytes (bf16).
 //     FLOPs per chunk: 2·C²·dk (KKᵀ) + 2·C²·(dk+dv) (W, U), on tensor cores for bf16.
+//     For bf16 the launcher uses prep_reg_kernel (1b: products in mma.sync registers, β and e^G
+//     folded into T's columns) and, for 3., fwd_o_reg_kernel (3b).
 //  2. fwd_state_kernel, grid (dv/BV, H, B), 128 threads. One block owns one BV-wide column tile
 //     of one head's state and walks the chunks in order. The state tile S [dk,BV] stays in shared
 //     memory in fp32 for the whole sequence; per chunk it streams in W, K [C,dk] and U [C,BV]
