@@ -228,6 +228,28 @@ __device__ __forceinline__ float2 unpack_bf16(unsigned u) {
 
 }  // namespace tc
 
+// c += op(A)·op(B) on this warp's fragments (rows m0.., NT8 n-tiles from n0), A and B bf16 in shared.
+// op(A)[m,k] = TA ? A[k][m] : A[m][k];  op(B)[k,n] = TB ? B[n][k] : B[k][n]. UNROLL: k-steps unrolled.
+template <int NT8, int K, bool TA, bool TB, int UNROLL = K / 16>
+__device__ __forceinline__ void frag_mma(float (&c)[NT8][4], const bf16* A, int lda, const bf16* B, int ldb, int m0,
+                                         int n0) {
+  static_assert(NT8 % 2 == 0, "n-tiles come in pairs");
+#pragma unroll UNROLL
+  for (int k0 = 0; k0 < K; k0 += 16) {
+    tc::u32 a[4];
+    if constexpr (TA) tc::load_a_t(a, A, lda, m0, k0);
+    else tc::load_a(a, A, lda, m0, k0);
+#pragma unroll
+    for (int np = 0; np < NT8 / 2; ++np) {
+      tc::u32 b[4];
+      if constexpr (TB) tc::load_b2(b, B, ldb, k0, n0 + np * 16);
+      else tc::load_b2_t(b, B, ldb, k0, n0 + np * 16);
+      tc::mma16816(c[2 * np], a, b[0], b[1]);
+      tc::mma16816(c[2 * np + 1], a, b[2], b[3]);
+    }
+  }
+}
+
 // The bf16 64-row case of gemm on raw mma.sync (8 or 16 warps): warp w computes rows 16·(w%4) and
 // the column group w/4 (N/2 or N/4 columns), with its A fragment reused across the N/16 n-tiles of that half and the
 // accumulators in registers for the whole K loop (C is read and written once).
@@ -250,20 +272,7 @@ __device__ __forceinline__ void gemm_rb64(const bf16* A, int lda, const bf16* B,
       c[nt][0] = c[nt][1] = c[nt][2] = c[nt][3] = 0.f;
     }
   }
-#pragma unroll 2
-  for (int k0 = 0; k0 < K; k0 += 16) {
-    tc::u32 a[4];
-    if constexpr (TA) tc::load_a_t(a, A, lda, m0, k0);
-    else tc::load_a(a, A, lda, m0, k0);
-#pragma unroll
-    for (int np = 0; np < NT8 / 2; ++np) {
-      tc::u32 b[4];
-      if constexpr (TB) tc::load_b2(b, B, ldb, k0, n0 + np * 16);
-      else tc::load_b2_t(b, B, ldb, k0, n0 + np * 16);
-      tc::mma16816(c[2 * np], a, b[0], b[1]);
-      tc::mma16816(c[2 * np + 1], a, b[2], b[3]);
-    }
-  }
+  frag_mma<NT8, K, TA, TB, 2>(c, A, lda, B, ldb, m0, n0);
 #pragma unroll
   for (int nt = 0; nt < NT8; ++nt) {
     const int col = n0 + nt * 8 + 2 * t4;
@@ -271,28 +280,6 @@ __device__ __forceinline__ void gemm_rb64(const bf16* A, int lda, const bf16* B,
     *reinterpret_cast<float2*>(C + (m0 + g + 8) * ldc + col) = make_float2(c[nt][2], c[nt][3]);
   }
   __syncwarp();
-}
-
-// c += op(A)·op(B) on this warp's fragments (rows m0.., NT8 n-tiles from n0), A and B bf16 in shared.
-// op(A)[m,k] = TA ? A[k][m] : A[m][k];  op(B)[k,n] = TB ? B[n][k] : B[k][n].
-template <int NT8, int K, bool TA, bool TB>
-__device__ __forceinline__ void frag_mma(float (&c)[NT8][4], const bf16* A, int lda, const bf16* B, int ldb, int m0,
-                                         int n0) {
-  static_assert(NT8 % 2 == 0, "n-tiles come in pairs");
-#pragma unroll
-  for (int k0 = 0; k0 < K; k0 += 16) {
-    tc::u32 a[4];
-    if constexpr (TA) tc::load_a_t(a, A, lda, m0, k0);
-    else tc::load_a(a, A, lda, m0, k0);
-#pragma unroll
-    for (int np = 0; np < NT8 / 2; ++np) {
-      tc::u32 b[4];
-      if constexpr (TB) tc::load_b2(b, B, ldb, k0, n0 + np * 16);
-      else tc::load_b2_t(b, B, ldb, k0, n0 + np * 16);
-      tc::mma16816(c[2 * np], a, b[0], b[1]);
-      tc::mma16816(c[2 * np + 1], a, b[2], b[3]);
-    }
-  }
 }
 
 // Stores this warp's fragments (rows m0 + g and m0 + g + 8, NT8 n-tiles from n0) to global bf16

@@ -140,16 +140,9 @@ __global__ void __launch_bounds__(256) bwd_dv_local_reg_kernel(const bf16* __res
                                      dO + ((long)b * T_ + t0) * rowv + (long)h * DV + v0, rowv);
     cp_async_commit();
   };
-  load_tile_async<bf16, C, DK, NT>(sQ, L::LK, q + ((long)b * T_ + t0) * rowk + (long)h * DK, rowk);
-  load_tile_async<bf16, C, DK, NT>(sK, L::LK, k + ((long)b * T_ + t0) * rowk + (long)h * DK, rowk);
-  cp_async_commit();
-  load_do(0, 0);
-  if (NTILE > 1) load_do(64, 1);
-  if (tid < C) sG[tid] = Gc[bh * T_ + t0 + tid];
-  if (NTILE > 1) cp_async_wait<2>();
-  else cp_async_wait<1>();
-  __syncthreads();
-  causal_p_bf16<DK>(sQ, sK, L::LK, sG, scale, sPb, L::LPb);
+  load_qk_and_p<DK, NTILE, NT>(sQ, sK, L::LK, q + ((long)b * T_ + t0) * rowk + (long)h * DK,
+                               k + ((long)b * T_ + t0) * rowk + (long)h * DK, rowk, load_do, sG,
+                               Gc + bh * T_ + t0, scale, sPb, L::LPb);
   for (int it = 0; it < NTILE; ++it) {
     const bf16* sV = reinterpret_cast<const bf16*>(smem + L::oBuf + (it & 1) * L::buf);
     if (it + 1 < NTILE) cp_async_wait<1>();
@@ -775,19 +768,7 @@ __global__ void __launch_bounds__(NW * 32) bwd_chunk_kernel(
   if (tid < C) dbeta[((long)b * T_ + t0 + tid) * H + h] = sDB[tid];
   if (dg) {
     if (tid < 32) {
-      float kd = sKD[2 * tid] + sKD[2 * tid + 1];
-      for (int off = 16; off > 0; off >>= 1) kd += __shfl_xor_sync(0xffffffffu, kd, off);
-      float hsum = 0.f;
-      for (int w = 0; w < NW; ++w) hsum += sRed[w];
-      if (tid == 0) sDG[C - 1] += kd + expf(gl) * hsum;
-      __syncwarp();
-      sCS[2 * tid] = sDG[2 * tid];
-      sCS[2 * tid + 1] = sDG[2 * tid + 1];
-      __syncwarp();
-      warp_cumsum64(sCS);
-      __syncwarp();
-      const float tot = sCS[C - 1];
-      for (int r = tid; r < C; r += 32) dg[((long)b * T_ + t0 + r) * H + h] = tot - sCS[r] + sDG[r];
+      finish_dg<NW>(sDG, sKD, sCS, sRed, gl, dg + ((long)b * T_ + t0) * H + h, H);
     }
   }
 }
@@ -1167,19 +1148,7 @@ __global__ void __launch_bounds__(512) bwd_chunk_reg_kernel(
   __syncthreads();
   if (tid < 32) {
     float* sCS = sKD + C;
-    float kd = sKD[2 * tid] + sKD[2 * tid + 1];
-    for (int off = 16; off > 0; off >>= 1) kd += __shfl_xor_sync(0xffffffffu, kd, off);
-    float hsum = 0.f;
-    for (int w2 = 0; w2 < NW; ++w2) hsum += sRed[w2];
-    if (tid == 0) sDG[C - 1] += kd + expf(gl) * hsum;
-    __syncwarp();
-    sCS[2 * tid] = sDG[2 * tid];
-    sCS[2 * tid + 1] = sDG[2 * tid + 1];
-    __syncwarp();
-    warp_cumsum64(sCS);
-    __syncwarp();
-    const float tot = sCS[C - 1];
-    for (int r = tid; r < C; r += 32) dg[((long)b * T_ + t0 + r) * H + h] = tot - sCS[r] + sDG[r];
+    finish_dg<NW>(sDG, sKD, sCS, sRed, gl, dg + ((long)b * T_ + t0) * H + h, H);
   }
 }
 

@@ -27,4 +27,50 @@ __device__ __forceinline__ void causal_p_bf16(const carry_tiles::bf16* sQ, const
   }
 }
 
+// The start shared by the output and intra-chunk dV kernels: Q and K of the chunk (one cp.async
+// group), the first two 64-wide tiles of the dv loop (load_tile(v0, buffer) issues and commits one
+// group), the chunk's G; then, once Q and K have landed, P (causal_p_bf16). The caller's loop waits
+// for its tiles.
+template <int DK, int NTILE, int NT, typename LoadTile>
+__device__ __forceinline__ void load_qk_and_p(carry_tiles::bf16* sQ, carry_tiles::bf16* sK, int LK,
+                                              const carry_tiles::bf16* qc, const carry_tiles::bf16* kc, long rowk,
+                                              LoadTile&& load_tile, float* sG, const float* gc, float scale,
+                                              carry_tiles::bf16* sPb, int LPb) {
+  using namespace carry_tiles;
+  constexpr int C = kChunk;
+  load_tile_async<bf16, C, DK, NT>(sQ, LK, qc, rowk);
+  load_tile_async<bf16, C, DK, NT>(sK, LK, kc, rowk);
+  cp_async_commit();
+  load_tile(0, 0);
+  if (NTILE > 1) load_tile(64, 1);
+  if (threadIdx.x < C) sG[threadIdx.x] = gc[threadIdx.x];
+  if (NTILE > 1) cp_async_wait<2>();
+  else cp_async_wait<1>();
+  __syncthreads();
+  causal_p_bf16<DK>(sQ, sK, LK, sG, scale, sPb, LPb);
+}
+
+// Warp 0 of a chunk-gradient kernel (call with threadIdx.x < 32): dG at the chunk's last token gets
+// Σ kd + e^{G_C}·<dH', H> (sRed: the NW warps' partials of <dH', H>), then dg = the reverse cumulative
+// sum of dG within the chunk, written to out[r·stride].
+template <int NW>
+__device__ __forceinline__ void finish_dg(float* sDG, const float* sKD, float* sCS, const float* sRed, float gl,
+                                          float* out, long stride) {
+  constexpr int C = carry_tiles::kChunk;
+  const int tid = threadIdx.x;
+  float kd = sKD[2 * tid] + sKD[2 * tid + 1];
+  for (int off = 16; off > 0; off >>= 1) kd += __shfl_xor_sync(0xffffffffu, kd, off);
+  float hsum = 0.f;
+  for (int w = 0; w < NW; ++w) hsum += sRed[w];
+  if (tid == 0) sDG[C - 1] += kd + expf(gl) * hsum;
+  __syncwarp();
+  sCS[2 * tid] = sDG[2 * tid];
+  sCS[2 * tid + 1] = sDG[2 * tid + 1];
+  __syncwarp();
+  carry_tiles::warp_cumsum64(sCS);
+  __syncwarp();
+  const float tot = sCS[C - 1];
+  for (int r = tid; r < C; r += 32) out[(long)r * stride] = tot - sCS[r] + sDG[r];
+}
+
 }  // namespace carry_gdn
