@@ -34,10 +34,12 @@ namespace {
 const char* kUsage =
     "usage: carry bench kernels [--families gla,scalar_decay,linear_attn,deltanet,gated_deltanet,softmax_attn]\n"
     "                           [--T 16384,65536] [--heads 16] [--dk 128] [--dv 128] [--window 2048] [--reps 10]\n"
+    "                           [--serial]\n"
     "  Times the kernel forms on the GPU (bf16, B = 1): forward and forward+backward ms, tokens/s,\n"
     "  GB/s and TFLOP/s against counted floors. Without --T/--heads/--dk/--dv it runs the issue's shapes:\n"
     "  H=16 dk=dv=128 at T = 16384, 65536, 131072; H=4 dk=128 dv=256 and H=4 dk=96 dv=192 at 32768, 131072;\n"
-    "  softmax_attn (sliding window --window) at H=6 dk=dv=128, T = 32768, 131072.\n";
+    "  softmax_attn (sliding window --window) at H=6 dk=dv=128, T = 32768, 131072. --serial walks every\n"
+    "  state pass in order (MixerOptions::serial_states: no segments, as the ordered scan runs them).\n";
 
 struct Shape {
   int64_t H, dk, dv;
@@ -51,6 +53,7 @@ struct Args {
   std::vector<Shape> shapes;
   int64_t window = 2048;  // softmax_attn's sliding window
   int reps = 10;
+  bool serial = false;  // MixerOptions::serial_states
 };
 
 Args parse(int argc, char** argv) {
@@ -73,6 +76,7 @@ Args parse(int argc, char** argv) {
     else if (f == "--dv") custom.dv = parse_positive_int(f, value()), any_shape = true;
     else if (f == "--window") a.window = parse_positive_int(f, value());
     else if (f == "--reps") a.reps = (int)parse_positive_int(f, value());
+    else if (f == "--serial") a.serial = true;
     else throw std::invalid_argument("unknown option '" + f + "'");
   }
   for (auto& name : a.families) get_mixer(name);  // an unknown family fails here, with the list
@@ -155,8 +159,8 @@ Floors floors(const Mixer& m, int64_t T, const Shape& s, int64_t window) {
 }
 
 int run(const Args& a) {
-  std::printf("carry bench kernels: %s, bf16, B = 1, median of %d (after 3 warm-ups)\n",
-              cuda_device_name(0).c_str(), a.reps);
+  std::printf("carry bench kernels: %s, bf16, B = 1, median of %d (after 3 warm-ups)%s\n",
+              cuda_device_name(0).c_str(), a.reps, a.serial ? ", serial state passes" : "");
   for (const Shape& s : a.shapes) {
     const bool attention = std::find(s.families.begin(), s.families.end(), "softmax_attn") != s.families.end();
     std::printf("\nH=%lld dk=%lld dv=%lld", (long long)s.H, (long long)s.dk, (long long)s.dv);
@@ -170,6 +174,7 @@ int run(const Args& a) {
         MixerInputs in = bench_inputs(m, T, s);
         MixerOptions opt;
         opt.form = Form::kernel;
+        opt.serial_states = a.serial;
         if (name == "softmax_attn") opt.window = a.window;
         if (!m.has_kernel() || !m.kernel_supports(in, opt)) {
           std::printf("%-16s %8lld   (no kernel form for this shape)\n", name.c_str(), (long long)T);

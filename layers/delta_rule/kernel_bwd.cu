@@ -390,19 +390,45 @@ __global__ void __launch_bounds__(NW * 32) bwd_state_mma_kernel(
         *reinterpret_cast<uint4*>(dh + (long)r * DV + cv) = *reinterpret_cast<const uint4*>(sSb + r * LB + cv);
       }
     }
-    {  // dO <- scale e^G ⊙ dO, in place (pairs)
-      constexpr int PR = BV / 2;
-      static_assert(NT % PR == 0 && (C * PR) % NT == 0, "whole rows a pass");
+    const float gl = G[C - 1];
+    // aq = Qᵀ·(scale e^G ⊙ dO), which does not depend on dS: issued before the dV_new product so it
+    // runs beside it, and added to the decayed dS after the barrier (the update's chain is then the
+    // Wᵀ·Vb product alone, 4 k-steps deep instead of 8). The factor scale·e^{G_t} scales Qᵀ's
+    // fragments in registers (A columns = tokens k0 + 2·t4 + {0, 1, 8, 9}) instead of a pass over dO.
+    float aq[U2W][2][4];
+    {
+      float sq[C / 16][4];
 #pragma unroll
-      for (int j = 0; j < C * PR / NT; ++j) {
-        const int r = tid / PR + j * (NT / PR), cp = (tid % PR) * 2;
-        const float s = scale * __expf(G[r]);
-        unsigned* p = reinterpret_cast<unsigned*>(cdO + r * LB + cp);
-        const float2 x = tc::unpack_bf16(*p);
-        *p = tc::pack_bf16(x.x * s, x.y * s);
+      for (int ks = 0; ks < C / 16; ++ks) {
+        const int t = 16 * ks + 2 * t4;
+        sq[ks][0] = scale * __expf(G[t]);
+        sq[ks][1] = scale * __expf(G[t + 1]);
+        sq[ks][2] = scale * __expf(G[t + 8]);
+        sq[ks][3] = scale * __expf(G[t + 9]);
+      }
+#pragma unroll
+      for (int i = 0; i < U2W; ++i) {
+        const int u = warp + i * NW, n0 = (u % NP) * 16, m0 = (u / NP) * 16;
+#pragma unroll
+        for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) aq[i][nt][e] = 0.f;
+#pragma unroll
+        for (int ks = 0; ks < C / 16; ++ks) {
+          unsigned a[4], bb[4];
+          tc::load_a_t(a, cQ, LK, m0, 16 * ks);
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const float2 x = tc::unpack_bf16(a[e]);
+            const int p = (e >> 1) * 2;
+            a[e] = tc::pack_bf16(x.x * sq[ks][p], x.y * sq[ks][p + 1]);
+          }
+          tc::load_b2_t(bb, cdO, LB, 16 * ks, n0);
+          tc::mma16816(aq[i][0], a, bb[0], bb[1]);
+          tc::mma16816(aq[i][1], a, bb[2], bb[3]);
+        }
       }
     }
-    const float gl = G[C - 1];
     // dV_new = e^{G_C−G} ⊙ K·dS + dV_local; Vb = −dV_new
     for (int u1 = warp; u1 < U1; u1 += NW) {
       const int m0 = (u1 / NP) * 16, n0 = (u1 % NP) * 16;
@@ -447,14 +473,10 @@ __global__ void __launch_bounds__(NW * 32) bwd_state_mma_kernel(
 #pragma unroll
       for (int nt = 0; nt < 2; ++nt)
 #pragma unroll
-        for (int e = 0; e < 4; ++e) acc[i][nt][e] *= egl;
+        for (int e = 0; e < 4; ++e) acc[i][nt][e] = acc[i][nt][e] * egl + aq[i][nt][e];
 #pragma unroll
       for (int k0 = 0; k0 < C; k0 += 16) {
         unsigned a[4], bb[4];
-        tc::load_a_t(a, cQ, LK, m0, k0);
-        tc::load_b2_t(bb, cdO, LB, k0, n0);
-        tc::mma16816(acc[i][0], a, bb[0], bb[1]);
-        tc::mma16816(acc[i][1], a, bb[2], bb[3]);
         tc::load_a_t(a, cW, LK, m0, k0);
         tc::load_b2_t(bb, sVb, LB, k0, n0);
         tc::mma16816(acc[i][0], a, bb[0], bb[1]);
