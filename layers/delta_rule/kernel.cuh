@@ -27,6 +27,10 @@ std::vector<at::Tensor> gdn_bwd(const at::Tensor& q, const at::Tensor& k, const 
                                 const at::Tensor& d_o, const at::Tensor& d_final_state,
                                 int64_t chunk_size = 64);
 
+// Tests: the pieces the bf16 state walks are cut into (0: automatic, 1: one walk). Pieces give the
+// bits of one walk; they let the chunk-local kernels of finished pieces run beside the walk.
+void gdn_set_pieces(int n);
+
 // Debug: fill every output and intermediate with NaN right after allocation (unwritten
 // elements then show up in tests). Off by default.
 void gdn_set_poison(bool on);

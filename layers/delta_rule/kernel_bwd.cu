@@ -22,6 +22,8 @@
 #include "layers/delta_rule/kernel_launch.h"
 #include "layers/delta_rule/kernel_frag.cuh"
 
+#include <ATen/cuda/CUDAEvent.h>
+
 #include <cstdlib>
 #include <limits>
 #include <type_traits>
@@ -303,7 +305,8 @@ template <int DK, int DV, int BV, int NW, int NBUF>
 __global__ void __launch_bounds__(NW * 32) bwd_state_mma_kernel(
     const bf16* __restrict__ q, const bf16* __restrict__ k, const bf16* __restrict__ W, const float* __restrict__ Gc,
     const bf16* __restrict__ dO, const float* __restrict__ dVl, const float* __restrict__ dSfin,
-    bf16* __restrict__ dHs, bf16* __restrict__ dVn, float* __restrict__ dS0, float scale, int T_, int H) {
+    bf16* __restrict__ dHs, bf16* __restrict__ dVn, float* __restrict__ dS0, float scale, int T_, int H,
+    int c_begin, int c_end) {
   constexpr int C = kChunk, NT = NW * 32, NP = BV / 16;
   constexpr int U2 = (DK / 16) * NP, U2W = U2 / NW, U1 = (C / 16) * NP;
   static_assert(U2 % NW == 0, "state units must split evenly over warps");
@@ -350,15 +353,18 @@ __global__ void __launch_bounds__(NW * 32) bwd_state_mma_kernel(
       }
     }
   }
-  // NBUF − 1 chunks in flight, walking backwards (as in fwd_state_mma_kernel).
+  // NBUF − 1 chunks in flight, walking backwards (as in fwd_state_mma_kernel) over the chunks
+  // [c_begin, c_end): dSfin is the state gradient leaving chunk c_end − 1, dS0 gets the one entering
+  // c_begin (a piece of the walk; pieces chained through fp32 memory give the whole walk's bits).
+  const int count = c_end - c_begin;
 #pragma unroll
   for (int it = 0; it < NBUF - 1; ++it) {
-    if (it < N) issue(N - 1 - it, it);
+    if (it < count) issue(c_end - 1 - it, it);
     cp_async_commit();
   }
 
-  for (int it = 0; it < N; ++it) {
-    const int c = N - 1 - it, buf = it % NBUF;
+  for (int it = 0; it < count; ++it) {
+    const int c = c_end - 1 - it, buf = it % NBUF;
 #pragma unroll
     for (int i = 0; i < U2W; ++i) {
       const int u = warp + i * NW, m0 = (u / NP) * 16, n0 = (u % NP) * 16;
@@ -369,7 +375,7 @@ __global__ void __launch_bounds__(NW * 32) bwd_state_mma_kernel(
         *reinterpret_cast<unsigned*>(sSb + (m0 + g + 8) * LB + col) = tc::pack_bf16(acc[i][nt][2], acc[i][nt][3]);
       }
     }
-    if (it + NBUF - 1 < N) issue(c - (NBUF - 1), (it + NBUF - 1) % NBUF);
+    if (it + NBUF - 1 < count) issue(c - (NBUF - 1), (it + NBUF - 1) % NBUF);
     cp_async_commit();
     cp_async_wait<NBUF - 1>();
     __syncthreads();
@@ -836,7 +842,7 @@ __global__ void __launch_bounds__(512) bwd_chunk_reg_kernel(
     const float* __restrict__ beta, const float* __restrict__ Tm, const bf16* __restrict__ Hs,
     const bf16* __restrict__ dHs, const bf16* __restrict__ Vn, const bf16* __restrict__ dVn,
     const bf16* __restrict__ dO, bf16* __restrict__ dq, bf16* __restrict__ dk, bf16* __restrict__ dv,
-    float* __restrict__ dg, float* __restrict__ dbeta, float scale, int T_, int H) {
+    float* __restrict__ dg, float* __restrict__ dbeta, float scale, int T_, int H, int c_off) {
   constexpr int C = kChunk, NW = 16, NT = NW * 32, BVt = 64, NTILE = DV / BVt;
   constexpr int FN = DK / 32, MN = 2;  // n8-tiles a warp owns: C×dk products, C×C products
   static_assert(DV % BVt == 0 && FN % 2 == 0, "chunk kernel tiling");
@@ -854,7 +860,7 @@ __global__ void __launch_bounds__(512) bwd_chunk_reg_kernel(
   bf16* Mb1 = reinterpret_cast<bf16*>(smem + L::oMb1);
   bf16* Mb2 = reinterpret_cast<bf16*>(smem + L::oMb2);
 
-  const int c = blockIdx.x, h = blockIdx.y, b = blockIdx.z, tid = threadIdx.x;
+  const int c = c_off + blockIdx.x, h = blockIdx.y, b = blockIdx.z, tid = threadIdx.x;
   const int N = T_ / C;
   const long t0 = (long)c * C, bh = (long)b * H + h, rowk = (long)H * DK, rowv = (long)H * DV;
   const int warp = tid >> 5, lane = tid & 31, g = lane >> 2, t4 = lane & 3;
@@ -1187,6 +1193,64 @@ struct BwdArgs {
   at::Tensor dq, dk, dv, dg, dbeta;     // chunk-kernel outputs (dg undefined: DeltaNet)
 };
 
+// bf16: the reverse recurrence (bwd_state_mma_kernel, BV = 16, 4 warps) and the chunk-gradient
+// kernel. When the recurrence's tiles leave at least half the SMs idle (few heads), it walks the
+// chunks in pieces (consecutive launches on the caller's stream, the state gradient handed on
+// through fp32 memory: the same operations and bits as one walk), and the chunk-gradient kernel of
+// each finished piece runs on a second stream on the SMs the recurrence leaves idle while the next
+// piece walks; the caller's stream then waits for the last one. Otherwise one walk, then the
+// chunk-gradient kernel over every chunk.
+template <int DK, int DV>
+bool bwd_pieces(BwdArgs& a) {
+  constexpr int BV = 16, NW = 4;
+  auto stream = at::cuda::getCurrentCUDAStream();
+  const Dims& d = a.d;
+  auto P = [](const at::Tensor& t) { return reinterpret_cast<bf16*>(t.data_ptr()); };
+  auto skern = bwd_state_mma_kernel<DK, DV, BV, NW, kBwdStateStages>;
+  constexpr size_t ssm = BwdStateMmaSmem<DK, BV, kBwdStateStages>::bytes;
+  set_smem(skern, ssm);
+  auto ckern = bwd_chunk_reg_kernel<DK, DV>;
+  constexpr size_t csm = ChunkRegSmem<DK, 64>::bytes;
+  static_assert(csm <= kMaxSmem, "bf16 chunk kernel must fit");
+  set_smem(ckern, csm);
+  auto walk = [&](int c0, int c1, const float* from, float* to) {
+    skern<<<dim3(DV / BV, d.H, d.B), NW * 32, ssm, stream>>>(P(a.q), P(a.k), P(a.W), a.Gc.data_ptr<float>(), P(a.dO),
+                                                            a.dVl.data_ptr<float>(), from, P(a.dHs), P(a.dVn), to,
+                                                            a.scale, d.T, d.H, c0, c1);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  };
+  auto chunks = [&](cudaStream_t st, int c0, int c1) {
+    ckern<<<dim3(c1 - c0, d.H, d.B), 512, csm, st>>>(
+        P(a.q), P(a.k), P(a.v), a.Gc.data_ptr<float>(), a.beta.data_ptr<float>(), a.Tm.data_ptr<float>(), P(a.Hs),
+        P(a.dHs), P(a.Vn), P(a.dVn), P(a.dO), P(a.dq), P(a.dk), P(a.dv),
+        a.dg.defined() ? a.dg.data_ptr<float>() : nullptr, a.dbeta.data_ptr<float>(), a.scale, d.T, d.H, c0);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  };
+  const Pieces pc = plan_pieces(d, (DV / BV) * d.H * d.B);
+  if (pc.n == 1) {
+    walk(0, d.N, a.dSfin, a.dS0.data_ptr<float>());
+    chunks(stream, 0, d.N);
+    return true;
+  }
+  at::Tensor tmp = at::empty({2, d.B, d.H, d.DK, d.DV}, a.dS0.options());
+  auto side = at::cuda::getStreamFromPool(false, a.q.device().index());
+  const float* from = a.dSfin;
+  for (int p = 0, c1 = d.N; c1 > 0; ++p, c1 -= pc.len) {
+    const int c0 = std::max(0, c1 - pc.len);
+    float* to = c0 == 0 ? a.dS0.data_ptr<float>() : tmp[p % 2].data_ptr<float>();
+    walk(c0, c1, from, to);
+    from = to;
+    at::cuda::CUDAEvent walked;
+    walked.record(stream);
+    walked.block(side);
+    chunks(side, c0, c1);
+  }
+  at::cuda::CUDAEvent done;
+  done.record(side);
+  done.block(stream);
+  return true;
+}
+
 // Runs the dv-local and reverse-recurrence kernels, then the chunk-gradient kernel where its
 // shared memory fits (returns false otherwise: the caller uses chunk_grads in ATen).
 template <typename T, int DK, int DV>
@@ -1232,12 +1296,16 @@ bool bwd_impl(BwdArgs& a) {
         set_smem(kern, sm);
         kern<<<dim3(DV / BV, d.H, d.B), NW * 32, sm, stream>>>(P(a.q), P(a.k), P(a.W), a.Gc.data_ptr<float>(),
                                                               P(a.dO), a.dVl.data_ptr<float>(), a.dSfin, P(a.dHs),
-                                                              P(a.dVn), a.dS0.data_ptr<float>(), a.scale, d.T, d.H);
+                                                              P(a.dVn), a.dS0.data_ptr<float>(), a.scale, d.T, d.H,
+                                                              0, d.N);
       } else {
         launch(bv, nw);
       }
     };
     const int cfg = sizeof(T) == 2 ? state_cfg() : 0;
+    if constexpr (std::is_same<T, bf16>::value) {
+      if (cfg == 0) return bwd_pieces<DK, DV>(a);
+    }
     if (cfg == 1) launch(I32{}, I8{});
     else if (cfg == 2) launch(I16{}, I4{});
     else if (cfg == 3) launch(I16{}, I8{});
@@ -1256,7 +1324,7 @@ bool bwd_impl(BwdArgs& a) {
     kern<<<dim3(d.N, d.H, d.B), 512, sm, stream>>>(
         P(a.q), P(a.k), P(a.v), a.Gc.data_ptr<float>(), a.beta.data_ptr<float>(), a.Tm.data_ptr<float>(), P(a.Hs),
         P(a.dHs), P(a.Vn), P(a.dVn), P(a.dO), P(a.dq), P(a.dk), P(a.dv),
-        a.dg.defined() ? a.dg.data_ptr<float>() : nullptr, a.dbeta.data_ptr<float>(), a.scale, d.T, d.H);
+        a.dg.defined() ? a.dg.data_ptr<float>() : nullptr, a.dbeta.data_ptr<float>(), a.scale, d.T, d.H, 0);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
     return true;
   } else {

@@ -27,6 +27,8 @@
 #include "layers/delta_rule/kernel_launch.h"
 #include "layers/delta_rule/kernel_frag.cuh"
 
+#include <ATen/cuda/CUDAEvent.h>
+
 #include <atomic>
 #include <cstdlib>
 #include <type_traits>
@@ -44,6 +46,11 @@ bool poison_enabled() { return g_poison.load(); }
 // The measured configuration (0) is fixed; the others stay for tiling experiments in a profiling build.
 int state_cfg() { return 0; }
 void gdn_set_poison(bool on) { g_poison.store(on); }
+namespace {
+std::atomic<int> g_pieces{0};
+}
+int forced_pieces() { return g_pieces.load(); }
+void gdn_set_pieces(int n) { g_pieces.store(n < 0 ? 0 : n); }
 
 namespace {
 
@@ -52,6 +59,8 @@ constexpr size_t al128(size_t x) { return (x + 127) & ~size_t(127); }
 // 4 stages ran no faster than 2 on an H200 (H=4, dk=128, dv=256, T=32768: 676 vs 678 µs): the
 // chunk's chain of products, not the loads, sets the pace. 2 stages take 86 KB (two blocks an SM).
 constexpr int kStateStages = 2;
+// Shared memory an SM has for its blocks (H100, H200: 228 KB, 1 KB of it reserved a block).
+constexpr size_t kMaxSmemSM = 228 * 1024;
 
 // ---------------------------------------------------------------------------------------------
 // 1. chunk preparation
@@ -218,7 +227,8 @@ template <int DK, int DV>
 __global__ void __launch_bounds__(256) prep_reg_kernel(const bf16* __restrict__ k, const bf16* __restrict__ v,
                                                        const float* __restrict__ g, const float* __restrict__ beta,
                                                        float* __restrict__ Gc, float* __restrict__ Tm,
-                                                       bf16* __restrict__ W, bf16* __restrict__ U, int T_, int H) {
+                                                       bf16* __restrict__ W, bf16* __restrict__ U, int T_, int H,
+                                                       int c_off) {
   constexpr int C = kChunk, NT = 256, NTILE = DV / 64, WN = DK / 16;  // W: n8-tiles a warp
   using L = PrepRegSmem<DK>;
   extern __shared__ __align__(128) char smem[];
@@ -231,7 +241,7 @@ __global__ void __launch_bounds__(256) prep_reg_kernel(const bf16* __restrict__ 
   float* sG = reinterpret_cast<float*>(smem + L::oG);
   float* sB = reinterpret_cast<float*>(smem + L::oB);
 
-  const int c = blockIdx.x, h = blockIdx.y, b = blockIdx.z, tid = threadIdx.x;
+  const int c = c_off + blockIdx.x, h = blockIdx.y, b = blockIdx.z, tid = threadIdx.x;
   const int N = T_ / C;
   const long t0 = (long)c * C, bh = (long)b * H + h;
   const long rowk = (long)H * DK, rowv = (long)H * DV;
@@ -439,7 +449,7 @@ __global__ void __launch_bounds__(NW * 32) fwd_state_mma_kernel(const bf16* __re
                                                                 const bf16* __restrict__ U, const float* __restrict__ Gc,
                                                                 const float* __restrict__ S0, bf16* __restrict__ Hs,
                                                                 bf16* __restrict__ Vn, float* __restrict__ Sfin,
-                                                                int T_, int H) {
+                                                                int T_, int H, int c_begin, int c_end) {
   constexpr int C = kChunk, NT = NW * 32, NP = BV / 16;
   constexpr int U2 = (DK / 16) * NP, U2W = U2 / NW, U1 = (C / 16) * NP;
   static_assert(U2 % NW == 0, "state units must split evenly over warps");
@@ -483,15 +493,17 @@ __global__ void __launch_bounds__(NW * 32) fwd_state_mma_kernel(const bf16* __re
       }
     }
   }
-  // NBUF − 1 chunks in flight (kStateStages says what was measured).
+  // NBUF − 1 chunks in flight (kStateStages says what was measured). The block walks the chunks
+  // [c_begin, c_end) from S0 (the state entering c_begin) and leaves the state after c_end − 1 in
+  // Sfin: a piece of the walk (pieces chained through fp32 memory give the whole walk's bits).
 #pragma unroll
   for (int c = 0; c < NBUF - 1; ++c) {
-    if (c < N) issue(c, c);
+    if (c_begin + c < c_end) issue(c_begin + c, c);
     cp_async_commit();
   }
 
-  for (int c = 0; c < N; ++c) {
-    const int buf = c % NBUF;
+  for (int c = c_begin; c < c_end; ++c) {
+    const int buf = (c - c_begin) % NBUF;
     // S -> Sb (bf16)
 #pragma unroll
     for (int i = 0; i < U2W; ++i) {
@@ -504,7 +516,7 @@ __global__ void __launch_bounds__(NW * 32) fwd_state_mma_kernel(const bf16* __re
       }
     }
     // the buffer chunk c − 1 used is free: its last reads came before the previous barrier
-    if (c + NBUF - 1 < N) issue(c + NBUF - 1, (c + NBUF - 1) % NBUF);
+    if (c + NBUF - 1 < c_end) issue(c + NBUF - 1, (c + NBUF - 1 - c_begin) % NBUF);
     cp_async_commit();
     cp_async_wait<NBUF - 1>();
     __syncthreads();
@@ -694,7 +706,7 @@ template <int DK, int DV>
 __global__ void __launch_bounds__(256) fwd_o_reg_kernel(const bf16* __restrict__ q, const bf16* __restrict__ k,
                                                         const float* __restrict__ Gc, const bf16* __restrict__ Hs,
                                                         const bf16* __restrict__ Vn, bf16* __restrict__ O, float scale,
-                                                        int T_, int H) {
+                                                        int T_, int H, int c_off) {
   constexpr int C = kChunk, NT = 256, NTILE = DV / 64;
   using L = OutRegSmem<DK>;
   extern __shared__ __align__(128) char smem[];
@@ -703,7 +715,7 @@ __global__ void __launch_bounds__(256) fwd_o_reg_kernel(const bf16* __restrict__
   bf16* sPb = reinterpret_cast<bf16*>(smem + L::oPb);
   float* sG = reinterpret_cast<float*>(smem + L::oG);
 
-  const int c = blockIdx.x, h = blockIdx.y, b = blockIdx.z, tid = threadIdx.x;
+  const int c = c_off + blockIdx.x, h = blockIdx.y, b = blockIdx.z, tid = threadIdx.x;
   const int N = T_ / C;
   const long t0 = (long)c * C, bh = (long)b * H + h, rowk = (long)H * DK, rowv = (long)H * DV;
   const int warp = tid >> 5, lane = tid & 31, g = lane >> 2, t4 = lane & 3;
@@ -748,6 +760,79 @@ void set_smem(K kernel, size_t bytes) {
   C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)bytes));
 }
 
+// bf16: the state walk (fwd_state_mma_kernel, BV = 16, 4 warps) and the output kernel. When the
+// walk's tiles leave at least half the SMs idle, it runs in pieces (consecutive launches on the
+// caller's stream, the state handed on through fp32 memory: one walk's operations and bits), and the
+// output kernel of each finished piece runs on a second stream beside the next piece; the walk then
+// asks for enough shared memory that no output block shares its SM (it would slow the walk's chain).
+template <int DK, int DV>
+void fwd_pieces(const Dims& d, const bf16* kp, const bf16* vp, const float* g, const float* beta, at::Tensor& Gc,
+                at::Tensor& Tm, bf16* Wp, bf16* Up, const float* S0, bf16* Hp, bf16* Vnp, at::Tensor& Sfin,
+                const bf16* qp, bf16* Op, float scale) {
+  constexpr int BV = 16, NW = 4;
+  auto stream = at::cuda::getCurrentCUDAStream();
+  auto skern = fwd_state_mma_kernel<DK, DV, BV, NW, kStateStages>;
+  auto okern = fwd_o_reg_kernel<DK, DV>;
+  auto pkern = prep_reg_kernel<DK, DV>;
+  constexpr size_t osm = OutRegSmem<DK>::bytes, psm = PrepRegSmem<DK>::bytes;
+  set_smem(okern, osm);
+  set_smem(pkern, psm);
+  const Pieces pc = plan_pieces(d, (DV / BV) * d.H * d.B);
+  // one walk: its own size; pieces: also more than an SM has left beside an output or a prep block
+  const size_t ssm = std::max(StateMmaSmem<DK, BV, kStateStages>::bytes,
+                              pc.n == 1 ? size_t(0) : size_t(kMaxSmemSM) - std::min(osm, psm) + 1024);
+  set_smem(skern, ssm);
+  auto prep = [&](cudaStream_t st, int c0, int c1) {
+    pkern<<<dim3(c1 - c0, d.H, d.B), 256, psm, st>>>(kp, vp, g, beta, Gc.data_ptr<float>(), Tm.data_ptr<float>(), Wp,
+                                                      Up, d.T, d.H, c0);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  };
+  auto walk = [&](int c0, int c1, const float* from, float* to) {
+    skern<<<dim3(DV / BV, d.H, d.B), NW * 32, ssm, stream>>>(kp, Wp, Up, Gc.data_ptr<float>(), from, Hp, Vnp, to,
+                                                            d.T, d.H, c0, c1);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  };
+  auto out = [&](cudaStream_t st, int c0, int c1) {
+    okern<<<dim3(c1 - c0, d.H, d.B), 256, osm, st>>>(qp, kp, Gc.data_ptr<float>(), Hp, Vnp, Op, scale, d.T, d.H, c0);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  };
+  if (pc.n == 1) {
+    prep(stream, 0, d.N);
+    walk(0, d.N, S0, Sfin.data_ptr<float>());
+    out(stream, 0, d.N);
+    return;
+  }
+  // The second stream: the preparation of piece p + 1 goes ahead of the output of piece p (so it
+  // runs while piece p walks), the output of piece p after piece p's walk.
+  at::Tensor tmp = at::empty({2, d.B, d.H, d.DK, d.DV}, Sfin.options());
+  auto side = at::cuda::getStreamFromPool(false, Sfin.device().index());
+  at::cuda::CUDAEvent inputs;  // the caller's stream has produced the inputs
+  inputs.record(stream);
+  inputs.block(side);
+  std::vector<at::cuda::CUDAEvent> prepared(pc.n);
+  prep(side, 0, std::min(d.N, pc.len));
+  prepared[0].record(side);
+  const float* from = S0;
+  for (int p = 0, c0 = 0; c0 < d.N; ++p, c0 += pc.len) {
+    const int c1 = std::min(d.N, c0 + pc.len);
+    if (c1 < d.N) {
+      prep(side, c1, std::min(d.N, c1 + pc.len));
+      prepared[p + 1].record(side);
+    }
+    float* to = c1 == d.N ? Sfin.data_ptr<float>() : tmp[p % 2].data_ptr<float>();
+    prepared[p].block(stream);
+    walk(c0, c1, from, to);
+    from = to;
+    at::cuda::CUDAEvent walked;
+    walked.record(stream);
+    walked.block(side);
+    out(side, c0, c1);
+  }
+  at::cuda::CUDAEvent done;
+  done.record(side);
+  done.block(stream);
+}
+
 template <typename T, int DK, int DV>
 void fwd_impl(const Dims& d, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const float* g,
               const float* beta, float scale, const float* S0, at::Tensor& Gc, at::Tensor& Tm, at::Tensor& W,
@@ -767,7 +852,9 @@ void fwd_impl(const Dims& d, const at::Tensor& q, const at::Tensor& k, const at:
       auto kern = prep_reg_kernel<DK, DV>;
       constexpr size_t sm = PrepRegSmem<DK>::bytes;
       set_smem(kern, sm);
-      kern<<<gc, 256, sm, stream>>>(kp, vp, g, beta, Gc.data_ptr<float>(), Tm.data_ptr<float>(), Wp, Up, d.T, d.H);
+      if (state_cfg() == 0) return fwd_pieces<DK, DV>(d, kp, vp, g, beta, Gc, Tm, Wp, Up, S0, Hp, Vnp, Sfin, qp, Op,
+                                                      scale);
+      kern<<<gc, 256, sm, stream>>>(kp, vp, g, beta, Gc.data_ptr<float>(), Tm.data_ptr<float>(), Wp, Up, d.T, d.H, 0);
     } else {
       auto kern = prep_kernel<T, DK, DV>;
       size_t sm = PrepSmem<T, DK>::bytes;
@@ -797,7 +884,7 @@ void fwd_impl(const Dims& d, const at::Tensor& q, const at::Tensor& k, const at:
         size_t sm = StateMmaSmem<DK, BV, kStateStages>::bytes;
         set_smem(kern, sm);
         kern<<<dim3(DV / BV, d.H, d.B), NW * 32, sm, stream>>>(kp, Wp, Up, Gc.data_ptr<float>(), S0, Hp, Vnp,
-                                                              Sfin.data_ptr<float>(), d.T, d.H);
+                                                              Sfin.data_ptr<float>(), d.T, d.H, 0, d.N);
       } else {
         launch(bv, nw);
       }
@@ -817,7 +904,7 @@ void fwd_impl(const Dims& d, const at::Tensor& q, const at::Tensor& k, const at:
     auto kern = fwd_o_reg_kernel<DK, DV>;
     constexpr size_t sm = OutRegSmem<DK>::bytes;
     set_smem(kern, sm);
-    kern<<<gc, 256, sm, stream>>>(qp, kp, Gc.data_ptr<float>(), Hp, Vnp, Op, scale, d.T, d.H);
+    kern<<<gc, 256, sm, stream>>>(qp, kp, Gc.data_ptr<float>(), Hp, Vnp, Op, scale, d.T, d.H, 0);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   } else {
     auto kern = fwd_o_kernel<T, DK, DV>;

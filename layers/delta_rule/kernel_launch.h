@@ -6,11 +6,15 @@
 #include <ATen/ATen.h>
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAException.h>
+
+#include <algorithm>
 
 namespace carry_gdn {
 
 bool poison_enabled();
 int state_cfg();
+int forced_pieces();  // gdn_set_pieces' value
 
 // at::empty, filled with NaN when the debug poison is on.
 inline at::Tensor alloc(at::IntArrayRef sizes, const at::TensorOptions& opt) {
@@ -21,6 +25,26 @@ inline at::Tensor dense(const at::Tensor& t) { return carry_tiles::dense16(t); }
 struct Dims {
   int B, T, H, DK, DV, N;
 };
+
+// How the bf16 reverse recurrence walks the chunks: n pieces of len chunks, from the sequence's end
+// (the last piece walked, from chunk 0, may be shorter). The forced (test) value, else
+// automatic: pieces of about N/12 chunks (at least 32) when the recurrence's tiles (value_blocks
+// blocks) fill at most half the SMs, one walk otherwise.
+struct Pieces {
+  int n, len;
+};
+inline Pieces plan_pieces(const Dims& d, int value_blocks) {
+  int n = forced_pieces();
+  if (n <= 0) {
+    int dev = 0, sms = 0;
+    C10_CUDA_CHECK(cudaGetDevice(&dev));
+    C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
+    n = 2 * value_blocks <= sms ? std::max(1, std::min(12, d.N / 32)) : 1;
+  }
+  n = std::max(1, std::min(n, d.N));
+  const int len = (d.N + n - 1) / n;
+  return {(d.N + len - 1) / len, len};
+}
 
 inline Dims check_inputs(const char* who, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                          const at::Tensor& g, const at::Tensor& beta, int64_t chunk) {

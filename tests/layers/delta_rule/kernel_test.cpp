@@ -91,5 +91,40 @@ TEST(DeltaRuleKernel, MatchesChunkwise) {
 #endif
 }
 
+// The bf16 state walks cut into pieces (the chunk-local kernels of finished pieces on a second
+// stream) give the bits of one walk: outputs, final state and every gradient, with a nonzero initial
+// state and final-state gradient; 7 chunks in pieces of 3 (three pieces, the last shorter) and of 1.
+TEST(DeltaRuleKernel, PiecesGiveTheBitsOfOneWalk) {
+  if (cuda_device_count() == 0) GTEST_SKIP() << "no CUDA device: GPU tests skipped";
+#ifndef CARRY_WITH_CUDA
+  GTEST_SKIP() << "built without CUDA";
+#else
+  carry_gdn::gdn_set_poison(true);
+  for (bool gated : {true, false}) {
+    const Mixer& m = get_mixer(gated ? "gated_deltanet" : "deltanet");
+    for (const Case& c : {Case{1, 448, 2, 128, 256}, Case{2, 448, 1, 64, 128}}) {
+      auto in = gdn_inputs(c, gated, 91 + c.dv);
+      MixerInputs low;
+      for (const auto& n : MixerInputs::names())
+        if (in.get(n).defined()) low.get(n) = in.get(n).to(at::kBFloat16);
+      auto s0 = at::randn({c.B, c.H, c.dk, c.dv}, at::kFloat).to(at::kCUDA) * 0.5;
+      carry_gdn::gdn_set_pieces(1);
+      auto whole = run(m, Form::kernel, low, s0);
+      for (int pieces : {3, 7}) {
+        carry_gdn::gdn_set_pieces(pieces);
+        auto cut = run(m, Form::kernel, low, s0);
+        ASSERT_EQ(whole.size(), cut.size());
+        for (size_t i = 0; i < whole.size(); ++i)
+          EXPECT_TRUE(at::equal(whole[i], cut[i]))
+              << m.name() << " dk=" << c.dk << " dv=" << c.dv << " pieces " << pieces << ": output " << i
+              << " differs, max |diff| " << (whole[i] - cut[i]).abs().max().item<double>();
+      }
+    }
+  }
+  carry_gdn::gdn_set_pieces(0);
+  carry_gdn::gdn_set_poison(false);
+#endif
+}
+
 }  // namespace
 }  // namespace carry::testing
