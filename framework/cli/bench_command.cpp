@@ -17,6 +17,10 @@
 #include "layers/common/device.h"
 #include "layers/mixer.h"
 
+#ifdef CARRY_WITH_CUDA
+#include "layers/delta_rule/kernel.cuh"
+#endif
+
 #include <c10/core/InferenceMode.h>
 #include <torch/csrc/autograd/autograd.h>
 
@@ -34,12 +38,13 @@ namespace {
 const char* kUsage =
     "usage: carry bench kernels [--families gla,scalar_decay,linear_attn,deltanet,gated_deltanet,softmax_attn]\n"
     "                           [--T 16384,65536] [--heads 16] [--dk 128] [--dv 128] [--window 2048] [--reps 10]\n"
-    "                           [--serial]\n"
+    "                           [--serial] [--pieces N]\n"
     "  Times the kernel forms on the GPU (bf16, B = 1): forward and forward+backward ms, tokens/s,\n"
     "  GB/s and TFLOP/s against counted floors. Without --T/--heads/--dk/--dv it runs the issue's shapes:\n"
     "  H=16 dk=dv=128 at T = 16384, 65536, 131072; H=4 dk=128 dv=256 and H=4 dk=96 dv=192 at 32768, 131072;\n"
     "  softmax_attn (sliding window --window) at H=6 dk=dv=128, T = 32768, 131072. --serial walks every\n"
-    "  state pass in order (MixerOptions::serial_states: no segments, as the ordered scan runs them).\n";
+    "  state pass in order (MixerOptions::serial_states: no segments, as the ordered scan runs them).\n"
+    "  --pieces N cuts the delta rule's state walks into N pieces (0: automatic, 1: one walk).\n";
 
 struct Shape {
   int64_t H, dk, dv;
@@ -54,6 +59,7 @@ struct Args {
   int64_t window = 2048;  // softmax_attn's sliding window
   int reps = 10;
   bool serial = false;  // MixerOptions::serial_states
+  int pieces = 0;       // the delta rule's walk pieces (carry_gdn::gdn_set_pieces)
 };
 
 Args parse(int argc, char** argv) {
@@ -77,6 +83,7 @@ Args parse(int argc, char** argv) {
     else if (f == "--window") a.window = parse_positive_int(f, value());
     else if (f == "--reps") a.reps = (int)parse_positive_int(f, value());
     else if (f == "--serial") a.serial = true;
+    else if (f == "--pieces") a.pieces = (int)parse_positive_int(f, value());
     else throw std::invalid_argument("unknown option '" + f + "'");
   }
   for (auto& name : a.families) get_mixer(name);  // an unknown family fails here, with the list
@@ -159,6 +166,9 @@ Floors floors(const Mixer& m, int64_t T, const Shape& s, int64_t window) {
 }
 
 int run(const Args& a) {
+#ifdef CARRY_WITH_CUDA
+  carry_gdn::gdn_set_pieces(a.pieces);
+#endif
   std::printf("carry bench kernels: %s, bf16, B = 1, median of %d (after 3 warm-ups)%s\n",
               cuda_device_name(0).c_str(), a.reps, a.serial ? ", serial state passes" : "");
   for (const Shape& s : a.shapes) {

@@ -10,7 +10,8 @@
 //     cp.async for bf16). Per chunk: writes dH_c = dS (gradient of the state leaving chunk c),
 //       dV_new = (e^{G_C−G} ⊙ K)·dS + dV_local,
 //       dS ← e^{G_C} dS + (scale·e^G ⊙ Q)ᵀ dO − Wᵀ dV_new,
-//     and at the end d_initial_state = dS.
+//     and at the end d_initial_state = dS. With few heads the bf16 walk runs in pieces and the
+//     chunk-gradient kernel (3.) of each finished piece runs beside the next (bwd_pieces).
 //  3. bwd_chunk_reg_kernel (bf16), grid (N, H, B), 512 threads: the chunk-local gradients dq, dk,
 //     dv, dg, dbeta from H_c, dH_c, V_new, dV_new, T, every C×dk and C×C intermediate in mma.sync
 //     registers (see 3b below; ~197 KB of shared memory at dk = 128, dv tiles double-buffered).

@@ -19,6 +19,9 @@
 //     For bf16 the launcher uses fwd_state_mma_kernel (2b: state in mma registers, BV = 16,
 //     4 warps); fwd_state_kernel (wmma on shared tiles) serves fp32 and the CARRY_GDN_STATE
 //     experiments.
+//     With few heads (the walk's tiles on at most half the SMs) the bf16 walk runs in pieces of
+//     chunks, the state handed on in fp32 memory (one walk's bits), and 1. and 3. of other pieces
+//     run beside it on a second stream (fwd_pieces).
 //  3. fwd_o_kernel, grid (N, H, B), 256 threads. One block owns one chunk of one head (all of dv,
 //     in tiles of 64): P = scale·(QKᵀ ⊙ Γ ⊙ causal) once, then per dv tile
 //     O = scale·e^G ⊙ (Q·H_c) + P·V_new. Reads q, k [C,dk], H_c [dk,dv], V_new [C,dv].
@@ -780,7 +783,7 @@ void fwd_pieces(const Dims& d, const bf16* kp, const bf16* vp, const float* g, c
   const Pieces pc = plan_pieces(d, (DV / BV) * d.H * d.B);
   // one walk: its own size; pieces: also more than an SM has left beside an output or a prep block
   const size_t ssm = std::max(StateMmaSmem<DK, BV, kStateStages>::bytes,
-                              pc.n == 1 ? size_t(0) : size_t(kMaxSmemSM) - std::min(osm, psm) + 1024);
+                              pc.n == 1 || !pc.idle ? size_t(0) : size_t(kMaxSmemSM) - std::min(osm, psm) + 1024);
   set_smem(skern, ssm);
   auto prep = [&](cudaStream_t st, int c0, int c1) {
     pkern<<<dim3(c1 - c0, d.H, d.B), 256, psm, st>>>(kp, vp, g, beta, Gc.data_ptr<float>(), Tm.data_ptr<float>(), Wp,

@@ -30,20 +30,21 @@ struct Dims {
 // (the last piece walked, from chunk 0, may be shorter). The forced (test) value, else
 // automatic: pieces of about N/12 chunks (at least 32) when the recurrence's tiles (value_blocks
 // blocks) fill at most half the SMs, one walk otherwise.
+// idle: whether the walk leaves at least half the SMs to the other kernels (else they share its SMs).
 struct Pieces {
   int n, len;
+  bool idle;
 };
 inline Pieces plan_pieces(const Dims& d, int value_blocks) {
+  int dev = 0, sms = 0;
+  C10_CUDA_CHECK(cudaGetDevice(&dev));
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
+  const bool idle = 2 * value_blocks <= sms;
   int n = forced_pieces();
-  if (n <= 0) {
-    int dev = 0, sms = 0;
-    C10_CUDA_CHECK(cudaGetDevice(&dev));
-    C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
-    n = 2 * value_blocks <= sms ? std::max(1, std::min(12, d.N / 32)) : 1;
-  }
+  if (n <= 0) n = idle ? std::max(1, std::min(12, d.N / 32)) : 1;
   n = std::max(1, std::min(n, d.N));
   const int len = (d.N + n - 1) / n;
-  return {(d.N + len - 1) / len, len};
+  return {(d.N + len - 1) / len, len, idle};
 }
 
 inline Dims check_inputs(const char* who, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
