@@ -763,11 +763,12 @@ void set_smem(K kernel, size_t bytes) {
   C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)bytes));
 }
 
-// bf16: the state walk (fwd_state_mma_kernel, BV = 16, 4 warps) and the output kernel. When the
-// walk's tiles leave at least half the SMs idle, it runs in pieces (consecutive launches on the
-// caller's stream, the state handed on through fp32 memory: one walk's operations and bits), and the
-// output kernel of each finished piece runs on a second stream beside the next piece; the walk then
-// asks for enough shared memory that no output block shares its SM (it would slow the walk's chain).
+// bf16: the chunk preparation, the state walk (fwd_state_mma_kernel, BV = 16, 4 warps) and the output
+// kernel. When the walk's tiles leave at least half the SMs idle, it runs in pieces (consecutive
+// launches on the caller's stream, the state handed on through fp32 memory: one walk's operations
+// and bits), and on a second stream the preparation of the next piece runs ahead of it and the
+// output of each finished piece behind it; the walk then asks for enough shared memory that no
+// preparation or output block shares its SM (it would slow the walk's chain).
 template <int DK, int DV>
 void fwd_pieces(const Dims& d, const bf16* kp, const bf16* vp, const float* g, const float* beta, at::Tensor& Gc,
                 at::Tensor& Tm, bf16* Wp, bf16* Up, const float* S0, bf16* Hp, bf16* Vnp, at::Tensor& Sfin,
@@ -852,11 +853,11 @@ void fwd_impl(const Dims& d, const at::Tensor& q, const at::Tensor& k, const at:
   dim3 gc(d.N, d.H, d.B);
   {
     if constexpr (std::is_same<T, bf16>::value) {
+      if (state_cfg() == 0) return fwd_pieces<DK, DV>(d, kp, vp, g, beta, Gc, Tm, Wp, Up, S0, Hp, Vnp, Sfin, qp, Op,
+                                                      scale);
       auto kern = prep_reg_kernel<DK, DV>;
       constexpr size_t sm = PrepRegSmem<DK>::bytes;
       set_smem(kern, sm);
-      if (state_cfg() == 0) return fwd_pieces<DK, DV>(d, kp, vp, g, beta, Gc, Tm, Wp, Up, S0, Hp, Vnp, Sfin, qp, Op,
-                                                      scale);
       kern<<<gc, 256, sm, stream>>>(kp, vp, g, beta, Gc.data_ptr<float>(), Tm.data_ptr<float>(), Wp, Up, d.T, d.H, 0);
     } else {
       auto kern = prep_kernel<T, DK, DV>;

@@ -26,11 +26,11 @@ struct Dims {
   int B, T, H, DK, DV, N;
 };
 
-// How the bf16 reverse recurrence walks the chunks: n pieces of len chunks, from the sequence's end
-// (the last piece walked, from chunk 0, may be shorter). The forced (test) value, else
-// automatic: pieces of about N/12 chunks (at least 32) when the recurrence's tiles (value_blocks
-// blocks) fill at most half the SMs, one walk otherwise.
-// idle: whether the walk leaves at least half the SMs to the other kernels (else they share its SMs).
+// How a bf16 state walk (forward from chunk 0, reverse from the sequence's end) cuts the chunks: n
+// pieces of len chunks (the last piece walked may be shorter). The forced (test) value, else
+// automatic: pieces of about N/12 chunks (at least 32) when the walk's tiles (value_blocks blocks)
+// fill at most half the SMs, one walk otherwise. idle: whether the walk leaves at least half the SMs
+// to the other kernels (else they would share its SMs).
 struct Pieces {
   int n, len;
   bool idle;
