@@ -18,6 +18,7 @@
 #include "layers/mixer.h"
 
 #ifdef CARRY_WITH_CUDA
+#include "layers/common/kernel_decay.cuh"
 #include "layers/delta_rule/kernel.cuh"
 #endif
 
@@ -38,13 +39,14 @@ namespace {
 const char* kUsage =
     "usage: carry bench kernels [--families gla,scalar_decay,linear_attn,deltanet,gated_deltanet,softmax_attn]\n"
     "                           [--T 16384,65536] [--heads 16] [--dk 128] [--dv 128] [--window 2048] [--reps 10]\n"
-    "                           [--serial] [--pieces N]\n"
+    "                           [--serial] [--pieces N] [--decay-segments N]\n"
     "  Times the kernel forms on the GPU (bf16, B = 1): forward and forward+backward ms, tokens/s,\n"
     "  GB/s and TFLOP/s against counted floors. Without --T/--heads/--dk/--dv it runs the issue's shapes:\n"
     "  H=16 dk=dv=128 at T = 16384, 65536, 131072; H=4 dk=128 dv=256 and H=4 dk=96 dv=192 at 32768, 131072;\n"
     "  softmax_attn (sliding window --window) at H=6 dk=dv=128, T = 32768, 131072. --serial walks every\n"
     "  state pass in order (MixerOptions::serial_states: no segments, as the ordered scan runs them).\n"
-    "  --pieces N cuts the delta rule's state walks into N pieces (0: automatic, 1: one walk).\n";
+    "  --pieces N cuts the delta rule's state walks into N pieces (0: automatic, 1: one walk).\n"
+    "  --decay-segments N cuts the decay class's state recurrence into N segments (0: automatic).\n";
 
 struct Shape {
   int64_t H, dk, dv;
@@ -60,6 +62,7 @@ struct Args {
   int reps = 10;
   bool serial = false;  // MixerOptions::serial_states
   int pieces = 0;       // the delta rule's walk pieces (carry_gdn::gdn_set_pieces)
+  int decay_segments = 0;  // the decay class's state segments (carry_decay::decay_set_segments)
 };
 
 Args parse(int argc, char** argv) {
@@ -84,6 +87,7 @@ Args parse(int argc, char** argv) {
     else if (f == "--reps") a.reps = (int)parse_positive_int(f, value());
     else if (f == "--serial") a.serial = true;
     else if (f == "--pieces") a.pieces = (int)parse_positive_int(f, value());
+    else if (f == "--decay-segments") a.decay_segments = (int)parse_positive_int(f, value());
     else throw std::invalid_argument("unknown option '" + f + "'");
   }
   for (auto& name : a.families) get_mixer(name);  // an unknown family fails here, with the list
@@ -168,6 +172,7 @@ Floors floors(const Mixer& m, int64_t T, const Shape& s, int64_t window) {
 int run(const Args& a) {
 #ifdef CARRY_WITH_CUDA
   carry_gdn::gdn_set_pieces(a.pieces);
+  carry_decay::decay_set_segments(a.decay_segments);
 #endif
   std::printf("carry bench kernels: %s, bf16, B = 1, median of %d (after 3 warm-ups)%s\n",
               cuda_device_name(0).c_str(), a.reps, a.serial ? ", serial state passes" : "");

@@ -327,6 +327,172 @@ __global__ void __launch_bounds__(NW * 32) dqk_kernel(const T* __restrict__ q, c
   }
 }
 
+// ---- dq, dk, dg on register fragments (bf16, scalar decay and linear attention, dk and dv multiples of 64) ----
+// One block of 8 warps per (chunk, 64 key columns); the two blocks of a chunk at dk = 128 are adjacent in the
+// grid, so the second reads V and dO from L2. Warp w owns rows 16·(w%4) and columns 32·(w/4) of dP and of the
+// block's dq and dk tiles, all three in registers for the whole dv loop (64-wide tiles of V, dO, H, dH,
+// double-buffered); then A = scale·dP ⊙ e^{G_t−G_s} (causal) goes to shared bf16 once, and dq += A K,
+// dk += Aᵀ Q accumulate onto the same fragments. 101 KB of shared memory: two blocks an SM.
+struct QkFragSmem {
+  static constexpr int C = kChunk, L = 64 + 8;     // rows of 64 bf16, padded
+  static constexpr size_t kTile = C * L * 2;       // one 64 x 64 bf16 tile
+  static constexpr size_t oQ = 0, oK = kTile, oA = 2 * kTile, oBuf = 3 * kTile;  // 2 stages x {V, dO, H, dH}
+  static constexpr size_t oG = oBuf + 8 * kTile;   // G of the chunk [C]
+  static constexpr size_t oRow = oG + C * 4;       // the two column halves' row sums of dG [2][C]
+  static constexpr size_t oRed = oRow + 2 * C * 4; // the warps' shares of the chunk-end terms [2][8]
+  static constexpr size_t bytes = oRed + 16 * 4;
+  static_assert(2 * (bytes + 1024) <= 228 * 1024, "dqk_frag_kernel: two blocks an SM");
+};
+
+template <int KIND>
+__global__ void __launch_bounds__(256, 2) dqk_frag_kernel(const bf16* __restrict__ q, const bf16* __restrict__ k,
+                                                          const bf16* __restrict__ v, const float* __restrict__ G,
+                                                          const bf16* __restrict__ Hsave, const bf16* __restrict__ dO,
+                                                          const bf16* __restrict__ dHsave, bf16* __restrict__ dq,
+                                                          bf16* __restrict__ dk, float* __restrict__ dg, int Tn, int H,
+                                                          int DK, int DV, float scale) {
+  static_assert(KIND == kScalar || KIND == kNone, "the diagonal decay keeps dqk_kernel");
+  using S = QkFragSmem;
+  constexpr int C = kChunk, NT = 256, LD = S::L;
+  extern __shared__ __align__(128) unsigned char smem[];
+  bf16* Qs = reinterpret_cast<bf16*>(smem + S::oQ);
+  bf16* Ks = reinterpret_cast<bf16*>(smem + S::oK);
+  bf16* As = reinterpret_cast<bf16*>(smem + S::oA);
+  bf16* buf = reinterpret_cast<bf16*>(smem + S::oBuf);
+  float* Gs = reinterpret_cast<float*>(smem + S::oG);
+  float* sRow = reinterpret_cast<float*>(smem + S::oRow);
+  float* sRed = reinterpret_cast<float*>(smem + S::oRed);
+
+  const int nkt = DK / 64, ik = blockIdx.x % nkt, n = blockIdx.x / nkt, bh = blockIdx.y;
+  const int b = bh / H, h = bh % H, N = Tn / C, k0 = ik * 64, ntile = DV / 64;
+  const long tok = (long)b * Tn + (long)n * C, ks = (long)H * DK, vs = (long)H * DV;
+  const long hoff = ((long)bh * N + n) * DK * DV + (long)k0 * DV;
+  constexpr int kTileElems = C * LD;
+  auto load_tile = [&](int j, int stage) {
+    bf16* s = buf + stage * 4 * kTileElems;
+    load_tile_async<bf16, C, 64, NT>(s, LD, v + tok * vs + (long)h * DV + j * 64, vs);
+    load_tile_async<bf16, C, 64, NT>(s + kTileElems, LD, dO + tok * vs + (long)h * DV + j * 64, vs);
+    load_tile_async<bf16, 64, 64, NT>(s + 2 * kTileElems, LD, Hsave + hoff + j * 64, DV);
+    load_tile_async<bf16, 64, 64, NT>(s + 3 * kTileElems, LD, dHsave + hoff + j * 64, DV);
+    cp_async_commit();
+  };
+  load_tile_async<bf16, C, 64, NT>(Qs, LD, q + tok * ks + (long)h * DK + k0, ks);
+  load_tile_async<bf16, C, 64, NT>(Ks, LD, k + tok * ks + (long)h * DK + k0, ks);
+  cp_async_commit();
+  load_tile(0, 0);
+  if (ntile > 1) load_tile(1, 1);
+  if (threadIdx.x < C) Gs[threadIdx.x] = KIND == kScalar ? G[(tok + threadIdx.x) * H + h] : 0.f;
+
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t4 = lane & 3;
+  const int m0 = (warp & 3) * 16, n0 = (warp >> 2) * 32;
+  float dp[4][4] = {}, aq[4][4] = {}, ak[4][4] = {};
+  float hdh = 0.f;  // this thread's share of <H, dH> over the block's key rows
+  for (int j = 0; j < ntile; ++j) {
+    if (j + 1 < ntile) cp_async_wait<1>();
+    else cp_async_wait<0>();
+    __syncthreads();
+    const bf16* Vs = buf + (j & 1) * 4 * kTileElems;
+    const bf16* dOs = Vs + kTileElems;
+    const bf16* Hs = Vs + 2 * kTileElems;
+    const bf16* dHs = Vs + 3 * kTileElems;
+    frag_mma<4, 64, false, true>(dp, dOs, LD, Vs, LD, m0, n0);  // dP[t][s] = Σ_c dO[t][c] V[s][c]
+    frag_mma<4, 64, false, true>(aq, dOs, LD, Hs, LD, m0, n0);  // (dO Hᵀ)[t][d]
+    frag_mma<4, 64, false, true>(ak, Vs, LD, dHs, LD, m0, n0);  // (V dHᵀ)[s][d]
+    if constexpr (KIND != kNone) {  // 16 elements of H ⊙ dH a thread
+      const int r = threadIdx.x >> 2, c = (threadIdx.x & 3) * 16;
+#pragma unroll
+      for (int p = 0; p < 2; ++p) {
+        const uint4 hx = *reinterpret_cast<const uint4*>(Hs + r * LD + c + 8 * p);
+        const uint4 dx = *reinterpret_cast<const uint4*>(dHs + r * LD + c + 8 * p);
+        const unsigned* hu = reinterpret_cast<const unsigned*>(&hx);
+        const unsigned* du = reinterpret_cast<const unsigned*>(&dx);
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const float2 a = tc::unpack_bf16(hu[e]), d2 = tc::unpack_bf16(du[e]);
+          hdh += a.x * d2.x + a.y * d2.y;
+        }
+      }
+    }
+    __syncthreads();
+    if (j + 2 < ntile) load_tile(j + 2, j & 1);
+  }
+
+  // Inter-chunk parts: dq = scale·e^{G_t} (dO Hᵀ), dk = e^{Γ−G_s} (V dHᵀ); the chunk-end share Σ k ⊙ dk.
+  const int r0 = m0 + g, r1 = r0 + 8;
+  const float Gl = Gs[C - 1], G0 = Gs[r0], G1 = Gs[r1];
+  const float eq0 = scale * __expf(G0), eq1 = scale * __expf(G1), ek0 = __expf(Gl - G0), ek1 = __expf(Gl - G1);
+  float ext = 0.f;
+#pragma unroll
+  for (int nt = 0; nt < 4; ++nt) {
+    const int col = n0 + nt * 8 + 2 * t4;
+    aq[nt][0] *= eq0, aq[nt][1] *= eq0, aq[nt][2] *= eq1, aq[nt][3] *= eq1;
+    ak[nt][0] *= ek0, ak[nt][1] *= ek0, ak[nt][2] *= ek1, ak[nt][3] *= ek1;
+    if constexpr (KIND != kNone) {
+      const float2 ka = tc::unpack_bf16(*reinterpret_cast<const unsigned*>(Ks + r0 * LD + col));
+      const float2 kb = tc::unpack_bf16(*reinterpret_cast<const unsigned*>(Ks + r1 * LD + col));
+      ext += ka.x * ak[nt][0] + ka.y * ak[nt][1] + kb.x * ak[nt][2] + kb.y * ak[nt][3];
+    }
+    // A = scale·dP ⊙ e^{G_t − G_s} for s ≤ t (dp's columns are tokens s here).
+#pragma unroll
+    for (int hf = 0; hf < 2; ++hf) {
+      const int t = m0 + g + 8 * hf, s = n0 + nt * 8 + 2 * t4;
+      const float Gt = Gs[t];
+      const float x0 = s <= t ? scale * dp[nt][2 * hf] * __expf(Gt - Gs[s]) : 0.f;
+      const float x1 = s + 1 <= t ? scale * dp[nt][2 * hf + 1] * __expf(Gt - Gs[s + 1]) : 0.f;
+      *reinterpret_cast<unsigned*>(As + t * LD + s) = tc::pack_bf16(x0, x1);
+    }
+  }
+  __syncthreads();
+  // Intra-chunk parts: dq += A K, dk += Aᵀ Q (A's storage is [t][s]).
+  frag_mma<4, 64, false, false>(aq, As, LD, Ks, LD, m0, n0);
+  frag_mma<4, 64, true, false>(ak, As, LD, Qs, LD, m0, n0);
+  frag_store_bf16<4>(dq + tok * ks + (long)h * DK + k0, ks, aq, m0, n0);
+  frag_store_bf16<4>(dk + tok * ks + (long)h * DK + k0, ks, ak, m0, n0);
+  if constexpr (KIND == kScalar) {
+    // dG_t = Σ_d (q ⊙ dq − k ⊙ dk)_t over the block's columns; at the chunk's end also the state terms.
+    float s0 = 0.f, s1 = 0.f;
+#pragma unroll
+    for (int nt = 0; nt < 4; ++nt) {
+      const int col = n0 + nt * 8 + 2 * t4;
+      const float2 qa = tc::unpack_bf16(*reinterpret_cast<const unsigned*>(Qs + r0 * LD + col));
+      const float2 qb = tc::unpack_bf16(*reinterpret_cast<const unsigned*>(Qs + r1 * LD + col));
+      const float2 ka = tc::unpack_bf16(*reinterpret_cast<const unsigned*>(Ks + r0 * LD + col));
+      const float2 kb = tc::unpack_bf16(*reinterpret_cast<const unsigned*>(Ks + r1 * LD + col));
+      s0 += qa.x * aq[nt][0] + qa.y * aq[nt][1] - ka.x * ak[nt][0] - ka.y * ak[nt][1];
+      s1 += qb.x * aq[nt][2] + qb.y * aq[nt][3] - kb.x * ak[nt][2] - kb.y * ak[nt][3];
+    }
+#pragma unroll
+    for (int off = 1; off <= 2; off <<= 1) {
+      s0 += __shfl_xor_sync(0xffffffffu, s0, off);
+      s1 += __shfl_xor_sync(0xffffffffu, s1, off);
+    }
+    if (t4 == 0) sRow[(warp >> 2) * C + r0] = s0, sRow[(warp >> 2) * C + r1] = s1;
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) {
+      ext += __shfl_xor_sync(0xffffffffu, ext, off);
+      hdh += __shfl_xor_sync(0xffffffffu, hdh, off);
+    }
+    if (lane == 0) sRed[warp] = ext, sRed[8 + warp] = hdh;
+    __syncthreads();
+    if (warp == 0) {
+      float e = 0.f, hd = 0.f;
+#pragma unroll
+      for (int w = 0; w < 8; ++w) e += sRed[w], hd += sRed[8 + w];
+      float a = sRow[2 * lane] + sRow[C + 2 * lane], c = sRow[2 * lane + 1] + sRow[C + 2 * lane + 1];
+      if (lane == 31) c += e + __expf(Gl) * hd;
+      // dg_t = Σ_{u ≥ t} dG_u: a suffix sum over the lanes' pairs.
+      float sfx = a + c;
+#pragma unroll
+      for (int off = 1; off < 32; off <<= 1) {
+        const float o = __shfl_down_sync(0xffffffffu, sfx, off);
+        if (lane + off < 32) sfx += o;
+      }
+      dg[((tok + 2 * lane) * H + h) * nkt + ik] = sfx;
+      dg[((tok + 2 * lane + 1) * H + h) * nkt + ik] = sfx - a;
+    }
+  }
+}
+
 template <typename T, int KIND>
 std::vector<at::Tensor> bwd_impl(const Dims& d, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                  double scale, const std::vector<at::Tensor>& saved, const at::Tensor& dO,
@@ -367,8 +533,27 @@ std::vector<at::Tensor> bwd_impl(const Dims& d, const at::Tensor& q, const at::T
   // (GLA only: the scalar decay sums its gate gradient over d in a [C, C+4] scratch, so TK ≤ 64 there.)
   constexpr bool kWide = sizeof(T) == 2 && KIND == kDiag;
   const int TKq = kWide && d.DK == 96 ? 96 : (d.DK % 64 == 0 ? 64 : 32), nkt = d.DK / TKq;
+  // bf16 scalar decay and linear attention with 64-multiples: the register-fragment kernel, 64 key columns a block.
+  constexpr bool kFragKind = sizeof(T) == 2 && KIND != kDiag;
+  const bool frag = kFragKind && d.DK % 64 == 0;
   if (KIND == kDiag) dg = alloc(q.sizes(), f32);
-  else if (KIND == kScalar) dg = alloc({d.B, d.T, d.H, nkt}, f32);
+  else if (KIND == kScalar) dg = alloc({d.B, d.T, d.H, nkt}, f32);  // nkt = dk/64 for the fragment kernel
+  if constexpr (kFragKind) {
+    if (frag) {
+      auto kern = dqk_frag_kernel<KIND == kDiag ? kScalar : KIND>;
+      cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)QkFragSmem::bytes);
+      kern<<<dim3(d.N * (d.DK / 64), d.B * d.H), 256, QkFragSmem::bytes, stream>>>(
+          reinterpret_cast<const bf16*>(q.data_ptr()), reinterpret_cast<const bf16*>(k.data_ptr()),
+          reinterpret_cast<const bf16*>(v.data_ptr()), KIND == kNone ? nullptr : G.data_ptr<float>(),
+          reinterpret_cast<const bf16*>(Hsave.data_ptr()), reinterpret_cast<const bf16*>(dO.data_ptr()),
+          reinterpret_cast<const bf16*>(dH.data_ptr()), reinterpret_cast<bf16*>(dq.data_ptr()),
+          reinterpret_cast<bf16*>(dk.data_ptr()), KIND == kNone ? nullptr : dg.data_ptr<float>(), d.T, d.H, d.DK,
+          d.DV, (float)scale);
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+      if (KIND == kScalar) dg = nkt == 1 ? dg.squeeze(-1) : dg.sum(-1);
+      return {dq, dk, dv, dg, ds0};
+    }
+  }
   auto run_qk = [&](auto tk_tag) {
     constexpr int TK = decltype(tk_tag)::value, NW = TK / 8;  // one thread per diagonal block and column
     using L = QkSmem<T, KIND, TK>;
