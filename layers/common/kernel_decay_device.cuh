@@ -144,10 +144,13 @@ __device__ __forceinline__ void cp_async4(void* smem, const void* gmem) {
 // in flight. Per chunk, one block barrier, then each warp alone: writes S to Hsave[n] through a
 // warp-private staging tile (16-byte stores), decays S by e^{Γ} per row, and adds X̃ᵀ·Y in 4 k-steps
 // of 16 tokens, where X̃ᵀ's fragments are scaled in registers right after ldmatrix by the
-// recurrence's factor (rounded to bf16, as state_kernel rounds X̃ in shared memory). The launcher
-// uses one warp a block and TV = 32: a warp's chain of instructions a chunk is what sets the pace
-// (ncu: one warp a scheduler, an instruction every 3.3 cycles), so every warp gets little to do and
-// the grid holds as many warps as the state has 16 x 32 pieces. Grid and segments as state_kernel.
+// recurrence's factor (rounded to bf16, as state_kernel rounds X̃ in shared memory). Every warp keeps
+// TV = 32 columns (a short chain of instructions a chunk), so the grid holds as many warps as the
+// state has 16 x 32 pieces; the launcher puts four of them in a block (two for dk = 96), which share
+// X's chunk in shared memory: with one warp a block every warp loaded its own 16 columns of X and
+// the L2 traffic set the pace (ncu, H=16, dk=dv=128: L2 77% busy). SPLIT (with four warps) adds the
+// chunk's product into two fresh accumulator sets (even and odd k-steps) and then S ← e^{Γ} ⊙ S +
+// U₀ + U₁, so S's dependency chain a chunk is one FMA. Grid and segments as state_kernel.
 template <int KIND, int NW, int TV, int NBUF>
 struct StateMmaSmem {
   static constexpr int C = kChunk, TK = 16 * NW, LX = TK + 8, LY = TV + 8, LG = TK + 4;
@@ -168,7 +171,7 @@ __device__ __forceinline__ float state_factor(const float* Gb, int LG, int t, in
   return REV ? scale * __expf(gt) : __expf(gl - gt);
 }
 
-template <int KIND, bool REV, int NW, int TV, int NBUF>
+template <int KIND, bool REV, int NW, int TV, int NBUF, bool SPLIT = false>
 __global__ void __launch_bounds__(NW * 32) state_mma_kernel(const bf16* __restrict__ X, const bf16* __restrict__ Y,
                                                             const float* __restrict__ G, const float* __restrict__ S0,
                                                             bf16* __restrict__ Hsave, float* __restrict__ Sfinal,
@@ -252,13 +255,25 @@ __global__ void __launch_bounds__(NW * 32) state_mma_kernel(const bf16* __restri
     }
     // S ← e^{Γ} ⊙ S
     float gla = 0.f, glb = 0.f;  // Γ of rows da, db
+    float ea = 1.f, eb = 1.f;
     if constexpr (KIND != kNone) {
       gla = KIND == kDiag ? Gb[(C - 1) * LG + da] : Gb[C - 1];
       glb = KIND == kDiag ? Gb[(C - 1) * LG + db] : gla;
       seg_gate[0] += gla, seg_gate[1] += glb;
-      const float ea = __expf(gla), eb = __expf(glb);
+      ea = __expf(gla), eb = __expf(glb);
+      if constexpr (!SPLIT) {
 #pragma unroll
-      for (int j = 0; j < NTL; ++j) acc[j][0] *= ea, acc[j][1] *= ea, acc[j][2] *= eb, acc[j][3] *= eb;
+        for (int j = 0; j < NTL; ++j) acc[j][0] *= ea, acc[j][1] *= ea, acc[j][2] *= eb, acc[j][3] *= eb;
+      }
+    }
+    // SPLIT: the chunk's product goes to two fresh accumulator sets (even and odd k-steps), independent of
+    // S, and S ← e^{Γ} ⊙ S + U₀ + U₁ after them: S's chain a chunk is one FMA, not four dependent mma.
+    float u[2][NTL][4];
+    if constexpr (SPLIT) {
+#pragma unroll
+      for (int p = 0; p < 2; ++p)
+#pragma unroll
+        for (int j = 0; j < NTL; ++j) u[p][j][0] = u[p][j][1] = u[p][j][2] = u[p][j][3] = 0.f;
     }
     // S += X̃ᵀ Y; A fragment (16 rows d x 16 tokens): a0 (da; t, t+1), a1 (db; t, t+1), a2 (da; t+8, t+9),
     // a3 (db; t+8, t+9) with t = k + 2·t4.
@@ -278,8 +293,23 @@ __global__ void __launch_bounds__(NW * 32) state_mma_kernel(const bf16* __restri
       for (int jp = 0; jp < NTL / 2; ++jp) {
         tc::u32 bb[4];
         tc::load_b2_t(bb, Yb, LY, k, 16 * jp);
-        tc::mma16816(acc[2 * jp], a, bb[0], bb[1]);
-        tc::mma16816(acc[2 * jp + 1], a, bb[2], bb[3]);
+        if constexpr (SPLIT) {
+          float(&up)[NTL][4] = u[(k >> 4) & 1];
+          tc::mma16816(up[2 * jp], a, bb[0], bb[1]);
+          tc::mma16816(up[2 * jp + 1], a, bb[2], bb[3]);
+        } else {
+          tc::mma16816(acc[2 * jp], a, bb[0], bb[1]);
+          tc::mma16816(acc[2 * jp + 1], a, bb[2], bb[3]);
+        }
+      }
+    }
+    if constexpr (SPLIT) {
+#pragma unroll
+      for (int j = 0; j < NTL; ++j) {
+        acc[j][0] = fmaf(acc[j][0], ea, u[0][j][0] + u[1][j][0]);
+        acc[j][1] = fmaf(acc[j][1], ea, u[0][j][1] + u[1][j][1]);
+        acc[j][2] = fmaf(acc[j][2], eb, u[0][j][2] + u[1][j][2]);
+        acc[j][3] = fmaf(acc[j][3], eb, u[0][j][3] + u[1][j][3]);
       }
     }
   }
@@ -422,8 +452,12 @@ inline int sm_count() {
   return n;
 }
 
-// Launch the state recurrence (forward or reverse). bf16: state_mma_kernel (16 x 32 tiles, one warp,
-// 3 stages); fp32: state_kernel (32 x 32 tiles on shared memory, 4 warps). Segments: the forced count,
+// Launch the state recurrence (forward or reverse). bf16: state_mma_kernel (16 x 32 pieces, one a warp,
+// four warps a block with split accumulators where dk is a multiple of 64, else two; 3 stages). Measured
+// on an H100 (ncu, scalar decay, H=16, dk=dv=128, T=131072, forward / reverse state pass): one warp a
+// block 2.31 / 2.44 ms, two 1.55 / 1.57, four 1.46 / 1.44, four split 1.36 / 1.38, eight 2.05 / 2.06;
+// at H=4, dk=96, dv=192 two warps beat one and split (GLA 7.254 → 6.998 ms forward+backward at 131072).
+// fp32: state_kernel (32 x 32 tiles on shared memory, 4 warps). Segments: the forced count,
 // else (bf16) at least 16 chunks each and, when the tiles alone give fewer than half the SM
 // schedulers a warp, enough for two warps a scheduler, otherwise enough for one (the join pass
 // reads and writes the saved states once more). Measured on an H200: at H=16, dk=dv=128 (512 tiles)
@@ -451,21 +485,29 @@ void launch_state(const at::Tensor& X, const at::Tensor& Y, const at::Tensor& G,
   NS = (N + L - 1) / L;
   at::Tensor Send = NS == 1 ? Sfinal : at::empty({B, H, NS, DK, DV}, Sfinal.options());
   at::Tensor SegG = NS == 1 || KIND == kNone ? at::Tensor() : at::empty({B, H, NS, DK}, Sfinal.options());
-  dim3 grid((DK / TK) * (DV / TV), H, B * NS);
   const float* g = KIND == kNone ? nullptr : G.data_ptr<float>();
   float* segg = SegG.defined() ? SegG.data_ptr<float>() : nullptr;
   if constexpr (kMma) {
-    using Sm = StateMmaSmem<KIND, NW, TV, NBUF>;
-    auto kern = state_mma_kernel<KIND, REV, NW, TV, NBUF>;
-    cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)Sm::bytes);
-    kern<<<grid, NW * 32, Sm::bytes, stream>>>(reinterpret_cast<const bf16*>(X.data_ptr()),
-                                               reinterpret_cast<const bf16*>(Y.data_ptr()), g, S0.data_ptr<float>(),
-                                               reinterpret_cast<bf16*>(Hsave.data_ptr()), Send.data_ptr<float>(), Tn,
-                                               H, DK, DV, scale, NS, L, segg);
+    // Four warps a block (a 64 x 32 tile, with the split accumulators) where dk allows, else two (dk = 96).
+    auto run = [&](auto nw_tag, auto split_tag) {
+      constexpr int W = decltype(nw_tag)::value;
+      constexpr bool SP = decltype(split_tag)::value;
+      using Sm = StateMmaSmem<KIND, W, TV, NBUF>;
+      auto kern = state_mma_kernel<KIND, REV, W, TV, NBUF, SP>;
+      cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)Sm::bytes);
+      dim3 mgrid((DK / (16 * W)) * (DV / TV), H, B * NS);
+      kern<<<mgrid, W * 32, Sm::bytes, stream>>>(reinterpret_cast<const bf16*>(X.data_ptr()),
+                                                 reinterpret_cast<const bf16*>(Y.data_ptr()), g, S0.data_ptr<float>(),
+                                                 reinterpret_cast<bf16*>(Hsave.data_ptr()), Send.data_ptr<float>(), Tn,
+                                                 H, DK, DV, scale, NS, L, segg);
+    };
+    if (DK % 64 == 0) run(std::integral_constant<int, 4>(), std::true_type());
+    else run(std::integral_constant<int, 2>(), std::false_type());
   } else {
     constexpr size_t smem = state_smem<T, KIND, TK, TV>();
     auto kern = state_kernel<T, KIND, REV, TK, TV, NW>;
     cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
+    dim3 grid((DK / TK) * (DV / TV), H, B * NS);
     kern<<<grid, NW * 32, smem, stream>>>(reinterpret_cast<const T*>(X.data_ptr()),
                                           reinterpret_cast<const T*>(Y.data_ptr()), g, S0.data_ptr<float>(),
                                           reinterpret_cast<T*>(Hsave.data_ptr()), Send.data_ptr<float>(), Tn, H, DK,
