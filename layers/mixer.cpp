@@ -160,6 +160,19 @@ Summary Mixer::compose(const Summary&, const Summary&) const {
 State Mixer::apply(const Summary&, const State&) const {
   TORCH_CHECK(false, name(), " has no recurrent state, so no state summary");
 }
+Tensor Mixer::state_output(const MixerInputs&, const State&, const MixerOptions&) const {
+  TORCH_CHECK(false, name(), " has no closed form of the incoming state's share of the output (has_state_output)");
+}
+std::vector<Tensor> Mixer::transport(const MixerInputs&, const MixerOptions&) const {
+  TORCH_CHECK(false, name(), " has no transport computed from the inputs alone (has_state_output)");
+}
+
+Tensor decayed_state_readout(const Tensor& q, const Tensor& c, const Tensor& S, double scale) {
+  const auto dt = at::promote_types(q.scalar_type(), S.scalar_type());
+  Tensor qs = q.to(dt) * scale;
+  if (c.defined()) qs = qs * (c.dim() == 3 ? c.unsqueeze(-1) : c).to(dt).exp();
+  return at::einsum("bthd,bhde->bthe", {qs, S.to(dt)});
+}
 
 // ---- packed documents ----
 

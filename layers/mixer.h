@@ -139,7 +139,23 @@ class Mixer {
   // first then second: (A2∘A1, A2·B1 + B2).
   virtual Summary compose(const Summary& first, const Summary& second) const;
   virtual State apply(const Summary& summary, const State& state) const;
+
+  // The one-pass tree and allgather scans (parallel/state_scan.h), for families whose output is
+  // linear in the incoming state with a cheap exact form of that dependence: `state_output` is what
+  // S_in adds to the output, forward(in, S_in).o = forward(in, zeros).o + state_output(in, S_in), and
+  // `transport` is the summary's transport computed from the inputs alone, so that the final state is
+  // apply({transport, final state from zeros}, S_in). Both differentiable in the inputs and S_in.
+  // has_state_output false (the default): the scan summarizes the slice, then runs it again from S_in.
+  virtual bool has_state_output(const MixerInputs& in, const MixerOptions& opt) const { return false; }
+  virtual Tensor state_output(const MixerInputs& in, const State& s_in, const MixerOptions& opt) const;
+  virtual std::vector<Tensor> transport(const MixerInputs& in, const MixerOptions& opt) const;
 };
+
+// scale·(q_t ⊙ e^{c_t})·S per batch and head, the decay class's state_output: q [B,T,H,dk]; c the log
+// decay cumulated from the slice's start through token t, [B,T,H] (a scalar decay) or [B,T,H,dk] (a
+// decay per key dimension), undefined for none; S [B,H,dk,dv]. Returns [B,T,H,dv] in the wider of
+// q's and S's dtypes.
+Tensor decayed_state_readout(const Tensor& q, const Tensor& c, const Tensor& S, double scale);
 
 // Packed documents for every family, generically: per sequence, each piece between document starts
 // runs on its own, from the zero state when it starts a document (the first piece, when the slice does

@@ -740,12 +740,36 @@ MixerOutput sp_mixer_forward(const Mixer& mixer, Communicator& sp, const MixerIn
       }
     }
   } else {
+    // One pass (families with Mixer::state_output, no document resets): the slice runs once from the
+    // zero state, which gives the summary's state; after the scan, S_in's share of the output
+    // (state_output) and of the final state (apply with the transport computed from the inputs) is
+    // added. Otherwise the slice is summarized, then run again from its S_in.
+    const bool one_pass = !c->algebra.resets && mixer.has_state_output(in, lopt);
+    std::optional<MixerOutput> from_zero;
+    MixerInputs leaf_in;  // one pass with autograd: the inputs' leaves, shared by both parts
+    if (one_pass) {
+      if (!wants_grad) {
+        at::NoGradGuard no_grad;
+        from_zero = mixer.forward(det, zero, lopt);
+      } else {
+        at::AutoGradMode grad_on(true);
+        HeadGroup& hg = c->groups[0];
+        for (const auto& n : kInputNames) {
+          const Tensor& t = in.get(n);
+          if (!t.defined()) continue;
+          leaf_in.get(n) = t.detach().requires_grad_(t.requires_grad());
+          hg.leaves.push_back(leaf_in.get(n));
+        }
+        from_zero = mixer.forward(leaf_in, zero, lopt);
+      }
+    }
     // S_in, outside autograd (its gradient is routed by our backward).
     State s_in;
     {
       at::NoGradGuard no_grad;
       const Algebra& alg = c->algebra;
-      Summary mine = alg.summarize(det, lopt, zero);
+      Summary mine = one_pass ? Summary{mixer.transport(det, lopt), detached(from_zero->final_state)}
+                              : alg.summarize(det, lopt, zero);
       if (r == 0 && !init.empty()) mine.state = alg.apply(mine, init_det);  // fold S_init in
       mine = detached(mine);
       auto dev = at::TensorOptions().device(zero.empty() ? at::Device(at::kCPU) : zero[0].device());
@@ -797,7 +821,25 @@ MixerOutput sp_mixer_forward(const Mixer& mixer, Communicator& sp, const MixerIn
       s_in = r == 0 ? init_det : detached(prefix->state);
       c->summary = mine;
     }
-    outs.push_back(local_forward(0, s_in));
+    if (!one_pass) {
+      outs.push_back(local_forward(0, s_in));
+    } else if (!wants_grad) {
+      at::NoGradGuard no_grad;
+      MixerOutput out = *from_zero;
+      out.o = out.o + mixer.state_output(det, s_in, lopt).to(out.o.scalar_type());
+      out.final_state = mixer.apply(Summary{mixer.transport(det, lopt), out.final_state}, s_in);
+      outs.push_back(out);
+    } else {
+      at::AutoGradMode grad_on(true);
+      HeadGroup& hg = c->groups[0];
+      for (auto& t : s_in) hg.s_in.push_back(t.detach().requires_grad_(true));
+      MixerOutput out = *from_zero;
+      out.o = out.o + mixer.state_output(leaf_in, hg.s_in, lopt).to(out.o.scalar_type());
+      out.final_state = mixer.apply(Summary{mixer.transport(leaf_in, lopt), out.final_state}, hg.s_in);
+      hg.o = out.o;
+      hg.s_out = out.final_state;
+      outs.push_back(out);
+    }
   }
 
   // This rank's outputs: the groups' heads side by side.

@@ -139,6 +139,15 @@ class GatedLinearAttention final : public DiagonalDecayMixer {
   double output_scale(const MixerInputs& in, const MixerOptions& opt) const override {
     return opt.scale_for(in.q.size(3));
   }
+
+  // S_in reaches token t decayed per key dimension by e^{c_t}, c_t = Σ_{u ≤ t} gk_u over the slice.
+  bool has_state_output(const MixerInputs&, const MixerOptions&) const override { return true; }
+  Tensor state_output(const MixerInputs& in, const State& s_in, const MixerOptions& opt) const override {
+    return decayed_state_readout(in.q, in.gk.cumsum(1), s_in.at(0), output_scale(in, opt));
+  }
+  std::vector<Tensor> transport(const MixerInputs& in, const MixerOptions&) const override {
+    return {at::exp(in.gk.sum(1))};
+  }
 };
 
 CARRY_REGISTER_MIXER(GatedLinearAttention);

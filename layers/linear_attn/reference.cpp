@@ -123,6 +123,13 @@ class LinearAttention final : public Mixer {
   State apply(const Summary& s, const State& x) const override {
     return {x[0] + s.state[0], x[1] + s.state[1]};
   }
+  // Without the normalizer the output is linear in S_in: scale·q_t·S_in (the normalized output is not).
+  bool has_state_output(const MixerInputs&, const MixerOptions& opt) const override { return !opt.normalize; }
+  Tensor state_output(const MixerInputs& in, const State& s_in, const MixerOptions& opt) const override {
+    TORCH_CHECK(!opt.normalize, name(), ": the normalized output is not linear in the incoming state");
+    return decayed_state_readout(in.q, Tensor(), s_in.at(0), opt.scale_for(in.q.size(3)));
+  }
+  std::vector<Tensor> transport(const MixerInputs&, const MixerOptions&) const override { return {}; }
 
  private:
   std::pair<Tensor, Tensor> initial(const MixerInputs& in, const State& init) const {

@@ -119,6 +119,43 @@ TEST_P(MixerContract, SummaryAlgebra) {
   EXPECT_LE(e2, 1e-12);
 }
 
+// Families with a closed form of the incoming state's share (the one-pass tree and allgather scans):
+// forward(x, S).o = forward(x, 0).o + state_output(x, S) and forward(x, S).final_state =
+// apply({transport(x), forward(x, 0).final_state}, S), plain and normalized where the family says so.
+TEST_P(MixerContract, StateOutputIsTheIncomingStatesShare) {
+  const Mixer& m = mixer();
+  if (!m.has_summary()) GTEST_SKIP() << m.name() << " has no recurrent state";
+  const int64_t C = 16;
+  Shape s;
+  s.T = 10 * C;
+  s.offset = 2 * 64;
+  MixerOptions opt;
+  opt.chunk_size = C;
+  opt.offset = s.offset;
+  int checked = 0;
+  for (bool normalize : {false, true}) {
+    opt.normalize = normalize;
+    auto in = random_inputs(m, s, at::kDouble, 31);
+    if (!m.has_state_output(in, opt)) continue;
+    auto st = random_state(m, in, opt, 32);
+    auto with = m.chunkwise(in, st, opt);
+    auto from_zero = m.chunkwise(in, {}, opt);
+    auto o = from_zero.o + m.state_output(in, st, opt);
+    auto fin = m.apply(Summary{m.transport(in, opt), from_zero.final_state}, st);
+    double eo = max_rel_err({o}, {with.o}), es = max_rel_err(fin, with.final_state);
+    double share = (with.o - from_zero.o).abs().max().item<double>() / with.o.abs().max().item<double>();
+    std::cout << "[ errors   ] " << m.name() << (normalize ? " normalized" : "") << " state_output " << eo
+              << " final state " << es << " (the incoming state's share of o: " << share << ")\n";
+    EXPECT_LE(eo, 1e-12);
+    EXPECT_LE(es, 1e-12);
+    EXPECT_GT(share, 1e-3) << "the incoming state must matter for the check to mean anything";
+    ++checked;
+  }
+  const std::string n = m.name();
+  if (n == "scalar_decay" || n == "gla" || n == "linear_attn") EXPECT_GE(checked, 1) << n << " has the one-pass form";
+  if (n == "linear_attn") EXPECT_EQ(checked, 1) << "normalized linear attention is not linear in the state";
+}
+
 TEST_P(MixerContract, BadInputsAreRefusedClearly) {
   const Mixer& m = mixer();
   Shape s;
