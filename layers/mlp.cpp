@@ -21,15 +21,16 @@ SwiGLU::SwiGLU(int64_t d_model, int64_t hidden, double init_std, int64_t n_layer
   w2 = init.normal({d_model, hidden}, init_std / std::sqrt(2.0 * static_cast<double>(n_layers)));
 }
 
-Tensor SwiGLU::forward(const Tensor& x) const {
+Tensor SwiGLU::forward(const Tensor& x, bool result_only) const {
 #ifdef CARRY_WITH_CUDA
   if (x.is_cuda() && fused_ops_enabled()) {
     auto ab = at::linear(x, at::cat({w1, w3}, 0));  // [..., 2·hidden] = [W1 x | W3 x]
-    if (fused_swiglu_supports(ab)) return fused_swiglu_linear(ab, w2);
+    if (fused_swiglu_supports(ab)) return fused_swiglu_linear(ab, w2, result_only);
     auto h = ab.chunk(2, -1);
     return at::linear(at::silu(h[0]) * h[1], w2);
   }
 #endif
+  (void)result_only;  // the ATen form computes its result either way
   return at::linear(at::silu(at::linear(x, w1)) * at::linear(x, w3), w2);
 }
 

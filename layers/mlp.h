@@ -11,7 +11,10 @@ namespace carry {
 struct SwiGLU {
   SwiGLU() = default;
   SwiGLU(int64_t d_model, int64_t hidden, double init_std, int64_t n_layers, ParameterInit& init);
-  Tensor forward(const Tensor& x) const;
+  // result_only: the caller reads only the result's graph, not its values (a recomputation in the
+  // backward, layers/recompute.h): the fused CUDA path then skips the activation and W2's product; the
+  // other paths compute as usual. The gradients are the same either way.
+  Tensor forward(const Tensor& x, bool result_only = false) const;
   // "w1.weight" [hidden, d], "w3.weight" [hidden, d], "w2.weight" [d, hidden].
   NamedParameters parameters() const;
 

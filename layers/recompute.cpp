@@ -6,6 +6,7 @@
 
 #include <ATen/core/grad_mode.h>
 #include <torch/csrc/autograd/autograd.h>
+#include <torch/csrc/autograd/custom_function.h>
 #include <torch/csrc/autograd/function.h>
 #include <torch/csrc/autograd/functions/utils.h>
 
@@ -22,6 +23,28 @@ struct MessageLog {
   bool replay = false;
 };
 thread_local MessageLog* t_log = nullptr;
+thread_local int t_recomputing = 0;  // depth of recompute_in_backward's recomputations on this thread
+
+// While alive, recomputing_in_backward() is true on this thread.
+class RecomputingScope {
+ public:
+  RecomputingScope() { ++t_recomputing; }
+  ~RecomputingScope() { --t_recomputing; }
+  RecomputingScope(const RecomputingScope&) = delete;
+  RecomputingScope& operator=(const RecomputingScope&) = delete;
+};
+
+// a + b's graph without its values (graph_only_add): the backward hands the gradient to both, as
+// AddBackward does (the engine casts it to each input's dtype).
+struct GraphOnlyAdd : public torch::autograd::Function<GraphOnlyAdd> {
+  static variable_list forward(torch::autograd::AutogradContext*, const Tensor& a, const Tensor& b) {
+    auto shape = at::infer_size(a.sizes(), b.sizes());
+    return {at::empty(shape, a.options().dtype(at::promote_types(a.scalar_type(), b.scalar_type())))};
+  }
+  static variable_list backward(torch::autograd::AutogradContext*, variable_list grads) {
+    return {grads[0], grads[0]};
+  }
+};
 
 // While alive, received_once on this thread records into (or replays from) `log`.
 class LogScope {
@@ -78,6 +101,7 @@ class RecomputeBackward final : public torch::autograd::Node {
       // the backward of a layer that kept its activations does.
       AutocastStateScope autocast(autocast_);
       LogScope replay(&log_, /*replay=*/true);
+      RecomputingScope recomputing;
       y = f_(x);
     }
     TORCH_CHECK(log_.next == log_.received.size(), "recompute: the recomputation took ", log_.next,
@@ -184,6 +208,14 @@ Tensor recompute_in_backward(std::function<Tensor(const Tensor&)> f, const Tenso
   node->set_next_edges(torch::autograd::collect_next_edges(inputs));
   torch::autograd::set_history(y, node);
   return y;
+}
+
+bool recomputing_in_backward() { return t_recomputing > 0; }
+
+Tensor graph_only_add(const Tensor& a, const Tensor& b, bool values) {
+  if (values || !at::GradMode::is_enabled() || !(a.requires_grad() || b.requires_grad())) return a + b;
+  TORCH_CHECK(a.sizes() == b.sizes(), "graph_only_add: a and b must have one shape, got ", a.sizes(), " and ", b.sizes());
+  return GraphOnlyAdd::apply(a, b)[0];
 }
 
 std::vector<Tensor> received_once(const std::function<std::vector<Tensor>()>& exchange) {

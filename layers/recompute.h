@@ -19,6 +19,16 @@ namespace carry {
 Tensor recompute_in_backward(std::function<Tensor(const Tensor&)> f, const Tensor& x,
                              const std::vector<Tensor>& parameters);
 
+// True on this thread while recompute_in_backward runs f again inside the backward. There only the
+// graph of f's result is differentiated; its values are never read, so the ops whose output is only
+// f's result may build their graph without computing it (graph_only_add; the MLP's last product).
+bool recomputing_in_backward();
+
+// a + b for autograd, whose values are computed only when `values` is true: otherwise the result is
+// uninitialized memory of the sum's shape and dtype with the sum's graph (the gradient reaches a and b
+// as it would through a + b). For the last op of a recomputed layer (recomputing_in_backward()).
+Tensor graph_only_add(const Tensor& a, const Tensor& b, bool values);
+
 // A message exchange inside a layer (a sequence-parallel state, a halo): `exchange` sends what it
 // sends and returns what it received. Inside the forward of a recomputed layer the result is recorded;
 // inside its recomputation the recorded tensors come back in the same order and `exchange` does not

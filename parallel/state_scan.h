@@ -17,6 +17,11 @@
 //             exclusive Hillis-Steele scan over ranks with compose(first, second) gives S_in in
 //             ⌈log2 P⌉ rounds; then the local chunkwise form. Equal to serial up to rounding.
 //   allgather every rank gathers all summaries and folds those of the ranks before it.
+//   In both, a family with Mixer::state_output (scalar decay, GLA, linear attention without its
+//   normalizer; no document starts) runs its slice once, from the zero state: that run's final state
+//   is the summary's state, Mixer::transport its transport, and after the scan S_in's share is added
+//   to the output (state_output) and to the final state (apply). Other families summarize the slice,
+//   then run it again from S_in.
 // Backward mirrors it right to left. With g_r the gradient at S_in of rank r's forward for its own
 // output cotangents (dS_out = its direct final-state gradient), and Λ_r the full gradient at S_in,
 //   Λ_r = g_r + A_rᵀ·Λ_{r+1},  Λ_P = 0,

@@ -124,7 +124,10 @@ Tensor Model::hidden(const Tensor& tokens, const ModelContext& ctx) const {
         std::tie(y, n) = b->mlp_norm.forward_residual(x1, b->mixer->forward(n1, {}, *slice).y);
       }
       NvtxRange mlp("mlp");
-      return y + b->mlp.forward(n);
+      // Recomputed in the backward, the block's result is only differentiated: its last product and the
+      // residual add build their graph without computing values (layers/recompute.h).
+      const bool values = !recomputing_in_backward();
+      return graph_only_add(y, b->mlp.forward(n, /*result_only=*/!values), values);
     };
     if (!ctx.recompute) {
       h = block(h);

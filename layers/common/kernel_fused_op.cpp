@@ -105,9 +105,10 @@ struct SwiGLUPackedOp : public torch::autograd::Function<SwiGLUPackedOp> {
 // The product runs in ab's dtype (what autocast's linear would do); W2's gradient comes back in W2's dtype,
 // summed in fp32 by cuBLAS when ab is bf16 and W2 fp32.
 struct SwiGLULinearOp : public torch::autograd::Function<SwiGLULinearOp> {
-  static variable_list forward(AutogradContext* ctx, const Tensor& ab, const Tensor& w2) {
+  static variable_list forward(AutogradContext* ctx, const Tensor& ab, const Tensor& w2, bool result_only) {
     const int64_t H = ab.size(1) / 2;
     ctx->save_for_backward({ab, w2});
+    if (result_only) return {at::empty({ab.size(0), w2.size(0)}, ab.options())};
     const Tensor s = carry_fused::swiglu_fwd(ab.narrow(1, 0, H), ab.narrow(1, H, H), ab.scalar_type());
     return {at::mm(s, w2.to(ab.scalar_type()).t())};
   }
@@ -115,7 +116,7 @@ struct SwiGLULinearOp : public torch::autograd::Function<SwiGLULinearOp> {
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     auto saved = ctx->get_saved_variables();
     const Tensor &ab = saved[0], &w2 = saved[1];
-    if (!grads[0].defined()) return {Tensor(), Tensor()};
+    if (!grads[0].defined()) return {Tensor(), Tensor(), Tensor()};
     const int64_t H = ab.size(1) / 2;
     const auto dt = ab.scalar_type();
     const Tensor dy = grads[0].to(dt).contiguous();
@@ -125,7 +126,7 @@ struct SwiGLULinearOp : public torch::autograd::Function<SwiGLULinearOp> {
                                                                        : at::mm(dy.t(), s).to(w2.scalar_type());
     auto dab = at::empty_like(ab);
     carry_fused::swiglu_bwd(ds, ab.narrow(1, 0, H), ab.narrow(1, H, H), dab.narrow(1, 0, H), dab.narrow(1, H, H));
-    return {dab, dw2};
+    return {dab, dw2, Tensor()};
   }
 };
 
@@ -215,7 +216,7 @@ Tensor fused_swiglu_packed(const Tensor& ab) {
   return SwiGLUPackedOp::apply(rows(ab))[0].view(shape);
 }
 
-Tensor fused_swiglu_linear(const Tensor& ab, const Tensor& w2) {
+Tensor fused_swiglu_linear(const Tensor& ab, const Tensor& w2, bool result_only) {
   TORCH_CHECK(fused_swiglu_supports(ab) && ab.size(-1) % 2 == 0,
               "fused_swiglu_linear: ab must be a CUDA tensor in fp32 or bf16 with an even last dimension [..., 2H], "
               "got ", ab.scalar_type(), " ", ab.sizes(), " on ", ab.device());
@@ -224,7 +225,7 @@ Tensor fused_swiglu_linear(const Tensor& ab, const Tensor& w2) {
               w2.scalar_type(), " ", w2.sizes(), " on ", w2.device());
   auto shape = ab.sizes().vec();
   shape.back() = w2.size(0);
-  return SwiGLULinearOp::apply(rows(ab), w2)[0].view(shape);
+  return SwiGLULinearOp::apply(rows(ab), w2, result_only)[0].view(shape);
 }
 
 }  // namespace carry

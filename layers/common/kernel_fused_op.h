@@ -36,6 +36,9 @@ Tensor fused_swiglu_packed(const Tensor& ab);
 
 // fused_swiglu_packed(ab) · w2ᵀ (w2 [d, H]) in ab's dtype, without keeping silu(a) ⊙ b for the backward:
 // the backward recomputes it from ab. w2's gradient comes back in w2's dtype.
-Tensor fused_swiglu_linear(const Tensor& ab, const Tensor& w2);
+// result_only: the caller differentiates the result's graph without reading its values (a recomputation
+// in the backward): the forward then returns uninitialized memory and computes nothing; the backward is
+// the same.
+Tensor fused_swiglu_linear(const Tensor& ab, const Tensor& w2, bool result_only = false);
 
 }  // namespace carry

@@ -5,7 +5,9 @@
 #include "layers/mixer_layer.h"
 #include "layers/recompute.h"
 
+#include <ATen/CPUGeneratorImpl.h>
 #include <gtest/gtest.h>
+#include <torch/csrc/autograd/autograd.h>
 
 namespace carry {
 namespace {
@@ -72,6 +74,34 @@ TEST(Recompute, ExchangesRunOnceAndAreReplayed) {
   EXPECT_TRUE(at::equal(x.grad(), at::full({3}, 3.0, at::kDouble)));  // the forward's value, 2 + 1
   received_once(exchange);
   EXPECT_EQ(runs, 2);
+}
+
+// The recomputation in the backward differentiates only the graph of the layer's result, so its last op
+// may skip computing values (graph_only_add): recomputing_in_backward() is false in the forward and true
+// in the recomputation, the forward's result has its values, and the gradients are those of a + b.
+TEST(Recompute, TheRecomputedResultIsAGraphOnly) {
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(5);
+  auto x = at::randn({3, 4}, gen, at::kDouble).requires_grad_(true);
+  auto w = at::randn({4}, gen, at::kDouble).requires_grad_(true);
+  std::vector<bool> seen;
+  auto f = [&](const Tensor& in) {
+    const bool values = !recomputing_in_backward();
+    seen.push_back(values);
+    return graph_only_add(in * w, in.exp(), values);
+  };
+  auto y = recompute_in_backward(f, x, {w});
+  EXPECT_TRUE(at::allclose(y, x.detach() * w.detach() + x.detach().exp(), 0, 0)) << "the forward keeps its values";
+  auto gy = at::randn({3, 4}, gen, at::kDouble);
+  auto g = torch::autograd::grad({y}, {x, w}, {gy});
+  ASSERT_EQ(seen.size(), 2u);
+  EXPECT_TRUE(seen[0]) << "the forward computes values";
+  EXPECT_FALSE(seen[1]) << "the recomputation builds the graph only";
+  EXPECT_FALSE(recomputing_in_backward()) << "the flag ends with the recomputation";
+  auto xd = x.detach(), wd = w.detach();
+  EXPECT_TRUE(at::allclose(g[0], gy * wd + gy * xd.exp(), 1e-14, 0));
+  EXPECT_TRUE(at::allclose(g[1], (gy * xd).sum(0), 1e-14, 0));
+  // Where values are asked for, or nothing needs a gradient, it is a plain sum.
+  EXPECT_TRUE(at::equal(graph_only_add(xd, xd, false), xd + xd));
 }
 
 }  // namespace
