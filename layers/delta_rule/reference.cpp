@@ -162,16 +162,21 @@ class DeltaRule : public Mixer {
     return {from_bhtd(merge_chunks(at::stack(outs, 2))).to(in.q.scalar_type()), {S}};
   }
 
-  // transport {A} [B,H,dk,dk], state {B}: the chained chunk maps, in order.
+  // transport {A} [B,H,dk,dk], state {B}: B is the slice run from the zero state, A the slice run from
+  // the identity with v = 0 (then every write is zero and S_out = A·I). Both through forward, so on CUDA
+  // the kernel form computes them (two passes at kernel speed instead of a chain of small ATen products
+  // a chunk; the tree and allgather scans summarize with it).
   Summary summarize(const MixerInputs& in, const MixerOptions& opt) const override {
     check(in, opt, /*chunked=*/true);
-    auto c = chunks(in, opt);
-    Tensor A, S;
-    for (int64_t n = 0; n < c.q.size(2); ++n) {
-      auto p = piece(c, n, opt);
-      A = n == 0 ? p.transport : at::matmul(p.transport, A);
-      S = n == 0 ? p.state : at::matmul(p.transport, S) + p.state;
-    }
+    MixerOptions plain = opt;  // a summary is of the slice as one piece (document starts are the scan's)
+    plain.document_starts = Tensor();
+    plain.document_offsets.clear();
+    const int64_t B = in.q.size(0), T = in.q.size(1), H = in.q.size(2), dk = in.q.size(3);
+    MixerInputs writes_nothing = in;
+    writes_nothing.v = at::zeros({B, T, H, dk}, in.v.options());
+    Tensor eye = at::eye(dk, in.q.options().dtype(compute_dtype(in.q))).expand({B, H, dk, dk}).contiguous();
+    Tensor A = forward(writes_nothing, {eye}, plain).final_state[0];
+    Tensor S = forward(in, {}, plain).final_state[0];
     return {{A}, {S}};
   }
 
