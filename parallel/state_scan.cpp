@@ -689,6 +689,17 @@ MixerOutput sp_mixer_forward(const Mixer& mixer, Communicator& sp, const MixerIn
     if (in.get(n).defined()) det.get(n) = in.get(n).detach();
   State init_det = init.empty() ? zero : detached(init);
 
+  // Leaves that stand for a head group's inputs in its local graph (kept in the group for the backward).
+  auto leaves_of = [&](const MixerInputs& in_g, HeadGroup& hg) {
+    MixerInputs leaf_in;
+    for (const auto& n : kInputNames) {
+      const Tensor& t = in_g.get(n);
+      if (!t.defined()) continue;
+      leaf_in.get(n) = t.detach().requires_grad_(t.requires_grad());
+      hg.leaves.push_back(leaf_in.get(n));
+    }
+    return leaf_in;
+  };
   // The local forward of one head group with its S_in: with autograd on leaves that stand for the
   // group's inputs and S_in when some rank differentiates.
   auto local_forward = [&](int gi, const State& s_in) {
@@ -699,13 +710,7 @@ MixerOutput sp_mixer_forward(const Mixer& mixer, Communicator& sp, const MixerIn
     }
     at::AutoGradMode grad_on(true);
     HeadGroup& hg = c->groups[gi];
-    MixerInputs leaf_in;
-    for (const auto& n : kInputNames) {
-      const Tensor& t = in_g.get(n);
-      if (!t.defined()) continue;
-      leaf_in.get(n) = t.detach().requires_grad_(t.requires_grad());
-      hg.leaves.push_back(leaf_in.get(n));
-    }
+    MixerInputs leaf_in = leaves_of(in_g, hg);
     for (auto& t : s_in) hg.s_in.push_back(t.detach().requires_grad_(true));
     MixerOutput out = mixer.forward(leaf_in, hg.s_in, lopt);
     hg.o = out.o;
@@ -746,22 +751,11 @@ MixerOutput sp_mixer_forward(const Mixer& mixer, Communicator& sp, const MixerIn
     // added. Otherwise the slice is summarized, then run again from its S_in.
     const bool one_pass = !c->algebra.resets && mixer.has_state_output(in, lopt);
     std::optional<MixerOutput> from_zero;
-    MixerInputs leaf_in;  // one pass with autograd: the inputs' leaves, shared by both parts
+    MixerInputs src = det;  // one pass: the inputs both parts read (with autograd, their leaves)
     if (one_pass) {
-      if (!wants_grad) {
-        at::NoGradGuard no_grad;
-        from_zero = mixer.forward(det, zero, lopt);
-      } else {
-        at::AutoGradMode grad_on(true);
-        HeadGroup& hg = c->groups[0];
-        for (const auto& n : kInputNames) {
-          const Tensor& t = in.get(n);
-          if (!t.defined()) continue;
-          leaf_in.get(n) = t.detach().requires_grad_(t.requires_grad());
-          hg.leaves.push_back(leaf_in.get(n));
-        }
-        from_zero = mixer.forward(leaf_in, zero, lopt);
-      }
+      at::AutoGradMode grad_mode(wants_grad);
+      if (wants_grad) src = leaves_of(in, c->groups[0]);
+      from_zero = mixer.forward(src, zero, lopt);
     }
     // S_in, outside autograd (its gradient is routed by our backward).
     State s_in;
@@ -823,21 +817,18 @@ MixerOutput sp_mixer_forward(const Mixer& mixer, Communicator& sp, const MixerIn
     }
     if (!one_pass) {
       outs.push_back(local_forward(0, s_in));
-    } else if (!wants_grad) {
-      at::NoGradGuard no_grad;
-      MixerOutput out = *from_zero;
-      out.o = out.o + mixer.state_output(det, s_in, lopt).to(out.o.scalar_type());
-      out.final_state = mixer.apply(Summary{mixer.transport(det, lopt), out.final_state}, s_in);
-      outs.push_back(out);
     } else {
-      at::AutoGradMode grad_on(true);
+      // S_in's share added to the run from zero; with autograd S_in is a leaf of the local graph.
+      at::AutoGradMode grad_mode(wants_grad);
       HeadGroup& hg = c->groups[0];
-      for (auto& t : s_in) hg.s_in.push_back(t.detach().requires_grad_(true));
+      if (wants_grad) {
+        for (auto& t : s_in) hg.s_in.push_back(t.detach().requires_grad_(true));
+        s_in = hg.s_in;
+      }
       MixerOutput out = *from_zero;
-      out.o = out.o + mixer.state_output(leaf_in, hg.s_in, lopt).to(out.o.scalar_type());
-      out.final_state = mixer.apply(Summary{mixer.transport(leaf_in, lopt), out.final_state}, hg.s_in);
-      hg.o = out.o;
-      hg.s_out = out.final_state;
+      out.o = out.o + mixer.state_output(src, s_in, lopt).to(out.o.scalar_type());
+      out.final_state = mixer.apply(Summary{mixer.transport(src, lopt), out.final_state}, s_in);
+      if (wants_grad) hg.o = out.o, hg.s_out = out.final_state;
       outs.push_back(out);
     }
   }
