@@ -45,8 +45,9 @@ const char* kUsage =
     "  H=16 dk=dv=128 at T = 16384, 65536, 131072; H=4 dk=128 dv=256 and H=4 dk=96 dv=192 at 32768, 131072;\n"
     "  softmax_attn (sliding window --window) at H=6 dk=dv=128, T = 32768, 131072. --serial walks every\n"
     "  state pass in order (MixerOptions::serial_states: no segments, as the ordered scan runs them).\n"
-    "  --pieces N cuts the delta rule's state walks into N pieces (0: automatic, 1: one walk).\n"
-    "  --decay-segments N cuts the decay class's state recurrence into N segments (0: automatic).\n";
+    "  --pieces N cuts the delta rule's state walks into N pieces (1: one walk; without it: automatic).\n"
+    "  --decay-segments N cuts the decay class's state recurrence into N segments (1: in order; without\n"
+    "  it: automatic).\n";
 
 struct Shape {
   int64_t H, dk, dv;
