@@ -17,7 +17,7 @@
 //             exclusive Hillis-Steele scan over ranks with compose(first, second) gives S_in in
 //             ⌈log2 P⌉ rounds; then the local chunkwise form. Equal to serial up to rounding.
 //   allgather every rank gathers all summaries and folds those of the ranks before it.
-//   In both, a family with Mixer::state_output (scalar decay, GLA, linear attention without its
+//   In both, a family with Mixer::state_output (scalar decay, GLA, Mamba-1, linear attention without its
 //   normalizer; no document starts) runs its slice once, from the zero state: that run's final state
 //   is the summary's state, Mixer::transport its transport, and after the scan S_in's share is added
 //   to the output (state_output) and to the final state (apply). Other families summarize the slice,

@@ -95,6 +95,14 @@ Summary DiagonalDecayMixer::summarize(const MixerInputs& in, const MixerOptions&
   return {{r.transport}, {r.S}};
 }
 
+Tensor DiagonalDecayMixer::state_output(const MixerInputs& in, const State& s_in, const MixerOptions& opt) const {
+  return decayed_state_readout(in.q, in.gk.cumsum(1), s_in.at(0), output_scale(in, opt));
+}
+
+std::vector<Tensor> DiagonalDecayMixer::transport(const MixerInputs& in, const MixerOptions&) const {
+  return {at::exp(in.gk.sum(1))};
+}
+
 Summary DiagonalDecayMixer::compose(const Summary& a, const Summary& b) const {
   return diag_decay_compose(a, b);
 }
@@ -138,15 +146,6 @@ class GatedLinearAttention final : public DiagonalDecayMixer {
  protected:
   double output_scale(const MixerInputs& in, const MixerOptions& opt) const override {
     return opt.scale_for(in.q.size(3));
-  }
-
-  // S_in reaches token t decayed per key dimension by e^{c_t}, c_t = Σ_{u ≤ t} gk_u over the slice.
-  bool has_state_output(const MixerInputs&, const MixerOptions&) const override { return true; }
-  Tensor state_output(const MixerInputs& in, const State& s_in, const MixerOptions& opt) const override {
-    return decayed_state_readout(in.q, in.gk.cumsum(1), s_in.at(0), output_scale(in, opt));
-  }
-  std::vector<Tensor> transport(const MixerInputs& in, const MixerOptions&) const override {
-    return {at::exp(in.gk.sum(1))};
   }
 };
 

@@ -41,6 +41,11 @@ class DiagonalDecayMixer : public Mixer {
   Summary summarize(const MixerInputs& in, const MixerOptions& opt) const override;
   Summary compose(const Summary& first, const Summary& second) const override;
   State apply(const Summary& summary, const State& state) const override;
+  // S_in reaches token t decayed per state row by e^{c_t}, c_t = Σ_{u ≤ t} gk_u over the slice: the
+  // one-pass tree and allgather scans (Mixer::state_output).
+  bool has_state_output(const MixerInputs&, const MixerOptions&) const override { return true; }
+  Tensor state_output(const MixerInputs& in, const State& s_in, const MixerOptions& opt) const override;
+  std::vector<Tensor> transport(const MixerInputs& in, const MixerOptions& opt) const override;
 
  protected:
   // The factor on q: GLA's scale (default 1/sqrt(dk)), 1 for Mamba-1.
