@@ -540,7 +540,7 @@ std::vector<at::Tensor> bwd_impl(const Dims& d, const at::Tensor& q, const at::T
   else if (KIND == kScalar) dg = alloc({d.B, d.T, d.H, nkt}, f32);  // nkt = dk/64 for the fragment kernel
   if constexpr (kFragKind) {
     if (frag) {
-      auto kern = dqk_frag_kernel<KIND == kDiag ? kScalar : KIND>;
+      auto kern = dqk_frag_kernel<KIND>;
       cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)QkFragSmem::bytes);
       kern<<<dim3(d.N * (d.DK / 64), d.B * d.H), 256, QkFragSmem::bytes, stream>>>(
           reinterpret_cast<const bf16*>(q.data_ptr()), reinterpret_cast<const bf16*>(k.data_ptr()),

@@ -439,23 +439,8 @@ __global__ void __launch_bounds__(NW * 32) bwd_state_mma_kernel(
     // dV_new = e^{G_C−G} ⊙ K·dS + dV_local; Vb = −dV_new
     for (int u1 = warp; u1 < U1; u1 += NW) {
       const int m0 = (u1 / NP) * 16, n0 = (u1 % NP) * 16;
-      float v[2][4] = {}, w2[2][4] = {};  // two k-chains for ILP, summed below
-#pragma unroll
-      for (int k0 = 0; k0 < DK; k0 += 32) {
-        unsigned a[4], bb[4], a2[4], bb2[4];
-        tc::load_a(a, cK, LK, m0, k0);
-        tc::load_b2_t(bb, sSb, LB, k0, n0);
-        tc::load_a(a2, cK, LK, m0, k0 + 16);
-        tc::load_b2_t(bb2, sSb, LB, k0 + 16, n0);
-        tc::mma16816(v[0], a, bb[0], bb[1]);
-        tc::mma16816(v[1], a, bb[2], bb[3]);
-        tc::mma16816(w2[0], a2, bb2[0], bb2[1]);
-        tc::mma16816(w2[1], a2, bb2[2], bb2[3]);
-      }
-#pragma unroll
-      for (int nt = 0; nt < 2; ++nt)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) v[nt][e] += w2[nt][e];
+      float v[2][4];
+      frag_mma_2chain<DK>(v, cK, LK, sSb, LB, m0, n0);
       bf16* dvn = dVn + (bh * T_ + (long)c * C) * DV + v0;
 #pragma unroll
       for (int hf = 0; hf < 2; ++hf) {

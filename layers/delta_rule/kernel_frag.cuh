@@ -27,6 +27,37 @@ __device__ __forceinline__ void causal_p_bf16(const carry_tiles::bf16* sQ, const
   }
 }
 
+// v = A·B for this warp's 16 rows at m0 and 16 columns at n0 (two n8-tiles), over K = DK: A row-major
+// [m][k] (bf16, lda), B row-major [k][n] (bf16, ldb). The k-steps alternate between two accumulator sets
+// (two chains of DK/32 dependent mma each) summed at the end: the state walks' per-chunk products,
+// W·S (forward) and K·dS (reverse), whose chains set the walks' pace.
+template <int DK>
+__device__ __forceinline__ void frag_mma_2chain(float (&v)[2][4], const carry_tiles::bf16* A, int lda,
+                                                const carry_tiles::bf16* B, int ldb, int m0, int n0) {
+  using namespace carry_tiles;
+  float w2[2][4] = {};
+#pragma unroll
+  for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) v[nt][e] = 0.f;
+#pragma unroll
+  for (int k0 = 0; k0 < DK; k0 += 32) {
+    unsigned a[4], bb[4], a2[4], bb2[4];
+    tc::load_a(a, A, lda, m0, k0);
+    tc::load_b2_t(bb, B, ldb, k0, n0);
+    tc::load_a(a2, A, lda, m0, k0 + 16);
+    tc::load_b2_t(bb2, B, ldb, k0 + 16, n0);
+    tc::mma16816(v[0], a, bb[0], bb[1]);
+    tc::mma16816(v[1], a, bb[2], bb[3]);
+    tc::mma16816(w2[0], a2, bb2[0], bb2[1]);
+    tc::mma16816(w2[1], a2, bb2[2], bb2[3]);
+  }
+#pragma unroll
+  for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) v[nt][e] += w2[nt][e];
+}
+
 // The start shared by the output and intra-chunk dV kernels: Q and K of the chunk (one cp.async
 // group), the first two 64-wide tiles of the dv loop (load_tile(v0, buffer) issues and commits one
 // group), the chunk's G; then, once Q and K have landed, P (causal_p_bf16). The caller's loop waits
