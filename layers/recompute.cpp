@@ -38,8 +38,7 @@ class RecomputingScope {
 // AddBackward does (the engine casts it to each input's dtype).
 struct GraphOnlyAdd : public torch::autograd::Function<GraphOnlyAdd> {
   static variable_list forward(torch::autograd::AutogradContext*, const Tensor& a, const Tensor& b) {
-    auto shape = at::infer_size(a.sizes(), b.sizes());
-    return {at::empty(shape, a.options().dtype(at::promote_types(a.scalar_type(), b.scalar_type())))};
+    return {at::empty(a.sizes(), a.options().dtype(at::promote_types(a.scalar_type(), b.scalar_type())))};
   }
   static variable_list backward(torch::autograd::AutogradContext*, variable_list grads) {
     return {grads[0], grads[0]};

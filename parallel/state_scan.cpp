@@ -751,18 +751,20 @@ MixerOutput sp_mixer_forward(const Mixer& mixer, Communicator& sp, const MixerIn
     // added. Otherwise the slice is summarized, then run again from its S_in.
     const bool one_pass = !c->algebra.resets && mixer.has_state_output(in, lopt);
     std::optional<MixerOutput> from_zero;
-    MixerInputs src = det;  // one pass: the inputs both parts read (with autograd, their leaves)
+    std::vector<Tensor> transport;  // one pass: the slice's transport, from the inputs
+    MixerInputs src = det;          // one pass: the inputs both parts read (with autograd, their leaves)
     if (one_pass) {
       at::AutoGradMode grad_mode(wants_grad);
       if (wants_grad) src = leaves_of(in, c->groups[0]);
       from_zero = mixer.forward(src, zero, lopt);
+      transport = mixer.transport(src, lopt);
     }
     // S_in, outside autograd (its gradient is routed by our backward).
     State s_in;
     {
       at::NoGradGuard no_grad;
       const Algebra& alg = c->algebra;
-      Summary mine = one_pass ? Summary{mixer.transport(det, lopt), detached(from_zero->final_state)}
+      Summary mine = one_pass ? Summary{detached(transport), detached(from_zero->final_state)}
                               : alg.summarize(det, lopt, zero);
       if (r == 0 && !init.empty()) mine.state = alg.apply(mine, init_det);  // fold S_init in
       mine = detached(mine);
@@ -827,7 +829,7 @@ MixerOutput sp_mixer_forward(const Mixer& mixer, Communicator& sp, const MixerIn
       }
       MixerOutput out = *from_zero;
       out.o = out.o + mixer.state_output(src, s_in, lopt).to(out.o.scalar_type());
-      out.final_state = mixer.apply(Summary{mixer.transport(src, lopt), out.final_state}, s_in);
+      out.final_state = mixer.apply(Summary{transport, out.final_state}, s_in);
       if (wants_grad) hg.o = out.o, hg.s_out = out.final_state;
       outs.push_back(out);
     }
