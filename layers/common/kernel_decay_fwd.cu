@@ -15,6 +15,7 @@
 #include "layers/common/kernel_decay.cuh"
 #include "layers/common/kernel_decay_device.cuh"
 #include "layers/common/kernel_decay_launch.h"
+#include "layers/delta_rule/kernel_frag.cuh"
 
 #include <atomic>
 
@@ -215,10 +216,109 @@ __global__ void __launch_bounds__(NW * 32) out_kernel(const T* __restrict__ q, c
   }
 }
 
+// bf16 output of the scalar decay and linear attention on register fragments (the plan of the delta
+// rule's fwd_o_reg_kernel on this class's layouts): eight warps, warp w owns rows 16·(w%4) and the column
+// half w/4 of P = scale·(QKᵀ ⊙ e^{G_t−G_s}) (causal) and of each 64-wide output tile. P goes to shared
+// bf16 once (and to Psave for the backward); each tile's O = scale·e^{G_t}·(Q·H_n) + P·V is summed in
+// registers and stored straight to global, the H_n and V tiles double-buffered. The fp32-staged
+// out_kernel spent two block barriers and an fp32 shared-memory round trip a tile.
+template <int DK>
+struct OutFragSmem {
+  static constexpr int C = kChunk, LK = DK + 8, LPb = C + 8, LV = 64 + 8;
+  static constexpr size_t oQ = 0;
+  static constexpr size_t oK = al128(oQ + C * LK * 2);
+  static constexpr size_t oPb = al128(oK + C * LK * 2);
+  static constexpr size_t oG = al128(oPb + C * LPb * 2);
+  static constexpr size_t oBuf = al128(oG + C * 4);
+  static constexpr size_t oV = al128(DK * LV * 2);  // within a buffer: the H_n tile, then the V tile
+  static constexpr size_t buf = al128(oV + C * LV * 2);
+  static constexpr size_t bytes = oBuf + 2 * buf;
+  static_assert(2 * (bytes + 1024) <= 228 * 1024, "out_frag_kernel: two blocks an SM");
+};
+
+template <int KIND, int DK>
+__global__ void __launch_bounds__(256) out_frag_kernel(const bf16* __restrict__ q, const bf16* __restrict__ k,
+                                                       const bf16* __restrict__ v, const float* __restrict__ G,
+                                                       const bf16* __restrict__ Hsave, bf16* __restrict__ o,
+                                                       bf16* __restrict__ Psave, int Tn, int H, int DV, float scale) {
+  static_assert(KIND == kScalar || KIND == kNone, "the diagonal decay keeps out_kernel");
+  using L = OutFragSmem<DK>;
+  constexpr int C = kChunk, NT = 256;
+  extern __shared__ __align__(128) unsigned char smem[];
+  bf16* sQ = reinterpret_cast<bf16*>(smem + L::oQ);
+  bf16* sK = reinterpret_cast<bf16*>(smem + L::oK);
+  bf16* sPb = reinterpret_cast<bf16*>(smem + L::oPb);
+  float* sG = reinterpret_cast<float*>(smem + L::oG);
+
+  const int n = blockIdx.x, h = blockIdx.y, b = blockIdx.z, N = Tn / C, ntile = DV / 64;
+  const long bh = (long)b * H + h, tok = (long)b * Tn + (long)n * C, qs = (long)H * DK, vs = (long)H * DV;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2;
+  const int m0 = (warp & 3) * 16, n0 = (warp >> 2) * 32;
+  auto load_tiles = [&](int j, int bi) {
+    unsigned char* base = smem + L::oBuf + bi * L::buf;
+    load_tile_async<bf16, DK, 64, NT>(reinterpret_cast<bf16*>(base), L::LV, Hsave + (bh * N + n) * DK * DV + j * 64,
+                                      DV);
+    load_tile_async<bf16, C, 64, NT>(reinterpret_cast<bf16*>(base + L::oV), L::LV, v + tok * vs + (long)h * DV + j * 64,
+                                     vs);
+    cp_async_commit();
+  };
+  load_tile_async<bf16, C, DK, NT>(sQ, L::LK, q + tok * qs + (long)h * DK, qs);
+  load_tile_async<bf16, C, DK, NT>(sK, L::LK, k + tok * qs + (long)h * DK, qs);
+  cp_async_commit();
+  load_tiles(0, 0);
+  if (ntile > 1) load_tiles(1, 1);
+  if (threadIdx.x < C) sG[threadIdx.x] = KIND == kScalar ? G[(tok + threadIdx.x) * H + h] : 0.f;
+  if (ntile > 1) cp_async_wait<2>();
+  else cp_async_wait<1>();
+  __syncthreads();  // Q, K and G are visible
+  carry_gdn::causal_p_bf16<DK>(sQ, sK, L::LK, sG, scale, sPb, L::LPb);
+  __syncthreads();  // P is whole
+  {  // P for the backward: 64 rows of 128 bytes, 16 bytes a thread-step
+    bf16* dst = Psave + (bh * N + n) * C * C;
+    for (int i = threadIdx.x; i < C * 8; i += NT) {
+      const int r = i >> 3, c = (i & 7) * 8;
+      *reinterpret_cast<uint4*>(dst + r * C + c) = *reinterpret_cast<const uint4*>(sPb + r * L::LPb + c);
+    }
+  }
+  const float e0 = scale * __expf(sG[m0 + g]), e1 = scale * __expf(sG[m0 + g + 8]);
+  for (int it = 0; it < ntile; ++it) {
+    const unsigned char* base = smem + L::oBuf + (it & 1) * L::buf;
+    const bf16* sH = reinterpret_cast<const bf16*>(base);
+    const bf16* sV = reinterpret_cast<const bf16*>(base + L::oV);
+    if (it + 1 < ntile) cp_async_wait<1>();
+    else cp_async_wait<0>();
+    __syncthreads();  // this tile's loads are visible
+    float acc[4][4] = {};
+    frag_mma<4, DK, false, false>(acc, sQ, L::LK, sH, L::LV, m0, n0);  // Q·H_n
+#pragma unroll
+    for (int nt = 0; nt < 4; ++nt) {
+      acc[nt][0] *= e0, acc[nt][1] *= e0, acc[nt][2] *= e1, acc[nt][3] *= e1;
+    }
+    frag_mma<4, C, false, false>(acc, sPb, L::LPb, sV, L::LV, m0, n0);  // += P·V
+    frag_store_bf16<4>(o + tok * vs + (long)h * DV + it * 64, vs, acc, m0, n0);
+    if (it + 2 < ntile) {
+      __syncthreads();  // every warp is done with this buffer
+      load_tiles(it + 2, it & 1);
+    }
+  }
+}
+
 template <typename T, int KIND, int DK>
 void launch_out(const Dims& d, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                 const at::Tensor& G, const at::Tensor& Hsave, at::Tensor& o, at::Tensor& P, float scale,
                 cudaStream_t stream) {
+  if constexpr (sizeof(T) == 2 && KIND != kDiag && DK % 64 == 0) {
+    using L = OutFragSmem<DK>;
+    auto kern = out_frag_kernel<KIND, DK>;
+    cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)L::bytes);
+    kern<<<dim3(d.N, d.H, d.B), 256, L::bytes, stream>>>(
+        reinterpret_cast<const bf16*>(q.data_ptr()), reinterpret_cast<const bf16*>(k.data_ptr()),
+        reinterpret_cast<const bf16*>(v.data_ptr()), KIND == kNone ? nullptr : G.data_ptr<float>(),
+        reinterpret_cast<const bf16*>(Hsave.data_ptr()), reinterpret_cast<bf16*>(o.data_ptr()),
+        reinterpret_cast<bf16*>(P.data_ptr()), d.T, d.H, d.DV, scale);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    return;
+  }
   constexpr int TV = sizeof(T) == 2 && KIND != kDiag ? 64 : 32, NW = 8;  // bf16 GLA: see OutSmem
   using L = OutSmem<T, KIND, DK, TV>;
   auto kern = out_kernel<T, KIND, DK, TV, NW>;
