@@ -74,6 +74,77 @@ __global__ void __launch_bounds__(NW * 32) dv_kernel(const T* __restrict__ k, co
   store_tile<T, C, TV, NT>(dv + tok * vs + (long)h * DV + iv * TV, vs, dVs, L::LO);
 }
 
+// dV on register fragments (bf16, scalar decay and linear attention, dk 64 or 128): one block of eight
+// warps a chunk, K and P loaded once, the dv tiles of dO and dH double-buffered. Warp w owns rows
+// 16·(w%4) (tokens s) and the column half w/4 of each 64-wide tile: dV = Pᵀ dO + e^{Γ−G_s}·(K dH), the
+// decay applied to the second product's rows in registers.
+template <int DK>
+struct DvFragSmem {
+  static constexpr int C = kChunk, LK = DK + 8, LP = C + 8, LV = 64 + 8;
+  static constexpr size_t oK = 0;
+  static constexpr size_t oP = al128(oK + C * LK * 2);
+  static constexpr size_t oG = al128(oP + C * LP * 2);
+  static constexpr size_t oBuf = al128(oG + C * 4);
+  static constexpr size_t oDH = al128(C * LV * 2);  // within a buffer: the dO tile, then the dH tile
+  static constexpr size_t buf = al128(oDH + DK * LV * 2);
+  static constexpr size_t bytes = oBuf + 2 * buf;
+  static_assert(2 * (bytes + 1024) <= 228 * 1024, "dv_frag_kernel: two blocks an SM");
+};
+
+template <int KIND, int DK>
+__global__ void __launch_bounds__(256) dv_frag_kernel(const bf16* __restrict__ k, const float* __restrict__ G,
+                                                      const bf16* __restrict__ Psave, const bf16* __restrict__ dO,
+                                                      const bf16* __restrict__ dHsave, bf16* __restrict__ dv, int Tn,
+                                                      int H, int DV) {
+  static_assert(KIND == kScalar || KIND == kNone, "the diagonal decay keeps dv_kernel");
+  using L = DvFragSmem<DK>;
+  constexpr int C = kChunk, NT = 256;
+  extern __shared__ __align__(128) unsigned char smem[];
+  bf16* sK = reinterpret_cast<bf16*>(smem + L::oK);
+  bf16* sP = reinterpret_cast<bf16*>(smem + L::oP);
+  float* sG = reinterpret_cast<float*>(smem + L::oG);
+  const int n = blockIdx.x, h = blockIdx.y, b = blockIdx.z, N = Tn / C, ntile = DV / 64;
+  const long bh = (long)b * H + h, tok = (long)b * Tn + (long)n * C, ks = (long)H * DK, vs = (long)H * DV;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2;
+  const int m0 = (warp & 3) * 16, n0 = (warp >> 2) * 32;
+  auto load_tiles = [&](int j, int bi) {
+    unsigned char* base = smem + L::oBuf + bi * L::buf;
+    load_tile_async<bf16, C, 64, NT>(reinterpret_cast<bf16*>(base), L::LV, dO + tok * vs + (long)h * DV + j * 64, vs);
+    load_tile_async<bf16, DK, 64, NT>(reinterpret_cast<bf16*>(base + L::oDH), L::LV,
+                                      dHsave + (bh * N + n) * DK * DV + j * 64, DV);
+    cp_async_commit();
+  };
+  load_tile_async<bf16, C, DK, NT>(sK, L::LK, k + tok * ks + (long)h * DK, ks);
+  load_tile_async<bf16, C, C, NT>(sP, L::LP, Psave + (bh * N + n) * C * C, C);
+  cp_async_commit();
+  load_tiles(0, 0);
+  if (ntile > 1) load_tiles(1, 1);
+  if (threadIdx.x < C) sG[threadIdx.x] = KIND == kScalar ? G[(tok + threadIdx.x) * H + h] : 0.f;
+  __syncthreads();  // G is visible (the tiles are waited for in the loop)
+  const float Gl = sG[C - 1], f0 = __expf(Gl - sG[m0 + g]), f1 = __expf(Gl - sG[m0 + g + 8]);
+  for (int it = 0; it < ntile; ++it) {
+    const unsigned char* base = smem + L::oBuf + (it & 1) * L::buf;
+    const bf16* sdO = reinterpret_cast<const bf16*>(base);
+    const bf16* sdH = reinterpret_cast<const bf16*>(base + L::oDH);
+    if (it + 1 < ntile) cp_async_wait<1>();
+    else cp_async_wait<0>();
+    __syncthreads();  // this tile's loads (and, on the first, K and P) are visible
+    float kd[4][4] = {}, acc[4][4] = {};
+    frag_mma<4, DK, false, false>(kd, sK, L::LK, sdH, L::LV, m0, n0);  // (K dH)[s][c]
+    frag_mma<4, C, true, false>(acc, sP, L::LP, sdO, L::LV, m0, n0);   // (Pᵀ dO)[s][c]
+#pragma unroll
+    for (int nt = 0; nt < 4; ++nt) {
+      acc[nt][0] += f0 * kd[nt][0], acc[nt][1] += f0 * kd[nt][1];
+      acc[nt][2] += f1 * kd[nt][2], acc[nt][3] += f1 * kd[nt][3];
+    }
+    frag_store_bf16<4>(dv + tok * vs + (long)h * DV + it * 64, vs, acc, m0, n0);
+    if (it + 2 < ntile) {
+      __syncthreads();  // every warp is done with this buffer
+      load_tiles(it + 2, it & 1);
+    }
+  }
+}
+
 // ---- dq, dk, dg -----------------------------------------------------------------------------
 template <typename T, int KIND, int TK_>
 struct QkSmem {
@@ -506,7 +577,23 @@ std::vector<at::Tensor> bwd_impl(const Dims& d, const at::Tensor& q, const at::T
                               segments_of(d));
 
   auto dv = alloc(v.sizes(), v.options());
-  {
+  if constexpr (sizeof(T) == 2 && KIND != kDiag) {
+    if (d.DK % 64 == 0) {
+      auto run = [&](auto dk_tag) {
+        constexpr int DK = decltype(dk_tag)::value;
+        auto kern = dv_frag_kernel<KIND == kDiag ? kScalar : KIND, DK>;
+        cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)DvFragSmem<DK>::bytes);
+        kern<<<dim3(d.N, d.H, d.B), 256, DvFragSmem<DK>::bytes, stream>>>(
+            reinterpret_cast<const bf16*>(k.data_ptr()), KIND == kNone ? nullptr : G.data_ptr<float>(),
+            reinterpret_cast<const bf16*>(P.data_ptr()), reinterpret_cast<const bf16*>(dO.data_ptr()),
+            reinterpret_cast<const bf16*>(dH.data_ptr()), reinterpret_cast<bf16*>(dv.data_ptr()), d.T, d.H, d.DV);
+        C10_CUDA_KERNEL_LAUNCH_CHECK();
+      };
+      if (d.DK == 64) run(std::integral_constant<int, 64>());
+      else run(std::integral_constant<int, 128>());
+    }
+  }
+  if (!(sizeof(T) == 2 && KIND != kDiag && d.DK % 64 == 0)) {
     constexpr int TV = 64, NW = 8;
     dim3 grid(d.N, d.DV / TV, d.B * d.H);
     auto run = [&](auto dk_tag) {
