@@ -581,7 +581,7 @@ std::vector<at::Tensor> bwd_impl(const Dims& d, const at::Tensor& q, const at::T
     if (d.DK % 64 == 0) {
       auto run = [&](auto dk_tag) {
         constexpr int DK = decltype(dk_tag)::value;
-        auto kern = dv_frag_kernel<KIND == kDiag ? kScalar : KIND, DK>;
+        auto kern = dv_frag_kernel<KIND, DK>;
         cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)DvFragSmem<DK>::bytes);
         kern<<<dim3(d.N, d.H, d.B), 256, DvFragSmem<DK>::bytes, stream>>>(
             reinterpret_cast<const bf16*>(k.data_ptr()), KIND == kNone ? nullptr : G.data_ptr<float>(),
