@@ -702,17 +702,20 @@ MixerOutput sp_mixer_forward(const Mixer& mixer, Communicator& sp, const MixerIn
   };
   // The local forward of one head group with its S_in: with autograd on leaves that stand for the
   // group's inputs and S_in when some rank differentiates.
-  auto local_forward = [&](int gi, const State& s_in) {
+  // on_final_state: MixerOptions::on_final_state for this run (the ordered chain's send).
+  auto local_forward = [&](int gi, const State& s_in, std::function<void(const State&)> on_final_state = {}) {
     const MixerInputs in_g = G > 1 ? heads_of(in, gi, n_heads) : in;
+    MixerOptions gopt = lopt;
+    gopt.on_final_state = std::move(on_final_state);
     if (!wants_grad) {
       at::NoGradGuard no_grad;
-      return mixer.forward(in_g, s_in, lopt);
+      return mixer.forward(in_g, s_in, gopt);
     }
     at::AutoGradMode grad_on(true);
     HeadGroup& hg = c->groups[gi];
     MixerInputs leaf_in = leaves_of(in_g, hg);
     for (auto& t : s_in) hg.s_in.push_back(t.detach().requires_grad_(true));
-    MixerOutput out = mixer.forward(leaf_in, hg.s_in, lopt);
+    MixerOutput out = mixer.forward(leaf_in, hg.s_in, gopt);
     hg.o = out.o;
     hg.s_out = out.final_state;
     return out;
@@ -734,15 +737,21 @@ MixerOutput sp_mixer_forward(const Mixer& mixer, Communicator& sp, const MixerIn
       } else {
         s_in = G > 1 ? heads_of(init_det, 1, gi, n_heads) : init_det;
       }
-      outs.push_back(local_forward(gi, s_in));
+      // S_out to r+1 as soon as the family has it (Mixer::forward calls on_final_state exactly once: a
+      // kernel form right after its state walk, so the send runs beside the output kernel; every other
+      // form when it returns). The values are the returned final state's.
+      std::function<void(const State&)> send_on;
       if (r < P - 1) {
-        CommContext ctx(what + ": ordered forward, state of head group " + std::to_string(gi) +
-                        " to the next rank");
-        received_once([&] {
-          send_tensors(sp, detached(outs.back().final_state), r + 1, ordered_tag(gi, false));
-          return std::vector<Tensor>{};
-        });
+        send_on = [&, gi](const State& s_out) {
+          CommContext ctx(what + ": ordered forward, state of head group " + std::to_string(gi) +
+                          " to the next rank");
+          received_once([&] {
+            send_tensors(sp, detached(s_out), r + 1, ordered_tag(gi, false));
+            return std::vector<Tensor>{};
+          });
+        };
       }
+      outs.push_back(local_forward(gi, s_in, send_on));
     }
   } else {
     // One pass (families with Mixer::state_output, no document resets): the slice runs once from the

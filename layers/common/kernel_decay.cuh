@@ -17,6 +17,7 @@
 
 #include <ATen/ATen.h>
 
+#include <functional>
 #include <vector>
 
 namespace carry_decay {
@@ -26,9 +27,12 @@ enum class Decay : int { none = 0, scalar = 1, diag = 2 };
 // Saved for backward, in order: G (the gate's cumulative sum inside each chunk, g's shape, fp32;
 // empty for none), H (the state entering each chunk, input dtype [B,H,N,dk,dv]), P (the scaled,
 // decayed, causal intra-chunk matrix, input dtype [B,H,N,64,64]).
+// on_final_state, when set, is called with the final state (fp32 [B,H,dk,dv]) right after its walk is
+// enqueued, before the output kernel: what it enqueues on the stream (a send) runs beside the output.
 std::vector<at::Tensor> decay_fwd(Decay kind, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                   const at::Tensor& g, double scale, const at::Tensor& initial_state,
-                                  int segments = 0);
+                                  int segments = 0,
+                                  const std::function<void(const at::Tensor&)>& on_final_state = {});
 
 std::vector<at::Tensor> decay_bwd(Decay kind, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                   const at::Tensor& g, double scale, const at::Tensor& initial_state,

@@ -334,7 +334,8 @@ void launch_out(const Dims& d, const at::Tensor& q, const at::Tensor& k, const a
 
 template <typename T, int KIND>
 std::vector<at::Tensor> fwd_impl(const Dims& d, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                                 const at::Tensor& g, double scale, const at::Tensor& s0) {
+                                 const at::Tensor& g, double scale, const at::Tensor& s0,
+                                 const std::function<void(const at::Tensor&)>& on_final_state) {
   auto stream = at::cuda::getCurrentCUDAStream();
   const auto f32 = q.options().dtype(at::kFloat);
   at::Tensor G;
@@ -350,6 +351,7 @@ std::vector<at::Tensor> fwd_impl(const Dims& d, const at::Tensor& q, const at::T
   auto Sfinal = alloc({d.B, d.H, d.DK, d.DV}, f32);
   launch_state<T, KIND, false>(k, v, G, s0, Hsave, Sfinal, d.B, d.T, d.H, d.DK, d.DV, (float)scale, stream,
                                segments_of(d));
+  if (on_final_state) on_final_state(Sfinal);  // before the output kernel: a send runs beside it
   auto o = alloc({d.B, d.T, d.H, d.DV}, q.options());
   auto P = alloc({d.B, d.H, d.N, kChunk, kChunk}, q.options());
   if (d.DK == 64) launch_out<T, KIND, 64>(d, q, k, v, G, Hsave, o, P, (float)scale, stream);
@@ -360,11 +362,12 @@ std::vector<at::Tensor> fwd_impl(const Dims& d, const at::Tensor& q, const at::T
 
 template <typename T>
 std::vector<at::Tensor> fwd_kind(Decay kind, const Dims& d, const at::Tensor& q, const at::Tensor& k,
-                                 const at::Tensor& v, const at::Tensor& g, double scale, const at::Tensor& s0) {
+                                 const at::Tensor& v, const at::Tensor& g, double scale, const at::Tensor& s0,
+                                 const std::function<void(const at::Tensor&)>& on_final_state) {
   switch (kind) {
-    case Decay::none: return fwd_impl<T, kNone>(d, q, k, v, g, scale, s0);
-    case Decay::scalar: return fwd_impl<T, kScalar>(d, q, k, v, g, scale, s0);
-    default: return fwd_impl<T, kDiag>(d, q, k, v, g, scale, s0);
+    case Decay::none: return fwd_impl<T, kNone>(d, q, k, v, g, scale, s0, on_final_state);
+    case Decay::scalar: return fwd_impl<T, kScalar>(d, q, k, v, g, scale, s0, on_final_state);
+    default: return fwd_impl<T, kDiag>(d, q, k, v, g, scale, s0, on_final_state);
   }
 }
 
@@ -372,7 +375,8 @@ std::vector<at::Tensor> fwd_kind(Decay kind, const Dims& d, const at::Tensor& q,
 
 std::vector<at::Tensor> decay_fwd(Decay kind, const at::Tensor& q_in, const at::Tensor& k_in,
                                   const at::Tensor& v_in, const at::Tensor& g_in, double scale,
-                                  const at::Tensor& initial_state, int segments) {
+                                  const at::Tensor& initial_state, int segments,
+                                  const std::function<void(const at::Tensor&)>& on_final_state) {
   Dims d = check_inputs("decay_fwd", kind, q_in, k_in, v_in, g_in);
   d.segments = segments;
   c10::cuda::CUDAGuard guard(q_in.device());
@@ -382,8 +386,8 @@ std::vector<at::Tensor> decay_fwd(Decay kind, const at::Tensor& q_in, const at::
                   initial_state.scalar_type() == at::kFloat,
               "decay_fwd: initial_state must be fp32 [B,H,dk,dv], got ", initial_state.sizes());
   auto s0 = initial_state.contiguous();
-  if (q.scalar_type() == at::kBFloat16) return fwd_kind<bf16>(kind, d, q, k, v, g, scale, s0);
-  return fwd_kind<float>(kind, d, q, k, v, g, scale, s0);
+  if (q.scalar_type() == at::kBFloat16) return fwd_kind<bf16>(kind, d, q, k, v, g, scale, s0, on_final_state);
+  return fwd_kind<float>(kind, d, q, k, v, g, scale, s0, on_final_state);
 }
 
 }  // namespace carry_decay

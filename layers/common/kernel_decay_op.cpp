@@ -17,10 +17,10 @@ struct DecayKernelOp : public torch::autograd::Function<DecayKernelOp> {
   // g travels as an empty tensor for linear attention (autograd Functions take no undefined tensors).
   static variable_list forward(AutogradContext* ctx, const Tensor& q, const Tensor& k, const Tensor& v,
                                const Tensor& g_or_empty, const Tensor& s0, double scale, int64_t kind,
-                               int64_t segments) {
+                               int64_t segments, const std::function<void(const Tensor&)>& on_final_state) {
     const auto decay = static_cast<carry_decay::Decay>(kind);
     const Tensor g = g_or_empty.numel() == 0 ? Tensor() : g_or_empty;
-    auto out = carry_decay::decay_fwd(decay, q, k, v, g, scale, s0, static_cast<int>(segments));
+    auto out = carry_decay::decay_fwd(decay, q, k, v, g, scale, s0, static_cast<int>(segments), on_final_state);
     variable_list keep{q, k, v, g_or_empty};
     keep.insert(keep.end(), out.begin() + 2, out.end());
     ctx->save_for_backward(keep);
@@ -42,7 +42,7 @@ struct DecayKernelOp : public torch::autograd::Function<DecayKernelOp> {
                                     : at::zeros({B, H, dk, dv}, q.options().dtype(at::kFloat));
     auto d = carry_decay::decay_bwd(decay, q, k, v, g, ctx->saved_data["scale"].toDouble(), Tensor(), saved, d_o,
                                     d_s, static_cast<int>(ctx->saved_data["segments"].toInt()));
-    return {d[0], d[1], d[2], g.defined() ? d[3] : Tensor(), d[4], Tensor(), Tensor(), Tensor()};
+    return {d[0], d[1], d[2], g.defined() ? d[3] : Tensor(), d[4], Tensor(), Tensor(), Tensor(), Tensor()};
   }
 };
 
@@ -69,21 +69,24 @@ MixerOutput decay_kernel_form(const Mixer& family, DecayKernel kind, const Tenso
                               const State& initial_state, const MixerOptions& opt) {
   family.check(in, opt, /*chunked=*/true);
   check_decay_kernel_supports(family.name(), in, opt);
+  std::function<void(const Tensor&)> on_state;
+  if (opt.on_final_state) on_state = [&opt](const Tensor& s) { opt.on_final_state({s}); };
   auto r = decay_kernel_forward(kind, in.q, in.k, in.v, gate, initial_state.empty() ? Tensor() : initial_state[0],
-                                opt.scale_for(in.q.size(3)), opt.serial_states);
+                                opt.scale_for(in.q.size(3)), opt.serial_states, on_state);
   return {r.first, {r.second}};
 }
 
 std::pair<Tensor, Tensor> decay_kernel_forward(DecayKernel kind, const Tensor& q, const Tensor& k, const Tensor& v,
                                                const Tensor& g, const Tensor& initial_state, double scale,
-                                               bool serial_states) {
+                                               bool serial_states,
+                                               const std::function<void(const Tensor&)>& on_final_state) {
   const int64_t B = q.size(0), H = q.size(2), dk = q.size(3), dv = v.size(3);
   Tensor s0 = initial_state.defined() ? initial_state.to(at::kFloat).contiguous()
                                       : at::zeros({B, H, dk, dv}, q.options().dtype(at::kFloat));
   Tensor g32 = kind == DecayKernel::none ? at::empty({0}, q.options().dtype(at::kFloat))
                                          : g.to(at::kFloat).contiguous();
   auto out = DecayKernelOp::apply(dense(q), dense(k), dense(v), g32, s0, scale, static_cast<int64_t>(kind),
-                                  int64_t{serial_states ? 1 : 0});
+                                  int64_t{serial_states ? 1 : 0}, on_final_state);
   return {out[0], out[1]};
 }
 

@@ -25,9 +25,9 @@ struct DeltaRuleKernelOp : public torch::autograd::Function<DeltaRuleKernelOp> {
   // Returns {o, final_state}.
   static variable_list forward(AutogradContext* ctx, const Tensor& q, const Tensor& k, const Tensor& v,
                                const Tensor& g_or_empty, const Tensor& beta, const Tensor& s0, double scale,
-                               int64_t chunk) {
+                               int64_t chunk, const std::function<void(const Tensor&)>& on_final_state) {
     const Tensor g = empty_as_absent(g_or_empty);
-    auto out = carry_gdn::gdn_fwd(q, k, v, g, beta, scale, s0, chunk);
+    auto out = carry_gdn::gdn_fwd(q, k, v, g, beta, scale, s0, chunk, on_final_state);
     variable_list keep{q, k, v, g_or_empty, beta, s0};
     keep.insert(keep.end(), out.begin() + 2, out.end());
     ctx->save_for_backward(keep);
@@ -47,7 +47,7 @@ struct DeltaRuleKernelOp : public torch::autograd::Function<DeltaRuleKernelOp> {
                                     : at::zeros({B, H, dk, dv}, q.options().dtype(at::kFloat));
     auto d = carry_gdn::gdn_bwd(q, k, v, g, beta, ctx->saved_data["scale"].toDouble(), s0, saved, d_o, d_s,
                                 ctx->saved_data["chunk"].toInt());
-    return {d[0], d[1], d[2], g.defined() ? d[3] : Tensor(), d[4], d[5], Tensor(), Tensor()};
+    return {d[0], d[1], d[2], g.defined() ? d[3] : Tensor(), d[4], d[5], Tensor(), Tensor(), Tensor()};
   }
 };
 
@@ -65,8 +65,10 @@ MixerOutput delta_rule_kernel_forward(const MixerInputs& in, const Tensor& initi
   const int64_t B = in.q.size(0), H = in.q.size(2), dk = in.q.size(3), dv = in.v.size(3);
   Tensor s0 = initial_state.defined() ? initial_state.to(at::kFloat).contiguous()
                                       : at::zeros({B, H, dk, dv}, in.q.options().dtype(at::kFloat));
+  std::function<void(const Tensor&)> on_state;
+  if (opt.on_final_state) on_state = [&opt](const Tensor& s) { opt.on_final_state({s}); };
   auto out = DeltaRuleKernelOp::apply(dense(in.q), dense(in.k), dense(in.v), absent_as_empty(in.g, in.q),
-                                      dense(in.beta), s0, opt.scale_for(in.q.size(3)), opt.chunk_size);
+                                      dense(in.beta), s0, opt.scale_for(in.q.size(3)), opt.chunk_size, on_state);
   return {out[0], {out[1]}};
 }
 

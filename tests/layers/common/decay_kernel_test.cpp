@@ -132,5 +132,45 @@ TEST(DecayKernel, MatchesChunkwise) {
 #endif
 }
 
+// MixerOptions::on_final_state in the kernel form (see the delta rule's test of the same name): called
+// once, right after the state walk is enqueued; a clone taken there holds the returned state's bits.
+TEST(DecayKernel, FinalStateHookSeesTheFinishedState) {
+  if (cuda_device_count() == 0) GTEST_SKIP() << "no CUDA device: GPU tests skipped";
+#ifndef CARRY_WITH_CUDA
+  GTEST_SKIP() << "built without CUDA";
+#else
+  const Family families[] = {{"gla", "gk", false, 0.3}, {"scalar_decay", "g", false, 0.3}, {"linear_attn", "", false, 0}};
+  for (const Family& f : families) {
+    const Mixer& m = get_mixer(f.mixer);
+    const Case c{1, 384, 2, 128, 128};
+    auto in = decay_inputs(f, c, 53);
+    State s0{at::randn({c.B, c.H, c.dk, c.dv}, at::kFloat).to(at::kCUDA) * 0.5};
+    if (std::string(f.mixer) == "linear_attn") s0.push_back(at::rand({c.B, c.H, c.dk}, at::kFloat).to(at::kCUDA));
+    for (auto dt : {at::kBFloat16, at::kFloat})
+      for (int segments : {1, 3}) {
+        carry_decay::decay_set_segments(segments);
+        MixerInputs low;
+        for (const auto& n : MixerInputs::names())
+          if (in.get(n).defined()) low.get(n) = in.get(n).to(dt);
+        MixerOptions opt;
+        opt.form = Form::kernel;
+        int calls = 0;
+        State seen;
+        opt.on_final_state = [&](const State& s) {
+          ++calls;
+          for (auto& t : s) seen.push_back(t.clone());
+        };
+        MixerOutput out = m.forward(low, s0, opt);
+        ASSERT_EQ(calls, 1) << m.name();
+        ASSERT_EQ(seen.size(), out.final_state.size()) << m.name();
+        for (size_t i = 0; i < seen.size(); ++i)
+          EXPECT_TRUE(at::equal(seen[i], out.final_state[i]))
+              << m.name() << " " << dt << " segments " << segments << ": entry " << i << " was not final in the hook";
+      }
+  }
+  carry_decay::decay_set_segments(0);
+#endif
+}
+
 }  // namespace
 }  // namespace carry::testing

@@ -126,5 +126,44 @@ TEST(DeltaRuleKernel, PiecesGiveTheBitsOfOneWalk) {
 #endif
 }
 
+// MixerOptions::on_final_state in the kernel form: called once, from inside the forward right after the
+// state walk is enqueued (the ordered scan's send then runs beside the output kernel). A clone taken in
+// the hook, on the stream at that point, must already hold the returned final state's bits: the hook
+// runs after the walk, not before it. One walk and three pieces, bf16 and fp32.
+TEST(DeltaRuleKernel, FinalStateHookSeesTheFinishedState) {
+  if (cuda_device_count() == 0) GTEST_SKIP() << "no CUDA device: GPU tests skipped";
+#ifndef CARRY_WITH_CUDA
+  GTEST_SKIP() << "built without CUDA";
+#else
+  for (bool gated : {true, false}) {
+    const Mixer& m = get_mixer(gated ? "gated_deltanet" : "deltanet");
+    const Case c{1, 448, 2, 128, 128};
+    auto in = gdn_inputs(c, gated, 77);
+    auto s0 = at::randn({c.B, c.H, c.dk, c.dv}, at::kFloat).to(at::kCUDA) * 0.5;
+    for (auto dt : {at::kBFloat16, at::kFloat})
+      for (int pieces : {1, 3}) {
+        carry_gdn::gdn_set_pieces(pieces);
+        MixerInputs low;
+        for (const auto& n : MixerInputs::names())
+          if (in.get(n).defined()) low.get(n) = in.get(n).to(dt);
+        MixerOptions opt;
+        opt.form = Form::kernel;
+        int calls = 0;
+        Tensor seen;
+        opt.on_final_state = [&](const State& s) {
+          ++calls;
+          seen = s[0].clone();
+        };
+        MixerOutput out = m.forward(low, {s0}, opt);
+        ASSERT_EQ(calls, 1) << m.name();
+        EXPECT_TRUE(at::equal(seen, out.final_state[0]))
+            << m.name() << " " << dt << " pieces " << pieces << ": the hook saw a state that was not final, max |diff| "
+            << (seen - out.final_state[0]).abs().max().item<double>();
+      }
+  }
+  carry_gdn::gdn_set_pieces(0);
+#endif
+}
+
 }  // namespace
 }  // namespace carry::testing
