@@ -44,5 +44,10 @@ void decay_set_poison(bool on);
 // The state recurrence's segments (tests): 0 chooses by the grid's size (the default), 1 walks the
 // chunks in order, n > 1 cuts the chunks into n segments walked in parallel and joined.
 void decay_set_segments(int n);
+// The bf16 walk in n pieces of consecutive chunks (tests and `carry bench kernels --decay-pieces`): the
+// output kernel (forward) and the dV and dq/dk/dg kernels (backward) of each finished piece run on a
+// second stream while the next piece walks. The bits are the one walk's. 0 or 1: one walk (the
+// default, until measured); used only where the walk runs as one segment.
+void decay_set_pieces(int n);
 
 }  // namespace carry_decay

@@ -172,5 +172,52 @@ TEST(DecayKernel, FinalStateHookSeesTheFinishedState) {
 #endif
 }
 
+// The bf16 walk in pieces (decay_set_pieces), the output and gradient kernels of each piece on a second
+// stream: every output and gradient has the bits of the one walk (the same operations on the same
+// values, the state handed on in fp32), for even and uneven pieces, every decay kind, dk 64, 96 and 128,
+// with poisoned outputs. The one walk itself is checked against the chunkwise form above.
+TEST(DecayKernel, PiecesGiveTheBitsOfOneWalk) {
+  if (cuda_device_count() == 0) GTEST_SKIP() << "no CUDA device: GPU tests skipped";
+#ifndef CARRY_WITH_CUDA
+  GTEST_SKIP() << "built without CUDA";
+#else
+  carry_decay::decay_set_poison(true);
+  carry_decay::decay_set_segments(1);  // pieces apply where the walk is one segment
+  const Family families[] = {{"gla", "gk", false, 0.3}, {"scalar_decay", "g", false, 0.3}, {"linear_attn", "", false, 0}};
+  for (const Family& f : families) {
+    const Mixer& m = get_mixer(f.mixer);
+    MixerOptions opt;
+    for (const Case& c : {Case{1, 640, 2, 128, 128}, Case{2, 384, 1, 64, 64}, Case{1, 448, 2, 96, 192}}) {
+      auto in = decay_inputs(f, c, 29 + c.T);
+      MixerInputs low;
+      for (const auto& n : MixerInputs::names())
+        if (in.get(n).defined()) low.get(n) = in.get(n).to(at::kBFloat16);
+      State s0{at::randn({c.B, c.H, c.dk, c.dv}, at::kFloat).to(at::kCUDA) * 0.5};
+      if (std::string(f.mixer) == "linear_attn") s0.push_back(at::rand({c.B, c.H, c.dk}, at::kFloat).to(at::kCUDA));
+      carry_decay::decay_set_pieces(1);
+      auto whole = run(m, Form::kernel, low, s0, opt);
+      for (int pieces : {2, 3, 4}) {
+        carry_decay::decay_set_pieces(pieces);
+        auto cut = run(m, Form::kernel, low, s0, opt);
+        ASSERT_EQ(cut.size(), whole.size());
+        int differ = 0;
+        for (size_t i = 0; i < cut.size(); ++i) {
+          const bool same = at::equal(cut[i], whole[i]);
+          differ += same ? 0 : 1;
+          EXPECT_TRUE(same) << m.name() << " pieces " << pieces << " B=" << c.B << " T=" << c.T << " H=" << c.H
+                            << " dk=" << c.dk << " dv=" << c.dv << ": tensor " << i << " differs by "
+                            << (cut[i] - whole[i]).abs().max().item<float>();
+        }
+        std::cout << "[ errors   ] " << m.name() << " pieces " << pieces << " T=" << c.T << " dk=" << c.dk << ": "
+                  << differ << " of " << cut.size() << " tensors differ from the one walk\n";
+      }
+    }
+  }
+  carry_decay::decay_set_pieces(0);
+  carry_decay::decay_set_segments(0);
+  carry_decay::decay_set_poison(false);
+#endif
+}
+
 }  // namespace
 }  // namespace carry::testing
