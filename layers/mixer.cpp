@@ -146,12 +146,18 @@ MixerOutput Mixer::forward(const MixerInputs& in, const State& initial_state,
       default: return chunkwise(in, initial_state, o);
     }
   };
-  if (!opt.on_final_state) return run(opt);
+  if (!opt.on_final_state && !(opt.on_initial_state_grad && opt.document_starts.defined())) return run(opt);
+  if (!opt.on_final_state) {  // documents: several runs, none of whose gradients is the slice's alone
+    MixerOptions inner = opt;
+    inner.on_initial_state_grad = nullptr;
+    return run(inner);
+  }
   // Exactly once: the form may call it early (the kernel forms, after their state walk); documents run
   // several forward calls, whose own final states are not the slice's, so there it waits for the end.
   bool called = false;
   MixerOptions inner = opt;
   inner.on_final_state = nullptr;
+  if (opt.document_starts.defined()) inner.on_initial_state_grad = nullptr;
   if (!opt.document_starts.defined()) {
     inner.on_final_state = [&](const State& s) {
       if (called) return;

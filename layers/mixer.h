@@ -86,6 +86,13 @@ struct MixerOptions {
   // the ordered scan's send to the next rank, then runs beside the output); every other form, and any
   // run with document starts, when the form returns. The tensors are the returned final_state's.
   std::function<void(const State&)> on_final_state;
+  // Called at most once in the backward of this forward with the gradient of the initial state, as
+  // soon as it exists: the kernel forms of one-state families call it right after their reverse state
+  // walk is enqueued, before their chunk-gradient kernels (what it enqueues, e.g. the ordered scan's
+  // send to the previous rank, then runs beside them). Other forms, and runs with document starts, do
+  // not call it: the caller keeps a flag and otherwise uses the gradient autograd returns (the same
+  // values).
+  std::function<void(const State&)> on_initial_state_grad;
 
   double scale_for(int64_t dk) const;
 };

@@ -357,6 +357,10 @@ struct HeadGroup {
   State s_in;                  // leaves requiring grad
   Tensor o;                    // local graph outputs
   State s_out;
+  // Ordered chain, rank > 0: set once the kernel form's backward sent d S_in to the previous rank from
+  // MixerOptions::on_initial_state_grad (right after its reverse state walk); the backward sends it
+  // itself otherwise.
+  std::shared_ptr<bool> grad_sent;
 };
 
 struct ScanContext {
@@ -523,9 +527,11 @@ class ScanBackward final : public torch::autograd::Node {
       auto g = local_vjp(hg, d_o_g, d_s_out, inputs, /*retain=*/false);
       State d_s_in_g(g.end() - hg.s_in.size(), g.end());
       if (c->mode == ScanMode::ordered && r > 0) {
-        CommContext ctx(c->what + ": ordered backward, state gradient of head group " +
-                        std::to_string(gi) + " to the previous rank");
-        send_tensors(*c->sp, d_s_in_g, r - 1, ordered_tag(gi, true));
+        if (!(hg.grad_sent && *hg.grad_sent)) {
+          CommContext ctx(c->what + ": ordered backward, state gradient of head group " +
+                          std::to_string(gi) + " to the previous rank");
+          send_tensors(*c->sp, d_s_in_g, r - 1, ordered_tag(gi, true));
+        }
       }
       g.resize(hg.leaves.size());
       in_grads.push_back(std::move(g));
@@ -702,11 +708,13 @@ MixerOutput sp_mixer_forward(const Mixer& mixer, Communicator& sp, const MixerIn
   };
   // The local forward of one head group with its S_in: with autograd on leaves that stand for the
   // group's inputs and S_in when some rank differentiates.
-  // on_final_state: MixerOptions::on_final_state for this run (the ordered chain's send).
-  auto local_forward = [&](int gi, const State& s_in, std::function<void(const State&)> on_final_state = {}) {
+  // on_final_state, on_initial_state_grad: MixerOptions' hooks for this run (the ordered chain's sends).
+  auto local_forward = [&](int gi, const State& s_in, std::function<void(const State&)> on_final_state = {},
+                           std::function<void(const State&)> on_initial_state_grad = {}) {
     const MixerInputs in_g = G > 1 ? heads_of(in, gi, n_heads) : in;
     MixerOptions gopt = lopt;
     gopt.on_final_state = std::move(on_final_state);
+    gopt.on_initial_state_grad = std::move(on_initial_state_grad);
     if (!wants_grad) {
       at::NoGradGuard no_grad;
       return mixer.forward(in_g, s_in, gopt);
@@ -751,7 +759,23 @@ MixerOutput sp_mixer_forward(const Mixer& mixer, Communicator& sp, const MixerIn
           });
         };
       }
-      outs.push_back(local_forward(gi, s_in, send_on));
+      // d S_in back to r−1 in the backward, from the kernel form right after its reverse state walk
+      // (ScanBackward sends it itself when the form did not). It runs after this function returned:
+      // it holds what it needs by value.
+      std::function<void(const State&)> send_back;
+      if (r > 0 && wants_grad) {
+        auto sent = std::make_shared<bool>(false);
+        c->groups[gi].grad_sent = sent;
+        Communicator* comm = &sp;
+        send_back = [sent, comm, gi, r, w = what](const State& d_s_in) {
+          if (*sent) return;
+          CommContext ctx(w + ": ordered backward, state gradient of head group " + std::to_string(gi) +
+                          " to the previous rank");
+          send_tensors(*comm, d_s_in, r - 1, ordered_tag(gi, true));
+          *sent = true;
+        };
+      }
+      outs.push_back(local_forward(gi, s_in, send_on, send_back));
     }
   } else {
     // One pass (families with Mixer::state_output, no document resets): the slice runs once from the

@@ -34,10 +34,13 @@ std::vector<at::Tensor> decay_fwd(Decay kind, const at::Tensor& q, const at::Ten
                                   int segments = 0,
                                   const std::function<void(const at::Tensor&)>& on_final_state = {});
 
+// on_initial_state_grad, when set, is called with d_initial_state right after the reverse walk is
+// enqueued, before the dV and dq/dk/dg kernels.
 std::vector<at::Tensor> decay_bwd(Decay kind, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                   const at::Tensor& g, double scale, const at::Tensor& initial_state,
                                   const std::vector<at::Tensor>& saved, const at::Tensor& d_o,
-                                  const at::Tensor& d_final_state, int segments = 0);
+                                  const at::Tensor& d_final_state, int segments = 0,
+                                  const std::function<void(const at::Tensor&)>& on_initial_state_grad = {});
 
 // Debug: fill every output and intermediate with NaN right after allocation. Off by default.
 void decay_set_poison(bool on);

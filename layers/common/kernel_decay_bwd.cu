@@ -567,7 +567,7 @@ __global__ void __launch_bounds__(256, 2) dqk_frag_kernel(const bf16* __restrict
 template <typename T, int KIND>
 std::vector<at::Tensor> bwd_impl(const Dims& d, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                  double scale, const std::vector<at::Tensor>& saved, const at::Tensor& dO,
-                                 const at::Tensor& dfinal) {
+                                 const at::Tensor& dfinal, const std::function<void(const at::Tensor&)>& on_s0_grad) {
   auto stream = at::cuda::getCurrentCUDAStream();
   const auto f32 = q.options().dtype(at::kFloat);
   const at::Tensor &G = saved[0], &Hsave = saved[1], &P = saved[2];
@@ -675,6 +675,7 @@ std::vector<at::Tensor> bwd_impl(const Dims& d, const at::Tensor& q, const at::T
   if (pieces == 1) {
     launch_state<T, KIND, true>(q, dO, G, dfinal, dH, ds0, d.B, d.T, d.H, d.DK, d.DV, (float)scale, stream,
                                 segments_of(d));
+    if (on_s0_grad) on_s0_grad(ds0);  // before the chunk kernels: a send runs beside them
     chunk_grads(stream, 0, d.N);
   } else if constexpr (sizeof(T) == 2) {
     walk_in_pieces(
@@ -682,6 +683,7 @@ std::vector<at::Tensor> bwd_impl(const Dims& d, const at::Tensor& q, const at::T
         [&](int c0, int c1, const float* from, float* to) {
           launch_state_piece<KIND, true>(q, dO, G, from, dH, to, d.B, d.T, d.H, d.DK, d.DV, (float)scale, stream,
                                          c0, c1);
+          if (c0 == 0 && on_s0_grad) on_s0_grad(ds0);  // the last piece of the reverse walk
         },
         chunk_grads);
   }
@@ -692,11 +694,12 @@ std::vector<at::Tensor> bwd_impl(const Dims& d, const at::Tensor& q, const at::T
 template <typename T>
 std::vector<at::Tensor> bwd_kind(Decay kind, const Dims& d, const at::Tensor& q, const at::Tensor& k,
                                  const at::Tensor& v, double scale, const std::vector<at::Tensor>& saved,
-                                 const at::Tensor& dO, const at::Tensor& dfinal) {
+                                 const at::Tensor& dO, const at::Tensor& dfinal,
+                                 const std::function<void(const at::Tensor&)>& on_s0_grad) {
   switch (kind) {
-    case Decay::none: return bwd_impl<T, kNone>(d, q, k, v, scale, saved, dO, dfinal);
-    case Decay::scalar: return bwd_impl<T, kScalar>(d, q, k, v, scale, saved, dO, dfinal);
-    default: return bwd_impl<T, kDiag>(d, q, k, v, scale, saved, dO, dfinal);
+    case Decay::none: return bwd_impl<T, kNone>(d, q, k, v, scale, saved, dO, dfinal, on_s0_grad);
+    case Decay::scalar: return bwd_impl<T, kScalar>(d, q, k, v, scale, saved, dO, dfinal, on_s0_grad);
+    default: return bwd_impl<T, kDiag>(d, q, k, v, scale, saved, dO, dfinal, on_s0_grad);
   }
 }
 
@@ -705,7 +708,8 @@ std::vector<at::Tensor> bwd_kind(Decay kind, const Dims& d, const at::Tensor& q,
 std::vector<at::Tensor> decay_bwd(Decay kind, const at::Tensor& q_in, const at::Tensor& k_in,
                                   const at::Tensor& v_in, const at::Tensor& g_in, double scale,
                                   const at::Tensor& initial_state, const std::vector<at::Tensor>& saved,
-                                  const at::Tensor& d_o, const at::Tensor& d_final_state, int segments) {
+                                  const at::Tensor& d_o, const at::Tensor& d_final_state, int segments,
+                                  const std::function<void(const at::Tensor&)>& on_initial_state_grad) {
   Dims d = check_inputs("decay_bwd", kind, q_in, k_in, v_in, g_in);
   d.segments = segments;
   (void)initial_state;
@@ -717,8 +721,9 @@ std::vector<at::Tensor> decay_bwd(Decay kind, const at::Tensor& q_in, const at::
   auto q = dense(q_in), k = dense(k_in), v = dense(v_in);
   auto dO = dense(d_o.to(q.scalar_type()));
   auto dfinal = d_final_state.to(at::kFloat).contiguous();
-  if (q.scalar_type() == at::kBFloat16) return bwd_kind<bf16>(kind, d, q, k, v, scale, saved, dO, dfinal);
-  return bwd_kind<float>(kind, d, q, k, v, scale, saved, dO, dfinal);
+  if (q.scalar_type() == at::kBFloat16)
+    return bwd_kind<bf16>(kind, d, q, k, v, scale, saved, dO, dfinal, on_initial_state_grad);
+  return bwd_kind<float>(kind, d, q, k, v, scale, saved, dO, dfinal, on_initial_state_grad);
 }
 
 }  // namespace carry_decay

@@ -23,7 +23,8 @@ bool decay_kernel_supports(const MixerInputs& in, const MixerOptions& opt);
 std::pair<Tensor, Tensor> decay_kernel_forward(DecayKernel kind, const Tensor& q, const Tensor& k, const Tensor& v,
                                                const Tensor& g, const Tensor& initial_state, double scale,
                                                bool serial_states = false,
-                                               const std::function<void(const Tensor&)>& on_final_state = {});
+                                               const std::function<void(const Tensor&)>& on_final_state = {},
+                                               const std::function<void(const Tensor&)>& on_initial_state_grad = {});
 
 // The kernel form of a family of this class with one state S and gate `gate` (undefined for none):
 // the family's checks, the supported-shape check, then decay_kernel_forward.

@@ -29,7 +29,8 @@ std::vector<at::Tensor> gdn_bwd(const at::Tensor& q, const at::Tensor& k, const 
                                 const at::Tensor& g, const at::Tensor& beta, double scale,
                                 const at::Tensor& initial_state, const std::vector<at::Tensor>& saved,
                                 const at::Tensor& d_o, const at::Tensor& d_final_state,
-                                int64_t chunk_size = 64);
+                                int64_t chunk_size = 64,
+                                const std::function<void(const at::Tensor&)>& on_initial_state_grad = {});
 
 // Tests: the pieces the bf16 state walks are cut into (0: automatic, 1: one walk). Pieces give the
 // bits of one walk; they let the chunk-local kernels of finished pieces run beside the walk.
