@@ -486,6 +486,30 @@ std::pair<int, int> state_segments(int B, int Tn, int H, int DK, int DV, int seg
   return {(N + L - 1) / L, L};
 }
 
+// bf16: state_mma_kernel over chunks [c0, c1) cut into NS segments of L chunks, from S0 (fp32
+// [B,H,DK,DV]) into Send (the final state; with segments, each segment's end state, [B,H,NS,DK,DV]).
+// Four warps a block (a 64 x 32 tile, with the split accumulators) where dk allows, else two (dk = 96).
+template <int KIND, bool REV>
+void launch_state_mma(const at::Tensor& X, const at::Tensor& Y, const float* g, const float* S0, at::Tensor& Hsave,
+                      float* Send, int B, int Tn, int H, int DK, int DV, float scale, cudaStream_t stream, int NS,
+                      int L, float* segg, int c0, int c1) {
+  constexpr int TV = 32, NBUF = 3;
+  auto run = [&](auto nw_tag, auto split_tag) {
+    constexpr int W = decltype(nw_tag)::value;
+    constexpr bool SP = decltype(split_tag)::value;
+    using Sm = StateMmaSmem<KIND, W, TV, NBUF>;
+    auto kern = state_mma_kernel<KIND, REV, W, TV, NBUF, SP>;
+    cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)Sm::bytes);
+    dim3 mgrid((DK / (16 * W)) * (DV / TV), H, B * NS);
+    kern<<<mgrid, W * 32, Sm::bytes, stream>>>(reinterpret_cast<const bf16*>(X.data_ptr()),
+                                               reinterpret_cast<const bf16*>(Y.data_ptr()), g, S0,
+                                               reinterpret_cast<bf16*>(Hsave.data_ptr()), Send, Tn, H, DK, DV, scale,
+                                               NS, L, segg, c0, c1);
+  };
+  if (DK % 64 == 0) run(std::integral_constant<int, 4>(), std::true_type());
+  else run(std::integral_constant<int, 2>(), std::false_type());
+}
+
 // bf16, one segment: the walk over chunks [c0, c1) only, from the state `from` (fp32 [B,H,DK,DV]) to
 // `to`. Consecutive pieces chained through fp32 memory run the whole walk's operations on the same
 // values: its bits (kernel_decay.cuh, decay_set_pieces).
@@ -493,22 +517,8 @@ template <int KIND, bool REV>
 void launch_state_piece(const at::Tensor& X, const at::Tensor& Y, const at::Tensor& G, const float* from,
                         at::Tensor& Hsave, float* to, int B, int Tn, int H, int DK, int DV, float scale,
                         cudaStream_t stream, int c0, int c1) {
-  constexpr int TV = 32, NBUF = 3;
-  const float* g = KIND == kNone ? nullptr : G.data_ptr<float>();
-  auto run = [&](auto nw_tag, auto split_tag) {
-    constexpr int W = decltype(nw_tag)::value;
-    constexpr bool SP = decltype(split_tag)::value;
-    using Sm = StateMmaSmem<KIND, W, TV, NBUF>;
-    auto kern = state_mma_kernel<KIND, REV, W, TV, NBUF, SP>;
-    cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)Sm::bytes);
-    dim3 mgrid((DK / (16 * W)) * (DV / TV), H, B);
-    kern<<<mgrid, W * 32, Sm::bytes, stream>>>(reinterpret_cast<const bf16*>(X.data_ptr()),
-                                               reinterpret_cast<const bf16*>(Y.data_ptr()), g, from,
-                                               reinterpret_cast<bf16*>(Hsave.data_ptr()), to, Tn, H, DK, DV, scale,
-                                               1, c1 - c0, nullptr, c0, c1);
-  };
-  if (DK % 64 == 0) run(std::integral_constant<int, 4>(), std::true_type());
-  else run(std::integral_constant<int, 2>(), std::false_type());
+  launch_state_mma<KIND, REV>(X, Y, KIND == kNone ? nullptr : G.data_ptr<float>(), from, Hsave, to, B, Tn, H, DK, DV,
+                              scale, stream, 1, c1 - c0, nullptr, c0, c1);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
@@ -517,7 +527,7 @@ void launch_state(const at::Tensor& X, const at::Tensor& Y, const at::Tensor& G,
                   at::Tensor& Hsave, at::Tensor& Sfinal, int B, int Tn, int H, int DK, int DV, float scale,
                   cudaStream_t stream, int segments = 0) {
   constexpr bool kMma = sizeof(T) == 2;
-  constexpr int TK = kMma ? 16 : 32, TV = 32, NW = kMma ? 1 : 4, NBUF = 3;
+  constexpr int TK = kMma ? 16 : 32, TV = 32, NW = kMma ? 1 : 4;
   const int N = Tn / kChunk;
   const std::pair<int, int> segs = state_segments<T>(B, Tn, H, DK, DV, segments);
   const int NS = segs.first, L = segs.second;
@@ -526,21 +536,8 @@ void launch_state(const at::Tensor& X, const at::Tensor& Y, const at::Tensor& G,
   const float* g = KIND == kNone ? nullptr : G.data_ptr<float>();
   float* segg = SegG.defined() ? SegG.data_ptr<float>() : nullptr;
   if constexpr (kMma) {
-    // Four warps a block (a 64 x 32 tile, with the split accumulators) where dk allows, else two (dk = 96).
-    auto run = [&](auto nw_tag, auto split_tag) {
-      constexpr int W = decltype(nw_tag)::value;
-      constexpr bool SP = decltype(split_tag)::value;
-      using Sm = StateMmaSmem<KIND, W, TV, NBUF>;
-      auto kern = state_mma_kernel<KIND, REV, W, TV, NBUF, SP>;
-      cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)Sm::bytes);
-      dim3 mgrid((DK / (16 * W)) * (DV / TV), H, B * NS);
-      kern<<<mgrid, W * 32, Sm::bytes, stream>>>(reinterpret_cast<const bf16*>(X.data_ptr()),
-                                                 reinterpret_cast<const bf16*>(Y.data_ptr()), g, S0.data_ptr<float>(),
-                                                 reinterpret_cast<bf16*>(Hsave.data_ptr()), Send.data_ptr<float>(), Tn,
-                                                 H, DK, DV, scale, NS, L, segg, 0, N);
-    };
-    if (DK % 64 == 0) run(std::integral_constant<int, 4>(), std::true_type());
-    else run(std::integral_constant<int, 2>(), std::false_type());
+    launch_state_mma<KIND, REV>(X, Y, g, S0.data_ptr<float>(), Hsave, Send.data_ptr<float>(), B, Tn, H, DK, DV, scale,
+                                stream, NS, L, segg, 0, N);
   } else {
     constexpr size_t smem = state_smem<T, KIND, TK, TV>();
     auto kern = state_kernel<T, KIND, REV, TK, TV, NW>;
