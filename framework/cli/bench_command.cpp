@@ -236,11 +236,11 @@ int run_bench_command(int argc, char** argv) {
     a = parse(argc, argv);
     if (cuda_device_count() == 0)
       throw std::invalid_argument("no CUDA device here (the kernel forms need a CUDA build and a GPU)");
+  } catch (const c10::Error& e) {  // before std::exception, which it derives from: no backtrace
+    std::fprintf(stderr, "carry bench: %s\n%s", e.what_without_backtrace(), kUsage);
+    return 2;
   } catch (const std::exception& e) {
     std::fprintf(stderr, "carry bench: %s\n%s", e.what(), kUsage);
-    return 2;
-  } catch (const c10::Error& e) {
-    std::fprintf(stderr, "carry bench: %s\n%s", e.what_without_backtrace(), kUsage);
     return 2;
   }
   try {

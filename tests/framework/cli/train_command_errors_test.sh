@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# `carry train` on bad input as a user meets it (CTest runs this; a few seconds): each case must exit 1
+# `carry train` (and `carry bench`) on bad input as a user meets it (CTest runs this; a few seconds): each case must exit 1
 # with one line on stderr that says what is wrong, no C++ backtrace and no raw bytes, before training
 # (or, for a full disk, at the first metrics line). Usage: train_command_errors_test.sh BUILD_DIR
 set -u
@@ -54,4 +54,13 @@ check "huge --set index" "index 99999999999 of model.mixers is out of range" \
   -- "$tmp/run.textproto" --set 'model.mixers[99999999999]=gla'
 check "resume required, nothing there" "checkpoint.resume is REQUIRED but checkpoint.dir $tmp/none does not exist" \
   -- "$tmp/run.textproto" --set checkpoint.dir="$tmp/none" --set checkpoint.resume=REQUIRED
+# `carry bench kernels` with an unknown family: exit 2, the message first (then the usage), no backtrace.
+"$carry" bench kernels --families nope >"$tmp/out" 2>"$tmp/err"
+rc=$?
+if [ $rc != 2 ] || ! head -1 "$tmp/err" | grep -qF "carry bench: unknown mixer family 'nope'" \
+   || grep -q "frame #\|Exception raised from" "$tmp/err"; then
+  echo "FAIL bench unknown family: exit $rc:"; cat "$tmp/err"; failed=1
+else
+  echo "ok   bench unknown family: $(head -1 "$tmp/err")"
+fi
 exit $failed
