@@ -10,6 +10,12 @@
 //     the forward, its diagonal blocks exact), and the gate's gradient
 //     dG_t = q_t ⊙ dq_t − k_t ⊙ dk_t, plus at the chunk's end Σ_s k_s ⊙ dk^{state}_s + e^{Γ} ⊙ diag(H_n dH_nᵀ),
 //     summed from the end of the chunk (dg_t = Σ_{u ≥ t} dG_u); for the scalar decay also over d.
+// In bf16 the reverse walk is state_mma_kernel (16 x 32 state pieces in mma.sync registers, four warps
+// a block), and the scalar decay and linear attention with dk a multiple of 64 take 2. and 3. from
+// dv_frag_kernel (one 8-warp block a chunk) and dqk_frag_kernel (one 8-warp block a chunk and 64 key
+// columns), their products on register fragments. Every chunk-local kernel takes a first chunk c0, so
+// with decay_set_pieces the reverse walk runs in ranges of chunks (last first) and each finished
+// range's dV and dq/dk/dg run on a second stream beside the next range's walk (walk_in_pieces).
 #include "layers/common/kernel_decay.cuh"
 #include "layers/common/kernel_decay_device.cuh"
 #include "layers/common/kernel_decay_launch.h"

@@ -12,6 +12,13 @@
 //     tensor-core products of Q and K rescaled against the gate just before the row block (every
 //     factor ≤ 1, no overflow for any decay), its diagonal blocks are summed elementwise, exactly.
 //     P is saved (input dtype) for the backward.
+// In bf16 the walk is state_mma_kernel (kernel_decay_device.cuh: 16 x 32 state pieces in mma.sync
+// registers, four warps a block sharing the chunk's K tile), and the scalar decay and linear attention
+// with dk 64 or 128 take 3. from out_frag_kernel (eight warps a chunk, P and the output's accumulators
+// in registers, 64-wide dv tiles double-buffered). With decay_set_pieces the walk runs in ranges of
+// chunks and each finished range's output kernel runs on a second stream beside the next range's walk
+// (walk_in_pieces, kernel_decay_launch.h); the final state goes to MixerOptions::on_final_state
+// between the walk and the output.
 #include "layers/common/kernel_decay.cuh"
 #include "layers/common/kernel_decay_device.cuh"
 #include "layers/common/kernel_decay_launch.h"
