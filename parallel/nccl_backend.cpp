@@ -513,11 +513,12 @@ std::shared_ptr<Communicator> make_nccl_communicator(MPI_Comm comm, int device, 
   ncclConfig_t cfg = NCCL_CONFIG_INITIALIZER;
   cfg.blocking = 0;
   ncclComm_t c = nullptr;
+  // Before the initialization starts (a bad CARRY_COMM_TIMEOUT_S must not leave it half done).
+  const double timeout = opt.timeout_s > 0 ? opt.timeout_s : default_comm_timeout_s();
   ncclResult_t r = nccl().CommInitRankConfig(&c, boot->size(), id, boot->rank(), &cfg);
   TORCH_CHECK(r == ncclSuccess || r == ncclInProgress,
               "ncclCommInitRankConfig failed for communicator '", opt.name,
               "': ", nccl().GetErrorString(r));
-  double timeout = opt.timeout_s > 0 ? opt.timeout_s : default_comm_timeout_s();
   auto start = std::chrono::steady_clock::now();
   ncclResult_t st = ncclInProgress;
   while (nccl().CommGetAsyncError(c, &st) == ncclSuccess && st == ncclInProgress) {

@@ -437,13 +437,15 @@ void comm_fail(const Communicator& comm, const std::string& message) {
 
 std::shared_ptr<Communicator> make_mpi_communicator(MPI_Comm comm, CommOptions opt) {
   init_mpi();
+  // Before the duplication starts: a bad CARRY_COMM_TIMEOUT_S throws here, not while an MPI_Comm_idup
+  // is in flight (MPI_Finalize then crashed freeing the half-made communicator, now and then).
+  const double timeout = opt.timeout_s > 0 ? opt.timeout_s : default_comm_timeout_s();
   MPI_Comm dup = MPI_COMM_NULL;
   MPI_Request req = MPI_REQUEST_NULL;
   int rc = MPI_Comm_idup(comm, &dup, &req);
   TORCH_CHECK(rc == MPI_SUCCESS, "MPI_Comm_idup failed: ", mpi_error_string(rc));
   std::vector<MPI_Request> reqs{req};
   std::vector<MPI_Status> st;
-  double timeout = opt.timeout_s > 0 ? opt.timeout_s : default_comm_timeout_s();
   std::string err;
   bool ok = poll_requests(reqs, st, timeout, [&](const std::string& why) { err = why; });
   if (!ok || !err.empty()) {
