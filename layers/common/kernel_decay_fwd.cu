@@ -268,24 +268,16 @@ __global__ void __launch_bounds__(256) out_frag_kernel(const bf16* __restrict__ 
   const long bh = (long)b * H + h, tok = (long)b * Tn + (long)n * C, qs = (long)H * DK, vs = (long)H * DV;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2;
   const int m0 = (warp & 3) * 16, n0 = (warp >> 2) * 32;
-  auto load_tiles = [&](int j, int bi) {
+  auto load_tiles = [&](int v0, int bi) {  // the H_n and V tiles at column v0 into buffer bi
     unsigned char* base = smem + L::oBuf + bi * L::buf;
-    load_tile_async<bf16, DK, 64, NT>(reinterpret_cast<bf16*>(base), L::LV, Hsave + (bh * N + n) * DK * DV + j * 64,
-                                      DV);
-    load_tile_async<bf16, C, 64, NT>(reinterpret_cast<bf16*>(base + L::oV), L::LV, v + tok * vs + (long)h * DV + j * 64,
+    load_tile_async<bf16, DK, 64, NT>(reinterpret_cast<bf16*>(base), L::LV, Hsave + (bh * N + n) * DK * DV + v0, DV);
+    load_tile_async<bf16, C, 64, NT>(reinterpret_cast<bf16*>(base + L::oV), L::LV, v + tok * vs + (long)h * DV + v0,
                                      vs);
     cp_async_commit();
   };
-  load_tile_async<bf16, C, DK, NT>(sQ, L::LK, q + tok * qs + (long)h * DK, qs);
-  load_tile_async<bf16, C, DK, NT>(sK, L::LK, k + tok * qs + (long)h * DK, qs);
-  cp_async_commit();
-  load_tiles(0, 0);
-  if (ntile > 1) load_tiles(1, 1);
-  if (threadIdx.x < C) sG[threadIdx.x] = KIND == kScalar ? G[(tok + threadIdx.x) * H + h] : 0.f;
-  if (ntile > 1) cp_async_wait<2>();
-  else cp_async_wait<1>();
-  __syncthreads();  // Q, K and G are visible
-  carry_gdn::causal_p_bf16<DK>(sQ, sK, L::LK, sG, scale, sPb, L::LPb);
+  carry_gdn::load_qk_and_p<DK, NT>(sQ, sK, L::LK, q + tok * qs + (long)h * DK, k + tok * qs + (long)h * DK, qs,
+                                   load_tiles, ntile, sG, KIND == kScalar ? G + tok * H + h : nullptr, H, scale, sPb,
+                                   L::LPb);
   __syncthreads();  // P is whole
   {  // P for the backward: 64 rows of 128 bytes, 16 bytes a thread-step
     bf16* dst = Psave + (bh * N + n) * C * C;
@@ -312,7 +304,7 @@ __global__ void __launch_bounds__(256) out_frag_kernel(const bf16* __restrict__ 
     frag_store_bf16<4>(o + tok * vs + (long)h * DV + it * 64, vs, acc, m0, n0);
     if (it + 2 < ntile) {
       __syncthreads();  // every warp is done with this buffer
-      load_tiles(it + 2, it & 1);
+      load_tiles((it + 2) * 64, it & 1);
     }
   }
 }

@@ -143,9 +143,9 @@ __global__ void __launch_bounds__(256) bwd_dv_local_reg_kernel(const bf16* __res
                                      dO + ((long)b * T_ + t0) * rowv + (long)h * DV + v0, rowv);
     cp_async_commit();
   };
-  load_qk_and_p<DK, NTILE, NT>(sQ, sK, L::LK, q + ((long)b * T_ + t0) * rowk + (long)h * DK,
-                               k + ((long)b * T_ + t0) * rowk + (long)h * DK, rowk, load_do, sG,
-                               Gc + bh * T_ + t0, scale, sPb, L::LPb);
+  load_qk_and_p<DK, NT>(sQ, sK, L::LK, q + ((long)b * T_ + t0) * rowk + (long)h * DK,
+                        k + ((long)b * T_ + t0) * rowk + (long)h * DK, rowk, load_do, NTILE, sG,
+                        Gc + bh * T_ + t0, 1, scale, sPb, L::LPb);
   for (int it = 0; it < NTILE; ++it) {
     const bf16* sV = reinterpret_cast<const bf16*>(smem + L::oBuf + (it & 1) * L::buf);
     if (it + 1 < NTILE) cp_async_wait<1>();

@@ -58,24 +58,25 @@ __device__ __forceinline__ void frag_mma_2chain(float (&v)[2][4], const carry_ti
     for (int e = 0; e < 4; ++e) v[nt][e] += w2[nt][e];
 }
 
-// The start shared by the output and intra-chunk dV kernels: Q and K of the chunk (one cp.async
-// group), the first two 64-wide tiles of the dv loop (load_tile(v0, buffer) issues and commits one
-// group), the chunk's G; then, once Q and K have landed, P (causal_p_bf16). The caller's loop waits
+// The start shared by the output and intra-chunk dV kernels (the delta rule's and the decay class's
+// output): Q and K of the chunk (one cp.async group), the first two of the dv loop's `ntile` 64-wide
+// tiles (load_tile(v0, buffer) issues and commits one group), the chunk's G (gc[t·gstride]; zeros
+// without a gate, gc null); then, once Q and K have landed, P (causal_p_bf16). The caller's loop waits
 // for its tiles.
-template <int DK, int NTILE, int NT, typename LoadTile>
+template <int DK, int NT, typename LoadTile>
 __device__ __forceinline__ void load_qk_and_p(carry_tiles::bf16* sQ, carry_tiles::bf16* sK, int LK,
                                               const carry_tiles::bf16* qc, const carry_tiles::bf16* kc, long rowk,
-                                              LoadTile&& load_tile, float* sG, const float* gc, float scale,
-                                              carry_tiles::bf16* sPb, int LPb) {
+                                              LoadTile&& load_tile, int ntile, float* sG, const float* gc,
+                                              long gstride, float scale, carry_tiles::bf16* sPb, int LPb) {
   using namespace carry_tiles;
   constexpr int C = kChunk;
   load_tile_async<bf16, C, DK, NT>(sQ, LK, qc, rowk);
   load_tile_async<bf16, C, DK, NT>(sK, LK, kc, rowk);
   cp_async_commit();
   load_tile(0, 0);
-  if (NTILE > 1) load_tile(64, 1);
-  if (threadIdx.x < C) sG[threadIdx.x] = gc[threadIdx.x];
-  if (NTILE > 1) cp_async_wait<2>();
+  if (ntile > 1) load_tile(64, 1);
+  if (threadIdx.x < C) sG[threadIdx.x] = gc ? gc[threadIdx.x * gstride] : 0.f;
+  if (ntile > 1) cp_async_wait<2>();
   else cp_async_wait<1>();
   __syncthreads();
   causal_p_bf16<DK>(sQ, sK, LK, sG, scale, sPb, LPb);

@@ -714,9 +714,9 @@ __global__ void __launch_bounds__(256) fwd_o_reg_kernel(const bf16* __restrict__
     load_tile_async<bf16, C, 64, NT>(reinterpret_cast<bf16*>(base + L::oV), L::LV, Vn + (bh * T_ + t0) * DV + v0, DV);
     cp_async_commit();
   };
-  load_qk_and_p<DK, NTILE, NT>(sQ, sK, L::LK, q + ((long)b * T_ + t0) * rowk + (long)h * DK,
-                               k + ((long)b * T_ + t0) * rowk + (long)h * DK, rowk, load_tiles, sG,
-                               Gc + bh * T_ + t0, scale, sPb, L::LPb);
+  load_qk_and_p<DK, NT>(sQ, sK, L::LK, q + ((long)b * T_ + t0) * rowk + (long)h * DK,
+                        k + ((long)b * T_ + t0) * rowk + (long)h * DK, rowk, load_tiles, NTILE, sG,
+                        Gc + bh * T_ + t0, 1, scale, sPb, L::LPb);
   const float e0 = scale * expf(sG[m0 + g]), e1 = scale * expf(sG[m0 + g + 8]);
   for (int it = 0; it < NTILE; ++it) {
     const char* base = smem + L::oBuf + (it & 1) * L::buf;

@@ -74,7 +74,7 @@ class ScalarDecay final : public Mixer {
   // transport {a [B,H]}: S_out = a·S_in + S.
   Summary summarize(const MixerInputs& in, const MixerOptions& opt) const override {
     auto out = chunkwise(in, {}, opt);
-    return {{at::exp(in.g.sum(1))}, out.final_state};
+    return {transport(in, opt), out.final_state};
   }
   Summary compose(const Summary& x, const Summary& y) const override {
     auto a2 = y.transport[0];
