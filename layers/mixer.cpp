@@ -138,12 +138,36 @@ Form Mixer::resolve_form(const MixerInputs& in, const MixerOptions& opt) const {
 
 MixerOutput Mixer::forward(const MixerInputs& in, const State& initial_state,
                            const MixerOptions& opt) const {
-  if (opt.document_starts.defined()) return forward_documents(*this, in, initial_state, opt);
-  switch (resolve_form(in, opt)) {
-    case Form::naive: return naive(in, initial_state, opt);
-    case Form::kernel: return kernel(in, initial_state, opt);
-    default: return chunkwise(in, initial_state, opt);
+  auto run = [&](const MixerOptions& o) {
+    if (o.document_starts.defined()) return forward_documents(*this, in, initial_state, o);
+    switch (resolve_form(in, o)) {
+      case Form::naive: return naive(in, initial_state, o);
+      case Form::kernel: return kernel(in, initial_state, o);
+      default: return chunkwise(in, initial_state, o);
+    }
+  };
+  if (!opt.on_final_state && !(opt.on_initial_state_grad && opt.document_starts.defined())) return run(opt);
+  if (!opt.on_final_state) {  // documents: several runs, none of whose gradients is the slice's alone
+    MixerOptions inner = opt;
+    inner.on_initial_state_grad = nullptr;
+    return run(inner);
   }
+  // Exactly once: the form may call it early (the kernel forms, after their state walk); documents run
+  // several forward calls, whose own final states are not the slice's, so there it waits for the end.
+  bool called = false;
+  MixerOptions inner = opt;
+  inner.on_final_state = nullptr;
+  if (opt.document_starts.defined()) inner.on_initial_state_grad = nullptr;
+  if (!opt.document_starts.defined()) {
+    inner.on_final_state = [&](const State& s) {
+      if (called) return;
+      called = true;
+      opt.on_final_state(s);
+    };
+  }
+  MixerOutput out = run(inner);
+  if (!called) opt.on_final_state(out.final_state);
+  return out;
 }
 
 MixerOutput Mixer::kernel(const MixerInputs& in, const State&, const MixerOptions&) const {

@@ -59,6 +59,8 @@ bool check_values_requested();
 Form parse_form(const std::string& name);  // "automatic" | "naive" | "chunkwise" | "kernel"
 
 // Hyperparameters. A value <= 0 for `scale` means the default 1/sqrt(dk).
+using State = std::vector<Tensor>;
+
 struct MixerOptions {
   double scale = 0;
   bool normalize = false;    // linear attention / HLA: divide by the normalizer
@@ -79,11 +81,21 @@ struct MixerOptions {
   // Per sequence, the position of this slice's first token within its document (where log-linear
   // levels count from); empty: `offset` for every sequence.
   std::vector<int64_t> document_offsets;
+  // Called by Mixer::forward exactly once with the final state, as soon as it exists: the kernel forms
+  // call it after their state walk is enqueued and before their output kernel (what it enqueues, e.g.
+  // the ordered scan's send to the next rank, then runs beside the output); every other form, and any
+  // run with document starts, when the form returns. The tensors are the returned final_state's.
+  std::function<void(const State&)> on_final_state;
+  // Called at most once in the backward of this forward with the gradient of the initial state, as
+  // soon as it exists: the kernel forms of one-state families call it right after their reverse state
+  // walk is enqueued, before their chunk-gradient kernels (what it enqueues, e.g. the ordered scan's
+  // send to the previous rank, then runs beside them). Other forms, and runs with document starts, do
+  // not call it: the caller keeps a flag and otherwise uses the gradient autograd returns (the same
+  // values).
+  std::function<void(const State&)> on_initial_state_grad;
 
   double scale_for(int64_t dk) const;
 };
-
-using State = std::vector<Tensor>;
 
 // The affine map of a slice: S_out = transport(S_in) + state. `state` is the slice's final state from
 // the zero initial state; `transport` holds A in the family's cheapest exact form (scalar, diagonal,

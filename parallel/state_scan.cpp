@@ -357,6 +357,10 @@ struct HeadGroup {
   State s_in;                  // leaves requiring grad
   Tensor o;                    // local graph outputs
   State s_out;
+  // Ordered chain, rank > 0: set once the kernel form's backward sent d S_in to the previous rank from
+  // MixerOptions::on_initial_state_grad (right after its reverse state walk); the backward sends it
+  // itself otherwise.
+  std::shared_ptr<bool> grad_sent;
 };
 
 struct ScanContext {
@@ -523,9 +527,11 @@ class ScanBackward final : public torch::autograd::Node {
       auto g = local_vjp(hg, d_o_g, d_s_out, inputs, /*retain=*/false);
       State d_s_in_g(g.end() - hg.s_in.size(), g.end());
       if (c->mode == ScanMode::ordered && r > 0) {
-        CommContext ctx(c->what + ": ordered backward, state gradient of head group " +
-                        std::to_string(gi) + " to the previous rank");
-        send_tensors(*c->sp, d_s_in_g, r - 1, ordered_tag(gi, true));
+        if (!(hg.grad_sent && *hg.grad_sent)) {
+          CommContext ctx(c->what + ": ordered backward, state gradient of head group " +
+                          std::to_string(gi) + " to the previous rank");
+          send_tensors(*c->sp, d_s_in_g, r - 1, ordered_tag(gi, true));
+        }
       }
       g.resize(hg.leaves.size());
       in_grads.push_back(std::move(g));
@@ -702,17 +708,22 @@ MixerOutput sp_mixer_forward(const Mixer& mixer, Communicator& sp, const MixerIn
   };
   // The local forward of one head group with its S_in: with autograd on leaves that stand for the
   // group's inputs and S_in when some rank differentiates.
-  auto local_forward = [&](int gi, const State& s_in) {
+  // on_final_state, on_initial_state_grad: MixerOptions' hooks for this run (the ordered chain's sends).
+  auto local_forward = [&](int gi, const State& s_in, std::function<void(const State&)> on_final_state = {},
+                           std::function<void(const State&)> on_initial_state_grad = {}) {
     const MixerInputs in_g = G > 1 ? heads_of(in, gi, n_heads) : in;
+    MixerOptions gopt = lopt;
+    gopt.on_final_state = std::move(on_final_state);
+    gopt.on_initial_state_grad = std::move(on_initial_state_grad);
     if (!wants_grad) {
       at::NoGradGuard no_grad;
-      return mixer.forward(in_g, s_in, lopt);
+      return mixer.forward(in_g, s_in, gopt);
     }
     at::AutoGradMode grad_on(true);
     HeadGroup& hg = c->groups[gi];
     MixerInputs leaf_in = leaves_of(in_g, hg);
     for (auto& t : s_in) hg.s_in.push_back(t.detach().requires_grad_(true));
-    MixerOutput out = mixer.forward(leaf_in, hg.s_in, lopt);
+    MixerOutput out = mixer.forward(leaf_in, hg.s_in, gopt);
     hg.o = out.o;
     hg.s_out = out.final_state;
     return out;
@@ -734,15 +745,37 @@ MixerOutput sp_mixer_forward(const Mixer& mixer, Communicator& sp, const MixerIn
       } else {
         s_in = G > 1 ? heads_of(init_det, 1, gi, n_heads) : init_det;
       }
-      outs.push_back(local_forward(gi, s_in));
+      // S_out to r+1 as soon as the family has it (Mixer::forward calls on_final_state exactly once: a
+      // kernel form right after its state walk, so the send runs beside the output kernel; every other
+      // form when it returns). The values are the returned final state's.
+      std::function<void(const State&)> send_on;
       if (r < P - 1) {
-        CommContext ctx(what + ": ordered forward, state of head group " + std::to_string(gi) +
-                        " to the next rank");
-        received_once([&] {
-          send_tensors(sp, detached(outs.back().final_state), r + 1, ordered_tag(gi, false));
-          return std::vector<Tensor>{};
-        });
+        send_on = [&, gi](const State& s_out) {
+          CommContext ctx(what + ": ordered forward, state of head group " + std::to_string(gi) +
+                          " to the next rank");
+          received_once([&] {
+            send_tensors(sp, detached(s_out), r + 1, ordered_tag(gi, false));
+            return std::vector<Tensor>{};
+          });
+        };
       }
+      // d S_in back to r−1 in the backward, from the kernel form right after its reverse state walk
+      // (ScanBackward sends it itself when the form did not). It runs after this function returned:
+      // it holds what it needs by value.
+      std::function<void(const State&)> send_back;
+      if (r > 0 && wants_grad) {
+        auto sent = std::make_shared<bool>(false);
+        c->groups[gi].grad_sent = sent;
+        Communicator* comm = &sp;
+        send_back = [sent, comm, gi, r, w = what](const State& d_s_in) {
+          if (*sent) return;
+          CommContext ctx(w + ": ordered backward, state gradient of head group " + std::to_string(gi) +
+                          " to the previous rank");
+          send_tensors(*comm, d_s_in, r - 1, ordered_tag(gi, true));
+          *sent = true;
+        };
+      }
+      outs.push_back(local_forward(gi, s_in, send_on, send_back));
     }
   } else {
     // One pass (families with Mixer::state_output, no document resets): the slice runs once from the

@@ -40,6 +40,7 @@ const char* kUsage =
     "usage: carry bench kernels [--families gla,scalar_decay,linear_attn,deltanet,gated_deltanet,softmax_attn]\n"
     "                           [--T 16384,65536] [--heads 16] [--dk 128] [--dv 128] [--window 2048] [--reps 10]\n"
     "                           [--serial] [--pieces N] [--decay-segments N]\n"
+    "                           [--decay-pieces N]\n"
     "  Times the kernel forms on the GPU (bf16, B = 1): forward and forward+backward ms, tokens/s,\n"
     "  GB/s and TFLOP/s against counted floors. Without --T/--heads/--dk/--dv it runs the issue's shapes:\n"
     "  H=16 dk=dv=128 at T = 16384, 65536, 131072; H=4 dk=128 dv=256 and H=4 dk=96 dv=192 at 32768, 131072;\n"
@@ -47,7 +48,8 @@ const char* kUsage =
     "  state pass in order (MixerOptions::serial_states: no segments, as the ordered scan runs them).\n"
     "  --pieces N cuts the delta rule's state walks into N pieces (1: one walk; without it: automatic).\n"
     "  --decay-segments N cuts the decay class's state recurrence into N segments (1: in order; without\n"
-    "  it: automatic).\n";
+    "  it: automatic). --decay-pieces N walks the decay class's bf16 recurrence in N pieces, the output\n"
+    "  and gradient kernels of each finished piece on a second stream beside the next (default 1).\n";
 
 struct Shape {
   int64_t H, dk, dv;
@@ -64,6 +66,7 @@ struct Args {
   bool serial = false;  // MixerOptions::serial_states
   int pieces = 0;       // the delta rule's walk pieces (carry_gdn::gdn_set_pieces)
   int decay_segments = 0;  // the decay class's state segments (carry_decay::decay_set_segments)
+  int decay_pieces = 0;    // the decay class's walk pieces (carry_decay::decay_set_pieces)
 };
 
 Args parse(int argc, char** argv) {
@@ -89,6 +92,7 @@ Args parse(int argc, char** argv) {
     else if (f == "--serial") a.serial = true;
     else if (f == "--pieces") a.pieces = (int)parse_positive_int(f, value());
     else if (f == "--decay-segments") a.decay_segments = (int)parse_positive_int(f, value());
+    else if (f == "--decay-pieces") a.decay_pieces = (int)parse_positive_int(f, value());
     else throw std::invalid_argument("unknown option '" + f + "'");
   }
   for (auto& name : a.families) get_mixer(name);  // an unknown family fails here, with the list
@@ -174,6 +178,7 @@ int run(const Args& a) {
 #ifdef CARRY_WITH_CUDA
   carry_gdn::gdn_set_pieces(a.pieces);
   carry_decay::decay_set_segments(a.decay_segments);
+  carry_decay::decay_set_pieces(a.decay_pieces);
 #endif
   std::printf("carry bench kernels: %s, bf16, B = 1, median of %d (after 3 warm-ups)%s\n",
               cuda_device_name(0).c_str(), a.reps, a.serial ? ", serial state passes" : "");

@@ -17,6 +17,7 @@
 
 #include <ATen/ATen.h>
 
+#include <functional>
 #include <vector>
 
 namespace carry_decay {
@@ -26,19 +27,30 @@ enum class Decay : int { none = 0, scalar = 1, diag = 2 };
 // Saved for backward, in order: G (the gate's cumulative sum inside each chunk, g's shape, fp32;
 // empty for none), H (the state entering each chunk, input dtype [B,H,N,dk,dv]), P (the scaled,
 // decayed, causal intra-chunk matrix, input dtype [B,H,N,64,64]).
+// on_final_state, when set, is called with the final state (fp32 [B,H,dk,dv]) right after its walk is
+// enqueued, before the output kernel: what it enqueues on the stream (a send) runs beside the output.
 std::vector<at::Tensor> decay_fwd(Decay kind, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                   const at::Tensor& g, double scale, const at::Tensor& initial_state,
-                                  int segments = 0);
+                                  int segments = 0,
+                                  const std::function<void(const at::Tensor&)>& on_final_state = {});
 
+// on_initial_state_grad, when set, is called with d_initial_state right after the reverse walk is
+// enqueued, before the dV and dq/dk/dg kernels.
 std::vector<at::Tensor> decay_bwd(Decay kind, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                   const at::Tensor& g, double scale, const at::Tensor& initial_state,
                                   const std::vector<at::Tensor>& saved, const at::Tensor& d_o,
-                                  const at::Tensor& d_final_state, int segments = 0);
+                                  const at::Tensor& d_final_state, int segments = 0,
+                                  const std::function<void(const at::Tensor&)>& on_initial_state_grad = {});
 
 // Debug: fill every output and intermediate with NaN right after allocation. Off by default.
 void decay_set_poison(bool on);
 // The state recurrence's segments (tests): 0 chooses by the grid's size (the default), 1 walks the
 // chunks in order, n > 1 cuts the chunks into n segments walked in parallel and joined.
 void decay_set_segments(int n);
+// The bf16 walk in n pieces of consecutive chunks (tests and `carry bench kernels --decay-pieces`): the
+// output kernel (forward) and the dV and dq/dk/dg kernels (backward) of each finished piece run on a
+// second stream while the next piece walks. The bits are the one walk's. 0 or 1: one walk (the
+// default, until measured); used only where the walk runs as one segment.
+void decay_set_pieces(int n);
 
 }  // namespace carry_decay

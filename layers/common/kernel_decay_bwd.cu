@@ -10,6 +10,12 @@
 //     the forward, its diagonal blocks exact), and the gate's gradient
 //     dG_t = q_t ⊙ dq_t − k_t ⊙ dk_t, plus at the chunk's end Σ_s k_s ⊙ dk^{state}_s + e^{Γ} ⊙ diag(H_n dH_nᵀ),
 //     summed from the end of the chunk (dg_t = Σ_{u ≥ t} dG_u); for the scalar decay also over d.
+// In bf16 the reverse walk is state_mma_kernel (16 x 32 state pieces in mma.sync registers, four warps
+// a block), and the scalar decay and linear attention with dk a multiple of 64 take 2. and 3. from
+// dv_frag_kernel (one 8-warp block a chunk) and dqk_frag_kernel (one 8-warp block a chunk and 64 key
+// columns), their products on register fragments. Every chunk-local kernel takes a first chunk c0, so
+// with decay_set_pieces the reverse walk runs in ranges of chunks (last first) and each finished
+// range's dV and dq/dk/dg run on a second stream beside the next range's walk (walk_in_pieces).
 #include "layers/common/kernel_decay.cuh"
 #include "layers/common/kernel_decay_device.cuh"
 #include "layers/common/kernel_decay_launch.h"
@@ -36,7 +42,7 @@ template <typename T, int KIND, int DK, int TV, int NW>
 __global__ void __launch_bounds__(NW * 32) dv_kernel(const T* __restrict__ k, const float* __restrict__ G,
                                                      const T* __restrict__ Psave, const T* __restrict__ dO,
                                                      const T* __restrict__ dHsave, T* __restrict__ dv, int Tn,
-                                                     int H, int DV) {
+                                                     int H, int DV, int c0) {
   using L = DvSmem<T, KIND, DK, TV>;
   constexpr int C = kChunk, NT = NW * 32;
   extern __shared__ __align__(128) unsigned char smem[];
@@ -47,7 +53,7 @@ __global__ void __launch_bounds__(NW * 32) dv_kernel(const T* __restrict__ k, co
   T* dHs = reinterpret_cast<T*>(smem + L::oDH);
   float* dVs = reinterpret_cast<float*>(smem + L::oDV);
 
-  const int n = blockIdx.x, iv = blockIdx.y, bh = blockIdx.z, b = bh / H, h = bh % H, N = Tn / C;
+  const int n = c0 + blockIdx.x, iv = blockIdx.y, bh = blockIdx.z, b = bh / H, h = bh % H, N = Tn / C;
   const long tok = (long)b * Tn + (long)n * C, ks = (long)H * DK, vs = (long)H * DV;
   load_tile_async<T, C, DK, NT>(Ks, L::LK, k + tok * ks + (long)h * DK, ks);
   load_tile_async<T, C, C, NT>(Ps, L::LP, Psave + ((long)bh * N + n) * C * C, C);
@@ -95,7 +101,7 @@ template <int KIND, int DK>
 __global__ void __launch_bounds__(256) dv_frag_kernel(const bf16* __restrict__ k, const float* __restrict__ G,
                                                       const bf16* __restrict__ Psave, const bf16* __restrict__ dO,
                                                       const bf16* __restrict__ dHsave, bf16* __restrict__ dv, int Tn,
-                                                      int H, int DV) {
+                                                      int H, int DV, int c0) {
   static_assert(KIND == kScalar || KIND == kNone, "the diagonal decay keeps dv_kernel");
   using L = DvFragSmem<DK>;
   constexpr int C = kChunk, NT = 256;
@@ -103,7 +109,7 @@ __global__ void __launch_bounds__(256) dv_frag_kernel(const bf16* __restrict__ k
   bf16* sK = reinterpret_cast<bf16*>(smem + L::oK);
   bf16* sP = reinterpret_cast<bf16*>(smem + L::oP);
   float* sG = reinterpret_cast<float*>(smem + L::oG);
-  const int n = blockIdx.x, h = blockIdx.y, b = blockIdx.z, N = Tn / C, ntile = DV / 64;
+  const int n = c0 + blockIdx.x, h = blockIdx.y, b = blockIdx.z, N = Tn / C, ntile = DV / 64;
   const long bh = (long)b * H + h, tok = (long)b * Tn + (long)n * C, ks = (long)H * DK, vs = (long)H * DV;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2;
   const int m0 = (warp & 3) * 16, n0 = (warp >> 2) * 32;
@@ -257,7 +263,7 @@ __global__ void __launch_bounds__(NW * 32) dqk_kernel(const T* __restrict__ q, c
                                                       const T* __restrict__ Hsave, const T* __restrict__ dO,
                                                       const T* __restrict__ dHsave, T* __restrict__ dq,
                                                       T* __restrict__ dk, float* __restrict__ dg, int Tn, int H,
-                                                      int DK, int DV, float scale) {
+                                                      int DK, int DV, float scale, int c0) {
   using L = QkSmem<T, KIND, TK_>;
   constexpr int C = kChunk, NT = NW * 32, TK = L::TK, TV = L::TV, kRG = NT / TK;
   static_assert(kRG == 4, "four threads a key column in the row reductions");
@@ -276,7 +282,7 @@ __global__ void __launch_bounds__(NW * 32) dqk_kernel(const T* __restrict__ q, c
   T* Hs = reinterpret_cast<T*>(smem + L::oH);
   T* dHs = reinterpret_cast<T*>(smem + L::oDH);
 
-  const int n = blockIdx.x, ik = blockIdx.y, bh = blockIdx.z, b = bh / H, h = bh % H, N = Tn / C;
+  const int n = c0 + blockIdx.x, ik = blockIdx.y, bh = blockIdx.z, b = bh / H, h = bh % H, N = Tn / C;
   const int k0 = ik * TK;
   const long tok = (long)b * Tn + (long)n * C, ks = (long)H * DK, vs = (long)H * DV;
   const long hoff = ((long)bh * N + n) * DK * DV + (long)k0 * DV;
@@ -421,7 +427,7 @@ __global__ void __launch_bounds__(256, 2) dqk_frag_kernel(const bf16* __restrict
                                                           const bf16* __restrict__ Hsave, const bf16* __restrict__ dO,
                                                           const bf16* __restrict__ dHsave, bf16* __restrict__ dq,
                                                           bf16* __restrict__ dk, float* __restrict__ dg, int Tn, int H,
-                                                          int DK, int DV, float scale) {
+                                                          int DK, int DV, float scale, int c0) {
   static_assert(KIND == kScalar || KIND == kNone, "the diagonal decay keeps dqk_kernel");
   using S = QkFragSmem;
   constexpr int C = kChunk, NT = 256, LD = S::L;
@@ -434,7 +440,7 @@ __global__ void __launch_bounds__(256, 2) dqk_frag_kernel(const bf16* __restrict
   float* sRow = reinterpret_cast<float*>(smem + S::oRow);
   float* sRed = reinterpret_cast<float*>(smem + S::oRed);
 
-  const int nkt = DK / 64, ik = blockIdx.x % nkt, n = blockIdx.x / nkt, bh = blockIdx.y;
+  const int nkt = DK / 64, ik = blockIdx.x % nkt, n = c0 + blockIdx.x / nkt, bh = blockIdx.y;
   const int b = bh / H, h = bh % H, N = Tn / C, k0 = ik * 64, ntile = DV / 64;
   const long tok = (long)b * Tn + (long)n * C, ks = (long)H * DK, vs = (long)H * DV;
   const long hoff = ((long)bh * N + n) * DK * DV + (long)k0 * DV;
@@ -567,101 +573,125 @@ __global__ void __launch_bounds__(256, 2) dqk_frag_kernel(const bf16* __restrict
 template <typename T, int KIND>
 std::vector<at::Tensor> bwd_impl(const Dims& d, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                  double scale, const std::vector<at::Tensor>& saved, const at::Tensor& dO,
-                                 const at::Tensor& dfinal) {
+                                 const at::Tensor& dfinal, const std::function<void(const at::Tensor&)>& on_s0_grad) {
   auto stream = at::cuda::getCurrentCUDAStream();
   const auto f32 = q.options().dtype(at::kFloat);
   const at::Tensor &G = saved[0], &Hsave = saved[1], &P = saved[2];
   auto dH = alloc({d.B, d.H, d.N, d.DK, d.DV}, q.options());
   auto ds0 = alloc({d.B, d.H, d.DK, d.DV}, f32);
-  launch_state<T, KIND, true>(q, dO, G, dfinal, dH, ds0, d.B, d.T, d.H, d.DK, d.DV, (float)scale, stream,
-                              segments_of(d));
-
   auto dv = alloc(v.sizes(), v.options());
-  if constexpr (sizeof(T) == 2 && KIND != kDiag) {
-    if (d.DK % 64 == 0) {
-      auto run = [&](auto dk_tag) {
-        constexpr int DK = decltype(dk_tag)::value;
-        auto kern = dv_frag_kernel<KIND, DK>;
-        cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)DvFragSmem<DK>::bytes);
-        kern<<<dim3(d.N, d.H, d.B), 256, DvFragSmem<DK>::bytes, stream>>>(
-            reinterpret_cast<const bf16*>(k.data_ptr()), KIND == kNone ? nullptr : G.data_ptr<float>(),
-            reinterpret_cast<const bf16*>(P.data_ptr()), reinterpret_cast<const bf16*>(dO.data_ptr()),
-            reinterpret_cast<const bf16*>(dH.data_ptr()), reinterpret_cast<bf16*>(dv.data_ptr()), d.T, d.H, d.DV);
-        C10_CUDA_KERNEL_LAUNCH_CHECK();
-      };
-      if (d.DK == 64) run(std::integral_constant<int, 64>());
-      else run(std::integral_constant<int, 128>());
-    }
-  }
-  if (!(sizeof(T) == 2 && KIND != kDiag && d.DK % 64 == 0)) {
-    constexpr int TV = 64, NW = 8;
-    dim3 grid(d.N, d.DV / TV, d.B * d.H);
-    auto run = [&](auto dk_tag) {
-      constexpr int DK = decltype(dk_tag)::value;
-      using L = DvSmem<T, KIND, DK, TV>;
-      auto kern = dv_kernel<T, KIND, DK, TV, NW>;
-      cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)L::bytes);
-      kern<<<grid, NW * 32, L::bytes, stream>>>(
-          reinterpret_cast<const T*>(k.data_ptr()), KIND == kNone ? nullptr : G.data_ptr<float>(),
-          reinterpret_cast<const T*>(P.data_ptr()), reinterpret_cast<const T*>(dO.data_ptr()),
-          reinterpret_cast<const T*>(dH.data_ptr()), reinterpret_cast<T*>(dv.data_ptr()), d.T, d.H, d.DV);
-      C10_CUDA_KERNEL_LAUNCH_CHECK();
-    };
-    if (d.DK == 64) run(std::integral_constant<int, 64>());
-    else if (d.DK == 96) run(std::integral_constant<int, 96>());
-    else run(std::integral_constant<int, 128>());
-  }
-
   auto dq = alloc(q.sizes(), q.options());
   auto dk = alloc(k.sizes(), k.options());
-  at::Tensor dg;
   // GLA in bf16 with dk = 96: one block a chunk holds every key column (dP = dO Vᵀ computed once, not once per
   // key tile); otherwise key tiles of 64 (32 for fp32 dk = 96, to fit shared memory).
   // (GLA only: the scalar decay sums its gate gradient over d in a [C, C+4] scratch, so TK ≤ 64 there.)
   constexpr bool kWide = sizeof(T) == 2 && KIND == kDiag;
   const int TKq = kWide && d.DK == 96 ? 96 : (d.DK % 64 == 0 ? 64 : 32), nkt = d.DK / TKq;
-  // bf16 scalar decay and linear attention with 64-multiples: the register-fragment kernel, 64 key columns a block.
+  // bf16 scalar decay and linear attention with 64-multiples: the register-fragment kernels (dV, and dq/dk
+  // with 64 key columns a block).
   constexpr bool kFragKind = sizeof(T) == 2 && KIND != kDiag;
   const bool frag = kFragKind && d.DK % 64 == 0;
+  at::Tensor dg;
   if (KIND == kDiag) dg = alloc(q.sizes(), f32);
   else if (KIND == kScalar) dg = alloc({d.B, d.T, d.H, nkt}, f32);  // nkt = dk/64 for the fragment kernel
-  if constexpr (kFragKind) {
-    if (frag) {
-      auto kern = dqk_frag_kernel<KIND>;
-      cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)QkFragSmem::bytes);
-      kern<<<dim3(d.N * (d.DK / 64), d.B * d.H), 256, QkFragSmem::bytes, stream>>>(
-          reinterpret_cast<const bf16*>(q.data_ptr()), reinterpret_cast<const bf16*>(k.data_ptr()),
-          reinterpret_cast<const bf16*>(v.data_ptr()), KIND == kNone ? nullptr : G.data_ptr<float>(),
-          reinterpret_cast<const bf16*>(Hsave.data_ptr()), reinterpret_cast<const bf16*>(dO.data_ptr()),
-          reinterpret_cast<const bf16*>(dH.data_ptr()), reinterpret_cast<bf16*>(dq.data_ptr()),
-          reinterpret_cast<bf16*>(dk.data_ptr()), KIND == kNone ? nullptr : dg.data_ptr<float>(), d.T, d.H, d.DK,
-          d.DV, (float)scale);
-      C10_CUDA_KERNEL_LAUNCH_CHECK();
-      if (KIND == kScalar) dg = nkt == 1 ? dg.squeeze(-1) : dg.sum(-1);
-      return {dq, dk, dv, dg, ds0};
+
+  // dV, dq, dk, dg of chunks [c0, c1): each reads only its chunk's saved states and state gradients.
+  auto dv_chunks = [&](cudaStream_t st, int c0, int c1) {
+    if constexpr (kFragKind) {
+      if (frag) {
+        auto run = [&](auto dk_tag) {
+          constexpr int DK = decltype(dk_tag)::value;
+          auto kern = dv_frag_kernel<KIND, DK>;
+          cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)DvFragSmem<DK>::bytes);
+          kern<<<dim3(c1 - c0, d.H, d.B), 256, DvFragSmem<DK>::bytes, st>>>(
+              reinterpret_cast<const bf16*>(k.data_ptr()), KIND == kNone ? nullptr : G.data_ptr<float>(),
+              reinterpret_cast<const bf16*>(P.data_ptr()), reinterpret_cast<const bf16*>(dO.data_ptr()),
+              reinterpret_cast<const bf16*>(dH.data_ptr()), reinterpret_cast<bf16*>(dv.data_ptr()), d.T, d.H, d.DV,
+              c0);
+          C10_CUDA_KERNEL_LAUNCH_CHECK();
+        };
+        if (d.DK == 64) run(std::integral_constant<int, 64>());
+        else run(std::integral_constant<int, 128>());
+        return;
+      }
     }
-  }
-  auto run_qk = [&](auto tk_tag) {
-    constexpr int TK = decltype(tk_tag)::value, NW = TK / 8;  // one thread per diagonal block and column
-    using L = QkSmem<T, KIND, TK>;
-    auto kern = dqk_kernel<T, KIND, TK, NW>;
-    cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)L::bytes);
-    dim3 grid(d.N, nkt, d.B * d.H);
-    kern<<<grid, NW * 32, L::bytes, stream>>>(
-        reinterpret_cast<const T*>(q.data_ptr()), reinterpret_cast<const T*>(k.data_ptr()),
-        reinterpret_cast<const T*>(v.data_ptr()), KIND == kNone ? nullptr : G.data_ptr<float>(),
-        reinterpret_cast<const T*>(Hsave.data_ptr()), reinterpret_cast<const T*>(dO.data_ptr()),
-        reinterpret_cast<const T*>(dH.data_ptr()), reinterpret_cast<T*>(dq.data_ptr()),
-        reinterpret_cast<T*>(dk.data_ptr()), KIND == kNone ? nullptr : dg.data_ptr<float>(), d.T, d.H, d.DK, d.DV,
-        (float)scale);
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    constexpr int TV = 64, NW = 8;
+    dim3 grid(c1 - c0, d.DV / TV, d.B * d.H);
+    auto run = [&](auto dk_tag) {
+      constexpr int DK = decltype(dk_tag)::value;
+      using L = DvSmem<T, KIND, DK, TV>;
+      auto kern = dv_kernel<T, KIND, DK, TV, NW>;
+      cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)L::bytes);
+      kern<<<grid, NW * 32, L::bytes, st>>>(
+          reinterpret_cast<const T*>(k.data_ptr()), KIND == kNone ? nullptr : G.data_ptr<float>(),
+          reinterpret_cast<const T*>(P.data_ptr()), reinterpret_cast<const T*>(dO.data_ptr()),
+          reinterpret_cast<const T*>(dH.data_ptr()), reinterpret_cast<T*>(dv.data_ptr()), d.T, d.H, d.DV, c0);
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+    };
+    if (d.DK == 64) run(std::integral_constant<int, 64>());
+    else if (d.DK == 96) run(std::integral_constant<int, 96>());
+    else run(std::integral_constant<int, 128>());
   };
-  if constexpr (kWide) {
-    if (TKq == 96) run_qk(std::integral_constant<int, 96>());
-    else run_qk(std::integral_constant<int, 64>());
-  } else {
-    if (TKq == 64) run_qk(std::integral_constant<int, 64>());
-    else run_qk(std::integral_constant<int, 32>());
+  auto dqk_chunks = [&](cudaStream_t st, int c0, int c1) {
+    if constexpr (kFragKind) {
+      if (frag) {
+        auto kern = dqk_frag_kernel<KIND>;
+        cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)QkFragSmem::bytes);
+        kern<<<dim3((c1 - c0) * (d.DK / 64), d.B * d.H), 256, QkFragSmem::bytes, st>>>(
+            reinterpret_cast<const bf16*>(q.data_ptr()), reinterpret_cast<const bf16*>(k.data_ptr()),
+            reinterpret_cast<const bf16*>(v.data_ptr()), KIND == kNone ? nullptr : G.data_ptr<float>(),
+            reinterpret_cast<const bf16*>(Hsave.data_ptr()), reinterpret_cast<const bf16*>(dO.data_ptr()),
+            reinterpret_cast<const bf16*>(dH.data_ptr()), reinterpret_cast<bf16*>(dq.data_ptr()),
+            reinterpret_cast<bf16*>(dk.data_ptr()), KIND == kNone ? nullptr : dg.data_ptr<float>(), d.T, d.H, d.DK,
+            d.DV, (float)scale, c0);
+        C10_CUDA_KERNEL_LAUNCH_CHECK();
+        return;
+      }
+    }
+    auto run_qk = [&](auto tk_tag) {
+      constexpr int TK = decltype(tk_tag)::value, NW = TK / 8;  // one thread per diagonal block and column
+      using L = QkSmem<T, KIND, TK>;
+      auto kern = dqk_kernel<T, KIND, TK, NW>;
+      cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)L::bytes);
+      dim3 grid(c1 - c0, nkt, d.B * d.H);
+      kern<<<grid, NW * 32, L::bytes, st>>>(
+          reinterpret_cast<const T*>(q.data_ptr()), reinterpret_cast<const T*>(k.data_ptr()),
+          reinterpret_cast<const T*>(v.data_ptr()), KIND == kNone ? nullptr : G.data_ptr<float>(),
+          reinterpret_cast<const T*>(Hsave.data_ptr()), reinterpret_cast<const T*>(dO.data_ptr()),
+          reinterpret_cast<const T*>(dH.data_ptr()), reinterpret_cast<T*>(dq.data_ptr()),
+          reinterpret_cast<T*>(dk.data_ptr()), KIND == kNone ? nullptr : dg.data_ptr<float>(), d.T, d.H, d.DK, d.DV,
+          (float)scale, c0);
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+    };
+    if constexpr (kWide) {
+      if (TKq == 96) run_qk(std::integral_constant<int, 96>());
+      else run_qk(std::integral_constant<int, 64>());
+    } else {
+      if (TKq == 64) run_qk(std::integral_constant<int, 64>());
+      else run_qk(std::integral_constant<int, 32>());
+    }
+  };
+  auto chunk_grads = [&](cudaStream_t st, int c0, int c1) {
+    dv_chunks(st, c0, c1);
+    dqk_chunks(st, c0, c1);
+  };
+
+  const int segments = state_segments<T>(d.B, d.T, d.H, d.DK, d.DV, segments_of(d)).first;
+  const int pieces = pieces_for(d, sizeof(T) == 2, segments);
+  if (pieces == 1) {
+    launch_state<T, KIND, true>(q, dO, G, dfinal, dH, ds0, d.B, d.T, d.H, d.DK, d.DV, (float)scale, stream,
+                                segments_of(d));
+    if (on_s0_grad) on_s0_grad(ds0);  // before the chunk kernels: a send runs beside them
+    chunk_grads(stream, 0, d.N);
+  } else if constexpr (sizeof(T) == 2) {
+    walk_in_pieces(
+        d.N, pieces, /*reverse=*/true, dfinal.data_ptr<float>(), ds0.data_ptr<float>(), ds0,
+        [&](int c0, int c1, const float* from, float* to) {
+          launch_state_piece<KIND, true>(q, dO, G, from, dH, to, d.B, d.T, d.H, d.DK, d.DV, (float)scale, stream,
+                                         c0, c1);
+          if (c0 == 0 && on_s0_grad) on_s0_grad(ds0);  // the last piece of the reverse walk
+        },
+        chunk_grads);
   }
   if (KIND == kScalar) dg = nkt == 1 ? dg.squeeze(-1) : dg.sum(-1);
   return {dq, dk, dv, dg, ds0};
@@ -670,11 +700,12 @@ std::vector<at::Tensor> bwd_impl(const Dims& d, const at::Tensor& q, const at::T
 template <typename T>
 std::vector<at::Tensor> bwd_kind(Decay kind, const Dims& d, const at::Tensor& q, const at::Tensor& k,
                                  const at::Tensor& v, double scale, const std::vector<at::Tensor>& saved,
-                                 const at::Tensor& dO, const at::Tensor& dfinal) {
+                                 const at::Tensor& dO, const at::Tensor& dfinal,
+                                 const std::function<void(const at::Tensor&)>& on_s0_grad) {
   switch (kind) {
-    case Decay::none: return bwd_impl<T, kNone>(d, q, k, v, scale, saved, dO, dfinal);
-    case Decay::scalar: return bwd_impl<T, kScalar>(d, q, k, v, scale, saved, dO, dfinal);
-    default: return bwd_impl<T, kDiag>(d, q, k, v, scale, saved, dO, dfinal);
+    case Decay::none: return bwd_impl<T, kNone>(d, q, k, v, scale, saved, dO, dfinal, on_s0_grad);
+    case Decay::scalar: return bwd_impl<T, kScalar>(d, q, k, v, scale, saved, dO, dfinal, on_s0_grad);
+    default: return bwd_impl<T, kDiag>(d, q, k, v, scale, saved, dO, dfinal, on_s0_grad);
   }
 }
 
@@ -683,7 +714,8 @@ std::vector<at::Tensor> bwd_kind(Decay kind, const Dims& d, const at::Tensor& q,
 std::vector<at::Tensor> decay_bwd(Decay kind, const at::Tensor& q_in, const at::Tensor& k_in,
                                   const at::Tensor& v_in, const at::Tensor& g_in, double scale,
                                   const at::Tensor& initial_state, const std::vector<at::Tensor>& saved,
-                                  const at::Tensor& d_o, const at::Tensor& d_final_state, int segments) {
+                                  const at::Tensor& d_o, const at::Tensor& d_final_state, int segments,
+                                  const std::function<void(const at::Tensor&)>& on_initial_state_grad) {
   Dims d = check_inputs("decay_bwd", kind, q_in, k_in, v_in, g_in);
   d.segments = segments;
   (void)initial_state;
@@ -695,8 +727,9 @@ std::vector<at::Tensor> decay_bwd(Decay kind, const at::Tensor& q_in, const at::
   auto q = dense(q_in), k = dense(k_in), v = dense(v_in);
   auto dO = dense(d_o.to(q.scalar_type()));
   auto dfinal = d_final_state.to(at::kFloat).contiguous();
-  if (q.scalar_type() == at::kBFloat16) return bwd_kind<bf16>(kind, d, q, k, v, scale, saved, dO, dfinal);
-  return bwd_kind<float>(kind, d, q, k, v, scale, saved, dO, dfinal);
+  if (q.scalar_type() == at::kBFloat16)
+    return bwd_kind<bf16>(kind, d, q, k, v, scale, saved, dO, dfinal, on_initial_state_grad);
+  return bwd_kind<float>(kind, d, q, k, v, scale, saved, dO, dfinal, on_initial_state_grad);
 }
 
 }  // namespace carry_decay

@@ -9,6 +9,7 @@
 #include <c10/cuda/CUDAException.h>
 
 #include <algorithm>
+#include <utility>
 
 namespace carry_decay {
 using namespace carry_tiles;
@@ -176,7 +177,7 @@ __global__ void __launch_bounds__(NW * 32) state_mma_kernel(const bf16* __restri
                                                             const float* __restrict__ G, const float* __restrict__ S0,
                                                             bf16* __restrict__ Hsave, float* __restrict__ Sfinal,
                                                             int Tn, int H, int DK, int DV, float scale, int NS, int L,
-                                                            float* __restrict__ SegG) {
+                                                            float* __restrict__ SegG, int c0, int c1) {
   using Sm = StateMmaSmem<KIND, NW, TV, NBUF>;
   constexpr int C = kChunk, TK = Sm::TK, NT = NW * 32, LX = Sm::LX, LY = Sm::LY, LG = Sm::LG, NTL = TV / 8;
   static_assert(NBUF >= 2 && TV % 16 == 0, "state_mma_kernel tiling");
@@ -188,7 +189,8 @@ __global__ void __launch_bounds__(NW * 32) state_mma_kernel(const bf16* __restri
 
   const int ntv = DV / TV, ik = blockIdx.x / ntv, iv = blockIdx.x % ntv;
   const int h = blockIdx.y, b = blockIdx.z / NS, seg = blockIdx.z % NS, N = Tn / C;
-  const int n_begin = seg * L, n_end = min(N, n_begin + L), count = n_end - n_begin;
+  // chunks [c0, c1) of the sequence's N (a piece of the walk; 0, N for the whole), cut into NS segments
+  const int n_begin = c0 + seg * L, n_end = min(c1, n_begin + L), count = n_end - n_begin;
   const bool from_given = REV ? seg == NS - 1 : seg == 0;
   const long xs = (long)H * DK, ys = (long)H * DV, bh = (long)b * H + h;
   const int k0 = ik * TK, v0 = iv * TV;
@@ -464,12 +466,11 @@ inline int sm_count() {
 // two segments ran slower than one (simple GLA 1.797 → 1.895 ms forward+backward at 16k); at H=4
 // (dk=128, dv=256: 256 tiles; dk=96, dv=192: 144) two warps a scheduler ran faster than one (1.827 →
 // 1.716 and 1.468 → 1.260 ms). fp32: enough to fill the GPU with about 2048 blocks, at least 4 chunks each.
-template <typename T, int KIND, bool REV>
-void launch_state(const at::Tensor& X, const at::Tensor& Y, const at::Tensor& G, const at::Tensor& S0,
-                  at::Tensor& Hsave, at::Tensor& Sfinal, int B, int Tn, int H, int DK, int DV, float scale,
-                  cudaStream_t stream, int segments = 0) {
+// The segments launch_state cuts the walk into, and their length in chunks.
+template <typename T>
+std::pair<int, int> state_segments(int B, int Tn, int H, int DK, int DV, int segments) {
   constexpr bool kMma = sizeof(T) == 2;
-  constexpr int TK = kMma ? 16 : 32, TV = 32, NW = kMma ? 1 : 4, NBUF = 3;
+  constexpr int TK = kMma ? 16 : 32, TV = 32;
   const int N = Tn / kChunk, base = (DK / TK) * (DV / TV) * H * B;
   int NS = segments;
   if (NS <= 0) {
@@ -482,27 +483,61 @@ void launch_state(const at::Tensor& X, const at::Tensor& Y, const at::Tensor& G,
   }
   NS = std::max(1, std::min(NS, N));
   const int L = (N + NS - 1) / NS;
-  NS = (N + L - 1) / L;
+  return {(N + L - 1) / L, L};
+}
+
+// bf16: state_mma_kernel over chunks [c0, c1) cut into NS segments of L chunks, from S0 (fp32
+// [B,H,DK,DV]) into Send (the final state; with segments, each segment's end state, [B,H,NS,DK,DV]).
+// Four warps a block (a 64 x 32 tile, with the split accumulators) where dk allows, else two (dk = 96).
+template <int KIND, bool REV>
+void launch_state_mma(const at::Tensor& X, const at::Tensor& Y, const float* g, const float* S0, at::Tensor& Hsave,
+                      float* Send, int B, int Tn, int H, int DK, int DV, float scale, cudaStream_t stream, int NS,
+                      int L, float* segg, int c0, int c1) {
+  constexpr int TV = 32, NBUF = 3;
+  auto run = [&](auto nw_tag, auto split_tag) {
+    constexpr int W = decltype(nw_tag)::value;
+    constexpr bool SP = decltype(split_tag)::value;
+    using Sm = StateMmaSmem<KIND, W, TV, NBUF>;
+    auto kern = state_mma_kernel<KIND, REV, W, TV, NBUF, SP>;
+    cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)Sm::bytes);
+    dim3 mgrid((DK / (16 * W)) * (DV / TV), H, B * NS);
+    kern<<<mgrid, W * 32, Sm::bytes, stream>>>(reinterpret_cast<const bf16*>(X.data_ptr()),
+                                               reinterpret_cast<const bf16*>(Y.data_ptr()), g, S0,
+                                               reinterpret_cast<bf16*>(Hsave.data_ptr()), Send, Tn, H, DK, DV, scale,
+                                               NS, L, segg, c0, c1);
+  };
+  if (DK % 64 == 0) run(std::integral_constant<int, 4>(), std::true_type());
+  else run(std::integral_constant<int, 2>(), std::false_type());
+}
+
+// bf16, one segment: the walk over chunks [c0, c1) only, from the state `from` (fp32 [B,H,DK,DV]) to
+// `to`. Consecutive pieces chained through fp32 memory run the whole walk's operations on the same
+// values: its bits (kernel_decay.cuh, decay_set_pieces).
+template <int KIND, bool REV>
+void launch_state_piece(const at::Tensor& X, const at::Tensor& Y, const at::Tensor& G, const float* from,
+                        at::Tensor& Hsave, float* to, int B, int Tn, int H, int DK, int DV, float scale,
+                        cudaStream_t stream, int c0, int c1) {
+  launch_state_mma<KIND, REV>(X, Y, KIND == kNone ? nullptr : G.data_ptr<float>(), from, Hsave, to, B, Tn, H, DK, DV,
+                              scale, stream, 1, c1 - c0, nullptr, c0, c1);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+template <typename T, int KIND, bool REV>
+void launch_state(const at::Tensor& X, const at::Tensor& Y, const at::Tensor& G, const at::Tensor& S0,
+                  at::Tensor& Hsave, at::Tensor& Sfinal, int B, int Tn, int H, int DK, int DV, float scale,
+                  cudaStream_t stream, int segments = 0) {
+  constexpr bool kMma = sizeof(T) == 2;
+  constexpr int TK = kMma ? 16 : 32, TV = 32, NW = kMma ? 1 : 4;
+  const int N = Tn / kChunk;
+  const std::pair<int, int> segs = state_segments<T>(B, Tn, H, DK, DV, segments);
+  const int NS = segs.first, L = segs.second;
   at::Tensor Send = NS == 1 ? Sfinal : at::empty({B, H, NS, DK, DV}, Sfinal.options());
   at::Tensor SegG = NS == 1 || KIND == kNone ? at::Tensor() : at::empty({B, H, NS, DK}, Sfinal.options());
   const float* g = KIND == kNone ? nullptr : G.data_ptr<float>();
   float* segg = SegG.defined() ? SegG.data_ptr<float>() : nullptr;
   if constexpr (kMma) {
-    // Four warps a block (a 64 x 32 tile, with the split accumulators) where dk allows, else two (dk = 96).
-    auto run = [&](auto nw_tag, auto split_tag) {
-      constexpr int W = decltype(nw_tag)::value;
-      constexpr bool SP = decltype(split_tag)::value;
-      using Sm = StateMmaSmem<KIND, W, TV, NBUF>;
-      auto kern = state_mma_kernel<KIND, REV, W, TV, NBUF, SP>;
-      cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)Sm::bytes);
-      dim3 mgrid((DK / (16 * W)) * (DV / TV), H, B * NS);
-      kern<<<mgrid, W * 32, Sm::bytes, stream>>>(reinterpret_cast<const bf16*>(X.data_ptr()),
-                                                 reinterpret_cast<const bf16*>(Y.data_ptr()), g, S0.data_ptr<float>(),
-                                                 reinterpret_cast<bf16*>(Hsave.data_ptr()), Send.data_ptr<float>(), Tn,
-                                                 H, DK, DV, scale, NS, L, segg);
-    };
-    if (DK % 64 == 0) run(std::integral_constant<int, 4>(), std::true_type());
-    else run(std::integral_constant<int, 2>(), std::false_type());
+    launch_state_mma<KIND, REV>(X, Y, g, S0.data_ptr<float>(), Hsave, Send.data_ptr<float>(), B, Tn, H, DK, DV, scale,
+                                stream, NS, L, segg, 0, N);
   } else {
     constexpr size_t smem = state_smem<T, KIND, TK, TV>();
     auto kern = state_kernel<T, KIND, REV, TK, TV, NW>;

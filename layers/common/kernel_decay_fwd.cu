@@ -12,6 +12,13 @@
 //     tensor-core products of Q and K rescaled against the gate just before the row block (every
 //     factor ≤ 1, no overflow for any decay), its diagonal blocks are summed elementwise, exactly.
 //     P is saved (input dtype) for the backward.
+// In bf16 the walk is state_mma_kernel (kernel_decay_device.cuh: 16 x 32 state pieces in mma.sync
+// registers, four warps a block sharing the chunk's K tile), and the scalar decay and linear attention
+// with dk 64 or 128 take 3. from out_frag_kernel (eight warps a chunk, P and the output's accumulators
+// in registers, 64-wide dv tiles double-buffered). With decay_set_pieces the walk runs in ranges of
+// chunks and each finished range's output kernel runs on a second stream beside the next range's walk
+// (walk_in_pieces, kernel_decay_launch.h); the final state goes to MixerOptions::on_final_state
+// between the walk and the output.
 #include "layers/common/kernel_decay.cuh"
 #include "layers/common/kernel_decay_device.cuh"
 #include "layers/common/kernel_decay_launch.h"
@@ -31,6 +38,11 @@ std::atomic<int> g_segments{0};
 }
 int forced_segments() { return g_segments.load(); }
 void decay_set_segments(int n) { g_segments.store(n < 0 ? 0 : n); }
+namespace {
+std::atomic<int> g_pieces{0};
+}
+int forced_pieces() { return g_pieces.load(); }
+void decay_set_pieces(int n) { g_pieces.store(n < 0 ? 0 : n); }
 
 namespace {
 
@@ -161,7 +173,8 @@ template <typename T, int KIND, int DK, int TV, int NW>
 __global__ void __launch_bounds__(NW * 32) out_kernel(const T* __restrict__ q, const T* __restrict__ k,
                                                       const T* __restrict__ v, const float* __restrict__ G,
                                                       const T* __restrict__ Hsave, T* __restrict__ o,
-                                                      T* __restrict__ Psave, int Tn, int H, int DV, float scale) {
+                                                      T* __restrict__ Psave, int Tn, int H, int DV, float scale,
+                                                      int c0) {
   using L = OutSmem<T, KIND, DK, TV>;
   constexpr int C = kChunk, NT = NW * 32;
   extern __shared__ __align__(128) unsigned char smem[];
@@ -175,7 +188,7 @@ __global__ void __launch_bounds__(NW * 32) out_kernel(const T* __restrict__ q, c
   T* scratch = reinterpret_cast<T*>(smem + L::offScr);
   float* Os = reinterpret_cast<float*>(smem + L::offO);
 
-  const int n = blockIdx.x, bh = blockIdx.z, b = bh / H, h = bh % H, N = Tn / C;
+  const int n = c0 + blockIdx.x, bh = blockIdx.z, b = bh / H, h = bh % H, N = Tn / C;
   const long tok = (long)b * Tn + (long)n * C, qs = (long)H * DK, vs = (long)H * DV;
   auto load_hv = [&](int iv) {  // the state rows and values of dv tile iv
     load_tile_async<T, DK, TV, NT>(Hs, L::LH, Hsave + ((long)bh * N + n) * DK * DV + iv * TV, DV);
@@ -240,7 +253,8 @@ template <int KIND, int DK>
 __global__ void __launch_bounds__(256) out_frag_kernel(const bf16* __restrict__ q, const bf16* __restrict__ k,
                                                        const bf16* __restrict__ v, const float* __restrict__ G,
                                                        const bf16* __restrict__ Hsave, bf16* __restrict__ o,
-                                                       bf16* __restrict__ Psave, int Tn, int H, int DV, float scale) {
+                                                       bf16* __restrict__ Psave, int Tn, int H, int DV, float scale,
+                                                       int c0) {
   static_assert(KIND == kScalar || KIND == kNone, "the diagonal decay keeps out_kernel");
   using L = OutFragSmem<DK>;
   constexpr int C = kChunk, NT = 256;
@@ -250,7 +264,7 @@ __global__ void __launch_bounds__(256) out_frag_kernel(const bf16* __restrict__ 
   bf16* sPb = reinterpret_cast<bf16*>(smem + L::oPb);
   float* sG = reinterpret_cast<float*>(smem + L::oG);
 
-  const int n = blockIdx.x, h = blockIdx.y, b = blockIdx.z, N = Tn / C, ntile = DV / 64;
+  const int n = c0 + blockIdx.x, h = blockIdx.y, b = blockIdx.z, N = Tn / C, ntile = DV / 64;
   const long bh = (long)b * H + h, tok = (long)b * Tn + (long)n * C, qs = (long)H * DK, vs = (long)H * DV;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2;
   const int m0 = (warp & 3) * 16, n0 = (warp >> 2) * 32;
@@ -298,16 +312,16 @@ __global__ void __launch_bounds__(256) out_frag_kernel(const bf16* __restrict__ 
 template <typename T, int KIND, int DK>
 void launch_out(const Dims& d, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                 const at::Tensor& G, const at::Tensor& Hsave, at::Tensor& o, at::Tensor& P, float scale,
-                cudaStream_t stream) {
+                cudaStream_t stream, int c0, int c1) {
   if constexpr (sizeof(T) == 2 && KIND != kDiag && DK % 64 == 0) {
     using L = OutFragSmem<DK>;
     auto kern = out_frag_kernel<KIND, DK>;
     cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)L::bytes);
-    kern<<<dim3(d.N, d.H, d.B), 256, L::bytes, stream>>>(
+    kern<<<dim3(c1 - c0, d.H, d.B), 256, L::bytes, stream>>>(
         reinterpret_cast<const bf16*>(q.data_ptr()), reinterpret_cast<const bf16*>(k.data_ptr()),
         reinterpret_cast<const bf16*>(v.data_ptr()), KIND == kNone ? nullptr : G.data_ptr<float>(),
         reinterpret_cast<const bf16*>(Hsave.data_ptr()), reinterpret_cast<bf16*>(o.data_ptr()),
-        reinterpret_cast<bf16*>(P.data_ptr()), d.T, d.H, d.DV, scale);
+        reinterpret_cast<bf16*>(P.data_ptr()), d.T, d.H, d.DV, scale, c0);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
     return;
   }
@@ -315,18 +329,19 @@ void launch_out(const Dims& d, const at::Tensor& q, const at::Tensor& k, const a
   using L = OutSmem<T, KIND, DK, TV>;
   auto kern = out_kernel<T, KIND, DK, TV, NW>;
   cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)L::bytes);
-  dim3 grid(d.N, 1, d.B * d.H);
+  dim3 grid(c1 - c0, 1, d.B * d.H);
   kern<<<grid, NW * 32, L::bytes, stream>>>(
       reinterpret_cast<const T*>(q.data_ptr()), reinterpret_cast<const T*>(k.data_ptr()),
       reinterpret_cast<const T*>(v.data_ptr()), KIND == kNone ? nullptr : G.data_ptr<float>(),
       reinterpret_cast<const T*>(Hsave.data_ptr()), reinterpret_cast<T*>(o.data_ptr()),
-      reinterpret_cast<T*>(P.data_ptr()), d.T, d.H, d.DV, scale);
+      reinterpret_cast<T*>(P.data_ptr()), d.T, d.H, d.DV, scale, c0);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
 template <typename T, int KIND>
 std::vector<at::Tensor> fwd_impl(const Dims& d, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                                 const at::Tensor& g, double scale, const at::Tensor& s0) {
+                                 const at::Tensor& g, double scale, const at::Tensor& s0,
+                                 const std::function<void(const at::Tensor&)>& on_final_state) {
   auto stream = at::cuda::getCurrentCUDAStream();
   const auto f32 = q.options().dtype(at::kFloat);
   at::Tensor G;
@@ -340,23 +355,41 @@ std::vector<at::Tensor> fwd_impl(const Dims& d, const at::Tensor& q, const at::T
   }
   auto Hsave = alloc({d.B, d.H, d.N, d.DK, d.DV}, q.options());
   auto Sfinal = alloc({d.B, d.H, d.DK, d.DV}, f32);
-  launch_state<T, KIND, false>(k, v, G, s0, Hsave, Sfinal, d.B, d.T, d.H, d.DK, d.DV, (float)scale, stream,
-                               segments_of(d));
   auto o = alloc({d.B, d.T, d.H, d.DV}, q.options());
   auto P = alloc({d.B, d.H, d.N, kChunk, kChunk}, q.options());
-  if (d.DK == 64) launch_out<T, KIND, 64>(d, q, k, v, G, Hsave, o, P, (float)scale, stream);
-  else if (d.DK == 96) launch_out<T, KIND, 96>(d, q, k, v, G, Hsave, o, P, (float)scale, stream);
-  else launch_out<T, KIND, 128>(d, q, k, v, G, Hsave, o, P, (float)scale, stream);
+  auto out = [&](cudaStream_t st, int c0, int c1) {
+    if (d.DK == 64) launch_out<T, KIND, 64>(d, q, k, v, G, Hsave, o, P, (float)scale, st, c0, c1);
+    else if (d.DK == 96) launch_out<T, KIND, 96>(d, q, k, v, G, Hsave, o, P, (float)scale, st, c0, c1);
+    else launch_out<T, KIND, 128>(d, q, k, v, G, Hsave, o, P, (float)scale, st, c0, c1);
+  };
+  const int segments = state_segments<T>(d.B, d.T, d.H, d.DK, d.DV, segments_of(d)).first;
+  const int pieces = pieces_for(d, sizeof(T) == 2, segments);
+  if (pieces == 1) {
+    launch_state<T, KIND, false>(k, v, G, s0, Hsave, Sfinal, d.B, d.T, d.H, d.DK, d.DV, (float)scale, stream,
+                                 segments_of(d));
+    if (on_final_state) on_final_state(Sfinal);  // before the output kernel: a send runs beside it
+    out(stream, 0, d.N);
+  } else if constexpr (sizeof(T) == 2) {
+    walk_in_pieces(
+        d.N, pieces, /*reverse=*/false, s0.data_ptr<float>(), Sfinal.data_ptr<float>(), Sfinal,
+        [&](int c0, int c1, const float* from, float* to) {
+          launch_state_piece<KIND, false>(k, v, G, from, Hsave, to, d.B, d.T, d.H, d.DK, d.DV, (float)scale, stream,
+                                          c0, c1);
+          if (c1 == d.N && on_final_state) on_final_state(Sfinal);  // the last piece walked
+        },
+        out);
+  }
   return {o, Sfinal, G.defined() ? G : at::empty({0}, f32), Hsave, P};
 }
 
 template <typename T>
 std::vector<at::Tensor> fwd_kind(Decay kind, const Dims& d, const at::Tensor& q, const at::Tensor& k,
-                                 const at::Tensor& v, const at::Tensor& g, double scale, const at::Tensor& s0) {
+                                 const at::Tensor& v, const at::Tensor& g, double scale, const at::Tensor& s0,
+                                 const std::function<void(const at::Tensor&)>& on_final_state) {
   switch (kind) {
-    case Decay::none: return fwd_impl<T, kNone>(d, q, k, v, g, scale, s0);
-    case Decay::scalar: return fwd_impl<T, kScalar>(d, q, k, v, g, scale, s0);
-    default: return fwd_impl<T, kDiag>(d, q, k, v, g, scale, s0);
+    case Decay::none: return fwd_impl<T, kNone>(d, q, k, v, g, scale, s0, on_final_state);
+    case Decay::scalar: return fwd_impl<T, kScalar>(d, q, k, v, g, scale, s0, on_final_state);
+    default: return fwd_impl<T, kDiag>(d, q, k, v, g, scale, s0, on_final_state);
   }
 }
 
@@ -364,7 +397,8 @@ std::vector<at::Tensor> fwd_kind(Decay kind, const Dims& d, const at::Tensor& q,
 
 std::vector<at::Tensor> decay_fwd(Decay kind, const at::Tensor& q_in, const at::Tensor& k_in,
                                   const at::Tensor& v_in, const at::Tensor& g_in, double scale,
-                                  const at::Tensor& initial_state, int segments) {
+                                  const at::Tensor& initial_state, int segments,
+                                  const std::function<void(const at::Tensor&)>& on_final_state) {
   Dims d = check_inputs("decay_fwd", kind, q_in, k_in, v_in, g_in);
   d.segments = segments;
   c10::cuda::CUDAGuard guard(q_in.device());
@@ -374,8 +408,8 @@ std::vector<at::Tensor> decay_fwd(Decay kind, const at::Tensor& q_in, const at::
                   initial_state.scalar_type() == at::kFloat,
               "decay_fwd: initial_state must be fp32 [B,H,dk,dv], got ", initial_state.sizes());
   auto s0 = initial_state.contiguous();
-  if (q.scalar_type() == at::kBFloat16) return fwd_kind<bf16>(kind, d, q, k, v, g, scale, s0);
-  return fwd_kind<float>(kind, d, q, k, v, g, scale, s0);
+  if (q.scalar_type() == at::kBFloat16) return fwd_kind<bf16>(kind, d, q, k, v, g, scale, s0, on_final_state);
+  return fwd_kind<float>(kind, d, q, k, v, g, scale, s0, on_final_state);
 }
 
 }  // namespace carry_decay

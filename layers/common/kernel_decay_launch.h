@@ -7,14 +7,17 @@
 
 #include <ATen/ATen.h>
 #include <ATen/cuda/CUDAContext.h>
+#include <ATen/cuda/CUDAEvent.h>
 #include <c10/cuda/CUDAGuard.h>
 
+#include <algorithm>
 #include <limits>
 
 namespace carry_decay {
 
 bool poison_enabled();
 int forced_segments();  // decay_set_segments' value
+int forced_pieces();    // decay_set_pieces' value
 
 // at::empty, filled with NaN when the debug poison is on.
 inline at::Tensor alloc(at::IntArrayRef sizes, const at::TensorOptions& opt) {
@@ -28,6 +31,43 @@ struct Dims {
 };
 // The segments a launch uses: the call's own choice, else the forced (test) value, else automatic (0).
 inline int segments_of(const Dims& d) { return d.segments > 0 ? d.segments : forced_segments(); }
+
+// The pieces a bf16 walk runs in (decay_set_pieces): 1 unless forced above 1, and only where the walk
+// runs as one segment (a segmented walk is one launch and its join).
+inline int pieces_for(const Dims& d, bool bf16, int segments_used) {
+  const int n = forced_pieces();
+  return bf16 && n > 1 && segments_used == 1 ? std::min(n, d.N) : 1;
+}
+
+// The walk in `pieces` consecutive ranges of chunks (the last range first when `reverse`), each a launch
+// walk(c0, c1, from, to) on the caller's stream, the state handed from one to the next through fp32
+// memory (`first_from` into the first, the last into `last_to`); after each range's walk, local(stream,
+// c0, c1) on a second stream runs the chunk-local kernels of that range while the next range walks.
+template <typename Walk, typename Local>
+void walk_in_pieces(int N, int pieces, bool reverse, const float* first_from, float* last_to,
+                    const at::Tensor& state, Walk walk, Local local) {
+  auto stream = at::cuda::getCurrentCUDAStream();
+  const int len = (N + pieces - 1) / pieces, n = (N + len - 1) / len;
+  at::Tensor handover = at::empty({2, state.numel()}, state.options().dtype(at::kFloat));
+  auto side = at::cuda::getStreamFromPool(false, state.device().index());
+  at::cuda::CUDAEvent inputs;  // the caller's stream has produced every input
+  inputs.record(stream);
+  inputs.block(side);
+  const float* from = first_from;
+  for (int i = 0; i < n; ++i) {
+    const int p = reverse ? n - 1 - i : i, c0 = p * len, c1 = std::min(N, c0 + len);
+    float* to = i == n - 1 ? last_to : handover[i % 2].data_ptr<float>();
+    walk(c0, c1, from, to);
+    from = to;
+    at::cuda::CUDAEvent walked;
+    walked.record(stream);
+    walked.block(side);
+    local(side.stream(), c0, c1);
+  }
+  at::cuda::CUDAEvent done;
+  done.record(side);
+  done.block(stream);
+}
 
 inline Dims check_inputs(const char* who, Decay kind, const at::Tensor& q, const at::Tensor& k,
                          const at::Tensor& v, const at::Tensor& g) {

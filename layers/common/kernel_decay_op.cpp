@@ -13,20 +13,29 @@ namespace {
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 
+// MixerOptions::on_initial_state_grad, kept in the autograd context for the backward.
+struct StateGradHook : torch::CustomClassHolder {
+  explicit StateGradHook(std::function<void(const Tensor&)> f) : fn(std::move(f)) {}
+  std::function<void(const Tensor&)> fn;
+};
+
 struct DecayKernelOp : public torch::autograd::Function<DecayKernelOp> {
   // g travels as an empty tensor for linear attention (autograd Functions take no undefined tensors).
   static variable_list forward(AutogradContext* ctx, const Tensor& q, const Tensor& k, const Tensor& v,
                                const Tensor& g_or_empty, const Tensor& s0, double scale, int64_t kind,
-                               int64_t segments) {
+                               int64_t segments, const std::function<void(const Tensor&)>& on_final_state,
+                               const std::function<void(const Tensor&)>& on_initial_state_grad) {
     const auto decay = static_cast<carry_decay::Decay>(kind);
     const Tensor g = g_or_empty.numel() == 0 ? Tensor() : g_or_empty;
-    auto out = carry_decay::decay_fwd(decay, q, k, v, g, scale, s0, static_cast<int>(segments));
+    auto out = carry_decay::decay_fwd(decay, q, k, v, g, scale, s0, static_cast<int>(segments), on_final_state);
     variable_list keep{q, k, v, g_or_empty};
     keep.insert(keep.end(), out.begin() + 2, out.end());
     ctx->save_for_backward(keep);
     ctx->saved_data["scale"] = scale;
     ctx->saved_data["kind"] = kind;
     ctx->saved_data["segments"] = segments;
+    if (on_initial_state_grad)
+      ctx->saved_data["on_s0_grad"] = at::IValue::make_capsule(c10::make_intrusive<StateGradHook>(on_initial_state_grad));
     return {out[0], out[1]};
   }
 
@@ -40,9 +49,12 @@ struct DecayKernelOp : public torch::autograd::Function<DecayKernelOp> {
     Tensor d_o = grads[0].defined() ? grads[0].contiguous() : at::zeros({B, T, H, dv}, v.options());
     Tensor d_s = grads[1].defined() ? grads[1].contiguous()
                                     : at::zeros({B, H, dk, dv}, q.options().dtype(at::kFloat));
+    std::function<void(const Tensor&)> hook;
+    auto it = ctx->saved_data.find("on_s0_grad");
+    if (it != ctx->saved_data.end()) hook = c10::static_intrusive_pointer_cast<StateGradHook>(it->second.toCapsule())->fn;
     auto d = carry_decay::decay_bwd(decay, q, k, v, g, ctx->saved_data["scale"].toDouble(), Tensor(), saved, d_o,
-                                    d_s, static_cast<int>(ctx->saved_data["segments"].toInt()));
-    return {d[0], d[1], d[2], g.defined() ? d[3] : Tensor(), d[4], Tensor(), Tensor(), Tensor()};
+                                    d_s, static_cast<int>(ctx->saved_data["segments"].toInt()), hook);
+    return {d[0], d[1], d[2], g.defined() ? d[3] : Tensor(), d[4], Tensor(), Tensor(), Tensor(), Tensor(), Tensor()};
   }
 };
 
@@ -69,21 +81,27 @@ MixerOutput decay_kernel_form(const Mixer& family, DecayKernel kind, const Tenso
                               const State& initial_state, const MixerOptions& opt) {
   family.check(in, opt, /*chunked=*/true);
   check_decay_kernel_supports(family.name(), in, opt);
+  std::function<void(const Tensor&)> on_state, on_s0_grad;
+  if (opt.on_final_state) on_state = [&opt](const Tensor& s) { opt.on_final_state({s}); };
+  // Called in the backward, after this function returned: it holds its own copy of the caller's hook.
+  if (opt.on_initial_state_grad) on_s0_grad = [f = opt.on_initial_state_grad](const Tensor& d) { f({d}); };
   auto r = decay_kernel_forward(kind, in.q, in.k, in.v, gate, initial_state.empty() ? Tensor() : initial_state[0],
-                                opt.scale_for(in.q.size(3)), opt.serial_states);
+                                opt.scale_for(in.q.size(3)), opt.serial_states, on_state, on_s0_grad);
   return {r.first, {r.second}};
 }
 
 std::pair<Tensor, Tensor> decay_kernel_forward(DecayKernel kind, const Tensor& q, const Tensor& k, const Tensor& v,
                                                const Tensor& g, const Tensor& initial_state, double scale,
-                                               bool serial_states) {
+                                               bool serial_states,
+                                               const std::function<void(const Tensor&)>& on_final_state,
+                                               const std::function<void(const Tensor&)>& on_initial_state_grad) {
   const int64_t B = q.size(0), H = q.size(2), dk = q.size(3), dv = v.size(3);
   Tensor s0 = initial_state.defined() ? initial_state.to(at::kFloat).contiguous()
                                       : at::zeros({B, H, dk, dv}, q.options().dtype(at::kFloat));
   Tensor g32 = kind == DecayKernel::none ? at::empty({0}, q.options().dtype(at::kFloat))
                                          : g.to(at::kFloat).contiguous();
   auto out = DecayKernelOp::apply(dense(q), dense(k), dense(v), g32, s0, scale, static_cast<int64_t>(kind),
-                                  int64_t{serial_states ? 1 : 0});
+                                  int64_t{serial_states ? 1 : 0}, on_final_state, on_initial_state_grad);
   return {out[0], out[1]};
 }
 

@@ -18,9 +18,13 @@ bool decay_kernel_supports(const MixerInputs& in, const MixerOptions& opt);
 // float dtype (the kernels read it in fp32). Returns o [B,T,H,dv] in q's dtype and the final state in
 // fp32; differentiable in q, k, v, g and the initial state. serial_states: the state recurrence walks
 // the chunks in order (MixerOptions::serial_states), else an in-GPU segment scan may run.
+// on_final_state, when set, is called with the final state once its walk is enqueued, before the output
+// kernel (MixerOptions::on_final_state).
 std::pair<Tensor, Tensor> decay_kernel_forward(DecayKernel kind, const Tensor& q, const Tensor& k, const Tensor& v,
                                                const Tensor& g, const Tensor& initial_state, double scale,
-                                               bool serial_states = false);
+                                               bool serial_states = false,
+                                               const std::function<void(const Tensor&)>& on_final_state = {},
+                                               const std::function<void(const Tensor&)>& on_initial_state_grad = {});
 
 // The kernel form of a family of this class with one state S and gate `gate` (undefined for none):
 // the family's checks, the supported-shape check, then decay_kernel_forward.

@@ -10,6 +10,7 @@
 
 #include <ATen/ATen.h>
 
+#include <functional>
 #include <vector>
 
 namespace carry_gdn {  // the delta rule's kernels (layers/delta_rule)
@@ -17,15 +18,19 @@ namespace carry_gdn {  // the delta rule's kernels (layers/delta_rule)
 // Saved for backward, in order: G (gate cumsums per chunk, fp32 [B,H,T]), Tinv ((I+L)⁻¹ per chunk,
 // fp32 [B,H,N,64,64]), W ([B,H,T,dk], input dtype), H (state entering each chunk, input dtype
 // [B,H,N,dk,dv]), V_new (U − W·S per chunk, input dtype [B,H,T,dv]).
+// on_final_state, when set, is called with the final state (fp32 [B,H,dk,dv]) right after its walk is
+// enqueued, before the output kernel: what it enqueues on the stream (a send) runs beside the output.
 std::vector<at::Tensor> gdn_fwd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                 const at::Tensor& g, const at::Tensor& beta, double scale,
-                                const at::Tensor& initial_state, int64_t chunk_size = 64);
+                                const at::Tensor& initial_state, int64_t chunk_size = 64,
+                                const std::function<void(const at::Tensor&)>& on_final_state = {});
 
 std::vector<at::Tensor> gdn_bwd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                 const at::Tensor& g, const at::Tensor& beta, double scale,
                                 const at::Tensor& initial_state, const std::vector<at::Tensor>& saved,
                                 const at::Tensor& d_o, const at::Tensor& d_final_state,
-                                int64_t chunk_size = 64);
+                                int64_t chunk_size = 64,
+                                const std::function<void(const at::Tensor&)>& on_initial_state_grad = {});
 
 // Tests: the pieces the bf16 state walks are cut into (0: automatic, 1: one walk). Pieces give the
 // bits of one walk; they let the chunk-local kernels of finished pieces run beside the walk.

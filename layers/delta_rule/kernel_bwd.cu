@@ -1177,6 +1177,8 @@ struct BwdArgs {
   const float* dSfin;
   at::Tensor dVl, dHs, dVn, dS0;        // recurrence outputs
   at::Tensor dq, dk, dv, dg, dbeta;     // chunk-kernel outputs (dg undefined: DeltaNet)
+  // MixerOptions::on_initial_state_grad: called with dS0 once the reverse walk is enqueued.
+  std::function<void(const at::Tensor&)> on_s0_grad;
 };
 
 // bf16: the reverse recurrence (bwd_state_mma_kernel, BV = 16, 4 warps) and the chunk-gradient
@@ -1215,6 +1217,7 @@ bool bwd_pieces(BwdArgs& a) {
   const Pieces pc = plan_pieces(d, (DV / BV) * d.H * d.B);
   if (pc.n == 1) {
     walk(0, d.N, a.dSfin, a.dS0.data_ptr<float>());
+    if (a.on_s0_grad) a.on_s0_grad(a.dS0);  // before the chunk kernels: a send runs beside them
     chunks(stream, 0, d.N);
     return true;
   }
@@ -1226,6 +1229,7 @@ bool bwd_pieces(BwdArgs& a) {
     float* to = c0 == 0 ? a.dS0.data_ptr<float>() : tmp[p % 2].data_ptr<float>();
     walk(c0, c1, from, to);
     from = to;
+    if (c0 == 0 && a.on_s0_grad) a.on_s0_grad(a.dS0);  // the reverse walk's last piece
     at::cuda::CUDAEvent walked;
     walked.record(stream);
     walked.block(side);
@@ -1302,6 +1306,7 @@ bool bwd_impl(BwdArgs& a) {
     else launch_mma(I16{}, I4{});
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   }
+  if (a.on_s0_grad) a.on_s0_grad(a.dS0);  // before the chunk kernels: a send runs beside them
   if constexpr (std::is_same<T, bf16>::value) {
     auto kern = bwd_chunk_reg_kernel<DK, DV>;
     constexpr size_t sm = ChunkRegSmem<DK, 64>::bytes;
@@ -1428,7 +1433,8 @@ std::vector<at::Tensor> chunk_grads(const Dims& d, const at::Tensor& q, const at
 std::vector<at::Tensor> gdn_bwd(const at::Tensor& q_, const at::Tensor& k_, const at::Tensor& v_,
                                 const at::Tensor& g_, const at::Tensor& beta_, double scale,
                                 const at::Tensor& S0_, const std::vector<at::Tensor>& saved,
-                                const at::Tensor& d_o, const at::Tensor& dSfin_, int64_t chunk_size) {
+                                const at::Tensor& d_o, const at::Tensor& dSfin_, int64_t chunk_size,
+                                const std::function<void(const at::Tensor&)>& on_initial_state_grad) {
   const Dims d = check_inputs("gdn_bwd", q_, k_, v_, g_, beta_, chunk_size);
   TORCH_CHECK(saved.size() == 5, "gdn_bwd: saved must be the 5 tensors gdn_fwd returned after o and final_state");
   TORCH_CHECK(d_o.sizes() == v_.sizes(), "gdn_bwd: d_o must have v's shape ", v_.sizes(), ", got ", d_o.sizes());
@@ -1454,6 +1460,7 @@ std::vector<at::Tensor> gdn_bwd(const at::Tensor& q_, const at::Tensor& k_, cons
   a.dv = alloc({d.B, d.T, d.H, d.DV}, q.options());
   if (g_.defined()) a.dg = alloc({d.B, d.T, d.H}, f32);
   a.dbeta = alloc({d.B, d.T, d.H}, f32);
+  a.on_s0_grad = on_initial_state_grad;
   const bool fused = q.scalar_type() == at::kBFloat16 ? bwd_dispatch<bf16>(d.DK, d.DV, a)
                                                       : bwd_dispatch<float>(d.DK, d.DV, a);
   std::vector<at::Tensor> gr;

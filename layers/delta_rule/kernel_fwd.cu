@@ -757,7 +757,7 @@ void set_smem(K kernel, size_t bytes) {
 template <int DK, int DV>
 void fwd_pieces(const Dims& d, const bf16* kp, const bf16* vp, const float* g, const float* beta, at::Tensor& Gc,
                 at::Tensor& Tm, bf16* Wp, bf16* Up, const float* S0, bf16* Hp, bf16* Vnp, at::Tensor& Sfin,
-                const bf16* qp, bf16* Op, float scale) {
+                const bf16* qp, bf16* Op, float scale, const std::function<void(const at::Tensor&)>& on_final_state) {
   constexpr int BV = 16, NW = 4;
   auto stream = at::cuda::getCurrentCUDAStream();
   auto skern = fwd_state_mma_kernel<DK, DV, BV, NW, kStateStages>;
@@ -788,6 +788,7 @@ void fwd_pieces(const Dims& d, const bf16* kp, const bf16* vp, const float* g, c
   if (pc.n == 1) {
     prep(stream, 0, d.N);
     walk(0, d.N, S0, Sfin.data_ptr<float>());
+    if (on_final_state) on_final_state(Sfin);  // before the output kernel: a send runs beside it
     out(stream, 0, d.N);
     return;
   }
@@ -812,6 +813,7 @@ void fwd_pieces(const Dims& d, const bf16* kp, const bf16* vp, const float* g, c
     prepared[p].block(stream);
     walk(c0, c1, from, to);
     from = to;
+    if (c1 == d.N && on_final_state) on_final_state(Sfin);  // the last piece: the final state is enqueued
     at::cuda::CUDAEvent walked;
     walked.record(stream);
     walked.block(side);
@@ -825,7 +827,8 @@ void fwd_pieces(const Dims& d, const bf16* kp, const bf16* vp, const float* g, c
 template <typename T, int DK, int DV>
 void fwd_impl(const Dims& d, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const float* g,
               const float* beta, float scale, const float* S0, at::Tensor& Gc, at::Tensor& Tm, at::Tensor& W,
-              at::Tensor& U, at::Tensor& Hs, at::Tensor& Vn, at::Tensor& Sfin, at::Tensor& O) {
+              at::Tensor& U, at::Tensor& Hs, at::Tensor& Vn, at::Tensor& Sfin, at::Tensor& O,
+              const std::function<void(const at::Tensor&)>& on_final_state) {
   auto stream = at::cuda::getCurrentCUDAStream();
   const T* qp = reinterpret_cast<const T*>(q.data_ptr());
   const T* kp = reinterpret_cast<const T*>(k.data_ptr());
@@ -839,7 +842,7 @@ void fwd_impl(const Dims& d, const at::Tensor& q, const at::Tensor& k, const at:
   {
     if constexpr (std::is_same<T, bf16>::value) {
       if (state_cfg() == 0) return fwd_pieces<DK, DV>(d, kp, vp, g, beta, Gc, Tm, Wp, Up, S0, Hp, Vnp, Sfin, qp, Op,
-                                                      scale);
+                                                      scale, on_final_state);
       auto kern = prep_reg_kernel<DK, DV>;
       constexpr size_t sm = PrepRegSmem<DK>::bytes;
       set_smem(kern, sm);
@@ -889,6 +892,7 @@ void fwd_impl(const Dims& d, const at::Tensor& q, const at::Tensor& k, const at:
     else launch_mma(I16{}, I4{});
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   }
+  if (on_final_state) on_final_state(Sfin);  // before the output kernel: a send runs beside it
   if constexpr (std::is_same<T, bf16>::value) {
     auto kern = fwd_o_reg_kernel<DK, DV>;
     constexpr size_t sm = OutRegSmem<DK>::bytes;
@@ -918,7 +922,8 @@ void fwd_dispatch(int DK, int DV, A&&... a) {
 
 std::vector<at::Tensor> gdn_fwd(const at::Tensor& q_, const at::Tensor& k_, const at::Tensor& v_,
                                 const at::Tensor& g_, const at::Tensor& beta_, double scale,
-                                const at::Tensor& S0_, int64_t chunk_size) {
+                                const at::Tensor& S0_, int64_t chunk_size,
+                                const std::function<void(const at::Tensor&)>& on_final_state) {
   const Dims d = check_inputs("gdn_fwd", q_, k_, v_, g_, beta_, chunk_size);
   c10::cuda::CUDAGuard guard(q_.device());
   auto q = dense(q_), k = dense(k_), v = dense(v_);
@@ -940,10 +945,10 @@ std::vector<at::Tensor> gdn_fwd(const at::Tensor& q_, const at::Tensor& k_, cons
   const float* S0p = S0.defined() ? S0.data_ptr<float>() : nullptr;
   if (q.scalar_type() == at::kBFloat16)
     fwd_dispatch<bf16>(d.DK, d.DV, d, q, k, v, gp, beta.data_ptr<float>(), (float)scale, S0p, Gc, Tm, W, U, Hs, Vn,
-                       Sfin, O);
+                       Sfin, O, on_final_state);
   else
     fwd_dispatch<float>(d.DK, d.DV, d, q, k, v, gp, beta.data_ptr<float>(), (float)scale, S0p, Gc, Tm, W, U, Hs,
-                        Vn, Sfin, O);
+                        Vn, Sfin, O, on_final_state);
   return {O, Sfin, Gc, Tm, W, Hs, Vn};
 }
 

@@ -12,6 +12,12 @@ namespace {
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 
+// MixerOptions::on_initial_state_grad, kept in the autograd context for the backward.
+struct StateGradHook : torch::CustomClassHolder {
+  explicit StateGradHook(std::function<void(const Tensor&)> f) : fn(std::move(f)) {}
+  std::function<void(const Tensor&)> fn;
+};
+
 Tensor dense(const Tensor& t) { return t.defined() ? t.contiguous() : t; }
 
 // torch autograd Functions take no undefined tensors: an absent g (DeltaNet) travels as an empty
@@ -25,14 +31,17 @@ struct DeltaRuleKernelOp : public torch::autograd::Function<DeltaRuleKernelOp> {
   // Returns {o, final_state}.
   static variable_list forward(AutogradContext* ctx, const Tensor& q, const Tensor& k, const Tensor& v,
                                const Tensor& g_or_empty, const Tensor& beta, const Tensor& s0, double scale,
-                               int64_t chunk) {
+                               int64_t chunk, const std::function<void(const Tensor&)>& on_final_state,
+                               const std::function<void(const Tensor&)>& on_initial_state_grad) {
     const Tensor g = empty_as_absent(g_or_empty);
-    auto out = carry_gdn::gdn_fwd(q, k, v, g, beta, scale, s0, chunk);
+    auto out = carry_gdn::gdn_fwd(q, k, v, g, beta, scale, s0, chunk, on_final_state);
     variable_list keep{q, k, v, g_or_empty, beta, s0};
     keep.insert(keep.end(), out.begin() + 2, out.end());
     ctx->save_for_backward(keep);
     ctx->saved_data["scale"] = scale;
     ctx->saved_data["chunk"] = chunk;
+    if (on_initial_state_grad)
+      ctx->saved_data["on_s0_grad"] = at::IValue::make_capsule(c10::make_intrusive<StateGradHook>(on_initial_state_grad));
     return {out[0], out[1]};
   }
 
@@ -45,9 +54,12 @@ struct DeltaRuleKernelOp : public torch::autograd::Function<DeltaRuleKernelOp> {
     Tensor d_o = grads[0].defined() ? grads[0].contiguous() : at::zeros({B, T, H, dv}, v.options());
     Tensor d_s = grads[1].defined() ? grads[1].contiguous()
                                     : at::zeros({B, H, dk, dv}, q.options().dtype(at::kFloat));
+    std::function<void(const Tensor&)> hook;
+    auto it = ctx->saved_data.find("on_s0_grad");
+    if (it != ctx->saved_data.end()) hook = c10::static_intrusive_pointer_cast<StateGradHook>(it->second.toCapsule())->fn;
     auto d = carry_gdn::gdn_bwd(q, k, v, g, beta, ctx->saved_data["scale"].toDouble(), s0, saved, d_o, d_s,
-                                ctx->saved_data["chunk"].toInt());
-    return {d[0], d[1], d[2], g.defined() ? d[3] : Tensor(), d[4], d[5], Tensor(), Tensor()};
+                                ctx->saved_data["chunk"].toInt(), hook);
+    return {d[0], d[1], d[2], g.defined() ? d[3] : Tensor(), d[4], d[5], Tensor(), Tensor(), Tensor(), Tensor()};
   }
 };
 
@@ -65,8 +77,13 @@ MixerOutput delta_rule_kernel_forward(const MixerInputs& in, const Tensor& initi
   const int64_t B = in.q.size(0), H = in.q.size(2), dk = in.q.size(3), dv = in.v.size(3);
   Tensor s0 = initial_state.defined() ? initial_state.to(at::kFloat).contiguous()
                                       : at::zeros({B, H, dk, dv}, in.q.options().dtype(at::kFloat));
+  std::function<void(const Tensor&)> on_state, on_s0_grad;
+  if (opt.on_final_state) on_state = [&opt](const Tensor& s) { opt.on_final_state({s}); };
+  // Called in the backward, after this function returned: it holds its own copy of the caller's hook.
+  if (opt.on_initial_state_grad) on_s0_grad = [f = opt.on_initial_state_grad](const Tensor& d) { f({d}); };
   auto out = DeltaRuleKernelOp::apply(dense(in.q), dense(in.k), dense(in.v), absent_as_empty(in.g, in.q),
-                                      dense(in.beta), s0, opt.scale_for(in.q.size(3)), opt.chunk_size);
+                                      dense(in.beta), s0, opt.scale_for(in.q.size(3)), opt.chunk_size, on_state,
+                                      on_s0_grad);
   return {out[0], {out[1]}};
 }
 

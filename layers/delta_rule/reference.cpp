@@ -172,6 +172,8 @@ class DeltaRule : public Mixer {
     plain.document_starts = Tensor();
     plain.document_offsets.clear();
     plain.check_values = false;  // checked above, once
+    plain.on_final_state = nullptr;  // the summary's runs are not the caller's forward
+    plain.on_initial_state_grad = nullptr;
     const int64_t B = in.q.size(0), T = in.q.size(1), H = in.q.size(2), dk = in.q.size(3);
     MixerInputs writes_nothing = in;
     writes_nothing.v = at::zeros({B, T, H, dk}, in.v.options());

@@ -157,6 +157,46 @@ TEST_P(MixerContract, StateOutputIsTheIncomingStatesShare) {
   if (n == "linear_attn") EXPECT_EQ(checked, 1) << "normalized linear attention is not linear in the state";
 }
 
+// MixerOptions::on_final_state: Mixer::forward calls it exactly once, with the tensors of the returned
+// final state (every form; with document starts too, at the end: the documents' own runs must not call
+// it). The ordered scan sends the state to the next rank from it.
+TEST_P(MixerContract, FinalStateHookRunsOnceWithTheReturnedState) {
+  const Mixer& m = mixer();
+  Shape s;
+  s.B = 2;
+  s.T = 64;
+  MixerOptions opt;
+  opt.chunk_size = 16;
+  auto in = random_inputs(m, s, at::kDouble, 41);
+  State st = m.has_summary() ? random_state(m, in, opt, 42) : State{};
+  for (int variant = 0; variant < 3; ++variant) {
+    MixerOptions o = opt;
+    o.form = variant == 0 ? Form::naive : Form::chunkwise;
+    if (variant == 2) {
+      auto starts = at::zeros({s.B, s.T}, at::kBool);
+      starts[0][0] = true;
+      starts[0][24] = true;
+      starts[1][40] = true;
+      o.document_starts = starts;
+    }
+    int calls = 0;
+    State seen;
+    o.on_final_state = [&](const State& fin) {
+      ++calls;
+      seen = fin;
+    };
+    MixerOutput out = m.forward(in, st, o);
+    const char* what[] = {"naive", "chunkwise", "chunkwise with documents"};
+    ASSERT_EQ(calls, 1) << m.name() << " " << what[variant] << ": the hook must run exactly once";
+    ASSERT_EQ(seen.size(), out.final_state.size()) << m.name() << " " << what[variant];
+    for (size_t i = 0; i < seen.size(); ++i) {
+      ASSERT_EQ(seen[i].defined(), out.final_state[i].defined()) << m.name() << " entry " << i;
+      if (seen[i].defined())
+        EXPECT_TRUE(at::equal(seen[i], out.final_state[i])) << m.name() << " " << what[variant] << ": entry " << i;
+    }
+  }
+}
+
 TEST_P(MixerContract, BadInputsAreRefusedClearly) {
   const Mixer& m = mixer();
   Shape s;

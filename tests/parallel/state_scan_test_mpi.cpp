@@ -13,6 +13,7 @@
 #include "tests/helpers/mixer_testing.h"
 
 #include <gtest/gtest.h>
+#include <torch/csrc/autograd/custom_function.h>
 #include <torch/cuda.h>
 
 #include <ATen/Parallel.h>
@@ -504,6 +505,108 @@ TEST_P(SequenceParallel, OrderedHeadGroupsBitwiseEqualSerial) {
                   << (not_bitwise ? "" : " (bitwise equal)") << "\n";
       EXPECT_EQ(not_bitwise, 0) << tag << ": not bit-identical";
       EXPECT_EQ(zero_grad, 0) << tag << ": a gradient is all zeros";
+    }
+  }
+}
+
+// A family that calls MixerOptions' hooks the way the kernel forms do, on the CPU: on_final_state
+// from inside its forward, on_initial_state_grad from inside its backward (an identity on the initial
+// state whose backward hands the gradient to the hook before passing it on). Everything else is the
+// wrapped family's. Counts the backward hook's calls.
+struct HookHolder : torch::CustomClassHolder {
+  explicit HookHolder(std::function<void(const State&)> f) : fn(std::move(f)) {}
+  std::function<void(const State&)> fn;
+};
+
+struct GradToHook : public torch::autograd::Function<GradToHook> {
+  static Tensor forward(torch::autograd::AutogradContext* ctx, const Tensor& x,
+                        const std::function<void(const State&)>& f) {
+    ctx->saved_data["f"] = at::IValue::make_capsule(c10::make_intrusive<HookHolder>(f));
+    return x.clone();
+  }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list g) {
+    c10::static_intrusive_pointer_cast<HookHolder>(ctx->saved_data["f"].toCapsule())->fn({g[0]});
+    return {g[0], Tensor()};
+  }
+};
+
+class EarlyHooksForTests final : public Mixer {
+ public:
+  explicit EarlyHooksForTests(const Mixer& inner) : inner_(inner) {}
+  std::string name() const override { return inner_.name(); }
+  std::vector<std::string> input_names() const override { return inner_.input_names(); }
+  std::vector<std::string> state_names() const override { return inner_.state_names(); }
+  State zero_state(const MixerInputs& in, const MixerOptions& opt) const override { return inner_.zero_state(in, opt); }
+  void check(const MixerInputs& in, const MixerOptions& opt, bool chunked) const override { inner_.check(in, opt, chunked); }
+  MixerOutput naive(const MixerInputs& in, const State& init, const MixerOptions& opt) const override {
+    return inner_.naive(in, init, opt);
+  }
+  MixerOutput chunkwise(const MixerInputs& in, const State& init, const MixerOptions& opt) const override {
+    MixerOptions plain = opt;
+    plain.on_final_state = nullptr;
+    plain.on_initial_state_grad = nullptr;
+    State s = init;
+    if (opt.on_initial_state_grad && s.size() == 1 && s[0].requires_grad()) {
+      auto f = opt.on_initial_state_grad;
+      std::atomic<int>* n = &grad_calls;
+      s[0] = GradToHook::apply(s[0], [f, n](const State& d) {
+        ++*n;
+        f(d);
+      });
+    }
+    MixerOutput out = inner_.chunkwise(in, s, plain);
+    if (opt.on_final_state) opt.on_final_state(out.final_state);  // before returning, as a kernel form does
+    return out;
+  }
+  Summary summarize(const MixerInputs& in, const MixerOptions& opt) const override { return inner_.summarize(in, opt); }
+  Summary compose(const Summary& a, const Summary& b) const override { return inner_.compose(a, b); }
+  State apply(const Summary& s, const State& x) const override { return inner_.apply(s, x); }
+  mutable std::atomic<int> grad_calls{0};
+
+ private:
+  const Mixer& inner_;
+};
+
+// The ordered chain with a form that sends from its hooks (as the kernel forms do on GPUs): S_out to
+// the next rank from inside the forward, d S_in to the previous one from inside the backward, so
+// ScanBackward must not send it again. Two runs in a row (a stray second message would be taken as
+// the next run's state gradient) with 1 and 2 head groups: outputs and every gradient bit for bit the
+// serial run's, and the backward hook called once a head group on every rank but the first.
+TEST(OrderedChain, HooksSendOnceAndTheBitsStay) {
+  ProcessGroups& g = groups(1, world_size());
+  const int P = g.layout.sp;
+  for (const char* name : {"scalar_decay", "gated_deltanet"}) {
+    EarlyHooksForTests m(family(name));
+    for (int G : {1, 2}) {
+      Shape s;
+      s.B = 2;
+      s.T = 128;
+      s.H = 4;
+      s.dk = 8;
+      s.dv = 6;
+      MixerOptions opt;
+      opt.chunk_size = 16;
+      auto in = random_inputs(m, s, at::kDouble, 301 + G);
+      State init = random_state(m, in, opt, 302 + G);
+      auto w = random_weights(m, in, opt, P, true, 303 + G);
+      m.grad_calls = 0;
+      double not_bitwise = 0;
+      for (int run = 0; run < 2; ++run) {
+        ScanRun par = parallel_run(m, *g.sp, in, init, opt, w, ScanMode::ordered, G);
+        if (g.sp_rank == 0) {
+          ScanRun ser = serial_run(family(name), in, init, opt, w, P);
+          not_bitwise += !(bitwise_equal(par.outputs, ser.outputs) && bitwise_equal(par.grads, ser.grads));
+        }
+      }
+      not_bitwise = max_over_world(not_bitwise);
+      const int expected = g.sp_rank == 0 ? 0 : 2 * G;
+      const double wrong_calls = max_over_world(m.grad_calls.load() == expected ? 0 : 1);
+      std::string tag = std::string(name) + " head_groups=" + std::to_string(G) + " sp=" + std::to_string(P);
+      if (world_rank() == 0) std::cout << "[ hooks    ] " << tag << (not_bitwise ? ": NOT bitwise" : ": bitwise equal") << "\n";
+      EXPECT_EQ(not_bitwise, 0) << tag << ": not bit-identical to the serial run";
+      EXPECT_EQ(wrong_calls, 0) << tag << ": rank " << g.sp_rank << " called the backward hook " << m.grad_calls.load()
+                                << " times, expected " << expected;
     }
   }
 }

@@ -15,6 +15,7 @@
 #endif
 
 #include <gtest/gtest.h>
+#include <torch/csrc/autograd/autograd.h>
 
 #include <cmath>
 
@@ -129,6 +130,113 @@ TEST(DecayKernel, MatchesChunkwise) {
   }
   carry_decay::decay_set_poison(false);
   carry_decay::decay_set_segments(0);
+#endif
+}
+
+// MixerOptions::on_final_state in the kernel form (see the delta rule's test of the same name): called
+// once, right after the state walk is enqueued; a clone taken there holds the returned state's bits.
+TEST(DecayKernel, FinalStateHookSeesTheFinishedState) {
+  if (cuda_device_count() == 0) GTEST_SKIP() << "no CUDA device: GPU tests skipped";
+#ifndef CARRY_WITH_CUDA
+  GTEST_SKIP() << "built without CUDA";
+#else
+  const Family families[] = {{"gla", "gk", false, 0.3}, {"scalar_decay", "g", false, 0.3}, {"linear_attn", "", false, 0}};
+  for (const Family& f : families) {
+    const Mixer& m = get_mixer(f.mixer);
+    const Case c{1, 384, 2, 128, 128};
+    auto in = decay_inputs(f, c, 53);
+    State s0{at::randn({c.B, c.H, c.dk, c.dv}, at::kFloat).to(at::kCUDA) * 0.5};
+    if (std::string(f.mixer) == "linear_attn") s0.push_back(at::rand({c.B, c.H, c.dk}, at::kFloat).to(at::kCUDA));
+    for (auto dt : {at::kBFloat16, at::kFloat})
+      for (int segments : {1, 3}) {
+        carry_decay::decay_set_segments(segments);
+        MixerInputs low;
+        for (const auto& n : MixerInputs::names())
+          if (in.get(n).defined()) low.get(n) = in.get(n).to(dt);
+        MixerOptions opt;
+        opt.form = Form::kernel;
+        int calls = 0, grad_calls = 0;
+        State seen;
+        Tensor seen_grad;
+        opt.on_final_state = [&](const State& s) {
+          ++calls;
+          for (auto& t : s) seen.push_back(t.clone());
+        };
+        opt.on_initial_state_grad = [&](const State& d) {
+          ++grad_calls;
+          seen_grad = d[0].clone();
+        };
+        State leaves;
+        for (auto& t : s0) leaves.push_back(t.clone().requires_grad_(true));
+        MixerOutput out = m.forward(low, leaves, opt);
+        ASSERT_EQ(calls, 1) << m.name();
+        ASSERT_EQ(seen.size(), out.final_state.size()) << m.name();
+        for (size_t i = 0; i < seen.size(); ++i)
+          EXPECT_TRUE(at::equal(seen[i], out.final_state[i]))
+              << m.name() << " " << dt << " segments " << segments << ": entry " << i << " was not final in the hook";
+        // The backward's hook: the one-state kernel forms (scalar decay, GLA) call it once with the bits
+        // autograd returns for the initial state; linear attention's form (S and its normalizer state)
+        // does not, and the caller uses the returned gradient.
+        std::vector<Tensor> outs{out.o}, cot{at::randn_like(out.o)};
+        for (auto& t : out.final_state) outs.push_back(t), cot.push_back(at::randn_like(t));
+        auto grads = torch::autograd::grad(outs, {leaves[0]}, cot, /*retain_graph=*/false, false, /*allow_unused=*/true);
+        if (std::string(f.mixer) == "linear_attn") {
+          EXPECT_EQ(grad_calls, 0) << m.name();
+        } else {
+          ASSERT_EQ(grad_calls, 1) << m.name();
+          EXPECT_TRUE(at::equal(seen_grad, grads[0]))
+              << m.name() << " " << dt << " segments " << segments << ": the backward hook's d S0 is not the returned one";
+        }
+      }
+  }
+  carry_decay::decay_set_segments(0);
+#endif
+}
+
+// The bf16 walk in pieces (decay_set_pieces), the output and gradient kernels of each piece on a second
+// stream: every output and gradient has the bits of the one walk (the same operations on the same
+// values, the state handed on in fp32), for even and uneven pieces, every decay kind, dk 64, 96 and 128,
+// with poisoned outputs. The one walk itself is checked against the chunkwise form above.
+TEST(DecayKernel, PiecesGiveTheBitsOfOneWalk) {
+  if (cuda_device_count() == 0) GTEST_SKIP() << "no CUDA device: GPU tests skipped";
+#ifndef CARRY_WITH_CUDA
+  GTEST_SKIP() << "built without CUDA";
+#else
+  carry_decay::decay_set_poison(true);
+  carry_decay::decay_set_segments(1);  // pieces apply where the walk is one segment
+  const Family families[] = {{"gla", "gk", false, 0.3}, {"scalar_decay", "g", false, 0.3}, {"linear_attn", "", false, 0}};
+  for (const Family& f : families) {
+    const Mixer& m = get_mixer(f.mixer);
+    MixerOptions opt;
+    for (const Case& c : {Case{1, 640, 2, 128, 128}, Case{2, 384, 1, 64, 64}, Case{1, 448, 2, 96, 192}}) {
+      auto in = decay_inputs(f, c, 29 + c.T);
+      MixerInputs low;
+      for (const auto& n : MixerInputs::names())
+        if (in.get(n).defined()) low.get(n) = in.get(n).to(at::kBFloat16);
+      State s0{at::randn({c.B, c.H, c.dk, c.dv}, at::kFloat).to(at::kCUDA) * 0.5};
+      if (std::string(f.mixer) == "linear_attn") s0.push_back(at::rand({c.B, c.H, c.dk}, at::kFloat).to(at::kCUDA));
+      carry_decay::decay_set_pieces(1);
+      auto whole = run(m, Form::kernel, low, s0, opt);
+      for (int pieces : {2, 3, 4}) {
+        carry_decay::decay_set_pieces(pieces);
+        auto cut = run(m, Form::kernel, low, s0, opt);
+        ASSERT_EQ(cut.size(), whole.size());
+        int differ = 0;
+        for (size_t i = 0; i < cut.size(); ++i) {
+          const bool same = at::equal(cut[i], whole[i]);
+          differ += same ? 0 : 1;
+          EXPECT_TRUE(same) << m.name() << " pieces " << pieces << " B=" << c.B << " T=" << c.T << " H=" << c.H
+                            << " dk=" << c.dk << " dv=" << c.dv << ": tensor " << i << " differs by "
+                            << (cut[i] - whole[i]).abs().max().item<float>();
+        }
+        std::cout << "[ errors   ] " << m.name() << " pieces " << pieces << " T=" << c.T << " dk=" << c.dk << ": "
+                  << differ << " of " << cut.size() << " tensors differ from the one walk\n";
+      }
+    }
+  }
+  carry_decay::decay_set_pieces(0);
+  carry_decay::decay_set_segments(0);
+  carry_decay::decay_set_poison(false);
 #endif
 }
 

@@ -12,6 +12,7 @@
 #endif
 
 #include <gtest/gtest.h>
+#include <torch/csrc/autograd/autograd.h>
 
 namespace carry::testing {
 namespace {
@@ -123,6 +124,58 @@ TEST(DeltaRuleKernel, PiecesGiveTheBitsOfOneWalk) {
   }
   carry_gdn::gdn_set_pieces(0);
   carry_gdn::gdn_set_poison(false);
+#endif
+}
+
+// MixerOptions::on_final_state in the kernel form: called once, from inside the forward right after the
+// state walk is enqueued (the ordered scan's send then runs beside the output kernel). A clone taken in
+// the hook, on the stream at that point, must already hold the returned final state's bits: the hook
+// runs after the walk, not before it. One walk and three pieces, bf16 and fp32.
+TEST(DeltaRuleKernel, FinalStateHookSeesTheFinishedState) {
+  if (cuda_device_count() == 0) GTEST_SKIP() << "no CUDA device: GPU tests skipped";
+#ifndef CARRY_WITH_CUDA
+  GTEST_SKIP() << "built without CUDA";
+#else
+  for (bool gated : {true, false}) {
+    const Mixer& m = get_mixer(gated ? "gated_deltanet" : "deltanet");
+    const Case c{1, 448, 2, 128, 128};
+    auto in = gdn_inputs(c, gated, 77);
+    auto s0 = at::randn({c.B, c.H, c.dk, c.dv}, at::kFloat).to(at::kCUDA) * 0.5;
+    for (auto dt : {at::kBFloat16, at::kFloat})
+      for (int pieces : {1, 3}) {
+        carry_gdn::gdn_set_pieces(pieces);
+        MixerInputs low;
+        for (const auto& n : MixerInputs::names())
+          if (in.get(n).defined()) low.get(n) = in.get(n).to(dt);
+        MixerOptions opt;
+        opt.form = Form::kernel;
+        int calls = 0, grad_calls = 0;
+        Tensor seen, seen_grad;
+        opt.on_final_state = [&](const State& s) {
+          ++calls;
+          seen = s[0].clone();
+        };
+        opt.on_initial_state_grad = [&](const State& d) {
+          ++grad_calls;
+          seen_grad = d[0].clone();
+        };
+        Tensor s0_leaf = s0.clone().requires_grad_(true);
+        MixerOutput out = m.forward(low, {s0_leaf}, opt);
+        ASSERT_EQ(calls, 1) << m.name();
+        EXPECT_TRUE(at::equal(seen, out.final_state[0]))
+            << m.name() << " " << dt << " pieces " << pieces << ": the hook saw a state that was not final, max |diff| "
+            << (seen - out.final_state[0]).abs().max().item<double>();
+        // The backward's hook: once, with the bits autograd returns for the initial state.
+        EXPECT_EQ(grad_calls, 0) << m.name() << ": called before the backward";
+        auto d_o = at::randn_like(out.o);
+        auto d_s = at::randn_like(out.final_state[0]);
+        auto grads = torch::autograd::grad({out.o, out.final_state[0]}, {s0_leaf}, {d_o, d_s});
+        ASSERT_EQ(grad_calls, 1) << m.name();
+        EXPECT_TRUE(at::equal(seen_grad, grads[0]))
+            << m.name() << " " << dt << " pieces " << pieces << ": the backward hook's d S0 is not the returned one";
+      }
+  }
+  carry_gdn::gdn_set_pieces(0);
 #endif
 }
 
