@@ -25,6 +25,8 @@
 #include "layers/delta_rule/kernel_frag.cuh"
 
 #include <atomic>
+#include <cstdlib>
+#include <string>
 
 namespace carry_decay {
 
@@ -43,6 +45,13 @@ std::atomic<int> g_pieces{0};
 }
 int forced_pieces() { return g_pieces.load(); }
 void decay_set_pieces(int n) { g_pieces.store(n < 0 ? 0 : n); }
+bool fused_chunk_grads() {
+  static const bool on = [] {
+    const char* e = std::getenv("CARRY_DECAY_FUSED_GRADS");
+    return !(e && std::string(e) == "0");
+  }();
+  return on;
+}
 
 namespace {
 
@@ -279,7 +288,7 @@ __global__ void __launch_bounds__(256) out_frag_kernel(const bf16* __restrict__ 
                                    load_tiles, ntile, sG, KIND == kScalar ? G + tok * H + h : nullptr, H, scale, sPb,
                                    L::LPb);
   __syncthreads();  // P is whole
-  {  // P for the backward: 64 rows of 128 bytes, 16 bytes a thread-step
+  if (Psave != nullptr) {  // P for the backward: 64 rows of 128 bytes, 16 bytes a thread-step
     bf16* dst = Psave + (bh * N + n) * C * C;
     for (int i = threadIdx.x; i < C * 8; i += NT) {
       const int r = i >> 3, c = (i & 7) * 8;
@@ -321,7 +330,7 @@ void launch_out(const Dims& d, const at::Tensor& q, const at::Tensor& k, const a
         reinterpret_cast<const bf16*>(q.data_ptr()), reinterpret_cast<const bf16*>(k.data_ptr()),
         reinterpret_cast<const bf16*>(v.data_ptr()), KIND == kNone ? nullptr : G.data_ptr<float>(),
         reinterpret_cast<const bf16*>(Hsave.data_ptr()), reinterpret_cast<bf16*>(o.data_ptr()),
-        reinterpret_cast<bf16*>(P.data_ptr()), d.T, d.H, d.DV, scale, c0);
+        P.numel() == 0 ? nullptr : reinterpret_cast<bf16*>(P.data_ptr()), d.T, d.H, d.DV, scale, c0);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
     return;
   }
@@ -356,7 +365,9 @@ std::vector<at::Tensor> fwd_impl(const Dims& d, const at::Tensor& q, const at::T
   auto Hsave = alloc({d.B, d.H, d.N, d.DK, d.DV}, q.options());
   auto Sfinal = alloc({d.B, d.H, d.DK, d.DV}, f32);
   auto o = alloc({d.B, d.T, d.H, d.DV}, q.options());
-  auto P = alloc({d.B, d.H, d.N, kChunk, kChunk}, q.options());
+  // P for the backward, unless its chunk-gradient kernel recomputes it (grad_frag_kernel)
+  const bool keep_p = !(sizeof(T) == 2 && KIND != kDiag && d.DK % 64 == 0 && fused_chunk_grads());
+  auto P = keep_p ? alloc({d.B, d.H, d.N, kChunk, kChunk}, q.options()) : at::empty({0}, q.options());
   auto out = [&](cudaStream_t st, int c0, int c1) {
     if (d.DK == 64) launch_out<T, KIND, 64>(d, q, k, v, G, Hsave, o, P, (float)scale, st, c0, c1);
     else if (d.DK == 96) launch_out<T, KIND, 96>(d, q, k, v, G, Hsave, o, P, (float)scale, st, c0, c1);
