@@ -21,8 +21,15 @@
 #include "layers/common/kernel_decay_launch.h"
 #include "layers/delta_rule/kernel_frag.cuh"
 
+#include <cstdlib>
+
 namespace carry_decay {
 namespace {
+
+int grad_warps() {  // experiment: CARRY_DECAY_GRAD_WARPS=16
+  static const int w = [] { const char* e = std::getenv("CARRY_DECAY_GRAD_WARPS"); return e && std::atoi(e) == 16 ? 16 : 8; }();
+  return w;
+}
 
 // ---- dV -------------------------------------------------------------------------------------
 template <typename T, int KIND, int DK, int TV>
@@ -79,77 +86,6 @@ __global__ void __launch_bounds__(NW * 32) dv_kernel(const T* __restrict__ k, co
   gemm<T, C, TV, DK, false, false, NW>(Ks, L::LK, dHs, L::LH, dVs, L::LO, true);
   __syncthreads();
   store_tile<T, C, TV, NT>(dv + tok * vs + (long)h * DV + iv * TV, vs, dVs, L::LO);
-}
-
-// dV on register fragments (bf16, scalar decay and linear attention, dk 64 or 128): one block of eight
-// warps a chunk, K and P loaded once, the dv tiles of dO and dH double-buffered. Warp w owns rows
-// 16·(w%4) (tokens s) and the column half w/4 of each 64-wide tile: dV = Pᵀ dO + e^{Γ−G_s}·(K dH), the
-// decay applied to the second product's rows in registers.
-template <int DK>
-struct DvFragSmem {
-  static constexpr int C = kChunk, LK = DK + 8, LP = C + 8, LV = 64 + 8;
-  static constexpr size_t oK = 0;
-  static constexpr size_t oP = al128(oK + C * LK * 2);
-  static constexpr size_t oG = al128(oP + C * LP * 2);
-  static constexpr size_t oBuf = al128(oG + C * 4);
-  static constexpr size_t oDH = al128(C * LV * 2);  // within a buffer: the dO tile, then the dH tile
-  static constexpr size_t buf = al128(oDH + DK * LV * 2);
-  static constexpr size_t bytes = oBuf + 2 * buf;
-  static_assert(2 * (bytes + 1024) <= 228 * 1024, "dv_frag_kernel: two blocks an SM");
-};
-
-template <int KIND, int DK>
-__global__ void __launch_bounds__(256) dv_frag_kernel(const bf16* __restrict__ k, const float* __restrict__ G,
-                                                      const bf16* __restrict__ Psave, const bf16* __restrict__ dO,
-                                                      const bf16* __restrict__ dHsave, bf16* __restrict__ dv, int Tn,
-                                                      int H, int DV, int c0) {
-  static_assert(KIND == kScalar || KIND == kNone, "the diagonal decay keeps dv_kernel");
-  using L = DvFragSmem<DK>;
-  constexpr int C = kChunk, NT = 256;
-  extern __shared__ __align__(128) unsigned char smem[];
-  bf16* sK = reinterpret_cast<bf16*>(smem + L::oK);
-  bf16* sP = reinterpret_cast<bf16*>(smem + L::oP);
-  float* sG = reinterpret_cast<float*>(smem + L::oG);
-  const int n = c0 + blockIdx.x, h = blockIdx.y, b = blockIdx.z, N = Tn / C, ntile = DV / 64;
-  const long bh = (long)b * H + h, tok = (long)b * Tn + (long)n * C, ks = (long)H * DK, vs = (long)H * DV;
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2;
-  const int m0 = (warp & 3) * 16, n0 = (warp >> 2) * 32;
-  auto load_tiles = [&](int j, int bi) {
-    unsigned char* base = smem + L::oBuf + bi * L::buf;
-    load_tile_async<bf16, C, 64, NT>(reinterpret_cast<bf16*>(base), L::LV, dO + tok * vs + (long)h * DV + j * 64, vs);
-    load_tile_async<bf16, DK, 64, NT>(reinterpret_cast<bf16*>(base + L::oDH), L::LV,
-                                      dHsave + (bh * N + n) * DK * DV + j * 64, DV);
-    cp_async_commit();
-  };
-  load_tile_async<bf16, C, DK, NT>(sK, L::LK, k + tok * ks + (long)h * DK, ks);
-  load_tile_async<bf16, C, C, NT>(sP, L::LP, Psave + (bh * N + n) * C * C, C);
-  cp_async_commit();
-  load_tiles(0, 0);
-  if (ntile > 1) load_tiles(1, 1);
-  if (threadIdx.x < C) sG[threadIdx.x] = KIND == kScalar ? G[(tok + threadIdx.x) * H + h] : 0.f;
-  __syncthreads();  // G is visible (the tiles are waited for in the loop)
-  const float Gl = sG[C - 1], f0 = __expf(Gl - sG[m0 + g]), f1 = __expf(Gl - sG[m0 + g + 8]);
-  for (int it = 0; it < ntile; ++it) {
-    const unsigned char* base = smem + L::oBuf + (it & 1) * L::buf;
-    const bf16* sdO = reinterpret_cast<const bf16*>(base);
-    const bf16* sdH = reinterpret_cast<const bf16*>(base + L::oDH);
-    if (it + 1 < ntile) cp_async_wait<1>();
-    else cp_async_wait<0>();
-    __syncthreads();  // this tile's loads (and, on the first, K and P) are visible
-    float kd[4][4] = {}, acc[4][4] = {};
-    frag_mma<4, DK, false, false>(kd, sK, L::LK, sdH, L::LV, m0, n0);  // (K dH)[s][c]
-    frag_mma<4, C, true, false>(acc, sP, L::LP, sdO, L::LV, m0, n0);   // (Pᵀ dO)[s][c]
-#pragma unroll
-    for (int nt = 0; nt < 4; ++nt) {
-      acc[nt][0] += f0 * kd[nt][0], acc[nt][1] += f0 * kd[nt][1];
-      acc[nt][2] += f1 * kd[nt][2], acc[nt][3] += f1 * kd[nt][3];
-    }
-    frag_store_bf16<4>(dv + tok * vs + (long)h * DV + it * 64, vs, acc, m0, n0);
-    if (it + 2 < ntile) {
-      __syncthreads();  // every warp is done with this buffer
-      load_tiles(it + 2, it & 1);
-    }
-  }
 }
 
 // ---- dq, dk, dg -----------------------------------------------------------------------------
@@ -405,172 +341,6 @@ __global__ void __launch_bounds__(NW * 32) dqk_kernel(const T* __restrict__ q, c
   }
 }
 
-// ---- dq, dk, dg on register fragments (bf16, scalar decay and linear attention, dk and dv multiples of 64) ----
-// One block of 8 warps per (chunk, 64 key columns); the two blocks of a chunk at dk = 128 are adjacent in the
-// grid, so the second reads V and dO from L2. Warp w owns rows 16·(w%4) and columns 32·(w/4) of dP and of the
-// block's dq and dk tiles, all three in registers for the whole dv loop (64-wide tiles of V, dO, H, dH,
-// double-buffered); then A = scale·dP ⊙ e^{G_t−G_s} (causal) goes to shared bf16 once, and dq += A K,
-// dk += Aᵀ Q accumulate onto the same fragments. 101 KB of shared memory: two blocks an SM.
-struct QkFragSmem {
-  static constexpr int C = kChunk, L = 64 + 8;     // rows of 64 bf16, padded
-  static constexpr size_t kTile = C * L * 2;       // one 64 x 64 bf16 tile
-  static constexpr size_t oQ = 0, oK = kTile, oA = 2 * kTile, oBuf = 3 * kTile;  // 2 stages x {V, dO, H, dH}
-  static constexpr size_t oG = oBuf + 8 * kTile;   // G of the chunk [C]
-  static constexpr size_t oRow = oG + C * 4;       // the two column halves' row sums of dG [2][C]
-  static constexpr size_t oRed = oRow + 2 * C * 4; // the warps' shares of the chunk-end terms [2][8]
-  static constexpr size_t bytes = oRed + 16 * 4;
-  static_assert(2 * (bytes + 1024) <= 228 * 1024, "dqk_frag_kernel: two blocks an SM");
-};
-
-template <int KIND>
-__global__ void __launch_bounds__(256, 2) dqk_frag_kernel(const bf16* __restrict__ q, const bf16* __restrict__ k,
-                                                          const bf16* __restrict__ v, const float* __restrict__ G,
-                                                          const bf16* __restrict__ Hsave, const bf16* __restrict__ dO,
-                                                          const bf16* __restrict__ dHsave, bf16* __restrict__ dq,
-                                                          bf16* __restrict__ dk, float* __restrict__ dg, int Tn, int H,
-                                                          int DK, int DV, float scale, int c0) {
-  static_assert(KIND == kScalar || KIND == kNone, "the diagonal decay keeps dqk_kernel");
-  using S = QkFragSmem;
-  constexpr int C = kChunk, NT = 256, LD = S::L;
-  extern __shared__ __align__(128) unsigned char smem[];
-  bf16* Qs = reinterpret_cast<bf16*>(smem + S::oQ);
-  bf16* Ks = reinterpret_cast<bf16*>(smem + S::oK);
-  bf16* As = reinterpret_cast<bf16*>(smem + S::oA);
-  bf16* buf = reinterpret_cast<bf16*>(smem + S::oBuf);
-  float* Gs = reinterpret_cast<float*>(smem + S::oG);
-  float* sRow = reinterpret_cast<float*>(smem + S::oRow);
-  float* sRed = reinterpret_cast<float*>(smem + S::oRed);
-
-  const int nkt = DK / 64, ik = blockIdx.x % nkt, n = c0 + blockIdx.x / nkt, bh = blockIdx.y;
-  const int b = bh / H, h = bh % H, N = Tn / C, k0 = ik * 64, ntile = DV / 64;
-  const long tok = (long)b * Tn + (long)n * C, ks = (long)H * DK, vs = (long)H * DV;
-  const long hoff = ((long)bh * N + n) * DK * DV + (long)k0 * DV;
-  constexpr int kTileElems = C * LD;
-  auto load_tile = [&](int j, int stage) {
-    bf16* s = buf + stage * 4 * kTileElems;
-    load_tile_async<bf16, C, 64, NT>(s, LD, v + tok * vs + (long)h * DV + j * 64, vs);
-    load_tile_async<bf16, C, 64, NT>(s + kTileElems, LD, dO + tok * vs + (long)h * DV + j * 64, vs);
-    load_tile_async<bf16, 64, 64, NT>(s + 2 * kTileElems, LD, Hsave + hoff + j * 64, DV);
-    load_tile_async<bf16, 64, 64, NT>(s + 3 * kTileElems, LD, dHsave + hoff + j * 64, DV);
-    cp_async_commit();
-  };
-  load_tile_async<bf16, C, 64, NT>(Qs, LD, q + tok * ks + (long)h * DK + k0, ks);
-  load_tile_async<bf16, C, 64, NT>(Ks, LD, k + tok * ks + (long)h * DK + k0, ks);
-  cp_async_commit();
-  load_tile(0, 0);
-  if (ntile > 1) load_tile(1, 1);
-  if (threadIdx.x < C) Gs[threadIdx.x] = KIND == kScalar ? G[(tok + threadIdx.x) * H + h] : 0.f;
-
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t4 = lane & 3;
-  const int m0 = (warp & 3) * 16, n0 = (warp >> 2) * 32;
-  float dp[4][4] = {}, aq[4][4] = {}, ak[4][4] = {};
-  float hdh = 0.f;  // this thread's share of <H, dH> over the block's key rows
-  for (int j = 0; j < ntile; ++j) {
-    if (j + 1 < ntile) cp_async_wait<1>();
-    else cp_async_wait<0>();
-    __syncthreads();
-    const bf16* Vs = buf + (j & 1) * 4 * kTileElems;
-    const bf16* dOs = Vs + kTileElems;
-    const bf16* Hs = Vs + 2 * kTileElems;
-    const bf16* dHs = Vs + 3 * kTileElems;
-    frag_mma<4, 64, false, true>(dp, dOs, LD, Vs, LD, m0, n0);  // dP[t][s] = Σ_c dO[t][c] V[s][c]
-    frag_mma<4, 64, false, true>(aq, dOs, LD, Hs, LD, m0, n0);  // (dO Hᵀ)[t][d]
-    frag_mma<4, 64, false, true>(ak, Vs, LD, dHs, LD, m0, n0);  // (V dHᵀ)[s][d]
-    if constexpr (KIND != kNone) {  // 16 elements of H ⊙ dH a thread
-      const int r = threadIdx.x >> 2, c = (threadIdx.x & 3) * 16;
-#pragma unroll
-      for (int p = 0; p < 2; ++p) {
-        const uint4 hx = *reinterpret_cast<const uint4*>(Hs + r * LD + c + 8 * p);
-        const uint4 dx = *reinterpret_cast<const uint4*>(dHs + r * LD + c + 8 * p);
-        const unsigned* hu = reinterpret_cast<const unsigned*>(&hx);
-        const unsigned* du = reinterpret_cast<const unsigned*>(&dx);
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const float2 a = tc::unpack_bf16(hu[e]), d2 = tc::unpack_bf16(du[e]);
-          hdh += a.x * d2.x + a.y * d2.y;
-        }
-      }
-    }
-    __syncthreads();
-    if (j + 2 < ntile) load_tile(j + 2, j & 1);
-  }
-
-  // Inter-chunk parts: dq = scale·e^{G_t} (dO Hᵀ), dk = e^{Γ−G_s} (V dHᵀ); the chunk-end share Σ k ⊙ dk.
-  const int r0 = m0 + g, r1 = r0 + 8;
-  const float Gl = Gs[C - 1], G0 = Gs[r0], G1 = Gs[r1];
-  const float eq0 = scale * __expf(G0), eq1 = scale * __expf(G1), ek0 = __expf(Gl - G0), ek1 = __expf(Gl - G1);
-  float ext = 0.f;
-#pragma unroll
-  for (int nt = 0; nt < 4; ++nt) {
-    const int col = n0 + nt * 8 + 2 * t4;
-    aq[nt][0] *= eq0, aq[nt][1] *= eq0, aq[nt][2] *= eq1, aq[nt][3] *= eq1;
-    ak[nt][0] *= ek0, ak[nt][1] *= ek0, ak[nt][2] *= ek1, ak[nt][3] *= ek1;
-    if constexpr (KIND != kNone) {
-      const float2 ka = tc::unpack_bf16(*reinterpret_cast<const unsigned*>(Ks + r0 * LD + col));
-      const float2 kb = tc::unpack_bf16(*reinterpret_cast<const unsigned*>(Ks + r1 * LD + col));
-      ext += ka.x * ak[nt][0] + ka.y * ak[nt][1] + kb.x * ak[nt][2] + kb.y * ak[nt][3];
-    }
-    // A = scale·dP ⊙ e^{G_t − G_s} for s ≤ t (dp's columns are tokens s here).
-#pragma unroll
-    for (int hf = 0; hf < 2; ++hf) {
-      const int t = m0 + g + 8 * hf, s = n0 + nt * 8 + 2 * t4;
-      const float Gt = Gs[t];
-      const float x0 = s <= t ? scale * dp[nt][2 * hf] * __expf(Gt - Gs[s]) : 0.f;
-      const float x1 = s + 1 <= t ? scale * dp[nt][2 * hf + 1] * __expf(Gt - Gs[s + 1]) : 0.f;
-      *reinterpret_cast<unsigned*>(As + t * LD + s) = tc::pack_bf16(x0, x1);
-    }
-  }
-  __syncthreads();
-  // Intra-chunk parts: dq += A K, dk += Aᵀ Q (A's storage is [t][s]).
-  frag_mma<4, 64, false, false>(aq, As, LD, Ks, LD, m0, n0);
-  frag_mma<4, 64, true, false>(ak, As, LD, Qs, LD, m0, n0);
-  frag_store_bf16<4>(dq + tok * ks + (long)h * DK + k0, ks, aq, m0, n0);
-  frag_store_bf16<4>(dk + tok * ks + (long)h * DK + k0, ks, ak, m0, n0);
-  if constexpr (KIND == kScalar) {
-    // dG_t = Σ_d (q ⊙ dq − k ⊙ dk)_t over the block's columns; at the chunk's end also the state terms.
-    float s0 = 0.f, s1 = 0.f;
-#pragma unroll
-    for (int nt = 0; nt < 4; ++nt) {
-      const int col = n0 + nt * 8 + 2 * t4;
-      const float2 qa = tc::unpack_bf16(*reinterpret_cast<const unsigned*>(Qs + r0 * LD + col));
-      const float2 qb = tc::unpack_bf16(*reinterpret_cast<const unsigned*>(Qs + r1 * LD + col));
-      const float2 ka = tc::unpack_bf16(*reinterpret_cast<const unsigned*>(Ks + r0 * LD + col));
-      const float2 kb = tc::unpack_bf16(*reinterpret_cast<const unsigned*>(Ks + r1 * LD + col));
-      s0 += qa.x * aq[nt][0] + qa.y * aq[nt][1] - ka.x * ak[nt][0] - ka.y * ak[nt][1];
-      s1 += qb.x * aq[nt][2] + qb.y * aq[nt][3] - kb.x * ak[nt][2] - kb.y * ak[nt][3];
-    }
-#pragma unroll
-    for (int off = 1; off <= 2; off <<= 1) {
-      s0 += __shfl_xor_sync(0xffffffffu, s0, off);
-      s1 += __shfl_xor_sync(0xffffffffu, s1, off);
-    }
-    if (t4 == 0) sRow[(warp >> 2) * C + r0] = s0, sRow[(warp >> 2) * C + r1] = s1;
-#pragma unroll
-    for (int off = 16; off > 0; off >>= 1) {
-      ext += __shfl_xor_sync(0xffffffffu, ext, off);
-      hdh += __shfl_xor_sync(0xffffffffu, hdh, off);
-    }
-    if (lane == 0) sRed[warp] = ext, sRed[8 + warp] = hdh;
-    __syncthreads();
-    if (warp == 0) {
-      float e = 0.f, hd = 0.f;
-#pragma unroll
-      for (int w = 0; w < 8; ++w) e += sRed[w], hd += sRed[8 + w];
-      float a = sRow[2 * lane] + sRow[C + 2 * lane], c = sRow[2 * lane + 1] + sRow[C + 2 * lane + 1];
-      if (lane == 31) c += e + __expf(Gl) * hd;
-      // dg_t = Σ_{u ≥ t} dG_u: a suffix sum over the lanes' pairs.
-      float sfx = a + c;
-#pragma unroll
-      for (int off = 1; off < 32; off <<= 1) {
-        const float o = __shfl_down_sync(0xffffffffu, sfx, off);
-        if (lane + off < 32) sfx += o;
-      }
-      dg[((tok + 2 * lane) * H + h) * nkt + ik] = sfx;
-      dg[((tok + 2 * lane + 1) * H + h) * nkt + ik] = sfx - a;
-    }
-  }
-}
-
 // ---- dV, dq, dk, dg of a chunk in one kernel (bf16, scalar decay and linear attention, dk 64 or 128) ----
 // One block of 8 warps a chunk, every key column: Q and K load once, P = scale·(QKᵀ ⊙ e^{G_t−G_s})
 // (causal) is recomputed from them (load_qk_and_p, as the forward's output kernel), so the forward saves no P
@@ -578,7 +348,10 @@ __global__ void __launch_bounds__(256, 2) dqk_frag_kernel(const bf16* __restrict
 // K and V twice, and P from memory). Warp w owns rows 16·(w%4) and the column half w/4 of each product:
 // per 64-wide dv tile j (V, dO, H, dH double-buffered) dP += dO_j V_jᵀ, dq += dO_j H_jᵀ, dk += V_j dH_jᵀ
 // (fragments held over the loop) and dV_j = Pᵀ dO_j + e^{Γ−G_s}·(K dH_j) (stored at once); then the
-// intra-chunk parts and the gate's gradient as dqk_frag_kernel, over every key column.
+// intra-chunk parts (A = scale·dP ⊙ e^{G_t−G_s}, causal, to shared bf16 once; dq += A K, dk += Aᵀ Q) and the
+// gate's gradient dG_t = Σ_d (q ⊙ dq − k ⊙ dk)_t, plus at the chunk's end Σ k ⊙ dk^{state} + e^{Γ}·<H_n, dH_n>,
+// summed from the chunk's end. NW = 8 or 16 warps: warp w owns rows 16·(w%4) and the column part w/4 (of NW/4)
+// of every product; P is computed by the first eight.
 template <int DK>
 struct GradFragSmem {
   static constexpr int C = kChunk, LK = DK + 8, LD = 64 + 8;
@@ -587,9 +360,9 @@ struct GradFragSmem {
   static constexpr size_t oP = al128(oK + C * LK * 2);
   static constexpr size_t oA = al128(oP + C * LD * 2);
   static constexpr size_t oG = al128(oA + C * LD * 2);
-  static constexpr size_t oRow = oG + C * 4;       // the two column halves' row sums of dG [2][C]
-  static constexpr size_t oRed = oRow + 2 * C * 4; // the warps' shares of the chunk-end terms [2][8]
-  static constexpr size_t oBuf = al128(oRed + 16 * 4);
+  static constexpr size_t oRow = oG + C * 4;       // the column parts' row sums of dG [≤4][C]
+  static constexpr size_t oRed = oRow + 4 * C * 4; // the warps' shares of the chunk-end terms [2][≤16]
+  static constexpr size_t oBuf = al128(oRed + 32 * 4);
   // a stage: V_j, dO_j [C][LD], H_j, dH_j [DK][LD]
   static constexpr size_t oDO = C * LD * 2, oH = 2 * C * LD * 2, oDH = oH + DK * LD * 2;
   static constexpr size_t stage = al128(oDH + DK * LD * 2);
@@ -597,8 +370,8 @@ struct GradFragSmem {
   static_assert(bytes + 1024 <= 228 * 1024, "grad_frag_kernel shared memory");
 };
 
-template <int KIND, int DK>
-__global__ void __launch_bounds__(256, 1) grad_frag_kernel(const bf16* __restrict__ q, const bf16* __restrict__ k,
+template <int KIND, int DK, int NW>
+__global__ void __launch_bounds__(NW * 32, 1) grad_frag_kernel(const bf16* __restrict__ q, const bf16* __restrict__ k,
                                                            const bf16* __restrict__ v, const float* __restrict__ G,
                                                            const bf16* __restrict__ Hsave, const bf16* __restrict__ dO,
                                                            const bf16* __restrict__ dHsave, bf16* __restrict__ dq,
@@ -607,7 +380,9 @@ __global__ void __launch_bounds__(256, 1) grad_frag_kernel(const bf16* __restric
                                                            int c0) {
   static_assert(KIND == kScalar || KIND == kNone, "the diagonal decay keeps dv_kernel and dqk_kernel");
   using S = GradFragSmem<DK>;
-  constexpr int C = kChunk, NT = 256, LK = S::LK, LD = S::LD, NQ = DK / 16;  // NQ: n8-tiles of a key half
+  constexpr int C = kChunk, NT = NW * 32, LK = S::LK, LD = S::LD, NP = NW / 4;  // NP column parts
+  constexpr int NQ = DK / 8 / NP, NC = 64 / 8 / NP;  // n8-tiles a warp: of the key columns, of 64 columns
+  static_assert(NW == 8 || NW == 16, "grad_frag_kernel: 8 or 16 warps");
   extern __shared__ __align__(128) unsigned char smem[];
   bf16* Qs = reinterpret_cast<bf16*>(smem + S::oQ);
   bf16* Ks = reinterpret_cast<bf16*>(smem + S::oK);
@@ -629,14 +404,22 @@ __global__ void __launch_bounds__(256, 1) grad_frag_kernel(const bf16* __restric
     load_tile_async<bf16, DK, 64, NT>(reinterpret_cast<bf16*>(base + S::oDH), LD, dHsave + hoff + v0, DV);
     cp_async_commit();
   };
-  carry_gdn::load_qk_and_p<DK, NT>(Qs, Ks, LK, q + tok * ks + (long)h * DK, k + tok * ks + (long)h * DK, ks,
-                                   load_tiles, ntile, Gs, KIND == kScalar ? G + tok * H + h : nullptr, H, scale, Ps,
-                                   LD);
+  // Q, K (one group), the first two tiles, G; then P by the first eight warps (causal_p_bf16's layout).
+  load_tile_async<bf16, C, DK, NT>(Qs, LK, q + tok * ks + (long)h * DK, ks);
+  load_tile_async<bf16, C, DK, NT>(Ks, LK, k + tok * ks + (long)h * DK, ks);
+  cp_async_commit();
+  load_tiles(0, 0);
+  if (ntile > 1) load_tiles(64, 1);
+  if (threadIdx.x < C) Gs[threadIdx.x] = KIND == kScalar ? G[(tok + threadIdx.x) * H + h] : 0.f;
+  if (ntile > 1) cp_async_wait<2>();
+  else cp_async_wait<1>();
+  __syncthreads();
+  if (threadIdx.x < 256) carry_gdn::causal_p_bf16<DK>(Qs, Ks, LK, Gs, scale, Ps, LD);
 
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t4 = lane & 3;
-  const int m0 = (warp & 3) * 16, half = warp >> 2, n0 = half * 32, nq = half * (DK / 2);
+  const int m0 = (warp & 3) * 16, part = warp >> 2, n0 = part * 8 * NC, nq = part * 8 * NQ;
   const int r0 = m0 + g, r1 = r0 + 8;
-  float dp[4][4] = {}, aq[NQ][4] = {}, ak[NQ][4] = {};
+  float dp[NC][4] = {}, aq[NQ][4] = {}, ak[NQ][4] = {};
   float hdh = 0.f;  // this thread's share of <H, dH> over the chunk's state
   for (int j = 0; j < ntile; ++j) {
     if (j + 1 < ntile) cp_async_wait<1>();
@@ -647,20 +430,20 @@ __global__ void __launch_bounds__(256, 1) grad_frag_kernel(const bf16* __restric
     const bf16* dOs = reinterpret_cast<const bf16*>(base + S::oDO);
     const bf16* Hs = reinterpret_cast<const bf16*>(base + S::oH);
     const bf16* dHs = reinterpret_cast<const bf16*>(base + S::oDH);
-    frag_mma<4, 64, false, true>(dp, dOs, LD, Vs, LD, m0, n0);    // dP[t][s] = Σ_c dO[t][c] V[s][c]
+    frag_mma<NC, 64, false, true>(dp, dOs, LD, Vs, LD, m0, n0);   // dP[t][s] = Σ_c dO[t][c] V[s][c]
     frag_mma<NQ, 64, false, true>(aq, dOs, LD, Hs, LD, m0, nq);   // (dO Hᵀ)[t][d]
     frag_mma<NQ, 64, false, true>(ak, Vs, LD, dHs, LD, m0, nq);   // (V dHᵀ)[s][d]
     {  // dV_j = Pᵀ dO_j + e^{Γ−G_s}·(K dH_j)
-      float kd[4][4] = {}, acc[4][4] = {};
-      frag_mma<4, DK, false, false>(kd, Ks, LK, dHs, LD, m0, n0);  // (K dH)[s][c]
-      frag_mma<4, C, true, false>(acc, Ps, LD, dOs, LD, m0, n0);   // (Pᵀ dO)[s][c]
+      float kd[NC][4] = {}, acc[NC][4] = {};
+      frag_mma<NC, DK, false, false>(kd, Ks, LK, dHs, LD, m0, n0);  // (K dH)[s][c]
+      frag_mma<NC, C, true, false>(acc, Ps, LD, dOs, LD, m0, n0);   // (Pᵀ dO)[s][c]
       const float Gl = Gs[C - 1], f0 = __expf(Gl - Gs[r0]), f1 = __expf(Gl - Gs[r1]);
 #pragma unroll
-      for (int nt = 0; nt < 4; ++nt) {
+      for (int nt = 0; nt < NC; ++nt) {
         acc[nt][0] += f0 * kd[nt][0], acc[nt][1] += f0 * kd[nt][1];
         acc[nt][2] += f1 * kd[nt][2], acc[nt][3] += f1 * kd[nt][3];
       }
-      frag_store_bf16<4>(dv + tok * vs + (long)h * DV + j * 64, vs, acc, m0, n0);
+      frag_store_bf16<NC>(dv + tok * vs + (long)h * DV + j * 64, vs, acc, m0, n0);
     }
     if constexpr (KIND != kNone) {  // DK·64/256 elements of H ⊙ dH a thread, 8 at a time
       constexpr int E = DK * 64 / NT, TPR = 64 / E;  // elements a thread, threads a row
@@ -701,7 +484,7 @@ __global__ void __launch_bounds__(256, 1) grad_frag_kernel(const bf16* __restric
   }
   // A = scale·dP ⊙ e^{G_t − G_s} for s ≤ t (dp's columns are tokens s).
 #pragma unroll
-  for (int nt = 0; nt < 4; ++nt) {
+  for (int nt = 0; nt < NC; ++nt) {
 #pragma unroll
     for (int hf = 0; hf < 2; ++hf) {
       const int t = r0 + 8 * hf, s = n0 + nt * 8 + 2 * t4;
@@ -735,19 +518,20 @@ __global__ void __launch_bounds__(256, 1) grad_frag_kernel(const bf16* __restric
       s0 += __shfl_xor_sync(0xffffffffu, s0, off);
       s1 += __shfl_xor_sync(0xffffffffu, s1, off);
     }
-    if (t4 == 0) sRow[half * C + r0] = s0, sRow[half * C + r1] = s1;
+    if (t4 == 0) sRow[part * C + r0] = s0, sRow[part * C + r1] = s1;
 #pragma unroll
     for (int off = 16; off > 0; off >>= 1) {
       ext += __shfl_xor_sync(0xffffffffu, ext, off);
       hdh += __shfl_xor_sync(0xffffffffu, hdh, off);
     }
-    if (lane == 0) sRed[warp] = ext, sRed[8 + warp] = hdh;
+    if (lane == 0) sRed[warp] = ext, sRed[NW + warp] = hdh;
     __syncthreads();
     if (warp == 0) {
-      float e = 0.f, hd = 0.f;
+      float e = 0.f, hd = 0.f, a = 0.f, c = 0.f;
 #pragma unroll
-      for (int w = 0; w < 8; ++w) e += sRed[w], hd += sRed[8 + w];
-      float a = sRow[2 * lane] + sRow[C + 2 * lane], c = sRow[2 * lane + 1] + sRow[C + 2 * lane + 1];
+      for (int w = 0; w < NW; ++w) e += sRed[w], hd += sRed[NW + w];
+#pragma unroll
+      for (int p = 0; p < NP; ++p) a += sRow[p * C + 2 * lane], c += sRow[p * C + 2 * lane + 1];
       if (lane == 31) c += e + __expf(Gl) * hd;
       // dg_t = Σ_{u ≥ t} dG_u: a suffix sum over the lanes' pairs.
       float sfx = a + c;
@@ -785,28 +569,10 @@ std::vector<at::Tensor> bwd_impl(const Dims& d, const at::Tensor& q, const at::T
   const bool frag = kFragKind && d.DK % 64 == 0;
   at::Tensor dg;
   if (KIND == kDiag) dg = alloc(q.sizes(), f32);
-  else if (KIND == kScalar) dg = alloc({d.B, d.T, d.H, frag && fused_chunk_grads() ? 1 : nkt}, f32);  // nkt = dk/64 for dqk_frag_kernel
+  else if (KIND == kScalar) dg = alloc({d.B, d.T, d.H, frag ? 1 : nkt}, f32);  // partial sums over the key tiles
 
   // dV, dq, dk, dg of chunks [c0, c1): each reads only its chunk's saved states and state gradients.
   auto dv_chunks = [&](cudaStream_t st, int c0, int c1) {
-    if constexpr (kFragKind) {
-      if (frag) {
-        auto run = [&](auto dk_tag) {
-          constexpr int DK = decltype(dk_tag)::value;
-          auto kern = dv_frag_kernel<KIND, DK>;
-          cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)DvFragSmem<DK>::bytes);
-          kern<<<dim3(c1 - c0, d.H, d.B), 256, DvFragSmem<DK>::bytes, st>>>(
-              reinterpret_cast<const bf16*>(k.data_ptr()), KIND == kNone ? nullptr : G.data_ptr<float>(),
-              reinterpret_cast<const bf16*>(P.data_ptr()), reinterpret_cast<const bf16*>(dO.data_ptr()),
-              reinterpret_cast<const bf16*>(dH.data_ptr()), reinterpret_cast<bf16*>(dv.data_ptr()), d.T, d.H, d.DV,
-              c0);
-          C10_CUDA_KERNEL_LAUNCH_CHECK();
-        };
-        if (d.DK == 64) run(std::integral_constant<int, 64>());
-        else run(std::integral_constant<int, 128>());
-        return;
-      }
-    }
     constexpr int TV = 64, NW = 8;
     dim3 grid(c1 - c0, d.DV / TV, d.B * d.H);
     auto run = [&](auto dk_tag) {
@@ -825,21 +591,6 @@ std::vector<at::Tensor> bwd_impl(const Dims& d, const at::Tensor& q, const at::T
     else run(std::integral_constant<int, 128>());
   };
   auto dqk_chunks = [&](cudaStream_t st, int c0, int c1) {
-    if constexpr (kFragKind) {
-      if (frag) {
-        auto kern = dqk_frag_kernel<KIND>;
-        cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)QkFragSmem::bytes);
-        kern<<<dim3((c1 - c0) * (d.DK / 64), d.B * d.H), 256, QkFragSmem::bytes, st>>>(
-            reinterpret_cast<const bf16*>(q.data_ptr()), reinterpret_cast<const bf16*>(k.data_ptr()),
-            reinterpret_cast<const bf16*>(v.data_ptr()), KIND == kNone ? nullptr : G.data_ptr<float>(),
-            reinterpret_cast<const bf16*>(Hsave.data_ptr()), reinterpret_cast<const bf16*>(dO.data_ptr()),
-            reinterpret_cast<const bf16*>(dH.data_ptr()), reinterpret_cast<bf16*>(dq.data_ptr()),
-            reinterpret_cast<bf16*>(dk.data_ptr()), KIND == kNone ? nullptr : dg.data_ptr<float>(), d.T, d.H, d.DK,
-            d.DV, (float)scale, c0);
-        C10_CUDA_KERNEL_LAUNCH_CHECK();
-        return;
-      }
-    }
     auto run_qk = [&](auto tk_tag) {
       constexpr int TK = decltype(tk_tag)::value, NW = TK / 8;  // one thread per diagonal block and column
       using L = QkSmem<T, KIND, TK>;
@@ -865,12 +616,12 @@ std::vector<at::Tensor> bwd_impl(const Dims& d, const at::Tensor& q, const at::T
   };
   auto chunk_grads = [&](cudaStream_t st, int c0, int c1) {
     if constexpr (kFragKind) {
-      if (frag && fused_chunk_grads()) {
+      if (frag) {
         auto run = [&](auto dk_tag) {
           constexpr int DK = decltype(dk_tag)::value;
-          auto kern = grad_frag_kernel<KIND, DK>;
+          auto kern = grad_warps() == 16 ? grad_frag_kernel<KIND, DK, 16> : grad_frag_kernel<KIND, DK, 8>;
           cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)GradFragSmem<DK>::bytes);
-          kern<<<dim3(c1 - c0, d.H, d.B), 256, GradFragSmem<DK>::bytes, st>>>(
+          kern<<<dim3(c1 - c0, d.H, d.B), 32 * grad_warps(), GradFragSmem<DK>::bytes, st>>>(
               reinterpret_cast<const bf16*>(q.data_ptr()), reinterpret_cast<const bf16*>(k.data_ptr()),
               reinterpret_cast<const bf16*>(v.data_ptr()), KIND == kNone ? nullptr : G.data_ptr<float>(),
               reinterpret_cast<const bf16*>(Hsave.data_ptr()), reinterpret_cast<const bf16*>(dO.data_ptr()),

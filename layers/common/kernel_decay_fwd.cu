@@ -25,8 +25,6 @@
 #include "layers/delta_rule/kernel_frag.cuh"
 
 #include <atomic>
-#include <cstdlib>
-#include <string>
 
 namespace carry_decay {
 
@@ -45,13 +43,6 @@ std::atomic<int> g_pieces{0};
 }
 int forced_pieces() { return g_pieces.load(); }
 void decay_set_pieces(int n) { g_pieces.store(n < 0 ? 0 : n); }
-bool fused_chunk_grads() {
-  static const bool on = [] {
-    const char* e = std::getenv("CARRY_DECAY_FUSED_GRADS");
-    return !(e && std::string(e) == "0");
-  }();
-  return on;
-}
 
 namespace {
 
@@ -366,7 +357,7 @@ std::vector<at::Tensor> fwd_impl(const Dims& d, const at::Tensor& q, const at::T
   auto Sfinal = alloc({d.B, d.H, d.DK, d.DV}, f32);
   auto o = alloc({d.B, d.T, d.H, d.DV}, q.options());
   // P for the backward, unless its chunk-gradient kernel recomputes it (grad_frag_kernel)
-  const bool keep_p = !(sizeof(T) == 2 && KIND != kDiag && d.DK % 64 == 0 && fused_chunk_grads());
+  const bool keep_p = !(sizeof(T) == 2 && KIND != kDiag && d.DK % 64 == 0);
   auto P = keep_p ? alloc({d.B, d.H, d.N, kChunk, kChunk}, q.options()) : at::empty({0}, q.options());
   auto out = [&](cudaStream_t st, int c0, int c1) {
     if (d.DK == 64) launch_out<T, KIND, 64>(d, q, k, v, G, Hsave, o, P, (float)scale, st, c0, c1);

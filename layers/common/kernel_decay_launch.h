@@ -18,10 +18,6 @@ namespace carry_decay {
 bool poison_enabled();
 int forced_segments();  // decay_set_segments' value
 int forced_pieces();    // decay_set_pieces' value
-// bf16 scalar decay and linear attention with dk 64 or 128: the backward's chunk gradients in one kernel
-// (grad_frag_kernel, P recomputed), so the forward saves no P. CARRY_DECAY_FUSED_GRADS=0 keeps the two
-// kernels and the saved P (A/B timing).
-bool fused_chunk_grads();
 
 // at::empty, filled with NaN when the debug poison is on.
 inline at::Tensor alloc(at::IntArrayRef sizes, const at::TensorOptions& opt) {
