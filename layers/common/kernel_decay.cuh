@@ -26,7 +26,8 @@ enum class Decay : int { none = 0, scalar = 1, diag = 2 };
 
 // Saved for backward, in order: G (the gate's cumulative sum inside each chunk, g's shape, fp32;
 // empty for none), H (the state entering each chunk, input dtype [B,H,N,dk,dv]), P (the scaled,
-// decayed, causal intra-chunk matrix, input dtype [B,H,N,64,64]).
+// decayed, causal intra-chunk matrix, input dtype [B,H,N,64,64]; empty in bf16 for the scalar decay and
+// linear attention with dk 64 or 128, whose backward recomputes it).
 // on_final_state, when set, is called with the final state (fp32 [B,H,dk,dv]) right after its walk is
 // enqueued, before the output kernel: what it enqueues on the stream (a send) runs beside the output.
 std::vector<at::Tensor> decay_fwd(Decay kind, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,

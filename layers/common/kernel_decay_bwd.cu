@@ -11,25 +11,19 @@
 //     dG_t = q_t ⊙ dq_t − k_t ⊙ dk_t, plus at the chunk's end Σ_s k_s ⊙ dk^{state}_s + e^{Γ} ⊙ diag(H_n dH_nᵀ),
 //     summed from the end of the chunk (dg_t = Σ_{u ≥ t} dG_u); for the scalar decay also over d.
 // In bf16 the reverse walk is state_mma_kernel (16 x 32 state pieces in mma.sync registers, four warps
-// a block), and the scalar decay and linear attention with dk a multiple of 64 take 2. and 3. from
-// dv_frag_kernel (one 8-warp block a chunk) and dqk_frag_kernel (one 8-warp block a chunk and 64 key
-// columns), their products on register fragments. Every chunk-local kernel takes a first chunk c0, so
-// with decay_set_pieces the reverse walk runs in ranges of chunks (last first) and each finished
-// range's dV and dq/dk/dg run on a second stream beside the next range's walk (walk_in_pieces).
+// a block), and the scalar decay and linear attention with dk 64 or 128 take 2. and 3. together from
+// grad_frag_kernel (one 8-warp block a chunk, every key column, P recomputed from Q and K: the forward then
+// saves no P). Every chunk-local kernel takes a first chunk c0, so with decay_set_pieces the reverse walk
+// runs in ranges of chunks (last first) and each finished range's chunk gradients run on a second stream
+// beside the next range's walk (walk_in_pieces).
 #include "layers/common/kernel_decay.cuh"
 #include "layers/common/kernel_decay_device.cuh"
 #include "layers/common/kernel_decay_launch.h"
 #include "layers/delta_rule/kernel_frag.cuh"
 
-#include <cstdlib>
-
 namespace carry_decay {
 namespace {
 
-int grad_warps() {  // experiment: CARRY_DECAY_GRAD_WARPS=16
-  static const int w = [] { const char* e = std::getenv("CARRY_DECAY_GRAD_WARPS"); return e && std::atoi(e) == 16 ? 16 : 8; }();
-  return w;
-}
 
 // ---- dV -------------------------------------------------------------------------------------
 template <typename T, int KIND, int DK, int TV>
@@ -351,7 +345,9 @@ __global__ void __launch_bounds__(NW * 32) dqk_kernel(const T* __restrict__ q, c
 // intra-chunk parts (A = scale·dP ⊙ e^{G_t−G_s}, causal, to shared bf16 once; dq += A K, dk += Aᵀ Q) and the
 // gate's gradient dG_t = Σ_d (q ⊙ dq − k ⊙ dk)_t, plus at the chunk's end Σ k ⊙ dk^{state} + e^{Γ}·<H_n, dH_n>,
 // summed from the chunk's end. NW = 8 or 16 warps: warp w owns rows 16·(w%4) and the column part w/4 (of NW/4)
-// of every product; P is computed by the first eight.
+// of every product; P is computed by the first eight. The launcher takes 8 (221 registers a thread, one block
+// an SM): 16 (128 registers) ran no faster (H100, H=16, dk=dv=128, T=131072, ncu: 3.35 ms with 8, 3.52 with
+// 16; against dv_frag_kernel + dqk_frag_kernel, the two kernels this one replaced, 1.12 + 2.63 ms).
 template <int DK>
 struct GradFragSmem {
   static constexpr int C = kChunk, LK = DK + 8, LD = 64 + 8;
@@ -619,9 +615,9 @@ std::vector<at::Tensor> bwd_impl(const Dims& d, const at::Tensor& q, const at::T
       if (frag) {
         auto run = [&](auto dk_tag) {
           constexpr int DK = decltype(dk_tag)::value;
-          auto kern = grad_warps() == 16 ? grad_frag_kernel<KIND, DK, 16> : grad_frag_kernel<KIND, DK, 8>;
+          auto kern = grad_frag_kernel<KIND, DK, 8>;
           cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)GradFragSmem<DK>::bytes);
-          kern<<<dim3(c1 - c0, d.H, d.B), 32 * grad_warps(), GradFragSmem<DK>::bytes, st>>>(
+          kern<<<dim3(c1 - c0, d.H, d.B), 256, GradFragSmem<DK>::bytes, st>>>(
               reinterpret_cast<const bf16*>(q.data_ptr()), reinterpret_cast<const bf16*>(k.data_ptr()),
               reinterpret_cast<const bf16*>(v.data_ptr()), KIND == kNone ? nullptr : G.data_ptr<float>(),
               reinterpret_cast<const bf16*>(Hsave.data_ptr()), reinterpret_cast<const bf16*>(dO.data_ptr()),

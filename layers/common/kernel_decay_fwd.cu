@@ -15,7 +15,8 @@
 // In bf16 the walk is state_mma_kernel (kernel_decay_device.cuh: 16 x 32 state pieces in mma.sync
 // registers, four warps a block sharing the chunk's K tile), and the scalar decay and linear attention
 // with dk 64 or 128 take 3. from out_frag_kernel (eight warps a chunk, P and the output's accumulators
-// in registers, 64-wide dv tiles double-buffered). With decay_set_pieces the walk runs in ranges of
+// in registers, 64-wide dv tiles double-buffered), which saves no P: the backward's grad_frag_kernel
+// recomputes it. With decay_set_pieces the walk runs in ranges of
 // chunks and each finished range's output kernel runs on a second stream beside the next range's walk
 // (walk_in_pieces, kernel_decay_launch.h); the final state goes to MixerOptions::on_final_state
 // between the walk and the output.
@@ -232,7 +233,7 @@ __global__ void __launch_bounds__(NW * 32) out_kernel(const T* __restrict__ q, c
 // bf16 output of the scalar decay and linear attention on register fragments (the plan of the delta
 // rule's fwd_o_reg_kernel on this class's layouts): eight warps, warp w owns rows 16·(w%4) and the column
 // half w/4 of P = scale·(QKᵀ ⊙ e^{G_t−G_s}) (causal) and of each 64-wide output tile. P goes to shared
-// bf16 once (and to Psave for the backward); each tile's O = scale·e^{G_t}·(Q·H_n) + P·V is summed in
+// bf16 once (the backward recomputes it: grad_frag_kernel); each tile's O = scale·e^{G_t}·(Q·H_n) + P·V is summed in
 // registers and stored straight to global, the H_n and V tiles double-buffered. The fp32-staged
 // out_kernel spent two block barriers and an fp32 shared-memory round trip a tile.
 template <int DK>
@@ -253,7 +254,7 @@ template <int KIND, int DK>
 __global__ void __launch_bounds__(256) out_frag_kernel(const bf16* __restrict__ q, const bf16* __restrict__ k,
                                                        const bf16* __restrict__ v, const float* __restrict__ G,
                                                        const bf16* __restrict__ Hsave, bf16* __restrict__ o,
-                                                       bf16* __restrict__ Psave, int Tn, int H, int DV, float scale,
+                                                       int Tn, int H, int DV, float scale,
                                                        int c0) {
   static_assert(KIND == kScalar || KIND == kNone, "the diagonal decay keeps out_kernel");
   using L = OutFragSmem<DK>;
@@ -279,13 +280,6 @@ __global__ void __launch_bounds__(256) out_frag_kernel(const bf16* __restrict__ 
                                    load_tiles, ntile, sG, KIND == kScalar ? G + tok * H + h : nullptr, H, scale, sPb,
                                    L::LPb);
   __syncthreads();  // P is whole
-  if (Psave != nullptr) {  // P for the backward: 64 rows of 128 bytes, 16 bytes a thread-step
-    bf16* dst = Psave + (bh * N + n) * C * C;
-    for (int i = threadIdx.x; i < C * 8; i += NT) {
-      const int r = i >> 3, c = (i & 7) * 8;
-      *reinterpret_cast<uint4*>(dst + r * C + c) = *reinterpret_cast<const uint4*>(sPb + r * L::LPb + c);
-    }
-  }
   const float e0 = scale * __expf(sG[m0 + g]), e1 = scale * __expf(sG[m0 + g + 8]);
   for (int it = 0; it < ntile; ++it) {
     const unsigned char* base = smem + L::oBuf + (it & 1) * L::buf;
@@ -321,7 +315,7 @@ void launch_out(const Dims& d, const at::Tensor& q, const at::Tensor& k, const a
         reinterpret_cast<const bf16*>(q.data_ptr()), reinterpret_cast<const bf16*>(k.data_ptr()),
         reinterpret_cast<const bf16*>(v.data_ptr()), KIND == kNone ? nullptr : G.data_ptr<float>(),
         reinterpret_cast<const bf16*>(Hsave.data_ptr()), reinterpret_cast<bf16*>(o.data_ptr()),
-        P.numel() == 0 ? nullptr : reinterpret_cast<bf16*>(P.data_ptr()), d.T, d.H, d.DV, scale, c0);
+        d.T, d.H, d.DV, scale, c0);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
     return;
   }
