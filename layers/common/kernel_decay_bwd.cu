@@ -337,7 +337,7 @@ __global__ void __launch_bounds__(NW * 32) dqk_kernel(const T* __restrict__ q, c
 
 // ---- dV, dq, dk, dg of a chunk in one kernel (bf16, scalar decay and linear attention, dk 64 or 128) ----
 // One block of 8 warps a chunk, every key column: Q and K load once, P = scale·(QKᵀ ⊙ e^{G_t−G_s})
-// (causal) is recomputed from them (load_qk_and_p, as the forward's output kernel), so the forward saves no P
+// (causal) is recomputed from them (causal_p_bf16, as the forward's output kernel), so the forward saves no P
 // and V, dO, H_n and dH_n are read once a chunk (dv_frag_kernel and dqk_frag_kernel read dO and dH twice,
 // K and V twice, and P from memory). Warp w owns rows 16·(w%4) and the column half w/4 of each product:
 // per 64-wide dv tile j (V, dO, H, dH double-buffered) dP += dO_j V_jᵀ, dq += dO_j H_jᵀ, dk += V_j dH_jᵀ
