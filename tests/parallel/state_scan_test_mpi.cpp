@@ -382,11 +382,7 @@ void check_scan_against_serial(const Mixer& m, ProcessGroups& g, at::Device devi
         bool boundaries = variant & 1, normalize = variant & 2;
         const int64_t C = 16;
         Shape s;
-        s.B = 2;
         s.T = 128;
-        s.H = 2;
-        s.dk = 8;
-        s.dv = 6;
         s.offset = 3 * 64;
         MixerOptions opt;
         opt.chunk_size = C;
@@ -468,11 +464,8 @@ TEST_P(SequenceParallel, OrderedHeadGroupsBitwiseEqualSerial) {
     for (auto v : {Variant{at::kDouble, false, false}, Variant{at::kDouble, true, true},
                    Variant{at::kFloat, true, false}}) {
       Shape s;
-      s.B = 2;
       s.T = 128;
       s.H = 4;
-      s.dk = 8;
-      s.dv = 6;
       s.offset = 64;
       MixerOptions opt;
       opt.chunk_size = 16;
@@ -580,11 +573,8 @@ TEST(OrderedChain, HooksSendOnceAndTheBitsStay) {
     EarlyHooksForTests m(family(name));
     for (int G : {1, 2}) {
       Shape s;
-      s.B = 2;
       s.T = 128;
       s.H = 4;
-      s.dk = 8;
-      s.dv = 6;
       MixerOptions opt;
       opt.chunk_size = 16;
       auto in = random_inputs(m, s, at::kDouble, 301 + G);
@@ -624,11 +614,7 @@ TEST_P(SequenceParallel, DocumentStartsResetInEveryMode) {
   const int P = g.layout.sp, r = sp.rank();
   const bool log_linear = m.name().rfind("loglinear", 0) == 0;
   Shape s;
-  s.B = 2;
   s.T = 128;
-  s.H = 2;
-  s.dk = 8;
-  s.dv = 6;
   s.offset = 0;
   MixerOptions opt;
   opt.chunk_size = 16;
