@@ -337,16 +337,15 @@ __global__ void __launch_bounds__(NW * 32) dqk_kernel(const T* __restrict__ q, c
 
 // ---- dV, dq, dk, dg of a chunk in one kernel (bf16, scalar decay and linear attention, dk 64 or 128) ----
 // One block of 8 warps a chunk, every key column: Q and K load once, P = scale·(QKᵀ ⊙ e^{G_t−G_s})
-// (causal) is recomputed from them (causal_p_bf16, as the forward's output kernel), so the forward saves no P
+// (causal) is recomputed from them (load_qk_and_p, as the forward's output kernel), so the forward saves no P
 // and V, dO, H_n and dH_n are read once a chunk (dv_frag_kernel and dqk_frag_kernel read dO and dH twice,
 // K and V twice, and P from memory). Warp w owns rows 16·(w%4) and the column half w/4 of each product:
 // per 64-wide dv tile j (V, dO, H, dH double-buffered) dP += dO_j V_jᵀ, dq += dO_j H_jᵀ, dk += V_j dH_jᵀ
 // (fragments held over the loop) and dV_j = Pᵀ dO_j + e^{Γ−G_s}·(K dH_j) (stored at once); then the
 // intra-chunk parts (A = scale·dP ⊙ e^{G_t−G_s}, causal, to shared bf16 once; dq += A K, dk += Aᵀ Q) and the
 // gate's gradient dG_t = Σ_d (q ⊙ dq − k ⊙ dk)_t, plus at the chunk's end Σ k ⊙ dk^{state} + e^{Γ}·<H_n, dH_n>,
-// summed from the chunk's end. NW = 8 or 16 warps: warp w owns rows 16·(w%4) and the column part w/4 (of NW/4)
-// of every product; P is computed by the first eight. The launcher takes 8 (221 registers a thread, one block
-// an SM): 16 (128 registers) ran no faster (H100, H=16, dk=dv=128, T=131072, ncu: 3.35 ms with 8, 3.52 with
+// summed from the chunk's end. 221 registers a thread, one block an SM; a 16-warp version (a column quarter a
+// warp, 128 registers) ran no faster (H100, H=16, dk=dv=128, T=131072, ncu: 3.35 ms with 8 warps, 3.52 with
 // 16; against dv_frag_kernel + dqk_frag_kernel, the two kernels this one replaced, 1.12 + 2.63 ms).
 template <int DK>
 struct GradFragSmem {
@@ -356,9 +355,9 @@ struct GradFragSmem {
   static constexpr size_t oP = al128(oK + C * LK * 2);
   static constexpr size_t oA = al128(oP + C * LD * 2);
   static constexpr size_t oG = al128(oA + C * LD * 2);
-  static constexpr size_t oRow = oG + C * 4;       // the column parts' row sums of dG [≤4][C]
-  static constexpr size_t oRed = oRow + 4 * C * 4; // the warps' shares of the chunk-end terms [2][≤16]
-  static constexpr size_t oBuf = al128(oRed + 32 * 4);
+  static constexpr size_t oRow = oG + C * 4;       // the column halves' row sums of dG [2][C]
+  static constexpr size_t oRed = oRow + 2 * C * 4; // the warps' shares of the chunk-end terms [2][8]
+  static constexpr size_t oBuf = al128(oRed + 16 * 4);
   // a stage: V_j, dO_j [C][LD], H_j, dH_j [DK][LD]
   static constexpr size_t oDO = C * LD * 2, oH = 2 * C * LD * 2, oDH = oH + DK * LD * 2;
   static constexpr size_t stage = al128(oDH + DK * LD * 2);
@@ -366,8 +365,8 @@ struct GradFragSmem {
   static_assert(bytes + 1024 <= 228 * 1024, "grad_frag_kernel shared memory");
 };
 
-template <int KIND, int DK, int NW>
-__global__ void __launch_bounds__(NW * 32, 1) grad_frag_kernel(const bf16* __restrict__ q, const bf16* __restrict__ k,
+template <int KIND, int DK>
+__global__ void __launch_bounds__(256, 1) grad_frag_kernel(const bf16* __restrict__ q, const bf16* __restrict__ k,
                                                            const bf16* __restrict__ v, const float* __restrict__ G,
                                                            const bf16* __restrict__ Hsave, const bf16* __restrict__ dO,
                                                            const bf16* __restrict__ dHsave, bf16* __restrict__ dq,
@@ -376,9 +375,7 @@ __global__ void __launch_bounds__(NW * 32, 1) grad_frag_kernel(const bf16* __res
                                                            int c0) {
   static_assert(KIND == kScalar || KIND == kNone, "the diagonal decay keeps dv_kernel and dqk_kernel");
   using S = GradFragSmem<DK>;
-  constexpr int C = kChunk, NT = NW * 32, LK = S::LK, LD = S::LD, NP = NW / 4;  // NP column parts
-  constexpr int NQ = DK / 8 / NP, NC = 64 / 8 / NP;  // n8-tiles a warp: of the key columns, of 64 columns
-  static_assert(NW == 8 || NW == 16, "grad_frag_kernel: 8 or 16 warps");
+  constexpr int C = kChunk, NT = 256, LK = S::LK, LD = S::LD, NQ = DK / 16;  // NQ: n8-tiles of a key half
   extern __shared__ __align__(128) unsigned char smem[];
   bf16* Qs = reinterpret_cast<bf16*>(smem + S::oQ);
   bf16* Ks = reinterpret_cast<bf16*>(smem + S::oK);
@@ -400,22 +397,14 @@ __global__ void __launch_bounds__(NW * 32, 1) grad_frag_kernel(const bf16* __res
     load_tile_async<bf16, DK, 64, NT>(reinterpret_cast<bf16*>(base + S::oDH), LD, dHsave + hoff + v0, DV);
     cp_async_commit();
   };
-  // Q, K (one group), the first two tiles, G; then P by the first eight warps (causal_p_bf16's layout).
-  load_tile_async<bf16, C, DK, NT>(Qs, LK, q + tok * ks + (long)h * DK, ks);
-  load_tile_async<bf16, C, DK, NT>(Ks, LK, k + tok * ks + (long)h * DK, ks);
-  cp_async_commit();
-  load_tiles(0, 0);
-  if (ntile > 1) load_tiles(64, 1);
-  if (threadIdx.x < C) Gs[threadIdx.x] = KIND == kScalar ? G[(tok + threadIdx.x) * H + h] : 0.f;
-  if (ntile > 1) cp_async_wait<2>();
-  else cp_async_wait<1>();
-  __syncthreads();
-  if (threadIdx.x < 256) carry_gdn::causal_p_bf16<DK>(Qs, Ks, LK, Gs, scale, Ps, LD);
+  carry_gdn::load_qk_and_p<DK, NT>(Qs, Ks, LK, q + tok * ks + (long)h * DK, k + tok * ks + (long)h * DK, ks,
+                                   load_tiles, ntile, Gs, KIND == kScalar ? G + tok * H + h : nullptr, H, scale, Ps,
+                                   LD);
 
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t4 = lane & 3;
-  const int m0 = (warp & 3) * 16, part = warp >> 2, n0 = part * 8 * NC, nq = part * 8 * NQ;
+  const int m0 = (warp & 3) * 16, half = warp >> 2, n0 = half * 32, nq = half * (DK / 2);
   const int r0 = m0 + g, r1 = r0 + 8;
-  float dp[NC][4] = {}, aq[NQ][4] = {}, ak[NQ][4] = {};
+  float dp[4][4] = {}, aq[NQ][4] = {}, ak[NQ][4] = {};
   float hdh = 0.f;  // this thread's share of <H, dH> over the chunk's state
   for (int j = 0; j < ntile; ++j) {
     if (j + 1 < ntile) cp_async_wait<1>();
@@ -426,20 +415,20 @@ __global__ void __launch_bounds__(NW * 32, 1) grad_frag_kernel(const bf16* __res
     const bf16* dOs = reinterpret_cast<const bf16*>(base + S::oDO);
     const bf16* Hs = reinterpret_cast<const bf16*>(base + S::oH);
     const bf16* dHs = reinterpret_cast<const bf16*>(base + S::oDH);
-    frag_mma<NC, 64, false, true>(dp, dOs, LD, Vs, LD, m0, n0);   // dP[t][s] = Σ_c dO[t][c] V[s][c]
+    frag_mma<4, 64, false, true>(dp, dOs, LD, Vs, LD, m0, n0);    // dP[t][s] = Σ_c dO[t][c] V[s][c]
     frag_mma<NQ, 64, false, true>(aq, dOs, LD, Hs, LD, m0, nq);   // (dO Hᵀ)[t][d]
     frag_mma<NQ, 64, false, true>(ak, Vs, LD, dHs, LD, m0, nq);   // (V dHᵀ)[s][d]
     {  // dV_j = Pᵀ dO_j + e^{Γ−G_s}·(K dH_j)
-      float kd[NC][4] = {}, acc[NC][4] = {};
-      frag_mma<NC, DK, false, false>(kd, Ks, LK, dHs, LD, m0, n0);  // (K dH)[s][c]
-      frag_mma<NC, C, true, false>(acc, Ps, LD, dOs, LD, m0, n0);   // (Pᵀ dO)[s][c]
+      float kd[4][4] = {}, acc[4][4] = {};
+      frag_mma<4, DK, false, false>(kd, Ks, LK, dHs, LD, m0, n0);  // (K dH)[s][c]
+      frag_mma<4, C, true, false>(acc, Ps, LD, dOs, LD, m0, n0);   // (Pᵀ dO)[s][c]
       const float Gl = Gs[C - 1], f0 = __expf(Gl - Gs[r0]), f1 = __expf(Gl - Gs[r1]);
 #pragma unroll
-      for (int nt = 0; nt < NC; ++nt) {
+      for (int nt = 0; nt < 4; ++nt) {
         acc[nt][0] += f0 * kd[nt][0], acc[nt][1] += f0 * kd[nt][1];
         acc[nt][2] += f1 * kd[nt][2], acc[nt][3] += f1 * kd[nt][3];
       }
-      frag_store_bf16<NC>(dv + tok * vs + (long)h * DV + j * 64, vs, acc, m0, n0);
+      frag_store_bf16<4>(dv + tok * vs + (long)h * DV + j * 64, vs, acc, m0, n0);
     }
     if constexpr (KIND != kNone) {  // DK·64/256 elements of H ⊙ dH a thread, 8 at a time
       constexpr int E = DK * 64 / NT, TPR = 64 / E;  // elements a thread, threads a row
@@ -480,7 +469,7 @@ __global__ void __launch_bounds__(NW * 32, 1) grad_frag_kernel(const bf16* __res
   }
   // A = scale·dP ⊙ e^{G_t − G_s} for s ≤ t (dp's columns are tokens s).
 #pragma unroll
-  for (int nt = 0; nt < NC; ++nt) {
+  for (int nt = 0; nt < 4; ++nt) {
 #pragma unroll
     for (int hf = 0; hf < 2; ++hf) {
       const int t = r0 + 8 * hf, s = n0 + nt * 8 + 2 * t4;
@@ -514,20 +503,19 @@ __global__ void __launch_bounds__(NW * 32, 1) grad_frag_kernel(const bf16* __res
       s0 += __shfl_xor_sync(0xffffffffu, s0, off);
       s1 += __shfl_xor_sync(0xffffffffu, s1, off);
     }
-    if (t4 == 0) sRow[part * C + r0] = s0, sRow[part * C + r1] = s1;
+    if (t4 == 0) sRow[half * C + r0] = s0, sRow[half * C + r1] = s1;
 #pragma unroll
     for (int off = 16; off > 0; off >>= 1) {
       ext += __shfl_xor_sync(0xffffffffu, ext, off);
       hdh += __shfl_xor_sync(0xffffffffu, hdh, off);
     }
-    if (lane == 0) sRed[warp] = ext, sRed[NW + warp] = hdh;
+    if (lane == 0) sRed[warp] = ext, sRed[8 + warp] = hdh;
     __syncthreads();
     if (warp == 0) {
-      float e = 0.f, hd = 0.f, a = 0.f, c = 0.f;
+      float e = 0.f, hd = 0.f;
 #pragma unroll
-      for (int w = 0; w < NW; ++w) e += sRed[w], hd += sRed[NW + w];
-#pragma unroll
-      for (int p = 0; p < NP; ++p) a += sRow[p * C + 2 * lane], c += sRow[p * C + 2 * lane + 1];
+      for (int w = 0; w < 8; ++w) e += sRed[w], hd += sRed[8 + w];
+      float a = sRow[2 * lane] + sRow[C + 2 * lane], c = sRow[2 * lane + 1] + sRow[C + 2 * lane + 1];
       if (lane == 31) c += e + __expf(Gl) * hd;
       // dg_t = Σ_{u ≥ t} dG_u: a suffix sum over the lanes' pairs.
       float sfx = a + c;
@@ -559,10 +547,9 @@ std::vector<at::Tensor> bwd_impl(const Dims& d, const at::Tensor& q, const at::T
   // (GLA only: the scalar decay sums its gate gradient over d in a [C, C+4] scratch, so TK ≤ 64 there.)
   constexpr bool kWide = sizeof(T) == 2 && KIND == kDiag;
   const int TKq = kWide && d.DK == 96 ? 96 : (d.DK % 64 == 0 ? 64 : 32), nkt = d.DK / TKq;
-  // bf16 scalar decay and linear attention with 64-multiples: the register-fragment kernels (dV, and dq/dk
-  // with 64 key columns a block).
-  constexpr bool kFragKind = sizeof(T) == 2 && KIND != kDiag;
-  const bool frag = kFragKind && d.DK % 64 == 0;
+  // bf16 scalar decay and linear attention with dk 64 or 128: grad_frag_kernel (P recomputed: the forward
+  // saved none)
+  const bool frag = frag_path<T, KIND>(d.DK);
   at::Tensor dg;
   if (KIND == kDiag) dg = alloc(q.sizes(), f32);
   else if (KIND == kScalar) dg = alloc({d.B, d.T, d.H, frag ? 1 : nkt}, f32);  // partial sums over the key tiles
@@ -611,11 +598,11 @@ std::vector<at::Tensor> bwd_impl(const Dims& d, const at::Tensor& q, const at::T
     }
   };
   auto chunk_grads = [&](cudaStream_t st, int c0, int c1) {
-    if constexpr (kFragKind) {
+    if constexpr (frag_kind<T, KIND>()) {
       if (frag) {
         auto run = [&](auto dk_tag) {
           constexpr int DK = decltype(dk_tag)::value;
-          auto kern = grad_frag_kernel<KIND, DK, 8>;
+          auto kern = grad_frag_kernel<KIND, DK>;
           cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)GradFragSmem<DK>::bytes);
           kern<<<dim3(c1 - c0, d.H, d.B), 256, GradFragSmem<DK>::bytes, st>>>(
               reinterpret_cast<const bf16*>(q.data_ptr()), reinterpret_cast<const bf16*>(k.data_ptr()),

@@ -18,6 +18,14 @@ constexpr int kNone = 0, kScalar = 1, kDiag = 2;
 
 constexpr size_t al128(size_t x) { return (x + 127) & ~size_t(127); }
 
+// The register-fragment path: bf16 scalar decay and linear attention (frag_kind) with dk 64 or 128
+// (frag_path). Its forward output is out_frag_kernel, which saves no P, and its backward's chunk
+// gradients are grad_frag_kernel, which recomputes P: the forward and the backward must agree on it.
+template <typename T, int KIND>
+constexpr bool frag_kind() { return sizeof(T) == 2 && KIND != kDiag; }
+template <typename T, int KIND>
+constexpr bool frag_path(int dk) { return frag_kind<T, KIND>() && dk % 64 == 0; }
+
 // Copy a ROWS x COLS tile of T from shared (row stride lds) to global (row stride gs), 16 bytes a step.
 template <typename T, int ROWS, int COLS, int NT>
 __device__ __forceinline__ void copy_tile_out(T* g, long gs, const T* s, int lds) {

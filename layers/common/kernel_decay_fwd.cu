@@ -307,7 +307,7 @@ template <typename T, int KIND, int DK>
 void launch_out(const Dims& d, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                 const at::Tensor& G, const at::Tensor& Hsave, at::Tensor& o, at::Tensor& P, float scale,
                 cudaStream_t stream, int c0, int c1) {
-  if constexpr (sizeof(T) == 2 && KIND != kDiag && DK % 64 == 0) {
+  if constexpr (frag_path<T, KIND>(DK)) {
     using L = OutFragSmem<DK>;
     auto kern = out_frag_kernel<KIND, DK>;
     cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)L::bytes);
@@ -351,8 +351,7 @@ std::vector<at::Tensor> fwd_impl(const Dims& d, const at::Tensor& q, const at::T
   auto Sfinal = alloc({d.B, d.H, d.DK, d.DV}, f32);
   auto o = alloc({d.B, d.T, d.H, d.DV}, q.options());
   // P for the backward, unless its chunk-gradient kernel recomputes it (grad_frag_kernel)
-  const bool keep_p = !(sizeof(T) == 2 && KIND != kDiag && d.DK % 64 == 0);
-  auto P = keep_p ? alloc({d.B, d.H, d.N, kChunk, kChunk}, q.options()) : at::empty({0}, q.options());
+  auto P = frag_path<T, KIND>(d.DK) ? at::empty({0}, q.options()) : alloc({d.B, d.H, d.N, kChunk, kChunk}, q.options());
   auto out = [&](cudaStream_t st, int c0, int c1) {
     if (d.DK == 64) launch_out<T, KIND, 64>(d, q, k, v, G, Hsave, o, P, (float)scale, st, c0, c1);
     else if (d.DK == 96) launch_out<T, KIND, 96>(d, q, k, v, G, Hsave, o, P, (float)scale, st, c0, c1);
