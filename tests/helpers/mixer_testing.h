@@ -5,6 +5,10 @@
 #include "framework/cli/mixer_check.h"
 
 #include <gtest/gtest.h>
+#include <torch/csrc/autograd/autograd.h>
+
+#include <string>
+#include <vector>
 
 namespace carry::testing {
 
@@ -28,6 +32,40 @@ void expect_error(F f, const std::string& needle) {
     EXPECT_NE(std::string(e.what_without_backtrace()).find(needle), std::string::npos)
         << "message was: " << e.what_without_backtrace();
   }
+}
+
+// MixerOptions' two hooks in a form that calls them (the kernel forms): runs m.forward(in, init, opt)
+// with on_final_state and on_initial_state_grad set, then differentiates the output and the final state
+// with random cotangents. on_final_state must run once, inside the forward, with the bits of the
+// returned final state; on_initial_state_grad `grad_hook_calls` times (0 or 1), inside the backward,
+// with the bits autograd returns for init[0]. `tag` names the case in failures.
+inline void check_state_hooks(const Mixer& m, const MixerInputs& in, const State& init, MixerOptions opt,
+                              int grad_hook_calls, const std::string& tag) {
+  int calls = 0, grad_calls = 0;
+  State seen;
+  Tensor seen_grad;
+  opt.on_final_state = [&](const State& s) {
+    ++calls;
+    for (auto& t : s) seen.push_back(t.clone());
+  };
+  opt.on_initial_state_grad = [&](const State& d) {
+    ++grad_calls;
+    seen_grad = d[0].clone();
+  };
+  State leaves;
+  for (auto& t : init) leaves.push_back(t.clone().requires_grad_(true));
+  MixerOutput out = m.forward(in, leaves, opt);
+  ASSERT_EQ(calls, 1) << tag;
+  ASSERT_EQ(seen.size(), out.final_state.size()) << tag;
+  for (size_t i = 0; i < seen.size(); ++i)
+    EXPECT_TRUE(at::equal(seen[i], out.final_state[i])) << tag << ": final state entry " << i << " was not final in the hook";
+  EXPECT_EQ(grad_calls, 0) << tag << ": the backward hook ran before the backward";
+  std::vector<Tensor> outs{out.o}, cot{at::randn_like(out.o)};
+  for (auto& t : out.final_state) outs.push_back(t), cot.push_back(at::randn_like(t));
+  auto grads = torch::autograd::grad(outs, {leaves[0]}, cot, /*retain_graph=*/false, false, /*allow_unused=*/true);
+  ASSERT_EQ(grad_calls, grad_hook_calls) << tag;
+  if (grad_hook_calls == 1)
+    EXPECT_TRUE(at::equal(seen_grad, grads[0])) << tag << ": the backward hook's d S0 is not the returned one";
 }
 
 }  // namespace carry::testing

@@ -149,30 +149,8 @@ TEST(DeltaRuleKernel, FinalStateHookSeesTheFinishedState) {
           if (in.get(n).defined()) low.get(n) = in.get(n).to(dt);
         MixerOptions opt;
         opt.form = Form::kernel;
-        int calls = 0, grad_calls = 0;
-        Tensor seen, seen_grad;
-        opt.on_final_state = [&](const State& s) {
-          ++calls;
-          seen = s[0].clone();
-        };
-        opt.on_initial_state_grad = [&](const State& d) {
-          ++grad_calls;
-          seen_grad = d[0].clone();
-        };
-        Tensor s0_leaf = s0.clone().requires_grad_(true);
-        MixerOutput out = m.forward(low, {s0_leaf}, opt);
-        ASSERT_EQ(calls, 1) << m.name();
-        EXPECT_TRUE(at::equal(seen, out.final_state[0]))
-            << m.name() << " " << dt << " pieces " << pieces << ": the hook saw a state that was not final, max |diff| "
-            << (seen - out.final_state[0]).abs().max().item<double>();
-        // The backward's hook: once, with the bits autograd returns for the initial state.
-        EXPECT_EQ(grad_calls, 0) << m.name() << ": called before the backward";
-        auto d_o = at::randn_like(out.o);
-        auto d_s = at::randn_like(out.final_state[0]);
-        auto grads = torch::autograd::grad({out.o, out.final_state[0]}, {s0_leaf}, {d_o, d_s});
-        ASSERT_EQ(grad_calls, 1) << m.name();
-        EXPECT_TRUE(at::equal(seen_grad, grads[0]))
-            << m.name() << " " << dt << " pieces " << pieces << ": the backward hook's d S0 is not the returned one";
+        check_state_hooks(m, low, {s0}, opt, /*grad_hook_calls=*/1,
+                          m.name() + " " + c10::toString(dt) + " pieces " + std::to_string(pieces));
       }
   }
   carry_gdn::gdn_set_pieces(0);
