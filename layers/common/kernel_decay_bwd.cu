@@ -534,7 +534,6 @@ template <typename T, int KIND>
 std::vector<at::Tensor> bwd_impl(const Dims& d, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                  double scale, const std::vector<at::Tensor>& saved, const at::Tensor& dO,
                                  const at::Tensor& dfinal, const std::function<void(const at::Tensor&)>& on_s0_grad) {
-  auto stream = at::cuda::getCurrentCUDAStream();
   const auto f32 = q.options().dtype(at::kFloat);
   const at::Tensor &G = saved[0], &Hsave = saved[1], &P = saved[2];
   auto dH = alloc({d.B, d.H, d.N, d.DK, d.DV}, q.options());
@@ -622,23 +621,8 @@ std::vector<at::Tensor> bwd_impl(const Dims& d, const at::Tensor& q, const at::T
     dqk_chunks(st, c0, c1);
   };
 
-  const int segments = state_segments<T>(d.B, d.T, d.H, d.DK, d.DV, segments_of(d)).first;
-  const int pieces = pieces_for(d, sizeof(T) == 2, segments);
-  if (pieces == 1) {
-    launch_state<T, KIND, true>(q, dO, G, dfinal, dH, ds0, d.B, d.T, d.H, d.DK, d.DV, (float)scale, stream,
-                                segments_of(d));
-    if (on_s0_grad) on_s0_grad(ds0);  // before the chunk kernels: a send runs beside them
-    chunk_grads(stream, 0, d.N);
-  } else if constexpr (sizeof(T) == 2) {
-    walk_in_pieces(
-        d.N, pieces, /*reverse=*/true, dfinal.data_ptr<float>(), ds0.data_ptr<float>(), ds0,
-        [&](int c0, int c1, const float* from, float* to) {
-          launch_state_piece<KIND, true>(q, dO, G, from, dH, to, d.B, d.T, d.H, d.DK, d.DV, (float)scale, stream,
-                                         c0, c1);
-          if (c0 == 0 && on_s0_grad) on_s0_grad(ds0);  // the last piece of the reverse walk
-        },
-        chunk_grads);
-  }
+  // the initial state's gradient to on_s0_grad before the chunk kernels: a send runs beside them
+  walk_then_local<T, KIND, true>(d, q, dO, G, dfinal, dH, ds0, (float)scale, on_s0_grad, chunk_grads);
   if (KIND == kScalar) dg = dg.size(-1) == 1 ? dg.squeeze(-1) : dg.sum(-1);
   return {dq, dk, dv, dg, ds0};
 }

@@ -357,23 +357,8 @@ std::vector<at::Tensor> fwd_impl(const Dims& d, const at::Tensor& q, const at::T
     else if (d.DK == 96) launch_out<T, KIND, 96>(d, q, k, v, G, Hsave, o, P, (float)scale, st, c0, c1);
     else launch_out<T, KIND, 128>(d, q, k, v, G, Hsave, o, P, (float)scale, st, c0, c1);
   };
-  const int segments = state_segments<T>(d.B, d.T, d.H, d.DK, d.DV, segments_of(d)).first;
-  const int pieces = pieces_for(d, sizeof(T) == 2, segments);
-  if (pieces == 1) {
-    launch_state<T, KIND, false>(k, v, G, s0, Hsave, Sfinal, d.B, d.T, d.H, d.DK, d.DV, (float)scale, stream,
-                                 segments_of(d));
-    if (on_final_state) on_final_state(Sfinal);  // before the output kernel: a send runs beside it
-    out(stream, 0, d.N);
-  } else if constexpr (sizeof(T) == 2) {
-    walk_in_pieces(
-        d.N, pieces, /*reverse=*/false, s0.data_ptr<float>(), Sfinal.data_ptr<float>(), Sfinal,
-        [&](int c0, int c1, const float* from, float* to) {
-          launch_state_piece<KIND, false>(k, v, G, from, Hsave, to, d.B, d.T, d.H, d.DK, d.DV, (float)scale, stream,
-                                          c0, c1);
-          if (c1 == d.N && on_final_state) on_final_state(Sfinal);  // the last piece walked
-        },
-        out);
-  }
+  // the final state to on_final_state before the output kernel: a send runs beside it
+  walk_then_local<T, KIND, false>(d, k, v, G, s0, Hsave, Sfinal, (float)scale, on_final_state, out);
   return {o, Sfinal, G.defined() ? G : at::empty({0}, f32), Hsave, P};
 }
 

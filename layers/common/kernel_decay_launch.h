@@ -2,6 +2,7 @@
 #pragma once
 
 #include "layers/common/kernel_decay.cuh"
+#include "layers/common/kernel_decay_device.cuh"
 
 #include "layers/common/kernel_host.h"
 
@@ -11,6 +12,7 @@
 #include <c10/cuda/CUDAGuard.h>
 
 #include <algorithm>
+#include <functional>
 #include <limits>
 
 namespace carry_decay {
@@ -67,6 +69,33 @@ void walk_in_pieces(int N, int pieces, bool reverse, const float* first_from, fl
   at::cuda::CUDAEvent done;
   done.record(side);
   done.block(stream);
+}
+
+// The state walk (REV: in reverse, for the state gradients) from `from` (fp32 [B,H,DK,DV]) into Send,
+// saving the per-chunk states in Hsave, then the chunk-local kernels local(stream, c0, c1) over every
+// chunk; hook(Send), when set, right after the walk's last launch is enqueued (before the chunk-local
+// kernels that follow it: what it enqueues, a send, runs beside them). In bf16 with decay_set_pieces the
+// walk runs in pieces, each finished piece's chunk-local kernels on a second stream (walk_in_pieces).
+template <typename T, int KIND, bool REV, typename Local>
+void walk_then_local(const Dims& d, const at::Tensor& X, const at::Tensor& Y, const at::Tensor& G,
+                     const at::Tensor& from, at::Tensor& Hsave, at::Tensor& Send, float scale,
+                     const std::function<void(const at::Tensor&)>& hook, Local local) {
+  auto stream = at::cuda::getCurrentCUDAStream();
+  const int segments = state_segments<T>(d.B, d.T, d.H, d.DK, d.DV, segments_of(d)).first;
+  const int pieces = pieces_for(d, sizeof(T) == 2, segments);
+  if (pieces == 1) {
+    launch_state<T, KIND, REV>(X, Y, G, from, Hsave, Send, d.B, d.T, d.H, d.DK, d.DV, scale, stream, segments_of(d));
+    if (hook) hook(Send);
+    local(stream.stream(), 0, d.N);
+  } else if constexpr (sizeof(T) == 2) {
+    walk_in_pieces(
+        d.N, pieces, REV, from.data_ptr<float>(), Send.data_ptr<float>(), Send,
+        [&](int c0, int c1, const float* f, float* t) {
+          launch_state_piece<KIND, REV>(X, Y, G, f, Hsave, t, d.B, d.T, d.H, d.DK, d.DV, scale, stream, c0, c1);
+          if (hook && (REV ? c0 == 0 : c1 == d.N)) hook(Send);  // the walk's last piece
+        },
+        local);
+  }
 }
 
 inline Dims check_inputs(const char* who, Decay kind, const at::Tensor& q, const at::Tensor& k,
