@@ -162,9 +162,7 @@ TEST_P(MixerContract, StateOutputIsTheIncomingStatesShare) {
 // it). The ordered scan sends the state to the next rank from it.
 TEST_P(MixerContract, FinalStateHookRunsOnceWithTheReturnedState) {
   const Mixer& m = mixer();
-  Shape s;
-  s.B = 2;
-  s.T = 64;
+  Shape s;  // B = 2, T = 64
   MixerOptions opt;
   opt.chunk_size = 16;
   auto in = random_inputs(m, s, at::kDouble, 41);
