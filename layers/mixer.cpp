@@ -146,25 +146,25 @@ MixerOutput Mixer::forward(const MixerInputs& in, const State& initial_state,
       default: return chunkwise(in, initial_state, o);
     }
   };
-  if (!opt.on_final_state && !(opt.on_initial_state_grad && opt.document_starts.defined())) return run(opt);
-  if (!opt.on_final_state) {  // documents: several runs, none of whose gradients is the slice's alone
+  if (opt.document_starts.defined()) {
+    // Documents run several forward calls, none of whose final state or initial-state gradient is the
+    // slice's alone: the final state goes to the hook at the end, the gradient the caller's way.
     MixerOptions inner = opt;
+    inner.on_final_state = nullptr;
     inner.on_initial_state_grad = nullptr;
-    return run(inner);
+    MixerOutput out = run(inner);
+    if (opt.on_final_state) opt.on_final_state(out.final_state);
+    return out;
   }
-  // Exactly once: the form may call it early (the kernel forms, after their state walk); documents run
-  // several forward calls, whose own final states are not the slice's, so there it waits for the end.
+  if (!opt.on_final_state) return run(opt);
+  // Exactly once: the form may call it early (the kernel forms, after their state walk), else at the end.
   bool called = false;
   MixerOptions inner = opt;
-  inner.on_final_state = nullptr;
-  if (opt.document_starts.defined()) inner.on_initial_state_grad = nullptr;
-  if (!opt.document_starts.defined()) {
-    inner.on_final_state = [&](const State& s) {
-      if (called) return;
-      called = true;
-      opt.on_final_state(s);
-    };
-  }
+  inner.on_final_state = [&](const State& s) {
+    if (called) return;
+    called = true;
+    opt.on_final_state(s);
+  };
   MixerOutput out = run(inner);
   if (!called) opt.on_final_state(out.final_state);
   return out;
