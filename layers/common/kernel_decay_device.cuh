@@ -291,13 +291,16 @@ __global__ void __launch_bounds__(NW * 32) state_mma_kernel(const bf16* __restri
     for (int k = 0; k < C; k += 16) {
       tc::u32 a[4];
       tc::load_a_t(a, Xb, LX, r0, k);
+      // Linear attention's forward factor is 1: x · 1 rounds back to x, so the fragments stay as loaded.
+      if constexpr (KIND != kNone || REV) {
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int t = k + 2 * t4 + (e >> 1) * 8, d = (e & 1) ? db : da;
-        const float gl = (e & 1) ? glb : gla;
-        const float2 x = tc::unpack_bf16(a[e]);
-        a[e] = tc::pack_bf16(x.x * state_factor<KIND, REV>(Gb, LG, t, d, gl, scale),
-                             x.y * state_factor<KIND, REV>(Gb, LG, t + 1, d, gl, scale));
+        for (int e = 0; e < 4; ++e) {
+          const int t = k + 2 * t4 + (e >> 1) * 8, d = (e & 1) ? db : da;
+          const float gl = (e & 1) ? glb : gla;
+          const float2 x = tc::unpack_bf16(a[e]);
+          a[e] = tc::pack_bf16(x.x * state_factor<KIND, REV>(Gb, LG, t, d, gl, scale),
+                               x.y * state_factor<KIND, REV>(Gb, LG, t + 1, d, gl, scale));
+        }
       }
 #pragma unroll
       for (int jp = 0; jp < NTL / 2; ++jp) {
