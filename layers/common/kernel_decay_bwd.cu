@@ -21,8 +21,20 @@
 #include "layers/common/kernel_decay_launch.h"
 #include "layers/delta_rule/kernel_frag.cuh"
 
+#include <cstdlib>
+
 namespace carry_decay {
 namespace {
+
+// grad_frag_kernel one block an SM, each walking items with the next one's loads ahead (A/B:
+// CARRY_DECAY_GRAD_PERSIST=0 gives one block an item).
+bool grad_persist() {
+  static const bool on = [] {
+    const char* e = std::getenv("CARRY_DECAY_GRAD_PERSIST");
+    return !(e && e[0] == '0');
+  }();
+  return on;
+}
 
 
 // ---- dV -------------------------------------------------------------------------------------
@@ -336,27 +348,30 @@ __global__ void __launch_bounds__(NW * 32) dqk_kernel(const T* __restrict__ q, c
 }
 
 // ---- dV, dq, dk, dg of a chunk in one kernel (bf16, scalar decay and linear attention, dk 64 or 128) ----
-// One block of 8 warps a chunk, every key column: Q and K load once, P = scale·(QKᵀ ⊙ e^{G_t−G_s})
-// (causal) is recomputed from them (load_qk_and_p, as the forward's output kernel), so the forward saves no P
-// and V, dO, H_n and dH_n are read once a chunk (dv_frag_kernel and dqk_frag_kernel read dO and dH twice,
-// K and V twice, and P from memory). Warp w owns rows 16·(w%4) and the column half w/4 of each product:
-// per 64-wide dv tile j (V, dO, H, dH double-buffered) dP += dO_j V_jᵀ, dq += dO_j H_jᵀ, dk += V_j dH_jᵀ
-// (fragments held over the loop) and dV_j = Pᵀ dO_j + e^{Γ−G_s}·(K dH_j) (stored at once); then the
-// intra-chunk parts (A = scale·dP ⊙ e^{G_t−G_s}, causal, to shared bf16 once; dq += A K, dk += Aᵀ Q) and the
-// gate's gradient dG_t = Σ_d (q ⊙ dq − k ⊙ dk)_t, plus at the chunk's end Σ k ⊙ dk^{state} + e^{Γ}·<H_n, dH_n>,
-// summed from the chunk's end. 221 registers a thread, one block an SM; a 16-warp version (a column quarter a
-// warp, 128 registers) ran no faster (H100, H=16, dk=dv=128, T=131072, ncu: 3.35 ms with 8 warps, 3.52 with
-// 16; against dv_frag_kernel + dqk_frag_kernel, the two kernels this one replaced, 1.12 + 2.63 ms).
+// One block of 8 warps a chunk (an item: chunk, head, batch), every key column: Q and K load once, P =
+// scale·(QKᵀ ⊙ e^{G_t−G_s}) (causal) is recomputed from them (causal_p_bf16, as the forward's output kernel),
+// so the forward saves no P, and V, dO, H_n and dH_n are read once a chunk (the two kernels this one replaced,
+// dv_frag_kernel and dqk_frag_kernel, read dO and dH twice, K and V twice, and P from memory). Warp w owns
+// rows 16·(w%4) and the column half w/4 of each product: per 64-wide dv tile j (V, dO, H, dH double-buffered)
+// dP += dO_j V_jᵀ, dq += dO_j H_jᵀ, dk += V_j dH_jᵀ (fragments held over the loop) and
+// dV_j = Pᵀ dO_j + e^{Γ−G_s}·(K dH_j) (stored at once); then the intra-chunk parts (A = scale·dP ⊙
+// e^{G_t−G_s}, causal, to shared bf16 once; dq += A K, dk += Aᵀ Q) and the gate's gradient
+// dG_t = Σ_d (q ⊙ dq − k ⊙ dk)_t, plus at the chunk's end Σ k ⊙ dk^{state} + e^{Γ}·<H_n, dH_n>, summed from
+// the chunk's end. 221 registers a thread, one block an SM (16 warps at 128 registers ran no faster: H100,
+// H=16, dk=dv=128, T=131072, ncu 3.35 against 3.52 ms; the two kernels it replaced 1.12 + 2.63 ms).
+// A block walks items blockIdx.x, blockIdx.x + gridDim.x, ...: with as many blocks as items each takes one;
+// with one block an SM (persistent) the next item's Q, K, G and first two tiles are loaded into the other
+// Q/K/G buffer and the freed stages while this item finishes its intra-chunk parts and stores.
 template <int DK>
 struct GradFragSmem {
   static constexpr int C = kChunk, LK = DK + 8, LD = 64 + 8;
-  static constexpr size_t oQ = 0;
-  static constexpr size_t oK = al128(oQ + C * LK * 2);
-  static constexpr size_t oP = al128(oK + C * LK * 2);
+  static constexpr size_t qk = al128((size_t)2 * C * LK * 2);  // Q then K of one item
+  static constexpr size_t oQK = 0;                              // two items' Q and K
+  static constexpr size_t oG = oQK + 2 * qk;                    // two items' G [2][C]
+  static constexpr size_t oP = al128(oG + 2 * C * 4);
   static constexpr size_t oA = al128(oP + C * LD * 2);
-  static constexpr size_t oG = al128(oA + C * LD * 2);
-  static constexpr size_t oRow = oG + C * 4;       // the column halves' row sums of dG [2][C]
-  static constexpr size_t oRed = oRow + 2 * C * 4; // the warps' shares of the chunk-end terms [2][8]
+  static constexpr size_t oRow = al128(oA + C * LD * 2);        // the column halves' row sums of dG [2][C]
+  static constexpr size_t oRed = oRow + 2 * C * 4;              // the warps' shares of the chunk-end terms [2][8]
   static constexpr size_t oBuf = al128(oRed + 16 * 4);
   // a stage: V_j, dO_j [C][LD], H_j, dH_j [DK][LD]
   static constexpr size_t oDO = C * LD * 2, oH = 2 * C * LD * 2, oDH = oH + DK * LD * 2;
@@ -372,160 +387,203 @@ __global__ void __launch_bounds__(256, 1) grad_frag_kernel(const bf16* __restric
                                                            const bf16* __restrict__ dHsave, bf16* __restrict__ dq,
                                                            bf16* __restrict__ dk, bf16* __restrict__ dv,
                                                            float* __restrict__ dg, int Tn, int H, int DV, float scale,
-                                                           int c0) {
+                                                           int c0, int nch, int B) {
   static_assert(KIND == kScalar || KIND == kNone, "the diagonal decay keeps dv_kernel and dqk_kernel");
   using S = GradFragSmem<DK>;
   constexpr int C = kChunk, NT = 256, LK = S::LK, LD = S::LD, NQ = DK / 16;  // NQ: n8-tiles of a key half
   extern __shared__ __align__(128) unsigned char smem[];
-  bf16* Qs = reinterpret_cast<bf16*>(smem + S::oQ);
-  bf16* Ks = reinterpret_cast<bf16*>(smem + S::oK);
   bf16* Ps = reinterpret_cast<bf16*>(smem + S::oP);
   bf16* As = reinterpret_cast<bf16*>(smem + S::oA);
-  float* Gs = reinterpret_cast<float*>(smem + S::oG);
   float* sRow = reinterpret_cast<float*>(smem + S::oRow);
   float* sRed = reinterpret_cast<float*>(smem + S::oRed);
+  const int N = Tn / C, ntile = DV / 64, items = nch * H * B;
+  const long ks = (long)H * DK, vs = (long)H * DV;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t4 = lane & 3;
+  const int m0 = (warp & 3) * 16, half = warp >> 2, n0 = half * 32, nq = half * (DK / 2);
+  const int r0 = m0 + g, r1 = r0 + 8;
 
-  const int n = c0 + blockIdx.x, h = blockIdx.y, b = blockIdx.z, N = Tn / C, ntile = DV / 64;
-  const long bh = (long)b * H + h, tok = (long)b * Tn + (long)n * C, ks = (long)H * DK, vs = (long)H * DV;
-  const long hoff = (bh * N + n) * DK * DV;
-  auto load_tiles = [&](int v0, int bi) {  // V, dO, H, dH at dv column v0 into stage bi
+  struct Item {
+    int n, h;
+    long bh, tok;
+  };
+  auto item_at = [&](int w) {
+    Item it;
+    it.n = c0 + w % nch;
+    it.h = (w / nch) % H;
+    const int b = w / (nch * H);
+    it.bh = (long)b * H + it.h;
+    it.tok = (long)b * Tn + (long)it.n * C;
+    return it;
+  };
+  auto q_of = [&](int buf) { return reinterpret_cast<bf16*>(smem + S::oQK + buf * S::qk); };
+  auto k_of = [&](int buf) { return reinterpret_cast<bf16*>(smem + S::oQK + buf * S::qk + C * LK * 2); };
+  auto g_of = [&](int buf) { return reinterpret_cast<float*>(smem + S::oG) + buf * C; };
+  // V, dO, H, dH of item `it` at dv column v0 into stage bi (one cp.async group)
+  auto load_tiles = [&](const Item& it, int v0, int bi) {
     unsigned char* base = smem + S::oBuf + bi * S::stage;
-    load_tile_async<bf16, C, 64, NT>(reinterpret_cast<bf16*>(base), LD, v + tok * vs + (long)h * DV + v0, vs);
-    load_tile_async<bf16, C, 64, NT>(reinterpret_cast<bf16*>(base + S::oDO), LD, dO + tok * vs + (long)h * DV + v0,
-                                     vs);
+    const long hoff = (it.bh * N + it.n) * DK * DV;
+    load_tile_async<bf16, C, 64, NT>(reinterpret_cast<bf16*>(base), LD, v + it.tok * vs + (long)it.h * DV + v0, vs);
+    load_tile_async<bf16, C, 64, NT>(reinterpret_cast<bf16*>(base + S::oDO), LD,
+                                     dO + it.tok * vs + (long)it.h * DV + v0, vs);
     load_tile_async<bf16, DK, 64, NT>(reinterpret_cast<bf16*>(base + S::oH), LD, Hsave + hoff + v0, DV);
     load_tile_async<bf16, DK, 64, NT>(reinterpret_cast<bf16*>(base + S::oDH), LD, dHsave + hoff + v0, DV);
     cp_async_commit();
   };
-  carry_gdn::load_qk_and_p<DK, NT>(Qs, Ks, LK, q + tok * ks + (long)h * DK, k + tok * ks + (long)h * DK, ks,
-                                   load_tiles, ntile, Gs, KIND == kScalar ? G + tok * H + h : nullptr, H, scale, Ps,
-                                   LD);
-
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t4 = lane & 3;
-  const int m0 = (warp & 3) * 16, half = warp >> 2, n0 = half * 32, nq = half * (DK / 2);
-  const int r0 = m0 + g, r1 = r0 + 8;
-  float dp[4][4] = {}, aq[NQ][4] = {}, ak[NQ][4] = {};
-  float hdh = 0.f;  // this thread's share of <H, dH> over the chunk's state
-  for (int j = 0; j < ntile; ++j) {
-    if (j + 1 < ntile) cp_async_wait<1>();
-    else cp_async_wait<0>();
-    __syncthreads();  // this tile's loads (and, on the first, P) are visible
-    const unsigned char* base = smem + S::oBuf + (j & 1) * S::stage;
-    const bf16* Vs = reinterpret_cast<const bf16*>(base);
-    const bf16* dOs = reinterpret_cast<const bf16*>(base + S::oDO);
-    const bf16* Hs = reinterpret_cast<const bf16*>(base + S::oH);
-    const bf16* dHs = reinterpret_cast<const bf16*>(base + S::oDH);
-    frag_mma<4, 64, false, true>(dp, dOs, LD, Vs, LD, m0, n0);    // dP[t][s] = Σ_c dO[t][c] V[s][c]
-    frag_mma<NQ, 64, false, true>(aq, dOs, LD, Hs, LD, m0, nq);   // (dO Hᵀ)[t][d]
-    frag_mma<NQ, 64, false, true>(ak, Vs, LD, dHs, LD, m0, nq);   // (V dHᵀ)[s][d]
-    {  // dV_j = Pᵀ dO_j + e^{Γ−G_s}·(K dH_j)
-      float kd[4][4] = {}, acc[4][4] = {};
-      frag_mma<4, DK, false, false>(kd, Ks, LK, dHs, LD, m0, n0);  // (K dH)[s][c]
-      frag_mma<4, C, true, false>(acc, Ps, LD, dOs, LD, m0, n0);   // (Pᵀ dO)[s][c]
-      const float Gl = Gs[C - 1], f0 = __expf(Gl - Gs[r0]), f1 = __expf(Gl - Gs[r1]);
-#pragma unroll
-      for (int nt = 0; nt < 4; ++nt) {
-        acc[nt][0] += f0 * kd[nt][0], acc[nt][1] += f0 * kd[nt][1];
-        acc[nt][2] += f1 * kd[nt][2], acc[nt][3] += f1 * kd[nt][3];
-      }
-      frag_store_bf16<4>(dv + tok * vs + (long)h * DV + j * 64, vs, acc, m0, n0);
+  // Q, K, G of item `it` into buffer qb (one group), then its first two tiles (a group each)
+  auto load_item = [&](const Item& it, int qb) {
+    load_tile_async<bf16, C, DK, NT>(q_of(qb), LK, q + it.tok * ks + (long)it.h * DK, ks);
+    load_tile_async<bf16, C, DK, NT>(k_of(qb), LK, k + it.tok * ks + (long)it.h * DK, ks);
+    if constexpr (KIND == kScalar) {
+      if (threadIdx.x < C) cp_async4(g_of(qb) + threadIdx.x, G + (it.tok + threadIdx.x) * H + it.h);
     }
-    if constexpr (KIND != kNone) {  // DK·64/256 elements of H ⊙ dH a thread, 8 at a time
-      constexpr int E = DK * 64 / NT, TPR = 64 / E;  // elements a thread, threads a row
-      const int r = threadIdx.x / TPR, c = (threadIdx.x % TPR) * E;
+    cp_async_commit();
+    load_tiles(it, 0, 0);
+    if (ntile > 1) load_tiles(it, 64, 1);
+  };
+  if constexpr (KIND == kNone) {  // no gate: G = 0 in both buffers, for good
+    if (threadIdx.x < 2 * C) g_of(0)[threadIdx.x] = 0.f;
+  }
+  if (blockIdx.x < items) load_item(item_at(blockIdx.x), 0);
+
+  for (int w = blockIdx.x, i = 0; w < items; w += gridDim.x, ++i) {
+    const Item it = item_at(w);
+    const int qb = i & 1;
+    const bf16* Qs = q_of(qb);
+    const bf16* Ks = k_of(qb);
+    const float* Gs = g_of(qb);
+    if (ntile > 1) cp_async_wait<2>();
+    else cp_async_wait<1>();
+    __syncthreads();  // Q, K, G have landed; the previous item is done with P and A
+    carry_gdn::causal_p_bf16<DK>(Qs, Ks, LK, Gs, scale, Ps, LD);
+
+    float dp[4][4] = {}, aq[NQ][4] = {}, ak[NQ][4] = {};
+    float hdh = 0.f;  // this thread's share of <H, dH> over the chunk's state
+    const float Gl = Gs[C - 1];
+    for (int j = 0; j < ntile; ++j) {
+      if (j + 1 < ntile) cp_async_wait<1>();
+      else cp_async_wait<0>();
+      __syncthreads();  // this tile's loads (and, on the first, P) are visible
+      const unsigned char* base = smem + S::oBuf + (j & 1) * S::stage;
+      const bf16* Vs = reinterpret_cast<const bf16*>(base);
+      const bf16* dOs = reinterpret_cast<const bf16*>(base + S::oDO);
+      const bf16* Hs = reinterpret_cast<const bf16*>(base + S::oH);
+      const bf16* dHs = reinterpret_cast<const bf16*>(base + S::oDH);
+      frag_mma<4, 64, false, true>(dp, dOs, LD, Vs, LD, m0, n0);    // dP[t][s] = Σ_c dO[t][c] V[s][c]
+      frag_mma<NQ, 64, false, true>(aq, dOs, LD, Hs, LD, m0, nq);   // (dO Hᵀ)[t][d]
+      frag_mma<NQ, 64, false, true>(ak, Vs, LD, dHs, LD, m0, nq);   // (V dHᵀ)[s][d]
+      {  // dV_j = Pᵀ dO_j + e^{Γ−G_s}·(K dH_j)
+        float kd[4][4] = {}, acc[4][4] = {};
+        frag_mma<4, DK, false, false>(kd, Ks, LK, dHs, LD, m0, n0);  // (K dH)[s][c]
+        frag_mma<4, C, true, false>(acc, Ps, LD, dOs, LD, m0, n0);   // (Pᵀ dO)[s][c]
+        const float f0 = __expf(Gl - Gs[r0]), f1 = __expf(Gl - Gs[r1]);
 #pragma unroll
-      for (int p = 0; p < E / 8; ++p) {
-        const uint4 hx = *reinterpret_cast<const uint4*>(Hs + r * LD + c + 8 * p);
-        const uint4 dx = *reinterpret_cast<const uint4*>(dHs + r * LD + c + 8 * p);
-        const unsigned* hu = reinterpret_cast<const unsigned*>(&hx);
-        const unsigned* du = reinterpret_cast<const unsigned*>(&dx);
+        for (int nt = 0; nt < 4; ++nt) {
+          acc[nt][0] += f0 * kd[nt][0], acc[nt][1] += f0 * kd[nt][1];
+          acc[nt][2] += f1 * kd[nt][2], acc[nt][3] += f1 * kd[nt][3];
+        }
+        frag_store_bf16<4>(dv + it.tok * vs + (long)it.h * DV + j * 64, vs, acc, m0, n0);
+      }
+      if constexpr (KIND != kNone) {  // DK·64/256 elements of H ⊙ dH a thread, 8 at a time
+        constexpr int E = DK * 64 / NT, TPR = 64 / E;  // elements a thread, threads a row
+        const int r = threadIdx.x / TPR, c = (threadIdx.x % TPR) * E;
 #pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const float2 a = tc::unpack_bf16(hu[e]), d2 = tc::unpack_bf16(du[e]);
-          hdh += a.x * d2.x + a.y * d2.y;
+        for (int p = 0; p < E / 8; ++p) {
+          const uint4 hx = *reinterpret_cast<const uint4*>(Hs + r * LD + c + 8 * p);
+          const uint4 dx = *reinterpret_cast<const uint4*>(dHs + r * LD + c + 8 * p);
+          const unsigned* hu = reinterpret_cast<const unsigned*>(&hx);
+          const unsigned* du = reinterpret_cast<const unsigned*>(&dx);
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const float2 a = tc::unpack_bf16(hu[e]), d2 = tc::unpack_bf16(du[e]);
+            hdh += a.x * d2.x + a.y * d2.y;
+          }
         }
       }
+      if (j + 2 < ntile) {
+        __syncthreads();  // every warp is done with this stage
+        load_tiles(it, (j + 2) * 64, j & 1);
+      }
     }
-    if (j + 2 < ntile) {
-      __syncthreads();  // every warp is done with this stage
-      load_tiles((j + 2) * 64, j & 1);
-    }
-  }
+    // Every tile of this item is read: the next item's Q, K, G (other buffer) and first tiles start loading
+    // while this one finishes.
+    __syncthreads();
+    if (w + (int)gridDim.x < items) load_item(item_at(w + gridDim.x), qb ^ 1);
 
-  // Inter-chunk parts: dq = scale·e^{G_t} (dO Hᵀ), dk = e^{Γ−G_s} (V dHᵀ); the chunk-end share Σ k ⊙ dk.
-  const float Gl = Gs[C - 1], G0 = Gs[r0], G1 = Gs[r1];
-  const float eq0 = scale * __expf(G0), eq1 = scale * __expf(G1), ek0 = __expf(Gl - G0), ek1 = __expf(Gl - G1);
-  float ext = 0.f;
-#pragma unroll
-  for (int nt = 0; nt < NQ; ++nt) {
-    const int col = nq + nt * 8 + 2 * t4;
-    aq[nt][0] *= eq0, aq[nt][1] *= eq0, aq[nt][2] *= eq1, aq[nt][3] *= eq1;
-    ak[nt][0] *= ek0, ak[nt][1] *= ek0, ak[nt][2] *= ek1, ak[nt][3] *= ek1;
-    if constexpr (KIND != kNone) {
-      const float2 ka = tc::unpack_bf16(*reinterpret_cast<const unsigned*>(Ks + r0 * LK + col));
-      const float2 kb = tc::unpack_bf16(*reinterpret_cast<const unsigned*>(Ks + r1 * LK + col));
-      ext += ka.x * ak[nt][0] + ka.y * ak[nt][1] + kb.x * ak[nt][2] + kb.y * ak[nt][3];
-    }
-  }
-  // A = scale·dP ⊙ e^{G_t − G_s} for s ≤ t (dp's columns are tokens s).
-#pragma unroll
-  for (int nt = 0; nt < 4; ++nt) {
-#pragma unroll
-    for (int hf = 0; hf < 2; ++hf) {
-      const int t = r0 + 8 * hf, s = n0 + nt * 8 + 2 * t4;
-      const float Gt = Gs[t];
-      const float x0 = s <= t ? scale * dp[nt][2 * hf] * __expf(Gt - Gs[s]) : 0.f;
-      const float x1 = s + 1 <= t ? scale * dp[nt][2 * hf + 1] * __expf(Gt - Gs[s + 1]) : 0.f;
-      *reinterpret_cast<unsigned*>(As + t * LD + s) = tc::pack_bf16(x0, x1);
-    }
-  }
-  __syncthreads();
-  // Intra-chunk parts: dq += A K, dk += Aᵀ Q (A's storage is [t][s]).
-  frag_mma<NQ, 64, false, false>(aq, As, LD, Ks, LK, m0, nq);
-  frag_mma<NQ, 64, true, false>(ak, As, LD, Qs, LK, m0, nq);
-  frag_store_bf16<NQ>(dq + tok * ks + (long)h * DK, ks, aq, m0, nq);
-  frag_store_bf16<NQ>(dk + tok * ks + (long)h * DK, ks, ak, m0, nq);
-  if constexpr (KIND == kScalar) {
-    // dG_t = Σ_d (q ⊙ dq − k ⊙ dk)_t; at the chunk's end also the state terms.
-    float s0 = 0.f, s1 = 0.f;
+    // Inter-chunk parts: dq = scale·e^{G_t} (dO Hᵀ), dk = e^{Γ−G_s} (V dHᵀ); the chunk-end share Σ k ⊙ dk.
+    const float G0 = Gs[r0], G1 = Gs[r1];
+    const float eq0 = scale * __expf(G0), eq1 = scale * __expf(G1), ek0 = __expf(Gl - G0), ek1 = __expf(Gl - G1);
+    float ext = 0.f;
 #pragma unroll
     for (int nt = 0; nt < NQ; ++nt) {
       const int col = nq + nt * 8 + 2 * t4;
-      const float2 qa = tc::unpack_bf16(*reinterpret_cast<const unsigned*>(Qs + r0 * LK + col));
-      const float2 qb = tc::unpack_bf16(*reinterpret_cast<const unsigned*>(Qs + r1 * LK + col));
-      const float2 ka = tc::unpack_bf16(*reinterpret_cast<const unsigned*>(Ks + r0 * LK + col));
-      const float2 kb = tc::unpack_bf16(*reinterpret_cast<const unsigned*>(Ks + r1 * LK + col));
-      s0 += qa.x * aq[nt][0] + qa.y * aq[nt][1] - ka.x * ak[nt][0] - ka.y * ak[nt][1];
-      s1 += qb.x * aq[nt][2] + qb.y * aq[nt][3] - kb.x * ak[nt][2] - kb.y * ak[nt][3];
-    }
-#pragma unroll
-    for (int off = 1; off <= 2; off <<= 1) {
-      s0 += __shfl_xor_sync(0xffffffffu, s0, off);
-      s1 += __shfl_xor_sync(0xffffffffu, s1, off);
-    }
-    if (t4 == 0) sRow[half * C + r0] = s0, sRow[half * C + r1] = s1;
-#pragma unroll
-    for (int off = 16; off > 0; off >>= 1) {
-      ext += __shfl_xor_sync(0xffffffffu, ext, off);
-      hdh += __shfl_xor_sync(0xffffffffu, hdh, off);
-    }
-    if (lane == 0) sRed[warp] = ext, sRed[8 + warp] = hdh;
-    __syncthreads();
-    if (warp == 0) {
-      float e = 0.f, hd = 0.f;
-#pragma unroll
-      for (int w = 0; w < 8; ++w) e += sRed[w], hd += sRed[8 + w];
-      float a = sRow[2 * lane] + sRow[C + 2 * lane], c = sRow[2 * lane + 1] + sRow[C + 2 * lane + 1];
-      if (lane == 31) c += e + __expf(Gl) * hd;
-      // dg_t = Σ_{u ≥ t} dG_u: a suffix sum over the lanes' pairs.
-      float sfx = a + c;
-#pragma unroll
-      for (int off = 1; off < 32; off <<= 1) {
-        const float o = __shfl_down_sync(0xffffffffu, sfx, off);
-        if (lane + off < 32) sfx += o;
+      aq[nt][0] *= eq0, aq[nt][1] *= eq0, aq[nt][2] *= eq1, aq[nt][3] *= eq1;
+      ak[nt][0] *= ek0, ak[nt][1] *= ek0, ak[nt][2] *= ek1, ak[nt][3] *= ek1;
+      if constexpr (KIND != kNone) {
+        const float2 ka = tc::unpack_bf16(*reinterpret_cast<const unsigned*>(Ks + r0 * LK + col));
+        const float2 kb = tc::unpack_bf16(*reinterpret_cast<const unsigned*>(Ks + r1 * LK + col));
+        ext += ka.x * ak[nt][0] + ka.y * ak[nt][1] + kb.x * ak[nt][2] + kb.y * ak[nt][3];
       }
-      dg[(tok + 2 * lane) * H + h] = sfx;
-      dg[(tok + 2 * lane + 1) * H + h] = sfx - a;
+    }
+    // A = scale·dP ⊙ e^{G_t − G_s} for s ≤ t (dp's columns are tokens s).
+#pragma unroll
+    for (int nt = 0; nt < 4; ++nt) {
+#pragma unroll
+      for (int hf = 0; hf < 2; ++hf) {
+        const int t = r0 + 8 * hf, s = n0 + nt * 8 + 2 * t4;
+        const float Gt = Gs[t];
+        const float x0 = s <= t ? scale * dp[nt][2 * hf] * __expf(Gt - Gs[s]) : 0.f;
+        const float x1 = s + 1 <= t ? scale * dp[nt][2 * hf + 1] * __expf(Gt - Gs[s + 1]) : 0.f;
+        *reinterpret_cast<unsigned*>(As + t * LD + s) = tc::pack_bf16(x0, x1);
+      }
+    }
+    __syncthreads();
+    // Intra-chunk parts: dq += A K, dk += Aᵀ Q (A's storage is [t][s]).
+    frag_mma<NQ, 64, false, false>(aq, As, LD, Ks, LK, m0, nq);
+    frag_mma<NQ, 64, true, false>(ak, As, LD, Qs, LK, m0, nq);
+    frag_store_bf16<NQ>(dq + it.tok * ks + (long)it.h * DK, ks, aq, m0, nq);
+    frag_store_bf16<NQ>(dk + it.tok * ks + (long)it.h * DK, ks, ak, m0, nq);
+    if constexpr (KIND == kScalar) {
+      // dG_t = Σ_d (q ⊙ dq − k ⊙ dk)_t; at the chunk's end also the state terms.
+      float s0 = 0.f, s1 = 0.f;
+#pragma unroll
+      for (int nt = 0; nt < NQ; ++nt) {
+        const int col = nq + nt * 8 + 2 * t4;
+        const float2 qa = tc::unpack_bf16(*reinterpret_cast<const unsigned*>(Qs + r0 * LK + col));
+        const float2 qb2 = tc::unpack_bf16(*reinterpret_cast<const unsigned*>(Qs + r1 * LK + col));
+        const float2 ka = tc::unpack_bf16(*reinterpret_cast<const unsigned*>(Ks + r0 * LK + col));
+        const float2 kb = tc::unpack_bf16(*reinterpret_cast<const unsigned*>(Ks + r1 * LK + col));
+        s0 += qa.x * aq[nt][0] + qa.y * aq[nt][1] - ka.x * ak[nt][0] - ka.y * ak[nt][1];
+        s1 += qb2.x * aq[nt][2] + qb2.y * aq[nt][3] - kb.x * ak[nt][2] - kb.y * ak[nt][3];
+      }
+#pragma unroll
+      for (int off = 1; off <= 2; off <<= 1) {
+        s0 += __shfl_xor_sync(0xffffffffu, s0, off);
+        s1 += __shfl_xor_sync(0xffffffffu, s1, off);
+      }
+      if (t4 == 0) sRow[half * C + r0] = s0, sRow[half * C + r1] = s1;
+#pragma unroll
+      for (int off = 16; off > 0; off >>= 1) {
+        ext += __shfl_xor_sync(0xffffffffu, ext, off);
+        hdh += __shfl_xor_sync(0xffffffffu, hdh, off);
+      }
+      if (lane == 0) sRed[warp] = ext, sRed[8 + warp] = hdh;
+      __syncthreads();
+      if (warp == 0) {
+        float e = 0.f, hd = 0.f;
+#pragma unroll
+        for (int w8 = 0; w8 < 8; ++w8) e += sRed[w8], hd += sRed[8 + w8];
+        float a = sRow[2 * lane] + sRow[C + 2 * lane], c = sRow[2 * lane + 1] + sRow[C + 2 * lane + 1];
+        if (lane == 31) c += e + __expf(Gl) * hd;
+        // dg_t = Σ_{u ≥ t} dG_u: a suffix sum over the lanes' pairs.
+        float sfx = a + c;
+#pragma unroll
+        for (int off = 1; off < 32; off <<= 1) {
+          const float o = __shfl_down_sync(0xffffffffu, sfx, off);
+          if (lane + off < 32) sfx += o;
+        }
+        dg[(it.tok + 2 * lane) * H + it.h] = sfx;
+        dg[(it.tok + 2 * lane + 1) * H + it.h] = sfx - a;
+      }
     }
   }
 }
@@ -603,13 +661,15 @@ std::vector<at::Tensor> bwd_impl(const Dims& d, const at::Tensor& q, const at::T
           constexpr int DK = decltype(dk_tag)::value;
           auto kern = grad_frag_kernel<KIND, DK>;
           cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)GradFragSmem<DK>::bytes);
-          kern<<<dim3(c1 - c0, d.H, d.B), 256, GradFragSmem<DK>::bytes, st>>>(
+          const int items = (c1 - c0) * d.H * d.B;
+          const int blocks = grad_persist() ? std::min(items, sm_count()) : items;
+          kern<<<blocks, 256, GradFragSmem<DK>::bytes, st>>>(
               reinterpret_cast<const bf16*>(q.data_ptr()), reinterpret_cast<const bf16*>(k.data_ptr()),
               reinterpret_cast<const bf16*>(v.data_ptr()), KIND == kNone ? nullptr : G.data_ptr<float>(),
               reinterpret_cast<const bf16*>(Hsave.data_ptr()), reinterpret_cast<const bf16*>(dO.data_ptr()),
               reinterpret_cast<const bf16*>(dH.data_ptr()), reinterpret_cast<bf16*>(dq.data_ptr()),
               reinterpret_cast<bf16*>(dk.data_ptr()), reinterpret_cast<bf16*>(dv.data_ptr()),
-              KIND == kNone ? nullptr : dg.data_ptr<float>(), d.T, d.H, d.DV, (float)scale, c0);
+              KIND == kNone ? nullptr : dg.data_ptr<float>(), d.T, d.H, d.DV, (float)scale, c0, c1 - c0, d.B);
           C10_CUDA_KERNEL_LAUNCH_CHECK();
         };
         if (d.DK == 64) run(std::integral_constant<int, 64>());
