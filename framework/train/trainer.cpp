@@ -7,6 +7,7 @@
 #include "framework/io/output_file.h"
 #include "framework/printable.h"
 #include "framework/train/run_log.h"
+#include "framework/train/step_trace.h"
 #include "framework/data/synthetic.h"
 #include "framework/data/token_dataset.h"
 #include "framework/data/token_file.h"
@@ -1030,8 +1031,12 @@ int Trainer::run() {
   StopSignals signals;
   const double started = now_s();
   int64_t steps_here = 0;
+  StepTrace trace(rank(), device_.is_cuda());
+  if (trace.enabled()) log("profiler trace (CARRY_TRACE): %s\n", trace.describe().c_str());
   while (step_ < total) {
+    trace.before_step(step_ + 1);
     auto s = train_step();
+    trace.after_step(s.step);
     ++steps_here;
     take_comm_waits();
     // This invocation's limits. The step count is the same on every rank; the clock is not, so a rank
