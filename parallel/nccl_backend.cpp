@@ -241,14 +241,16 @@ class NcclCommunicator final : public Communicator {
 
   void all_reduce_sum(Tensor& t) override {
     NvtxRange range("all_reduce_sum " + opt_.name);
-    Tensor buf = on_device(t).clone();
+    // In place when t is this GPU's and contiguous (the caller's stream waits for the result anyway).
+    const bool in_place = t.device() == device() && t.is_contiguous();
+    Tensor buf = in_place ? t : on_device(t).clone();
     auto type = nccl_type_of(buf.scalar_type());
     run(describe("all_reduce_sum", buf.nbytes(), -1, "", -1), all_peers(), {buf}, /*caller_waits=*/true,
         [&](cudaStream_t s) {
           return nccl().AllReduce(buf.data_ptr(), buf.data_ptr(), buf.numel(), type, ncclSum, comm_,
                                   s);
         });
-    t.copy_(buf);
+    if (!in_place) t.copy_(buf);
   }
 
   void broadcast(Tensor& t, int root) override {

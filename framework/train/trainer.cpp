@@ -452,11 +452,12 @@ at::Tensor flat_gradients(const NamedParameters& params) {
   return at::cat(flat);
 }
 
-// The inverse: each parameter's gradient from its piece of `buffer` (its own copy).
+// The inverse: each parameter's gradient is its piece of `buffer` (a view: the buffer is the step's
+// own, and the next step's backward starts from no gradients).
 void set_gradients(const NamedParameters& params, const at::Tensor& buffer) {
   int64_t offset = 0;
   for (auto& [name, p] : params) {
-    p.mutable_grad() = buffer.narrow(0, offset, p.numel()).view(p.sizes()).clone();
+    p.mutable_grad() = buffer.narrow(0, offset, p.numel()).view(p.sizes());
     offset += p.numel();
   }
 }
