@@ -61,6 +61,9 @@ class SegmentCommunicator final : public Communicator {
     if (sp_) sp_->set_wait_timing(on);
   }
   double take_waited_seconds() override { return sp_ ? sp_->take_waited_seconds() : 0; }
+  std::map<std::string, double> take_waits_by_kind() override {
+    return sp_ ? sp_->take_waits_by_kind() : std::map<std::string, double>{};
+  }
 
  private:
   bool local(int r) const { return r / per_rank_ == sp_rank_; }

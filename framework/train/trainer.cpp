@@ -228,6 +228,7 @@ void Trainer::take_comm_waits() {
   if (!comm_timing_) return;
   groups_->sp->synchronize();
   comm_wait_s_ += groups_->sp->take_waited_seconds();
+  for (auto& [kind, s] : groups_->sp->take_waits_by_kind()) waits_by_kind_[kind] += s;
   if (gradient_sum_) gradient_wait_s_ += gradient_sum_->take_waited_seconds();
 }
 
@@ -1086,6 +1087,20 @@ int Trainer::run() {
         fields.emplace_back("gradient_wait_s", w[1].item<double>());
         fields.emplace_back("window_s", window_seconds);
         comm_wait_s_ = gradient_wait_s_ = 0;
+        // Every rank's own waits by kind of message over the window, the longest first, on stderr.
+        std::vector<std::pair<double, std::string>> kinds;
+        for (auto& [kind, w_s] : waits_by_kind_) kinds.emplace_back(w_s, kind);
+        std::sort(kinds.rbegin(), kinds.rend());
+        std::string text;
+        for (auto& [w_s, kind] : kinds) {
+          char line[64];
+          std::snprintf(line, sizeof line, "\n  %6.2f%%  ", 100 * w_s / std::max(1e-9, window_seconds));
+          text += line + kind;
+        }
+        if (!kinds.empty())
+          std::fprintf(stderr, "carry: step %lld, rank %d: the stream's waits on sp messages by kind, share of %.3f s:%s\n",
+                       static_cast<long long>(s.step), rank(), window_seconds, text.c_str());
+        waits_by_kind_.clear();
       }
       metrics.record(s.step, wall_clock_s(), fields);
       window_tokens = 0, window_seconds = 0;
