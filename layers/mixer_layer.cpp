@@ -288,7 +288,10 @@ MixerLayer::Projected MixerLayer::project(const Tensor& x, const MixerLayerConte
       auto cat_conv = weights.size() == 1 ? weights[0] : at::cat(weights, 0);
       auto all = at::linear(x, cat_proj);
       if (fused_conv_supports(all, cat_conv)) {
-        Tensor halo = K > 1 && ctx.halo ? ctx.halo(all, K - 1) : Tensor();
+        // `all` is read by the convolution and the halo only, and the convolution's backward returns
+        // its gradient as a fresh tensor.
+        const auto& exchange = ctx.halo_owned_gradient ? ctx.halo_owned_gradient : ctx.halo;
+        Tensor halo = K > 1 && exchange ? exchange(all, K - 1) : Tensor();
         std::vector<int64_t> widths;
         for (const auto& w : proj) widths.push_back(w.size(0));
         return fused_causal_conv1d(all, cat_conv, halo, documents ? document_start_device(ctx, x.device()) : Tensor(),

@@ -93,6 +93,10 @@ struct MixerLayerContext {
   // the convolutions (on q, k, v concatenated) and once for a sliding window (on k, v concatenated);
   // differentiable in x.
   std::function<Tensor(const Tensor& x, int64_t halo)> halo;
+  // As `halo`, for an x whose gradient from its other uses is one tensor that nothing else holds (the
+  // fused convolution's input): the next slice's gradient of x's last tokens is added into it in
+  // place (parallel::halo_exchange's owned_gradient). Empty: `halo`.
+  std::function<Tensor(const Tensor& x, int64_t halo)> halo_owned_gradient;
   // Packed documents: [B, sequence length] bool on the CPU, true where a document starts (the whole
   // sequence, on every rank). The family's state restarts there (MixerOptions::document_starts), the
   // short convolutions and a sliding window see only the document's own tokens. Undefined: one

@@ -47,6 +47,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <deque>
+#include <map>
 #include <mutex>
 #include <thread>
 
@@ -241,14 +242,16 @@ class NcclCommunicator final : public Communicator {
 
   void all_reduce_sum(Tensor& t) override {
     NvtxRange range("all_reduce_sum " + opt_.name);
-    Tensor buf = on_device(t).clone();
+    // In place when t is this GPU's and contiguous (the caller's stream waits for the result anyway).
+    const bool in_place = t.device() == device() && t.is_contiguous();
+    Tensor buf = in_place ? t : on_device(t).clone();
     auto type = nccl_type_of(buf.scalar_type());
     run(describe("all_reduce_sum", buf.nbytes(), -1, "", -1), all_peers(), {buf}, /*caller_waits=*/true,
         [&](cudaStream_t s) {
           return nccl().AllReduce(buf.data_ptr(), buf.data_ptr(), buf.numel(), type, ncclSum, comm_,
                                   s);
         });
-    t.copy_(buf);
+    if (!in_place) t.copy_(buf);
   }
 
   void broadcast(Tensor& t, int root) override {
@@ -264,6 +267,13 @@ class NcclCommunicator final : public Communicator {
   }
 
   void set_wait_timing(bool on) override { timing_.store(on); }
+  std::map<std::string, double> take_waits_by_kind() override {
+    std::lock_guard<std::mutex> lock(mutex_);
+    std::map<std::string, double> out;
+    for (auto& [kind, ms] : waited_by_kind_ms_) out[kind] = ms / 1000.0;
+    waited_by_kind_ms_.clear();
+    return out;
+  }
   double take_waited_seconds() override {
     std::lock_guard<std::mutex> lock(mutex_);
     const double s = waited_ms_ / 1000.0;
@@ -400,7 +410,10 @@ class NcclCommunicator final : public Communicator {
         cudaError_t q = cudaEventQuery(w.done->get());
         if (q == cudaSuccess) {
           float ms = 0;
-          if (w.ready && cudaEventElapsedTime(&ms, w.ready->get(), w.done->get()) == cudaSuccess) waited_ms_ += ms;
+          if (w.ready && cudaEventElapsedTime(&ms, w.ready->get(), w.done->get()) == cudaSuccess) {
+            waited_ms_ += ms;
+            waited_by_kind_ms_[message_kind(w.context.empty() ? w.op : w.context.back())] += ms;
+          }
           pending_.pop_front();
           continue;
         }
@@ -469,6 +482,7 @@ class NcclCommunicator final : public Communicator {
   std::deque<Work> pending_;
   std::string failure_;
   double waited_ms_ = 0;  // set_wait_timing's sum, under mutex_
+  std::map<std::string, double> waited_by_kind_ms_;  // the same by message_kind, under mutex_
   std::atomic<bool> timing_{false};
   bool stop_ = false;
   std::thread watchdog_;  // last: started once the rest is constructed

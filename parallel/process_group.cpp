@@ -397,6 +397,31 @@ double default_comm_timeout_s() {
 CommContext::CommContext(std::string what) { t_context.push_back(std::move(what)); }
 CommContext::~CommContext() { t_context.pop_back(); }
 
+std::string message_kind(const std::string& line) {
+  std::string s = line;
+  // "sequence-parallel ordered scan of <family> over sp=P ranks: <message>": the message, with the
+  // family named once in front.
+  const std::string scan = "sequence-parallel ";
+  if (s.rfind(scan, 0) == 0) {
+    const auto colon = s.find(": ");
+    const auto of = s.find(" scan of ");
+    if (colon != std::string::npos && of != std::string::npos && of < colon) {
+      const auto over = s.find(" over ", of);
+      const std::string family = s.substr(of + 9, (over == std::string::npos || over > colon ? colon : over) - of - 9);
+      s = family + ": " + s.substr(colon + 2);
+    }
+  }
+  std::string out;
+  for (char c : s) {
+    if (c >= '0' && c <= '9') {
+      if (out.empty() || out.back() != '#') out += '#';
+    } else {
+      out += c;
+    }
+  }
+  return out;
+}
+
 namespace detail {
 
 std::vector<std::string> comm_context_lines() { return t_context; }

@@ -94,6 +94,11 @@ Tensor tree_sum(const std::vector<Tensor>& local, Communicator* sp) {
   NvtxRange range("tree_sum over sp");
   const int r = sp->rank(), P = sp->size();
   mine = mine.contiguous();
+  if (P == 2) {
+    CommContext ctx("tree sum over segments: the two ranks' subtrees");
+    sp->all_reduce_sum(mine);
+    return mine;
+  }
   if (power_of_two(P)) {
     // Recursive doubling: after the round of distance d, each rank holds the sum of its block of 2d
     // ranks, the lower half's sum first, as the tree adds it.

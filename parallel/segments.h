@@ -61,6 +61,9 @@ class SegmentCommunicator final : public Communicator {
     if (sp_) sp_->set_wait_timing(on);
   }
   double take_waited_seconds() override { return sp_ ? sp_->take_waited_seconds() : 0; }
+  std::map<std::string, double> take_waits_by_kind() override {
+    return sp_ ? sp_->take_waits_by_kind() : std::map<std::string, double>{};
+  }
 
  private:
   bool local(int r) const { return r / per_rank_ == sp_rank_; }
@@ -78,6 +81,10 @@ class SegmentCommunicator final : public Communicator {
 // m = a + the largest power of two below b − a. With k a power of two, this rank's segments are one
 // subtree; the ranks' subtrees meet over `sp` (null: one rank) by recursive doubling when sp is a
 // power of two, else by an all_gather. Every rank gets the same bits, for every sp with the same N.
+// Two ranks add their subtrees with one all_reduce_sum: each element is then one addition of the two,
+// which rounds the same in either order, so it is the tree's sum, in less time than an exchange of
+// whole buffers and an add (NCCL's all-reduce moves half each way). The sum may be written over
+// local's tensors (a rank with one segment: its only partial sum).
 Tensor tree_sum(const std::vector<Tensor>& local, Communicator* sp);
 
 }  // namespace carry::parallel

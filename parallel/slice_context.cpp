@@ -52,6 +52,7 @@ MixerLayerContext route_over(std::shared_ptr<Communicator> sp, ScanMode mode, in
   // The tokens before this slice (sp rank 0 receives zeros: the sequence's start for a convolution;
   // a sliding window at offset 0 ignores them, see MixerLayer).
   ctx.halo = [sp](const Tensor& x, int64_t n) { return halo_exchange(*sp, x, n); };
+  ctx.halo_owned_gradient = [sp](const Tensor& x, int64_t n) { return halo_exchange(*sp, x, n, true); };
   return ctx;
 }
 

@@ -7,6 +7,7 @@
 #include "framework/io/output_file.h"
 #include "framework/printable.h"
 #include "framework/train/run_log.h"
+#include "framework/train/step_trace.h"
 #include "framework/data/synthetic.h"
 #include "framework/data/token_dataset.h"
 #include "framework/data/token_file.h"
@@ -227,6 +228,7 @@ void Trainer::take_comm_waits() {
   if (!comm_timing_) return;
   groups_->sp->synchronize();
   comm_wait_s_ += groups_->sp->take_waited_seconds();
+  for (auto& [kind, s] : groups_->sp->take_waits_by_kind()) waits_by_kind_[kind] += s;
   if (gradient_sum_) gradient_wait_s_ += gradient_sum_->take_waited_seconds();
 }
 
@@ -451,11 +453,12 @@ at::Tensor flat_gradients(const NamedParameters& params) {
   return at::cat(flat);
 }
 
-// The inverse: each parameter's gradient from its piece of `buffer` (its own copy).
+// The inverse: each parameter's gradient is its piece of `buffer` (a view: the buffer is the step's
+// own, and the next step's backward starts from no gradients).
 void set_gradients(const NamedParameters& params, const at::Tensor& buffer) {
   int64_t offset = 0;
   for (auto& [name, p] : params) {
-    p.mutable_grad() = buffer.narrow(0, offset, p.numel()).view(p.sizes()).clone();
+    p.mutable_grad() = buffer.narrow(0, offset, p.numel()).view(p.sizes());
     offset += p.numel();
   }
 }
@@ -1030,8 +1033,12 @@ int Trainer::run() {
   StopSignals signals;
   const double started = now_s();
   int64_t steps_here = 0;
+  StepTrace trace(rank(), device_.is_cuda());
+  if (trace.enabled()) log("profiler trace (CARRY_TRACE): %s\n", trace.describe().c_str());
   while (step_ < total) {
+    trace.before_step(step_ + 1);
     auto s = train_step();
+    trace.after_step(s.step);
     ++steps_here;
     take_comm_waits();
     // This invocation's limits. The step count is the same on every rank; the clock is not, so a rank
@@ -1080,6 +1087,20 @@ int Trainer::run() {
         fields.emplace_back("gradient_wait_s", w[1].item<double>());
         fields.emplace_back("window_s", window_seconds);
         comm_wait_s_ = gradient_wait_s_ = 0;
+        // Every rank's own waits by kind of message over the window, the longest first, on stderr.
+        std::vector<std::pair<double, std::string>> kinds;
+        for (auto& [kind, w_s] : waits_by_kind_) kinds.emplace_back(w_s, kind);
+        std::sort(kinds.rbegin(), kinds.rend());
+        std::string text;
+        for (auto& [w_s, kind] : kinds) {
+          char line[64];
+          std::snprintf(line, sizeof line, "\n  %6.2f%%  ", 100 * w_s / std::max(1e-9, window_seconds));
+          text += line + kind;
+        }
+        if (!kinds.empty())
+          std::fprintf(stderr, "carry: step %lld, rank %d: the stream's waits on sp messages by kind, share of %.3f s:%s\n",
+                       static_cast<long long>(s.step), rank(), window_seconds, text.c_str());
+        waits_by_kind_.clear();
       }
       metrics.record(s.step, wall_clock_s(), fields);
       window_tokens = 0, window_seconds = 0;

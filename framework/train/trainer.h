@@ -36,6 +36,7 @@
 #include <cstdint>
 #include <cstdio>
 #include <functional>
+#include <map>
 #include <memory>
 #include <string>
 #include <vector>
@@ -174,6 +175,7 @@ class Trainer {
   // gradient_wait_s: the mean over the ranks).
   bool comm_timing_ = false;
   double comm_wait_s_ = 0, gradient_wait_s_ = 0;
+  std::map<std::string, double> waits_by_kind_;  // this rank's, by parallel::message_kind, since the last log line
   void take_comm_waits();
   void all_reduce(at::Tensor& t, bool sp_only = false) const;
   void log(const char* fmt, ...) const;

@@ -77,6 +77,42 @@ TEST(Halo, ShortConvolutionAndSlidingWindowEqualSerial) {
   EXPECT_LE(worst, 1e-12);
 }
 
+// owned_gradient: the next rank's gradient of the slice's last tokens is added in place into x's
+// gradient from its other use (here the convolution of an interior x, whose gradient is a fresh
+// tensor), or makes x's whole gradient when x has no other use. Both equal the serial gradients.
+TEST(Halo, OwnedGradientEqualsSerial) {
+  auto comm = make_mpi_communicator(MPI_COMM_WORLD);
+  int r = comm->rank(), P = comm->size();
+  const int64_t B = 2, T = 16 * 4, D = 8, K = 4;
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(9);
+  auto opt = at::TensorOptions().dtype(at::kDouble);
+  auto x = at::randn({B, T, D}, gen, opt), w = at::randn({K, D}, gen, opt), dy = at::randn({B, T, D}, gen, opt);
+  auto u = at::randn({B, T, D}, gen, opt), du = at::randn({B, K - 1, D}, gen, opt);
+  auto leaf = [](const Tensor& t) { return t.detach().clone().requires_grad_(true); };
+  auto sx = leaf(x), su = leaf(u);
+  auto sy = causal_conv(at::zeros({B, K - 1, D}, opt), sx * 2, w);
+  // u: only its halo is used, on every slice (the serial form: each slice's K-1 tokens before it).
+  const int64_t n = T / P;
+  Tensor su_term = 0 * su.sum();
+  for (int i = 1; i < P; ++i) su_term = su_term + (su.narrow(1, i * n - (K - 1), K - 1) * du).sum();
+  auto sg = torch::autograd::grad({(sy * dy).sum() + su_term}, {sx, su});
+
+  auto px = leaf(x.narrow(1, r * n, n)), pu = leaf(u.narrow(1, r * n, n));
+  auto xi = px * 2;  // interior: its gradient from the convolution is a tensor of its own
+  auto y = causal_conv(halo_exchange(*comm, xi, K - 1, /*owned_gradient=*/true), xi, w);
+  auto hu = halo_exchange(*comm, pu * 1, K - 1, /*owned_gradient=*/true);
+  auto loss = (y * dy.narrow(1, r * n, n)).sum() + (r > 0 ? (hu * du).sum() : 0 * hu.sum());
+  auto g = torch::autograd::grad({loss}, {px, pu}, {}, std::nullopt, false, /*allow_unused=*/true);
+  double e = rel(g[0], sg[0].narrow(1, r * n, n));
+  // u's gradient: from the next rank's halo; the last rank's u gets none (nothing comes after it).
+  if (r + 1 < P) e = std::max(e, g[1].defined() ? rel(g[1], sg[1].narrow(1, r * n, n)) : 1.0);
+  else if (g[1].defined()) e = std::max(e, g[1].abs().max().item<double>());
+  double worst = 0;
+  MPI_Allreduce(&e, &worst, 1, MPI_DOUBLE, MPI_MAX, MPI_COMM_WORLD);
+  if (r == 0) std::cout << "[ errors   ] halo, owned gradient np=" << P << ": " << worst << "\n";
+  EXPECT_LE(worst, 1e-12);
+}
+
 TEST(Halo, HaloLongerThanSliceIsRefused) {
   auto comm = make_mpi_communicator(MPI_COMM_WORLD);
   auto x = at::randn({1, 8, 2}, at::kDouble);

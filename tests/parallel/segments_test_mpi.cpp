@@ -94,7 +94,9 @@ TEST(Segments, HaloCrossesSegmentsAndRanks) {
     EXPECT_TRUE(at::equal(got[j].detach(), expect)) << "segment " << i;
     auto dx = at::zeros({1, L, D}, at::kDouble);
     if (i + 1 < kSegments) dx.narrow(1, L - halo, halo).fill_(i + 2.0);  // from segment i+1's halo
-    EXPECT_TRUE(at::equal(leaves[j].grad(), dx)) << "segment " << i;
+    // The last segment's x gets no gradient (nothing comes from a next segment).
+    const Tensor& g = leaves[j].grad();
+    EXPECT_TRUE(g.defined() ? at::equal(g, dx) : i + 1 == kSegments) << "segment " << i;
   }
 }
 

@@ -768,6 +768,16 @@ TEST(Communicator, NcclWatchdogReportsAReceiveNobodySends) {
   MPI_Barrier(MPI_COMM_WORLD);
 }
 
+// CARRY_COMM_TIMING's waits by kind: the scan's messages under their family, numbers as '#'.
+TEST(Communicator, MessageKindDropsTheLayoutAndNumbers) {
+  EXPECT_EQ(message_kind("sequence-parallel ordered scan of gated_deltanet over sp=2 ranks: ordered forward, state "
+                         "of head group 10 from the previous rank"),
+            "gated_deltanet: ordered forward, state of head group # from the previous rank");
+  EXPECT_EQ(message_kind("halo exchange forward: last tokens to the next rank"),
+            "halo exchange forward: last tokens to the next rank");
+  EXPECT_EQ(message_kind("tree sum over segments: round of distance 4"), "tree sum over segments: round of distance #");
+}
+
 TEST(ProcessGroups, GridOfConsecutiveSpGroups) {
   const int W = world_size();
   EXPECT_EQ(world_info().local_size, W);  // one host in these tests
