@@ -18,7 +18,9 @@
 
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <fstream>
+#include <iterator>
 #include <map>
 #include <random>
 
@@ -76,6 +78,45 @@ std::string read_all(std::FILE* f) {
   size_t n;
   while ((n = std::fread(buf, 1, sizeof buf, f)) > 0) out.append(buf, n);
   return out;
+}
+
+// CARRY_TRACE: a Chrome trace of the chosen steps for this rank (on the CPU, its ATen calls), and a
+// malformed CARRY_TRACE_STEPS refused with what it expects.
+TEST_F(TrainerData, TraceWritesTheChosenSteps) {
+  OneCpuThread one_thread;
+  const std::string trace_dir = dir_ + "/trace";
+  struct Env {  // set for this test only
+    Env(const std::string& dir, const char* steps) {
+      setenv("CARRY_TRACE", dir.c_str(), 1);
+      setenv("CARRY_TRACE_STEPS", steps, 1);
+    }
+    ~Env() {
+      unsetenv("CARRY_TRACE");
+      unsetenv("CARRY_TRACE_STEPS");
+    }
+  };
+  {
+    Env env(trace_dir, "2:3");
+    Trainer t(config(), nullptr, quiet());
+    EXPECT_EQ(t.run(), 0);
+  }
+  std::ifstream f(trace_dir + "/trace_rank0.json");
+  ASSERT_TRUE(f.good()) << "no trace written to " << trace_dir;
+  std::string text((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
+  EXPECT_NE(text.find("\"traceEvents\""), std::string::npos);
+  EXPECT_NE(text.find("aten::"), std::string::npos) << "the CPU's ATen calls are the trace on a CPU";
+  {
+    Env env(trace_dir, "3:1");
+    Trainer t(config(), nullptr, quiet());
+    try {
+      t.run();
+      ADD_FAILURE() << "CARRY_TRACE_STEPS=3:1 was accepted";
+    } catch (const c10::Error& e) {
+      EXPECT_NE(std::string(e.what_without_backtrace()).find("CARRY_TRACE_STEPS: expected 'A:B' with 1 <= A <= B"),
+                std::string::npos)
+          << e.what_without_backtrace();
+    }
+  }
 }
 
 TEST_F(TrainerData, GlobShardsTrainAndTheLinesSayWhatTheyShould) {
