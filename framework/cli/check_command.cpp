@@ -1,6 +1,7 @@
 // `carry check` (see check_command.h).
 #include "framework/cli/check_command.h"
 
+#include "framework/cli/error_text.h"
 #include "framework/cli/mixer_check.h"
 #include "layers/common/device.h"
 
@@ -78,7 +79,7 @@ int run_check_command(int argc, char** argv) {
     if (args.cuda && cuda_device_count() == 0)
       throw std::invalid_argument("--device cuda: no CUDA device is available to this process");
   } catch (const std::exception& e) {
-    std::fprintf(stderr, "carry check: %s\n%s", e.what(), kUsage);
+    std::fprintf(stderr, "carry check: %s\n%s", error_text(e).c_str(), kUsage);
     return 2;
   }
   at::Device dev = args.cuda ? at::Device(at::kCUDA) : at::Device(at::kCPU);

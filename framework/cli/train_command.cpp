@@ -117,7 +117,7 @@ int run_train_command(int argc, char** argv) {
       auto estimate = estimate_memory(config, stderr);
       std::fputs(memory_report(estimate, config).c_str(), stdout);
     } catch (const std::exception& e) {
-      std::fprintf(stderr, "carry train --dry-run: %s\n", e.what());
+      std::fprintf(stderr, "carry train --dry-run: %s\n", error_text(e).c_str());
       return 1;
     }
     return 0;

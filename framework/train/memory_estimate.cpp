@@ -13,29 +13,43 @@
 #include <algorithm>
 #include <atomic>
 #include <cmath>
+#include <fstream>
 #include <map>
 #include <mutex>
 #include <numeric>
 #include <sstream>
+#include <unordered_map>
 
 namespace carry {
 
 namespace {
 
-// Wraps the CPU allocator; counts the bytes of its allocations of the current generation.
+// Wraps the CPU allocator; counts the bytes of its allocations of the current generation. Its DataPtrs
+// are simple (the context is the data pointer, the deleter raw_deleter()), as ATen's raw_allocate
+// requires of the CPU allocator (oneDNN's matrix products call it at the 340M preset's sizes): the
+// wrapped allocation and its size live in a table keyed by the pointer.
 class CountingAllocator final : public c10::Allocator {
  public:
+  static CountingAllocator& instance() {
+    static auto* a = new CountingAllocator;  // never destroyed: tensors it allocated may outlive any scope
+    return *a;
+  }
   c10::DataPtr allocate(size_t n) override {
     c10::DataPtr inner = base_->allocate(n);
     void* data = inner.get();
+    if (data == nullptr) return inner;  // nothing allocated (n = 0)
     const c10::Device device = inner.device();
-    auto* ctx = new Context{std::move(inner), n, generation_.load(), this};
+    {
+      std::lock_guard<std::mutex> lock(table_mutex_);
+      table_[data] = Entry{std::move(inner), n, generation_.load()};
+    }
     const int64_t now = live_.fetch_add(static_cast<int64_t>(n)) + static_cast<int64_t>(n);
     int64_t peak = peak_.load();
     while (now > peak && !peak_.compare_exchange_weak(peak, now)) {
     }
-    return {data, ctx, &CountingAllocator::release, device};
+    return {data, data, &CountingAllocator::release, device};
   }
+  c10::DeleterFnPtr raw_deleter() const override { return &CountingAllocator::release; }
   void copy_data(void* dest, const void* src, std::size_t count) const override { default_copy_data(dest, src, count); }
 
   void begin(c10::Allocator* base) {
@@ -47,25 +61,31 @@ class CountingAllocator final : public c10::Allocator {
   int64_t peak() const { return peak_.load(); }
 
  private:
-  struct Context {
+  struct Entry {
     c10::DataPtr inner;
-    size_t bytes;
-    int64_t generation;
-    CountingAllocator* owner;
+    size_t bytes = 0;
+    int64_t generation = 0;
   };
   static void release(void* p) {
-    auto* ctx = static_cast<Context*>(p);
-    if (ctx->generation == ctx->owner->generation_.load()) ctx->owner->live_ -= static_cast<int64_t>(ctx->bytes);
-    delete ctx;  // frees through the wrapped allocator's deleter
+    auto& self = instance();
+    Entry e;
+    {
+      std::lock_guard<std::mutex> lock(self.table_mutex_);
+      auto it = self.table_.find(p);
+      if (it == self.table_.end()) return;
+      e = std::move(it->second);
+      self.table_.erase(it);
+    }
+    if (e.generation == self.generation_.load()) self.live_ -= static_cast<int64_t>(e.bytes);
+    // e.inner frees through the wrapped allocator's deleter as it goes
   }
   c10::Allocator* base_ = nullptr;
   std::atomic<int64_t> generation_{0}, live_{0}, peak_{0};
+  std::mutex table_mutex_;
+  std::unordered_map<void*, Entry> table_;
 };
 
-CountingAllocator& counting_allocator() {
-  static auto* a = new CountingAllocator;  // never destroyed: tensors it allocated may outlive any scope
-  return *a;
-}
+CountingAllocator& counting_allocator() { return CountingAllocator::instance(); }
 
 std::string bytes_text(double b) {
   char buf[32];
@@ -88,6 +108,16 @@ double parabola_at(const std::vector<double>& xs, const std::vector<double>& ys,
 }
 
 }  // namespace
+
+double available_memory_bytes() {
+  std::ifstream in("/proc/meminfo");
+  std::string key;
+  double kib = 0;
+  std::string unit;
+  while (in >> key >> kib >> unit)
+    if (key == "MemAvailable:") return kib * 1024.0;
+  return -1;
+}
 
 CpuAllocation measure_cpu_allocation(const std::function<void()>& f) {
   static std::mutex mu;  // one measurement at a time (the CPU allocator is process-wide)
@@ -122,6 +152,19 @@ MemoryEstimate estimate_memory(const RunConfig& config, std::FILE* progress) {
   ModelConfig small = mc;
   small.set_n_layers(std::min<int64_t>(L, kinds));
   const auto options = at::TensorOptions().dtype(at::kFloat);
+  {
+    // The measurement builds these layers on this CPU and runs them with gradients: refuse clearly
+    // where their parameters and gradients alone would not fit (counted on the meta device).
+    Model shapes = build_model(small, config.seed(), options.device(at::kMeta));
+    const double need = 2.0 * 4.0 * static_cast<double>(shapes.num_parameters());
+    const double available = available_memory_bytes();
+    TORCH_CHECK(available < 0 || need <= available, "the memory estimate measures the model's ", small.n_layers(),
+                " distinct layer(s) on this CPU: with model.d_model = ", mc.d_model(), " and model.vocab_size = ",
+                mc.vocab_size(), " they have ", shapes.num_parameters(), " parameters, ", bytes_text(need),
+                " with their gradients in fp32, more than the ", bytes_text(available),
+                " this host has available; lower model.d_model or model.vocab_size, or run the estimate on a "
+                "larger host");
+  }
   Model model = build_model(small, config.seed(), options);
 
   // Parameters of the full model: embedding (+ head), each layer as its distinct twin, the final norm.

@@ -65,4 +65,7 @@ struct CpuAllocation {
 };
 CpuAllocation measure_cpu_allocation(const std::function<void()>& f);
 
+// MemAvailable of /proc/meminfo in bytes, or -1 when unknown.
+double available_memory_bytes();
+
 }  // namespace carry

@@ -6,6 +6,7 @@
 #include "framework/io/model_source.h"
 #include "framework/io/output_file.h"
 #include "framework/printable.h"
+#include "framework/train/memory_estimate.h"
 #include "framework/train/run_log.h"
 #include "framework/train/step_trace.h"
 #include "framework/data/synthetic.h"
@@ -69,17 +70,6 @@ std::string gib(double bytes) {
   char buf[64];
   std::snprintf(buf, sizeof buf, "%.2f GiB", bytes / (1024.0 * 1024.0 * 1024.0));
   return buf;
-}
-
-// MemAvailable of /proc/meminfo in bytes, or -1 when unknown.
-double available_memory_bytes() {
-  std::ifstream in("/proc/meminfo");
-  std::string key;
-  double kib = 0;
-  std::string unit;
-  while (in >> key >> kib >> unit)
-    if (key == "MemAvailable:") return kib * 1024.0;
-  return -1;
 }
 
 // The stop signals (see Trainer::run): the first sets the flag, a second one ends the process.

@@ -63,4 +63,17 @@ if [ $rc != 2 ] || ! head -1 "$tmp/err" | grep -qF "carry bench: unknown mixer f
 else
   echo "ok   bench unknown family: $(head -1 "$tmp/err")"
 fi
+# `carry check` with an unknown family: the same (it printed the C++ backtrace before).
+"$carry" check --family nope >"$tmp/out" 2>"$tmp/err"
+rc=$?
+if [ $rc != 2 ] || ! head -1 "$tmp/err" | grep -qF "carry check: unknown mixer family 'nope'" \
+   || grep -q "frame #\|Exception raised from" "$tmp/err"; then
+  echo "FAIL check unknown family: exit $rc:"; cat "$tmp/err"; failed=1
+else
+  echo "ok   check unknown family: $(head -1 "$tmp/err")"
+fi
+# `carry train --dry-run` of a model too large to measure here: one line (it was killed by the kernel
+# for lack of memory before; an error inside the estimate printed its backtrace).
+check "dry run too large for the host" "the memory estimate measures the model's 1 distinct layer(s) on this CPU" \
+  -- "$tmp/run.textproto" --dry-run --set model.d_model=65536 --set model.n_layers=64 --set model.n_heads=64
 exit $failed
