@@ -54,24 +54,21 @@ check "huge --set index" "index 99999999999 of model.mixers is out of range" \
   -- "$tmp/run.textproto" --set 'model.mixers[99999999999]=gla'
 check "resume required, nothing there" "checkpoint.resume is REQUIRED but checkpoint.dir $tmp/none does not exist" \
   -- "$tmp/run.textproto" --set checkpoint.dir="$tmp/none" --set checkpoint.resume=REQUIRED
-# `carry bench kernels` with an unknown family: exit 2, the message first (then the usage), no backtrace.
-"$carry" bench kernels --families nope >"$tmp/out" 2>"$tmp/err"
-rc=$?
-if [ $rc != 2 ] || ! head -1 "$tmp/err" | grep -qF "carry bench: unknown mixer family 'nope'" \
-   || grep -q "frame #\|Exception raised from" "$tmp/err"; then
-  echo "FAIL bench unknown family: exit $rc:"; cat "$tmp/err"; failed=1
-else
-  echo "ok   bench unknown family: $(head -1 "$tmp/err")"
-fi
-# `carry check` with an unknown family: the same (it printed the C++ backtrace before).
-"$carry" check --family nope >"$tmp/out" 2>"$tmp/err"
-rc=$?
-if [ $rc != 2 ] || ! head -1 "$tmp/err" | grep -qF "carry check: unknown mixer family 'nope'" \
-   || grep -q "frame #\|Exception raised from" "$tmp/err"; then
-  echo "FAIL check unknown family: exit $rc:"; cat "$tmp/err"; failed=1
-else
-  echo "ok   check unknown family: $(head -1 "$tmp/err")"
-fi
+# A subcommand given an unknown family: exit 2, the message first (then the usage), no backtrace.
+check_usage() {  # name expected-first-line carry-args...
+  local name=$1 want=$2
+  shift 2
+  "$carry" "$@" >"$tmp/out" 2>"$tmp/err"
+  local rc=$?
+  if [ $rc != 2 ] || ! head -1 "$tmp/err" | grep -qF -- "$want" || grep -q "frame #\|Exception raised from" "$tmp/err"; then
+    echo "FAIL $name: exit $rc:"; cat "$tmp/err"; failed=1
+  else
+    echo "ok   $name: $(head -1 "$tmp/err")"
+  fi
+}
+check_usage "bench unknown family" "carry bench: unknown mixer family 'nope'" bench kernels --families nope
+# (carry check printed the C++ backtrace here before)
+check_usage "check unknown family" "carry check: unknown mixer family 'nope'" check --family nope
 # `carry train --dry-run` of a model too large to measure here: one line (it was killed by the kernel
 # for lack of memory before; an error inside the estimate printed its backtrace).
 check "dry run too large for the host" "the memory estimate measures the model's 1 distinct layer(s) on this CPU" \
