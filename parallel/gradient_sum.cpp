@@ -40,7 +40,7 @@ struct OverlappedGradientSum::State {
   std::vector<char> absent;    // no hook in the counting step: no gradient (zeros), not waited for
   std::vector<int> missing;    // per bucket: its parameters not arrived yet
   int next = -1;               // the next bucket to send (they go from the last to the first)
-  Tensor flat, got;            // this rank's flat gradients (then their sum), and the partner's
+  Tensor flat, got;            // this rank's flat gradients (then their sum), and the partner's (P > 2)
 #ifdef CARRY_WITH_CUDA
   std::optional<c10::cuda::CUDAStream> side;  // where the buckets' messages and sums run
   // set_timing: finish()'s start and end on the caller's stream, per step not yet taken
@@ -66,7 +66,7 @@ struct OverlappedGradientSum::State {
   // enqueued; on CUDA on the side stream, so the current stream does not wait.
   void send(int b) {
     NvtxRange range("gradient bucket");
-    Tensor mine = piece(flat, b), theirs = piece(got, b);
+    Tensor mine = piece(flat, b);
 #ifdef CARRY_WITH_CUDA
     std::optional<c10::cuda::CUDAStreamGuard> on_side;
     if (side) {
@@ -79,6 +79,11 @@ struct OverlappedGradientSum::State {
     CommContext ctx("the weight gradients' tree sum over sp, bucket " + std::to_string(b + 1) + " of " +
                     std::to_string(buckets.size()));
     const int r = comm->rank(), P = comm->size();
+    if (P == 2) {  // one all-reduce in place, as tree_sum over two ranks: one addition an element
+      comm->all_reduce_sum(mine);
+      return;
+    }
+    Tensor theirs = got.defined() ? piece(got, b) : Tensor();  // more than two ranks
     for (int d = 1; d < P; d *= 2) {
       comm->send_recv(mine, r ^ d, theirs, r ^ d, kGradientTag);
       mine.add_(theirs);  // IEEE addition commutes: tree_sum's lower-half-first order gives the same bits
@@ -168,7 +173,7 @@ void OverlappedGradientSum::begin() {
   if (!s.flat.defined()) {
     const auto opt = s.params[0].second.options();
     s.flat = at::empty({s.total}, opt);
-    s.got = at::empty({s.total}, opt);
+    if (s.comm->size() > 2) s.got = at::empty({s.total}, opt);  // two ranks: one all-reduce in place
 #ifdef CARRY_WITH_CUDA
     if (opt.device().is_cuda()) s.side = c10::cuda::getStreamFromPool(false, opt.device().index());
 #endif

@@ -5,7 +5,8 @@
 // 125M presets, 1.5 GB at 340M). The buffer is elementwise, so it can travel in buckets: a bucket (a
 // run of whole parameters, in the flat order) goes as soon as the backward has produced all of its
 // gradients, while the backward runs on. Each element still meets the same partner's element in the
-// same rounds of the same tree, so the sum has tree_sum's bits.
+// same rounds of the same tree, so the sum has tree_sum's bits (two ranks: one in-place all-reduce a
+// bucket, one addition an element, as tree_sum does over two).
 //
 // When a gradient is final: autograd adds every contribution to a leaf before its AccumulateGrad runs
 // once a backward, so a parameter's post-accumulate hook fires once, with its whole gradient. That is
