@@ -110,15 +110,15 @@ class Communicator {
   // over completed operations: call synchronize() first for all of them.
   virtual void set_wait_timing(bool) {}
   virtual double take_waited_seconds() { return 0; }
-  // The same waits by kind of message since the last call: the innermost CommContext line with the
-  // layer's name and numbers left out ("ordered forward, state of head group # from the previous
-  // rank", "halo exchange forward: last tokens to the next rank", "tree sum over segments: ..."), in
-  // seconds. take_waited_seconds() does not clear it, nor it take_waited_seconds().
+  // The same waits by kind of message (message_kind) since the last call, in seconds.
+  // take_waited_seconds() does not clear it, nor it take_waited_seconds().
   virtual std::map<std::string, double> take_waits_by_kind() { return {}; }
 };
 
-// The kind of a message for take_waits_by_kind: `line` from its first ": " on when it has one after a
-// layer's name ("layer 3 gated_deltanet: ordered forward, ..."), digits as '#'.
+// The kind of a message for take_waits_by_kind: its innermost CommContext line with digits as '#', a
+// scan's "sequence-parallel <mode> scan of <family> over sp=P ranks: <message>" shortened to
+// "<family>: <message>" ("gated_deltanet: ordered forward, state of head group # from the previous
+// rank", "halo exchange forward: last tokens to the next rank").
 std::string message_kind(const std::string& line);
 
 // A communicator over a duplicate of `comm` (MPI_Comm_idup, so it never shares message matching

@@ -26,7 +26,8 @@ namespace {
 
 // Wraps the CPU allocator; counts the bytes of its allocations of the current generation. Its DataPtrs
 // are simple (the context is the data pointer, the deleter raw_deleter()), as ATen's raw_allocate
-// requires of the CPU allocator (oneDNN's matrix products call it at the 340M preset's sizes): the
+// requires of the CPU allocator (ATen's CPU matrix product, at::mm, reached it at the 340M preset's
+// sizes): the
 // wrapped allocation and its size live in a table keyed by the pointer.
 class CountingAllocator final : public c10::Allocator {
  public:

@@ -36,7 +36,7 @@ TEST(MemoryEstimate, CountingAllocatorSeesWhatStaysAndThePeak) {
   EXPECT_GE(b.peak_bytes, 2.0 * 512 * 1000 * 4 * 0.99);
 }
 
-// ATen's raw_allocate (oneDNN's matrix products call it at the 340M preset's sizes) needs simple
+// ATen's raw_allocate (ATen's CPU matrix product, at::mm, reached it at the 340M preset's sizes) needs simple
 // DataPtrs from the CPU allocator: under the counting allocator it works and is counted (the dry run
 // of the 340M preset stopped with "dptr.get() == dptr.get_context() INTERNAL ASSERT FAILED" before).
 TEST(MemoryEstimate, RawAllocationsWorkAndCount) {
