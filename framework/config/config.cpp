@@ -859,6 +859,9 @@ void check_run(const RunConfig& c, Errors& e) {
     e.add("parallel.serial_states", "true at sp > 1 needs parallel.scan_mode: ORDERED (the tree and allgather "
           "scans summarize slices with the ATen forms); got sp = ", sp, " with ",
           config::ParallelConfig::ScanMode_Name(par.scan_mode()));
+  if (par.recompute_keep_last() < 0)
+    e.add("parallel.recompute_keep_last", "expected 0 or more layers that keep their activations under "
+          "parallel.recompute; got " + std::to_string(par.recompute_keep_last()));
   if (par.recompute_keeps_mixer() && !par.recompute())
     e.add("parallel.recompute_keeps_mixer", "true needs parallel.recompute: true (it chooses what the recomputation "
           "keeps); got recompute: false");

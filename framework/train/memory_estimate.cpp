@@ -275,7 +275,7 @@ MemoryEstimate estimate_memory(const RunConfig& config, std::FILE* progress) {
     m.head_backward_bytes = extrapolate(bs);
   }
   const double input = 4.0 * static_cast<double>(m.batch * m.slice_tokens * d);
-  double largest = 0, largest_backward = 0, largest_rebuilt = 0;
+  double largest = 0, largest_backward = 0;
   for (int64_t i = 0; i < L; ++i) {
     MemoryEstimate::Layer l;
     l.index = i;
@@ -285,21 +285,41 @@ MemoryEstimate estimate_memory(const RunConfig& config, std::FILE* progress) {
     l.input_bytes = input;
     l.core_bytes = core_of_kind[i % small.n_layers()];
     m.activations_kept += l.kept_bytes;
-    m.activations_keeps_mixer += l.input_bytes + l.core_bytes;
     largest = std::max(largest, l.kept_bytes);
     largest_backward = std::max(largest_backward, l.backward_bytes);
-    largest_rebuilt = std::max(largest_rebuilt, l.kept_bytes + l.backward_bytes);
     m.layers.push_back(l);
   }
   m.activations_kept += m.head_bytes;
-  m.activations_recomputed = static_cast<double>(L) * input + m.head_bytes;
+  // With recomputation the last `keep_last` layers keep their activations (parallel.recompute_keep_last):
+  // alive from their forward through the head's backward and their own; a recomputed layer is rebuilt
+  // only once they are gone.
+  const int64_t keep_last = std::min<int64_t>(std::max<int64_t>(config.parallel().recompute_keep_last(), 0), L);
+  double last_kept = 0, last_backward = 0, rebuilt = 0;
+  for (int64_t i = 0; i < L; ++i) {
+    const auto& l = m.layers[i];
+    if (i >= L - keep_last) {
+      last_kept += l.kept_bytes;
+      last_backward = std::max(last_backward, l.backward_bytes);
+    } else {
+      rebuilt = std::max(rebuilt, l.kept_bytes + l.backward_bytes);
+    }
+  }
+  // The inputs kept: every recomputed layer's, and the first kept layer's (the output of a recomputed
+  // one; a kept layer's own output is in its kept bytes).
+  double recomputed_inputs = 0, keeps_mixer_inputs = 0;
+  for (int64_t i = 0; i < std::min(L, L - keep_last + (keep_last > 0 ? 1 : 0)); ++i) {
+    recomputed_inputs += m.layers[i].input_bytes;
+    keeps_mixer_inputs += m.layers[i].input_bytes + (i < L - keep_last ? m.layers[i].core_bytes : 0);
+  }
+  m.activations_recomputed = recomputed_inputs + last_kept + m.head_bytes;
   const double fixed = m.parameter_bytes + m.gradient_bytes + m.optimizer_bytes;
   // Peaks: the backward starts with every activation alive and the head's gradients; with
   // recomputation a layer is rebuilt and differentiated while the others keep only their inputs.
   m.total_kept = fixed + m.activations_kept + std::max(m.head_backward_bytes, largest_backward);
-  m.total_recomputed = fixed + m.activations_recomputed + std::max(m.head_backward_bytes, largest_rebuilt);
-  m.activations_keeps_mixer += m.head_bytes;
-  m.total_keeps_mixer = fixed + m.activations_keeps_mixer + std::max(m.head_backward_bytes, largest_rebuilt);
+  const double head_or_last = std::max(m.head_backward_bytes, last_backward);
+  m.total_recomputed = fixed + recomputed_inputs + m.head_bytes + std::max(last_kept + head_or_last, rebuilt);
+  m.activations_keeps_mixer = keeps_mixer_inputs + last_kept + m.head_bytes;
+  m.total_keeps_mixer = fixed + keeps_mixer_inputs + m.head_bytes + std::max(last_kept + head_or_last, rebuilt);
   return m;
 }
 
@@ -341,7 +361,11 @@ std::string memory_report(const MemoryEstimate& m, const RunConfig& config) {
   row("backward transients, largest", std::max(m.head_backward_bytes, layer_backward),
       "head " + bytes_text(m.head_backward_bytes) + ", a layer " + bytes_text(layer_backward));
   row("activations, kept", m.activations_kept, "every layer + head");
-  row("activations, recomputed", m.activations_recomputed, "layer inputs + head; one layer rebuilt at a time");
+  const int64_t keep_last = std::min<int64_t>(par.recompute_keep_last(), static_cast<int64_t>(m.layers.size()));
+  row("activations, recomputed", m.activations_recomputed,
+      keep_last > 0 ? "layer inputs + the last " + std::to_string(keep_last) +
+                          " layer(s) kept (parallel.recompute_keep_last) + head; one layer rebuilt at a time"
+                    : std::string("layer inputs + head; one layer rebuilt at a time"));
   row("activations, around kept mixers", m.activations_keeps_mixer, "layer inputs + mixer cores + head");
   const bool recompute = par.recompute(), keeps = recompute && par.recompute_keeps_mixer();
   row("peak, activations kept", m.total_kept, recompute ? "" : "<- this config (parallel.recompute: false)");

@@ -108,7 +108,8 @@ Tensor Model::hidden(const Tensor& tokens, const ModelContext& ctx) const {
         std::array<std::string, 2>{"layer " + std::to_string(i) + " " + b->mixer->spec().kind, "mixer " + b->mixer->spec().kind});
     // Selective recomputation: this layer's own context, with a stash for its core (layers/recompute.h).
     std::shared_ptr<const MixerLayerContext> slice(shared, &shared->slice);
-    if (ctx.recompute && ctx.recompute_keeps_mixer && at::GradMode::is_enabled()) {
+    const bool recomputed = ctx.recompute && static_cast<int64_t>(i) + ctx.recompute_keep_last < static_cast<int64_t>(blocks_.size());
+    if (recomputed && ctx.recompute_keeps_mixer && at::GradMode::is_enabled()) {
       auto own = std::make_shared<MixerLayerContext>(shared->slice);
       own->core_stash = std::make_shared<MixerCoreStash>();
       slice = own;
@@ -129,7 +130,7 @@ Tensor Model::hidden(const Tensor& tokens, const ModelContext& ctx) const {
       const bool values = !recomputing_in_backward();
       return graph_only_add(y, b->mlp.forward(n, /*result_only=*/!values), values);
     };
-    if (!ctx.recompute) {
+    if (!recomputed) {
       h = block(h);
       continue;
     }

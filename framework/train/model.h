@@ -46,6 +46,9 @@ struct ModelContext {
   // recomputation replays the rest of the layer (layers/recompute.h, MixerCoreStash). Only where the
   // core runs on one rank (sp = 1).
   bool recompute_keeps_mixer = false;
+  // With recompute: the last this many layers are not recomputed (they keep their activations; their
+  // backward comes first, right after the loss). parallel.recompute_keep_last; 0 recomputes all.
+  int64_t recompute_keep_last = 0;
   // Packed documents: [B, sequence length] bool on the CPU, true where a document starts (the whole
   // sequence, also under sequence parallelism). Every layer's state, convolutions and attention
   // restart there (MixerLayerContext::document_starts). Undefined: one document a sequence.

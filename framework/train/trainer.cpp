@@ -187,6 +187,7 @@ Trainer::Trainer(const RunConfig& config, std::shared_ptr<parallel::ProcessGroup
   if (config_.data().has_token_files()) open_token_data();
   context_.recompute = config_.parallel().recompute();
   context_.recompute_keeps_mixer = config_.parallel().recompute_keeps_mixer();
+  context_.recompute_keep_last = config_.parallel().recompute_keep_last();
   context_.loss_chunk_tokens = config_.parallel().loss_chunk_tokens();
   // Collective: every rank of the sp group agrees on the layout here, once.
   const int64_t segments = par.segments() > 0 ? par.segments() : sp_;
@@ -993,11 +994,18 @@ int Trainer::run() {
       static_cast<long long>(model_.num_parameters()), dp_, sp_,
       groups_ ? groups_->world->backend().c_str() : "single process", device_.str().c_str(),
       parallel::scan_mode_name(scan_mode_of(config_.parallel().scan_mode())).c_str(), segments.c_str());
-  log("precision: %s; activations: %s\n",
+  const auto& par = config_.parallel();
+  const int64_t keep_last = std::min<int64_t>(par.recompute_keep_last(), model_.blocks().size());
+  const std::string kept_last =
+      par.recompute() && keep_last > 0 ? " (the last " + (keep_last == 1 ? std::string("layer") : std::to_string(keep_last) + " layers") +
+                                             " kept: parallel.recompute_keep_last)"
+                                       : "";
+  log("precision: %s; activations: %s%s\n",
       bf16_ ? "bf16 autocast (fp32 master weights and optimizer, mixer kernels read bf16 q, k, v and fp32 gates, fp32 states; ATen mixer forms in fp32)" : "fp32",
-      !config_.parallel().recompute()                ? "kept"
-      : config_.parallel().recompute_keeps_mixer() ? "recomputed per layer in backward around each kept mixer core"
-                                                    : "recomputed per layer in backward");
+      !par.recompute()                ? "kept"
+      : par.recompute_keeps_mixer() ? "recomputed per layer in backward around each kept mixer core"
+                                    : "recomputed per layer in backward",
+      kept_last.c_str());
   if (resumed) log("resumed from %s at step %lld\n", config_.checkpoint().dir().c_str(), static_cast<long long>(step_));
 
   // The metrics file and its TensorBoard mirror (rank 0): records past the resumed step go first.

@@ -104,6 +104,24 @@ TEST(MemoryEstimate, ExtrapolationMatchesADirectMeasurement) {
   }
   EXPECT_LT(m.total_recomputed, m.total_keeps_mixer);
   EXPECT_LE(m.total_keeps_mixer, m.total_kept);
+  // parallel.recompute_keep_last: with every layer kept the recomputed peak is the kept one; with none,
+  // the layer inputs, the head and the largest rebuilt layer; the default (1) lies between.
+  {
+    auto all = cfg, none = cfg;
+    all.mutable_parallel()->set_recompute_keep_last(3);
+    none.mutable_parallel()->set_recompute_keep_last(0);
+    auto ma = estimate_memory(all), mn = estimate_memory(none);
+    // (the kept peak leaves out the embedding's output, the first layer's input)
+    EXPECT_NEAR(ma.total_recomputed, ma.total_kept + ma.layers[0].input_bytes, 1e-6 * ma.total_kept);
+    double rebuilt = 0;
+    for (const auto& l : mn.layers) rebuilt = std::max(rebuilt, l.kept_bytes + l.backward_bytes);
+    const double fixed = mn.parameter_bytes + mn.gradient_bytes + mn.optimizer_bytes;
+    EXPECT_NEAR(mn.total_recomputed, fixed + 3 * mn.layers[0].input_bytes + mn.head_bytes + std::max(mn.head_backward_bytes, rebuilt),
+                1e-6 * mn.total_recomputed);
+    EXPECT_LE(mn.total_recomputed, m.total_recomputed);
+    EXPECT_LE(m.total_recomputed, ma.total_recomputed);
+    EXPECT_LT(mn.activations_recomputed, m.activations_recomputed);
+  }
   auto report = memory_report(m, cfg);
   EXPECT_NE(report.find("peak, recomputed around kept mixers"), std::string::npos) << report;
   EXPECT_NE(report.find("layer 1 softmax_attn"), std::string::npos) << report;
