@@ -1181,16 +1181,16 @@ struct BwdArgs {
   std::function<void(const at::Tensor&)> on_s0_grad;
 };
 
-// bf16: the reverse recurrence (bwd_state_mma_kernel, BV = 16, 4 warps) and the chunk-gradient
+// bf16: the reverse recurrence (bwd_state_mma_kernel, BV = 16 and 4 warps, or 32 and 8 where
+// wide_state_tiles says so) and the chunk-gradient
 // kernel. When the recurrence's tiles leave at least half the SMs idle (few heads), it walks the
 // chunks in pieces (consecutive launches on the caller's stream, the state gradient handed on
 // through fp32 memory: the same operations and bits as one walk), and the chunk-gradient kernel of
 // each finished piece runs on a second stream on the SMs the recurrence leaves idle while the next
 // piece walks; the caller's stream then waits for the last one. Otherwise one walk, then the
 // chunk-gradient kernel over every chunk.
-template <int DK, int DV>
+template <int DK, int DV, int BV = 16, int NW = 4>
 bool bwd_pieces(BwdArgs& a) {
-  constexpr int BV = 16, NW = 4;
   auto stream = at::cuda::getCurrentCUDAStream();
   const Dims& d = a.d;
   auto P = [](const at::Tensor& t) { return reinterpret_cast<bf16*>(t.data_ptr()); };
@@ -1294,7 +1294,9 @@ bool bwd_impl(BwdArgs& a) {
     };
     const int cfg = sizeof(T) == 2 ? state_cfg() : 0;
     if constexpr (std::is_same<T, bf16>::value) {
-      if (cfg == 0) return bwd_pieces<DK, DV>(a);
+      if ((cfg == 0 && !wide_state_tiles(a.d)) || cfg == 10) return bwd_pieces<DK, DV>(a);
+      if (cfg == 0 || cfg == 8) return bwd_pieces<DK, DV, 32, 8>(a);  // kernel_launch.h, wide_state_tiles
+      if (cfg == 9) return bwd_pieces<DK, DV, 32, 4>(a);
     }
     if (cfg == 1) launch(I32{}, I8{});
     else if (cfg == 2) launch(I16{}, I4{});

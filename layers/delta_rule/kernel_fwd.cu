@@ -16,8 +16,8 @@
 //     (double-buffered with cp.async for bf16) and streams out H_c = S (input dtype, saved) and
 //     V_new = U − W·S; then S ← e^{G_C} S + Kᵀ (e^{G_C−G} ⊙ V_new).
 //     Per chunk: 2·C·dk·BV·2 FLOPs; HBM reads 2C(2dk+BV), writes 2(dk·BV + C·BV) bytes (bf16).
-//     For bf16 the launcher uses fwd_state_mma_kernel (2b: state in mma registers, BV = 16,
-//     4 warps); fwd_state_kernel (wmma on shared tiles) serves fp32 and the CARRY_GDN_STATE
+//     For bf16 the launcher uses fwd_state_mma_kernel (2b: state in mma registers, BV = 16 and 4 warps, or
+//     32 and 8 at many heads: wide_state_tiles); fwd_state_kernel (wmma on shared tiles) serves fp32 and the CARRY_GDN_STATE
 //     experiments.
 //     With few heads (the walk's tiles on at most half the SMs) the bf16 walk runs in pieces of
 //     chunks, the state handed on in fp32 memory (one walk's bits), and 1. and 3. of other pieces
@@ -43,11 +43,21 @@ namespace {
 std::atomic<bool> g_poison{false};
 }
 bool poison_enabled() { return g_poison.load(); }
-// State-kernel choice for bf16 (experiments), CARRY_GDN_STATE: 0 (default): mma.sync kernel, BV 16,
-// 4 warps; 5: mma BV 32, 4 warps; 6: mma BV 32, 8 warps; 7: mma BV 16, 8 warps;
+// State-kernel choice for bf16 (experiments), CARRY_GDN_STATE: 0 (default): mma.sync kernels in
+// pieces, BV 16 and 4 warps or BV 32 and 8 (wide_state_tiles, kernel_launch.h); 8, 9: BV 32 with 8 or
+// 4 warps at every shape; 10: BV 16, 4 warps at every shape;
+// one walk: 5: mma BV 32, 4 warps; 6: mma BV 32, 8 warps; 7: mma BV 16, 8 warps;
 // generic wmma kernel: 4: BV 32, 4 warps; 1: BV 32, 8 warps; 2: BV 16, 4 warps; 3: BV 16, 8 warps.
-// The measured configuration (0) is fixed; the others stay for tiling experiments in a profiling build.
-int state_cfg() { return 0; }
+// The measured configuration (0) is the default; CARRY_GDN_STATE=N picks another for an A/B timing
+// (read once).
+int state_cfg() {
+  static const int cfg = [] {
+    const char* e = std::getenv("CARRY_GDN_STATE");
+    const int v = e ? std::atoi(e) : 0;
+    return v >= 0 && v <= 10 ? v : 0;
+  }();
+  return cfg;
+}
 void gdn_set_poison(bool on) { g_poison.store(on); }
 namespace {
 std::atomic<int> g_pieces{0};
@@ -748,17 +758,17 @@ void set_smem(K kernel, size_t bytes) {
   C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)bytes));
 }
 
-// bf16: the chunk preparation, the state walk (fwd_state_mma_kernel, BV = 16, 4 warps) and the output
+// bf16: the chunk preparation, the state walk (fwd_state_mma_kernel, BV = 16 and 4 warps, or 32 and 8
+// where wide_state_tiles says so) and the output
 // kernel. When the walk's tiles leave at least half the SMs idle, it runs in pieces (consecutive
 // launches on the caller's stream, the state handed on through fp32 memory: one walk's operations
 // and bits), and on a second stream the preparation of the next piece runs ahead of it and the
 // output of each finished piece behind it; the walk then asks for enough shared memory that no
 // preparation or output block shares its SM (it would slow the walk's chain).
-template <int DK, int DV>
+template <int DK, int DV, int BV = 16, int NW = 4>
 void fwd_pieces(const Dims& d, const bf16* kp, const bf16* vp, const float* g, const float* beta, at::Tensor& Gc,
                 at::Tensor& Tm, bf16* Wp, bf16* Up, const float* S0, bf16* Hp, bf16* Vnp, at::Tensor& Sfin,
                 const bf16* qp, bf16* Op, float scale, const std::function<void(const at::Tensor&)>& on_final_state) {
-  constexpr int BV = 16, NW = 4;
   auto stream = at::cuda::getCurrentCUDAStream();
   auto skern = fwd_state_mma_kernel<DK, DV, BV, NW, kStateStages>;
   auto okern = fwd_o_reg_kernel<DK, DV>;
@@ -841,8 +851,15 @@ void fwd_impl(const Dims& d, const at::Tensor& q, const at::Tensor& k, const at:
   dim3 gc(d.N, d.H, d.B);
   {
     if constexpr (std::is_same<T, bf16>::value) {
-      if (state_cfg() == 0) return fwd_pieces<DK, DV>(d, kp, vp, g, beta, Gc, Tm, Wp, Up, S0, Hp, Vnp, Sfin, qp, Op,
-                                                      scale, on_final_state);
+      if ((state_cfg() == 0 && !wide_state_tiles(d)) || state_cfg() == 10)
+        return fwd_pieces<DK, DV>(d, kp, vp, g, beta, Gc, Tm, Wp, Up, S0, Hp, Vnp, Sfin, qp, Op, scale, on_final_state);
+      // 32-column tiles (wide_state_tiles; CARRY_GDN_STATE=8 forces them, 9 with 4 warps).
+      if (state_cfg() == 0 || state_cfg() == 8)
+        return fwd_pieces<DK, DV, 32, 8>(d, kp, vp, g, beta, Gc, Tm, Wp, Up, S0, Hp, Vnp, Sfin, qp, Op, scale,
+                                         on_final_state);
+      if (state_cfg() == 9)
+        return fwd_pieces<DK, DV, 32, 4>(d, kp, vp, g, beta, Gc, Tm, Wp, Up, S0, Hp, Vnp, Sfin, qp, Op, scale,
+                                         on_final_state);
       auto kern = prep_reg_kernel<DK, DV>;
       constexpr size_t sm = PrepRegSmem<DK>::bytes;
       set_smem(kern, sm);

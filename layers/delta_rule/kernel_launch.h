@@ -47,6 +47,20 @@ inline Pieces plan_pieces(const Dims& d, int value_blocks) {
   return {(d.N + len - 1) / len, len, idle};
 }
 
+// The bf16 state walks' column tiles: 16 columns (4 warps) where those tiles leave at least half the
+// SMs idle (the walk then runs in pieces with the chunk-local kernels beside it), else 32 columns (8
+// warps): half the blocks, each reading a chunk's W and K (and Q) once for twice the columns. Measured
+// on an H200, forward+backward ms, 16 → 32 columns: H=16, dk=dv=128 Gated DeltaNet 2.078 / 2.008 →
+// 2.068 at 16k and 15.265 / 15.138 → 13.858 at 131k; at H=4, dv=256 (64 tiles of 16) 32 columns
+// ran slower (2.125 → 2.755 ms at 32k). Depends on B, H, dv and the GPU only, never on T: every cut
+// of a sequence runs the same tiles.
+inline bool wide_state_tiles(const Dims& d) {
+  int dev = 0, sms = 0;
+  C10_CUDA_CHECK(cudaGetDevice(&dev));
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
+  return 2 * (d.DV / 16) * d.H * d.B > sms;
+}
+
 inline Dims check_inputs(const char* who, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                          const at::Tensor& g, const at::Tensor& beta, int64_t chunk) {
   TORCH_CHECK(chunk == 64, who, ": chunk_size must be 64, got ", chunk);
