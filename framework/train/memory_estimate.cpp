@@ -363,8 +363,7 @@ std::string memory_report(const MemoryEstimate& m, const RunConfig& config) {
   row("activations, kept", m.activations_kept, "every layer + head");
   const int64_t keep_last = std::min<int64_t>(par.recompute_keep_last(), static_cast<int64_t>(m.layers.size()));
   row("activations, recomputed", m.activations_recomputed,
-      keep_last > 0 ? "layer inputs + the last " + std::to_string(keep_last) +
-                          " layer(s) kept (parallel.recompute_keep_last) + head; one layer rebuilt at a time"
+      keep_last > 0 ? "layer inputs + the last " + std::to_string(keep_last) + " whole + head; one rebuilt at a time"
                     : std::string("layer inputs + head; one layer rebuilt at a time"));
   row("activations, around kept mixers", m.activations_keeps_mixer, "layer inputs + mixer cores + head");
   const bool recompute = par.recompute(), keeps = recompute && par.recompute_keeps_mixer();

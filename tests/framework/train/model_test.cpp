@@ -211,99 +211,72 @@ TEST(Model, FiniteDifferencesMatchAutogradForEveryKind) {
   }
 }
 
-// Recomputation really recomputes: with ModelContext::recompute each layer's core runs twice per
-// forward + backward (once without autograd, once in backward), and the gradients of every parameter
-// equal those of the run that keeps its activations, bit for bit (fp64, every mixer kind).
-TEST(Model, RecomputationRunsEachLayerAgainWithTheSameGradients) {
-  for (const std::string& kind : known_mixer_kinds()) {
-    auto model = build_model(tiny_config({kind}), 4, at::TensorOptions().dtype(at::kDouble));
-    auto tokens = random_tokens(2, 16, 16, 5), targets = random_tokens(2, 16, 16, 6);
-    int calls = 0;
-    auto grads = [&](bool recompute) {
-      ModelContext ctx;
-      ctx.recompute = recompute;
-      ctx.slice.run_mixer = [&calls](const Mixer& m, const MixerInputs& in, const State& st,
-                                     const MixerOptions& o) {
-        ++calls;
-        return m.chunkwise(in, st, o);
-      };
-      calls = 0;
-      for (auto& [n, p] : model.parameters()) p.mutable_grad() = Tensor();
-      model.loss(tokens, targets, {}, ctx).backward();
-      std::vector<Tensor> g;
-      for (auto& [n, p] : model.parameters()) g.push_back(p.grad().clone());
-      return g;
+// Every parameter's gradient of the model's loss under `ctx`. With `calls`, the mixer cores run through
+// the slice's run_mixer (the chunkwise form) and are counted there.
+std::vector<Tensor> loss_gradients(const Model& model, const Tensor& tokens, const Tensor& targets, ModelContext ctx,
+                                   int* calls = nullptr) {
+  if (calls) {
+    *calls = 0;
+    ctx.slice.run_mixer = [calls](const Mixer& m, const MixerInputs& in, const State& st, const MixerOptions& o) {
+      ++*calls;
+      return m.chunkwise(in, st, o);
     };
-    auto kept = grads(false);
-    EXPECT_EQ(calls, 2) << kind;
-    auto again = grads(true);
-    EXPECT_EQ(calls, 4) << kind << ": each of the 2 layers runs in forward and again in backward";
-    ASSERT_EQ(kept.size(), again.size());
-    for (size_t i = 0; i < kept.size(); ++i) EXPECT_TRUE(at::equal(kept[i], again[i])) << kind << " parameter " << i;
   }
+  for (auto& [n, p] : model.parameters()) p.mutable_grad() = Tensor();
+  model.loss(tokens, targets, {}, ctx).backward();
+  std::vector<Tensor> g;
+  for (auto& [n, p] : model.parameters()) g.push_back(p.grad().clone());
+  return g;
 }
 
-// parallel.recompute_keep_last: the last N layers are not recomputed (their mixers run once), the
-// others are, and every parameter's gradient equals the kept run's bit for bit (fp64, every mixer kind,
-// with and without the kept mixer cores).
-TEST(Model, RecomputationKeepsTheLastLayers) {
+void expect_same_bits(const std::vector<Tensor>& a, const std::vector<Tensor>& b, const std::string& what) {
+  ASSERT_EQ(a.size(), b.size()) << what;
+  for (size_t i = 0; i < a.size(); ++i) EXPECT_TRUE(at::equal(a[i], b[i])) << what << ", parameter " << i;
+}
+
+ModelContext recomputing(int64_t keep_last, bool keeps_mixer = false) {
+  ModelContext ctx;
+  ctx.recompute = true;
+  ctx.recompute_keep_last = keep_last;
+  ctx.recompute_keeps_mixer = keeps_mixer;
+  return ctx;
+}
+
+// Recomputation really recomputes: with ModelContext::recompute each layer's core runs twice per
+// forward + backward (once without autograd, once in backward), and the gradients of every parameter
+// equal those of the run that keeps its activations, bit for bit (fp64, every mixer kind). With
+// recompute_keep_last = N the last N layers are not recomputed (their mixers run once), the others are,
+// and the gradients are the same bits again.
+TEST(Model, RecomputationRunsEachLayerAgainWithTheSameGradients) {
   for (const std::string& kind : known_mixer_kinds()) {
     auto model = build_model(tiny_config({kind}), 4, at::TensorOptions().dtype(at::kDouble));
     ASSERT_EQ(model.blocks().size(), 2u);
     auto tokens = random_tokens(2, 16, 16, 5), targets = random_tokens(2, 16, 16, 6);
     int calls = 0;
-    auto grads = [&](bool recompute, int64_t keep_last, bool keeps_mixer) {
-      ModelContext ctx;
-      ctx.recompute = recompute;
-      ctx.recompute_keep_last = keep_last;
-      ctx.recompute_keeps_mixer = keeps_mixer;
-      if (!keeps_mixer)  // the kept cores' stash runs the core itself, not through run_mixer
-        ctx.slice.run_mixer = [&calls](const Mixer& m, const MixerInputs& in, const State& st, const MixerOptions& o) {
-          ++calls;
-          return m.chunkwise(in, st, o);
-        };
-      calls = 0;
-      for (auto& [n, p] : model.parameters()) p.mutable_grad() = Tensor();
-      model.loss(tokens, targets, {}, ctx).backward();
-      std::vector<Tensor> g;
-      for (auto& [n, p] : model.parameters()) g.push_back(p.grad().clone());
-      return g;
-    };
-    auto kept = grads(false, 0, false);
+    auto kept = loss_gradients(model, tokens, targets, {}, &calls);
+    EXPECT_EQ(calls, 2) << kind;
+    expect_same_bits(kept, loss_gradients(model, tokens, targets, recomputing(0), &calls), kind + " recomputed");
+    EXPECT_EQ(calls, 4) << kind << ": each of the 2 layers runs in forward and again in backward";
     for (int64_t keep_last : {1, 2, 5}) {
-      auto again = grads(true, keep_last, false);
-      const int recomputed = keep_last >= 2 ? 0 : 1;
-      EXPECT_EQ(calls, 2 + recomputed) << kind << ": keep_last " << keep_last;
-      ASSERT_EQ(kept.size(), again.size());
-      for (size_t i = 0; i < kept.size(); ++i)
-        EXPECT_TRUE(at::equal(kept[i], again[i])) << kind << " keep_last " << keep_last << " parameter " << i;
+      const std::string what = kind + " recomputed, keep_last " + std::to_string(keep_last);
+      expect_same_bits(kept, loss_gradients(model, tokens, targets, recomputing(keep_last), &calls), what);
+      EXPECT_EQ(calls, keep_last >= 2 ? 2 : 3) << what << ": only the layers not kept run again";
     }
-    auto around = grads(true, 1, true);
-    for (size_t i = 0; i < kept.size(); ++i)
-      EXPECT_TRUE(at::equal(kept[i], around[i])) << kind << " keep_last 1 with kept mixer cores, parameter " << i;
   }
 }
 
 // Recomputation that keeps each layer's mixer core (ModelContext::recompute_keeps_mixer, sp = 1: no
 // run_mixer) gives every parameter the gradient of the run that keeps all its activations, bit for bit
-// (fp64, every mixer kind). That the core runs once is Recompute.KeptMixerCoreRunsOnceWithTheSameGradients.
+// (fp64, every mixer kind), also with the last layer kept whole. That the core runs once is
+// Recompute.KeptMixerCoreRunsOnceWithTheSameGradients.
 TEST(Model, RecomputationKeepingTheMixerCoreGivesTheSameGradients) {
   for (const std::string& kind : known_mixer_kinds()) {
     auto model = build_model(tiny_config({kind}), 4, at::TensorOptions().dtype(at::kDouble));
     auto tokens = random_tokens(2, 16, 16, 5), targets = random_tokens(2, 16, 16, 6);
-    auto grads = [&](bool recompute) {
-      ModelContext ctx;
-      ctx.recompute = recompute;
-      ctx.recompute_keeps_mixer = recompute;
-      for (auto& [n, p] : model.parameters()) p.mutable_grad() = Tensor();
-      model.loss(tokens, targets, {}, ctx).backward();
-      std::vector<Tensor> g;
-      for (auto& [n, p] : model.parameters()) g.push_back(p.grad().clone());
-      return g;
-    };
-    auto kept = grads(false), again = grads(true);
-    ASSERT_EQ(kept.size(), again.size());
-    for (size_t i = 0; i < kept.size(); ++i) EXPECT_TRUE(at::equal(kept[i], again[i])) << kind << " parameter " << i;
+    auto kept = loss_gradients(model, tokens, targets, {});
+    for (int64_t keep_last : {0, 1})
+      expect_same_bits(kept, loss_gradients(model, tokens, targets, recomputing(keep_last, true)),
+                       kind + " around kept mixer cores, keep_last " + std::to_string(keep_last));
   }
 }
 
