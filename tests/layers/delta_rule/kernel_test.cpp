@@ -58,7 +58,10 @@ TEST(DeltaRuleKernel, MatchesChunkwise) {
   const char* names[] = {"o", "final_state", "dq", "dk", "dv", "dg", "dbeta", "dinitial_state"};
   for (bool gated : {true, false}) {
     const Mixer& m = get_mixer(gated ? "gated_deltanet" : "deltanet");
-    for (const Case& c : {Case{1, 256, 2, 64, 64}, Case{2, 192, 1, 128, 256}, Case{1, 128, 3, 128, 128}}) {
+    // H=16, dk=dv=128: the bf16 walks in 32-column tiles (wide_state_tiles, on any GPU of fewer than
+    // 256 SMs); the other shapes in 16-column tiles.
+    for (const Case& c : {Case{1, 256, 2, 64, 64}, Case{2, 192, 1, 128, 256}, Case{1, 128, 3, 128, 128},
+                          Case{1, 128, 16, 128, 128}}) {
       auto in = gdn_inputs(c, gated, 17 + c.T);
       auto s0 = at::randn({c.B, c.H, c.dk, c.dv}, at::kFloat).to(at::kCUDA) * 0.5;
       for (auto dt : {at::kFloat, at::kBFloat16}) {
@@ -94,7 +97,8 @@ TEST(DeltaRuleKernel, MatchesChunkwise) {
 
 // The bf16 state walks cut into pieces (the chunk-local kernels of finished pieces on a second
 // stream) give the bits of one walk: outputs, final state and every gradient, with a nonzero initial
-// state and final-state gradient; 7 chunks in pieces of 3 (three pieces, the last shorter) and of 1.
+// state and final-state gradient; 7 chunks in pieces of 3 (three pieces, the last shorter) and of 1;
+// 16- and (H=16) 32-column tiles.
 TEST(DeltaRuleKernel, PiecesGiveTheBitsOfOneWalk) {
   if (cuda_device_count() == 0) GTEST_SKIP() << "no CUDA device: GPU tests skipped";
 #ifndef CARRY_WITH_CUDA
@@ -103,7 +107,7 @@ TEST(DeltaRuleKernel, PiecesGiveTheBitsOfOneWalk) {
   carry_gdn::gdn_set_poison(true);
   for (bool gated : {true, false}) {
     const Mixer& m = get_mixer(gated ? "gated_deltanet" : "deltanet");
-    for (const Case& c : {Case{1, 448, 2, 128, 256}, Case{2, 448, 1, 64, 128}}) {
+    for (const Case& c : {Case{1, 448, 2, 128, 256}, Case{2, 448, 1, 64, 128}, Case{1, 448, 16, 128, 128}}) {
       auto in = gdn_inputs(c, gated, 91 + c.dv);
       MixerInputs low;
       for (const auto& n : MixerInputs::names())
