@@ -1296,7 +1296,6 @@ bool bwd_impl(BwdArgs& a) {
     if constexpr (std::is_same<T, bf16>::value) {
       if ((cfg == 0 && !wide_state_tiles(a.d)) || cfg == 10) return bwd_pieces<DK, DV>(a);
       if (cfg == 0 || cfg == 8) return bwd_pieces<DK, DV, 32, 8>(a);  // kernel_launch.h, wide_state_tiles
-      if (cfg == 9) return bwd_pieces<DK, DV, 32, 4>(a);
     }
     if (cfg == 1) launch(I32{}, I8{});
     else if (cfg == 2) launch(I16{}, I4{});

@@ -44,8 +44,8 @@ std::atomic<bool> g_poison{false};
 }
 bool poison_enabled() { return g_poison.load(); }
 // State-kernel choice for bf16 (experiments), CARRY_GDN_STATE: 0 (default): mma.sync kernels in
-// pieces, BV 16 and 4 warps or BV 32 and 8 (wide_state_tiles, kernel_launch.h); 8, 9: BV 32 with 8 or
-// 4 warps at every shape; 10: BV 16, 4 warps at every shape;
+// pieces, BV 16 and 4 warps or BV 32 and 8 (wide_state_tiles, kernel_launch.h); in pieces at every
+// shape: 8: BV 32, 8 warps; 10: BV 16, 4 warps (the default before wide_state_tiles);
 // one walk: 5: mma BV 32, 4 warps; 6: mma BV 32, 8 warps; 7: mma BV 16, 8 warps;
 // generic wmma kernel: 4: BV 32, 4 warps; 1: BV 32, 8 warps; 2: BV 16, 4 warps; 3: BV 16, 8 warps.
 // The measured configuration (0) is the default; CARRY_GDN_STATE=N picks another for an A/B timing
@@ -853,12 +853,10 @@ void fwd_impl(const Dims& d, const at::Tensor& q, const at::Tensor& k, const at:
     if constexpr (std::is_same<T, bf16>::value) {
       if ((state_cfg() == 0 && !wide_state_tiles(d)) || state_cfg() == 10)
         return fwd_pieces<DK, DV>(d, kp, vp, g, beta, Gc, Tm, Wp, Up, S0, Hp, Vnp, Sfin, qp, Op, scale, on_final_state);
-      // 32-column tiles (wide_state_tiles; CARRY_GDN_STATE=8 forces them, 9 with 4 warps).
+      // 32-column tiles (wide_state_tiles; CARRY_GDN_STATE=8 forces them; with 4 warps they ran slower:
+      // 14.43 against 13.86 ms at H=16, 131k on an H200).
       if (state_cfg() == 0 || state_cfg() == 8)
         return fwd_pieces<DK, DV, 32, 8>(d, kp, vp, g, beta, Gc, Tm, Wp, Up, S0, Hp, Vnp, Sfin, qp, Op, scale,
-                                         on_final_state);
-      if (state_cfg() == 9)
-        return fwd_pieces<DK, DV, 32, 4>(d, kp, vp, g, beta, Gc, Tm, Wp, Up, S0, Hp, Vnp, Sfin, qp, Op, scale,
                                          on_final_state);
       auto kern = prep_reg_kernel<DK, DV>;
       constexpr size_t sm = PrepRegSmem<DK>::bytes;
