@@ -461,6 +461,9 @@ TEST_F(ConfigTest, ValidationErrorFromAnOverrideSaysSo) {
   EXPECT_EQ(load_error(kValid, {"parallel.recompute=false", "parallel.recompute_keeps_mixer=true"}),
             path + ": parallel.recompute_keeps_mixer: true needs parallel.recompute: true (it chooses what the "
                    "recomputation keeps); got recompute: false (set by --set parallel.recompute_keeps_mixer=true)");
+  EXPECT_EQ(load_error(kValid, {"parallel.recompute_keep_last=-1"}),
+            path + ": parallel.recompute_keep_last: expected 0 or more layers that keep their activations under "
+                   "parallel.recompute; got -1 (set by --set parallel.recompute_keep_last=-1)");
 }
 
 // Ordered segments: the ORDERED scan only, sp times a power of two, and the sequence cut into them
