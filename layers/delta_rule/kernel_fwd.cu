@@ -53,8 +53,13 @@ bool poison_enabled() { return g_poison.load(); }
 int state_cfg() {
   static const int cfg = [] {
     const char* e = std::getenv("CARRY_GDN_STATE");
-    const int v = e ? std::atoi(e) : 0;
-    return v >= 0 && v <= 10 ? v : 0;
+    if (!e || !*e) return 0;
+    char* end = nullptr;
+    const long v = std::strtol(e, &end, 10);
+    TORCH_CHECK(*end == '\0' && v >= 0 && v <= 10 && v != 9,
+                "CARRY_GDN_STATE: expected one of 0-8 or 10 (the delta rule's state-walk tilings, "
+                "layers/delta_rule/kernel_fwd.cu), got '", e, "'");
+    return static_cast<int>(v);
   }();
   return cfg;
 }
