@@ -275,7 +275,7 @@ MemoryEstimate estimate_memory(const RunConfig& config, std::FILE* progress) {
     m.head_backward_bytes = extrapolate(bs);
   }
   const double input = 4.0 * static_cast<double>(m.batch * m.slice_tokens * d);
-  double largest = 0, largest_backward = 0;
+  double largest_backward = 0;
   for (int64_t i = 0; i < L; ++i) {
     MemoryEstimate::Layer l;
     l.index = i;
@@ -285,7 +285,6 @@ MemoryEstimate estimate_memory(const RunConfig& config, std::FILE* progress) {
     l.input_bytes = input;
     l.core_bytes = core_of_kind[i % small.n_layers()];
     m.activations_kept += l.kept_bytes;
-    largest = std::max(largest, l.kept_bytes);
     largest_backward = std::max(largest_backward, l.backward_bytes);
     m.layers.push_back(l);
   }
