@@ -293,22 +293,22 @@ MemoryEstimate estimate_memory(const RunConfig& config, std::FILE* progress) {
   // alive from their forward through the head's backward and their own; a recomputed layer is rebuilt
   // only once they are gone.
   const int64_t keep_last = std::min<int64_t>(std::max<int64_t>(config.parallel().recompute_keep_last(), 0), L);
-  double last_kept = 0, last_backward = 0, rebuilt = 0;
+  // The inputs kept are every recomputed layer's and the first kept layer's (the output of a recomputed
+  // one; a kept layer's own output is in its kept bytes).
+  double last_kept = 0, last_backward = 0, rebuilt = 0, recomputed_inputs = 0, keeps_mixer_inputs = 0;
   for (int64_t i = 0; i < L; ++i) {
     const auto& l = m.layers[i];
-    if (i >= L - keep_last) {
+    const bool recomputed = i < L - keep_last;
+    if (recomputed) {
+      rebuilt = std::max(rebuilt, l.kept_bytes + l.backward_bytes);
+    } else {
       last_kept += l.kept_bytes;
       last_backward = std::max(last_backward, l.backward_bytes);
-    } else {
-      rebuilt = std::max(rebuilt, l.kept_bytes + l.backward_bytes);
     }
-  }
-  // The inputs kept: every recomputed layer's, and the first kept layer's (the output of a recomputed
-  // one; a kept layer's own output is in its kept bytes).
-  double recomputed_inputs = 0, keeps_mixer_inputs = 0;
-  for (int64_t i = 0; i < std::min(L, L - keep_last + (keep_last > 0 ? 1 : 0)); ++i) {
-    recomputed_inputs += m.layers[i].input_bytes;
-    keeps_mixer_inputs += m.layers[i].input_bytes + (i < L - keep_last ? m.layers[i].core_bytes : 0);
+    if (i <= L - keep_last) {
+      recomputed_inputs += l.input_bytes;
+      keeps_mixer_inputs += l.input_bytes + (recomputed ? l.core_bytes : 0);
+    }
   }
   m.activations_recomputed = recomputed_inputs + last_kept + m.head_bytes;
   const double fixed = m.parameter_bytes + m.gradient_bytes + m.optimizer_bytes;

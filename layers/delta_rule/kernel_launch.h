@@ -35,11 +35,16 @@ struct Pieces {
   int n, len;
   bool idle;
 };
-inline Pieces plan_pieces(const Dims& d, int value_blocks) {
+// The current device's SM count.
+inline int sm_count() {
   int dev = 0, sms = 0;
   C10_CUDA_CHECK(cudaGetDevice(&dev));
   C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
-  const bool idle = 2 * value_blocks <= sms;
+  return sms;
+}
+
+inline Pieces plan_pieces(const Dims& d, int value_blocks) {
+  const bool idle = 2 * value_blocks <= sm_count();
   int n = forced_pieces();
   if (n <= 0) n = idle ? std::max(1, std::min(12, d.N / 32)) : 1;
   n = std::max(1, std::min(n, d.N));
@@ -54,12 +59,7 @@ inline Pieces plan_pieces(const Dims& d, int value_blocks) {
 // 2.068 at 16k and 15.265 / 15.138 → 13.858 at 131k; at H=4, dv=256 (64 tiles of 16) 32 columns
 // ran slower (2.125 → 2.755 ms at 32k). Depends on B, H, dv and the GPU only, never on T: every cut
 // of a sequence runs the same tiles.
-inline bool wide_state_tiles(const Dims& d) {
-  int dev = 0, sms = 0;
-  C10_CUDA_CHECK(cudaGetDevice(&dev));
-  C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
-  return 2 * (d.DV / 16) * d.H * d.B > sms;
-}
+inline bool wide_state_tiles(const Dims& d) { return 2 * (d.DV / 16) * d.H * d.B > sm_count(); }
 
 inline Dims check_inputs(const char* who, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                          const at::Tensor& g, const at::Tensor& beta, int64_t chunk) {
