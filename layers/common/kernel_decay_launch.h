@@ -116,7 +116,8 @@ inline Dims check_inputs(const char* who, Decay kind, const at::Tensor& q, const
   if (kind == Decay::none) {
     TORCH_CHECK(!g.defined(), who, ": linear attention takes no gate");
   } else {
-    TORCH_CHECK(g.defined() && g.scalar_type() == at::kFloat && g.is_cuda(), who, ": the gate must be fp32 on CUDA");
+    TORCH_CHECK(g.defined() && (g.scalar_type() == at::kFloat || g.scalar_type() == at::kBFloat16) && g.is_cuda(), who,
+                ": the gate must be fp32 or bf16 on CUDA (it is cumulated in fp32)");
     if (kind == Decay::scalar) {
       TORCH_CHECK(g.sizes() == at::IntArrayRef({d.B, d.T, d.H}), who, ": g must be [B,T,H], got ", g.sizes());
     } else {

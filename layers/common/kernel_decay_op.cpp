@@ -98,9 +98,12 @@ std::pair<Tensor, Tensor> decay_kernel_forward(DecayKernel kind, const Tensor& q
   const int64_t B = q.size(0), H = q.size(2), dk = q.size(3), dv = v.size(3);
   Tensor s0 = initial_state.defined() ? initial_state.to(at::kFloat).contiguous()
                                       : at::zeros({B, H, dk, dv}, q.options().dtype(at::kFloat));
-  Tensor g32 = kind == DecayKernel::none ? at::empty({0}, q.options().dtype(at::kFloat))
-                                         : g.to(at::kFloat).contiguous();
-  auto out = DecayKernelOp::apply(dense(q), dense(k), dense(v), g32, s0, scale, static_cast<int64_t>(kind),
+  // A bf16 gate goes in as it is (the kernels cumulate it in fp32: the same values as an fp32 copy of it,
+  // without the copy's pass over memory); its gradient comes back in fp32 and autograd rounds it to bf16.
+  Tensor gate_in = kind == DecayKernel::none ? at::empty({0}, q.options().dtype(at::kFloat))
+               : g.scalar_type() == at::kBFloat16 ? g.contiguous()
+                                                   : g.to(at::kFloat).contiguous();
+  auto out = DecayKernelOp::apply(dense(q), dense(k), dense(v), gate_in, s0, scale, static_cast<int64_t>(kind),
                                   int64_t{serial_states ? 1 : 0}, on_final_state, on_initial_state_grad);
   return {out[0], out[1]};
 }
