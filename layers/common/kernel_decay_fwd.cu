@@ -31,6 +31,7 @@
 #include "layers/delta_rule/kernel_frag.cuh"
 
 #include <atomic>
+#include <cstdlib>
 
 namespace carry_decay {
 
@@ -341,6 +342,169 @@ __global__ void __launch_bounds__(256) out_frag_kernel(const bf16* __restrict__ 
   }
 }
 
+// bf16 output of GLA (the diagonal decay) on register fragments, the plan of out_frag_kernel: eight warps,
+// warp w owns the row block I = w%4 (rows 16I..16I+15) and the column half w/4 of P and of each 64-wide
+// output tile. P's row block I is one product over every column it reaches, Q_I and K rescaled in
+// registers right after ldmatrix against r = G of row 16I + 8 (per key column d): P_ts = scale·Σ_d
+// (q_td e^{G_td − r_d})(k_sd e^{r_d − G_sd}) for s ≤ t. A factor above 1 comes only from the rows of
+// block I (t or s within 8 tokens of row 16I+8); where some |G − r| there exceeds kDiagSpan (or a K
+// factor's exponent does), the warp sums its P entries elementwise instead, exactly. P goes to shared
+// bf16 once and to Psave for the backward's dv_kernel; Q is then scaled by scale·e^{G} in place, and
+// each tile's O = Q̃·H_n + P·V is summed in registers and stored straight to global. The gate tile [C][dk]
+// (fp32) is needed only until then: its region holds the second H_n/V buffer afterwards, so the kernel
+// takes 105 KB at dk = 128, two blocks an SM. out_kernel (fp32 A and O in shared memory, dv tiles of 32
+// loaded and used without overlap) is kept for fp32 inputs.
+template <int DK>
+struct OutDiagFragSmem {
+  static constexpr int C = kChunk, LK = DK + 8, LG = DK + 4, LPb = C + 8, LV = 64 + 8;
+  static constexpr size_t oQ = 0;
+  static constexpr size_t oK = al128(oQ + C * LK * 2);
+  static constexpr size_t oPb = al128(oK + C * LK * 2);
+  static constexpr size_t oG = al128(oPb + C * LPb * 2);  // the gate tile, then buffer 1 (the larger of the two)
+  static constexpr size_t oV = al128(DK * LV * 2);         // within a buffer: the H_n tile, then the V tile
+  static constexpr size_t buf = al128(oV + C * LV * 2);
+  static constexpr size_t gbytes = al128((size_t)C * LG * 4);
+  static constexpr size_t oBuf0 = oG + (gbytes > buf ? gbytes : buf);
+  static constexpr size_t bytes = oBuf0 + buf;
+  static_assert(2 * (bytes + 1024) <= 228 * 1024, "out_diag_frag_kernel: two blocks an SM");
+};
+
+template <int DK>
+__global__ void __launch_bounds__(256) out_diag_frag_kernel(const bf16* __restrict__ q, const bf16* __restrict__ k,
+                                                            const bf16* __restrict__ v, const float* __restrict__ G,
+                                                            const bf16* __restrict__ Hsave, bf16* __restrict__ o,
+                                                            bf16* __restrict__ Psave, int Tn, int H, int DV,
+                                                            float scale, int c0) {
+  using L = OutDiagFragSmem<DK>;
+  constexpr int C = kChunk, NT = 256, LK = L::LK, LG = L::LG;
+  extern __shared__ __align__(128) unsigned char smem[];
+  bf16* sQ = reinterpret_cast<bf16*>(smem + L::oQ);
+  const bf16* sK = reinterpret_cast<const bf16*>(smem + L::oK);
+  bf16* sPb = reinterpret_cast<bf16*>(smem + L::oPb);
+  const float* sG = reinterpret_cast<const float*>(smem + L::oG);
+
+  const int n = c0 + blockIdx.x, h = blockIdx.y, b = blockIdx.z, N = Tn / C, ntile = DV / 64;
+  const long bh = (long)b * H + h, tok = (long)b * Tn + (long)n * C, qs = (long)H * DK, vs = (long)H * DV;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t4 = lane & 3;
+  const int m0 = (warp & 3) * 16, n0 = (warp >> 2) * 32;
+  auto buffer = [&](int bi) { return smem + (bi == 0 ? L::oBuf0 : L::oG); };
+  auto load_tiles = [&](int v0, int bi) {  // the H_n and V tiles at column v0 into buffer bi
+    unsigned char* base = buffer(bi);
+    load_tile_async<bf16, DK, 64, NT>(reinterpret_cast<bf16*>(base), L::LV, Hsave + (bh * N + n) * DK * DV + v0, DV);
+    load_tile_async<bf16, C, 64, NT>(reinterpret_cast<bf16*>(base + L::oV), L::LV, v + tok * vs + (long)h * DV + v0,
+                                     vs);
+    cp_async_commit();
+  };
+  load_tile_async<bf16, C, DK, NT>(sQ, LK, q + tok * qs + (long)h * DK, qs);
+  load_tile_async<bf16, C, DK, NT>(const_cast<bf16*>(sK), LK, k + tok * qs + (long)h * DK, qs);
+  load_tile_async<float, C, DK, NT>(const_cast<float*>(sG), LG, G + tok * qs + (long)h * DK, qs);
+  cp_async_commit();
+  load_tiles(0, 0);
+  cp_async_wait<1>();
+  __syncthreads();  // Q, K, G have landed
+
+  // P's row block I = m0/16, columns n0..n0+31 (those ≤ the block's last row)
+  float p[4][4] = {};
+  bool far = false;
+  if (n0 <= m0 + 15) {
+    const float* gref = sG + (m0 + 8) * LG;
+#pragma unroll 2
+    for (int k0 = 0; k0 < DK; k0 += 16) {
+      tc::u32 a[4];
+      tc::load_a(a, sQ, LK, m0, k0);
+      const float2 ra = *reinterpret_cast<const float2*>(gref + k0 + 2 * t4);
+      const float2 rb = *reinterpret_cast<const float2*>(gref + k0 + 8 + 2 * t4);
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {  // a[e]: row m0 + g + 8·(e&1), columns k0 + 2t4 + 8·(e>>1) + {0, 1}
+        const float2 rr = (e >> 1) ? rb : ra;
+        const float2 gg = *reinterpret_cast<const float2*>(sG + (m0 + g + 8 * (e & 1)) * LG + k0 + 8 * (e >> 1) + 2 * t4);
+        const float x0 = gg.x - rr.x, x1 = gg.y - rr.y;
+        far |= !(fabsf(x0) <= kDiagSpan) || !(fabsf(x1) <= kDiagSpan);
+        const float2 x = tc::unpack_bf16(a[e]);
+        a[e] = tc::pack_bf16(x.x * __expf(x0), x.y * __expf(x1));
+      }
+#pragma unroll
+      for (int np = 0; np < 2; ++np) {
+        const int cb = n0 + 16 * np;
+        if (cb > m0 + 15) continue;  // above the diagonal: zero (the same in every lane of the warp)
+        tc::u32 bb[4];
+        tc::load_b2(bb, sK, LK, k0, cb);
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {  // bb[j]: key row cb + g + 8·(j>>1), columns k0 + 2t4 + 8·(j&1) + {0, 1}
+          const float2 rr = (j & 1) ? rb : ra;
+          const float2 gs = *reinterpret_cast<const float2*>(sG + (cb + g + 8 * (j >> 1)) * LG + k0 + 8 * (j & 1) + 2 * t4);
+          const float x0 = rr.x - gs.x, x1 = rr.y - gs.y;
+          far |= !(x0 <= kDiagSpan) || !(x1 <= kDiagSpan);
+          const float2 x = tc::unpack_bf16(bb[j]);
+          bb[j] = tc::pack_bf16(x.x * __expf(x0), x.y * __expf(x1));
+        }
+        tc::mma16816(p[2 * np], a, bb[0], bb[1]);
+        tc::mma16816(p[2 * np + 1], a, bb[2], bb[3]);
+      }
+    }
+  }
+  if (__any_sync(0xffffffffu, far)) {  // this warp's entries, elementwise and exact
+#pragma unroll
+    for (int nt = 0; nt < 4; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int r = m0 + g + 8 * (e >> 1), c = n0 + nt * 8 + 2 * t4 + (e & 1);
+        float acc = 0.f;
+        if (c <= r)
+          for (int d = 0; d < DK; ++d)
+            acc += __bfloat162float(sQ[r * LK + d]) * __bfloat162float(sK[c * LK + d]) *
+                   __expf(sG[r * LG + d] - sG[c * LG + d]);
+        p[nt][e] = acc;
+      }
+  }
+#pragma unroll
+  for (int nt = 0; nt < 4; ++nt) {
+#pragma unroll
+    for (int hf = 0; hf < 2; ++hf) {
+      const int r = m0 + g + hf * 8, c = n0 + nt * 8 + 2 * t4;
+      const float x0 = c <= r ? scale * p[nt][2 * hf] : 0.f;
+      const float x1 = c + 1 <= r ? scale * p[nt][2 * hf + 1] : 0.f;
+      *reinterpret_cast<unsigned*>(sPb + r * L::LPb + c) = tc::pack_bf16(x0, x1);
+    }
+  }
+  __syncthreads();  // P is whole; every warp is done with the unscaled Q
+  copy_tile_out<bf16, C, C, NT>(Psave + (bh * N + n) * C * C, C, sPb, L::LPb);
+  for (int i = threadIdx.x; i < C * DK / 2; i += NT) {  // Q ⊙ scale·e^{G}, two columns a step
+    const int t = i / (DK / 2), d = 2 * (i % (DK / 2));
+    const float2 gg = *reinterpret_cast<const float2*>(sG + t * LG + d);
+    unsigned* qp = reinterpret_cast<unsigned*>(sQ + t * LK + d);
+    const float2 x = tc::unpack_bf16(*qp);
+    *qp = tc::pack_bf16(x.x * scale * __expf(gg.x), x.y * scale * __expf(gg.y));
+  }
+  __syncthreads();  // the gate tile is free: buffer 1
+  if (ntile > 1) load_tiles(64, 1);
+  for (int it = 0; it < ntile; ++it) {
+    const unsigned char* base = buffer(it & 1);
+    const bf16* sH = reinterpret_cast<const bf16*>(base);
+    const bf16* sV = reinterpret_cast<const bf16*>(base + L::oV);
+    if (it + 1 < ntile) cp_async_wait<1>();
+    else cp_async_wait<0>();
+    __syncthreads();  // this tile's loads are visible
+    float acc[4][4] = {};
+    frag_mma<4, DK, false, false>(acc, sQ, LK, sH, L::LV, m0, n0);  // scale·(Q ⊙ e^G)·H_n
+    frag_mma<4, C, false, false>(acc, sPb, L::LPb, sV, L::LV, m0, n0);  // += P·V
+    frag_store_bf16<4>(o + tok * vs + (long)h * DV + it * 64, vs, acc, m0, n0);
+    if (it + 2 < ntile) {
+      __syncthreads();  // every warp is done with this buffer
+      load_tiles((it + 2) * 64, it & 1);
+    }
+  }
+}
+
+// bf16 GLA's output kernel: out_diag_frag_kernel (A/B: CARRY_GLA_OUT_FRAG=0 gives out_kernel).
+bool gla_out_frag() {
+  static const bool on = [] {
+    const char* e = std::getenv("CARRY_GLA_OUT_FRAG");
+    return !(e && e[0] == '0');
+  }();
+  return on;
+}
+
 template <typename T, int KIND, int DK>
 void launch_out(const Dims& d, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                 const at::Tensor& G, const at::Tensor& Hsave, at::Tensor& o, at::Tensor& P, float scale,
@@ -356,6 +520,20 @@ void launch_out(const Dims& d, const at::Tensor& q, const at::Tensor& k, const a
         d.T, d.H, d.DV, scale, c0);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
     return;
+  }
+  if constexpr (sizeof(T) == 2 && KIND == kDiag) {
+    if (gla_out_frag()) {
+      using L = OutDiagFragSmem<DK>;
+      auto kern = out_diag_frag_kernel<DK>;
+      cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)L::bytes);
+      kern<<<dim3(c1 - c0, d.H, d.B), 256, L::bytes, stream>>>(
+          reinterpret_cast<const bf16*>(q.data_ptr()), reinterpret_cast<const bf16*>(k.data_ptr()),
+          reinterpret_cast<const bf16*>(v.data_ptr()), G.data_ptr<float>(),
+          reinterpret_cast<const bf16*>(Hsave.data_ptr()), reinterpret_cast<bf16*>(o.data_ptr()),
+          reinterpret_cast<bf16*>(P.data_ptr()), d.T, d.H, d.DV, scale, c0);
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+      return;
+    }
   }
   constexpr int TV = sizeof(T) == 2 && KIND != kDiag ? 64 : 32, NW = 8;  // bf16 GLA: see OutSmem
   using L = OutSmem<T, KIND, DK, TV>;
