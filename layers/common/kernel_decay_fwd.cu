@@ -275,6 +275,35 @@ __global__ void __launch_bounds__(NW * 32) out_kernel(const T* __restrict__ q, c
 // bf16 once (the backward recomputes it: grad_frag_kernel); each tile's O = scale·e^{G_t}·(Q·H_n) + P·V is summed in
 // registers and stored straight to global, the H_n and V tiles double-buffered. The fp32-staged
 // out_kernel spent two block barriers and an fp32 shared-memory round trip a tile.
+// The output tiles of out_frag_kernel and out_diag_frag_kernel: for each 64-wide dv tile it (its H_n
+// tile at `buffer(it & 1)`, its V tile oV bytes after; loaded by the caller, tile it + 2 by
+// load_tiles(v0, buffer) once this one is used), O = (Q·H_n) ⊙ (e0 | e1 for the rows m0+g | m0+g+8)
+// + P·V on this warp's fragments, stored straight to `out` (row stride vs).
+template <int DK, int LK, int LPb, int LV, size_t oV, typename Buffer, typename LoadTiles>
+__device__ __forceinline__ void output_tiles(const bf16* sQ, const bf16* sPb, Buffer buffer, LoadTiles load_tiles,
+                                             int ntile, bf16* out, long vs, int m0, int n0, float e0, float e1) {
+  for (int it = 0; it < ntile; ++it) {
+    const unsigned char* base = buffer(it & 1);
+    const bf16* sH = reinterpret_cast<const bf16*>(base);
+    const bf16* sV = reinterpret_cast<const bf16*>(base + oV);
+    if (it + 1 < ntile) cp_async_wait<1>();
+    else cp_async_wait<0>();
+    __syncthreads();  // this tile's loads are visible
+    float acc[4][4] = {};
+    frag_mma<4, DK, false, false>(acc, sQ, LK, sH, LV, m0, n0);  // Q·H_n
+#pragma unroll
+    for (int nt = 0; nt < 4; ++nt) {
+      acc[nt][0] *= e0, acc[nt][1] *= e0, acc[nt][2] *= e1, acc[nt][3] *= e1;
+    }
+    frag_mma<4, kChunk, false, false>(acc, sPb, LPb, sV, LV, m0, n0);  // += P·V
+    frag_store_bf16<4>(out + it * 64, vs, acc, m0, n0);
+    if (it + 2 < ntile) {
+      __syncthreads();  // every warp is done with this buffer
+      load_tiles((it + 2) * 64, it & 1);
+    }
+  }
+}
+
 template <int DK>
 struct OutFragSmem {
   static constexpr int C = kChunk, LK = DK + 8, LPb = C + 8, LV = 64 + 8;
@@ -320,26 +349,9 @@ __global__ void __launch_bounds__(256) out_frag_kernel(const bf16* __restrict__ 
                                    L::LPb);
   __syncthreads();  // P is whole
   const float e0 = scale * __expf(sG[m0 + g]), e1 = scale * __expf(sG[m0 + g + 8]);
-  for (int it = 0; it < ntile; ++it) {
-    const unsigned char* base = smem + L::oBuf + (it & 1) * L::buf;
-    const bf16* sH = reinterpret_cast<const bf16*>(base);
-    const bf16* sV = reinterpret_cast<const bf16*>(base + L::oV);
-    if (it + 1 < ntile) cp_async_wait<1>();
-    else cp_async_wait<0>();
-    __syncthreads();  // this tile's loads are visible
-    float acc[4][4] = {};
-    frag_mma<4, DK, false, false>(acc, sQ, L::LK, sH, L::LV, m0, n0);  // Q·H_n
-#pragma unroll
-    for (int nt = 0; nt < 4; ++nt) {
-      acc[nt][0] *= e0, acc[nt][1] *= e0, acc[nt][2] *= e1, acc[nt][3] *= e1;
-    }
-    frag_mma<4, C, false, false>(acc, sPb, L::LPb, sV, L::LV, m0, n0);  // += P·V
-    frag_store_bf16<4>(o + tok * vs + (long)h * DV + it * 64, vs, acc, m0, n0);
-    if (it + 2 < ntile) {
-      __syncthreads();  // every warp is done with this buffer
-      load_tiles((it + 2) * 64, it & 1);
-    }
-  }
+  output_tiles<DK, L::LK, L::LPb, L::LV, L::oV>(
+      sQ, sPb, [&](int bi) { return smem + L::oBuf + bi * L::buf; }, load_tiles, ntile,
+      o + tok * vs + (long)h * DV, vs, m0, n0, e0, e1);
 }
 
 // bf16 output of GLA (the diagonal decay) on register fragments, the plan of out_frag_kernel: eight warps,
@@ -478,22 +490,9 @@ __global__ void __launch_bounds__(256) out_diag_frag_kernel(const bf16* __restri
   }
   __syncthreads();  // the gate tile is free: buffer 1
   if (ntile > 1) load_tiles(64, 1);
-  for (int it = 0; it < ntile; ++it) {
-    const unsigned char* base = buffer(it & 1);
-    const bf16* sH = reinterpret_cast<const bf16*>(base);
-    const bf16* sV = reinterpret_cast<const bf16*>(base + L::oV);
-    if (it + 1 < ntile) cp_async_wait<1>();
-    else cp_async_wait<0>();
-    __syncthreads();  // this tile's loads are visible
-    float acc[4][4] = {};
-    frag_mma<4, DK, false, false>(acc, sQ, LK, sH, L::LV, m0, n0);  // scale·(Q ⊙ e^G)·H_n
-    frag_mma<4, C, false, false>(acc, sPb, L::LPb, sV, L::LV, m0, n0);  // += P·V
-    frag_store_bf16<4>(o + tok * vs + (long)h * DV + it * 64, vs, acc, m0, n0);
-    if (it + 2 < ntile) {
-      __syncthreads();  // every warp is done with this buffer
-      load_tiles((it + 2) * 64, it & 1);
-    }
-  }
+  // Q already holds scale·(Q ⊙ e^G): the rows' factors are 1 (x · 1 rounds back to x)
+  output_tiles<DK, LK, L::LPb, L::LV, L::oV>(sQ, sPb, buffer, load_tiles, ntile, o + tok * vs + (long)h * DV, vs,
+                                             m0, n0, 1.f, 1.f);
 }
 
 // bf16 GLA's output kernel: out_diag_frag_kernel (A/B: CARRY_GLA_OUT_FRAG=0 gives out_kernel).
