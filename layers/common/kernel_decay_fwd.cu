@@ -10,13 +10,9 @@
 //     scale·(intra-chunk decayed causal QKᵀ), once; then for each TV-wide tile of dv in turn,
 //     O = scale·(Q ⊙ e^G)·H_n + P·V. For the diagonal decay, P's off-diagonal 16x16 blocks are
 //     tensor-core products of Q and K rescaled against the gate just before the row block (every
-//     factor ≤ 1, no overflow for any decay); its diagonal blocks too, rescaled against their middle
-//     row, where the gate spans at most kDiagSpan nats about it (else summed elementwise, exactly).
-//     (The diagonal blocks on tensor cores, H200, bf16, H=16, dk=dv=128: forward 1.04 → 0.97 ms at
-//     16384 tokens, 7.85 → 7.33 ms at 131072. The backward's dq/dk kept its elementwise diagonal blocks,
-//     one thread a key column: the same plan there, four 16x16 products between block barriers, ran
-//     slower, 12.6 → 13.5 ms at 131072.)
-//     P is saved (input dtype) for the backward.
+//     factor ≤ 1, no overflow for any decay), its diagonal blocks are summed elementwise, exactly.
+//     P is saved (input dtype) for the backward. bf16 GLA takes 3. from out_diag_frag_kernel (below),
+//     its diagonal blocks on tensor cores too; out_kernel serves fp32 (and CARRY_GLA_OUT_FRAG=0).
 // In bf16 the walk is state_mma_kernel (kernel_decay_device.cuh: 16 x 32 state pieces in mma.sync
 // registers, four warps a block sharing the chunk's K tile), and the scalar decay and linear attention
 // with dk 64 or 128 take 3. from out_frag_kernel (eight warps a chunk, P and the output's accumulators
@@ -31,7 +27,6 @@
 #include "layers/delta_rule/kernel_frag.cuh"
 
 #include <atomic>
-#include <cstdlib>
 
 namespace carry_decay {
 
@@ -137,33 +132,6 @@ __device__ __forceinline__ void diag_offdiag_block(const T* Qs, const T* Ks, con
   __syncthreads();
 }
 
-// P's diagonal 16x16 blocks B0 and B0 + 1 for the diagonal decay, on tensor cores: block b's rows are
-// rescaled against the gate of its row 16b + 8, Qh = Q_b ⊙ e^{G − r}, Kh = K_b ⊙ e^{r − G}, and one
-// 32 x 32 product Qh·Khᵀ lands on P's rows and columns 16·B0..16·B0+31. Its two diagonal sub-blocks are
-// the blocks wanted (a kept pair s ≤ t gets q_t k_s e^{G_t − G_s}, bounded by |q||k|); the sub-block
-// above them is masked later and the one below is overwritten by the off-diagonal row block B0 + 1,
-// which must run after. Where some |G_t − r| of a block exceeds kDiagSpan the factors could overflow:
-// the block's bit in the returned mask is set and the caller sums that block elementwise instead.
-// The mask is the same in every thread (block-wide OR). Ends with a block barrier.
-constexpr float kDiagSpan = 40.f;  // e^40 ≈ 2.4e17: no overflow for any |q|, |k| below 1e21
-template <typename T, int B0, int DK, int LQ, int LG, int LA, int NW>
-__device__ __forceinline__ unsigned diag_diag_pair(const T* Qs, const T* Ks, const float* Gs, T* Qh, T* Kh,
-                                                   float* As) {
-  constexpr int NT = NW * 32, R = 16 * B0;
-  bool far0 = false, far1 = false;
-  for (int i = threadIdx.x; i < 64 * DK; i += NT) {  // rows 0..31: Qh of the two blocks; 32..63: Kh
-    const int r = i / DK, d = i % DK, rr = r & 31, row = R + rr;
-    const float e = Gs[row * LG + d] - Gs[(R + (rr & 16) + 8) * LG + d];
-    if (!(fabsf(e) <= kDiagSpan)) (rr < 16 ? far0 : far1) = true;
-    if (r < 32) Qh[rr * LQ + d] = from_f<T>(to_f(Qs[row * LQ + d]) * __expf(e));
-    else Kh[rr * LQ + d] = from_f<T>(to_f(Ks[row * LQ + d]) * __expf(-e));
-  }
-  const unsigned far = (__syncthreads_or(far0) ? 1u << B0 : 0u) | (__syncthreads_or(far1) ? 2u << B0 : 0u);
-  gemm<T, 32, 32, DK, false, true, NW>(Qh, LQ, Kh, LQ, As + R * LA + R, LA, false);
-  __syncthreads();
-  return far;
-}
-
 // The intra-chunk matrix into Ab (input dtype): Ab[t][s] = scale · Σ_d q_td k_sd e^{G_td − G_sd} for
 // s ≤ t, else 0. Uses As (fp32) and the scratch; ends with a block barrier.
 template <typename T, int KIND, int DK, int LQ, int LG, int LA, int LAb, int NW>
@@ -173,16 +141,12 @@ __device__ __forceinline__ void intra_matrix(const T* Qs, const T* Ks, const flo
   if constexpr (KIND == kDiag) {
     T* Qh = scratch;
     T* Kh = scratch + 16 * LQ;
-    // the diagonal blocks first: each pair's product writes below its diagonal blocks too
-    const unsigned far = diag_diag_pair<T, 0, DK, LQ, LG, LA, NW>(Qs, Ks, Gs, scratch, scratch + 32 * LQ, As) |
-                         diag_diag_pair<T, 2, DK, LQ, LG, LA, NW>(Qs, Ks, Gs, scratch, scratch + 32 * LQ, As);
     diag_offdiag_block<T, 1, DK, LQ, LG, LA, NW>(Qs, Ks, Gs, Qh, Kh, As);
     diag_offdiag_block<T, 2, DK, LQ, LG, LA, NW>(Qs, Ks, Gs, Qh, Kh, As);
     diag_offdiag_block<T, 3, DK, LQ, LG, LA, NW>(Qs, Ks, Gs, Qh, Kh, As);
-    // A diagonal block whose gate spans more than kDiagSpan: s ≤ t, 136 pairs, summed over d exactly.
-    for (int p = threadIdx.x; far != 0u && p < 4 * 136; p += NT) {
+    // Diagonal 16x16 blocks, s ≤ t: 4 blocks x 136 pairs, summed over d exactly.
+    for (int p = threadIdx.x; p < 4 * 136; p += NT) {
       const int blk = p / 136;
-      if (!((far >> blk) & 1u)) continue;
       int q = p % 136, t = 0;
       while (q > t) { q -= t + 1; ++t; }
       const int tt = 16 * blk + t, ss = 16 * blk + q;
@@ -269,12 +233,6 @@ __global__ void __launch_bounds__(NW * 32) out_kernel(const T* __restrict__ q, c
   }
 }
 
-// bf16 output of the scalar decay and linear attention on register fragments (the plan of the delta
-// rule's fwd_o_reg_kernel on this class's layouts): eight warps, warp w owns rows 16·(w%4) and the column
-// half w/4 of P = scale·(QKᵀ ⊙ e^{G_t−G_s}) (causal) and of each 64-wide output tile. P goes to shared
-// bf16 once (the backward recomputes it: grad_frag_kernel); each tile's O = scale·e^{G_t}·(Q·H_n) + P·V is summed in
-// registers and stored straight to global, the H_n and V tiles double-buffered. The fp32-staged
-// out_kernel spent two block barriers and an fp32 shared-memory round trip a tile.
 // The output tiles of out_frag_kernel and out_diag_frag_kernel: for each 64-wide dv tile it (its H_n
 // tile at `buffer(it & 1)`, its V tile oV bytes after; loaded by the caller, tile it + 2 by
 // load_tiles(v0, buffer) once this one is used), O = (Q·H_n) ⊙ (e0 | e1 for the rows m0+g | m0+g+8)
@@ -304,6 +262,12 @@ __device__ __forceinline__ void output_tiles(const bf16* sQ, const bf16* sPb, Bu
   }
 }
 
+// bf16 output of the scalar decay and linear attention on register fragments (the plan of the delta
+// rule's fwd_o_reg_kernel on this class's layouts): eight warps, warp w owns rows 16·(w%4) and the column
+// half w/4 of P = scale·(QKᵀ ⊙ e^{G_t−G_s}) (causal) and of each 64-wide output tile. P goes to shared
+// bf16 once (the backward recomputes it: grad_frag_kernel); each tile's O = scale·e^{G_t}·(Q·H_n) + P·V is summed in
+// registers and stored straight to global, the H_n and V tiles double-buffered. The fp32-staged
+// out_kernel spent two block barriers and an fp32 shared-memory round trip a tile.
 template <int DK>
 struct OutFragSmem {
   static constexpr int C = kChunk, LK = DK + 8, LPb = C + 8, LV = 64 + 8;
@@ -366,6 +330,10 @@ __global__ void __launch_bounds__(256) out_frag_kernel(const bf16* __restrict__ 
 // (fp32) is needed only until then: its region holds the second H_n/V buffer afterwards, so the kernel
 // takes 105 KB at dk = 128, two blocks an SM. out_kernel (fp32 A and O in shared memory, dv tiles of 32
 // loaded and used without overlap) is kept for fp32 inputs.
+// The rescaling's limit: a factor e^x with |x| ≤ 40 (≈ 2.4e17) overflows nothing for any |q|, |k| below
+// 1e21; about 5 nats of decay a token and more take the exact path.
+constexpr float kDiagSpan = 40.f;
+
 template <int DK>
 struct OutDiagFragSmem {
   static constexpr int C = kChunk, LK = DK + 8, LG = DK + 4, LPb = C + 8, LV = 64 + 8;
@@ -497,10 +465,7 @@ __global__ void __launch_bounds__(256) out_diag_frag_kernel(const bf16* __restri
 
 // bf16 GLA's output kernel: out_diag_frag_kernel (A/B: CARRY_GLA_OUT_FRAG=0 gives out_kernel).
 bool gla_out_frag() {
-  static const bool on = [] {
-    const char* e = std::getenv("CARRY_GLA_OUT_FRAG");
-    return !(e && e[0] == '0');
-  }();
+  static const bool on = switch_on("CARRY_GLA_OUT_FRAG");
   return on;
 }
 
