@@ -22,12 +22,7 @@ bool poison_enabled();
 int forced_segments();  // decay_set_segments' value
 int forced_pieces();    // decay_set_pieces' value
 
-// An A/B switch of the kernels (an environment variable, read once by its caller): on unless it is set
-// to something starting with '0'.
-inline bool switch_on(const char* name) {
-  const char* e = std::getenv(name);
-  return !(e && e[0] == '0');
-}
+using carry_tiles::switch_on;
 
 // at::empty, filled with NaN when the debug poison is on.
 inline at::Tensor alloc(at::IntArrayRef sizes, const at::TensorOptions& opt) {

@@ -4,9 +4,17 @@
 #include <ATen/ATen.h>
 
 #include <cstdint>
+#include <cstdlib>
 #include <limits>
 
 namespace carry_tiles {
+
+// An A/B switch of the kernels (an environment variable, read once by its caller): on unless it is set
+// to something starting with '0'.
+inline bool switch_on(const char* name) {
+  const char* e = std::getenv(name);
+  return !(e && e[0] == '0');
+}
 
 // at::empty, filled with NaN when `poison` is on (a debug switch: unwritten elements then show).
 inline at::Tensor alloc_poisoned(at::IntArrayRef sizes, const at::TensorOptions& opt, bool poison) {

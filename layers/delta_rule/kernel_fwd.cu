@@ -542,36 +542,54 @@ __global__ void __launch_bounds__(NW * 32) fwd_state_mma_kernel(const bf16* __re
     const bf16* cK = sK + buf * C * LK;
     const bf16* cU = sU + buf * C * LB;
     const float* G = sG + buf * C;
-    {  // H_c = S (16-byte copies)
-      bf16* hc = Hs + (bh * N + c) * DK * DV + v0;
-      constexpr int VR = BV / 8;
-      static_assert(NT % VR == 0 && (DK * VR) % NT == 0, "whole rows a pass");
-      const int r0 = tid / VR, cv = (tid % VR) * 8;
+    // H_c = S (16-byte copies): read from Sb here, stored after the W·S product is issued, so the
+    // shared loads' latency passes under the product (straight-line code: the unit loop below is
+    // unrolled).
+    constexpr int VR = BV / 8, HCJ = DK * VR / NT;
+    static_assert(NT % VR == 0 && (DK * VR) % NT == 0, "whole rows a pass");
+    uint4 hcv[HCJ];
 #pragma unroll
-      for (int j = 0; j < DK * VR / NT; ++j) {
-        const int r = r0 + j * (NT / VR);
-        *reinterpret_cast<uint4*>(hc + (long)r * DV + cv) = *reinterpret_cast<const uint4*>(sSb + r * LB + cv);
-      }
-    }
+    for (int j = 0; j < HCJ; ++j)
+      hcv[j] = *reinterpret_cast<const uint4*>(sSb + (tid / VR + j * (NT / VR)) * LB + (tid % VR) * 8);
     const float gl = G[C - 1];
     // V_new = U − W·S; Vb = e^{G_C−G} V_new
-    for (int u1 = warp; u1 < U1; u1 += NW) {
+#pragma unroll
+    for (int i1 = 0; i1 < (U1 + NW - 1) / NW; ++i1) {
+      const int u1 = warp + i1 * NW;
+      const bool unit = U1 % NW == 0 || u1 < U1;  // else this warp has no unit left
       const int m0 = (u1 / NP) * 16, n0 = (u1 % NP) * 16;
-      float v[2][4];
-      frag_mma_2chain<DK>(v, cW, LK, sSb, LB, m0, n0);
+      float v[2][4], e[2];
+      unsigned uu[2][2];
+      if (unit) {  // U and the row factors read before the product, their latency under it
+#pragma unroll
+        for (int hf = 0; hf < 2; ++hf) {
+          const int r = m0 + g + hf * 8;
+          e[hf] = __expf(gl - G[r]);
+#pragma unroll
+          for (int nt = 0; nt < 2; ++nt)
+            uu[hf][nt] = *reinterpret_cast<const unsigned*>(cU + r * LB + n0 + nt * 8 + 2 * t4);
+        }
+        frag_mma_2chain<DK>(v, cW, LK, sSb, LB, m0, n0);
+      }
+      if (i1 == 0) {
+        bf16* hc = Hs + (bh * N + c) * DK * DV + v0;
+#pragma unroll
+        for (int j = 0; j < HCJ; ++j)
+          *reinterpret_cast<uint4*>(hc + (long)(tid / VR + j * (NT / VR)) * DV + (tid % VR) * 8) = hcv[j];
+      }
+      if (!unit) break;
       bf16* vn = Vn + (bh * T_ + (long)c * C) * DV + v0;
 #pragma unroll
       for (int hf = 0; hf < 2; ++hf) {
         const int r = m0 + g + hf * 8;
-        const float e = __expf(gl - G[r]);
 #pragma unroll
         for (int nt = 0; nt < 2; ++nt) {
           const int col = n0 + nt * 8 + 2 * t4;
-          const float2 uu = tc::unpack_bf16(*reinterpret_cast<const unsigned*>(cU + r * LB + col));
-          const unsigned x = tc::pack_bf16(uu.x - v[nt][2 * hf], uu.y - v[nt][2 * hf + 1]);
+          const float2 uf = tc::unpack_bf16(uu[hf][nt]);
+          const unsigned x = tc::pack_bf16(uf.x - v[nt][2 * hf], uf.y - v[nt][2 * hf + 1]);
           *reinterpret_cast<unsigned*>(vn + (long)r * DV + col) = x;
           const float2 xf = tc::unpack_bf16(x);
-          *reinterpret_cast<unsigned*>(sVb + r * LB + col) = tc::pack_bf16(xf.x * e, xf.y * e);
+          *reinterpret_cast<unsigned*>(sVb + r * LB + col) = tc::pack_bf16(xf.x * e[hf], xf.y * e[hf]);
         }
       }
     }
@@ -791,9 +809,10 @@ void fwd_pieces(const Dims& d, const bf16* kp, const bf16* vp, const float* g, c
                                                       Up, d.T, d.H, c0);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   };
+  at::cuda::CUDAStream wst = stream;  // the walk's stream
   auto walk = [&](int c0, int c1, const float* from, float* to) {
-    skern<<<dim3(DV / BV, d.H, d.B), NW * 32, ssm, stream>>>(kp, Wp, Up, Gc.data_ptr<float>(), from, Hp, Vnp, to,
-                                                            d.T, d.H, c0, c1);
+    skern<<<dim3(DV / BV, d.H, d.B), NW * 32, ssm, wst>>>(kp, Wp, Up, Gc.data_ptr<float>(), from, Hp, Vnp, to,
+                                                         d.T, d.H, c0, c1);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   };
   auto out = [&](cudaStream_t st, int c0, int c1) {
@@ -811,9 +830,9 @@ void fwd_pieces(const Dims& d, const bf16* kp, const bf16* vp, const float* g, c
   // runs while piece p walks), the output of piece p after piece p's walk.
   at::Tensor tmp = at::empty({2, d.B, d.H, d.DK, d.DV}, Sfin.options());
   auto side = at::cuda::getStreamFromPool(false, Sfin.device().index());
-  at::cuda::CUDAEvent inputs;  // the caller's stream has produced the inputs
-  inputs.record(stream);
-  inputs.block(side);
+  wst = walk_stream(stream);
+  join(stream, side);  // the caller's stream has produced the inputs
+  join(stream, wst);
   std::vector<at::cuda::CUDAEvent> prepared(pc.n);
   prep(side, 0, std::min(d.N, pc.len));
   prepared[0].record(side);
@@ -825,18 +844,17 @@ void fwd_pieces(const Dims& d, const bf16* kp, const bf16* vp, const float* g, c
       prepared[p + 1].record(side);
     }
     float* to = c1 == d.N ? Sfin.data_ptr<float>() : tmp[p % 2].data_ptr<float>();
-    prepared[p].block(stream);
+    prepared[p].block(wst);
     walk(c0, c1, from, to);
     from = to;
-    if (c1 == d.N && on_final_state) on_final_state(Sfin);  // the last piece: the final state is enqueued
-    at::cuda::CUDAEvent walked;
-    walked.record(stream);
-    walked.block(side);
+    if (c1 == d.N) {  // the last piece: the caller's stream gets the final state
+      join(wst, stream);
+      if (on_final_state) on_final_state(Sfin);
+    }
+    join(wst, side);
     out(side, c0, c1);
   }
-  at::cuda::CUDAEvent done;
-  done.record(side);
-  done.block(stream);
+  join(side, stream);
 }
 
 template <typename T, int DK, int DV>
