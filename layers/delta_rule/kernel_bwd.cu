@@ -126,7 +126,8 @@ struct DvRegSmem {
 template <int DK, int DV>
 __global__ void __launch_bounds__(256) bwd_dv_local_reg_kernel(const bf16* __restrict__ q, const bf16* __restrict__ k,
                                                                const float* __restrict__ Gc, const bf16* __restrict__ dO,
-                                                               float* __restrict__ dVl, float scale, int T_, int H) {
+                                                               float* __restrict__ dVl, float scale, int T_, int H,
+                                                               int c_begin) {
   constexpr int C = kChunk, NT = 256, NTILE = DV / 64;
   using L = DvRegSmem<DK>;
   extern __shared__ __align__(128) char smem[];
@@ -134,7 +135,7 @@ __global__ void __launch_bounds__(256) bwd_dv_local_reg_kernel(const bf16* __res
   bf16* sK = reinterpret_cast<bf16*>(smem + L::oK);
   bf16* sPb = reinterpret_cast<bf16*>(smem + L::oPb);
   float* sG = reinterpret_cast<float*>(smem + L::oG);
-  const int c = blockIdx.x, h = blockIdx.y, b = blockIdx.z, tid = threadIdx.x;
+  const int c = c_begin + blockIdx.x, h = blockIdx.y, b = blockIdx.z, tid = threadIdx.x;
   const long t0 = (long)c * C, bh = (long)b * H + h, rowk = (long)H * DK, rowv = (long)H * DV;
   const int warp = tid >> 5, lane = tid & 31, g = lane >> 2, t4 = lane & 3;
   const int m0 = (warp & 3) * 16, n0 = (warp >> 2) * 32;
@@ -1203,8 +1204,11 @@ struct BwdArgs {
 // each finished piece runs on a second stream on the SMs the recurrence leaves idle while the next
 // piece walks; the caller's stream then waits for the last one. Otherwise one walk, then the
 // chunk-gradient kernel over every chunk.
+// own_dv: the intra-chunk dV is not computed yet, bwd_pieces runs it too: piece by piece on a stream
+// of its own in the walk's order when the walk is in pieces (the first piece's alone, the others beside
+// the walk, whose first piece would otherwise leave the SMs it does not use idle), else before the walk.
 template <int DK, int DV, int BV = 16, int NW = 4>
-bool bwd_pieces(BwdArgs& a) {
+bool bwd_pieces(BwdArgs& a, bool own_dv = false) {
   auto stream = at::cuda::getCurrentCUDAStream();
   const Dims& d = a.d;
   auto P = [](const at::Tensor& t) { return reinterpret_cast<bf16*>(t.data_ptr()); };
@@ -1215,10 +1219,19 @@ bool bwd_pieces(BwdArgs& a) {
   constexpr size_t csm = ChunkRegSmem<DK, 64>::bytes;
   static_assert(csm <= kMaxSmem, "bf16 chunk kernel must fit");
   set_smem(ckern, csm);
+  at::cuda::CUDAStream wst = stream;  // the walk's stream
   auto walk = [&](int c0, int c1, const float* from, float* to) {
-    skern<<<dim3(DV / BV, d.H, d.B), NW * 32, ssm, stream>>>(P(a.q), P(a.k), P(a.W), a.Gc.data_ptr<float>(), P(a.dO),
+    skern<<<dim3(DV / BV, d.H, d.B), NW * 32, ssm, wst>>>(P(a.q), P(a.k), P(a.W), a.Gc.data_ptr<float>(), P(a.dO),
                                                             a.dVl.data_ptr<float>(), from, P(a.dHs), P(a.dVn), to,
                                                             a.scale, d.T, d.H, c0, c1);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  };
+  auto dv_local = [&](cudaStream_t st, int c0, int c1) {
+    auto kern = bwd_dv_local_reg_kernel<DK, DV>;
+    constexpr size_t sm = DvRegSmem<DK>::bytes;
+    set_smem(kern, sm);
+    kern<<<dim3(c1 - c0, d.H, d.B), 256, sm, st>>>(P(a.q), P(a.k), a.Gc.data_ptr<float>(), P(a.dO),
+                                                    a.dVl.data_ptr<float>(), a.scale, d.T, d.H, c0);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   };
   auto chunks = [&](cudaStream_t st, int c0, int c1) {
@@ -1230,6 +1243,7 @@ bool bwd_pieces(BwdArgs& a) {
   };
   const Pieces pc = plan_pieces(d, (DV / BV) * d.H * d.B);
   if (pc.n == 1) {
+    if (own_dv) dv_local(stream, 0, d.N);
     walk(0, d.N, a.dSfin, a.dS0.data_ptr<float>());
     if (a.on_s0_grad) a.on_s0_grad(a.dS0);  // before the chunk kernels: a send runs beside them
     chunks(stream, 0, d.N);
@@ -1237,21 +1251,34 @@ bool bwd_pieces(BwdArgs& a) {
   }
   at::Tensor tmp = at::empty({2, d.B, d.H, d.DK, d.DV}, a.dS0.options());
   auto side = at::cuda::getStreamFromPool(false, a.q.device().index());
+  std::vector<at::cuda::CUDAEvent> dv_done(own_dv ? pc.n : 0);
+  auto dvs = at::cuda::getStreamFromPool(false, a.q.device().index());
+  if (own_dv) {
+    // the walk on a high-priority stream: it then takes the SMs ahead of the pieces' dV blocks
+    wst = walk_stream(stream);
+    join(stream, wst);
+    join(stream, dvs);  // the caller's stream has produced the inputs
+    for (int p = 0, c1 = d.N; c1 > 0; ++p, c1 -= pc.len) {
+      dv_local(dvs, std::max(0, c1 - pc.len), c1);
+      dv_done[p].record(dvs);
+    }
+  }
   const float* from = a.dSfin;
   for (int p = 0, c1 = d.N; c1 > 0; ++p, c1 -= pc.len) {
     const int c0 = std::max(0, c1 - pc.len);
     float* to = c0 == 0 ? a.dS0.data_ptr<float>() : tmp[p % 2].data_ptr<float>();
+    if (own_dv) dv_done[p].block(wst);
     walk(c0, c1, from, to);
     from = to;
-    if (c0 == 0 && a.on_s0_grad) a.on_s0_grad(a.dS0);  // the reverse walk's last piece
-    at::cuda::CUDAEvent walked;
-    walked.record(stream);
-    walked.block(side);
+    if (c0 == 0) {  // the reverse walk's last piece: the caller's stream gets dS0
+      join(wst, stream);
+      if (a.on_s0_grad) a.on_s0_grad(a.dS0);
+    }
+    join(wst, side);
     chunks(side, c0, c1);
   }
-  at::cuda::CUDAEvent done;
-  done.record(side);
-  done.block(stream);
+  join(side, stream);
+  if (own_dv) join(dvs, stream);
   return true;
 }
 
@@ -1262,12 +1289,19 @@ bool bwd_impl(BwdArgs& a) {
   auto stream = at::cuda::getCurrentCUDAStream();
   const Dims& d = a.d;
   auto P = [](const at::Tensor& t) { return reinterpret_cast<T*>(t.data_ptr()); };
+  const int cfg = sizeof(T) == 2 ? state_cfg() : 0;
   if constexpr (std::is_same<T, bf16>::value) {
+    // 32-column tiles (wide_state_tiles, kernel_launch.h): the intra-chunk dV in pieces beside the walk
+    // (bwd_pieces' own_dv; CARRY_GDN_DV_PIECES=0: before it, for A/B). Measured on an H200, forward+
+    // backward ms at H=16, dk=dv=128: see README, "Kernel forms". At H=4, dv=256 (16-column tiles) the
+    // pieces ran slower (7.40-7.47 -> 7.74-8.63 ms at 131072 tokens), so those run it before the walk.
+    static const bool dv_pieces = switch_on("CARRY_GDN_DV_PIECES");
+    if ((cfg == 0 && wide_state_tiles(a.d) && dv_pieces)) return bwd_pieces<DK, DV, 32, 8>(a, true);
     auto kern = bwd_dv_local_reg_kernel<DK, DV>;
     constexpr size_t sm = DvRegSmem<DK>::bytes;
     set_smem(kern, sm);
     kern<<<dim3(d.N, d.H, d.B), 256, sm, stream>>>(P(a.q), P(a.k), a.Gc.data_ptr<float>(), P(a.dO),
-                                                    a.dVl.data_ptr<float>(), a.scale, d.T, d.H);
+                                                    a.dVl.data_ptr<float>(), a.scale, d.T, d.H, 0);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   } else {
     auto kern = bwd_dv_local_kernel<T, DK, DV>;
@@ -1306,7 +1340,6 @@ bool bwd_impl(BwdArgs& a) {
         launch(bv, nw);
       }
     };
-    const int cfg = sizeof(T) == 2 ? state_cfg() : 0;
     if constexpr (std::is_same<T, bf16>::value) {
       if ((cfg == 0 && !wide_state_tiles(a.d)) || cfg == 10) return bwd_pieces<DK, DV>(a);
       if (cfg == 0 || cfg == 8) return bwd_pieces<DK, DV, 32, 8>(a);  // kernel_launch.h, wide_state_tiles

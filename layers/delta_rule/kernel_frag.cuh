@@ -70,12 +70,13 @@ __device__ __forceinline__ void load_qk_and_p(carry_tiles::bf16* sQ, carry_tiles
                                               long gstride, float scale, carry_tiles::bf16* sPb, int LPb) {
   using namespace carry_tiles;
   constexpr int C = kChunk;
+  const float gv = threadIdx.x < C && gc ? gc[threadIdx.x * gstride] : 0.f;  // read before the copies
   load_tile_async<bf16, C, DK, NT>(sQ, LK, qc, rowk);
   load_tile_async<bf16, C, DK, NT>(sK, LK, kc, rowk);
   cp_async_commit();
   load_tile(0, 0);
   if (ntile > 1) load_tile(64, 1);
-  if (threadIdx.x < C) sG[threadIdx.x] = gc ? gc[threadIdx.x * gstride] : 0.f;
+  if (threadIdx.x < C) sG[threadIdx.x] = gv;
   if (ntile > 1) cp_async_wait<2>();
   else cp_async_wait<1>();
   __syncthreads();

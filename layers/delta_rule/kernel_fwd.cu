@@ -270,14 +270,19 @@ __global__ void __launch_bounds__(256) prep_reg_kernel(const bf16* __restrict__ 
                                      v + ((long)b * T_ + t0) * rowv + (long)h * DV + v0, rowv);
     cp_async_commit();
   };
+  float gv = 0.f, bv = 0.f;  // read before the copies are issued, stored after
+  if (tid < C) {
+    const long idx = ((long)b * T_ + t0 + tid) * H + h;
+    gv = g ? g[idx] : 0.f;
+    bv = beta[idx];
+  }
   load_tile_async<bf16, C, DK, NT>(sK, L::LK, k + ((long)b * T_ + t0) * rowk + (long)h * DK, rowk);
   cp_async_commit();
   load_v(0, 0);
   if (NTILE > 1) load_v(64, 1);
   if (tid < C) {
-    const long idx = ((long)b * T_ + t0 + tid) * H + h;
-    sG[tid] = g ? g[idx] : 0.f;
-    sB[tid] = beta[idx];
+    sG[tid] = gv;
+    sB[tid] = bv;
   }
   __syncthreads();
   if (tid < 32) warp_cumsum64(sG);

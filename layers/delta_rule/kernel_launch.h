@@ -62,9 +62,9 @@ inline Pieces plan_pieces(const Dims& d, int value_blocks) {
 // of a sequence runs the same tiles.
 inline bool wide_state_tiles(const Dims& d) { return 2 * (d.DV / 16) * d.H * d.B > sm_count(); }
 
-// The stream the forward's bf16 state walk in pieces runs on: a high-priority one, so that the SMs a
-// piece's blocks free go to the next piece's blocks before the preparation and output kernels queued
-// on the second stream. Measured on an H200 (forward ms, caller's stream → high priority): H=16,
+// The stream a bf16 state walk in pieces runs on (the forward's; the reverse walk's where the
+// intra-chunk dV runs in pieces beside it): a high-priority one, so that the SMs a piece's blocks free
+// go to the next piece's blocks before the chunk-local kernels queued on the other streams. Measured on an H200 (forward ms, caller's stream → high priority): H=16,
 // dk=dv=128, 131072 tokens, Gated DeltaNet 5.083 / 5.026 → 4.904 / 4.917, DeltaNet 5.083 / 5.042 →
 // 4.890 / 4.889; at H=4, dv=256 2.976 / 3.111 → 2.895 / 2.882. (The reverse walk on such a stream ran
 // no faster.) CARRY_GDN_WALK_PRIORITY=0: the caller's stream (A/B; read once).
