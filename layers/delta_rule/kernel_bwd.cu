@@ -996,6 +996,7 @@ __global__ void __launch_bounds__(512) bwd_chunk_reg_kernel(
         db[hf] += sacc;
       }
     }
+#pragma unroll
     for (int i = tid; i < DK * BVt / 2; i += NT) {  // <dH', H>
       const int r = (2 * i) / BVt, j = (2 * i) % BVt;
       const float2 a = tc::unpack_bf16(*reinterpret_cast<const unsigned*>(tH + r * L::LT + j));
@@ -1251,6 +1252,7 @@ bool bwd_pieces(BwdArgs& a, bool own_dv = false) {
   }
   at::Tensor tmp = at::empty({2, d.B, d.H, d.DK, d.DV}, a.dS0.options());
   auto side = at::cuda::getStreamFromPool(false, a.q.device().index());
+  Timeline tl("bwd", stream);
   std::vector<at::cuda::CUDAEvent> dv_done(own_dv ? pc.n : 0);
   auto dvs = at::cuda::getStreamFromPool(false, a.q.device().index());
   if (own_dv) {
@@ -1259,7 +1261,7 @@ bool bwd_pieces(BwdArgs& a, bool own_dv = false) {
     join(stream, wst);
     join(stream, dvs);  // the caller's stream has produced the inputs
     for (int p = 0, c1 = d.N; c1 > 0; ++p, c1 -= pc.len) {
-      dv_local(dvs, std::max(0, c1 - pc.len), c1);
+      tl.span("dv", p, dvs, [&] { dv_local(dvs, std::max(0, c1 - pc.len), c1); });
       dv_done[p].record(dvs);
     }
   }
@@ -1268,14 +1270,14 @@ bool bwd_pieces(BwdArgs& a, bool own_dv = false) {
     const int c0 = std::max(0, c1 - pc.len);
     float* to = c0 == 0 ? a.dS0.data_ptr<float>() : tmp[p % 2].data_ptr<float>();
     if (own_dv) dv_done[p].block(wst);
-    walk(c0, c1, from, to);
+    tl.span("walk", p, wst, [&] { walk(c0, c1, from, to); });
     from = to;
     if (c0 == 0) {  // the reverse walk's last piece: the caller's stream gets dS0
       join(wst, stream);
       if (a.on_s0_grad) a.on_s0_grad(a.dS0);
     }
     join(wst, side);
-    chunks(side, c0, c1);
+    tl.span("chunks", p, side, [&] { chunks(side, c0, c1); });
   }
   join(side, stream);
   if (own_dv) join(dvs, stream);

@@ -122,7 +122,13 @@ __device__ __forceinline__ void unit_lower_inverse64(const float* sA, float* sTm
     for (int e = tid; e < nb * 256; e += NT) {
       const int J = e / 256, I = J + d, r = (e % 256) / 16, cc = e % 16;
       float s = 0.f;
-      for (int kk = J * 16; kk < I * 16; ++kk) s += sA[(I * 16 + r) * LA + kk] * sTm[kk * LA + J * 16 + cc];
+      // 16 terms a step, unrolled (the loads of a step issue together; the sum's order is kk's)
+      for (int kb = J; kb < I; ++kb) {
+        const float* a = sA + (I * 16 + r) * LA + kb * 16;
+        const float* t = sTm + kb * 16 * LA + J * 16 + cc;
+#pragma unroll
+        for (int kk = 0; kk < 16; ++kk) s += a[kk] * t[kk * LA];
+      }
       sZ[e] = s;
     }
     __syncthreads();
@@ -835,29 +841,30 @@ void fwd_pieces(const Dims& d, const bf16* kp, const bf16* vp, const float* g, c
   // runs while piece p walks), the output of piece p after piece p's walk.
   at::Tensor tmp = at::empty({2, d.B, d.H, d.DK, d.DV}, Sfin.options());
   auto side = at::cuda::getStreamFromPool(false, Sfin.device().index());
+  Timeline tl("fwd", stream);
   wst = walk_stream(stream);
   join(stream, side);  // the caller's stream has produced the inputs
   join(stream, wst);
   std::vector<at::cuda::CUDAEvent> prepared(pc.n);
-  prep(side, 0, std::min(d.N, pc.len));
+  tl.span("prep", 0, side, [&] { prep(side, 0, std::min(d.N, pc.len)); });
   prepared[0].record(side);
   const float* from = S0;
   for (int p = 0, c0 = 0; c0 < d.N; ++p, c0 += pc.len) {
     const int c1 = std::min(d.N, c0 + pc.len);
     if (c1 < d.N) {
-      prep(side, c1, std::min(d.N, c1 + pc.len));
+      tl.span("prep", p + 1, side, [&] { prep(side, c1, std::min(d.N, c1 + pc.len)); });
       prepared[p + 1].record(side);
     }
     float* to = c1 == d.N ? Sfin.data_ptr<float>() : tmp[p % 2].data_ptr<float>();
     prepared[p].block(wst);
-    walk(c0, c1, from, to);
+    tl.span("walk", p, wst, [&] { walk(c0, c1, from, to); });
     from = to;
     if (c1 == d.N) {  // the last piece: the caller's stream gets the final state
       join(wst, stream);
       if (on_final_state) on_final_state(Sfin);
     }
     join(wst, side);
-    out(side, c0, c1);
+    tl.span("out", p, side, [&] { out(side, c0, c1); });
   }
   join(side, stream);
 }

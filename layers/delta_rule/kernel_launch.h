@@ -10,6 +10,8 @@
 #include <c10/cuda/CUDAException.h>
 
 #include <algorithm>
+#include <cstdio>
+#include <vector>
 
 namespace carry_gdn {
 
@@ -79,6 +81,64 @@ inline void join(const at::cuda::CUDAStream& before, const at::cuda::CUDAStream&
   e.record(before);
   e.block(after);
 }
+
+// A debug timeline of a pieces schedule (CARRY_GDN_TIMELINE=1; read once): events recorded around
+// each launch, on its stream after its waits, and printed to stderr as "[timeline] <schedule> <kernel>
+// <piece> <start ms> <end ms>" (from the schedule's start) when the schedule object ends, which
+// synchronizes the device: for profiling runs only. A start is when the stream reached the launch
+// (its waits met), so a kernel held back by busy SMs shows that wait inside its span.
+class Timeline {
+ public:
+  Timeline(const char* name, cudaStream_t origin_stream) : name_(name) {
+    static const bool env = [] {
+      const char* e = std::getenv("CARRY_GDN_TIMELINE");
+      return e && e[0] == '1';
+    }();
+    on_ = env;
+    if (on_) {
+      C10_CUDA_CHECK(cudaEventCreate(&origin_));
+      C10_CUDA_CHECK(cudaEventRecord(origin_, origin_stream));
+    }
+  }
+  Timeline(const Timeline&) = delete;
+  Timeline& operator=(const Timeline&) = delete;
+  template <class Launch>
+  void span(const char* what, int piece, cudaStream_t st, Launch&& launch) {
+    if (!on_) return launch();
+    Span sp{what, piece, nullptr, nullptr};
+    C10_CUDA_CHECK(cudaEventCreate(&sp.a));
+    C10_CUDA_CHECK(cudaEventCreate(&sp.b));
+    C10_CUDA_CHECK(cudaEventRecord(sp.a, st));
+    launch();
+    C10_CUDA_CHECK(cudaEventRecord(sp.b, st));
+    spans_.push_back(sp);
+  }
+  ~Timeline() {
+    if (!on_) return;
+    cudaDeviceSynchronize();
+    std::fprintf(stderr, "[timeline] %s begin\n", name_);
+    for (const Span& sp : spans_) {
+      float a = 0.f, b = 0.f;
+      cudaEventElapsedTime(&a, origin_, sp.a);
+      cudaEventElapsedTime(&b, origin_, sp.b);
+      std::fprintf(stderr, "[timeline] %s %s %d %.4f %.4f\n", name_, sp.what, sp.piece, a, b);
+      cudaEventDestroy(sp.a);
+      cudaEventDestroy(sp.b);
+    }
+    cudaEventDestroy(origin_);
+  }
+
+ private:
+  struct Span {
+    const char* what;
+    int piece;
+    cudaEvent_t a, b;
+  };
+  const char* name_;
+  bool on_ = false;
+  cudaEvent_t origin_ = nullptr;
+  std::vector<Span> spans_;
+};
 
 inline Dims check_inputs(const char* who, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                          const at::Tensor& g, const at::Tensor& beta, int64_t chunk) {
