@@ -721,7 +721,7 @@ __global__ void __launch_bounds__(256) fwd_o_kernel(const T* __restrict__ q, con
 // and stored straight to global. The H_c and V_new tiles are double-buffered (the next loads while
 // this one multiplies). The fp32-staged version above spent two block barriers and an fp32
 // shared-memory round trip a tile.
-template <int DK>
+template <int DK, int NB = 2>
 struct OutRegSmem {
   static constexpr int C = kChunk, LK = DK + 8, LPb = C + 8, LV = 64 + 8;
   static constexpr size_t oQ = 0;
@@ -731,16 +731,17 @@ struct OutRegSmem {
   static constexpr size_t oBuf = al128(oG + C * 4);
   static constexpr size_t oV = al128(DK * LV * 2);  // within a buffer: H_c tile, then V_new tile
   static constexpr size_t buf = al128(oV + C * LV * 2);
-  static constexpr size_t bytes = oBuf + 2 * buf;
+  static constexpr size_t bytes = oBuf + NB * buf;
 };
 
-template <int DK, int DV>
+// NB: the dv tiles' buffers (2: both tiles of dv = 128 load with Q and K; 1: 73 KB, three blocks an SM)
+template <int DK, int DV, int NB>
 __global__ void __launch_bounds__(256) fwd_o_reg_kernel(const bf16* __restrict__ q, const bf16* __restrict__ k,
                                                         const float* __restrict__ Gc, const bf16* __restrict__ Hs,
                                                         const bf16* __restrict__ Vn, bf16* __restrict__ O, float scale,
                                                         int T_, int H, int c_off) {
   constexpr int C = kChunk, NT = 256, NTILE = DV / 64;
-  using L = OutRegSmem<DK>;
+  using L = OutRegSmem<DK, NB>;
   extern __shared__ __align__(128) char smem[];
   bf16* sQ = reinterpret_cast<bf16*>(smem + L::oQ);
   bf16* sK = reinterpret_cast<bf16*>(smem + L::oK);
@@ -759,14 +760,14 @@ __global__ void __launch_bounds__(256) fwd_o_reg_kernel(const bf16* __restrict__
     cp_async_commit();
   };
   load_qk_and_p<DK, NT>(sQ, sK, L::LK, q + ((long)b * T_ + t0) * rowk + (long)h * DK,
-                        k + ((long)b * T_ + t0) * rowk + (long)h * DK, rowk, load_tiles, NTILE, sG,
+                        k + ((long)b * T_ + t0) * rowk + (long)h * DK, rowk, load_tiles, NB == 1 ? 1 : NTILE, sG,
                         Gc + bh * T_ + t0, 1, scale, sPb, L::LPb);
   const float e0 = scale * expf(sG[m0 + g]), e1 = scale * expf(sG[m0 + g + 8]);
   for (int it = 0; it < NTILE; ++it) {
-    const char* base = smem + L::oBuf + (it & 1) * L::buf;
+    const char* base = smem + L::oBuf + (NB == 1 ? 0 : (it & 1)) * L::buf;
     const bf16* sH = reinterpret_cast<const bf16*>(base);
     const bf16* sV = reinterpret_cast<const bf16*>(base + L::oV);
-    if (it + 1 < NTILE) cp_async_wait<1>();
+    if (NB == 2 && it + 1 < NTILE) cp_async_wait<1>();
     else cp_async_wait<0>();
     __syncthreads();  // this tile's loads (and, on the first, P) are visible
     float o[4][4] = {};
@@ -780,11 +781,26 @@ __global__ void __launch_bounds__(256) fwd_o_reg_kernel(const bf16* __restrict__
     }
     frag_mma<4, C, false, false>(o, sPb, L::LPb, sV, L::LV, m0, n0);  // += P·V_new
     frag_store_bf16<4>(O + ((long)b * T_ + t0) * rowv + (long)h * DV + it * 64, rowv, o, m0, n0);
-    if (it + 2 < NTILE) {
+    if (it + NB < NTILE) {
       __syncthreads();  // every warp is done with this buffer
-      load_tiles((it + 2) * 64, it & 1);
+      load_tiles((it + NB) * 64, NB == 1 ? 0 : (it & 1));
     }
   }
+}
+
+// Whether the output kernel runs with one dv-tile buffer: where the walk takes 32-column tiles
+// (wide_state_tiles: the output kernel then shares the SMs the walk leaves with the preparation, and
+// paces the forward with it). Measured on an H200 (forward+backward ms, two buffers → one, twice):
+// H=16, dk=dv=128, 131072 tokens, Gated DeltaNet 12.724 / 12.766 → 12.672 / 12.633, DeltaNet 12.674 /
+// 12.593 → 12.523 / 12.410 (the output kernel's piece 0.175 → 0.152 ms in the timeline); at H=4,
+// dv=256 one buffer ran slower (2.137 / 2.114 → 2.175 / 2.158 ms at 32768), so there two.
+// CARRY_GDN_OUT_BUFFERS=1 or 2 forces one (A/B; read once).
+inline bool out_one_buffer(const Dims& d) {
+  static const int forced = [] {
+    const char* e = std::getenv("CARRY_GDN_OUT_BUFFERS");
+    return e && (e[0] == '1' || e[0] == '2') ? e[0] - '0' : 0;
+  }();
+  return forced ? forced == 1 : wide_state_tiles(d);
 }
 
 template <typename K>
@@ -805,9 +821,11 @@ void fwd_pieces(const Dims& d, const bf16* kp, const bf16* vp, const float* g, c
                 const bf16* qp, bf16* Op, float scale, const std::function<void(const at::Tensor&)>& on_final_state) {
   auto stream = at::cuda::getCurrentCUDAStream();
   auto skern = fwd_state_mma_kernel<DK, DV, BV, NW, kStateStages>;
-  auto okern = fwd_o_reg_kernel<DK, DV>;
+  const bool ob1 = out_one_buffer(d);
+  auto okern = ob1 ? fwd_o_reg_kernel<DK, DV, 1> : fwd_o_reg_kernel<DK, DV, 2>;
   auto pkern = prep_reg_kernel<DK, DV>;
-  constexpr size_t osm = OutRegSmem<DK>::bytes, psm = PrepRegSmem<DK>::bytes;
+  const size_t osm = ob1 ? OutRegSmem<DK, 1>::bytes : OutRegSmem<DK, 2>::bytes;
+  constexpr size_t psm = PrepRegSmem<DK>::bytes;
   set_smem(okern, osm);
   set_smem(pkern, psm);
   const Pieces pc = plan_pieces(d, (DV / BV) * d.H * d.B);
@@ -944,8 +962,9 @@ void fwd_impl(const Dims& d, const at::Tensor& q, const at::Tensor& k, const at:
   }
   if (on_final_state) on_final_state(Sfin);  // before the output kernel: a send runs beside it
   if constexpr (std::is_same<T, bf16>::value) {
-    auto kern = fwd_o_reg_kernel<DK, DV>;
-    constexpr size_t sm = OutRegSmem<DK>::bytes;
+    const bool ob1 = out_one_buffer(d);
+    auto kern = ob1 ? fwd_o_reg_kernel<DK, DV, 1> : fwd_o_reg_kernel<DK, DV, 2>;
+    const size_t sm = ob1 ? OutRegSmem<DK, 1>::bytes : OutRegSmem<DK, 2>::bytes;
     set_smem(kern, sm);
     kern<<<gc, 256, sm, stream>>>(qp, kp, Gc.data_ptr<float>(), Hp, Vnp, Op, scale, d.T, d.H, 0);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
