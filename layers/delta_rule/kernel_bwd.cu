@@ -1200,11 +1200,11 @@ struct BwdArgs {
 // bf16: the reverse recurrence (bwd_state_mma_kernel, BV = 16 and 4 warps, or 32 and 8 where
 // wide_state_tiles says so) and the chunk-gradient
 // kernel. When the recurrence's tiles leave at least half the SMs idle (few heads), it walks the
-// chunks in pieces (consecutive launches on the caller's stream, the state gradient handed on
-// through fp32 memory: the same operations and bits as one walk), and the chunk-gradient kernel of
-// each finished piece runs on a second stream on the SMs the recurrence leaves idle while the next
-// piece walks; the caller's stream then waits for the last one. Otherwise one walk, then the
-// chunk-gradient kernel over every chunk.
+// chunks in pieces (consecutive launches on one stream, the state gradient handed on through fp32
+// memory: the same operations and bits as one walk), and the chunk-gradient kernel of each finished
+// piece runs on a second stream on the SMs the recurrence leaves idle while the next piece walks; the
+// caller's stream then waits for the last one. Otherwise one walk, then the chunk-gradient kernel
+// over every chunk. (The timeline of a run: CARRY_GDN_TIMELINE=1, kernel_launch.h.)
 // own_dv: the intra-chunk dV is not computed yet, bwd_pieces runs it too: piece by piece on a stream
 // of its own in the walk's order when the walk is in pieces (the first piece's alone, the others beside
 // the walk, whose first piece would otherwise leave the SMs it does not use idle), else before the walk.
