@@ -66,10 +66,11 @@ inline bool wide_state_tiles(const Dims& d) { return 2 * (d.DV / 16) * d.H * d.B
 
 // The stream a bf16 state walk in pieces runs on (the forward's; the reverse walk's where the
 // intra-chunk dV runs in pieces beside it): a high-priority one, so that the SMs a piece's blocks free
-// go to the next piece's blocks before the chunk-local kernels queued on the other streams. Measured on an H200 (forward ms, caller's stream → high priority): H=16,
-// dk=dv=128, 131072 tokens, Gated DeltaNet 5.083 / 5.026 → 4.904 / 4.917, DeltaNet 5.083 / 5.042 →
-// 4.890 / 4.889; at H=4, dv=256 2.976 / 3.111 → 2.895 / 2.882. (The reverse walk on such a stream ran
-// no faster.) CARRY_GDN_WALK_PRIORITY=0: the caller's stream (A/B; read once).
+// go to the next piece's blocks before the chunk-local kernels queued on the other streams. Measured
+// on an H200 (forward ms, caller's stream → high priority): H=16, dk=dv=128, 131072 tokens, Gated
+// DeltaNet 5.083 / 5.026 → 4.904 / 4.917, DeltaNet 5.083 / 5.042 → 4.890 / 4.889; at H=4, dv=256
+// 2.976 / 3.111 → 2.895 / 2.882. (The reverse walk alone on such a stream ran no faster.)
+// CARRY_GDN_WALK_PRIORITY=0: the caller's stream (A/B; read once).
 inline at::cuda::CUDAStream walk_stream(const at::cuda::CUDAStream& caller) {
   static const bool high = carry_tiles::switch_on("CARRY_GDN_WALK_PRIORITY");
   return high ? at::cuda::getStreamFromPool(true, caller.device_index()) : caller;
