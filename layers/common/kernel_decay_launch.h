@@ -12,7 +12,6 @@
 #include <c10/cuda/CUDAGuard.h>
 
 #include <algorithm>
-#include <cstdlib>
 #include <functional>
 #include <limits>
 

@@ -1197,6 +1197,18 @@ struct BwdArgs {
   std::function<void(const at::Tensor&)> on_s0_grad;
 };
 
+// The bf16 intra-chunk dV (bwd_dv_local_reg_kernel) of chunks [c0, c1) on stream st.
+template <int DK, int DV>
+void dv_local_reg(const BwdArgs& a, cudaStream_t st, int c0, int c1) {
+  auto kern = bwd_dv_local_reg_kernel<DK, DV>;
+  constexpr size_t sm = DvRegSmem<DK>::bytes;
+  set_smem(kern, sm);
+  auto P = [](const at::Tensor& t) { return reinterpret_cast<const bf16*>(t.data_ptr()); };
+  kern<<<dim3(c1 - c0, a.d.H, a.d.B), 256, sm, st>>>(P(a.q), P(a.k), a.Gc.data_ptr<float>(), P(a.dO),
+                                                      a.dVl.data_ptr<float>(), a.scale, a.d.T, a.d.H, c0);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
 // bf16: the reverse recurrence (bwd_state_mma_kernel, BV = 16 and 4 warps, or 32 and 8 where
 // wide_state_tiles says so) and the chunk-gradient
 // kernel. When the recurrence's tiles leave at least half the SMs idle (few heads), it walks the
@@ -1227,14 +1239,6 @@ bool bwd_pieces(BwdArgs& a, bool own_dv = false) {
                                                             a.scale, d.T, d.H, c0, c1);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   };
-  auto dv_local = [&](cudaStream_t st, int c0, int c1) {
-    auto kern = bwd_dv_local_reg_kernel<DK, DV>;
-    constexpr size_t sm = DvRegSmem<DK>::bytes;
-    set_smem(kern, sm);
-    kern<<<dim3(c1 - c0, d.H, d.B), 256, sm, st>>>(P(a.q), P(a.k), a.Gc.data_ptr<float>(), P(a.dO),
-                                                    a.dVl.data_ptr<float>(), a.scale, d.T, d.H, c0);
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
-  };
   auto chunks = [&](cudaStream_t st, int c0, int c1) {
     ckern<<<dim3(c1 - c0, d.H, d.B), 512, csm, st>>>(
         P(a.q), P(a.k), P(a.v), a.Gc.data_ptr<float>(), a.beta.data_ptr<float>(), a.Tm.data_ptr<float>(), P(a.Hs),
@@ -1244,7 +1248,7 @@ bool bwd_pieces(BwdArgs& a, bool own_dv = false) {
   };
   const Pieces pc = plan_pieces(d, (DV / BV) * d.H * d.B);
   if (pc.n == 1) {
-    if (own_dv) dv_local(stream, 0, d.N);
+    if (own_dv) dv_local_reg<DK, DV>(a, stream, 0, d.N);
     walk(0, d.N, a.dSfin, a.dS0.data_ptr<float>());
     if (a.on_s0_grad) a.on_s0_grad(a.dS0);  // before the chunk kernels: a send runs beside them
     chunks(stream, 0, d.N);
@@ -1254,14 +1258,15 @@ bool bwd_pieces(BwdArgs& a, bool own_dv = false) {
   auto side = at::cuda::getStreamFromPool(false, a.q.device().index());
   Timeline tl("bwd", stream);
   std::vector<at::cuda::CUDAEvent> dv_done(own_dv ? pc.n : 0);
-  auto dvs = at::cuda::getStreamFromPool(false, a.q.device().index());
+  at::cuda::CUDAStream dvs = stream;  // the intra-chunk dV's stream (own_dv)
   if (own_dv) {
     // the walk on a high-priority stream: it then takes the SMs ahead of the pieces' dV blocks
     wst = walk_stream(stream);
+    dvs = at::cuda::getStreamFromPool(false, a.q.device().index());
     join(stream, wst);
     join(stream, dvs);  // the caller's stream has produced the inputs
     for (int p = 0, c1 = d.N; c1 > 0; ++p, c1 -= pc.len) {
-      tl.span("dv", p, dvs, [&] { dv_local(dvs, std::max(0, c1 - pc.len), c1); });
+      tl.span("dv", p, dvs, [&] { dv_local_reg<DK, DV>(a, dvs, std::max(0, c1 - pc.len), c1); });
       dv_done[p].record(dvs);
     }
   }
@@ -1280,7 +1285,7 @@ bool bwd_pieces(BwdArgs& a, bool own_dv = false) {
     tl.span("chunks", p, side, [&] { chunks(side, c0, c1); });
   }
   join(side, stream);
-  if (own_dv) join(dvs, stream);
+  join(dvs, stream);
   return true;
 }
 
@@ -1295,16 +1300,13 @@ bool bwd_impl(BwdArgs& a) {
   if constexpr (std::is_same<T, bf16>::value) {
     // 32-column tiles (wide_state_tiles, kernel_launch.h): the intra-chunk dV in pieces beside the walk
     // (bwd_pieces' own_dv; CARRY_GDN_DV_PIECES=0: before it, for A/B). Measured on an H200, forward+
-    // backward ms at H=16, dk=dv=128: see README, "Kernel forms". At H=4, dv=256 (16-column tiles) the
-    // pieces ran slower (7.40-7.47 -> 7.74-8.63 ms at 131072 tokens), so those run it before the walk.
+    // backward ms at H=16, dk=dv=128: see README, "Kernel forms". At H=4, dv=256 (16-column tiles)
+    // pieces on every shape gave 7.74-8.63 ms at 131072 tokens, in a build that also held a reverse-walk
+    // change reverted after, against 7.40-7.47 without either (not one build), so those run it before
+    // the walk.
     static const bool dv_pieces = switch_on("CARRY_GDN_DV_PIECES");
-    if ((cfg == 0 && wide_state_tiles(a.d) && dv_pieces)) return bwd_pieces<DK, DV, 32, 8>(a, true);
-    auto kern = bwd_dv_local_reg_kernel<DK, DV>;
-    constexpr size_t sm = DvRegSmem<DK>::bytes;
-    set_smem(kern, sm);
-    kern<<<dim3(d.N, d.H, d.B), 256, sm, stream>>>(P(a.q), P(a.k), a.Gc.data_ptr<float>(), P(a.dO),
-                                                    a.dVl.data_ptr<float>(), a.scale, d.T, d.H, 0);
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    if (cfg == 0 && wide_state_tiles(a.d) && dv_pieces) return bwd_pieces<DK, DV, 32, 8>(a, true);
+    dv_local_reg<DK, DV>(a, stream, 0, d.N);
   } else {
     auto kern = bwd_dv_local_kernel<T, DK, DV>;
     size_t sm = DvSmem<T, DK>::bytes;

@@ -718,10 +718,10 @@ __global__ void __launch_bounds__(256) fwd_o_kernel(const T* __restrict__ q, con
 // 3b. bf16 output with the products in mma.sync registers: eight warps, warp w owns rows 16·(w%4)
 // and the column half w/4 of P = scale·(QKᵀ⊙Γ) [C,C] and of each 64-wide output tile. P goes to
 // shared memory once in bf16; each tile's O = scale·e^G ⊙ (Q·H_c) + P·V_new is summed in registers
-// and stored straight to global. The H_c and V_new tiles are double-buffered (the next loads while
-// this one multiplies). The fp32-staged version above spent two block barriers and an fp32
-// shared-memory round trip a tile.
-template <int DK, int NB = 2>
+// and stored straight to global. The H_c and V_new tiles have NB buffers: two (the next tile loads
+// while this one multiplies) or one (73 KB, three blocks an SM; out_kernel says where). The
+// fp32-staged version above spent two block barriers and an fp32 shared-memory round trip a tile.
+template <int DK, int NB>
 struct OutRegSmem {
   static constexpr int C = kChunk, LK = DK + 8, LPb = C + 8, LV = 64 + 8;
   static constexpr size_t oQ = 0;
@@ -734,7 +734,6 @@ struct OutRegSmem {
   static constexpr size_t bytes = oBuf + NB * buf;
 };
 
-// NB: the dv tiles' buffers (2: both tiles of dv = 128 load with Q and K; 1: 73 KB, three blocks an SM)
 template <int DK, int DV, int NB>
 __global__ void __launch_bounds__(256) fwd_o_reg_kernel(const bf16* __restrict__ q, const bf16* __restrict__ k,
                                                         const float* __restrict__ Gc, const bf16* __restrict__ Hs,
@@ -788,19 +787,26 @@ __global__ void __launch_bounds__(256) fwd_o_reg_kernel(const bf16* __restrict__
   }
 }
 
-// Whether the output kernel runs with one dv-tile buffer: where the walk takes 32-column tiles
+// The output kernel and its shared memory: one dv-tile buffer where the walk takes 32-column tiles
 // (wide_state_tiles: the output kernel then shares the SMs the walk leaves with the preparation, and
 // paces the forward with it). Measured on an H200 (forward+backward ms, two buffers → one, twice):
 // H=16, dk=dv=128, 131072 tokens, Gated DeltaNet 12.724 / 12.766 → 12.672 / 12.633, DeltaNet 12.674 /
 // 12.593 → 12.523 / 12.410 (the output kernel's piece 0.175 → 0.152 ms in the timeline); at H=4,
 // dv=256 one buffer ran slower (2.137 / 2.114 → 2.175 / 2.158 ms at 32768), so there two.
 // CARRY_GDN_OUT_BUFFERS=1 or 2 forces one (A/B; read once).
-inline bool out_one_buffer(const Dims& d) {
+template <int DK, int DV>
+struct OutKernel {
+  decltype(&fwd_o_reg_kernel<DK, DV, 2>) kern;
+  size_t smem;
+};
+template <int DK, int DV>
+OutKernel<DK, DV> out_kernel(const Dims& d) {
   static const int forced = [] {
     const char* e = std::getenv("CARRY_GDN_OUT_BUFFERS");
     return e && (e[0] == '1' || e[0] == '2') ? e[0] - '0' : 0;
   }();
-  return forced ? forced == 1 : wide_state_tiles(d);
+  if (forced ? forced == 1 : wide_state_tiles(d)) return {fwd_o_reg_kernel<DK, DV, 1>, OutRegSmem<DK, 1>::bytes};
+  return {fwd_o_reg_kernel<DK, DV, 2>, OutRegSmem<DK, 2>::bytes};
 }
 
 template <typename K>
@@ -821,10 +827,10 @@ void fwd_pieces(const Dims& d, const bf16* kp, const bf16* vp, const float* g, c
                 const bf16* qp, bf16* Op, float scale, const std::function<void(const at::Tensor&)>& on_final_state) {
   auto stream = at::cuda::getCurrentCUDAStream();
   auto skern = fwd_state_mma_kernel<DK, DV, BV, NW, kStateStages>;
-  const bool ob1 = out_one_buffer(d);
-  auto okern = ob1 ? fwd_o_reg_kernel<DK, DV, 1> : fwd_o_reg_kernel<DK, DV, 2>;
+  const OutKernel<DK, DV> ok = out_kernel<DK, DV>(d);
+  const auto okern = ok.kern;
+  const size_t osm = ok.smem;
   auto pkern = prep_reg_kernel<DK, DV>;
-  const size_t osm = ob1 ? OutRegSmem<DK, 1>::bytes : OutRegSmem<DK, 2>::bytes;
   constexpr size_t psm = PrepRegSmem<DK>::bytes;
   set_smem(okern, osm);
   set_smem(pkern, psm);
@@ -962,11 +968,9 @@ void fwd_impl(const Dims& d, const at::Tensor& q, const at::Tensor& k, const at:
   }
   if (on_final_state) on_final_state(Sfin);  // before the output kernel: a send runs beside it
   if constexpr (std::is_same<T, bf16>::value) {
-    const bool ob1 = out_one_buffer(d);
-    auto kern = ob1 ? fwd_o_reg_kernel<DK, DV, 1> : fwd_o_reg_kernel<DK, DV, 2>;
-    const size_t sm = ob1 ? OutRegSmem<DK, 1>::bytes : OutRegSmem<DK, 2>::bytes;
-    set_smem(kern, sm);
-    kern<<<gc, 256, sm, stream>>>(qp, kp, Gc.data_ptr<float>(), Hp, Vnp, Op, scale, d.T, d.H, 0);
+    const OutKernel<DK, DV> ok = out_kernel<DK, DV>(d);
+    set_smem(ok.kern, ok.smem);
+    ok.kern<<<gc, 256, ok.smem, stream>>>(qp, kp, Gc.data_ptr<float>(), Hp, Vnp, Op, scale, d.T, d.H, 0);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   } else {
     auto kern = fwd_o_kernel<T, DK, DV>;
