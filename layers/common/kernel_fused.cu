@@ -7,16 +7,17 @@
 // many blocks per SM), K = 4 up to 8192; one-element accesses hold 16.
 //
 //  norm_fwd_kernel: one row per row group, a block (threads = min(512, D/V rounded up to 32)), or for
-//    short rows (D ≤ 128) a warp, 8 rows per 256-thread block: the row is read once into registers
+//    short rows (D ≤ 256) a warp, 8 rows per 256-thread block: the row is read once into registers
 //    (≤ 16 elements per thread), Σx² is reduced over the group, and y = (x·rstd)·w [·silu(z)] is
 //    written in the output dtype. HBM: N·D·(|x| + |z| + |y|) + 4N bytes.
-//  norm_bwd_kernel: about 2^18 threads in row groups, group p walks rows p, p + P, ... (P groups):
+//  norm_bwd_kernel: row groups, as many as a 132-SM GPU holds at once (kRefSMs; at most N), group p
+//    walks rows p, p + P, ... (P groups):
 //    with g = dy [·silu(z)] (the gradient reaching x·rstd·w),
 //      dz = dy · (x·rstd·w) · silu'(z),   dx = rstd·g·w − x·rstd³·mean(g·w·x),   dw = Σ_rows g·x·rstd.
 //    Each thread keeps its columns' w and partial dw in registers; group p writes its partial dw to
 //    row p of a [P, D] fp32 buffer, and carry_reduce::column_sum (kernel_reduce.cuh) adds the P
-//    partials in a fixed order (no atomics; P depends only on N and D: bitwise reproducible). HBM: N·D·(|dy| + |x| + |dx| [+ 2|z|])
-//    + 8·P·D bytes.
+//    partials in a fixed order (no atomics; P depends only on N and D: bitwise reproducible).
+//    HBM: N·D·(|dy| + |x| + |dx| [+ 2|z|]) + 8·P·D bytes.
 //  swiglu_fwd_kernel / swiglu_bwd_kernel: elementwise over [N, H] rows with their own strides
 //    (a and b may be the two halves of one [N, 2H] tensor, and so may da and db).
 //    y = silu(a)·b;  da = dy·b·silu'(a),  db = dy·silu(a),  silu'(a) = s·(1 + a·(1 − s)), s = σ(a).
@@ -37,7 +38,13 @@ namespace {
 enum DType : int { kF32 = 0, kBF16 = 1 };
 constexpr int kRowElems = 16;      // elements of one norm row per thread, at most (registers)
 constexpr int kMaxThreads = 512;   // threads per norm block
-constexpr int kBwdThreadsInFlight = 1 << 18;  // the norm backward's grid: about this many threads
+// The norm backward's row groups: as many blocks as the SMs of an H100 or H200 (132 SMs of 2048 threads
+// and 64K registers) hold at once, so the grid is one wave there. It was about 2^18 threads: 1365
+// blocks of 192 threads at D = 768, where 1056 fit (40 registers a thread), so 309 blocks walked their
+// rows after the others (two blocks' time). Counted from the kernel's registers and these fixed
+// limits, not from the device: the groups fix the weight gradient's summation order, the same on
+// every GPU.
+constexpr int kRefSMs = 132;
 
 // ---- device helpers ----
 
@@ -313,17 +320,29 @@ int norm_threads(int64_t D, int V) {
   return threads;
 }
 
-// How the norm kernels run rows of D: one warp per row (short rows, 8 rows per 256-thread block), or
-// one block per row with K accesses of V elements per thread (k1: K = 1).
+// How the norm kernels run rows of D: one warp per row (rows of at most 256, 8 rows per 256-thread
+// block; k1: one access of 4 a lane, else two), or one block per row with K accesses of V elements per
+// thread (k1: K = 1). Rows of 129 to 256 took a block of 64 threads (two barriers a row) before.
 struct NormShape {
   bool warp, k1;
   int threads, rows_per_block;
 };
 
 NormShape norm_shape(int64_t D, bool vec) {
-  if (vec && D <= 32 * 4) return {true, true, 256, 8};
+  if (vec && D <= 32 * 4 * 2) return {true, D <= 32 * 4, 256, 8};
   const int V = vec ? 4 : 1, threads = norm_threads(D, V);
   return {false, vec && D <= 4 * threads, threads, 1};
+}
+
+// Blocks of `threads` threads of `kern` an SM of 2048 threads, 64K registers and 32 blocks holds at once
+// (sm_90; registers allocated by warp in units of 256).
+template <typename K>
+int resident_blocks(K kern, int threads) {
+  cudaFuncAttributes a{};
+  C10_CUDA_CHECK(cudaFuncGetAttributes(&a, kern));
+  const int warps = (threads + 31) / 32, per_warp = (a.numRegs * 32 + 255) / 256 * 256;
+  const int by_regs = 65536 / std::max(1, per_warp * warps);
+  return std::max(1, std::min({32, 2048 / threads, by_regs}));
 }
 
 void check_rows(const char* who, const char* name, const at::Tensor& t, const at::Tensor& like) {
@@ -373,7 +392,7 @@ std::vector<at::Tensor> norm_fwd(const at::Tensor& x, const at::Tensor& z, const
   const NormShape sh = norm_shape(D, vec);
   auto stream = at::cuda::getCurrentCUDAStream();
   auto kern = !vec    ? norm_fwd_kernel<1, kRowElems, false>
-              : sh.warp ? norm_fwd_kernel<4, 1, true>
+              : sh.warp ? (sh.k1 ? norm_fwd_kernel<4, 1, true> : norm_fwd_kernel<4, 2, true>)
               : sh.k1   ? norm_fwd_kernel<4, 1, false>
                         : norm_fwd_kernel<4, 4, false>;
   const unsigned blocks = (unsigned)((N + sh.rows_per_block - 1) / sh.rows_per_block);
@@ -411,18 +430,19 @@ std::vector<at::Tensor> norm_bwd(const at::Tensor& dy, const at::Tensor& x, cons
                    (!z.defined() || (aligned(z, 4) && aligned(dz, 4))) && (!dh.defined() || aligned(dh, 4)) &&
                    (!dres.defined() || aligned(dres, 4));
   const NormShape sh = norm_shape(D, vec);
-  // Row groups walking the rows (each keeps a partial dw): about kBwdThreadsInFlight threads, at most N
-  // groups; fixed by (N, D) and the access width (4 for 16-byte-aligned rows of D % 4 == 0, as every
-  // fresh allocation is), so the same inputs give the same bits.
-  const int64_t groups = std::min<int64_t>(N, std::max(1, kBwdThreadsInFlight / (sh.threads / sh.rows_per_block)));
+  auto kern = !vec    ? norm_bwd_kernel<1, kRowElems, false>
+              : sh.warp ? (sh.k1 ? norm_bwd_kernel<4, 1, true> : norm_bwd_kernel<4, 2, true>)
+              : sh.k1   ? norm_bwd_kernel<4, 1, false>
+                        : norm_bwd_kernel<4, 4, false>;
+  // Row groups walking the rows (each keeps a partial dw): one wave of blocks on a kRefSMs-SM GPU, at most
+  // N groups; fixed by (N, D), the access width (4 for 16-byte-aligned rows of D % 4 == 0, as every fresh
+  // allocation is) and the kernel's registers, so the same inputs give the same bits on every GPU.
+  const int64_t groups =
+      std::min<int64_t>(N, (int64_t)kRefSMs * resident_blocks(kern, sh.threads) * sh.rows_per_block);
   const int blocks = (int)((groups + sh.rows_per_block - 1) / sh.rows_per_block);
   const int G = blocks * sh.rows_per_block;  // partial rows (a group past the last row writes zeros)
   auto part = at::empty({G, D}, w.options());
   auto stream = at::cuda::getCurrentCUDAStream();
-  auto kern = !vec    ? norm_bwd_kernel<1, kRowElems, false>
-              : sh.warp ? norm_bwd_kernel<4, 1, true>
-              : sh.k1   ? norm_bwd_kernel<4, 1, false>
-                        : norm_bwd_kernel<4, 4, false>;
   kern<<<blocks, sh.threads, 0, stream>>>(dy.data_ptr(), dtype_code(dy), x.data_ptr(), dtype_code(x),
                                           z.defined() ? z.data_ptr() : nullptr, z.defined() ? dtype_code(z) : kF32,
                                           w.data_ptr<float>(), rstd.data_ptr<float>(), dx.data_ptr(),
