@@ -9,7 +9,8 @@
 // the weight gradient of its own outputs; carry_reduce::column_sum (kernel_reduce.cuh) sums those
 // per-run partials over the runs in fixed order. Tap masks (packed documents) come from the int64
 // document start of each output token.
-// l2norm: one warp per row of D ≤ 256 (8 values a lane in registers), fp32, butterfly reduction.
+// l2norm: one warp per row of D ≤ 256 (8 values a lane in registers), fp32, butterfly reduction; a lane's
+// values adjacent (one 8- or 16-byte access) where the rows allow it (l2norm_vec_kernel).
 #include "layers/common/kernel_conv.cuh"
 #include "layers/common/kernel_reduce.cuh"
 #include "layers/common/kernel_tiles.cuh"
@@ -292,6 +293,47 @@ __global__ void l2norm_kernel(const T* __restrict__ x, long stride_m, const T* _
   }
 }
 
+// The same with each lane's VL elements adjacent (one VL·sizeof(T)-byte access: 8 or 16 bytes in bf16) where
+// D ≤ 32·VL is a multiple of VL and every row is aligned to it: one load instruction a lane for x (and
+// dy) instead of D/32 two-byte ones. The warp's sums run over other partials, so the bits differ from
+// the strided kernel's (each within fp32 rounding of ATen's). Measured: README, "Training on GPUs".
+template <typename T, int VL>
+__global__ void l2norm_vec_kernel(const T* __restrict__ x, long stride_m, const T* __restrict__ dy,
+                                  T* __restrict__ out, long rows, int H, int D) {
+  const long row = (long)blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
+  const int e0 = (threadIdx.x % 32) * VL;
+  if (row >= rows) return;
+  const bool on = e0 < D;
+  using P = Pack<T, VL>;
+  float v[VL] = {}, gv[VL] = {};
+  if (on) {
+    const P xp = *reinterpret_cast<const P*>(x + (row / H) * stride_m + (row % H) * (long)D + e0);
+#pragma unroll
+    for (int i = 0; i < VL; ++i) v[i] = to_f(xp.v[i]);
+    if (dy) {
+      const P gp = *reinterpret_cast<const P*>(dy + row * D + e0);
+#pragma unroll
+      for (int i = 0; i < VL; ++i) gv[i] = to_f(gp.v[i]);
+    }
+  }
+  float ss = 0.f, dot = 0.f;
+#pragma unroll
+  for (int i = 0; i < VL; ++i) {
+    ss += v[i] * v[i];
+    dot += v[i] * gv[i];
+  }
+  ss = warp_sum(ss);
+  const float r = rsqrtf(ss + 1e-6f);
+  if (dy) dot = warp_sum(dot);
+  const float r3dot = r * r * r * dot;
+  if (on) {
+    P o;
+#pragma unroll
+    for (int i = 0; i < VL; ++i) o.v[i] = from_f<T>(dy ? r * gv[i] - v[i] * r3dot : v[i] * r);
+    *reinterpret_cast<P*>(out + row * D + e0) = o;
+  }
+}
+
 // ---- host ----
 
 template <typename T>
@@ -491,10 +533,29 @@ void launch_l2(const at::Tensor& x, const at::Tensor& dy, const at::Tensor& out)
   const long rows = x.size(0) * x.size(1);
   if (rows == 0) return;
   constexpr int kWarps = 8;
-  l2norm_kernel<typename Cuda<T>::type><<<(unsigned)((rows + kWarps - 1) / kWarps), 32 * kWarps, 0,
-                                          at::cuda::getCurrentCUDAStream()>>>(
-      ptr<T>(x), (long)x.stride(0), dy.defined() ? ptr<T>(dy) : nullptr, ptr<T>(out), rows, (int)x.size(1),
-      (int)x.size(2));
+  using CT = typename Cuda<T>::type;
+  const int D = (int)x.size(2);
+  const dim3 grid((unsigned)((rows + kWarps - 1) / kWarps));
+  auto stream = at::cuda::getCurrentCUDAStream();
+  // a lane's VL elements as one access when every row start is a multiple of VL elements and aligned
+  auto fits = [&](int vl) {
+    const uintptr_t bytes = (uintptr_t)vl * sizeof(CT);
+    auto al = [&](const at::Tensor& t) {
+      return !t.defined() || reinterpret_cast<uintptr_t>(t.data_ptr()) % bytes == 0;
+    };
+    return D % vl == 0 && D <= 32 * vl && x.stride(0) % vl == 0 && al(x) && al(dy) && al(out);
+  };
+  const CT* dyp = dy.defined() ? ptr<T>(dy) : nullptr;
+  if (D <= 128 && fits(4)) {
+    l2norm_vec_kernel<CT, 4><<<grid, 32 * kWarps, 0, stream>>>(ptr<T>(x), (long)x.stride(0), dyp, ptr<T>(out), rows,
+                                                               (int)x.size(1), D);
+  } else if (D <= 256 && fits(8)) {
+    l2norm_vec_kernel<CT, 8><<<grid, 32 * kWarps, 0, stream>>>(ptr<T>(x), (long)x.stride(0), dyp, ptr<T>(out), rows,
+                                                               (int)x.size(1), D);
+  } else {
+    l2norm_kernel<CT><<<grid, 32 * kWarps, 0, stream>>>(ptr<T>(x), (long)x.stride(0), dyp, ptr<T>(out), rows,
+                                                        (int)x.size(1), D);
+  }
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
