@@ -16,7 +16,8 @@
 //      dz = dy · (x·rstd·w) · silu'(z),   dx = rstd·g·w − x·rstd³·mean(g·w·x),   dw = Σ_rows g·x·rstd.
 //    Each thread keeps its columns' w and partial dw in registers; group p writes its partial dw to
 //    row p of a [P, D] fp32 buffer, and carry_reduce::column_sum (kernel_reduce.cuh) adds the P
-//    partials in a fixed order (no atomics; P depends only on N and D: bitwise reproducible).
+//    partials in a fixed order (no atomics; P depends on N, D and the kernel's registers, not on the
+//    device: bitwise reproducible).
 //    HBM: N·D·(|dy| + |x| + |dx| [+ 2|z|]) + 8·P·D bytes.
 //  swiglu_fwd_kernel / swiglu_bwd_kernel: elementwise over [N, H] rows with their own strides
 //    (a and b may be the two halves of one [N, 2H] tensor, and so may da and db).
