@@ -264,6 +264,24 @@ __device__ __forceinline__ float warp_sum(float v) {
   return v;
 }
 
+// The L2 norm on this lane's N values v of a row (g: their incoming gradient, zeros in the forward), the
+// row's sums over the warp, in i order within the lane: o = y = v·r (forward) or dx = r·g − v·r³·(g·v).
+template <int N>
+__device__ __forceinline__ void l2_lane(const float (&v)[N], const float (&g)[N], bool bwd, float (&o)[N]) {
+  float ss = 0.f, dot = 0.f;
+#pragma unroll
+  for (int i = 0; i < N; ++i) {
+    ss += v[i] * v[i];
+    dot += v[i] * g[i];
+  }
+  ss = warp_sum(ss);
+  const float r = rsqrtf(ss + 1e-6f);
+  if (bwd) dot = warp_sum(dot);
+  const float r3dot = r * r * r * dot;
+#pragma unroll
+  for (int i = 0; i < N; ++i) o[i] = bwd ? r * g[i] - v[i] * r3dot : v[i] * r;
+}
+
 // One warp a row (m, h); dy == nullptr: forward (y = x·r), else backward (dx = r·dy − x·r³·(dy·x)).
 template <typename T>
 __global__ void l2norm_kernel(const T* __restrict__ x, long stride_m, const T* __restrict__ dy, T* __restrict__ out,
@@ -272,24 +290,18 @@ __global__ void l2norm_kernel(const T* __restrict__ x, long stride_m, const T* _
   const int lane = threadIdx.x % 32;
   if (row >= rows) return;
   const T* xr = x + (row / H) * stride_m + (row % H) * (long)D;
-  float v[kMaxD / 32], gv[kMaxD / 32];
-  float ss = 0.f, dot = 0.f;
+  float v[kMaxD / 32], gv[kMaxD / 32], o[kMaxD / 32];
 #pragma unroll
   for (int i = 0; i < kMaxD / 32; ++i) {
     const int e = lane + 32 * i;
     v[i] = e < D ? to_f(xr[e]) : 0.f;
     gv[i] = dy && e < D ? to_f(dy[row * D + e]) : 0.f;
-    ss += v[i] * v[i];
-    dot += v[i] * gv[i];
   }
-  ss = warp_sum(ss);
-  const float r = rsqrtf(ss + 1e-6f);
-  if (dy) dot = warp_sum(dot);
-  const float r3dot = r * r * r * dot;
+  l2_lane(v, gv, dy != nullptr, o);
 #pragma unroll
   for (int i = 0; i < kMaxD / 32; ++i) {
     const int e = lane + 32 * i;
-    if (e < D) out[row * D + e] = from_f<T>(dy ? r * gv[i] - v[i] * r3dot : v[i] * r);
+    if (e < D) out[row * D + e] = from_f<T>(o[i]);
   }
 }
 
@@ -305,7 +317,7 @@ __global__ void l2norm_vec_kernel(const T* __restrict__ x, long stride_m, const 
   if (row >= rows) return;
   const bool on = e0 < D;
   using P = Pack<T, VL>;
-  float v[VL] = {}, gv[VL] = {};
+  float v[VL] = {}, gv[VL] = {}, o[VL];
   if (on) {
     const P xp = *reinterpret_cast<const P*>(x + (row / H) * stride_m + (row % H) * (long)D + e0);
 #pragma unroll
@@ -316,21 +328,12 @@ __global__ void l2norm_vec_kernel(const T* __restrict__ x, long stride_m, const 
       for (int i = 0; i < VL; ++i) gv[i] = to_f(gp.v[i]);
     }
   }
-  float ss = 0.f, dot = 0.f;
-#pragma unroll
-  for (int i = 0; i < VL; ++i) {
-    ss += v[i] * v[i];
-    dot += v[i] * gv[i];
-  }
-  ss = warp_sum(ss);
-  const float r = rsqrtf(ss + 1e-6f);
-  if (dy) dot = warp_sum(dot);
-  const float r3dot = r * r * r * dot;
+  l2_lane(v, gv, dy != nullptr, o);
   if (on) {
-    P o;
+    P po;
 #pragma unroll
-    for (int i = 0; i < VL; ++i) o.v[i] = from_f<T>(dy ? r * gv[i] - v[i] * r3dot : v[i] * r);
-    *reinterpret_cast<P*>(out + row * D + e0) = o;
+    for (int i = 0; i < VL; ++i) po.v[i] = from_f<T>(o[i]);
+    *reinterpret_cast<P*>(out + row * D + e0) = po;
   }
 }
 
