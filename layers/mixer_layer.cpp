@@ -391,10 +391,10 @@ MixerInputs MixerLayer::mixer_inputs(const Tensor& x, const MixerLayerContext& c
 
 MixerLayerOutput MixerLayer::forward(const Tensor& x, const State& initial_state,
                                      const MixerLayerContext& ctx) const {
-  // Whether the core will run a kernel form on bf16 inputs (CUDA, autocast, no ATen summarizing pass):
-  // then the convolutions write q, k, v in bf16 (what the kernel would cast them to).
-  const bool kernel_bf16 = x.is_cuda() && autocast_active_for(x) && (!ctx.run_mixer || ctx.serial_states) &&
-                           mixer_->has_kernel() && fused_ops_enabled();
+  // Whether the core will run a kernel form on bf16 inputs (CUDA, autocast): then the convolutions write
+  // q, k, v in bf16 (what the kernel would cast them to). The scans of every mode run the kernel form
+  // too (the delta rule's summary is two kernel forwards; the ATen summaries cast their inputs up).
+  const bool kernel_bf16 = x.is_cuda() && autocast_active_for(x) && mixer_->has_kernel() && fused_ops_enabled();
   auto p = project(x, ctx, kernel_bf16);
   const int64_t B = x.size(0), T = x.size(1);
   auto opt = mixer_options(T, ctx);
@@ -427,9 +427,11 @@ MixerLayerOutput MixerLayer::forward(const Tensor& x, const State& initial_state
     State s0 = initial_state;
     if (autocast_active_for(x)) {
       fp32.emplace();
-      // The kernel forms take bf16 and fp32 alike, so the form is known before any cast. The tree and
-      // allgather scans also summarize the slice with the ATen forms, which want fp32 inputs.
-      const bool kernel = (!ctx.run_mixer || ctx.serial_states) && mixer_->resolve_form(in, opt) == Form::kernel;
+      // The kernel forms take bf16 and fp32 alike, so the form is known before any cast. With a kernel
+      // form the tree and allgather scans get the same bf16 inputs as the ordered one (an fp32 copy ran
+      // the kernels' fp32 path, several times slower): the decay class's one pass and the delta rule's
+      // summary run the kernel form, and the ATen summaries cast their inputs up themselves.
+      const bool kernel = mixer_->resolve_form(in, opt) == Form::kernel;
       in = kernel ? kernel_precision(in) : full_precision(in);
       s0 = full_precision(s0);
     }

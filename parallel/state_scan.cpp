@@ -861,7 +861,11 @@ MixerOutput sp_mixer_forward(const Mixer& mixer, Communicator& sp, const MixerIn
         s_in = hg.s_in;
       }
       MixerOutput out = *from_zero;
-      out.o = out.o + mixer.state_output(src, s_in, lopt).to(out.o.scalar_type());
+      // In the wider of the two dtypes: a kernel form's bf16 output plus S_in's fp32 share is not
+      // rounded to bf16 a second time here (the layer's output projection rounds it once).
+      Tensor share = mixer.state_output(src, s_in, lopt);
+      const auto dt = at::promote_types(out.o.scalar_type(), share.scalar_type());
+      out.o = out.o.to(dt) + share.to(dt);
       out.final_state = mixer.apply(Summary{transport, out.final_state}, s_in);
       if (wants_grad) hg.o = out.o, hg.s_out = out.final_state;
       outs.push_back(out);

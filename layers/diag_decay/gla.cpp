@@ -8,6 +8,7 @@
 #include "layers/diag_decay/gla.h"
 
 #include "layers/common/layout.h"
+#include "layers/precision.h"
 #ifdef CARRY_WITH_CUDA
 #include "layers/common/kernel_decay_op.h"
 #endif
@@ -88,7 +89,9 @@ MixerOutput DiagonalDecayMixer::chunkwise(const MixerInputs& in, const State& in
   return {r.o, {r.S}};
 }
 
-Summary DiagonalDecayMixer::summarize(const MixerInputs& in, const MixerOptions& opt) const {
+// The ATen form: bf16 inputs (a kernel form's, under autocast) cast up first.
+Summary DiagonalDecayMixer::summarize(const MixerInputs& raw, const MixerOptions& opt) const {
+  const MixerInputs in = full_precision(raw);
   check(in, opt, true);
   auto r = diag_decay_chunkwise(in.q, in.k, in.v, in.gk, initial(in, {}), opt.chunk_size,
                                 output_scale(in, opt));

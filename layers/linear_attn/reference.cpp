@@ -6,6 +6,7 @@
 #include "layers/linear_attn/linear_attn.h"
 
 #include "layers/common/layout.h"
+#include "layers/precision.h"
 #ifdef CARRY_WITH_CUDA
 #include "layers/common/kernel_decay_op.h"
 #endif
@@ -114,8 +115,9 @@ class LinearAttention final : public Mixer {
   }
 #endif
 
+  // The ATen form: bf16 inputs (a kernel form's, under autocast) cast up first.
   Summary summarize(const MixerInputs& in, const MixerOptions& opt) const override {
-    auto out = chunkwise(in, {}, opt);
+    auto out = chunkwise(full_precision(in), {}, opt);
     return {{}, out.final_state};
   }
   Summary compose(const Summary& a, const Summary& b) const override {

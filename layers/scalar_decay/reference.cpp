@@ -5,6 +5,7 @@
 // (Q Kᵀ ⊙ exp(G_t − G_s))·V (masked before exp), inter-chunk exp(G_t)·q_tᵀ S_in, then
 // S_out = exp(G_C)·S_in + Σ_s exp(G_C − G_s) k_s v_sᵀ.
 #include "layers/common/layout.h"
+#include "layers/precision.h"
 #ifdef CARRY_WITH_CUDA
 #include "layers/common/kernel_decay_op.h"
 #endif
@@ -72,8 +73,9 @@ class ScalarDecay final : public Mixer {
 #endif
 
   // transport {a [B,H]}: S_out = a·S_in + S.
+  // The ATen form: bf16 inputs (a kernel form's, under autocast) cast up first.
   Summary summarize(const MixerInputs& in, const MixerOptions& opt) const override {
-    auto out = chunkwise(in, {}, opt);
+    auto out = chunkwise(full_precision(in), {}, opt);
     return {transport(in, opt), out.final_state};
   }
   Summary compose(const Summary& x, const Summary& y) const override {

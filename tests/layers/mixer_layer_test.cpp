@@ -5,6 +5,7 @@
 // inputs are refused with clear messages.
 #include "layers/mixer_layer.h"
 
+#include "layers/common/device.h"
 #include "layers/common/layout.h"
 #include "layers/precision.h"
 
@@ -132,6 +133,60 @@ TEST(MixerLayer, AutocastRunsTheCoreInFp32) {
     std::printf("[ errors   ] mixer layer %-36s bf16 autocast vs fp32: %.2e\n", case_name(c).c_str(), e);
     EXPECT_LE(e, 5e-2) << case_name(c);
     EXPECT_GT(e, 0) << case_name(c) << ": autocast changed nothing";
+  }
+}
+
+// On CUDA under bf16 autocast a slice context's core (run_mixer: the tree, allgather and ordered scans)
+// gets what the layer's own kernel call gets: q, k, v in bf16, the gates in fp32. Until this test an
+// fp32 copy went to the scans that summarize, and the kernels' fp32 path ran several times slower.
+// The layer through a run_mixer that calls the family's forward equals the layer without one, bit for
+// bit, outputs and gradients. Skips itself without a GPU.
+TEST(MixerLayer, ScanContextsGetTheKernelInputsUnderAutocast) {
+  if (cuda_device_count() == 0) GTEST_SKIP() << "no CUDA device: GPU tests skipped";
+  for (const char* kind : {"gated_deltanet", "deltanet", "gla", "mamba2", "retnet", "linear_attn"}) {
+    MixerLayerSpec spec;
+    spec.kind = kind;
+    spec.d_model = 128, spec.n_heads = 2, spec.head_dim_k = 64, spec.head_dim_v = 64, spec.chunk_size = 64;
+    spec.conv_size = 4;
+    spec.n_layers = 2;
+    ParameterInit init(7, at::TensorOptions().dtype(at::kFloat).device(at::kCUDA));
+    MixerLayer layer(spec, init);
+    auto x0 = at::randn({1, 256, spec.d_model}, at::make_generator<at::CPUGeneratorImpl>(3), at::kFloat).to(at::kCUDA);
+    auto r = at::randn({1, 256, spec.d_model}, at::make_generator<at::CPUGeneratorImpl>(4), at::kFloat).to(at::kCUDA);
+    std::vector<at::ScalarType> seen;
+    auto run = [&](bool through_context) {
+      MixerLayerContext ctx;
+      if (through_context)
+        ctx.run_mixer = [&](const Mixer& m, const MixerInputs& in, const State& st, const MixerOptions& o) {
+          for (auto& n : m.input_names()) seen.push_back(in.get(n).scalar_type());
+          return m.forward(in, st, o);
+        };
+      auto x = x0.detach().requires_grad_(true);
+      Tensor y;
+      {
+        AutocastScope autocast(at::kCUDA, at::kBFloat16);
+        y = layer.forward(x, {}, ctx).y;
+      }
+      (y.to(at::kFloat) * r).sum().backward();
+      std::vector<Tensor> out{y.detach(), x.grad()};
+      for (auto& [name, p] : layer.parameters()) {
+        out.push_back(p.grad().defined() ? p.grad().clone() : Tensor());
+        if (p.grad().defined()) p.mutable_grad() = Tensor();
+      }
+      return out;
+    };
+    auto plain = run(false), routed = run(true);
+    ASSERT_FALSE(seen.empty()) << kind;
+    for (size_t i = 0; i < seen.size(); ++i) {
+      const auto& names = layer.mixer().input_names();
+      const auto& n = names[i % names.size()];
+      const auto want = MixerInputs::is_gate(n) ? at::kFloat : at::kBFloat16;
+      EXPECT_EQ(seen[i], want) << kind << ": input " << n;
+    }
+    for (size_t i = 0; i < plain.size(); ++i) {
+      ASSERT_EQ(plain[i].defined(), routed[i].defined()) << kind << " output " << i;
+      if (plain[i].defined()) EXPECT_TRUE(at::equal(plain[i], routed[i])) << kind << " output " << i;
+    }
   }
 }
 
