@@ -23,6 +23,7 @@
 
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -159,15 +160,20 @@ class Mixer {
   // apply({transport, final state from zeros}, S_in). Both differentiable in the inputs and S_in.
   // has_state_output false (the default): the scan summarizes the slice, then runs it again from S_in.
   virtual bool has_state_output(const MixerInputs& in, const MixerOptions& opt) const { return false; }
+  // The summary of a slice whose final state is `s` whatever state comes in (the zero transport), for
+  // families without state_output: the tree and allgather scans give it to the two ranks whose
+  // transport no rank reads (rank 0, from its own run from the initial state; the last rank), so those
+  // skip the summarizing passes. nullopt (the default): every rank summarizes.
+  virtual std::optional<Summary> fixed_summary(const MixerInputs& in, const State& s) const { return std::nullopt; }
   virtual Tensor state_output(const MixerInputs& in, const State& s_in, const MixerOptions& opt) const;
   virtual std::vector<Tensor> transport(const MixerInputs& in, const MixerOptions& opt) const;
 };
 
-// scale·(q_t ⊙ e^{c_t})·S per batch and head, the decay class's state_output: q [B,T,H,dk]; c the log
-// decay cumulated from the slice's start through token t, [B,T,H] (a scalar decay) or [B,T,H,dk] (a
-// decay per key dimension), undefined for none; S [B,H,dk,dv]. Returns [B,T,H,dv] in the wider of
-// q's and S's dtypes.
-Tensor decayed_state_readout(const Tensor& q, const Tensor& c, const Tensor& S, double scale);
+// scale·(q_t ⊙ e^{c_t})·S per batch and head, the decay class's state_output: q [B,T,H,dk]; g the log
+// decay of each token, [B,T,H] (a scalar decay) or [B,T,H,dk] (a decay per key dimension), undefined
+// for none, and c_t = Σ_{u ≤ t} g_u from the slice's start; S [B,H,dk,dv]. Returns [B,T,H,dv] in the
+// wider of q's and S's dtypes.
+Tensor decayed_state_readout(const Tensor& q, const Tensor& g, const Tensor& S, double scale);
 
 // Packed documents for every family, generically: per sequence, each piece between document starts
 // runs on its own, from the zero state when it starts a document (the first piece, when the slice does

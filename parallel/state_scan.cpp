@@ -506,6 +506,7 @@ class ScanBackward final : public torch::autograd::Node {
       State direct_g = G > 1 ? heads_of(direct, 1, gi, n) : direct;
       // Λ_{r+1}: the gradient at the state leaving this rank, from the ranks after it.
       State lambda_next;
+      std::optional<variable_list> done;  // the last rank's gradients, when one vjp gave them all
       if (c->mode == ScanMode::ordered) {
         if (r < P - 1) {
           CommContext ctx(c->what + ": ordered backward, state gradient of head group " +
@@ -515,8 +516,21 @@ class ScanBackward final : public torch::autograd::Node {
         }
       } else {
         TORCH_INTERNAL_ASSERT(G == 1, "only the ordered scan groups heads");
-        // g_r: the gradient at S_in of this rank's own outputs and direct final-state gradient.
-        State g = local_vjp(hg, d_o_g, direct_g, hg.s_in, /*retain=*/true);
+        // g_r: the gradient at S_in of this rank's own outputs and direct final-state gradient. No rank
+        // reads rank 0's (there is none before it: zeros go in its place). The last rank's Λ_{r+1} is
+        // zero, so the one vjp with (d_o, direct) gives its g_r and every other gradient at once; the
+        // ranks between take g_r first (a second pass through the local backward).
+        State g;
+        if (r == 0) {
+          g = zeros_like_state(hg.s_in);
+        } else if (r == P - 1) {
+          variable_list all = hg.leaves;
+          all.insert(all.end(), hg.s_in.begin(), hg.s_in.end());
+          done = local_vjp(hg, d_o_g, direct_g, all, /*retain=*/false);
+          g.assign(done->end() - hg.s_in.size(), done->end());
+        } else {
+          g = local_vjp(hg, d_o_g, direct_g, hg.s_in, /*retain=*/true);
+        }
         lambda_next =
             c->mode == ScanMode::tree ? reverse_tree_scan(*c, g) : reverse_allgather(*c, g);
       }
@@ -524,7 +538,7 @@ class ScanBackward final : public torch::autograd::Node {
 
       variable_list inputs = hg.leaves;
       inputs.insert(inputs.end(), hg.s_in.begin(), hg.s_in.end());
-      auto g = local_vjp(hg, d_o_g, d_s_out, inputs, /*retain=*/false);
+      auto g = done ? std::move(*done) : local_vjp(hg, d_o_g, d_s_out, inputs, /*retain=*/false);
       State d_s_in_g(g.end() - hg.s_in.size(), g.end());
       if (c->mode == ScanMode::ordered && r > 0) {
         if (!(hg.grad_sent && *hg.grad_sent)) {
@@ -783,6 +797,14 @@ MixerOutput sp_mixer_forward(const Mixer& mixer, Communicator& sp, const MixerIn
     // (state_output) and of the final state (apply with the transport computed from the inputs) is
     // added. Otherwise the slice is summarized, then run again from its S_in.
     const bool one_pass = !c->algebra.resets && mixer.has_state_output(in, lopt);
+    // Otherwise, with a fixed summary (Mixer::fixed_summary) the two end ranks skip the summarizing
+    // passes: rank 0's summary, its initial state folded in, is the constant map to the final state of
+    // its own run (so that run comes first, and is its output); the last rank's summary is read by no
+    // rank (its transport would only act on the zero gradient after the sequence's end, its state on
+    // nothing), so it sends a placeholder of the right shapes.
+    std::optional<MixerOutput> early;  // rank 0's local forward, run before the scan
+    const bool end_rank = P > 1 && (r == 0 || r == P - 1) && !one_pass && !c->algebra.resets &&
+                          mixer.fixed_summary(det, zero).has_value();
     std::optional<MixerOutput> from_zero;
     std::vector<Tensor> transport;  // one pass: the slice's transport, from the inputs
     MixerInputs src = det;          // one pass: the inputs both parts read (with autograd, their leaves)
@@ -797,9 +819,18 @@ MixerOutput sp_mixer_forward(const Mixer& mixer, Communicator& sp, const MixerIn
     {
       at::NoGradGuard no_grad;
       const Algebra& alg = c->algebra;
-      Summary mine = one_pass ? Summary{detached(transport), detached(from_zero->final_state)}
-                              : alg.summarize(det, lopt, zero);
-      if (r == 0 && !init.empty()) mine.state = alg.apply(mine, init_det);  // fold S_init in
+      Summary mine;
+      if (one_pass) {
+        mine = Summary{detached(transport), detached(from_zero->final_state)};
+      } else if (end_rank && r == 0) {
+        early = local_forward(0, init_det);  // with autograd where wanted (local_forward's own mode)
+        mine = *mixer.fixed_summary(det, detached(early->final_state));
+      } else if (end_rank) {
+        mine = *mixer.fixed_summary(det, zero);
+      } else {
+        mine = alg.summarize(det, lopt, zero);
+      }
+      if (r == 0 && !init.empty() && !early) mine.state = alg.apply(mine, init_det);  // fold S_init in
       mine = detached(mine);
       auto dev = at::TensorOptions().device(zero.empty() ? at::Device(at::kCPU) : zero[0].device());
       std::optional<Summary> prefix;  // ranks 0..r-1
@@ -850,7 +881,9 @@ MixerOutput sp_mixer_forward(const Mixer& mixer, Communicator& sp, const MixerIn
       s_in = r == 0 ? init_det : detached(prefix->state);
       c->summary = mine;
     }
-    if (!one_pass) {
+    if (early) {
+      outs.push_back(*early);
+    } else if (!one_pass) {
       outs.push_back(local_forward(0, s_in));
     } else {
       // S_in's share added to the run from zero; with autograd S_in is a leaf of the local graph.

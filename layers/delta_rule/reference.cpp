@@ -183,6 +183,13 @@ class DeltaRule : public Mixer {
     return {{A}, {S}};
   }
 
+  // transport zero: S_out = s whatever comes in.
+  std::optional<Summary> fixed_summary(const MixerInputs& in, const State& s) const override {
+    TORCH_CHECK(s.size() == 1 && s[0].defined() && s[0].dim() == 4, name(), ": fixed_summary expects a state {S}");
+    const int64_t dk = s[0].size(2);
+    return Summary{{at::zeros({s[0].size(0), s[0].size(1), dk, dk}, s[0].options())}, {s[0]}};
+  }
+
   Summary compose(const Summary& first, const Summary& second) const override {
     check_summary(first, "first");
     check_summary(second, "second");

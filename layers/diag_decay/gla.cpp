@@ -99,7 +99,7 @@ Summary DiagonalDecayMixer::summarize(const MixerInputs& raw, const MixerOptions
 }
 
 Tensor DiagonalDecayMixer::state_output(const MixerInputs& in, const State& s_in, const MixerOptions& opt) const {
-  return decayed_state_readout(in.q, in.gk.cumsum(1), s_in.at(0), output_scale(in, opt));
+  return decayed_state_readout(in.q, in.gk, s_in.at(0), output_scale(in, opt));
 }
 
 std::vector<Tensor> DiagonalDecayMixer::transport(const MixerInputs& in, const MixerOptions&) const {

@@ -88,7 +88,7 @@ class ScalarDecay final : public Mixer {
   // S_in reaches token t decayed by e^{c_t}, c_t = Σ_{u ≤ t} g_u over the slice.
   bool has_state_output(const MixerInputs&, const MixerOptions&) const override { return true; }
   Tensor state_output(const MixerInputs& in, const State& s_in, const MixerOptions& opt) const override {
-    return decayed_state_readout(in.q, in.g.cumsum(1), s_in.at(0), opt.scale_for(in.q.size(3)));
+    return decayed_state_readout(in.q, in.g, s_in.at(0), opt.scale_for(in.q.size(3)));
   }
   std::vector<Tensor> transport(const MixerInputs& in, const MixerOptions&) const override {
     return {at::exp(in.g.sum(1))};
