@@ -145,8 +145,9 @@ class CudaEvent {
 class NcclCommunicator final : public Communicator {
  public:
   NcclCommunicator(ncclComm_t comm, int rank, int size, int device, std::vector<int> world_ranks,
-                   CommOptions opt)
-      : comm_(comm),
+                   CommOptions opt, std::shared_ptr<Communicator> host)
+      : host_(std::move(host)),
+        comm_(comm),
         rank_(rank),
         size_(size),
         device_(device),
@@ -189,6 +190,17 @@ class NcclCommunicator final : public Communicator {
 
   void send_recv(const Tensor& out, int dst, Tensor& in, int src, int tag) override {
     NvtxRange range("send_recv " + opt_.name);
+    // Host tensors (the lengths and headers of packed messages: the tree scan's summaries) go over the
+    // MPI communicator on the host. Through NCCL they were copied to the GPU and back, and the copy
+    // back waited for everything the caller's stream had queued: the host stopped running ahead of the
+    // GPU at every such message (a kernels-only trace of GLA 125M's tree scan at sp = 2: a quarter of
+    // the step idle).
+    if ((dst < 0 || out.device().is_cpu()) && (src < 0 || in.device().is_cpu())) {
+      if (dst >= 0) check_peer(dst, "send");
+      if (src >= 0) check_peer(src, "recv");
+      host_->send_recv(out, dst, in, src, tag);
+      return;
+    }
     std::string op;
     std::vector<int> peers;
     Tensor sbuf, rbuf;
@@ -227,6 +239,7 @@ class NcclCommunicator final : public Communicator {
 
   std::vector<Tensor> all_gather(const Tensor& t) override {
     NvtxRange range("all_gather " + opt_.name);
+    if (t.device().is_cpu()) return host_->all_gather(t);  // on the host, as send_recv's host tensors
     Tensor buf = on_device(t);
     auto sizes = t.sizes().vec();
     sizes.insert(sizes.begin(), size_);
@@ -470,6 +483,7 @@ class NcclCommunicator final : public Communicator {
 
   [[noreturn]] void fail(const std::string& msg) const { detail::comm_fail(*this, msg); }
 
+  std::shared_ptr<Communicator> host_;  // MPI over the same ranks: the messages of host tensors
   ncclComm_t comm_;
   int rank_, size_, device_;
   std::vector<int> world_ranks_;
@@ -549,8 +563,9 @@ std::shared_ptr<Communicator> make_nccl_communicator(MPI_Comm comm, int device, 
         *boot, detail::comm_error_message(*boot, "NCCL communicator initialization", {},
                                           std::string("NCCL error: ") + nccl().GetErrorString(st)));
   }
+  // The bootstrap communicator stays: host tensors' messages go over it (NcclCommunicator::send_recv).
   return std::make_shared<NcclCommunicator>(c, boot->rank(), boot->size(), device,
-                                            std::move(world_ranks), std::move(opt));
+                                            std::move(world_ranks), std::move(opt), boot);
 }
 
 }  // namespace carry::parallel
