@@ -803,8 +803,10 @@ MixerOutput sp_mixer_forward(const Mixer& mixer, Communicator& sp, const MixerIn
     // rank (its transport would only act on the zero gradient after the sequence's end, its state on
     // nothing), so it sends a placeholder of the right shapes.
     std::optional<MixerOutput> early;  // rank 0's local forward, run before the scan
-    const bool end_rank = P > 1 && (r == 0 || r == P - 1) && !one_pass && !c->algebra.resets &&
-                          mixer.fixed_summary(det, zero).has_value();
+    const std::optional<Summary> placeholder = P > 1 && (r == 0 || r == P - 1) && !one_pass && !c->algebra.resets
+                                                   ? mixer.fixed_summary(det, zero)
+                                                   : std::nullopt;
+    const bool end_rank = placeholder.has_value();
     std::optional<MixerOutput> from_zero;
     std::vector<Tensor> transport;  // one pass: the slice's transport, from the inputs
     MixerInputs src = det;          // one pass: the inputs both parts read (with autograd, their leaves)
@@ -826,7 +828,7 @@ MixerOutput sp_mixer_forward(const Mixer& mixer, Communicator& sp, const MixerIn
         early = local_forward(0, init_det);  // with autograd where wanted (local_forward's own mode)
         mine = *mixer.fixed_summary(det, detached(early->final_state));
       } else if (end_rank) {
-        mine = *mixer.fixed_summary(det, zero);
+        mine = *placeholder;
       } else {
         mine = alg.summarize(det, lopt, zero);
       }
