@@ -191,6 +191,9 @@ Tensor Mixer::state_output(const MixerInputs&, const State&, const MixerOptions&
 std::vector<Tensor> Mixer::transport(const MixerInputs&, const MixerOptions&) const {
   TORCH_CHECK(false, name(), " has no transport computed from the inputs alone (has_state_output)");
 }
+Mixer::StateReadout Mixer::state_readout(const MixerInputs& in, const MixerOptions& opt) const {
+  return {transport(in, opt), [this, in, opt](const State& s_in) { return state_output(in, s_in, opt); }};
+}
 
 Tensor decayed_state_readout(const Tensor& q, const Tensor& g, const Tensor& S, double scale) {
   const auto dt = at::promote_types(q.scalar_type(), S.scalar_type());

@@ -160,13 +160,24 @@ class Mixer {
   // apply({transport, final state from zeros}, S_in). Both differentiable in the inputs and S_in.
   // has_state_output false (the default): the scan summarizes the slice, then runs it again from S_in.
   virtual bool has_state_output(const MixerInputs& in, const MixerOptions& opt) const { return false; }
-  // The summary of a slice whose final state is `s` whatever state comes in (the zero transport), for
-  // families without state_output: the tree and allgather scans give it to the two ranks whose
-  // transport no rank reads (rank 0, from its own run from the initial state; the last rank), so those
-  // skip the summarizing passes. nullopt (the default): every rank summarizes.
+  // The summary of a slice whose final state is `s`, for the two ranks of the tree and allgather scans
+  // whose transport no rank reads: rank 0 (always the first of a composition, whose transport drops
+  // out of every composed state; its summary is `s` from its own run from the initial state) and the
+  // last rank (read by no rank). Those two then skip the summarizing passes (and the one-pass share):
+  // rank 0 runs once from the initial state, the last rank once from its S_in. A family gives its zero
+  // transport where it has one (then the summary is the constant map to `s`), else any of the right
+  // shapes (linear attention's identity). nullopt (the default): every rank summarizes.
   virtual std::optional<Summary> fixed_summary(const MixerInputs& in, const State& s) const { return std::nullopt; }
   virtual Tensor state_output(const MixerInputs& in, const State& s_in, const MixerOptions& opt) const;
   virtual std::vector<Tensor> transport(const MixerInputs& in, const MixerOptions& opt) const;
+  // Both of the above from one look at the inputs: the transport, and S_in ↦ S_in's share of the
+  // output. The default calls transport() and state_output(); a family whose two come from one pass
+  // (the delta rule's run from the identity) overrides it, so the one-pass scan runs that pass once.
+  struct StateReadout {
+    std::vector<Tensor> transport;
+    std::function<Tensor(const State&)> share;
+  };
+  virtual StateReadout state_readout(const MixerInputs& in, const MixerOptions& opt) const;
 };
 
 // scale·(q_t ⊙ e^{c_t})·S per batch and head, the decay class's state_output: q [B,T,H,dk]; g the log

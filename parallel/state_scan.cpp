@@ -792,29 +792,31 @@ MixerOutput sp_mixer_forward(const Mixer& mixer, Communicator& sp, const MixerIn
       outs.push_back(local_forward(gi, s_in, send_on, send_back));
     }
   } else {
-    // One pass (families with Mixer::state_output, no document resets): the slice runs once from the
-    // zero state, which gives the summary's state; after the scan, S_in's share of the output
-    // (state_output) and of the final state (apply with the transport computed from the inputs) is
-    // added. Otherwise the slice is summarized, then run again from its S_in.
-    const bool one_pass = !c->algebra.resets && mixer.has_state_output(in, lopt);
-    // Otherwise, with a fixed summary (Mixer::fixed_summary) the two end ranks skip the summarizing
-    // passes: rank 0's summary, its initial state folded in, is the constant map to the final state of
-    // its own run (so that run comes first, and is its output); the last rank's summary is read by no
-    // rank (its transport would only act on the zero gradient after the sequence's end, its state on
-    // nothing), so it sends a placeholder of the right shapes.
-    std::optional<MixerOutput> early;  // rank 0's local forward, run before the scan
-    const std::optional<Summary> placeholder = P > 1 && (r == 0 || r == P - 1) && !one_pass && !c->algebra.resets
+    // With a fixed summary (Mixer::fixed_summary) the two end ranks skip summarizing: rank 0's summary,
+    // its initial state folded in, is its own run's final state under a transport no rank reads (rank 0
+    // is the first of every composition), so that run comes first and is its output; the last rank's
+    // summary is read by no rank (its transport would only act on the zero gradient after the
+    // sequence's end, its state on nothing), so it sends a placeholder of the right shapes and runs once
+    // from its S_in after the scan.
+    const std::optional<Summary> placeholder = P > 1 && (r == 0 || r == P - 1) && !c->algebra.resets
                                                    ? mixer.fixed_summary(det, zero)
                                                    : std::nullopt;
     const bool end_rank = placeholder.has_value();
+    // Otherwise one pass (families with Mixer::state_output, no document resets): the slice runs from
+    // the zero state, which gives the summary's state, beside whatever else the readout needs (the
+    // delta rule's run from the identity); after the scan, S_in's share of the output and of the final
+    // state (apply with the transport) is added. Otherwise the slice is summarized, then run again
+    // from its S_in.
+    const bool one_pass = !end_rank && !c->algebra.resets && mixer.has_state_output(in, lopt);
+    std::optional<MixerOutput> early;  // rank 0's local forward, run before the scan
     std::optional<MixerOutput> from_zero;
-    std::vector<Tensor> transport;  // one pass: the slice's transport, from the inputs
-    MixerInputs src = det;          // one pass: the inputs both parts read (with autograd, their leaves)
+    std::optional<Mixer::StateReadout> readout;  // one pass: the slice's transport and S_in's share
+    MixerInputs src = det;                       // one pass: the inputs both parts read (with autograd, their leaves)
     if (one_pass) {
       at::AutoGradMode grad_mode(wants_grad);
       if (wants_grad) src = leaves_of(in, c->groups[0]);
       from_zero = mixer.forward(src, zero, lopt);
-      transport = mixer.transport(src, lopt);
+      readout = mixer.state_readout(src, lopt);
     }
     // S_in, outside autograd (its gradient is routed by our backward).
     State s_in;
@@ -823,7 +825,7 @@ MixerOutput sp_mixer_forward(const Mixer& mixer, Communicator& sp, const MixerIn
       const Algebra& alg = c->algebra;
       Summary mine;
       if (one_pass) {
-        mine = Summary{detached(transport), detached(from_zero->final_state)};
+        mine = Summary{detached(readout->transport), detached(from_zero->final_state)};
       } else if (end_rank && r == 0) {
         early = local_forward(0, init_det);  // with autograd where wanted (local_forward's own mode)
         mine = *mixer.fixed_summary(det, detached(early->final_state));
@@ -898,10 +900,10 @@ MixerOutput sp_mixer_forward(const Mixer& mixer, Communicator& sp, const MixerIn
       MixerOutput out = *from_zero;
       // In the wider of the two dtypes: a kernel form's bf16 output plus S_in's fp32 share is not
       // rounded to bf16 a second time here (the layer's output projection rounds it once).
-      Tensor share = mixer.state_output(src, s_in, lopt);
+      Tensor share = readout->share(s_in);
       const auto dt = at::promote_types(out.o.scalar_type(), share.scalar_type());
       out.o = out.o.to(dt) + share.to(dt);
-      out.final_state = mixer.apply(Summary{transport, out.final_state}, s_in);
+      out.final_state = mixer.apply(Summary{readout->transport, out.final_state}, s_in);
       if (wants_grad) hg.o = out.o, hg.s_out = out.final_state;
       outs.push_back(out);
     }

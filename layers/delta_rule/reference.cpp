@@ -168,19 +168,37 @@ class DeltaRule : public Mixer {
   // a chunk; the tree and allgather scans summarize with it).
   Summary summarize(const MixerInputs& in, const MixerOptions& opt) const override {
     check(in, opt, /*chunked=*/true);
-    MixerOptions plain = opt;  // a summary is of the slice as one piece (document starts are the scan's)
-    plain.document_starts = Tensor();
-    plain.document_offsets.clear();
-    plain.check_values = false;  // checked above, once
-    plain.on_final_state = nullptr;  // the summary's runs are not the caller's forward
-    plain.on_initial_state_grad = nullptr;
-    const int64_t B = in.q.size(0), T = in.q.size(1), H = in.q.size(2), dk = in.q.size(3);
-    MixerInputs writes_nothing = in;
-    writes_nothing.v = at::zeros({B, T, H, dk}, in.v.options());
-    Tensor eye = at::eye(dk, in.q.options().dtype(compute_dtype(in.q))).expand({B, H, dk, dk}).contiguous();
-    Tensor A = forward(writes_nothing, {eye}, plain).final_state[0];
+    const MixerOptions plain = plain_options(opt);
+    Tensor A = identity_run(in, plain).final_state[0];
     Tensor S = forward(in, {}, plain).final_state[0];
     return {{A}, {S}};
+  }
+
+  // The one-pass scans (ranks between the ends): the run from the identity with v = 0 gives, besides
+  // the transport A (its final state), every token's output row q̃_t = scale·(A_{≤t})ᵀq_t (A_{≤t} the
+  // transport up to the state token t reads), and the output is linear in S_in through them:
+  // forward(in, S_in).o_t = forward(in, 0).o_t + S_inᵀq̃_t. So such a rank runs the slice twice from
+  // the start (from zero, from the identity), both at once, instead of summarizing twice and running
+  // again after the scan.
+  bool has_state_output(const MixerInputs&, const MixerOptions&) const override { return true; }
+  std::vector<Tensor> transport(const MixerInputs& in, const MixerOptions& opt) const override {
+    return state_readout(in, opt).transport;
+  }
+  Tensor state_output(const MixerInputs& in, const State& s_in, const MixerOptions& opt) const override {
+    return state_readout(in, opt).share(s_in);
+  }
+  StateReadout state_readout(const MixerInputs& in, const MixerOptions& opt) const override {
+    check(in, opt, /*chunked=*/true);
+    MixerOutput id = identity_run(in, plain_options(opt));
+    Tensor rows = id.o;  // [B,T,H,dk]: q̃
+    return {{id.final_state[0]}, [rows](const State& s_in) {
+              TORCH_CHECK(s_in.size() == 1 && s_in[0].defined() && s_in[0].dim() == 4 &&
+                              s_in[0].size(2) == rows.size(3),
+                          "delta rule: S_in's share expects a state {S [B,H,dk,dv]} with dk = ", rows.size(3));
+              const auto dt = at::promote_types(rows.scalar_type(), s_in[0].scalar_type());
+              // [B,H,T,dk]·[B,H,dk,dv] → [B,T,H,dv]
+              return at::matmul(rows.to(dt).transpose(1, 2), s_in[0].to(dt)).transpose(1, 2);
+            }};
   }
 
   // transport zero: S_out = s whatever comes in.
@@ -207,6 +225,27 @@ class DeltaRule : public Mixer {
 
  private:
   bool gated_;
+
+  // The options of a run that is not the caller's forward: the slice as one piece (document starts are
+  // the scan's), no hooks, values checked once by the caller.
+  static MixerOptions plain_options(const MixerOptions& opt) {
+    MixerOptions plain = opt;
+    plain.document_starts = Tensor();
+    plain.document_offsets.clear();
+    plain.check_values = false;
+    plain.on_final_state = nullptr;
+    plain.on_initial_state_grad = nullptr;
+    return plain;
+  }
+  // The slice run from the identity state [B,H,dk,dk] with v = 0: its final state is the slice's
+  // transport, its output q̃ (see state_readout).
+  MixerOutput identity_run(const MixerInputs& in, const MixerOptions& plain) const {
+    const int64_t B = in.q.size(0), T = in.q.size(1), H = in.q.size(2), dk = in.q.size(3);
+    MixerInputs writes_nothing = in;
+    writes_nothing.v = at::zeros({B, T, H, dk}, in.v.options());
+    Tensor eye = at::eye(dk, in.q.options().dtype(compute_dtype(in.q))).expand({B, H, dk, dk}).contiguous();
+    return forward(writes_nothing, {eye}, plain);
+  }
 
   // Chunked [B,H,N,C,·] views of the inputs in the compute dtype; g undefined for DeltaNet.
   struct Chunks {

@@ -106,6 +106,11 @@ std::vector<Tensor> DiagonalDecayMixer::transport(const MixerInputs& in, const M
   return {at::exp(in.gk.sum(1))};
 }
 
+std::optional<Summary> DiagonalDecayMixer::fixed_summary(const MixerInputs&, const State& s) const {
+  TORCH_CHECK(s.size() == 1 && s[0].defined() && s[0].dim() == 4, name(), ": fixed_summary expects a state {S}");
+  return Summary{{at::zeros({s[0].size(0), s[0].size(1), s[0].size(2)}, s[0].options())}, {s[0]}};
+}
+
 Summary DiagonalDecayMixer::compose(const Summary& a, const Summary& b) const {
   return diag_decay_compose(a, b);
 }

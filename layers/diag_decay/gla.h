@@ -46,6 +46,8 @@ class DiagonalDecayMixer : public Mixer {
   bool has_state_output(const MixerInputs&, const MixerOptions&) const override { return true; }
   Tensor state_output(const MixerInputs& in, const State& s_in, const MixerOptions& opt) const override;
   std::vector<Tensor> transport(const MixerInputs& in, const MixerOptions& opt) const override;
+  // transport zero: S_out = s whatever comes in.
+  std::optional<Summary> fixed_summary(const MixerInputs& in, const State& s) const override;
 
  protected:
   // The factor on q: GLA's scale (default 1/sqrt(dk)), 1 for Mamba-1.

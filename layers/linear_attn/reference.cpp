@@ -133,6 +133,12 @@ class LinearAttention final : public Mixer {
     return decayed_state_readout(in.q, Tensor(), s_in.at(0), opt.scale_for(in.q.size(3)));
   }
   std::vector<Tensor> transport(const MixerInputs&, const MixerOptions&) const override { return {}; }
+  // The identity is the only transport (no tensors): a summary of the end ranks' kind (Mixer::fixed_summary),
+  // whose transport no rank reads, is the state alone.
+  std::optional<Summary> fixed_summary(const MixerInputs&, const State& s) const override {
+    TORCH_CHECK(s.size() == 2 && s[0].defined() && s[1].defined(), name(), ": fixed_summary expects a state {S, z}");
+    return Summary{{}, s};
+  }
 
  private:
   std::pair<Tensor, Tensor> initial(const MixerInputs& in, const State& init) const {

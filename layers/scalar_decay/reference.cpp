@@ -93,6 +93,11 @@ class ScalarDecay final : public Mixer {
   std::vector<Tensor> transport(const MixerInputs& in, const MixerOptions&) const override {
     return {at::exp(in.g.sum(1))};
   }
+  // transport zero: S_out = s whatever comes in.
+  std::optional<Summary> fixed_summary(const MixerInputs&, const State& s) const override {
+    TORCH_CHECK(s.size() == 1 && s[0].defined() && s[0].dim() == 4, name(), ": fixed_summary expects a state {S}");
+    return Summary{{at::zeros({s[0].size(0), s[0].size(1)}, s[0].options())}, {s[0]}};
+  }
 
  private:
   Tensor initial(const MixerInputs& in, const State& init) const {

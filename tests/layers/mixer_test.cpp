@@ -152,9 +152,41 @@ TEST_P(MixerContract, StateOutputIsTheIncomingStatesShare) {
     ++checked;
   }
   const std::string n = m.name();
-  if (n == "scalar_decay" || n == "gla" || n == "mamba1" || n == "linear_attn")
+  if (n == "scalar_decay" || n == "gla" || n == "mamba1" || n == "linear_attn" || n == "deltanet" ||
+      n == "gated_deltanet")
     EXPECT_GE(checked, 1) << n << " has the one-pass form";
   if (n == "linear_attn") EXPECT_EQ(checked, 1) << "normalized linear attention is not linear in the state";
+}
+
+// Mixer::fixed_summary (the end ranks of the tree and allgather scans): its state is the given one
+// and its transport has the shapes of the family's own summaries (it is composed and sent like theirs);
+// where the family's transport can be zero, composing it after any summary gives the given state.
+TEST_P(MixerContract, FixedSummaryHasTheSummaryShapes) {
+  const Mixer& m = mixer();
+  if (!m.has_summary()) GTEST_SKIP() << m.name() << " has no recurrent state";
+  const int64_t C = 16;
+  Shape s;
+  s.T = 4 * C;
+  MixerOptions opt;
+  opt.chunk_size = C;
+  auto in = random_inputs(m, s, at::kDouble, 41);
+  auto st = random_state(m, in, opt, 42);
+  auto fixed = m.fixed_summary(in, st);
+  const std::string n = m.name();
+  const bool expected = n == "scalar_decay" || n == "gla" || n == "mamba1" || n == "linear_attn" ||
+                        n == "deltanet" || n == "gated_deltanet";
+  ASSERT_EQ(fixed.has_value(), expected) << n;
+  if (!fixed) return;
+  Summary own = m.summarize(in, opt);
+  ASSERT_EQ(fixed->transport.size(), own.transport.size()) << n;
+  for (size_t i = 0; i < own.transport.size(); ++i)
+    EXPECT_EQ(fixed->transport[i].sizes(), own.transport[i].sizes()) << n << " transport " << i;
+  ASSERT_EQ(fixed->state.size(), st.size());
+  for (size_t i = 0; i < st.size(); ++i) EXPECT_TRUE(fixed->state[i].equal(st[i])) << n << " state " << i;
+  if (n == "linear_attn") return;  // its only transport is the identity
+  auto other = random_state(m, in, opt, 43);
+  auto out = m.apply(m.compose(own, *fixed), other);
+  EXPECT_LE(max_rel_err(out, st), 0.0) << n << ": the zero transport maps every state to the fixed one";
 }
 
 // MixerOptions::on_final_state: Mixer::forward calls it exactly once, with the tensors of the returned
