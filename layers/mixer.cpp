@@ -4,6 +4,8 @@
 #include "layers/common/fused_switch.h"
 #include "layers/common/layout.h"
 
+#include <torch/csrc/autograd/custom_function.h>
+
 #include <cstdlib>
 #include <map>
 #include <numeric>
@@ -209,10 +211,55 @@ Tensor decayed_state_readout(const Tensor& q, const Tensor& g, const Tensor& S, 
   // The product in pieces of L tokens, S broadcast over them: S's gradient, Σ_t qs_tᵀ·dO_t, is then
   // B·H·(T/L) products of L terms summed after, instead of B·H products of T terms each (one GEMM a
   // head with a 96×192 result and K = 32768 kept an H200 busy 1.2 ms).
+  if (q.is_cuda() && q.scalar_type() == at::kBFloat16) return state_product(qs, S, /*low=*/true);
   const int64_t L = std::gcd(T, int64_t{256}), n = T / L;
   Tensor x = qs.reshape({B, n, L, H, dk}).permute({0, 3, 1, 2, 4});              // [B,H,n,L,dk]
   Tensor y = at::matmul(x, S.to(dt).unsqueeze(2));                                 // [B,H,n,L,dv]
   return y.permute({0, 2, 3, 1, 4}).reshape({B, T, H, dv});
+}
+
+namespace {
+
+// state_product's bf16 form: y = x·S with bf16 operands, fp32 accumulation and result.
+struct Bf16StateProduct : public torch::autograd::Function<Bf16StateProduct> {
+  static Tensor forward(torch::autograd::AutogradContext* ctx, const Tensor& x, const Tensor& S) {
+    const int64_t B = x.size(0), T = x.size(1), H = x.size(2), dk = x.size(3), dv = S.size(3);
+    Tensor xb = x.to(at::kBFloat16).permute({0, 2, 1, 3}).contiguous().view({B * H, T, dk});
+    Tensor sb = S.to(at::kBFloat16).contiguous().view({B * H, dk, dv});
+    ctx->save_for_backward({xb, sb});
+    ctx->saved_data["x_dtype"] = static_cast<int64_t>(x.scalar_type());
+    ctx->saved_data["s_dtype"] = static_cast<int64_t>(S.scalar_type());
+    ctx->saved_data["B"] = B;
+    return at::bmm(xb, sb, at::kFloat).view({B, H, T, dv}).permute({0, 2, 1, 3}).contiguous();
+  }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    auto saved = ctx->get_saved_variables();
+    const Tensor &xb = saved[0], &sb = saved[1];
+    const int64_t B = ctx->saved_data["B"].toInt(), BH = xb.size(0), T = xb.size(1), dk = xb.size(2),
+                  dv = sb.size(2), H = BH / B;
+    Tensor gb = grads[0].to(at::kBFloat16).permute({0, 2, 1, 3}).contiguous().view({BH, T, dv});
+    Tensor dx = at::bmm(gb, sb.transpose(1, 2), at::kFloat).view({B, H, T, dk}).permute({0, 2, 1, 3});
+    const int64_t L = std::gcd(T, int64_t{4096}), n = T / L;
+    Tensor dS = at::bmm(xb.view({BH * n, L, dk}).transpose(1, 2), gb.view({BH * n, L, dv}), at::kFloat)
+                    .view({B, H, n, dk, dv})
+                    .sum(2);
+    return {dx.to(static_cast<at::ScalarType>(ctx->saved_data["x_dtype"].toInt())),
+            dS.to(static_cast<at::ScalarType>(ctx->saved_data["s_dtype"].toInt()))};
+  }
+};
+
+}  // namespace
+
+Tensor state_product(const Tensor& x, const Tensor& S, bool low) {
+  TORCH_CHECK(x.dim() == 4 && S.dim() == 4 && S.size(0) == x.size(0) && S.size(1) == x.size(2) &&
+                  S.size(2) == x.size(3),
+              "state_product: x [B,T,H,dk] and S [B,H,dk,dv] expected, got ", shape_str(x.sizes()), " and ",
+              shape_str(S.sizes()));
+  if (x.is_cuda() && (low || x.scalar_type() == at::kBFloat16) && S.scalar_type() != at::kDouble)
+    return Bf16StateProduct::apply(x, S);
+  const auto dt = at::promote_types(x.scalar_type(), S.scalar_type());
+  return at::matmul(x.to(dt).transpose(1, 2), S.to(dt)).transpose(1, 2);  // [B,H,T,dv] → [B,T,H,dv]
 }
 
 // ---- packed documents ----

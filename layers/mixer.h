@@ -186,6 +186,14 @@ class Mixer {
 // wider of q's and S's dtypes.
 Tensor decayed_state_readout(const Tensor& q, const Tensor& g, const Tensor& S, double scale);
 
+// x·S per batch and head: x [B,T,H,dk] (rows read against an incoming state), S [B,H,dk,dv] → [B,T,H,dv]
+// in the wider of the two dtypes, differentiable in both. The one-pass scans' share of S_in. Where the
+// kernels run in bf16 (x bf16 on CUDA, or `low`), the operands are rounded to bf16 and multiplied on
+// tensor cores, accumulated and returned in fp32, as the kernels read their own states (an fp32 product
+// ran on the SIMT cores: 28.6 ms a step of a 125M model's sp = 4 tree on an H200); S's gradient sums T
+// in pieces of at most 4096 tokens, added after.
+Tensor state_product(const Tensor& x, const Tensor& S, bool low = false);
+
 // Packed documents for every family, generically: per sequence, each piece between document starts
 // runs on its own, from the zero state when it starts a document (the first piece, when the slice does
 // not start with a document, from the initial state); a piece's whole chunks run in the form that

@@ -195,9 +195,7 @@ class DeltaRule : public Mixer {
               TORCH_CHECK(s_in.size() == 1 && s_in[0].defined() && s_in[0].dim() == 4 &&
                               s_in[0].size(2) == rows.size(3),
                           "delta rule: S_in's share expects a state {S [B,H,dk,dv]} with dk = ", rows.size(3));
-              const auto dt = at::promote_types(rows.scalar_type(), s_in[0].scalar_type());
-              // [B,H,T,dk]·[B,H,dk,dv] → [B,T,H,dv]
-              return at::matmul(rows.to(dt).transpose(1, 2), s_in[0].to(dt)).transpose(1, 2);
+              return state_product(rows, s_in[0]);
             }};
   }
 

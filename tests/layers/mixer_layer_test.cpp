@@ -11,6 +11,8 @@
 
 #include <gtest/gtest.h>
 
+#include <iostream>
+
 #include <torch/csrc/autograd/autograd.h>
 
 namespace carry {
@@ -187,6 +189,38 @@ TEST(MixerLayer, ScanContextsGetTheKernelInputsUnderAutocast) {
       ASSERT_EQ(plain[i].defined(), routed[i].defined()) << kind << " output " << i;
       if (plain[i].defined()) EXPECT_TRUE(at::equal(plain[i], routed[i])) << kind << " output " << i;
     }
+  }
+}
+
+// state_product's bf16 form (the one-pass scans' share of S_in on CUDA: bf16 operands on tensor
+// cores, fp32 accumulation and result; S's gradient summed in pieces of tokens) against its fp64 form
+// on the same inputs: the output and both gradients within bf16 rounding, the gradients in the inputs'
+// dtypes. T = 8448 sums S's gradient in 33 pieces of 256 tokens, T = 8192 in 2 of 4096. Skips itself
+// without a GPU.
+TEST(MixerLayer, StateProductInBf16MatchesFp64OnCuda) {
+  if (cuda_device_count() == 0) GTEST_SKIP() << "no CUDA device: GPU tests skipped";
+  for (int64_t T : {int64_t{256}, int64_t{8192}, int64_t{8448}}) {
+    auto gen = at::make_generator<at::CPUGeneratorImpl>(11 + T);
+    Tensor x0 = at::randn({2, T, 3, 64}, gen, at::kFloat).to(at::kBFloat16);
+    Tensor s0 = at::randn({2, 3, 64, 128}, gen, at::kFloat);
+    Tensor gy = at::randn({2, T, 3, 128}, gen, at::kFloat);
+    auto x = x0.to(at::kCUDA).requires_grad_(true), S = s0.to(at::kCUDA).requires_grad_(true);
+    Tensor y = state_product(x, S);
+    EXPECT_EQ(y.scalar_type(), at::kFloat);
+    auto g = torch::autograd::grad({y}, {x, S}, {gy.to(at::kCUDA)});
+    EXPECT_EQ(g[0].scalar_type(), at::kBFloat16);
+    EXPECT_EQ(g[1].scalar_type(), at::kFloat);
+    auto xr = x0.to(at::kDouble).requires_grad_(true), sr = s0.to(at::kDouble).requires_grad_(true);
+    Tensor yr = state_product(xr, sr);
+    auto gr = torch::autograd::grad({yr}, {xr, sr}, {gy.to(at::kDouble)});
+    auto err = [](const Tensor& a, const Tensor& b) {
+      return (a.cpu().to(at::kDouble) - b).abs().max().item<double>() / b.abs().max().item<double>();
+    };
+    const double ey = err(y, yr), ex = err(g[0], gr[0]), es = err(g[1], gr[1]);
+    std::cout << "[ errors   ] state_product bf16, T=" << T << ": y " << ey << " dx " << ex << " dS " << es << "\n";
+    EXPECT_LE(ey, 1e-2);
+    EXPECT_LE(ex, 1e-2);
+    EXPECT_LE(es, 1e-2);
   }
 }
 
