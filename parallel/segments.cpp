@@ -99,9 +99,52 @@ Tensor tree_sum(const std::vector<Tensor>& local, Communicator* sp) {
     sp->all_reduce_sum(mine);
     return mine;
   }
+  if (power_of_two(P) && mine.numel() >= int64_t{1024} * P) {
+    // By halves (recursive halving, then doubling back): in the round of distance d a rank and its
+    // partner r ^ d, which hold the same range, split it; each keeps one half, sends the other and
+    // adds the partner's copy of its own half. After the rounds d = 1, 2, ..., P/2 a rank holds 1/P of
+    // the buffer summed over all ranks in the tree's order (the block of 2d ranks' sum is its two
+    // halves' sums added, as the tree adds them; IEEE addition commutes, so which operand comes first
+    // does not change a bit); the rounds in reverse then hand the pieces back until every rank holds
+    // the whole. Each rank sends 2(1 − 1/P) of the buffer instead of log2(P) whole buffers (0.5 GB of
+    // a 125M model's gradients: 1.5 against 2 buffers at 4 ranks, 1.75 against 3 at 8).
+    // In place: a rank's one segment is the caller's own tensor, so that one is copied first.
+    if (k == 1) mine = mine.clone(at::MemoryFormat::Contiguous);
+    Tensor flat = mine.view({-1});
+    std::vector<std::pair<int64_t, int64_t>> ranges;  // the range held before each round
+    int64_t lo = 0, hi = flat.numel();
+    for (int d = 1; d < P; d *= 2) {
+      ranges.emplace_back(lo, hi);
+      const int partner = r ^ d;
+      const int64_t mid = lo + (hi - lo) / 2;
+      const bool upper = (r & d) != 0;
+      const int64_t keep_lo = upper ? mid : lo, keep_hi = upper ? hi : mid;
+      const int64_t give_lo = upper ? lo : mid, give_hi = upper ? mid : hi;
+      Tensor got = at::empty({keep_hi - keep_lo}, flat.options());
+      {
+        CommContext ctx("tree sum over segments: halving round of distance " + std::to_string(d));
+        sp->send_recv(flat.narrow(0, give_lo, give_hi - give_lo), partner, got, partner, /*tag=*/7202);
+      }
+      flat.narrow(0, keep_lo, keep_hi - keep_lo).add_(got);
+      lo = keep_lo, hi = keep_hi;
+    }
+    for (int d = P / 2; d >= 1; d /= 2) {
+      const auto [plo, phi] = ranges.back();
+      ranges.pop_back();
+      const int partner = r ^ d;
+      const int64_t other_lo = lo == plo ? hi : plo, other_hi = lo == plo ? phi : lo;
+      Tensor got = flat.narrow(0, other_lo, other_hi - other_lo);
+      {
+        CommContext ctx("tree sum over segments: gathering round of distance " + std::to_string(d));
+        sp->send_recv(flat.narrow(0, lo, hi - lo), partner, got, partner, /*tag=*/7203);
+      }
+      lo = plo, hi = phi;
+    }
+    return mine;
+  }
   if (power_of_two(P)) {
-    // Recursive doubling: after the round of distance d, each rank holds the sum of its block of 2d
-    // ranks, the lower half's sum first, as the tree adds it.
+    // Recursive doubling (small buffers: fewer messages): after the round of distance d, each rank
+    // holds the sum of its block of 2d ranks, the lower half's sum first, as the tree adds it.
     for (int d = 1; d < P; d *= 2) {
       const int partner = r ^ d;
       Tensor got = at::empty_like(mine);

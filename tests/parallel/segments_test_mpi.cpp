@@ -15,28 +15,36 @@ constexpr int kSegments = 8;
 
 // Segment i's partial sum: fp32 values spread over many magnitudes, so that the order of the
 // additions shows in the last bits.
-std::vector<Tensor> partial_sums() {
+std::vector<Tensor> partial_sums(int64_t n = 4096) {
   auto gen = at::make_generator<at::CPUGeneratorImpl>(17);
   std::vector<Tensor> v;
   for (int i = 0; i < kSegments; ++i)
-    v.push_back(at::randn({4096}, gen, at::kFloat) * at::exp(at::randn({4096}, gen, at::kFloat) * 4));
+    v.push_back(at::randn({n}, gen, at::kFloat) * at::exp(at::randn({n}, gen, at::kFloat) * 4));
   return v;
 }
 
+// Sizes: 4096 and 12289 elements go by halves at 4 ranks (12289 splits unevenly), 1000 by whole
+// buffers (recursive doubling). Each rank's inputs stay as they were.
 TEST(Segments, TreeSumIsTheSameOnEveryLayout) {
   auto comm = make_mpi_communicator(MPI_COMM_WORLD);
   const int r = comm->rank(), P = comm->size();
   if (kSegments % P != 0) GTEST_SKIP() << "needs a world size dividing " << kSegments;
-  auto all = partial_sums();
-  const Tensor one_rank = tree_sum(all, nullptr);
-  const int k = kSegments / P;
-  std::vector<Tensor> mine(all.begin() + r * k, all.begin() + (r + 1) * k);
-  const Tensor spread = tree_sum(mine, comm.get());
-  EXPECT_TRUE(at::equal(spread, one_rank)) << "rank " << r << " of " << P;
-  // The order matters at all: a left fold differs (else the test above would prove nothing).
-  Tensor fold = all[0];
-  for (int i = 1; i < kSegments; ++i) fold = fold + all[i];
-  EXPECT_FALSE(at::equal(fold, one_rank));
+  for (int64_t n : {int64_t{4096}, int64_t{12289}, int64_t{1000}}) {
+    auto all = partial_sums(n);
+    const Tensor one_rank = tree_sum(all, nullptr);
+    const int k = kSegments / P;
+    std::vector<Tensor> mine(all.begin() + r * k, all.begin() + (r + 1) * k);
+    std::vector<Tensor> kept;
+    for (auto& t : mine) kept.push_back(t.clone());
+    const Tensor spread = tree_sum(mine, comm.get());
+    EXPECT_TRUE(at::equal(spread, one_rank)) << "rank " << r << " of " << P << ", " << n << " elements";
+    for (size_t i = 0; i < mine.size(); ++i)
+      EXPECT_TRUE(at::equal(mine[i], kept[i])) << "rank " << r << ": tree_sum changed its input " << i;
+    // The order matters at all: a left fold differs (else the test above would prove nothing).
+    Tensor fold = all[0];
+    for (int i = 1; i < kSegments; ++i) fold = fold + all[i];
+    EXPECT_FALSE(at::equal(fold, one_rank));
+  }
 }
 
 TEST(Segments, RankMustHoldAPowerOfTwo) {
