@@ -50,7 +50,6 @@
 #include <map>
 #include <mutex>
 #include <thread>
-#include <tuple>
 
 namespace carry::parallel {
 
@@ -146,10 +145,8 @@ class CudaEvent {
 class NcclCommunicator final : public Communicator {
  public:
   NcclCommunicator(ncclComm_t comm, int rank, int size, int device, std::vector<int> world_ranks,
-                   CommOptions opt, std::shared_ptr<Communicator> host,
-                   std::shared_ptr<Communicator> lane = nullptr)
+                   CommOptions opt, std::shared_ptr<Communicator> host)
       : host_(std::move(host)),
-        lane_(std::move(lane)),
         comm_(comm),
         rank_(rank),
         size_(size),
@@ -203,22 +200,6 @@ class NcclCommunicator final : public Communicator {
       if (src >= 0) check_peer(src, "recv");
       host_->send_recv(out, dst, in, src, tag);
       return;
-    }
-    // A chain's one-way messages (kChainTagsBegin..End) alternate between this communicator and its
-    // lane, message by message for each (peer, tag, direction), counted alike at both ends. NCCL runs a
-    // communicator's operations in order, and a send completes only once its peer receives, so with
-    // one communicator a middle rank's receive of the next layer's state waited behind its send of this
-    // layer's, which waited for the rank it sends to: every rank's layer was held to its neighbours'.
-    if (lane_ && tag >= kChainTagsBegin && tag < kChainTagsEnd && (dst >= 0) != (src >= 0)) {
-      bool on_lane;
-      {
-        std::lock_guard<std::mutex> lock(mutex_);
-        on_lane = chain_count_[{dst >= 0 ? dst : src, tag, dst >= 0}]++ % 2 == 1;
-      }
-      if (on_lane) {
-        lane_->send_recv(out, dst, in, src, tag);
-        return;
-      }
     }
     std::string op;
     std::vector<int> peers;
@@ -298,27 +279,22 @@ class NcclCommunicator final : public Communicator {
     t.copy_(buf);
   }
 
-  void set_wait_timing(bool on) override {
-    timing_.store(on);
-    if (lane_) lane_->set_wait_timing(on);
-  }
+  void set_wait_timing(bool on) override { timing_.store(on); }
   std::map<std::string, double> take_waits_by_kind() override {
-    std::map<std::string, double> out = lane_ ? lane_->take_waits_by_kind() : std::map<std::string, double>{};
     std::lock_guard<std::mutex> lock(mutex_);
-    for (auto& [kind, ms] : waited_by_kind_ms_) out[kind] += ms / 1000.0;
+    std::map<std::string, double> out;
+    for (auto& [kind, ms] : waited_by_kind_ms_) out[kind] = ms / 1000.0;
     waited_by_kind_ms_.clear();
     return out;
   }
   double take_waited_seconds() override {
-    const double on_lane = lane_ ? lane_->take_waited_seconds() : 0.0;
     std::lock_guard<std::mutex> lock(mutex_);
-    const double s = waited_ms_ / 1000.0 + on_lane;
+    const double s = waited_ms_ / 1000.0;
     waited_ms_ = 0;
     return s;
   }
 
   void synchronize() override {
-    if (lane_) lane_->synchronize();
     std::unique_lock<std::mutex> lock(mutex_);
     idle_.wait(lock, [&] { return pending_.empty() || !failure_.empty(); });
     if (!failure_.empty()) {
@@ -508,8 +484,6 @@ class NcclCommunicator final : public Communicator {
   [[noreturn]] void fail(const std::string& msg) const { detail::comm_fail(*this, msg); }
 
   std::shared_ptr<Communicator> host_;  // MPI over the same ranks: the messages of host tensors
-  std::shared_ptr<Communicator> lane_;  // a second NCCL communicator over the same ranks (chain messages)
-  std::map<std::tuple<int, int, bool>, uint64_t> chain_count_;  // (peer, tag, send): messages so far, under mutex_
   ncclComm_t comm_;
   int rank_, size_, device_;
   std::vector<int> world_ranks_;
@@ -548,64 +522,50 @@ std::shared_ptr<Communicator> make_nccl_communicator(MPI_Comm comm, int device, 
   CommOptions bo = opt;
   bo.name = opt.name + " (NCCL bootstrap over MPI)";
   auto boot = make_mpi_communicator(comm, bo);
+  ncclUniqueId id;
+  Tensor idt = at::zeros({static_cast<int64_t>(sizeof(id))}, at::kByte);
+  if (boot->rank() == 0) {
+    ncclResult_t r = nccl().GetUniqueId(&id);
+    TORCH_CHECK(r == ncclSuccess, "ncclGetUniqueId failed: ", nccl().GetErrorString(r));
+    std::memcpy(idt.data_ptr(), &id, sizeof(id));
+  }
+  {
+    CommContext ctx("broadcasting the NCCL id of communicator '" + opt.name + "'");
+    boot->broadcast(idt, 0);
+  }
+  std::memcpy(&id, idt.data_ptr(), sizeof(id));
   std::vector<int> world_ranks;
   for (int i = 0; i < boot->size(); ++i) world_ranks.push_back(boot->world_rank_of(i));
-  // Before any initialization starts (a bad CARRY_COMM_TIMEOUT_S must not leave one half done).
-  const double timeout = opt.timeout_s > 0 ? opt.timeout_s : default_comm_timeout_s();
+
   c10::cuda::CUDAGuard guard(device);
-  // One NCCL communicator over boot's ranks: the id made on rank 0 and broadcast over MPI.
-  auto init = [&](const std::string& name) {
-    ncclUniqueId id;
-    Tensor idt = at::zeros({static_cast<int64_t>(sizeof(id))}, at::kByte);
-    if (boot->rank() == 0) {
-      ncclResult_t r = nccl().GetUniqueId(&id);
-      TORCH_CHECK(r == ncclSuccess, "ncclGetUniqueId failed: ", nccl().GetErrorString(r));
-      std::memcpy(idt.data_ptr(), &id, sizeof(id));
-    }
-    {
-      CommContext ctx("broadcasting the NCCL id of communicator '" + name + "'");
-      boot->broadcast(idt, 0);
-    }
-    std::memcpy(&id, idt.data_ptr(), sizeof(id));
-    ncclConfig_t cfg = NCCL_CONFIG_INITIALIZER;
-    cfg.blocking = 0;
-    ncclComm_t c = nullptr;
-    ncclResult_t r = nccl().CommInitRankConfig(&c, boot->size(), id, boot->rank(), &cfg);
-    TORCH_CHECK(r == ncclSuccess || r == ncclInProgress, "ncclCommInitRankConfig failed for communicator '",
-                name, "': ", nccl().GetErrorString(r));
-    auto start = std::chrono::steady_clock::now();
-    ncclResult_t st = ncclInProgress;
-    while (nccl().CommGetAsyncError(c, &st) == ncclSuccess && st == ncclInProgress) {
-      if (std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count() > timeout) {
-        nccl().CommAbort(c);
-        detail::comm_fail(*boot, detail::comm_error_message(*boot, "NCCL communicator initialization", {},
-                                                            "timeout"));
-      }
-      std::this_thread::sleep_for(std::chrono::microseconds(100));
-    }
-    if (st != ncclSuccess) {
+  ncclConfig_t cfg = NCCL_CONFIG_INITIALIZER;
+  cfg.blocking = 0;
+  ncclComm_t c = nullptr;
+  // Before the initialization starts (a bad CARRY_COMM_TIMEOUT_S must not leave it half done).
+  const double timeout = opt.timeout_s > 0 ? opt.timeout_s : default_comm_timeout_s();
+  ncclResult_t r = nccl().CommInitRankConfig(&c, boot->size(), id, boot->rank(), &cfg);
+  TORCH_CHECK(r == ncclSuccess || r == ncclInProgress,
+              "ncclCommInitRankConfig failed for communicator '", opt.name,
+              "': ", nccl().GetErrorString(r));
+  auto start = std::chrono::steady_clock::now();
+  ncclResult_t st = ncclInProgress;
+  while (nccl().CommGetAsyncError(c, &st) == ncclSuccess && st == ncclInProgress) {
+    if (std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count() > timeout) {
       nccl().CommAbort(c);
-      detail::comm_fail(
-          *boot, detail::comm_error_message(*boot, "NCCL communicator initialization", {},
-                                            std::string("NCCL error: ") + nccl().GetErrorString(st)));
+      detail::comm_fail(*boot, detail::comm_error_message(*boot, "NCCL communicator initialization",
+                                                          {}, "timeout"));
     }
-    return c;
-  };
-  ncclComm_t main_comm = init(opt.name);
-  // With three ranks or more a second communicator, the lane, takes every other message of a chain
-  // (NcclCommunicator::send_recv): at two ranks no rank both receives and sends along the chain.
-  // CARRY_NCCL_LANES=0 keeps one.
-  std::shared_ptr<Communicator> lane;
-  const char* lanes_env = std::getenv("CARRY_NCCL_LANES");
-  if (boot->size() >= 3 && !(lanes_env && std::string(lanes_env) == "0")) {
-    CommOptions lo = opt;
-    lo.name = opt.name + " (lane 1)";
-    lane = std::make_shared<NcclCommunicator>(init(lo.name), boot->rank(), boot->size(), device, world_ranks,
-                                              std::move(lo), boot);
+    std::this_thread::sleep_for(std::chrono::microseconds(100));
+  }
+  if (st != ncclSuccess) {
+    nccl().CommAbort(c);
+    detail::comm_fail(
+        *boot, detail::comm_error_message(*boot, "NCCL communicator initialization", {},
+                                          std::string("NCCL error: ") + nccl().GetErrorString(st)));
   }
   // The bootstrap communicator stays: host tensors' messages go over it (NcclCommunicator::send_recv).
-  return std::make_shared<NcclCommunicator>(main_comm, boot->rank(), boot->size(), device,
-                                            std::move(world_ranks), std::move(opt), boot, std::move(lane));
+  return std::make_shared<NcclCommunicator>(c, boot->rank(), boot->size(), device,
+                                            std::move(world_ranks), std::move(opt), boot);
 }
 
 }  // namespace carry::parallel

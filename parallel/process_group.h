@@ -95,12 +95,6 @@ class Communicator {
   // Sends `out` to `dst` while receiving `in` from `src` (either may be -1: none), so that shifts
   // and rings cannot deadlock.
   virtual void send_recv(const Tensor& out, int dst, Tensor& in, int src, int tag = 0) = 0;
-  // Tags in [kChainTagsBegin, kChainTagsEnd) are a chain's one-way messages (the ordered scan's states
-  // and state gradients): each is a send alone or a receive alone, and a backend whose operations run in
-  // order (NCCL) may spread them over several communicators message by message, both ends counting the
-  // messages of a (peer, tag) in order, so that a rank's receive for the next layer does not wait behind
-  // its send of this one.
-  static constexpr int kChainTagsBegin = 10000, kChainTagsEnd = 26400;  // below MPI's least tag bound 32767
   // Collectives. all_gather returns size() tensors shaped like `t`, entry i from rank i.
   virtual std::vector<Tensor> all_gather(const Tensor& t) = 0;
   virtual void all_reduce_sum(Tensor& t) = 0;

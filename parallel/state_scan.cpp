@@ -28,9 +28,8 @@ const std::vector<std::string>& kInputNames = MixerInputs::names();
 // mismatch shows in error messages.
 constexpr int kTagTreeForward = 100;   // + round
 constexpr int kTagTreeBackward = 200;  // + round
-constexpr int kTagOrdered = Communicator::kChainTagsBegin;  // + 2·group (forward), + 2·group + 1 (backward)
+constexpr int kTagOrdered = 1000;      // + 2·group (forward), + 2·group + 1 (backward)
 constexpr int kMaxHeadGroups = 8192;   // keeps the ordered tags below MPI's least tag bound 32767
-static_assert(kTagOrdered + 2 * kMaxHeadGroups + 1 < Communicator::kChainTagsEnd, "ordered tags out of the chain range");
 int ordered_tag(int group, bool backward) { return kTagOrdered + 2 * group + (backward ? 1 : 0); }
 
 std::string bracketed(const std::vector<int64_t>& v) { return "[" + join(v) + "]"; }
