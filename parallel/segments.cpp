@@ -123,7 +123,7 @@ Tensor tree_sum(const std::vector<Tensor>& local, Communicator* sp) {
       Tensor got = at::empty({keep_hi - keep_lo}, flat.options());
       {
         CommContext ctx("tree sum over segments: halving round of distance " + std::to_string(d));
-        sp->send_recv(flat.narrow(0, give_lo, give_hi - give_lo), partner, got, partner, /*tag=*/7202);
+        sp->send_recv(flat.narrow(0, give_lo, give_hi - give_lo), partner, got, partner, /*tag=*/7204);
       }
       flat.narrow(0, keep_lo, keep_hi - keep_lo).add_(got);
       lo = keep_lo, hi = keep_hi;
@@ -136,7 +136,7 @@ Tensor tree_sum(const std::vector<Tensor>& local, Communicator* sp) {
       Tensor got = flat.narrow(0, other_lo, other_hi - other_lo);
       {
         CommContext ctx("tree sum over segments: gathering round of distance " + std::to_string(d));
-        sp->send_recv(flat.narrow(0, lo, hi - lo), partner, got, partner, /*tag=*/7203);
+        sp->send_recv(flat.narrow(0, lo, hi - lo), partner, got, partner, /*tag=*/7205);
       }
       lo = plo, hi = phi;
     }

@@ -738,6 +738,43 @@ TEST(Communicator, NcclOnGpus) {
                      at::Device(at::kCUDA, world_info().local_rank));
 }
 
+// The ordered chain's message pattern arrives in order and intact: 12 "layers" of states down the chain
+// (rank r receives from r−1, then sends to r+1) and 12 of gradients back up, on two tags, with a
+// halo-like exchange (a send_recv with both sides) between the layers, every value naming its layer,
+// rank and tag. Run on the CPU (MPI) and, with a GPU a rank, over NCCL.
+void check_chain(Communicator& c, at::Device dev) {
+  const int r = c.rank(), P = c.size();
+  const int fwd = 10000, bwd = 10001;
+  auto opt = at::TensorOptions().dtype(at::kFloat).device(dev);
+  auto value = [&](int layer, int rank, int tag) { return at::full({1000}, layer * 100 + rank * 10 + (tag - fwd), opt); };
+  for (int layer = 0; layer < 12; ++layer) {
+    if (r > 0) {
+      Tensor got = at::empty({1000}, opt);
+      c.recv(got, r - 1, fwd);
+      EXPECT_TRUE(at::equal(got, value(layer, r - 1, fwd))) << "rank " << r << " layer " << layer << " forward";
+    }
+    if (r + 1 < P) c.send(value(layer, r, fwd), r + 1, fwd);
+    Tensor halo = at::empty({8}, opt);
+    c.send_recv(at::full({8}, r, opt), r + 1 < P ? r + 1 : -1, halo, r > 0 ? r - 1 : -1, 7101);
+    if (r > 0) EXPECT_TRUE(at::equal(halo, at::full({8}, r - 1, opt))) << "rank " << r << " halo " << layer;
+  }
+  for (int layer = 11; layer >= 0; --layer) {
+    if (r + 1 < P) {
+      Tensor got = at::empty({1000}, opt);
+      c.recv(got, r + 1, bwd);
+      EXPECT_TRUE(at::equal(got, value(layer, r + 1, bwd))) << "rank " << r << " layer " << layer << " backward";
+    }
+    if (r > 0) c.send(value(layer, r, bwd), r - 1, bwd);
+  }
+  c.synchronize();
+}
+
+TEST(Communicator, ChainMessagesArriveInOrder) {
+  check_chain(*groups(1, world_size()).world, at::kCPU);
+  if (gpus_for_every_rank())
+    check_chain(*nccl_groups(1, world_size()).world, at::Device(at::kCUDA, world_info().local_rank));
+}
+
 // NCCL calls return before the GPU has finished them; a receive that no rank sends times out (found by
 // the watchdog thread once enqueued, or while NCCL connects to the silent peer) and throws, naming the
 // operation and the context it was started in; every rank then goes on.
