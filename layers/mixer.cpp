@@ -208,10 +208,11 @@ Tensor decayed_state_readout(const Tensor& q, const Tensor& g, const Tensor& S, 
     Tensor c = g.is_cuda() ? g.movedim(1, -1).contiguous().cumsum(-1).movedim(-1, 1) : g.cumsum(1);
     qs = qs * (c.dim() == 3 ? c.unsqueeze(-1) : c).to(dt).exp();
   }
+  // Where the kernels run in bf16, the product does too (state_product: fp32 accumulation and result).
+  if (q.is_cuda() && q.scalar_type() == at::kBFloat16) return state_product(qs, S, /*low=*/true);
   // The product in pieces of L tokens, S broadcast over them: S's gradient, Σ_t qs_tᵀ·dO_t, is then
   // B·H·(T/L) products of L terms summed after, instead of B·H products of T terms each (one GEMM a
   // head with a 96×192 result and K = 32768 kept an H200 busy 1.2 ms).
-  if (q.is_cuda() && q.scalar_type() == at::kBFloat16) return state_product(qs, S, /*low=*/true);
   const int64_t L = std::gcd(T, int64_t{256}), n = T / L;
   Tensor x = qs.reshape({B, n, L, H, dk}).permute({0, 3, 1, 2, 4});              // [B,H,n,L,dk]
   Tensor y = at::matmul(x, S.to(dt).unsqueeze(2));                                 // [B,H,n,L,dv]
