@@ -40,7 +40,7 @@ const char* kUsage =
     "usage: carry bench kernels [--families gla,scalar_decay,linear_attn,deltanet,gated_deltanet,softmax_attn]\n"
     "                           [--T 16384,65536] [--heads 16] [--dk 128] [--dv 128] [--window 2048] [--reps 10]\n"
     "                           [--serial] [--pieces N] [--decay-segments N]\n"
-    "                           [--decay-pieces N]\n"
+    "                           [--decay-pieces N] [--checksum]\n"
     "  Times the kernel forms on the GPU (bf16, B = 1): forward and forward+backward ms, tokens/s,\n"
     "  GB/s and TFLOP/s against counted floors. Without --T/--heads/--dk/--dv it runs the issue's shapes:\n"
     "  H=16 dk=dv=128 at T = 16384, 65536, 131072; H=4 dk=128 dv=256 and H=4 dk=96 dv=192 at 32768, 131072;\n"
@@ -49,7 +49,10 @@ const char* kUsage =
     "  --pieces N cuts the delta rule's state walks into N pieces (1: one walk; without it: automatic).\n"
     "  --decay-segments N cuts the decay class's state recurrence into N segments (1: in order; without\n"
     "  it: automatic). --decay-pieces N walks the decay class's bf16 recurrence in N pieces, the output\n"
-    "  and gradient kernels of each finished piece on a second stream beside the next (default 1).\n";
+    "  and gradient kernels of each finished piece on a second stream beside the next (default 1).\n"
+    "  --checksum prints, after each row, FNV-1a hashes of the bytes of o, the final state and the\n"
+    "  gradients of one forward+backward on the row's fixed-seed inputs: two builds or settings that\n"
+    "  print the same hashes computed the same bits.\n";
 
 struct Shape {
   int64_t H, dk, dv;
@@ -67,6 +70,7 @@ struct Args {
   int pieces = 0;       // the delta rule's walk pieces (carry_gdn::gdn_set_pieces)
   int decay_segments = 0;  // the decay class's state segments (carry_decay::decay_set_segments)
   int decay_pieces = 0;    // the decay class's walk pieces (carry_decay::decay_set_pieces)
+  bool checksum = false;   // print the hashes of one run's outputs and gradients
 };
 
 Args parse(int argc, char** argv) {
@@ -93,6 +97,7 @@ Args parse(int argc, char** argv) {
     else if (f == "--pieces") a.pieces = (int)parse_positive_int(f, value());
     else if (f == "--decay-segments") a.decay_segments = (int)parse_positive_int(f, value());
     else if (f == "--decay-pieces") a.decay_pieces = (int)parse_positive_int(f, value());
+    else if (f == "--checksum") a.checksum = true;
     else throw std::invalid_argument("unknown option '" + f + "'");
   }
   for (auto& name : a.families) get_mixer(name);  // an unknown family fails here, with the list
@@ -148,6 +153,14 @@ MixerInputs bench_inputs(const Mixer& m, int64_t T, const Shape& s) {
   for (const auto& n : MixerInputs::names())
     if (in.get(n).defined()) in.get(n) = in.get(n).to(at::kBFloat16);
   return in;
+}
+
+// FNV-1a (64 bits) over a tensor's bytes, continuing from h: equal hashes, equal bits.
+uint64_t fnv1a(const Tensor& t, uint64_t h = 1469598103934665603ull) {
+  const Tensor c = t.detach().contiguous().cpu();
+  const auto* p = static_cast<const unsigned char*>(c.data_ptr());
+  for (size_t i = 0, n = c.nbytes(); i < n; ++i) h = (h ^ p[i]) * 1099511628211ull;
+  return h;
 }
 
 struct Floors {
@@ -209,7 +222,9 @@ int run(const Args& a) {
         std::vector<Tensor> xs;
         for (const auto& n : MixerInputs::names())
           if (in.get(n).defined()) xs.push_back(leaves.get(n) = in.get(n).detach().requires_grad_(true));
-        auto d_o = at::randn_like(in.v);
+        // from a seeded generator, so --checksum's hashes compare across runs and builds
+        auto d_o = at::randn(in.v.sizes(), at::make_generator<at::CPUGeneratorImpl>(4321), at::kFloat)
+                       .to(in.v.options());
         double fb = median_ms([&] {
           // Each rep starts without gradients (as the FLA anchor's grad_to_none does), so the time is
           // the op's, not that of adding into the previous rep's .grad.
@@ -221,6 +236,17 @@ int run(const Args& a) {
         std::printf("%-16s %8lld %10.3f %12.3f %14.0f %9.0f %9.0f %9.1f\n", name.c_str(), (long long)T, fwd, fb,
                     T / (fb * 1e-3), f.fwd_bytes / (fwd * 1e-3) / 1e9, f.fb_bytes / (fb * 1e-3) / 1e9,
                     f.fb_flops / (fb * 1e-3) / 1e12);
+        if (a.checksum) {
+          for (auto& x : xs) x.mutable_grad().reset();
+          auto out = m.forward(leaves, {}, opt);
+          torch::autograd::backward({out.o}, {d_o});
+          uint64_t hg = 1469598103934665603ull;
+          for (auto& x : xs) hg = fnv1a(x.grad(), hg);
+          std::printf("  checksum %s T=%lld: o %016llx final state %016llx gradients %016llx\n", name.c_str(),
+                      (long long)T, (unsigned long long)fnv1a(out.o),
+                      (unsigned long long)(out.final_state.empty() ? 0 : fnv1a(out.final_state.front())),
+                      (unsigned long long)hg);
+        }
         std::fflush(stdout);
       }
     }
