@@ -50,9 +50,9 @@ const char* kUsage =
     "  --decay-segments N cuts the decay class's state recurrence into N segments (1: in order; without\n"
     "  it: automatic). --decay-pieces N walks the decay class's bf16 recurrence in N pieces, the output\n"
     "  and gradient kernels of each finished piece on a second stream beside the next (default 1).\n"
-    "  --checksum prints, after each row, FNV-1a hashes of the bytes of o, the final state and the\n"
-    "  gradients of one forward+backward on the row's fixed-seed inputs: two builds or settings that\n"
-    "  print the same hashes computed the same bits.\n";
+    "  --checksum prints, after each row, FNV-1a hashes of the bytes of o, of every final-state entry and\n"
+    "  of the gradients of one forward+backward on the row's fixed-seed inputs: two builds or settings\n"
+    "  that print the same hashes computed the same bits.\n";
 
 struct Shape {
   int64_t H, dk, dv;
@@ -240,11 +240,13 @@ int run(const Args& a) {
           for (auto& x : xs) x.mutable_grad().reset();
           auto out = m.forward(leaves, {}, opt);
           torch::autograd::backward({out.o}, {d_o});
-          uint64_t hg = 1469598103934665603ull;
+          uint64_t hg = 1469598103934665603ull, hs = hg;
           for (auto& x : xs) hg = fnv1a(x.grad(), hg);
+          for (auto& t : out.final_state)
+            if (t.defined()) hs = fnv1a(t, hs);
           std::printf("  checksum %s T=%lld: o %016llx final state %016llx gradients %016llx\n", name.c_str(),
                       (long long)T, (unsigned long long)fnv1a(out.o),
-                      (unsigned long long)(out.final_state.empty() ? 0 : fnv1a(out.final_state.front())),
+                      (unsigned long long)hs,
                       (unsigned long long)hg);
         }
         std::fflush(stdout);
