@@ -1,0 +1,88 @@
+#!/usr/bin/env python3
+"""FLA's Triton kernels one by one, to set beside carry's (launcher/ncu_kernel_sum.py): on the GPU machine,
+with FLA's wheels on PYTHONPATH (../shared/anchors/README.md says how; its autotuning cache,
+launcher/anchor_cache/, skips most of the tuning):
+
+  python3 launcher/fla_kernel_profile.py [--T 131072] [--heads 16] [--dk 128] [--dv 128]
+                                         [--ops simple_gla,linear_attn,delta_rule,gated_delta_rule]
+
+For each op, bf16, B = 1, the inputs of ../shared/anchors/fla_ops.py: 3 warm-up forward+backward runs,
+then 5 under torch.profiler; prints each CUDA kernel's time a run (all its launches in one run) and
+its launches a run, the longest first. The backward's gradients are reset before each run, as
+fla_ops.py's grad_to_none does."""
+import argparse
+import collections
+import sys
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split('\n')[0])
+    p.add_argument('--T', type=int, default=131072)
+    p.add_argument('--heads', type=int, default=16)
+    p.add_argument('--dk', type=int, default=128)
+    p.add_argument('--dv', type=int, default=128)
+    p.add_argument('--ops', default='simple_gla,linear_attn,delta_rule,gated_delta_rule')
+    a = p.parse_args()
+    try:
+        import torch
+        import torch.nn.functional as F
+    except ImportError:
+        sys.exit("fla_kernel_profile: no python3 with torch here (run it on the GPU machine)")
+    try:
+        import fla  # noqa: F401
+        import fla.ops.common.chunk_o as chunk_o
+        from fla.ops.delta_rule import chunk_delta_rule
+        from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+        from fla.ops.linear_attn import chunk_linear_attn
+        from fla.ops.simple_gla import chunk_simple_gla
+    except ImportError as e:
+        sys.exit(f"fla_kernel_profile: FLA is not importable ({e}); install its wheels to a folder on PYTHONPATH "
+                 "(../shared/anchors/README.md)")
+    # As ../shared/anchors/fla_ops.py: FLA 0.6.0 refuses its gated backward under Triton < 3.7.1 on Hopper;
+    # lifting the guard times the same kernels (a speed anchor only).
+    chunk_o.TRITON_ABOVE_3_7_1 = True
+    if not torch.cuda.is_available():
+        sys.exit("fla_kernel_profile: no CUDA device here")
+    dev, dt, T, H, K, V = 'cuda', torch.bfloat16, a.T, a.heads, a.dk, a.dv
+    q = torch.randn(1, T, H, K, device=dev, dtype=dt, requires_grad=True)
+    k = F.normalize(torch.randn(1, T, H, K, device=dev), p=2, dim=-1).to(dt).requires_grad_()
+    v = torch.randn(1, T, H, V, device=dev, dtype=dt, requires_grad=True)
+    g = F.logsigmoid(torch.randn(1, T, H, device=dev)).requires_grad_()
+    beta = torch.rand(1, T, H, device=dev, dtype=dt).sigmoid().requires_grad_()
+    ops = {'simple_gla': lambda: chunk_simple_gla(q, k, v, g)[0],
+           'linear_attn': lambda: chunk_linear_attn(q, k, v, normalize=False)[0],
+           'delta_rule': lambda: chunk_delta_rule(q, k, v, beta)[0],
+           'gated_delta_rule': lambda: chunk_gated_delta_rule(q, k, v, g, beta)[0]}
+    from torch.profiler import ProfilerActivity, profile
+    reps = 5
+    for name in a.ops.split(','):
+        if name not in ops:
+            sys.exit(f"fla_kernel_profile: unknown op '{name}' (expected one of {', '.join(ops)})")
+        fn = ops[name]
+
+        def run():
+            for t in (q, k, v, g, beta):
+                t.grad = None
+            o = fn()
+            o.backward(torch.ones_like(o))
+        for _ in range(3):
+            run()
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(reps):
+                run()
+            torch.cuda.synchronize()
+        us, n = collections.Counter(), collections.Counter()
+        for e in prof.events():
+            if e.device_type.name == 'CUDA':
+                us[e.name[:90]] += e.device_time_total
+                n[e.name[:90]] += 1
+        print(f"\nfla.{name}, T={T}, H={H}, dk={K}, dv={V}, bf16, forward+backward, {torch.cuda.get_device_name()}")
+        print("| kernel | launches a run | ms a run |\n| --- | --- | --- |")
+        for kname, t in us.most_common():
+            print(f"| {kname} | {n[kname] // reps} | {t / reps / 1e3:.3f} |")
+        print(f"| total | {sum(n.values()) // reps} | {sum(us.values()) / reps / 1e3:.3f} |", flush=True)
+
+
+if __name__ == '__main__':
+    main()

@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# launcher/ncu_kernel_sum.py on a made-up ncu CSV: launches of one kernel (any argument list) add up, time
+# units and byte units convert, --per divides, the longest kernel comes first, and bad input gets one
+# clear message with exit status 2 (usage) or 1 (no ncu rows).
+set -euo pipefail
+root=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
+dir=$(mktemp -d /tmp/carry_ncu_sum_test_XXXXXX)
+trap 'rm -rf "$dir"' EXIT
+fail() { echo "ncu_kernel_sum_test: FAILED: $*" >&2; exit 1; }
+row() { echo "\"$1\",\"1\",\"carry\",\"host\",\"$2\",\"1\",\"7\",\"(128, 1, 1)\",\"(1, 1, 1)\",\"0\",\"9.0\",\"Command line profiler metrics\",\"$3\",\"$4\",\"$5\""; }
+{
+  echo '==PROF== Connected to process 1'
+  echo '"ID","Process ID","Process Name","Host Name","Kernel Name","Context","Stream","Block Size","Grid Size","Device","CC","Section Name","Metric Name","Metric Unit","Metric Value"'
+  row 0 'void walk_kernel<1, 0>(const bf16 *, int)' gpu__time_duration.sum ns '1,000,000'
+  row 0 'void walk_kernel<1, 0>(const bf16 *, int)' dram__bytes_read.sum Gbyte '1.5'
+  row 0 'void walk_kernel<1, 0>(const bf16 *, int)' dram__bytes_write.sum Mbyte '500'
+  row 1 'void walk_kernel<1, 0>(const bf16 *, long)' gpu__time_duration.sum us '1,000'
+  row 2 'void out_kernel<128>(float *)' gpu__time_duration.sum msecond '0.5'
+} >"$dir/k.csv"
+out=$(python3 "$root/launcher/ncu_kernel_sum.py" "$dir/k.csv")
+echo "$out"
+first=$(sed -n 3p <<<"$out")
+grep -qF "| void walk_kernel<1, 0> | 2 | 2.000 | 1.000 | 2.00 | 1.00 |" <<<"$first" || fail "walk_kernel: 2 launches, 2 ms, 2 GB, first: $first"
+grep -qF "| void out_kernel<128> | 1 | 0.500 | 0.500 |  |  |" <<<"$out" || fail "out_kernel: no DRAM rows"
+grep -qF "| total (serialized) | 3 | 2.500 |" <<<"$out" || fail "total"
+out=$(python3 "$root/launcher/ncu_kernel_sum.py" "$dir/k.csv" --per 2)
+grep -qF "| void walk_kernel<1, 0> | 2 | 1.000 | 1.000 | 1.00 | 1.00 |" <<<"$out" || fail "--per 2: $out"
+echo "not a csv" >"$dir/bad.csv"
+if msg=$(python3 "$root/launcher/ncu_kernel_sum.py" "$dir/bad.csv" 2>&1); then fail "a file without ncu rows was accepted"; fi
+grep -q "no ncu CSV rows in" <<<"$msg" || fail "message for a file without ncu rows: $msg"
+set +e
+python3 "$root/launcher/ncu_kernel_sum.py" "$dir/k.csv" --per 0 >/dev/null 2>"$dir/err"; rc=$?
+set -e
+[ $rc = 2 ] || fail "--per 0: exit $rc, expected 2"
+grep -q -- "--per expects a positive number, got '0'" "$dir/err" || fail "--per 0 message: $(cat "$dir/err")"
+echo "ncu_kernel_sum_test: passed"
