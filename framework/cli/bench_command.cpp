@@ -241,12 +241,12 @@ int run(const Args& a) {
           auto out = m.forward(leaves, {}, opt);
           torch::autograd::backward({out.o}, {d_o});
           uint64_t hg = 1469598103934665603ull, hs = hg;
-          for (auto& x : xs) hg = fnv1a(x.grad(), hg);
+          for (auto& x : xs)
+            if (x.grad().defined()) hg = fnv1a(x.grad(), hg);
           for (auto& t : out.final_state)
             if (t.defined()) hs = fnv1a(t, hs);
           std::printf("  checksum %s T=%lld: o %016llx final state %016llx gradients %016llx\n", name.c_str(),
-                      (long long)T, (unsigned long long)fnv1a(out.o),
-                      (unsigned long long)hs,
+                      (long long)T, (unsigned long long)fnv1a(out.o), (unsigned long long)hs,
                       (unsigned long long)hg);
         }
         std::fflush(stdout);
