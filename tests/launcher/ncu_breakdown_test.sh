@@ -4,14 +4,11 @@
 # beside ATen's reduce_kernel, whose name contains "ce_kernel"),
 # the milliseconds add up, and a file that is not ncu's CSV gets one clear message.
 set -euo pipefail
-root=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
-dir=$(mktemp -d /tmp/carry_ncu_test_XXXXXX)
-trap 'rm -rf "$dir"' EXIT
-fail() { echo "ncu_breakdown_test: FAILED: $*" >&2; exit 1; }
-row() { echo "\"$1\",\"1\",\"carry\",\"host\",\"$2\",\"1\",\"7\",\"(128, 1, 1)\",\"(1, 1, 1)\",\"0\",\"9.0\",\"Command line profiler metrics\",\"gpu__time_duration.sum\",\"nsecond\",\"$3\""; }
+. "$(dirname "${BASH_SOURCE[0]}")/ncu_csv.sh"
+ncu_csv_test ncu_breakdown_test
+row() { ncu_metric "$1" "$2" gpu__time_duration.sum nsecond "$3"; }
 {
-  echo '==PROF== Connected to process 1'
-  echo '"ID","Process ID","Process Name","Host Name","Kernel Name","Context","Stream","Block Size","Grid Size","Device","CC","Section Name","Metric Name","Metric Unit","Metric Value"'
+  ncu_header
   row 0 'nvjet_sm90_tst_256x128 (projection)' '2,000,000'
   row 1 'void at::native::reduce_kernel<512, 1, ReduceOp<float>>' '100,000'
   row 1 'void carry_gdn::fwd_state_mma_kernel<128, 256, 16, 4>' '3,000,000'

@@ -3,14 +3,11 @@
 # units and byte units convert, --per divides, the longest kernel comes first, and bad input gets one
 # clear message with exit status 2 (usage) or 1 (no ncu rows).
 set -euo pipefail
-root=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
-dir=$(mktemp -d /tmp/carry_ncu_sum_test_XXXXXX)
-trap 'rm -rf "$dir"' EXIT
-fail() { echo "ncu_kernel_sum_test: FAILED: $*" >&2; exit 1; }
-row() { echo "\"$1\",\"1\",\"carry\",\"host\",\"$2\",\"1\",\"7\",\"(128, 1, 1)\",\"(1, 1, 1)\",\"0\",\"9.0\",\"Command line profiler metrics\",\"$3\",\"$4\",\"$5\""; }
+. "$(dirname "${BASH_SOURCE[0]}")/ncu_csv.sh"
+ncu_csv_test ncu_kernel_sum_test
+row() { ncu_metric "$@"; }
 {
-  echo '==PROF== Connected to process 1'
-  echo '"ID","Process ID","Process Name","Host Name","Kernel Name","Context","Stream","Block Size","Grid Size","Device","CC","Section Name","Metric Name","Metric Unit","Metric Value"'
+  ncu_header
   row 0 'void walk_kernel<1, 0>(const bf16 *, int)' gpu__time_duration.sum ns '1,000,000'
   row 0 'void walk_kernel<1, 0>(const bf16 *, int)' dram__bytes_read.sum Gbyte '1.5'
   row 0 'void walk_kernel<1, 0>(const bf16 *, int)' dram__bytes_write.sum Mbyte '500'
