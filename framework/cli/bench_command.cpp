@@ -14,6 +14,7 @@
 #include "framework/cli/bench_command.h"
 
 #include "framework/cli/args.h"
+#include "framework/io/checkpoint.h"
 #include "layers/common/device.h"
 #include "layers/mixer.h"
 
@@ -155,12 +156,16 @@ MixerInputs bench_inputs(const Mixer& m, int64_t T, const Shape& s) {
   return in;
 }
 
-// FNV-1a (64 bits) over a tensor's bytes, continuing from h: equal hashes, equal bits.
-uint64_t fnv1a(const Tensor& t, uint64_t h = 1469598103934665603ull) {
-  const Tensor c = t.detach().contiguous().cpu();
-  const auto* p = static_cast<const unsigned char*>(c.data_ptr());
-  for (size_t i = 0, n = c.nbytes(); i < n; ++i) h = (h ^ p[i]) * 1099511628211ull;
-  return h;
+// FNV-1a 64 (the checkpoints' checksum) of the tensors' bytes, one hash a tensor, then of those hashes in
+// order; undefined tensors are skipped. Equal hashes, equal bits.
+uint64_t bytes_hash(const std::vector<Tensor>& ts) {
+  std::vector<uint64_t> each;
+  for (const Tensor& t : ts) {
+    if (!t.defined()) continue;
+    const Tensor c = t.detach().contiguous().cpu();
+    each.push_back(fnv1a64(c.data_ptr(), c.nbytes()));
+  }
+  return fnv1a64(each.data(), each.size() * sizeof(uint64_t));
 }
 
 struct Floors {
@@ -240,14 +245,11 @@ int run(const Args& a) {
           for (auto& x : xs) x.mutable_grad().reset();
           auto out = m.forward(leaves, {}, opt);
           torch::autograd::backward({out.o}, {d_o});
-          uint64_t hg = 1469598103934665603ull, hs = hg;
-          for (auto& x : xs)
-            if (x.grad().defined()) hg = fnv1a(x.grad(), hg);
-          for (auto& t : out.final_state)
-            if (t.defined()) hs = fnv1a(t, hs);
+          std::vector<Tensor> grads;
+          for (auto& x : xs) grads.push_back(x.grad());
           std::printf("  checksum %s T=%lld: o %016llx final state %016llx gradients %016llx\n", name.c_str(),
-                      (long long)T, (unsigned long long)fnv1a(out.o), (unsigned long long)hs,
-                      (unsigned long long)hg);
+                      (long long)T, (unsigned long long)bytes_hash({out.o}),
+                      (unsigned long long)bytes_hash(out.final_state), (unsigned long long)bytes_hash(grads));
         }
         std::fflush(stdout);
       }
