@@ -9,13 +9,12 @@
 # (3 warm-ups and the timed run, of the forward and of forward+backward) and each backward kernel 4 times;
 # a walk in pieces launches once a piece. Kernels are serialized under ncu.
 import collections
-import csv
+import os
 import re
 import sys
 
-TIME_UNIT = {'ns': 1e-6, 'nsecond': 1e-6, 'us': 1e-3, 'usecond': 1e-3, 'ms': 1.0, 'msecond': 1.0,
-             's': 1e3, 'second': 1e3}
-BYTE_UNIT = {'byte': 1.0, 'Kbyte': 1e3, 'Mbyte': 1e6, 'Gbyte': 1e9, 'KB': 1e3, 'MB': 1e6, 'GB': 1e9}
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from ncu_csv import read_rows  # noqa: E402
 
 
 def usage(msg):
@@ -43,32 +42,14 @@ def main(argv):
             usage(f"unexpected argument {a!r}")
     if path is None:
         usage("expected the CSV file of an ncu --csv run")
-    try:
-        lines = [l for l in open(path, errors='replace') if l.startswith('"')]
-    except OSError as e:
-        usage(f"cannot read {path}: {e.strerror}")
-    rows = list(csv.reader(lines))
-    need = ('Kernel Name', 'Metric Name', 'Metric Unit', 'Metric Value')
-    if not rows or any(h not in rows[0] for h in need):
-        sys.stderr.write(f"ncu_kernel_sum: no ncu CSV rows in {path} (expected the output of ncu --csv "
-                         f"--metrics gpu__time_duration.sum,...)\n")
-        return 1
-    h = rows[0]
-    ki, mi, ui, vi = (h.index(x) for x in need)
     ms, gb, launches = collections.Counter(), collections.Counter(), collections.Counter()
-    for r in rows[1:]:
-        if len(r) != len(h) or r[ki] == 'Kernel Name':
-            continue
-        name = re.sub(r'\(.*', '', r[ki]).strip()
-        try:
-            v = float(r[vi].replace(',', ''))
-        except ValueError:
-            continue
-        if r[mi] == 'gpu__time_duration.sum':
-            ms[name] += v * TIME_UNIT.get(r[ui], float('nan'))
+    for kernel, metric, v in read_rows(path, 'ncu_kernel_sum'):
+        name = re.sub(r'\(.*', '', kernel).strip()
+        if metric == 'gpu__time_duration.sum':
+            ms[name] += v
             launches[name] += 1
-        elif r[mi].startswith('dram__bytes'):
-            gb[name] += v * BYTE_UNIT.get(r[ui], float('nan')) / 1e9
+        elif metric.startswith('dram__bytes'):
+            gb[name] += v / 1e9
     if not ms:
         sys.stderr.write(f"ncu_kernel_sum: no gpu__time_duration.sum rows in {path}\n")
         return 1

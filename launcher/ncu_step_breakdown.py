@@ -7,9 +7,12 @@
 # kernel of the chunked loss, and that kernel), the other matrix products, norms and SwiGLU,
 # convolutions, the remaining ATen kernels, the optimizer. Kernels are serialized under ncu.
 import collections
-import csv
+import os
 import re
 import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from ncu_csv import read_rows  # noqa: E402
 
 
 def category(name):
@@ -32,15 +35,8 @@ def is_product(name):
 
 
 def main(path):
-    rows = [r for r in csv.reader(l for l in open(path) if l.startswith('"'))]
-    if not rows:
-        sys.exit(f"ncu_step_breakdown: no ncu CSV rows in {path}")
-    head = rows[0]
-    try:
-        ki, vi = head.index('Kernel Name'), head.index('Metric Value')
-    except ValueError:
-        sys.exit(f"ncu_step_breakdown: {path} has no 'Kernel Name'/'Metric Value' columns (ncu --csv expected)")
-    seq = [(r[ki], float(r[vi].replace(',', '')) / 1e6) for r in rows[1:]]  # ns -> ms
+    seq = [(kernel, ms) for kernel, metric, ms in read_rows(path, 'ncu_step_breakdown')
+           if metric == 'gpu__time_duration.sum']
     loss = set()
     for i, (name, _) in enumerate(seq):
         if not re.search(r'\bce_kernel\b', name):  # carry_loss's kernel, not ATen's reduce_kernel

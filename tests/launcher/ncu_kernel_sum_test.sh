@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# launcher/ncu_kernel_sum.py on a made-up ncu CSV: launches of one kernel (any argument list) add up, time
-# units and byte units convert, --per divides, the longest kernel comes first, and bad input gets one
-# clear message with exit status 2 (usage) or 1 (no ncu rows).
+# launcher/ncu_kernel_sum.py (and its reader, launcher/ncu_csv.py) on a made-up ncu CSV: launches of one
+# kernel (any argument list) add up, time units and byte units convert, --per divides, the longest kernel
+# comes first, and bad input gets one clear message: exit status 2 for usage, 1 for a file without ncu
+# rows or with a unit the reader does not know.
 set -euo pipefail
 . "$(dirname "${BASH_SOURCE[0]}")/ncu_csv.sh"
 ncu_csv_test ncu_kernel_sum_test
@@ -25,6 +26,9 @@ grep -qF "| void walk_kernel<1, 0> | 2 | 1.000 | 1.000 | 1.00 | 1.00 |" <<<"$out
 echo "not a csv" >"$dir/bad.csv"
 if msg=$(python3 "$root/launcher/ncu_kernel_sum.py" "$dir/bad.csv" 2>&1); then fail "a file without ncu rows was accepted"; fi
 grep -q "no ncu CSV rows in" <<<"$msg" || fail "message for a file without ncu rows: $msg"
+{ ncu_header; row 0 'void k<1>(int)' gpu__time_duration.sum furlong '5'; } >"$dir/unit.csv"
+if msg=$(python3 "$root/launcher/ncu_kernel_sum.py" "$dir/unit.csv" 2>&1); then fail "an unknown unit was accepted"; fi
+grep -q "CSV row 2: unknown time unit 'furlong' for gpu__time_duration.sum" <<<"$msg" || fail "unknown unit message: $msg"
 set +e
 python3 "$root/launcher/ncu_kernel_sum.py" "$dir/k.csv" --per 0 >/dev/null 2>"$dir/err"; rc=$?
 set -e
