@@ -36,6 +36,10 @@ std::vector<at::Tensor> gdn_bwd(const at::Tensor& q, const at::Tensor& k, const 
 // bits of one walk; they let the chunk-local kernels of finished pieces run beside the walk.
 void gdn_set_pieces(int n);
 
+// Tests and A/B timings: which bf16 state walks run at dk = 128. -1 (default): the warpgroup walks
+// (wgmma, TMA; CARRY_GDN_WALK=mma picks the others), 0: the warpgroup walks, 1: the mma.sync walks.
+void gdn_set_walk(int kind);
+
 // Debug: fill every output and intermediate with NaN right after allocation (unwritten
 // elements then show up in tests). Off by default.
 void gdn_set_poison(bool on);

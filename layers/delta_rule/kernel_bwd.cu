@@ -22,6 +22,7 @@
 #include "layers/common/kernel_tiles.cuh"
 #include "layers/delta_rule/kernel_launch.h"
 #include "layers/delta_rule/kernel_frag.cuh"
+#include "layers/delta_rule/kernel_wg.cuh"
 
 #include <ATen/cuda/CUDAEvent.h>
 
@@ -1220,23 +1221,42 @@ void dv_local_reg(const BwdArgs& a, cudaStream_t st, int c0, int c1) {
 // own_dv: the intra-chunk dV is not computed yet, bwd_pieces runs it too: piece by piece on a stream
 // of its own in the walk's order when the walk is in pieces (the first piece's alone, the others beside
 // the walk, whose first piece would otherwise leave the SMs it does not use idle), else before the walk.
-template <int DK, int DV, int BV = 16, int NW = 4>
+// WG: the walk is wg::bwd_walk_wg (kernel_wg.cuh; dk = 128, 32 columns, one warpgroup) instead of
+// bwd_state_mma_kernel<BV, NW>.
+template <int DK, int DV, int BV = 16, int NW = 4, bool WG = false>
 bool bwd_pieces(BwdArgs& a, bool own_dv = false) {
+  static_assert(!WG || (DK == wg::kDK && BV == wg::kBV), "the warpgroup walk takes dk = 128 in 32-column tiles");
   auto stream = at::cuda::getCurrentCUDAStream();
   const Dims& d = a.d;
   auto P = [](const at::Tensor& t) { return reinterpret_cast<bf16*>(t.data_ptr()); };
-  auto skern = bwd_state_mma_kernel<DK, DV, BV, NW, kBwdStateStages>;
-  constexpr size_t ssm = BwdStateMmaSmem<DK, BV, kBwdStateStages>::bytes;
-  set_smem(skern, ssm);
+  constexpr size_t ssm = WG ? size_t(wg::BwdSmem::bytes) : BwdStateMmaSmem<DK, BV, kBwdStateStages>::bytes;
+  CUtensorMap tmQ{}, tmK{}, tmW{}, tmdO{}, tmdVl{}, tmG{};
+  if constexpr (WG) {
+    const long rows = (long)d.B * d.H * d.T;
+    wg::check_coords(rows);
+    tmQ = wg::map_tokens(P(a.q), d.B, d.T, d.H);
+    tmK = wg::map_tokens(P(a.k), d.B, d.T, d.H);
+    tmW = wg::map_w(P(a.W), rows);
+    tmdO = wg::map_do(P(a.dO), d.B, d.T, d.H, DV);
+    tmdVl = wg::map_dvl(a.dVl.data_ptr<float>(), rows, DV);
+    tmG = wg::map_g(a.Gc.data_ptr<float>(), rows);
+    set_smem(wg::bwd_walk_wg<DV>, ssm);
+  } else {
+    set_smem(bwd_state_mma_kernel<DK, DV, BV, NW, kBwdStateStages>, ssm);
+  }
   auto ckern = bwd_chunk_reg_kernel<DK, DV>;
   constexpr size_t csm = ChunkRegSmem<DK, 64>::bytes;
   static_assert(csm <= kMaxSmem, "bf16 chunk kernel must fit");
   set_smem(ckern, csm);
   at::cuda::CUDAStream wst = stream;  // the walk's stream
   auto walk = [&](int c0, int c1, const float* from, float* to) {
-    skern<<<dim3(DV / BV, d.H, d.B), NW * 32, ssm, wst>>>(P(a.q), P(a.k), P(a.W), a.Gc.data_ptr<float>(), P(a.dO),
-                                                            a.dVl.data_ptr<float>(), from, P(a.dHs), P(a.dVn), to,
-                                                            a.scale, d.T, d.H, c0, c1);
+    if constexpr (WG)
+      wg::bwd_walk_wg<DV><<<dim3(DV / BV, d.H, d.B), 128, ssm, wst>>>(tmQ, tmK, tmW, tmdO, tmdVl, tmG, from, P(a.dHs),
+                                                                     P(a.dVn), to, a.scale, d.T, d.H, c0, c1);
+    else
+      bwd_state_mma_kernel<DK, DV, BV, NW, kBwdStateStages><<<dim3(DV / BV, d.H, d.B), NW * 32, ssm, wst>>>(P(a.q), P(a.k), P(a.W), a.Gc.data_ptr<float>(), P(a.dO),
+                                                              a.dVl.data_ptr<float>(), from, P(a.dHs), P(a.dVn), to,
+                                                              a.scale, d.T, d.H, c0, c1);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   };
   auto chunks = [&](cudaStream_t st, int c0, int c1) {
@@ -1305,6 +1325,13 @@ bool bwd_impl(BwdArgs& a) {
     // change reverted after, against 7.40-7.47 without either (not one build), so those run it before
     // the walk.
     static const bool dv_pieces = switch_on("CARRY_GDN_DV_PIECES");
+    if constexpr (DK == wg::kDK) {
+      if (cfg == 0 && warpgroup_walk()) {
+        if (wide_state_tiles(a.d) && dv_pieces) return bwd_pieces<DK, DV, wg::kBV, 4, true>(a, true);
+        dv_local_reg<DK, DV>(a, stream, 0, d.N);
+        return bwd_pieces<DK, DV, wg::kBV, 4, true>(a);
+      }
+    }
     if (cfg == 0 && wide_state_tiles(a.d) && dv_pieces) return bwd_pieces<DK, DV, 32, 8>(a, true);
     dv_local_reg<DK, DV>(a, stream, 0, d.N);
   } else {

@@ -29,11 +29,13 @@
 #include "layers/common/kernel_tiles.cuh"
 #include "layers/delta_rule/kernel_launch.h"
 #include "layers/delta_rule/kernel_frag.cuh"
+#include "layers/delta_rule/kernel_wg.cuh"
 
 #include <ATen/cuda/CUDAEvent.h>
 
 #include <atomic>
 #include <cstdlib>
+#include <string>
 #include <type_traits>
 
 namespace carry_gdn {
@@ -64,6 +66,25 @@ int state_cfg() {
   return cfg;
 }
 void gdn_set_poison(bool on) { g_poison.store(on); }
+namespace {
+std::atomic<int> g_walk{-1};
+}
+// The bf16 walks at dk = 128: the warpgroup kernels (kernel_wg.cuh) unless gdn_set_walk(1) or
+// CARRY_GDN_WALK=mma (read once; A/B against the mma.sync walks) say otherwise.
+bool warpgroup_walk() {
+  static const bool env_mma = [] {
+    const char* e = std::getenv("CARRY_GDN_WALK");
+    if (!e || !*e) return false;
+    const std::string v(e);
+    TORCH_CHECK(v == "mma" || v == "warpgroup",
+                "CARRY_GDN_WALK: expected 'warpgroup' (the default) or 'mma' (the delta rule's mma.sync state walks), "
+                "got '", v, "'");
+    return v == "mma";
+  }();
+  const int w = g_walk.load();
+  return w < 0 ? !env_mma : w == 0;
+}
+void gdn_set_walk(int kind) { g_walk.store(kind < 0 ? -1 : kind); }
 namespace {
 std::atomic<int> g_pieces{0};
 }
@@ -821,12 +842,14 @@ void set_smem(K kernel, size_t bytes) {
 // and bits), and on a second stream the preparation of the next piece runs ahead of it and the
 // output of each finished piece behind it; the walk then asks for enough shared memory that no
 // preparation or output block shares its SM (it would slow the walk's chain).
-template <int DK, int DV, int BV = 16, int NW = 4>
+// WG: the walk is wg::fwd_walk_wg (kernel_wg.cuh; dk = 128, 32 columns, one warpgroup) instead of
+// fwd_state_mma_kernel<BV, NW>.
+template <int DK, int DV, int BV = 16, int NW = 4, bool WG = false>
 void fwd_pieces(const Dims& d, const bf16* kp, const bf16* vp, const float* g, const float* beta, at::Tensor& Gc,
                 at::Tensor& Tm, bf16* Wp, bf16* Up, const float* S0, bf16* Hp, bf16* Vnp, at::Tensor& Sfin,
                 const bf16* qp, bf16* Op, float scale, const std::function<void(const at::Tensor&)>& on_final_state) {
+  static_assert(!WG || (DK == wg::kDK && BV == wg::kBV), "the warpgroup walk takes dk = 128 in 32-column tiles");
   auto stream = at::cuda::getCurrentCUDAStream();
-  auto skern = fwd_state_mma_kernel<DK, DV, BV, NW, kStateStages>;
   const OutKernel<DK, DV> ok = out_kernel<DK, DV>(d);
   const auto okern = ok.kern;
   const size_t osm = ok.smem;
@@ -836,9 +859,21 @@ void fwd_pieces(const Dims& d, const bf16* kp, const bf16* vp, const float* g, c
   set_smem(pkern, psm);
   const Pieces pc = plan_pieces(d, (DV / BV) * d.H * d.B);
   // one walk: its own size; pieces: also more than an SM has left beside an output or a prep block
-  const size_t ssm = std::max(StateMmaSmem<DK, BV, kStateStages>::bytes,
-                              pc.n == 1 || !pc.idle ? size_t(0) : size_t(kMaxSmemSM) - std::min(osm, psm) + 1024);
-  set_smem(skern, ssm);
+  const size_t walk_bytes = WG ? size_t(wg::FwdSmem::bytes) : StateMmaSmem<DK, BV, kStateStages>::bytes;
+  const size_t ssm =
+      std::max(walk_bytes, pc.n == 1 || !pc.idle ? size_t(0) : size_t(kMaxSmemSM) - std::min(osm, psm) + 1024);
+  CUtensorMap tmW{}, tmK{}, tmU{}, tmG{};
+  if constexpr (WG) {
+    const long rows = (long)d.B * d.H * d.T;
+    wg::check_coords(rows);
+    tmW = wg::map_w(Wp, rows);
+    tmK = wg::map_tokens(kp, d.B, d.T, d.H);
+    tmU = wg::map_u(Up, rows, DV);
+    tmG = wg::map_g(Gc.data_ptr<float>(), rows);
+    set_smem(wg::fwd_walk_wg<DV>, ssm);
+  } else {
+    set_smem(fwd_state_mma_kernel<DK, DV, BV, NW, kStateStages>, ssm);
+  }
   auto prep = [&](cudaStream_t st, int c0, int c1) {
     pkern<<<dim3(c1 - c0, d.H, d.B), 256, psm, st>>>(kp, vp, g, beta, Gc.data_ptr<float>(), Tm.data_ptr<float>(), Wp,
                                                       Up, d.T, d.H, c0);
@@ -846,8 +881,12 @@ void fwd_pieces(const Dims& d, const bf16* kp, const bf16* vp, const float* g, c
   };
   at::cuda::CUDAStream wst = stream;  // the walk's stream
   auto walk = [&](int c0, int c1, const float* from, float* to) {
-    skern<<<dim3(DV / BV, d.H, d.B), NW * 32, ssm, wst>>>(kp, Wp, Up, Gc.data_ptr<float>(), from, Hp, Vnp, to,
-                                                         d.T, d.H, c0, c1);
+    if constexpr (WG)
+      wg::fwd_walk_wg<DV><<<dim3(DV / BV, d.H, d.B), 128, ssm, wst>>>(tmW, tmK, tmU, tmG, from, Hp, Vnp, to, d.T, d.H,
+                                                                     c0, c1);
+    else
+      fwd_state_mma_kernel<DK, DV, BV, NW, kStateStages><<<dim3(DV / BV, d.H, d.B), NW * 32, ssm, wst>>>(kp, Wp, Up, Gc.data_ptr<float>(), from, Hp, Vnp, to,
+                                                           d.T, d.H, c0, c1);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   };
   auto out = [&](cudaStream_t st, int c0, int c1) {
@@ -910,6 +949,10 @@ void fwd_impl(const Dims& d, const at::Tensor& q, const at::Tensor& k, const at:
   dim3 gc(d.N, d.H, d.B);
   {
     if constexpr (std::is_same<T, bf16>::value) {
+      if constexpr (DK == wg::kDK)
+        if (state_cfg() == 0 && warpgroup_walk())
+          return fwd_pieces<DK, DV, wg::kBV, 4, true>(d, kp, vp, g, beta, Gc, Tm, Wp, Up, S0, Hp, Vnp, Sfin, qp, Op,
+                                                      scale, on_final_state);
       if ((state_cfg() == 0 && !wide_state_tiles(d)) || state_cfg() == 10)
         return fwd_pieces<DK, DV>(d, kp, vp, g, beta, Gc, Tm, Wp, Up, S0, Hp, Vnp, Sfin, qp, Op, scale, on_final_state);
       // 32-column tiles (wide_state_tiles; CARRY_GDN_STATE=8 forces them; with 4 warps they ran slower:

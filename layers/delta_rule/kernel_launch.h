@@ -19,6 +19,7 @@ namespace carry_gdn {
 bool poison_enabled();
 int state_cfg();
 int forced_pieces();  // gdn_set_pieces' value
+bool warpgroup_walk();  // the bf16 walks at dk = 128 on the warpgroup kernels (kernel_wg.cuh)
 
 // at::empty, filled with NaN when the debug poison is on.
 inline at::Tensor alloc(at::IntArrayRef sizes, const at::TensorOptions& opt) {

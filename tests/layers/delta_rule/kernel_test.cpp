@@ -12,6 +12,7 @@
 #endif
 
 #include <gtest/gtest.h>
+#include <utility>
 #include <torch/csrc/autograd/autograd.h>
 
 namespace carry::testing {
@@ -40,6 +41,10 @@ MixerInputs gdn_inputs(const Case& c, bool gated, uint64_t seed) {
   return in;
 }
 
+// (walk, gated): walk 0 runs the bf16 state walks at dk = 128 on one warpgroup (wgmma, TMA; the
+// default), walk 1 on mma.sync (dk = 64 always runs those: its cases run with walk 0 only).
+const std::pair<int, bool> kWalksAndGates[] = {{0, true}, {0, false}, {1, true}, {1, false}};
+
 // o, S, then d(q, k, v, [g], beta, S0), in fp32.
 std::vector<Tensor> run(const Mixer& m, Form form, const MixerInputs& in, const Tensor& s0) {
   MixerOptions opt;
@@ -56,12 +61,14 @@ TEST(DeltaRuleKernel, MatchesChunkwise) {
 #else
   carry_gdn::gdn_set_poison(true);
   const char* names[] = {"o", "final_state", "dq", "dk", "dv", "dg", "dbeta", "dinitial_state"};
-  for (bool gated : {true, false}) {
+  for (const auto& [walk, gated] : kWalksAndGates) {
+    carry_gdn::gdn_set_walk(walk);
     const Mixer& m = get_mixer(gated ? "gated_deltanet" : "deltanet");
-    // H=16, dk=dv=128: the bf16 walks in 32-column tiles (wide_state_tiles, on any GPU of fewer than
-    // 256 SMs); the other shapes in 16-column tiles.
+    // mma.sync walks: H=16, dk=dv=128 in 32-column tiles (wide_state_tiles, on any GPU of fewer than
+    // 256 SMs), the other shapes in 16-column tiles; the warpgroup walks: 32-column tiles.
     for (const Case& c : {Case{1, 256, 2, 64, 64}, Case{2, 192, 1, 128, 256}, Case{1, 128, 3, 128, 128},
                           Case{1, 128, 16, 128, 128}}) {
+      if (walk == 1 && c.dk != 128) continue;
       auto in = gdn_inputs(c, gated, 17 + c.T);
       auto s0 = at::randn({c.B, c.H, c.dk, c.dv}, at::kFloat).to(at::kCUDA) * 0.5;
       for (auto dt : {at::kFloat, at::kBFloat16}) {
@@ -86,11 +93,12 @@ TEST(DeltaRuleKernel, MatchesChunkwise) {
                               << " dk=" << c.dk << " dv=" << c.dv << ": " << names[label];
           line += std::string(" ") + names[label] + " " + std::to_string(e);
         }
-        std::cout << "[ errors   ] " << m.name() << " " << dt << " B=" << c.B << " T=" << c.T << " H=" << c.H
+        std::cout << "[ errors   ] " << m.name() << " " << dt << " walk " << walk << " B=" << c.B << " T=" << c.T << " H=" << c.H
                   << " dk=" << c.dk << " dv=" << c.dv << ":" << line << "\n";
       }
     }
   }
+  carry_gdn::gdn_set_walk(-1);
   carry_gdn::gdn_set_poison(false);
 #endif
 }
@@ -98,16 +106,18 @@ TEST(DeltaRuleKernel, MatchesChunkwise) {
 // The bf16 state walks cut into pieces (the chunk-local kernels of finished pieces on a second
 // stream) give the bits of one walk: outputs, final state and every gradient, with a nonzero initial
 // state and final-state gradient; 7 chunks in pieces of 3 (three pieces, the last shorter) and of 1;
-// 16- and (H=16) 32-column tiles.
+// 16- and (H=16) 32-column tiles; the warpgroup and the mma.sync walks.
 TEST(DeltaRuleKernel, PiecesGiveTheBitsOfOneWalk) {
   if (cuda_device_count() == 0) GTEST_SKIP() << "no CUDA device: GPU tests skipped";
 #ifndef CARRY_WITH_CUDA
   GTEST_SKIP() << "built without CUDA";
 #else
   carry_gdn::gdn_set_poison(true);
-  for (bool gated : {true, false}) {
+  for (const auto& [walk, gated] : kWalksAndGates) {
+    carry_gdn::gdn_set_walk(walk);
     const Mixer& m = get_mixer(gated ? "gated_deltanet" : "deltanet");
     for (const Case& c : {Case{1, 448, 2, 128, 256}, Case{2, 448, 1, 64, 128}, Case{1, 448, 16, 128, 128}}) {
+      if (walk == 1 && c.dk != 128) continue;
       auto in = gdn_inputs(c, gated, 91 + c.dv);
       MixerInputs low;
       for (const auto& n : MixerInputs::names())
@@ -121,12 +131,13 @@ TEST(DeltaRuleKernel, PiecesGiveTheBitsOfOneWalk) {
         ASSERT_EQ(whole.size(), cut.size());
         for (size_t i = 0; i < whole.size(); ++i)
           EXPECT_TRUE(at::equal(whole[i], cut[i]))
-              << m.name() << " dk=" << c.dk << " dv=" << c.dv << " pieces " << pieces << ": output " << i
+              << m.name() << " walk " << walk << " dk=" << c.dk << " dv=" << c.dv << " pieces " << pieces << ": output " << i
               << " differs, max |diff| " << (whole[i] - cut[i]).abs().max().item<double>();
       }
     }
   }
   carry_gdn::gdn_set_pieces(0);
+  carry_gdn::gdn_set_walk(-1);
   carry_gdn::gdn_set_poison(false);
 #endif
 }

@@ -1,0 +1,507 @@
+// The delta rule's bf16 state walks on one warpgroup (sm_90a): wgmma products, TMA loads.
+//
+// One block of 128 threads (one warpgroup) owns a 32-column tile of one head's dk × dv state (dk = 128),
+// held in fp32 registers as two m64n32 wgmma accumulators (rows 64·half + 16·warp + lane/4 (+8),
+// columns 8j + 2·(lane%4) (+1)). A chunk's tiles arrive by TMA, issued by one thread three chunks
+// ahead (kWalkStages buffers, an mbarrier each), so the warps spend no instructions on loads:
+//  - K, Q, W [64 tokens][128] bf16 as two 64-column halves, 128-byte swizzled (TMA SWIZZLE_128B): the
+//    wgmma A operand straight from shared memory, K-major (W·S, K·dS) or MN-major (Kᵀ·Ṽ, Wᵀ·dV);
+//  - U [64][32] bf16 dense rows, dV_local [64][32] fp32 128-byte swizzled, G [64] fp32, dO [64][32] in
+//    8 × 8 core matrices (the B operand of Qᵀ·dO).
+// The state and V_new go to shared memory as bf16 B operands (MN-major, no swizzle) from registers.
+// Two block barriers a chunk. What a chunk does is fwd_state_mma_kernel's (kernel_fwd.cu) and
+// bwd_state_mma_kernel's (kernel_bwd.cu), with the same roundings to bf16; the products' fp32 sums
+// run in the tensor cores' order, so the bits differ from those kernels' (both are tested against the
+// chunkwise form).
+//
+// Measured (prototype, one H200, H=16, dk=dv=128, 131072 tokens, one walk): forward 2.25 ms against
+// 3.65 ms of the mma.sync walk (ncu) and 2.06 of FLA's; reverse 3.12 against 5.16 and 2.70. The same
+// warpgroup walks with each thread copying its share of the tiles (cp.async) took 4.67 and 7.65 ms, with
+// TMA boxes 16 bytes wide (8 × 8 core matrices) 3.40 and 5.23: the 128-byte boxes are what pays.
+#pragma once
+
+#include <cuda.h>
+#include <cuda_bf16.h>
+#include <cudaTypedefs.h>
+
+#include <c10/cuda/CUDAException.h>
+#include <c10/util/Exception.h>
+
+#include <cstdint>
+
+namespace carry_gdn {
+namespace wg {
+
+using bf16 = __nv_bfloat16;
+constexpr int kC = 64, kDK = 128, kBV = 32, kWalkStages = 3;
+
+// ---- device pieces ---------------------------------------------------------------------------
+__device__ __forceinline__ unsigned saddr(const void* p) { return static_cast<unsigned>(__cvta_generic_to_shared(p)); }
+
+// wgmma shared-memory descriptor: start address, leading and stride byte offsets (16-byte units).
+__device__ __forceinline__ uint64_t desc(const void* p, int lbo, int sbo) {
+  return (uint64_t)((saddr(p) & 0x3FFFF) >> 4) | (uint64_t)((lbo >> 4) & 0x3FFF) << 16 |
+         (uint64_t)((sbo >> 4) & 0x3FFF) << 32;
+}
+// A 64-row operand in a 128-byte-swizzled half tile: 8-row groups 1024 bytes apart (the other offset
+// is unused: 64 elements, one swizzle atom, along the contiguous dimension).
+__device__ __forceinline__ uint64_t desc_sw128(const void* p) { return desc(p, 1024, 1024) | (1ull << 62); }
+// The B operands written by the threads, [k][32 n] MN-major in 8 × 8 core matrices:
+// offset(k, n) = (n/8)·128 + (k/8)·512 + (k%8)·16 + (n%8)·2 (K direction 512 bytes, N direction 128).
+__device__ __forceinline__ int bmn_off(int k, int n) { return (n >> 3) * 128 + (k >> 3) * 512 + (k & 7) * 16 + (n & 7) * 2; }
+__device__ __forceinline__ uint64_t desc_bmn(const void* p) { return desc(p, 512, 128); }
+// [64 t][128 d] bf16 as two 128-byte-swizzled halves (what TMA's SWIZZLE_128B writes for boxes of 64 d).
+__device__ __forceinline__ int sw_off(int t, int d) {
+  return (d >> 6) * 8192 + t * 128 + ((((d >> 3) & 7) ^ (t & 7)) << 4) + (d & 7) * 2;
+}
+
+__device__ __forceinline__ void wg_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wg_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void wg_wait() { asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory"); }
+// Shared-memory writes of the threads made visible to the tensor cores' (async proxy) reads.
+__device__ __forceinline__ void fence_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
+
+// d (m64n32, fp32) += A·B, A and B from shared memory (TA, TB: 1 = MN-major).
+template <int TA, int TB>
+__device__ __forceinline__ void mma_ss(float (&d)[16], uint64_t da, uint64_t db) {
+  asm volatile(
+      "wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16 "
+      "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15}, %16, %17, 1, 1, 1, %18, %19;\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
+      : "l"(da), "l"(db), "n"(TA), "n"(TB));
+}
+// d += A·B, A from registers (the mma.m16n8k16 A fragment of this warp's 16 rows), B MN-major in shared memory.
+__device__ __forceinline__ void mma_rs(float (&d)[16], const unsigned (&a)[4], uint64_t db) {
+  asm volatile(
+      "wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16 "
+      "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15}, {%16,%17,%18,%19}, %20, 1, 1, 1, 1;\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db));
+}
+
+__device__ __forceinline__ void mbar_init(uint64_t* b) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;\n" ::"r"(saddr(b)) : "memory");
+}
+__device__ __forceinline__ void mbar_expect(uint64_t* b, unsigned bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(saddr(b)), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void mbar_wait(uint64_t* b, unsigned parity) {
+  asm volatile(
+      "{\n.reg .pred P1;\nWAIT_%=:\n"
+      "mbarrier.try_wait.parity.shared::cta.b64 P1, [%0], %1;\n"
+      "@P1 bra DONE_%=;\nbra WAIT_%=;\nDONE_%=:\n}\n" ::"r"(saddr(b)),
+      "r"(parity)
+      : "memory");
+}
+__device__ __forceinline__ void tma2(void* dst, const CUtensorMap* m, int c0, int c1, uint64_t* bar) {
+  asm volatile(
+      "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];\n" ::"r"(
+          saddr(dst)),
+      "l"(m), "r"(c0), "r"(c1), "r"(saddr(bar))
+      : "memory");
+}
+__device__ __forceinline__ void tma3(void* dst, const CUtensorMap* m, int c0, int c1, int c2, uint64_t* bar) {
+  asm volatile(
+      "cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4}], "
+      "[%5];\n" ::"r"(saddr(dst)),
+      "l"(m), "r"(c0), "r"(c1), "r"(c2), "r"(saddr(bar))
+      : "memory");
+}
+__device__ __forceinline__ void tma4(void* dst, const CUtensorMap* m, int c0, int c1, int c2, int c3, uint64_t* bar) {
+  asm volatile(
+      "cp.async.bulk.tensor.4d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4, "
+      "%5}], [%6];\n" ::"r"(saddr(dst)),
+      "l"(m), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(saddr(bar))
+      : "memory");
+}
+__device__ __forceinline__ void ldsm_x4_t(unsigned (&r)[4], const void* p) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(saddr(p)));
+}
+__device__ __forceinline__ unsigned pk(float x, float y) {
+  __nv_bfloat162 v = __floats2bfloat162_rn(x, y);
+  return *reinterpret_cast<unsigned*>(&v);
+}
+__device__ __forceinline__ float2 upk(unsigned u) { return __bfloat1622float2(*reinterpret_cast<__nv_bfloat162*>(&u)); }
+
+// The block's dynamic shared memory, rounded up to 1024 bytes (the swizzle atoms' alignment; the
+// launchers ask for 1024 bytes more).
+__device__ __forceinline__ unsigned char* smem_1k(unsigned char* p) {
+  const unsigned a = saddr(p);
+  return p + (((a + 1023u) & ~1023u) - a);
+}
+
+// The state (two m64n32 accumulators) to or from fp32 [dk][DV] memory at column v0.
+template <bool STORE>
+__device__ __forceinline__ void state_io(float (&s)[2][16], float* p, long ld, int v0) {
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t4 = lane & 3;
+#pragma unroll
+  for (int hh = 0; hh < 2; ++hh)
+#pragma unroll
+    for (int j = 0; j < 4; ++j)
+#pragma unroll
+      for (int hf = 0; hf < 2; ++hf) {
+        const long off = (long)(64 * hh + 16 * warp + g + 8 * hf) * ld + v0 + 8 * j + 2 * t4;
+        if constexpr (STORE) {
+          *reinterpret_cast<float2*>(p + off) = make_float2(s[hh][4 * j + 2 * hf], s[hh][4 * j + 2 * hf + 1]);
+        } else {
+          const float2 x = p ? *reinterpret_cast<const float2*>(p + off) : make_float2(0.f, 0.f);
+          s[hh][4 * j + 2 * hf] = x.x;
+          s[hh][4 * j + 2 * hf + 1] = x.y;
+        }
+      }
+}
+// The state, rounded to bf16, into the B-operand tile sSb [128][32].
+__device__ __forceinline__ void state_to_b(const float (&s)[2][16], unsigned char* sSb) {
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t4 = lane & 3;
+#pragma unroll
+  for (int hh = 0; hh < 2; ++hh)
+#pragma unroll
+    for (int j = 0; j < 4; ++j)
+#pragma unroll
+      for (int hf = 0; hf < 2; ++hf)
+        *reinterpret_cast<unsigned*>(sSb + bmn_off(64 * hh + 16 * warp + g + 8 * hf, 8 * j + 2 * t4)) =
+            pk(s[hh][4 * j + 2 * hf], s[hh][4 * j + 2 * hf + 1]);
+}
+// sSb (bf16 [128][32]) to global rows of stride ld (16-byte stores): H_c or dH_c.
+__device__ __forceinline__ void b_to_global(const unsigned char* sSb, bf16* p, long ld) {
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const int u = threadIdx.x + i * 128, r = u >> 2, ng = u & 3;
+    *reinterpret_cast<uint4*>(p + (long)r * ld + ng * 8) = *reinterpret_cast<const uint4*>(sSb + bmn_off(r, ng * 8));
+  }
+}
+
+// ---- forward walk ----------------------------------------------------------------------------
+struct FwdSmem {
+  static constexpr int S = kWalkStages;
+  static constexpr int oW = 0, oK = oW + S * 16384, oU = oK + S * 16384, oG = oU + S * 4096, oSb = oG + S * 256,
+                       oVb = oSb + 8192, oBar = oVb + 4096, bytes = oBar + 8 * S + 1024;
+};
+
+// grid (DV/32, H, B), 128 threads. Walks chunks [c_begin, c_end) from S0 (the state entering c_begin;
+// null: zeros), writes H_c (bf16 [B,H,N,dk,DV]) and V_new (bf16 [B,H,T,DV]), and the state after
+// c_end − 1 to Sfin (fp32). Maps: W [B·H·T][dk], k [B·T][H][dk] (boxes of 64 × 64, swizzled), U
+// [B·H·T][DV] (boxes of 32 × 64), G (fp32 [B·H·T/64][64]).
+template <int DV>
+__global__ void __launch_bounds__(128) fwd_walk_wg(const __grid_constant__ CUtensorMap tmW,
+                                                   const __grid_constant__ CUtensorMap tmK,
+                                                   const __grid_constant__ CUtensorMap tmU,
+                                                   const __grid_constant__ CUtensorMap tmG, const float* __restrict__ S0,
+                                                   bf16* __restrict__ Hs, bf16* __restrict__ Vn,
+                                                   float* __restrict__ Sfin, int T_, int H, int c_begin, int c_end) {
+  using L = FwdSmem;
+  constexpr int S = L::S;
+  extern __shared__ unsigned char smem_raw[];
+  unsigned char* sm = smem_1k(smem_raw);
+  const int v0 = blockIdx.x * kBV, h = blockIdx.y, b = blockIdx.z, tid = threadIdx.x;
+  const int warp = tid >> 5, lane = tid & 31, g = lane >> 2, t4 = lane & 3;
+  const int N = T_ / kC;
+  const long bh = (long)b * H + h;
+  unsigned char* sW = sm + L::oW;
+  unsigned char* sK = sm + L::oK;
+  unsigned char* sU = sm + L::oU;
+  float* sG = reinterpret_cast<float*>(sm + L::oG);
+  unsigned char* sSb = sm + L::oSb;
+  unsigned char* sVb = sm + L::oVb;
+  uint64_t* bar = reinterpret_cast<uint64_t*>(sm + L::oBar);
+  if (tid == 0) {
+    for (int i = 0; i < S; ++i) mbar_init(bar + i);
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+  }
+  __syncthreads();
+  auto issue = [&](int c, int buf) {  // one thread
+    const int row = (int)(bh * T_ + (long)c * kC), trow = b * T_ + c * kC;
+    mbar_expect(bar + buf, 2 * 16384 + 4096 + 256);
+    tma2(sW + buf * 16384, &tmW, 0, row, bar + buf);
+    tma2(sW + buf * 16384 + 8192, &tmW, 64, row, bar + buf);
+    tma3(sK + buf * 16384, &tmK, 0, h, trow, bar + buf);
+    tma3(sK + buf * 16384 + 8192, &tmK, 64, h, trow, bar + buf);
+    tma2(sU + buf * 4096, &tmU, v0, row, bar + buf);
+    tma2(sG + buf * 64, &tmG, 0, row / kC, bar + buf);
+  };
+  float s[2][16];
+  state_io<false>(s, const_cast<float*>(S0 ? S0 + bh * kDK * DV : nullptr), DV, v0);
+  if (tid == 0)
+    for (int i = 0; i < S - 1 && c_begin + i < c_end; ++i) issue(c_begin + i, i);
+  for (int c = c_begin; c < c_end; ++c) {
+    const int it = c - c_begin, buf = it % S;
+    state_to_b(s, sSb);
+    fence_async();
+    __syncthreads();  // every warp is past chunk c − 1: its buffer is free, Sb is whole
+    if (tid == 0 && c + S - 1 < c_end) issue(c + S - 1, (it + S - 1) % S);
+    mbar_wait(bar + buf, (it / S) & 1);
+    const unsigned char* cW = sW + buf * 16384;
+    const unsigned char* cK = sK + buf * 16384;
+    const unsigned char* cU = sU + buf * 4096;
+    const float* G = sG + buf * 64;
+    // V_new = U − W·S
+    float d[16];
+#pragma unroll
+    for (int i = 0; i < 16; ++i) d[i] = 0.f;
+    wg_fence();
+#pragma unroll
+    for (int ks = 0; ks < 8; ++ks) mma_ss<0, 1>(d, desc_sw128(cW + (ks >> 2) * 8192 + (ks & 3) * 32), desc_bmn(sSb + ks * 1024));
+    wg_commit();
+    b_to_global(sSb, Hs + ((bh * N + c) * kDK) * DV + v0, DV);  // H_c = S, beside the product
+    const float gl = G[kC - 1];
+    float e[2];
+    unsigned uu[2][4];
+#pragma unroll
+    for (int hf = 0; hf < 2; ++hf) {
+      const int r = 16 * warp + g + 8 * hf;
+      e[hf] = __expf(gl - G[r]);
+#pragma unroll
+      for (int j = 0; j < 4; ++j) uu[hf][j] = *reinterpret_cast<const unsigned*>(cU + r * 64 + (8 * j + 2 * t4) * 2);
+    }
+    wg_wait<0>();
+    bf16* vn = Vn + (bh * T_ + (long)c * kC) * DV + v0;
+#pragma unroll
+    for (int hf = 0; hf < 2; ++hf) {
+      const int r = 16 * warp + g + 8 * hf;
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        const int col = 8 * j + 2 * t4;
+        const float2 uf = upk(uu[hf][j]);
+        const unsigned x = pk(uf.x - d[4 * j + 2 * hf], uf.y - d[4 * j + 2 * hf + 1]);
+        *reinterpret_cast<unsigned*>(vn + (long)r * DV + col) = x;
+        const float2 xf = upk(x);
+        *reinterpret_cast<unsigned*>(sVb + bmn_off(r, col)) = pk(xf.x * e[hf], xf.y * e[hf]);  // e^{G_C−G} V_new
+      }
+    }
+    fence_async();
+    __syncthreads();
+    // S ← e^{G_C} S + Kᵀ·(e^{G_C−G} V_new)
+    const float egl = __expf(gl);
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh)
+#pragma unroll
+      for (int i = 0; i < 16; ++i) s[hh][i] *= egl;
+    wg_fence();
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh)
+#pragma unroll
+      for (int ks = 0; ks < 4; ++ks) mma_ss<1, 1>(s[hh], desc_sw128(cK + hh * 8192 + ks * 2048), desc_bmn(sVb + ks * 1024));
+    wg_commit();
+    wg_wait<0>();
+  }
+  state_io<true>(s, Sfin + bh * kDK * DV, DV, v0);
+}
+
+// ---- reverse walk ----------------------------------------------------------------------------
+struct BwdSmem {
+  static constexpr int S = kWalkStages;
+  static constexpr int oQ = 0, oK = oQ + S * 16384, oW = oK + S * 16384, odO = oW + S * 16384, odVl = odO + S * 4096,
+                       oG = odVl + S * 8192, oSb = oG + S * 256, oVb = oSb + 8192, oBar = oVb + 4096,
+                       bytes = oBar + 8 * S + 1024;
+};
+
+// grid (DV/32, H, B), 128 threads. Walks chunks c_end − 1 down to c_begin from dSfin (the gradient of
+// the state leaving c_end − 1; null: zeros): dH_c = dS (bf16), dV_new = e^{G_C−G} ⊙ K·dS + dV_local
+// (bf16), dS ← e^{G_C} dS + (scale e^G ⊙ Q)ᵀ dO − Wᵀ dV_new; dS0 gets the gradient entering c_begin.
+// Maps: q, k [B·T][H][dk] and W [B·H·T][dk] (64 × 64, swizzled), dO [B·T][H][DV] (8 × 64 × 4 core
+// matrices), dV_local fp32 [B·H·T][DV] (32 × 64, swizzled), G.
+template <int DV>
+__global__ void __launch_bounds__(128) bwd_walk_wg(
+    const __grid_constant__ CUtensorMap tmQ, const __grid_constant__ CUtensorMap tmK,
+    const __grid_constant__ CUtensorMap tmW, const __grid_constant__ CUtensorMap tmdO,
+    const __grid_constant__ CUtensorMap tmdVl, const __grid_constant__ CUtensorMap tmG, const float* __restrict__ dSfin,
+    bf16* __restrict__ dHs, bf16* __restrict__ dVn, float* __restrict__ dS0, float scale, int T_, int H, int c_begin,
+    int c_end) {
+  using L = BwdSmem;
+  constexpr int S = L::S;
+  extern __shared__ unsigned char smem_raw[];
+  unsigned char* sm = smem_1k(smem_raw);
+  const int v0 = blockIdx.x * kBV, h = blockIdx.y, b = blockIdx.z, tid = threadIdx.x;
+  const int warp = tid >> 5, lane = tid & 31, g = lane >> 2, t4 = lane & 3;
+  const int N = T_ / kC;
+  const long bh = (long)b * H + h;
+  unsigned char* sQ = sm + L::oQ;
+  unsigned char* sK = sm + L::oK;
+  unsigned char* sW = sm + L::oW;
+  unsigned char* sdO = sm + L::odO;
+  unsigned char* sdVl = sm + L::odVl;
+  float* sG = reinterpret_cast<float*>(sm + L::oG);
+  unsigned char* sSb = sm + L::oSb;
+  unsigned char* sVb = sm + L::oVb;
+  uint64_t* bar = reinterpret_cast<uint64_t*>(sm + L::oBar);
+  if (tid == 0) {
+    for (int i = 0; i < S; ++i) mbar_init(bar + i);
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+  }
+  __syncthreads();
+  auto issue = [&](int c, int buf) {  // one thread
+    const int row = (int)(bh * T_ + (long)c * kC), trow = b * T_ + c * kC;
+    mbar_expect(bar + buf, 3 * 16384 + 4096 + 8192 + 256);
+    tma3(sQ + buf * 16384, &tmQ, 0, h, trow, bar + buf);
+    tma3(sQ + buf * 16384 + 8192, &tmQ, 64, h, trow, bar + buf);
+    tma3(sK + buf * 16384, &tmK, 0, h, trow, bar + buf);
+    tma3(sK + buf * 16384 + 8192, &tmK, 64, h, trow, bar + buf);
+    tma2(sW + buf * 16384, &tmW, 0, row, bar + buf);
+    tma2(sW + buf * 16384 + 8192, &tmW, 64, row, bar + buf);
+    tma4(sdO + buf * 4096, &tmdO, 0, trow, v0 / 8, h, bar + buf);
+    tma2(sdVl + buf * 8192, &tmdVl, v0, row, bar + buf);
+    tma2(sG + buf * 64, &tmG, 0, row / kC, bar + buf);
+  };
+  float s[2][16];
+  state_io<false>(s, const_cast<float*>(dSfin ? dSfin + bh * kDK * DV : nullptr), DV, v0);
+  const int count = c_end - c_begin;
+  if (tid == 0)
+    for (int i = 0; i < S - 1 && i < count; ++i) issue(c_end - 1 - i, i);
+  for (int it = 0; it < count; ++it) {
+    const int c = c_end - 1 - it, buf = it % S;
+    state_to_b(s, sSb);
+    fence_async();
+    __syncthreads();
+    if (tid == 0 && it + S - 1 < count) issue(c - (S - 1), (it + S - 1) % S);
+    mbar_wait(bar + buf, (it / S) & 1);
+    const unsigned char* cQ = sQ + buf * 16384;
+    const unsigned char* cK = sK + buf * 16384;
+    const unsigned char* cW = sW + buf * 16384;
+    const unsigned char* cdO = sdO + buf * 4096;
+    const unsigned char* cdVl = sdVl + buf * 8192;
+    const float* G = sG + buf * 64;
+    const float gl = G[kC - 1], egl = __expf(gl);
+    // Qᵀ's fragments (rows d = 64·hh + 16·warp.., k = tokens) scaled by scale·e^{G_t} in registers
+    unsigned aqf[2][4][4];
+#pragma unroll
+    for (int ks = 0; ks < 4; ++ks) {
+      const int t = 16 * ks + 2 * t4;
+      const float f0 = scale * __expf(G[t]), f1 = scale * __expf(G[t + 1]), f2 = scale * __expf(G[t + 8]),
+                  f3 = scale * __expf(G[t + 9]);
+#pragma unroll
+      for (int hh = 0; hh < 2; ++hh) {
+        const int j = lane >> 3, r = lane & 7;
+        ldsm_x4_t(aqf[hh][ks], cQ + sw_off(16 * ks + r + (j >> 1) * 8, 64 * hh + 16 * warp + (j & 1) * 8));
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const float2 x = upk(aqf[hh][ks][e]);
+          aqf[hh][ks][e] = (e >> 1) ? pk(x.x * f2, x.y * f3) : pk(x.x * f0, x.y * f1);
+        }
+      }
+    }
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh)
+#pragma unroll
+      for (int i = 0; i < 16; ++i) s[hh][i] *= egl;
+    float d[16];
+#pragma unroll
+    for (int i = 0; i < 16; ++i) d[i] = 0.f;
+    wg_fence();
+#pragma unroll
+    for (int ks = 0; ks < 8; ++ks) mma_ss<0, 1>(d, desc_sw128(cK + (ks >> 2) * 8192 + (ks & 3) * 32), desc_bmn(sSb + ks * 1024));
+    wg_commit();  // K·dS
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh)
+#pragma unroll
+      for (int ks = 0; ks < 4; ++ks) mma_rs(s[hh], aqf[hh][ks], desc(cdO + ks * 256, 128, 1024));
+    wg_commit();  // e^{G_C} dS + (scale e^G ⊙ Q)ᵀ dO
+    b_to_global(sSb, dHs + ((bh * N + c) * kDK) * DV + v0, DV);  // dH_c = dS
+    float e[2];
+    float2 l[2][4];
+#pragma unroll
+    for (int hf = 0; hf < 2; ++hf) {
+      const int r = 16 * warp + g + 8 * hf;
+      e[hf] = __expf(gl - G[r]);
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        const int col = 8 * j + 2 * t4;
+        l[hf][j] = *reinterpret_cast<const float2*>(cdVl + r * 128 + (((col >> 2) ^ (r & 7)) << 4) + (col & 3) * 4);
+      }
+    }
+    wg_wait<1>();
+    bf16* dvn = dVn + (bh * T_ + (long)c * kC) * DV + v0;
+#pragma unroll
+    for (int hf = 0; hf < 2; ++hf) {
+      const int r = 16 * warp + g + 8 * hf;
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        const int col = 8 * j + 2 * t4;
+        const unsigned x = pk(d[4 * j + 2 * hf] * e[hf] + l[hf][j].x, d[4 * j + 2 * hf + 1] * e[hf] + l[hf][j].y);
+        *reinterpret_cast<unsigned*>(dvn + (long)r * DV + col) = x;
+        const float2 xf = upk(x);
+        *reinterpret_cast<unsigned*>(sVb + bmn_off(r, col)) = pk(-xf.x, -xf.y);
+      }
+    }
+    wg_wait<0>();
+    fence_async();
+    __syncthreads();
+    wg_fence();
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh)
+#pragma unroll
+      for (int ks = 0; ks < 4; ++ks) mma_ss<1, 1>(s[hh], desc_sw128(cW + hh * 8192 + ks * 2048), desc_bmn(sVb + ks * 1024));
+    wg_commit();  // − Wᵀ dV_new
+    wg_wait<0>();
+  }
+  state_io<true>(s, dS0 + bh * kDK * DV, DV, v0);
+}
+
+
+// ---- host: the tensor maps -------------------------------------------------------------------
+inline PFN_cuTensorMapEncodeTiled_v12000 encode_fn() {
+  static const PFN_cuTensorMapEncodeTiled_v12000 fn = [] {
+    void* f = nullptr;
+    cudaDriverEntryPointQueryResult q{};
+    C10_CUDA_CHECK(cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &f, 12000, cudaEnableDefault, &q));
+    TORCH_CHECK(q == cudaDriverEntryPointSuccess && f,
+                "delta rule state walk: expected the CUDA driver to provide cuTensorMapEncodeTiled (CUDA 12 or "
+                "later), found none");
+    return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(f);
+  }();
+  return fn;
+}
+
+template <int R>
+CUtensorMap tensor_map(CUtensorMapDataType dt, const void* base, const uint64_t (&dims)[R],
+                       const uint64_t (&strides)[R - 1], const uint32_t (&box)[R], CUtensorMapSwizzle sw) {
+  CUtensorMap m;
+  const uint32_t ones[5] = {1, 1, 1, 1, 1};  // element strides
+  const CUresult r = encode_fn()(&m, dt, R, const_cast<void*>(base), dims, strides, box, ones,
+                                 CU_TENSOR_MAP_INTERLEAVE_NONE, sw, CU_TENSOR_MAP_L2_PROMOTION_L2_128B,
+                                 CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  TORCH_CHECK(r == CUDA_SUCCESS, "delta rule state walk: cuTensorMapEncodeTiled failed (error ", (int)r, ", rank ", R,
+              ", base ", base, ")");
+  return m;
+}
+// q, k ([B,T,H,128] bf16): (d, head, b·T + t), boxes of 64 d × 64 tokens, 128-byte swizzle.
+inline CUtensorMap map_tokens(const bf16* p, int B, int T, int H) {
+  return tensor_map<3>(CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, p, {(uint64_t)kDK, (uint64_t)H, (uint64_t)B * T},
+                       {(uint64_t)kDK * 2, (uint64_t)H * kDK * 2}, {64, 1, 64}, CU_TENSOR_MAP_SWIZZLE_128B);
+}
+// W ([B,H,T,128] bf16): (d, bh·T + t), boxes of 64 × 64, 128-byte swizzle.
+inline CUtensorMap map_w(const bf16* p, long rows) {
+  return tensor_map<2>(CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, p, {(uint64_t)kDK, (uint64_t)rows}, {(uint64_t)kDK * 2},
+                       {64, 64}, CU_TENSOR_MAP_SWIZZLE_128B);
+}
+// U ([B,H,T,dv] bf16): boxes of 32 columns × 64 tokens, dense rows.
+inline CUtensorMap map_u(const bf16* p, long rows, int dv) {
+  return tensor_map<2>(CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, p, {(uint64_t)dv, (uint64_t)rows}, {(uint64_t)dv * 2},
+                       {kBV, 64}, CU_TENSOR_MAP_SWIZZLE_NONE);
+}
+// dO ([B,T,H,dv] bf16): (8 columns, b·T + t, column group, head), boxes 8 × 64 × 4 × 1 (core matrices).
+inline CUtensorMap map_do(const bf16* p, int B, int T, int H, int dv) {
+  return tensor_map<4>(CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, p, {8, (uint64_t)B * T, (uint64_t)dv / 8, (uint64_t)H},
+                       {(uint64_t)H * dv * 2, 16, (uint64_t)dv * 2}, {8, 64, kBV / 8, 1}, CU_TENSOR_MAP_SWIZZLE_NONE);
+}
+// dV_local ([B,H,T,dv] fp32): boxes of 32 columns × 64 tokens, 128-byte swizzle.
+inline CUtensorMap map_dvl(const float* p, long rows, int dv) {
+  return tensor_map<2>(CU_TENSOR_MAP_DATA_TYPE_FLOAT32, p, {(uint64_t)dv, (uint64_t)rows}, {(uint64_t)dv * 4},
+                       {kBV, 64}, CU_TENSOR_MAP_SWIZZLE_128B);
+}
+// G ([B,H,T] fp32) as [B·H·T/64][64]: one chunk a box.
+inline CUtensorMap map_g(const float* p, long rows) {
+  return tensor_map<2>(CU_TENSOR_MAP_DATA_TYPE_FLOAT32, p, {64, (uint64_t)rows / 64}, {256}, {64, 1},
+                       CU_TENSOR_MAP_SWIZZLE_NONE);
+}
+// The walks address rows and tokens with 32-bit TMA coordinates.
+inline void check_coords(long rows) {
+  TORCH_CHECK(rows < (1L << 31), "delta rule state walk: expected B·H·T below 2^31 tokens, found ", rows);
+}
+
+}  // namespace wg
+}  // namespace carry_gdn
