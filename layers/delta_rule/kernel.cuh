@@ -36,8 +36,9 @@ std::vector<at::Tensor> gdn_bwd(const at::Tensor& q, const at::Tensor& k, const 
 // bits of one walk; they let the chunk-local kernels of finished pieces run beside the walk.
 void gdn_set_pieces(int n);
 
-// Tests and A/B timings: which bf16 state walks run at dk = 128. -1 (default): the warpgroup walks
-// (wgmma, TMA; CARRY_GDN_WALK=mma picks the others), 0: the warpgroup walks, 1: the mma.sync walks.
+// Tests and A/B timings: which bf16 state walks run at dk = 128. -1 (default): the environment's
+// choice (CARRY_GDN_WALK, CARRY_GDN_WALK_STORE), else 0; 0: the warpgroup walks (wgmma, TMA loads, bulk
+// tensor stores); 1: the mma.sync walks; 2: the warpgroup walks with the threads' own stores.
 void gdn_set_walk(int kind);
 
 // Debug: fill every output and intermediate with NaN right after allocation (unwritten

@@ -1230,7 +1230,8 @@ bool bwd_pieces(BwdArgs& a, bool own_dv = false) {
   const Dims& d = a.d;
   auto P = [](const at::Tensor& t) { return reinterpret_cast<bf16*>(t.data_ptr()); };
   constexpr size_t ssm = WG ? size_t(wg::BwdSmem::bytes) : BwdStateMmaSmem<DK, BV, kBwdStateStages>::bytes;
-  CUtensorMap tmQ{}, tmK{}, tmW{}, tmdO{}, tmdVl{}, tmG{};
+  CUtensorMap tmQ{}, tmK{}, tmW{}, tmdO{}, tmdVl{}, tmG{}, tmH{}, tmV{};
+  const bool bulk = walk_bulk_stores();
   if constexpr (WG) {
     const long rows = (long)d.B * d.H * d.T;
     wg::check_coords(rows);
@@ -1240,7 +1241,10 @@ bool bwd_pieces(BwdArgs& a, bool own_dv = false) {
     tmdO = wg::map_do(P(a.dO), d.B, d.T, d.H, DV);
     tmdVl = wg::map_dvl(a.dVl.data_ptr<float>(), rows, DV);
     tmG = wg::map_g(a.Gc.data_ptr<float>(), rows);
-    set_smem(wg::bwd_walk_wg<DV>, ssm);
+    tmH = wg::map_store(P(a.dHs), (long)d.B * d.H * d.N * DK, DV, DK);
+    tmV = wg::map_store(P(a.dVn), rows, DV, wg::kC);
+    if (bulk) set_smem(wg::bwd_walk_wg<DV, true>, ssm);
+    else set_smem(wg::bwd_walk_wg<DV, false>, ssm);
   } else {
     set_smem(bwd_state_mma_kernel<DK, DV, BV, NW, kBwdStateStages>, ssm);
   }
@@ -1250,10 +1254,11 @@ bool bwd_pieces(BwdArgs& a, bool own_dv = false) {
   set_smem(ckern, csm);
   at::cuda::CUDAStream wst = stream;  // the walk's stream
   auto walk = [&](int c0, int c1, const float* from, float* to) {
-    if constexpr (WG)
-      wg::bwd_walk_wg<DV><<<dim3(DV / BV, d.H, d.B), 128, ssm, wst>>>(tmQ, tmK, tmW, tmdO, tmdVl, tmG, from, P(a.dHs),
-                                                                     P(a.dVn), to, a.scale, d.T, d.H, c0, c1);
-    else
+    if constexpr (WG) {
+      auto kern = bulk ? wg::bwd_walk_wg<DV, true> : wg::bwd_walk_wg<DV, false>;
+      kern<<<dim3(DV / BV, d.H, d.B), 128, ssm, wst>>>(tmQ, tmK, tmW, tmdO, tmdVl, tmG, tmH, tmV, from, P(a.dHs),
+                                                       P(a.dVn), to, a.scale, d.T, d.H, c0, c1);
+    } else
       bwd_state_mma_kernel<DK, DV, BV, NW, kBwdStateStages><<<dim3(DV / BV, d.H, d.B), NW * 32, ssm, wst>>>(P(a.q), P(a.k), P(a.W), a.Gc.data_ptr<float>(), P(a.dO),
                                                               a.dVl.data_ptr<float>(), from, P(a.dHs), P(a.dVn), to,
                                                               a.scale, d.T, d.H, c0, c1);

@@ -69,22 +69,32 @@ void gdn_set_poison(bool on) { g_poison.store(on); }
 namespace {
 std::atomic<int> g_walk{-1};
 }
-// The bf16 walks at dk = 128: the warpgroup kernels (kernel_wg.cuh) unless gdn_set_walk(1) or
-// CARRY_GDN_WALK=mma (read once; A/B against the mma.sync walks) say otherwise.
-bool warpgroup_walk() {
-  static const bool env_mma = [] {
-    const char* e = std::getenv("CARRY_GDN_WALK");
-    if (!e || !*e) return false;
-    const std::string v(e);
-    TORCH_CHECK(v == "mma" || v == "warpgroup",
+// The bf16 walks at dk = 128 (gdn_set_walk's kinds): 0 the warpgroup kernels (kernel_wg.cuh) with bulk
+// tensor stores of H_c and V_new (the default), 1 the mma.sync kernels, 2 the warpgroup kernels with the
+// threads' own stores. Without a test's gdn_set_walk, CARRY_GDN_WALK=mma and CARRY_GDN_WALK_STORE=threads
+// pick 1 and 2 for A/B timings (read once).
+int walk_kind() {
+  static const int env = [] {
+    const char* w = std::getenv("CARRY_GDN_WALK");
+    const char* st = std::getenv("CARRY_GDN_WALK_STORE");
+    const std::string ws = w ? w : "", ss = st ? st : "";
+    TORCH_CHECK(ws.empty() || ws == "warpgroup" || ws == "mma",
                 "CARRY_GDN_WALK: expected 'warpgroup' (the default) or 'mma' (the delta rule's mma.sync state walks), "
-                "got '", v, "'");
-    return v == "mma";
+                "got '", ws, "'");
+    TORCH_CHECK(ss.empty() || ss == "bulk" || ss == "threads",
+                "CARRY_GDN_WALK_STORE: expected 'bulk' (the default) or 'threads' (the warpgroup walks' H_c and V_new "
+                "stored by the threads), got '", ss, "'");
+    return ws == "mma" ? 1 : ss == "threads" ? 2 : 0;
   }();
-  const int w = g_walk.load();
-  return w < 0 ? !env_mma : w == 0;
+  const int k = g_walk.load();
+  return k < 0 ? env : k;
 }
-void gdn_set_walk(int kind) { g_walk.store(kind < 0 ? -1 : kind); }
+bool warpgroup_walk() { return walk_kind() != 1; }
+bool walk_bulk_stores() { return walk_kind() == 0; }
+void gdn_set_walk(int kind) {
+  TORCH_CHECK(kind >= -1 && kind <= 2, "gdn_set_walk: expected -1, 0, 1 or 2, got ", kind);
+  g_walk.store(kind);
+}
 namespace {
 std::atomic<int> g_pieces{0};
 }
@@ -862,7 +872,8 @@ void fwd_pieces(const Dims& d, const bf16* kp, const bf16* vp, const float* g, c
   const size_t walk_bytes = WG ? size_t(wg::FwdSmem::bytes) : StateMmaSmem<DK, BV, kStateStages>::bytes;
   const size_t ssm =
       std::max(walk_bytes, pc.n == 1 || !pc.idle ? size_t(0) : size_t(kMaxSmemSM) - std::min(osm, psm) + 1024);
-  CUtensorMap tmW{}, tmK{}, tmU{}, tmG{};
+  CUtensorMap tmW{}, tmK{}, tmU{}, tmG{}, tmH{}, tmV{};
+  const bool bulk = walk_bulk_stores();
   if constexpr (WG) {
     const long rows = (long)d.B * d.H * d.T;
     wg::check_coords(rows);
@@ -870,7 +881,10 @@ void fwd_pieces(const Dims& d, const bf16* kp, const bf16* vp, const float* g, c
     tmK = wg::map_tokens(kp, d.B, d.T, d.H);
     tmU = wg::map_u(Up, rows, DV);
     tmG = wg::map_g(Gc.data_ptr<float>(), rows);
-    set_smem(wg::fwd_walk_wg<DV>, ssm);
+    tmH = wg::map_store(Hp, (long)d.B * d.H * d.N * DK, DV, DK);
+    tmV = wg::map_store(Vnp, rows, DV, wg::kC);
+    if (bulk) set_smem(wg::fwd_walk_wg<DV, true>, ssm);
+    else set_smem(wg::fwd_walk_wg<DV, false>, ssm);
   } else {
     set_smem(fwd_state_mma_kernel<DK, DV, BV, NW, kStateStages>, ssm);
   }
@@ -881,10 +895,11 @@ void fwd_pieces(const Dims& d, const bf16* kp, const bf16* vp, const float* g, c
   };
   at::cuda::CUDAStream wst = stream;  // the walk's stream
   auto walk = [&](int c0, int c1, const float* from, float* to) {
-    if constexpr (WG)
-      wg::fwd_walk_wg<DV><<<dim3(DV / BV, d.H, d.B), 128, ssm, wst>>>(tmW, tmK, tmU, tmG, from, Hp, Vnp, to, d.T, d.H,
-                                                                     c0, c1);
-    else
+    if constexpr (WG) {
+      auto kern = bulk ? wg::fwd_walk_wg<DV, true> : wg::fwd_walk_wg<DV, false>;
+      kern<<<dim3(DV / BV, d.H, d.B), 128, ssm, wst>>>(tmW, tmK, tmU, tmG, tmH, tmV, from, Hp, Vnp, to, d.T, d.H, c0,
+                                                       c1);
+    } else
       fwd_state_mma_kernel<DK, DV, BV, NW, kStateStages><<<dim3(DV / BV, d.H, d.B), NW * 32, ssm, wst>>>(kp, Wp, Up, Gc.data_ptr<float>(), from, Hp, Vnp, to,
                                                            d.T, d.H, c0, c1);
     C10_CUDA_KERNEL_LAUNCH_CHECK();

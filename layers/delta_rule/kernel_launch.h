@@ -20,6 +20,7 @@ bool poison_enabled();
 int state_cfg();
 int forced_pieces();  // gdn_set_pieces' value
 bool warpgroup_walk();  // the bf16 walks at dk = 128 on the warpgroup kernels (kernel_wg.cuh)
+bool walk_bulk_stores();  // and those store H_c and V_new by bulk tensor stores
 
 // at::empty, filled with NaN when the debug poison is on.
 inline at::Tensor alloc(at::IntArrayRef sizes, const at::TensorOptions& opt) {

@@ -8,8 +8,9 @@
 //    wgmma A operand straight from shared memory, K-major (W·S, K·dS) or MN-major (Kᵀ·Ṽ, Wᵀ·dV);
 //  - U [64][32] bf16 dense rows, dV_local [64][32] fp32 128-byte swizzled, G [64] fp32, dO [64][32] in
 //    8 × 8 core matrices (the B operand of Qᵀ·dO).
-// The state and V_new go to shared memory as bf16 B operands (MN-major, no swizzle) from registers.
-// Two block barriers a chunk. What a chunk does is fwd_state_mma_kernel's (kernel_fwd.cu) and
+// The state and V_new go to shared memory as bf16 B operands (MN-major, no swizzle) from registers;
+// H_c and V_new (dH_c, dV_new) leave through shared copies in TMA's 64-byte swizzle by bulk tensor
+// stores (TS; the threads' own global stores otherwise). Two block barriers a chunk. What a chunk does is fwd_state_mma_kernel's (kernel_fwd.cu) and
 // bwd_state_mma_kernel's (kernel_bwd.cu), with the same roundings to bf16; the products' fp32 sums
 // run in the tensor cores' order, so the bits differ from those kernels' (both are tested against the
 // chunkwise form).
@@ -17,7 +18,8 @@
 // Measured (prototype, one H200, H=16, dk=dv=128, 131072 tokens, one walk): forward 2.25 ms against
 // 3.65 ms of the mma.sync walk (ncu) and 2.06 of FLA's; reverse 3.12 against 5.16 and 2.70. The same
 // warpgroup walks with each thread copying its share of the tiles (cp.async) took 4.67 and 7.65 ms, with
-// TMA boxes 16 bytes wide (8 × 8 core matrices) 3.40 and 5.23: the 128-byte boxes are what pays.
+// TMA boxes 16 bytes wide (8 × 8 core matrices) 3.40 and 5.23: the 128-byte boxes are what pays. In
+// carry (ncu, 12 pieces a walk) 2.34 and 3.20 ms with the threads' stores, 2.19 and 2.97 with bulk stores.
 #pragma once
 
 #include <cuda.h>
@@ -37,6 +39,11 @@ constexpr int kC = 64, kDK = 128, kBV = 32, kWalkStages = 3;
 
 // ---- device pieces ---------------------------------------------------------------------------
 __device__ __forceinline__ unsigned saddr(const void* p) { return static_cast<unsigned>(__cvta_generic_to_shared(p)); }
+__device__ __forceinline__ unsigned pk(float x, float y) {
+  __nv_bfloat162 v = __floats2bfloat162_rn(x, y);
+  return *reinterpret_cast<unsigned*>(&v);
+}
+__device__ __forceinline__ float2 upk(unsigned u) { return __bfloat1622float2(*reinterpret_cast<__nv_bfloat162*>(&u)); }
 
 // wgmma shared-memory descriptor: start address, leading and stride byte offsets (16-byte units).
 __device__ __forceinline__ uint64_t desc(const void* p, int lbo, int sbo) {
@@ -117,16 +124,35 @@ __device__ __forceinline__ void tma4(void* dst, const CUtensorMap* m, int c0, in
       "l"(m), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(saddr(bar))
       : "memory");
 }
+// Bulk tensor store of a shared tile (one thread); the tile may be rewritten after store_wait_read.
+__device__ __forceinline__ void tma_store2(const CUtensorMap* m, int c0, int c1, const void* src) {
+  asm volatile("cp.async.bulk.tensor.2d.global.shared::cta.bulk_group [%0, {%1, %2}], [%3];\n" ::"l"(m), "r"(c0),
+               "r"(c1), "r"(saddr(src))
+               : "memory");
+  asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
+}
+__device__ __forceinline__ void store_wait_read() { asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory"); }
+__device__ __forceinline__ void store_wait_all() { asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory"); }
+// [rows][32] bf16 with 64-byte rows in TMA's 64-byte swizzle: the 16-byte chunk of a row XORed with
+// bits 1-2 of the row.
+__device__ __forceinline__ int sw64_off(int r, int n) { return r * 64 + ((((n >> 3) ^ (r >> 1)) & 3) << 4) + (n & 7) * 2; }
+// The state (bf16) into a [128][32] sw64 tile (H_c or dH_c for a bulk store).
+__device__ __forceinline__ void state_to_sw64(const float (&s)[2][16], unsigned char* t) {
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t4 = lane & 3;
+#pragma unroll
+  for (int hh = 0; hh < 2; ++hh)
+#pragma unroll
+    for (int j = 0; j < 4; ++j)
+#pragma unroll
+      for (int hf = 0; hf < 2; ++hf)
+        *reinterpret_cast<unsigned*>(t + sw64_off(64 * hh + 16 * warp + g + 8 * hf, 8 * j + 2 * t4)) =
+            pk(s[hh][4 * j + 2 * hf], s[hh][4 * j + 2 * hf + 1]);
+}
 __device__ __forceinline__ void ldsm_x4_t(unsigned (&r)[4], const void* p) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
                : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
                : "r"(saddr(p)));
 }
-__device__ __forceinline__ unsigned pk(float x, float y) {
-  __nv_bfloat162 v = __floats2bfloat162_rn(x, y);
-  return *reinterpret_cast<unsigned*>(&v);
-}
-__device__ __forceinline__ float2 upk(unsigned u) { return __bfloat1622float2(*reinterpret_cast<__nv_bfloat162*>(&u)); }
 
 // The block's dynamic shared memory, rounded up to 1024 bytes (the swizzle atoms' alignment; the
 // launchers ask for 1024 bytes more).
@@ -176,22 +202,31 @@ __device__ __forceinline__ void b_to_global(const unsigned char* sSb, bf16* p, l
   }
 }
 
+// Shared-memory offsets rounded up to the swizzle atoms' 1024 bytes (TMA swizzles by absolute address bits).
+constexpr int al1k(int x) { return (x + 1023) & ~1023; }
+
 // ---- forward walk ----------------------------------------------------------------------------
 struct FwdSmem {
   static constexpr int S = kWalkStages;
   static constexpr int oW = 0, oK = oW + S * 16384, oU = oK + S * 16384, oG = oU + S * 4096, oSb = oG + S * 256,
-                       oVb = oSb + 8192, oBar = oVb + 4096, bytes = oBar + 8 * S + 1024;
+                       oVb = oSb + 8192, oHt = al1k(oVb + 4096), oVt = oHt + 8192, oBar = oVt + 4096,
+                       bytes = oBar + 8 * S + 1024;
+  static_assert(oK % 1024 == 0 && oHt % 1024 == 0 && oVt % 1024 == 0, "swizzled tiles sit on 1024-byte boundaries");
 };
 
 // grid (DV/32, H, B), 128 threads. Walks chunks [c_begin, c_end) from S0 (the state entering c_begin;
 // null: zeros), writes H_c (bf16 [B,H,N,dk,DV]) and V_new (bf16 [B,H,T,DV]), and the state after
 // c_end − 1 to Sfin (fp32). Maps: W [B·H·T][dk], k [B·T][H][dk] (boxes of 64 × 64, swizzled), U
 // [B·H·T][DV] (boxes of 32 × 64), G (fp32 [B·H·T/64][64]).
-template <int DV>
+// TS: H_c and V_new leave by bulk tensor stores (tmH: Hs as [B·H·N·dk][DV], tmV: Vn as [B·H·T][DV],
+// boxes of 32 columns, 64-byte swizzle) from shared copies, instead of the threads' global stores.
+template <int DV, bool TS = false>
 __global__ void __launch_bounds__(128) fwd_walk_wg(const __grid_constant__ CUtensorMap tmW,
                                                    const __grid_constant__ CUtensorMap tmK,
                                                    const __grid_constant__ CUtensorMap tmU,
-                                                   const __grid_constant__ CUtensorMap tmG, const float* __restrict__ S0,
+                                                   const __grid_constant__ CUtensorMap tmG,
+                                                   const __grid_constant__ CUtensorMap tmH,
+                                                   const __grid_constant__ CUtensorMap tmV, const float* __restrict__ S0,
                                                    bf16* __restrict__ Hs, bf16* __restrict__ Vn,
                                                    float* __restrict__ Sfin, int T_, int H, int c_begin, int c_end) {
   using L = FwdSmem;
@@ -208,6 +243,8 @@ __global__ void __launch_bounds__(128) fwd_walk_wg(const __grid_constant__ CUten
   float* sG = reinterpret_cast<float*>(sm + L::oG);
   unsigned char* sSb = sm + L::oSb;
   unsigned char* sVb = sm + L::oVb;
+  unsigned char* sHt = sm + L::oHt;
+  unsigned char* sVt = sm + L::oVt;
   uint64_t* bar = reinterpret_cast<uint64_t*>(sm + L::oBar);
   if (tid == 0) {
     for (int i = 0; i < S; ++i) mbar_init(bar + i);
@@ -231,9 +268,12 @@ __global__ void __launch_bounds__(128) fwd_walk_wg(const __grid_constant__ CUten
   for (int c = c_begin; c < c_end; ++c) {
     const int it = c - c_begin, buf = it % S;
     state_to_b(s, sSb);
+    if constexpr (TS) state_to_sw64(s, sHt);
     fence_async();
+    if (TS && tid == 0) store_wait_read();  // chunk c − 1's V_new has left sVt
     __syncthreads();  // every warp is past chunk c − 1: its buffer is free, Sb is whole
     if (tid == 0 && c + S - 1 < c_end) issue(c + S - 1, (it + S - 1) % S);
+    if (TS && tid == 0) tma_store2(&tmH, v0, (int)((bh * N + c) * kDK), sHt);
     mbar_wait(bar + buf, (it / S) & 1);
     const unsigned char* cW = sW + buf * 16384;
     const unsigned char* cK = sK + buf * 16384;
@@ -247,7 +287,7 @@ __global__ void __launch_bounds__(128) fwd_walk_wg(const __grid_constant__ CUten
 #pragma unroll
     for (int ks = 0; ks < 8; ++ks) mma_ss<0, 1>(d, desc_sw128(cW + (ks >> 2) * 8192 + (ks & 3) * 32), desc_bmn(sSb + ks * 1024));
     wg_commit();
-    b_to_global(sSb, Hs + ((bh * N + c) * kDK) * DV + v0, DV);  // H_c = S, beside the product
+    if constexpr (!TS) b_to_global(sSb, Hs + ((bh * N + c) * kDK) * DV + v0, DV);  // H_c = S, beside the product
     const float gl = G[kC - 1];
     float e[2];
     unsigned uu[2][4];
@@ -268,13 +308,16 @@ __global__ void __launch_bounds__(128) fwd_walk_wg(const __grid_constant__ CUten
         const int col = 8 * j + 2 * t4;
         const float2 uf = upk(uu[hf][j]);
         const unsigned x = pk(uf.x - d[4 * j + 2 * hf], uf.y - d[4 * j + 2 * hf + 1]);
-        *reinterpret_cast<unsigned*>(vn + (long)r * DV + col) = x;
+        if constexpr (TS) *reinterpret_cast<unsigned*>(sVt + sw64_off(r, col)) = x;
+        else *reinterpret_cast<unsigned*>(vn + (long)r * DV + col) = x;
         const float2 xf = upk(x);
         *reinterpret_cast<unsigned*>(sVb + bmn_off(r, col)) = pk(xf.x * e[hf], xf.y * e[hf]);  // e^{G_C−G} V_new
       }
     }
     fence_async();
+    if (TS && tid == 0) store_wait_read();  // H_c has left sHt
     __syncthreads();
+    if (TS && tid == 0) tma_store2(&tmV, v0, (int)(bh * T_ + (long)c * kC), sVt);
     // S ← e^{G_C} S + Kᵀ·(e^{G_C−G} V_new)
     const float egl = __expf(gl);
 #pragma unroll
@@ -289,6 +332,7 @@ __global__ void __launch_bounds__(128) fwd_walk_wg(const __grid_constant__ CUten
     wg_commit();
     wg_wait<0>();
   }
+  if (TS && tid == 0) store_wait_all();
   state_io<true>(s, Sfin + bh * kDK * DV, DV, v0);
 }
 
@@ -296,8 +340,10 @@ __global__ void __launch_bounds__(128) fwd_walk_wg(const __grid_constant__ CUten
 struct BwdSmem {
   static constexpr int S = kWalkStages;
   static constexpr int oQ = 0, oK = oQ + S * 16384, oW = oK + S * 16384, odO = oW + S * 16384, odVl = odO + S * 4096,
-                       oG = odVl + S * 8192, oSb = oG + S * 256, oVb = oSb + 8192, oBar = oVb + 4096,
-                       bytes = oBar + 8 * S + 1024;
+                       oG = odVl + S * 8192, oSb = oG + S * 256, oVb = oSb + 8192, oHt = al1k(oVb + 4096),
+                       oVt = oHt + 8192, oBar = oVt + 4096, bytes = oBar + 8 * S + 1024;
+  static_assert(oK % 1024 == 0 && oW % 1024 == 0 && odVl % 1024 == 0 && oHt % 1024 == 0 && oVt % 1024 == 0,
+                "swizzled tiles sit on 1024-byte boundaries");
 };
 
 // grid (DV/32, H, B), 128 threads. Walks chunks c_end − 1 down to c_begin from dSfin (the gradient of
@@ -305,11 +351,13 @@ struct BwdSmem {
 // (bf16), dS ← e^{G_C} dS + (scale e^G ⊙ Q)ᵀ dO − Wᵀ dV_new; dS0 gets the gradient entering c_begin.
 // Maps: q, k [B·T][H][dk] and W [B·H·T][dk] (64 × 64, swizzled), dO [B·T][H][DV] (8 × 64 × 4 core
 // matrices), dV_local fp32 [B·H·T][DV] (32 × 64, swizzled), G.
-template <int DV>
+// TS: dH_c and dV_new leave by bulk tensor stores (tmH, tmV as in fwd_walk_wg).
+template <int DV, bool TS = false>
 __global__ void __launch_bounds__(128) bwd_walk_wg(
     const __grid_constant__ CUtensorMap tmQ, const __grid_constant__ CUtensorMap tmK,
     const __grid_constant__ CUtensorMap tmW, const __grid_constant__ CUtensorMap tmdO,
-    const __grid_constant__ CUtensorMap tmdVl, const __grid_constant__ CUtensorMap tmG, const float* __restrict__ dSfin,
+    const __grid_constant__ CUtensorMap tmdVl, const __grid_constant__ CUtensorMap tmG,
+    const __grid_constant__ CUtensorMap tmH, const __grid_constant__ CUtensorMap tmV, const float* __restrict__ dSfin,
     bf16* __restrict__ dHs, bf16* __restrict__ dVn, float* __restrict__ dS0, float scale, int T_, int H, int c_begin,
     int c_end) {
   using L = BwdSmem;
@@ -328,6 +376,8 @@ __global__ void __launch_bounds__(128) bwd_walk_wg(
   float* sG = reinterpret_cast<float*>(sm + L::oG);
   unsigned char* sSb = sm + L::oSb;
   unsigned char* sVb = sm + L::oVb;
+  unsigned char* sHt = sm + L::oHt;
+  unsigned char* sVt = sm + L::oVt;
   uint64_t* bar = reinterpret_cast<uint64_t*>(sm + L::oBar);
   if (tid == 0) {
     for (int i = 0; i < S; ++i) mbar_init(bar + i);
@@ -355,9 +405,12 @@ __global__ void __launch_bounds__(128) bwd_walk_wg(
   for (int it = 0; it < count; ++it) {
     const int c = c_end - 1 - it, buf = it % S;
     state_to_b(s, sSb);
+    if constexpr (TS) state_to_sw64(s, sHt);
     fence_async();
+    if (TS && tid == 0) store_wait_read();  // the previous chunk's dV_new has left sVt
     __syncthreads();
     if (tid == 0 && it + S - 1 < count) issue(c - (S - 1), (it + S - 1) % S);
+    if (TS && tid == 0) tma_store2(&tmH, v0, (int)((bh * N + c) * kDK), sHt);
     mbar_wait(bar + buf, (it / S) & 1);
     const unsigned char* cQ = sQ + buf * 16384;
     const unsigned char* cK = sK + buf * 16384;
@@ -400,7 +453,7 @@ __global__ void __launch_bounds__(128) bwd_walk_wg(
 #pragma unroll
       for (int ks = 0; ks < 4; ++ks) mma_rs(s[hh], aqf[hh][ks], desc(cdO + ks * 256, 128, 1024));
     wg_commit();  // e^{G_C} dS + (scale e^G ⊙ Q)ᵀ dO
-    b_to_global(sSb, dHs + ((bh * N + c) * kDK) * DV + v0, DV);  // dH_c = dS
+    if constexpr (!TS) b_to_global(sSb, dHs + ((bh * N + c) * kDK) * DV + v0, DV);  // dH_c = dS
     float e[2];
     float2 l[2][4];
 #pragma unroll
@@ -422,14 +475,17 @@ __global__ void __launch_bounds__(128) bwd_walk_wg(
       for (int j = 0; j < 4; ++j) {
         const int col = 8 * j + 2 * t4;
         const unsigned x = pk(d[4 * j + 2 * hf] * e[hf] + l[hf][j].x, d[4 * j + 2 * hf + 1] * e[hf] + l[hf][j].y);
-        *reinterpret_cast<unsigned*>(dvn + (long)r * DV + col) = x;
+        if constexpr (TS) *reinterpret_cast<unsigned*>(sVt + sw64_off(r, col)) = x;
+        else *reinterpret_cast<unsigned*>(dvn + (long)r * DV + col) = x;
         const float2 xf = upk(x);
         *reinterpret_cast<unsigned*>(sVb + bmn_off(r, col)) = pk(-xf.x, -xf.y);
       }
     }
     wg_wait<0>();
     fence_async();
+    if (TS && tid == 0) store_wait_read();  // dH_c has left sHt
     __syncthreads();
+    if (TS && tid == 0) tma_store2(&tmV, v0, (int)(bh * T_ + (long)c * kC), sVt);
     wg_fence();
 #pragma unroll
     for (int hh = 0; hh < 2; ++hh)
@@ -438,6 +494,7 @@ __global__ void __launch_bounds__(128) bwd_walk_wg(
     wg_commit();  // − Wᵀ dV_new
     wg_wait<0>();
   }
+  if (TS && tid == 0) store_wait_all();
   state_io<true>(s, dS0 + bh * kDK * DV, DV, v0);
 }
 
@@ -498,9 +555,15 @@ inline CUtensorMap map_g(const float* p, long rows) {
   return tensor_map<2>(CU_TENSOR_MAP_DATA_TYPE_FLOAT32, p, {64, (uint64_t)rows / 64}, {256}, {64, 1},
                        CU_TENSOR_MAP_SWIZZLE_NONE);
 }
+// H_c or dH_c ([B,H,N,128,dv] bf16) as [B·H·N·128][dv], and V_new or dV_new ([B,H,T,dv]) as
+// [B·H·T][dv]: boxes of 32 columns × box_rows rows, 64-byte swizzle (the walks' bulk stores).
+inline CUtensorMap map_store(const bf16* p, long rows, int dv, unsigned box_rows) {
+  return tensor_map<2>(CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, p, {(uint64_t)dv, (uint64_t)rows}, {(uint64_t)dv * 2},
+                       {kBV, box_rows}, CU_TENSOR_MAP_SWIZZLE_64B);
+}
 // The walks address rows and tokens with 32-bit TMA coordinates.
 inline void check_coords(long rows) {
-  TORCH_CHECK(rows < (1L << 31), "delta rule state walk: expected B·H·T below 2^31 tokens, found ", rows);
+  TORCH_CHECK(2 * rows < (1L << 31), "delta rule state walk: expected B·H·T below 2^30 tokens, found ", rows);
 }
 
 }  // namespace wg
