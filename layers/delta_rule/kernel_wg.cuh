@@ -205,6 +205,82 @@ __device__ __forceinline__ void b_to_global(const unsigned char* sSb, bf16* p, l
 // Shared-memory offsets rounded up to the swizzle atoms' 1024 bytes (TMA swizzles by absolute address bits).
 constexpr int al1k(int x) { return (x + 1023) & ~1023; }
 
+
+// ---- pieces of a chunk shared by both walks ----------------------------------------------------
+// The stage barriers (one a buffer), initialized by thread 0; the block waits for them.
+__device__ __forceinline__ void init_stages(uint64_t* bar) {
+  if (threadIdx.x == 0) {
+    for (int i = 0; i < kWalkStages; ++i) mbar_init(bar + i);
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+  }
+  __syncthreads();
+}
+// A [64 tokens][128] bf16 tile as two 128-byte-swizzled boxes of 64 columns: from [rows][128] (W) or
+// from token-major [B·T][H][128] (q, k).
+__device__ __forceinline__ void load_rows(unsigned char* dst, const CUtensorMap* m, int row, uint64_t* bar) {
+  tma2(dst, m, 0, row, bar);
+  tma2(dst + 8192, m, 64, row, bar);
+}
+__device__ __forceinline__ void load_tokens(unsigned char* dst, const CUtensorMap* m, int h, int trow, uint64_t* bar) {
+  tma3(dst, m, 0, h, trow, bar);
+  tma3(dst + 8192, m, 64, h, trow, bar);
+}
+// A chunk's start: the state into the B operand Sb (and, TS, into the tile its bulk store reads), made
+// visible to the tensor cores and TMA; thread 0 first waits until the previous bulk store has read its
+// tile; then one block barrier (every warp is past the previous chunk: its buffers are free).
+template <bool TS>
+__device__ __forceinline__ void chunk_start(const float (&s)[2][16], unsigned char* sSb, unsigned char* sHt) {
+  state_to_b(s, sSb);
+  if constexpr (TS) state_to_sw64(s, sHt);
+  fence_async();
+  if (TS && threadIdx.x == 0) store_wait_read();
+  __syncthreads();
+}
+// The barrier before the state update: Vb (and, TS, the V tile) written and visible; thread 0 waits for
+// the state's bulk store to have read its tile, then, after the barrier, sends the V tile to row vrow.
+template <bool TS>
+__device__ __forceinline__ void chunk_middle(const CUtensorMap* tmV, int v0, int vrow, const unsigned char* sVt) {
+  fence_async();
+  if (TS && threadIdx.x == 0) store_wait_read();
+  __syncthreads();
+  if (TS && threadIdx.x == 0) tma_store2(tmV, v0, vrow, sVt);
+}
+// d (m64n32) = A·Sb over dk = 128, A [64 tokens][128] in a swizzled tile (W·S, K·dS); issued, not waited for.
+__device__ __forceinline__ void tokens_times_state(float (&d)[16], const unsigned char* a, const unsigned char* sSb) {
+#pragma unroll
+  for (int i = 0; i < 16; ++i) d[i] = 0.f;
+  wg_fence();
+#pragma unroll
+  for (int ks = 0; ks < 8; ++ks) mma_ss<0, 1>(d, desc_sw128(a + (ks >> 2) * 8192 + (ks & 3) * 32), desc_bmn(sSb + ks * 1024));
+  wg_commit();
+}
+// s += Aᵀ·Vb over the chunk's 64 tokens, A [64 tokens][128] in a swizzled tile (Kᵀ·Ṽ, −Wᵀ·dV), then waited for.
+__device__ __forceinline__ void update_state(float (&s)[2][16], const unsigned char* a, const unsigned char* sVb) {
+  wg_fence();
+#pragma unroll
+  for (int hh = 0; hh < 2; ++hh)
+#pragma unroll
+    for (int ks = 0; ks < 4; ++ks) mma_ss<1, 1>(s[hh], desc_sw128(a + hh * 8192 + ks * 2048), desc_bmn(sVb + ks * 1024));
+  wg_commit();
+  wg_wait<0>();
+}
+// A V_new (dV_new) pair of row r, column col: to global (vn, row stride ld) or, TS, to the bulk store's
+// tile; and scaled by f into the B operand Vb.
+template <bool TS>
+__device__ __forceinline__ void put_v(unsigned x, int r, int col, bf16* vn, long ld, unsigned char* sVt,
+                                      unsigned char* sVb, float f) {
+  if constexpr (TS) *reinterpret_cast<unsigned*>(sVt + sw64_off(r, col)) = x;
+  else *reinterpret_cast<unsigned*>(vn + (long)r * ld + col) = x;
+  const float2 xf = upk(x);
+  *reinterpret_cast<unsigned*>(sVb + bmn_off(r, col)) = pk(xf.x * f, xf.y * f);
+}
+// The end of a walk: thread 0 waits for its bulk stores to land; the state to fp32 memory.
+template <bool TS>
+__device__ __forceinline__ void walk_end(float (&s)[2][16], float* out, int dv, int v0) {
+  if (TS && threadIdx.x == 0) store_wait_all();
+  state_io<true>(s, out, dv, v0);
+}
+
 // ---- forward walk ----------------------------------------------------------------------------
 struct FwdSmem {
   static constexpr int S = kWalkStages;
@@ -246,18 +322,12 @@ __global__ void __launch_bounds__(128) fwd_walk_wg(const __grid_constant__ CUten
   unsigned char* sHt = sm + L::oHt;
   unsigned char* sVt = sm + L::oVt;
   uint64_t* bar = reinterpret_cast<uint64_t*>(sm + L::oBar);
-  if (tid == 0) {
-    for (int i = 0; i < S; ++i) mbar_init(bar + i);
-    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
-  }
-  __syncthreads();
+  init_stages(bar);
   auto issue = [&](int c, int buf) {  // one thread
     const int row = (int)(bh * T_ + (long)c * kC), trow = b * T_ + c * kC;
     mbar_expect(bar + buf, 2 * 16384 + 4096 + 256);
-    tma2(sW + buf * 16384, &tmW, 0, row, bar + buf);
-    tma2(sW + buf * 16384 + 8192, &tmW, 64, row, bar + buf);
-    tma3(sK + buf * 16384, &tmK, 0, h, trow, bar + buf);
-    tma3(sK + buf * 16384 + 8192, &tmK, 64, h, trow, bar + buf);
+    load_rows(sW + buf * 16384, &tmW, row, bar + buf);
+    load_tokens(sK + buf * 16384, &tmK, h, trow, bar + buf);
     tma2(sU + buf * 4096, &tmU, v0, row, bar + buf);
     tma2(sG + buf * 64, &tmG, 0, row / kC, bar + buf);
   };
@@ -267,11 +337,7 @@ __global__ void __launch_bounds__(128) fwd_walk_wg(const __grid_constant__ CUten
     for (int i = 0; i < S - 1 && c_begin + i < c_end; ++i) issue(c_begin + i, i);
   for (int c = c_begin; c < c_end; ++c) {
     const int it = c - c_begin, buf = it % S;
-    state_to_b(s, sSb);
-    if constexpr (TS) state_to_sw64(s, sHt);
-    fence_async();
-    if (TS && tid == 0) store_wait_read();  // chunk c − 1's V_new has left sVt
-    __syncthreads();  // every warp is past chunk c − 1: its buffer is free, Sb is whole
+    chunk_start<TS>(s, sSb, sHt);
     if (tid == 0 && c + S - 1 < c_end) issue(c + S - 1, (it + S - 1) % S);
     if (TS && tid == 0) tma_store2(&tmH, v0, (int)((bh * N + c) * kDK), sHt);
     mbar_wait(bar + buf, (it / S) & 1);
@@ -281,12 +347,7 @@ __global__ void __launch_bounds__(128) fwd_walk_wg(const __grid_constant__ CUten
     const float* G = sG + buf * 64;
     // V_new = U − W·S
     float d[16];
-#pragma unroll
-    for (int i = 0; i < 16; ++i) d[i] = 0.f;
-    wg_fence();
-#pragma unroll
-    for (int ks = 0; ks < 8; ++ks) mma_ss<0, 1>(d, desc_sw128(cW + (ks >> 2) * 8192 + (ks & 3) * 32), desc_bmn(sSb + ks * 1024));
-    wg_commit();
+    tokens_times_state(d, cW, sSb);
     if constexpr (!TS) b_to_global(sSb, Hs + ((bh * N + c) * kDK) * DV + v0, DV);  // H_c = S, beside the product
     const float gl = G[kC - 1];
     float e[2];
@@ -308,32 +369,19 @@ __global__ void __launch_bounds__(128) fwd_walk_wg(const __grid_constant__ CUten
         const int col = 8 * j + 2 * t4;
         const float2 uf = upk(uu[hf][j]);
         const unsigned x = pk(uf.x - d[4 * j + 2 * hf], uf.y - d[4 * j + 2 * hf + 1]);
-        if constexpr (TS) *reinterpret_cast<unsigned*>(sVt + sw64_off(r, col)) = x;
-        else *reinterpret_cast<unsigned*>(vn + (long)r * DV + col) = x;
-        const float2 xf = upk(x);
-        *reinterpret_cast<unsigned*>(sVb + bmn_off(r, col)) = pk(xf.x * e[hf], xf.y * e[hf]);  // e^{G_C−G} V_new
+        put_v<TS>(x, r, col, vn, DV, sVt, sVb, e[hf]);  // V_new; Vb = e^{G_C−G} V_new
       }
     }
-    fence_async();
-    if (TS && tid == 0) store_wait_read();  // H_c has left sHt
-    __syncthreads();
-    if (TS && tid == 0) tma_store2(&tmV, v0, (int)(bh * T_ + (long)c * kC), sVt);
+    chunk_middle<TS>(&tmV, v0, (int)(bh * T_ + (long)c * kC), sVt);
     // S ← e^{G_C} S + Kᵀ·(e^{G_C−G} V_new)
     const float egl = __expf(gl);
 #pragma unroll
     for (int hh = 0; hh < 2; ++hh)
 #pragma unroll
       for (int i = 0; i < 16; ++i) s[hh][i] *= egl;
-    wg_fence();
-#pragma unroll
-    for (int hh = 0; hh < 2; ++hh)
-#pragma unroll
-      for (int ks = 0; ks < 4; ++ks) mma_ss<1, 1>(s[hh], desc_sw128(cK + hh * 8192 + ks * 2048), desc_bmn(sVb + ks * 1024));
-    wg_commit();
-    wg_wait<0>();
+    update_state(s, cK, sVb);
   }
-  if (TS && tid == 0) store_wait_all();
-  state_io<true>(s, Sfin + bh * kDK * DV, DV, v0);
+  walk_end<TS>(s, Sfin + bh * kDK * DV, DV, v0);
 }
 
 // ---- reverse walk ----------------------------------------------------------------------------
@@ -379,20 +427,13 @@ __global__ void __launch_bounds__(128) bwd_walk_wg(
   unsigned char* sHt = sm + L::oHt;
   unsigned char* sVt = sm + L::oVt;
   uint64_t* bar = reinterpret_cast<uint64_t*>(sm + L::oBar);
-  if (tid == 0) {
-    for (int i = 0; i < S; ++i) mbar_init(bar + i);
-    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
-  }
-  __syncthreads();
+  init_stages(bar);
   auto issue = [&](int c, int buf) {  // one thread
     const int row = (int)(bh * T_ + (long)c * kC), trow = b * T_ + c * kC;
     mbar_expect(bar + buf, 3 * 16384 + 4096 + 8192 + 256);
-    tma3(sQ + buf * 16384, &tmQ, 0, h, trow, bar + buf);
-    tma3(sQ + buf * 16384 + 8192, &tmQ, 64, h, trow, bar + buf);
-    tma3(sK + buf * 16384, &tmK, 0, h, trow, bar + buf);
-    tma3(sK + buf * 16384 + 8192, &tmK, 64, h, trow, bar + buf);
-    tma2(sW + buf * 16384, &tmW, 0, row, bar + buf);
-    tma2(sW + buf * 16384 + 8192, &tmW, 64, row, bar + buf);
+    load_tokens(sQ + buf * 16384, &tmQ, h, trow, bar + buf);
+    load_tokens(sK + buf * 16384, &tmK, h, trow, bar + buf);
+    load_rows(sW + buf * 16384, &tmW, row, bar + buf);
     tma4(sdO + buf * 4096, &tmdO, 0, trow, v0 / 8, h, bar + buf);
     tma2(sdVl + buf * 8192, &tmdVl, v0, row, bar + buf);
     tma2(sG + buf * 64, &tmG, 0, row / kC, bar + buf);
@@ -404,11 +445,7 @@ __global__ void __launch_bounds__(128) bwd_walk_wg(
     for (int i = 0; i < S - 1 && i < count; ++i) issue(c_end - 1 - i, i);
   for (int it = 0; it < count; ++it) {
     const int c = c_end - 1 - it, buf = it % S;
-    state_to_b(s, sSb);
-    if constexpr (TS) state_to_sw64(s, sHt);
-    fence_async();
-    if (TS && tid == 0) store_wait_read();  // the previous chunk's dV_new has left sVt
-    __syncthreads();
+    chunk_start<TS>(s, sSb, sHt);
     if (tid == 0 && it + S - 1 < count) issue(c - (S - 1), (it + S - 1) % S);
     if (TS && tid == 0) tma_store2(&tmH, v0, (int)((bh * N + c) * kDK), sHt);
     mbar_wait(bar + buf, (it / S) & 1);
@@ -442,12 +479,7 @@ __global__ void __launch_bounds__(128) bwd_walk_wg(
 #pragma unroll
       for (int i = 0; i < 16; ++i) s[hh][i] *= egl;
     float d[16];
-#pragma unroll
-    for (int i = 0; i < 16; ++i) d[i] = 0.f;
-    wg_fence();
-#pragma unroll
-    for (int ks = 0; ks < 8; ++ks) mma_ss<0, 1>(d, desc_sw128(cK + (ks >> 2) * 8192 + (ks & 3) * 32), desc_bmn(sSb + ks * 1024));
-    wg_commit();  // K·dS
+    tokens_times_state(d, cK, sSb);  // K·dS
 #pragma unroll
     for (int hh = 0; hh < 2; ++hh)
 #pragma unroll
@@ -475,27 +507,14 @@ __global__ void __launch_bounds__(128) bwd_walk_wg(
       for (int j = 0; j < 4; ++j) {
         const int col = 8 * j + 2 * t4;
         const unsigned x = pk(d[4 * j + 2 * hf] * e[hf] + l[hf][j].x, d[4 * j + 2 * hf + 1] * e[hf] + l[hf][j].y);
-        if constexpr (TS) *reinterpret_cast<unsigned*>(sVt + sw64_off(r, col)) = x;
-        else *reinterpret_cast<unsigned*>(dvn + (long)r * DV + col) = x;
-        const float2 xf = upk(x);
-        *reinterpret_cast<unsigned*>(sVb + bmn_off(r, col)) = pk(-xf.x, -xf.y);
+        put_v<TS>(x, r, col, dvn, DV, sVt, sVb, -1.f);  // dV_new; Vb = −dV_new
       }
     }
     wg_wait<0>();
-    fence_async();
-    if (TS && tid == 0) store_wait_read();  // dH_c has left sHt
-    __syncthreads();
-    if (TS && tid == 0) tma_store2(&tmV, v0, (int)(bh * T_ + (long)c * kC), sVt);
-    wg_fence();
-#pragma unroll
-    for (int hh = 0; hh < 2; ++hh)
-#pragma unroll
-      for (int ks = 0; ks < 4; ++ks) mma_ss<1, 1>(s[hh], desc_sw128(cW + hh * 8192 + ks * 2048), desc_bmn(sVb + ks * 1024));
-    wg_commit();  // − Wᵀ dV_new
-    wg_wait<0>();
+    chunk_middle<TS>(&tmV, v0, (int)(bh * T_ + (long)c * kC), sVt);
+    update_state(s, cW, sVb);  // − Wᵀ dV_new
   }
-  if (TS && tid == 0) store_wait_all();
-  state_io<true>(s, dS0 + bh * kDK * DV, DV, v0);
+  walk_end<TS>(s, dS0 + bh * kDK * DV, DV, v0);
 }
 
 
