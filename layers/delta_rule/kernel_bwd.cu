@@ -1259,9 +1259,9 @@ bool bwd_pieces(BwdArgs& a, bool own_dv = false) {
       kern<<<dim3(DV / BV, d.H, d.B), 128, ssm, wst>>>(tmQ, tmK, tmW, tmdO, tmdVl, tmG, tmH, tmV, from, P(a.dHs),
                                                        P(a.dVn), to, a.scale, d.T, d.H, c0, c1);
     } else
-      bwd_state_mma_kernel<DK, DV, BV, NW, kBwdStateStages><<<dim3(DV / BV, d.H, d.B), NW * 32, ssm, wst>>>(P(a.q), P(a.k), P(a.W), a.Gc.data_ptr<float>(), P(a.dO),
-                                                              a.dVl.data_ptr<float>(), from, P(a.dHs), P(a.dVn), to,
-                                                              a.scale, d.T, d.H, c0, c1);
+      bwd_state_mma_kernel<DK, DV, BV, NW, kBwdStateStages><<<dim3(DV / BV, d.H, d.B), NW * 32, ssm, wst>>>(
+          P(a.q), P(a.k), P(a.W), a.Gc.data_ptr<float>(), P(a.dO), a.dVl.data_ptr<float>(), from, P(a.dHs),
+          P(a.dVn), to, a.scale, d.T, d.H, c0, c1);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   };
   auto chunks = [&](cudaStream_t st, int c0, int c1) {

@@ -900,8 +900,8 @@ void fwd_pieces(const Dims& d, const bf16* kp, const bf16* vp, const float* g, c
       kern<<<dim3(DV / BV, d.H, d.B), 128, ssm, wst>>>(tmW, tmK, tmU, tmG, tmH, tmV, from, Hp, Vnp, to, d.T, d.H, c0,
                                                        c1);
     } else
-      fwd_state_mma_kernel<DK, DV, BV, NW, kStateStages><<<dim3(DV / BV, d.H, d.B), NW * 32, ssm, wst>>>(kp, Wp, Up, Gc.data_ptr<float>(), from, Hp, Vnp, to,
-                                                           d.T, d.H, c0, c1);
+      fwd_state_mma_kernel<DK, DV, BV, NW, kStateStages><<<dim3(DV / BV, d.H, d.B), NW * 32, ssm, wst>>>(
+          kp, Wp, Up, Gc.data_ptr<float>(), from, Hp, Vnp, to, d.T, d.H, c0, c1);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   };
   auto out = [&](cudaStream_t st, int c0, int c1) {

@@ -10,10 +10,10 @@
 //    8 × 8 core matrices (the B operand of Qᵀ·dO).
 // The state and V_new go to shared memory as bf16 B operands (MN-major, no swizzle) from registers;
 // H_c and V_new (dH_c, dV_new) leave through shared copies in TMA's 64-byte swizzle by bulk tensor
-// stores (TS; the threads' own global stores otherwise). Two block barriers a chunk. What a chunk does is fwd_state_mma_kernel's (kernel_fwd.cu) and
-// bwd_state_mma_kernel's (kernel_bwd.cu), with the same roundings to bf16; the products' fp32 sums
-// run in the tensor cores' order, so the bits differ from those kernels' (both are tested against the
-// chunkwise form).
+// stores (TS; the threads' own global stores otherwise). Two block barriers a chunk. What a chunk
+// does is fwd_state_mma_kernel's (kernel_fwd.cu) and bwd_state_mma_kernel's (kernel_bwd.cu), with the
+// same roundings to bf16; the products' fp32 sums run in the tensor cores' order, so the bits differ
+// from those kernels' (both are tested against the chunkwise form).
 //
 // Measured (prototype, one H200, H=16, dk=dv=128, 131072 tokens, one walk): forward 2.25 ms against
 // 3.65 ms of the mma.sync walk (ncu) and 2.06 of FLA's; reverse 3.12 against 5.16 and 2.70. The same
