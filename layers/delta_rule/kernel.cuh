@@ -38,7 +38,9 @@ void gdn_set_pieces(int n);
 
 // Tests and A/B timings: which bf16 state walks run at dk = 128. -1 (default): the environment's
 // choice (CARRY_GDN_WALK, CARRY_GDN_WALK_STORE), else 0; 0: the warpgroup walks (wgmma, TMA loads, bulk
-// tensor stores); 1: the mma.sync walks; 2: the warpgroup walks with the threads' own stores.
+// tensor stores; one or two warpgroups a block, kernel_fwd.cu's walk_warpgroups); 1: the mma.sync walks;
+// 2: the warpgroup walks with the threads' own stores; 3, 4: the warpgroup walks with two (64 columns)
+// or one warpgroup a block.
 void gdn_set_walk(int kind);
 
 // Debug: fill every output and intermediate with NaN right after allocation (unwritten

@@ -1229,9 +1229,14 @@ bool bwd_pieces(BwdArgs& a, bool own_dv = false) {
   auto stream = at::cuda::getCurrentCUDAStream();
   const Dims& d = a.d;
   auto P = [](const at::Tensor& t) { return reinterpret_cast<bf16*>(t.data_ptr()); };
-  constexpr size_t ssm = WG ? size_t(wg::BwdSmem::bytes) : BwdStateMmaSmem<DK, BV, kBwdStateStages>::bytes;
+  // two warpgroups a block (walk kind 3) buffer two chunks: three would not fit in shared memory
+  const int nwg = WG ? walk_warpgroups(d, true) : 1;
+  const size_t ssm = !WG ? BwdStateMmaSmem<DK, BV, kBwdStateStages>::bytes
+                     : nwg == 2 ? size_t(wg::BwdSmem<2, 2>::bytes)
+                                : size_t(wg::BwdSmem<1, wg::kWalkStages>::bytes);
   CUtensorMap tmQ{}, tmK{}, tmW{}, tmdO{}, tmdVl{}, tmG{}, tmH{}, tmV{};
   const bool bulk = walk_bulk_stores();
+  auto wkern = nwg == 2 ? wg::bwd_walk_wg<DV, true, 2, 2> : bulk ? wg::bwd_walk_wg<DV, true> : wg::bwd_walk_wg<DV, false>;
   if constexpr (WG) {
     const long rows = (long)d.B * d.H * d.T;
     wg::check_coords(rows);
@@ -1243,8 +1248,7 @@ bool bwd_pieces(BwdArgs& a, bool own_dv = false) {
     tmG = wg::map_g(a.Gc.data_ptr<float>(), rows);
     tmH = wg::map_store(P(a.dHs), (long)d.B * d.H * d.N * DK, DV, DK);
     tmV = wg::map_store(P(a.dVn), rows, DV, wg::kC);
-    if (bulk) set_smem(wg::bwd_walk_wg<DV, true>, ssm);
-    else set_smem(wg::bwd_walk_wg<DV, false>, ssm);
+    set_smem(wkern, ssm);
   } else {
     set_smem(bwd_state_mma_kernel<DK, DV, BV, NW, kBwdStateStages>, ssm);
   }
@@ -1255,9 +1259,8 @@ bool bwd_pieces(BwdArgs& a, bool own_dv = false) {
   at::cuda::CUDAStream wst = stream;  // the walk's stream
   auto walk = [&](int c0, int c1, const float* from, float* to) {
     if constexpr (WG) {
-      auto kern = bulk ? wg::bwd_walk_wg<DV, true> : wg::bwd_walk_wg<DV, false>;
-      kern<<<dim3(DV / BV, d.H, d.B), 128, ssm, wst>>>(tmQ, tmK, tmW, tmdO, tmdVl, tmG, tmH, tmV, from, P(a.dHs),
-                                                       P(a.dVn), to, a.scale, d.T, d.H, c0, c1);
+      wkern<<<dim3(DV / (BV * nwg), d.H, d.B), 128 * nwg, ssm, wst>>>(tmQ, tmK, tmW, tmdO, tmdVl, tmG, tmH, tmV, from,
+                                                                      P(a.dHs), P(a.dVn), to, a.scale, d.T, d.H, c0, c1);
     } else
       bwd_state_mma_kernel<DK, DV, BV, NW, kBwdStateStages><<<dim3(DV / BV, d.H, d.B), NW * 32, ssm, wst>>>(
           P(a.q), P(a.k), P(a.W), a.Gc.data_ptr<float>(), P(a.dO), a.dVl.data_ptr<float>(), from, P(a.dHs),
@@ -1271,7 +1274,7 @@ bool bwd_pieces(BwdArgs& a, bool own_dv = false) {
         a.dg.defined() ? a.dg.data_ptr<float>() : nullptr, a.dbeta.data_ptr<float>(), a.scale, d.T, d.H, c0);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   };
-  const Pieces pc = plan_pieces(d, (DV / BV) * d.H * d.B);
+  const Pieces pc = plan_pieces(d, (DV / (BV * nwg)) * d.H * d.B);
   if (pc.n == 1) {
     if (own_dv) dv_local_reg<DK, DV>(a, stream, 0, d.N);
     walk(0, d.N, a.dSfin, a.dS0.data_ptr<float>());

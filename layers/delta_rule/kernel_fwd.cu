@@ -70,9 +70,10 @@ namespace {
 std::atomic<int> g_walk{-1};
 }
 // The bf16 walks at dk = 128 (gdn_set_walk's kinds): 0 the warpgroup kernels (kernel_wg.cuh) with bulk
-// tensor stores of H_c and V_new (the default), 1 the mma.sync kernels, 2 the warpgroup kernels with the
-// threads' own stores. Without a test's gdn_set_walk, CARRY_GDN_WALK=mma and CARRY_GDN_WALK_STORE=threads
-// pick 1 and 2 for A/B timings (read once).
+// tensor stores of H_c and V_new, one or two warpgroups a block as walk_warpgroups decides (the
+// default), 1 the mma.sync kernels, 2 the warpgroup kernels with the threads' own stores, 3 and 4 the
+// warpgroup kernels with bulk stores and two or one warpgroups a block. Without a test's gdn_set_walk,
+// CARRY_GDN_WALK=mma and CARRY_GDN_WALK_STORE=threads pick 1 and 2 for A/B timings (read once).
 int walk_kind() {
   static const int env = [] {
     const char* w = std::getenv("CARRY_GDN_WALK");
@@ -90,9 +91,36 @@ int walk_kind() {
   return k < 0 ? env : k;
 }
 bool warpgroup_walk() { return walk_kind() != 1; }
-bool walk_bulk_stores() { return walk_kind() == 0; }
+bool walk_bulk_stores() { return walk_kind() != 1 && walk_kind() != 2; }
+// Warpgroups a warpgroup walk block (each its own 32 columns; the chunk's W, K, Q tiles loaded once for
+// the block). Two take half the SMs a walk holds, each walk a little slower (ncu, H=16, dk=dv=128,
+// 131072 tokens, a piece of 12: forward 0.184 → 0.258 ms, reverse 0.265 → 0.395 on an H200), and leave
+// the other SMs to the chunk-local kernels running beside the walk in pieces. That pays where those
+// kernels set the pace: H=16, dk=dv=128, 64 tiles of 32 columns (DeltaNet 10.82 / 10.70 → 10.46 / 10.38
+// ms forward+backward at 131072 tokens), and costs where the walk does: H=4, dv=256, 32 tiles (Gated
+// DeltaNet 1.94 / 1.89 → 2.60 / 2.51 ms at 32768). Automatic: two where the 32-column tiles number from
+// 3/8 to 1/2 of the SMs (the walk then runs in pieces), else one. CARRY_GDN_WALK_WARPGROUPS=F,B (each 1
+// or 2, forward and reverse) overrides it for A/B timings (read once).
+int walk_warpgroups(const Dims& d, bool reverse) {
+  static const std::pair<int, int> env = [] {
+    const char* e = std::getenv("CARRY_GDN_WALK_WARPGROUPS");
+    const std::string s = e ? e : "";
+    if (s.empty() || s == "auto") return std::make_pair(0, 0);
+    const bool ok = s.size() == 3 && (s[0] == '1' || s[0] == '2') && s[1] == ',' && (s[2] == '1' || s[2] == '2');
+    TORCH_CHECK(ok, "CARRY_GDN_WALK_WARPGROUPS: expected 'auto' or F,B with each 1 or 2 (warpgroups a forward and a "
+                "reverse walk block, e.g. 1,2), got '", s, "'");
+    return std::make_pair(s[0] - '0', s[2] - '0');
+  }();
+  const int k = walk_kind();
+  if (k == 3) return 2;
+  if (k != 0) return 1;
+  const int forced = reverse ? env.second : env.first;
+  if (forced) return forced;
+  const int tiles = (d.DV / 32) * d.H * d.B, sms = sm_count();
+  return 8 * tiles >= 3 * sms && 2 * tiles <= sms ? 2 : 1;
+}
 void gdn_set_walk(int kind) {
-  TORCH_CHECK(kind >= -1 && kind <= 2, "gdn_set_walk: expected -1, 0, 1 or 2, got ", kind);
+  TORCH_CHECK(kind >= -1 && kind <= 4, "gdn_set_walk: expected -1, 0, 1, 2, 3 or 4, got ", kind);
   g_walk.store(kind);
 }
 namespace {
@@ -867,13 +895,17 @@ void fwd_pieces(const Dims& d, const bf16* kp, const bf16* vp, const float* g, c
   constexpr size_t psm = PrepRegSmem<DK>::bytes;
   set_smem(okern, osm);
   set_smem(pkern, psm);
-  const Pieces pc = plan_pieces(d, (DV / BV) * d.H * d.B);
+  const int nwg = WG ? walk_warpgroups(d, false) : 1;  // warpgroups (32-column tiles) a walk block
+  const Pieces pc = plan_pieces(d, (DV / (BV * nwg)) * d.H * d.B);
   // one walk: its own size; pieces: also more than an SM has left beside an output or a prep block
-  const size_t walk_bytes = WG ? size_t(wg::FwdSmem::bytes) : StateMmaSmem<DK, BV, kStateStages>::bytes;
+  const size_t walk_bytes = !WG ? StateMmaSmem<DK, BV, kStateStages>::bytes
+                            : nwg == 2 ? size_t(wg::FwdSmem<2, wg::kWalkStages>::bytes)
+                                       : size_t(wg::FwdSmem<1, wg::kWalkStages>::bytes);
   const size_t ssm =
       std::max(walk_bytes, pc.n == 1 || !pc.idle ? size_t(0) : size_t(kMaxSmemSM) - std::min(osm, psm) + 1024);
   CUtensorMap tmW{}, tmK{}, tmU{}, tmG{}, tmH{}, tmV{};
   const bool bulk = walk_bulk_stores();
+  auto wkern = nwg == 2 ? wg::fwd_walk_wg<DV, true, 2> : bulk ? wg::fwd_walk_wg<DV, true> : wg::fwd_walk_wg<DV, false>;
   if constexpr (WG) {
     const long rows = (long)d.B * d.H * d.T;
     wg::check_coords(rows);
@@ -883,8 +915,7 @@ void fwd_pieces(const Dims& d, const bf16* kp, const bf16* vp, const float* g, c
     tmG = wg::map_g(Gc.data_ptr<float>(), rows);
     tmH = wg::map_store(Hp, (long)d.B * d.H * d.N * DK, DV, DK);
     tmV = wg::map_store(Vnp, rows, DV, wg::kC);
-    if (bulk) set_smem(wg::fwd_walk_wg<DV, true>, ssm);
-    else set_smem(wg::fwd_walk_wg<DV, false>, ssm);
+    set_smem(wkern, ssm);
   } else {
     set_smem(fwd_state_mma_kernel<DK, DV, BV, NW, kStateStages>, ssm);
   }
@@ -896,9 +927,8 @@ void fwd_pieces(const Dims& d, const bf16* kp, const bf16* vp, const float* g, c
   at::cuda::CUDAStream wst = stream;  // the walk's stream
   auto walk = [&](int c0, int c1, const float* from, float* to) {
     if constexpr (WG) {
-      auto kern = bulk ? wg::fwd_walk_wg<DV, true> : wg::fwd_walk_wg<DV, false>;
-      kern<<<dim3(DV / BV, d.H, d.B), 128, ssm, wst>>>(tmW, tmK, tmU, tmG, tmH, tmV, from, Hp, Vnp, to, d.T, d.H, c0,
-                                                       c1);
+      wkern<<<dim3(DV / (BV * nwg), d.H, d.B), 128 * nwg, ssm, wst>>>(tmW, tmK, tmU, tmG, tmH, tmV, from, Hp, Vnp, to,
+                                                                      d.T, d.H, c0, c1);
     } else
       fwd_state_mma_kernel<DK, DV, BV, NW, kStateStages><<<dim3(DV / BV, d.H, d.B), NW * 32, ssm, wst>>>(
           kp, Wp, Up, Gc.data_ptr<float>(), from, Hp, Vnp, to, d.T, d.H, c0, c1);

@@ -65,6 +65,9 @@ inline Pieces plan_pieces(const Dims& d, int value_blocks) {
 // 2.068 at 16k and 15.265 / 15.138 → 13.858 at 131k; at H=4, dv=256 (64 tiles of 16) 32 columns
 // ran slower (2.125 → 2.755 ms at 32k). Depends on B, H, dv and the GPU only, never on T: every cut
 // of a sequence runs the same tiles.
+// Warpgroups (32-column tiles) a warpgroup walk block, forward or reverse: 1 or 2 (kernel_fwd.cu).
+int walk_warpgroups(const Dims& d, bool reverse);
+
 inline bool wide_state_tiles(const Dims& d) { return 2 * (d.DV / 16) * d.H * d.B > sm_count(); }
 
 // The stream a bf16 state walk in pieces runs on (the forward's; the reverse walk's where the

@@ -138,7 +138,7 @@ __device__ __forceinline__ void store_wait_all() { asm volatile("cp.async.bulk.w
 __device__ __forceinline__ int sw64_off(int r, int n) { return r * 64 + ((((n >> 3) ^ (r >> 1)) & 3) << 4) + (n & 7) * 2; }
 // The state (bf16) into a [128][32] sw64 tile (H_c or dH_c for a bulk store).
 __device__ __forceinline__ void state_to_sw64(const float (&s)[2][16], unsigned char* t) {
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t4 = lane & 3;
+  const int warp = (threadIdx.x >> 5) & 3, lane = threadIdx.x & 31, g = lane >> 2, t4 = lane & 3;
 #pragma unroll
   for (int hh = 0; hh < 2; ++hh)
 #pragma unroll
@@ -164,7 +164,7 @@ __device__ __forceinline__ unsigned char* smem_1k(unsigned char* p) {
 // The state (two m64n32 accumulators) to or from fp32 [dk][DV] memory at column v0.
 template <bool STORE>
 __device__ __forceinline__ void state_io(float (&s)[2][16], float* p, long ld, int v0) {
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t4 = lane & 3;
+  const int warp = (threadIdx.x >> 5) & 3, lane = threadIdx.x & 31, g = lane >> 2, t4 = lane & 3;
 #pragma unroll
   for (int hh = 0; hh < 2; ++hh)
 #pragma unroll
@@ -183,7 +183,7 @@ __device__ __forceinline__ void state_io(float (&s)[2][16], float* p, long ld, i
 }
 // The state, rounded to bf16, into the B-operand tile sSb [128][32].
 __device__ __forceinline__ void state_to_b(const float (&s)[2][16], unsigned char* sSb) {
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t4 = lane & 3;
+  const int warp = (threadIdx.x >> 5) & 3, lane = threadIdx.x & 31, g = lane >> 2, t4 = lane & 3;
 #pragma unroll
   for (int hh = 0; hh < 2; ++hh)
 #pragma unroll
@@ -197,20 +197,26 @@ __device__ __forceinline__ void state_to_b(const float (&s)[2][16], unsigned cha
 __device__ __forceinline__ void b_to_global(const unsigned char* sSb, bf16* p, long ld) {
 #pragma unroll
   for (int i = 0; i < 4; ++i) {
-    const int u = threadIdx.x + i * 128, r = u >> 2, ng = u & 3;
+    const int u = (threadIdx.x & 127) + i * 128, r = u >> 2, ng = u & 3;
     *reinterpret_cast<uint4*>(p + (long)r * ld + ng * 8) = *reinterpret_cast<const uint4*>(sSb + bmn_off(r, ng * 8));
   }
 }
 
 // Shared-memory offsets rounded up to the swizzle atoms' 1024 bytes (TMA swizzles by absolute address bits).
 constexpr int al1k(int x) { return (x + 1023) & ~1023; }
+// The thread of a warpgroup that issues and waits for its bulk stores (bulk groups are per thread).
+__device__ __forceinline__ bool wg_leader() { return (threadIdx.x & 127) == 0; }
+// Each warpgroup's own tiles: H_c's store tile [128][32] (sw64), V_new's [64][32] (sw64), then the B
+// operands Sb [128][32] and Vb [64][32] (bmn_off); 1024-byte multiples, so the swizzled tiles stay aligned.
+constexpr int kPrivHt = 0, kPrivVt = 8192, kPrivSb = 12288, kPrivVb = 20480, kPrivBytes = 24576;
 
 
 // ---- pieces of a chunk shared by both walks ----------------------------------------------------
 // The stage barriers (one a buffer), initialized by thread 0; the block waits for them.
+template <int S>
 __device__ __forceinline__ void init_stages(uint64_t* bar) {
   if (threadIdx.x == 0) {
-    for (int i = 0; i < kWalkStages; ++i) mbar_init(bar + i);
+    for (int i = 0; i < S; ++i) mbar_init(bar + i);
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
   }
   __syncthreads();
@@ -233,7 +239,7 @@ __device__ __forceinline__ void chunk_start(const float (&s)[2][16], unsigned ch
   state_to_b(s, sSb);
   if constexpr (TS) state_to_sw64(s, sHt);
   fence_async();
-  if (TS && threadIdx.x == 0) store_wait_read();
+  if (TS && wg_leader()) store_wait_read();
   __syncthreads();
 }
 // The barrier before the state update: Vb (and, TS, the V tile) written and visible; thread 0 waits for
@@ -241,9 +247,9 @@ __device__ __forceinline__ void chunk_start(const float (&s)[2][16], unsigned ch
 template <bool TS>
 __device__ __forceinline__ void chunk_middle(const CUtensorMap* tmV, int v0, int vrow, const unsigned char* sVt) {
   fence_async();
-  if (TS && threadIdx.x == 0) store_wait_read();
+  if (TS && wg_leader()) store_wait_read();
   __syncthreads();
-  if (TS && threadIdx.x == 0) tma_store2(tmV, v0, vrow, sVt);
+  if (TS && wg_leader()) tma_store2(tmV, v0, vrow, sVt);
 }
 // d (m64n32) = A·Sb over dk = 128, A [64 tokens][128] in a swizzled tile (W·S, K·dS); issued, not waited for.
 __device__ __forceinline__ void tokens_times_state(float (&d)[16], const unsigned char* a, const unsigned char* sSb) {
@@ -277,27 +283,29 @@ __device__ __forceinline__ void put_v(unsigned x, int r, int col, bf16* vn, long
 // The end of a walk: thread 0 waits for its bulk stores to land; the state to fp32 memory.
 template <bool TS>
 __device__ __forceinline__ void walk_end(float (&s)[2][16], float* out, int dv, int v0) {
-  if (TS && threadIdx.x == 0) store_wait_all();
+  if (TS && wg_leader()) store_wait_all();
   state_io<true>(s, out, dv, v0);
 }
 
 // ---- forward walk ----------------------------------------------------------------------------
+// NWG warpgroups a block, each its own 32 columns, sharing the chunk's W, K and G tiles (S stages).
+template <int NWG, int S>
 struct FwdSmem {
-  static constexpr int S = kWalkStages;
-  static constexpr int oW = 0, oK = oW + S * 16384, oU = oK + S * 16384, oG = oU + S * 4096, oSb = oG + S * 256,
-                       oVb = oSb + 8192, oHt = al1k(oVb + 4096), oVt = oHt + 8192, oBar = oVt + 4096,
-                       bytes = oBar + 8 * S + 1024;
-  static_assert(oK % 1024 == 0 && oHt % 1024 == 0 && oVt % 1024 == 0, "swizzled tiles sit on 1024-byte boundaries");
+  static constexpr int oW = 0, oK = oW + S * 16384, oU = oK + S * 16384, oG = oU + S * 4096 * NWG,
+                       oPriv = al1k(oG + S * 256), oBar = oPriv + NWG * kPrivBytes, bytes = oBar + 8 * S + 1024;
+  static_assert(oK % 1024 == 0 && oPriv % 1024 == 0, "swizzled tiles sit on 1024-byte boundaries");
 };
 
-// grid (DV/32, H, B), 128 threads. Walks chunks [c_begin, c_end) from S0 (the state entering c_begin;
+// grid (DV/(32·NWG), H, B), 128·NWG threads; warpgroup w of block x owns columns (NWG·x + w)·32 ...
+// Walks chunks [c_begin, c_end) from S0 (the state entering c_begin;
 // null: zeros), writes H_c (bf16 [B,H,N,dk,DV]) and V_new (bf16 [B,H,T,DV]), and the state after
 // c_end − 1 to Sfin (fp32). Maps: W [B·H·T][dk], k [B·T][H][dk] (boxes of 64 × 64, swizzled), U
 // [B·H·T][DV] (boxes of 32 × 64), G (fp32 [B·H·T/64][64]).
 // TS: H_c and V_new leave by bulk tensor stores (tmH: Hs as [B·H·N·dk][DV], tmV: Vn as [B·H·T][DV],
 // boxes of 32 columns, 64-byte swizzle) from shared copies, instead of the threads' global stores.
-template <int DV, bool TS = false>
-__global__ void __launch_bounds__(128) fwd_walk_wg(const __grid_constant__ CUtensorMap tmW,
+// A warpgroup's operations on its columns are the same whatever NWG: the same bits.
+template <int DV, bool TS = false, int NWG = 1, int S = kWalkStages>
+__global__ void __launch_bounds__(128 * NWG) fwd_walk_wg(const __grid_constant__ CUtensorMap tmW,
                                                    const __grid_constant__ CUtensorMap tmK,
                                                    const __grid_constant__ CUtensorMap tmU,
                                                    const __grid_constant__ CUtensorMap tmG,
@@ -305,30 +313,32 @@ __global__ void __launch_bounds__(128) fwd_walk_wg(const __grid_constant__ CUten
                                                    const __grid_constant__ CUtensorMap tmV, const float* __restrict__ S0,
                                                    bf16* __restrict__ Hs, bf16* __restrict__ Vn,
                                                    float* __restrict__ Sfin, int T_, int H, int c_begin, int c_end) {
-  using L = FwdSmem;
-  constexpr int S = L::S;
+  using L = FwdSmem<NWG, S>;
   extern __shared__ unsigned char smem_raw[];
   unsigned char* sm = smem_1k(smem_raw);
-  const int v0 = blockIdx.x * kBV, h = blockIdx.y, b = blockIdx.z, tid = threadIdx.x;
-  const int warp = tid >> 5, lane = tid & 31, g = lane >> 2, t4 = lane & 3;
+  const int wgi = threadIdx.x >> 7, vb = blockIdx.x * NWG * kBV, v0 = vb + wgi * kBV;
+  const int h = blockIdx.y, b = blockIdx.z, tid = threadIdx.x;
+  const int warp = (tid >> 5) & 3, lane = tid & 31, g = lane >> 2, t4 = lane & 3;
   const int N = T_ / kC;
   const long bh = (long)b * H + h;
   unsigned char* sW = sm + L::oW;
   unsigned char* sK = sm + L::oK;
   unsigned char* sU = sm + L::oU;
   float* sG = reinterpret_cast<float*>(sm + L::oG);
-  unsigned char* sSb = sm + L::oSb;
-  unsigned char* sVb = sm + L::oVb;
-  unsigned char* sHt = sm + L::oHt;
-  unsigned char* sVt = sm + L::oVt;
+  unsigned char* priv = sm + L::oPriv + wgi * kPrivBytes;
+  unsigned char* sSb = priv + kPrivSb;
+  unsigned char* sVb = priv + kPrivVb;
+  unsigned char* sHt = priv + kPrivHt;
+  unsigned char* sVt = priv + kPrivVt;
   uint64_t* bar = reinterpret_cast<uint64_t*>(sm + L::oBar);
-  init_stages(bar);
+  init_stages<S>(bar);
   auto issue = [&](int c, int buf) {  // one thread
     const int row = (int)(bh * T_ + (long)c * kC), trow = b * T_ + c * kC;
-    mbar_expect(bar + buf, 2 * 16384 + 4096 + 256);
+    mbar_expect(bar + buf, 2 * 16384 + NWG * 4096 + 256);
     load_rows(sW + buf * 16384, &tmW, row, bar + buf);
     load_tokens(sK + buf * 16384, &tmK, h, trow, bar + buf);
-    tma2(sU + buf * 4096, &tmU, v0, row, bar + buf);
+#pragma unroll
+    for (int w = 0; w < NWG; ++w) tma2(sU + (buf * NWG + w) * 4096, &tmU, vb + w * kBV, row, bar + buf);
     tma2(sG + buf * 64, &tmG, 0, row / kC, bar + buf);
   };
   float s[2][16];
@@ -339,11 +349,11 @@ __global__ void __launch_bounds__(128) fwd_walk_wg(const __grid_constant__ CUten
     const int it = c - c_begin, buf = it % S;
     chunk_start<TS>(s, sSb, sHt);
     if (tid == 0 && c + S - 1 < c_end) issue(c + S - 1, (it + S - 1) % S);
-    if (TS && tid == 0) tma_store2(&tmH, v0, (int)((bh * N + c) * kDK), sHt);
+    if (TS && wg_leader()) tma_store2(&tmH, v0, (int)((bh * N + c) * kDK), sHt);
     mbar_wait(bar + buf, (it / S) & 1);
     const unsigned char* cW = sW + buf * 16384;
     const unsigned char* cK = sK + buf * 16384;
-    const unsigned char* cU = sU + buf * 4096;
+    const unsigned char* cU = sU + (buf * NWG + wgi) * 4096;
     const float* G = sG + buf * 64;
     // V_new = U − W·S
     float d[16];
@@ -385,35 +395,36 @@ __global__ void __launch_bounds__(128) fwd_walk_wg(const __grid_constant__ CUten
 }
 
 // ---- reverse walk ----------------------------------------------------------------------------
+// NWG warpgroups a block share the chunk's Q, K, W and G tiles; dO and dV_local come a box a warpgroup.
+template <int NWG, int S>
 struct BwdSmem {
-  static constexpr int S = kWalkStages;
-  static constexpr int oQ = 0, oK = oQ + S * 16384, oW = oK + S * 16384, odO = oW + S * 16384, odVl = odO + S * 4096,
-                       oG = odVl + S * 8192, oSb = oG + S * 256, oVb = oSb + 8192, oHt = al1k(oVb + 4096),
-                       oVt = oHt + 8192, oBar = oVt + 4096, bytes = oBar + 8 * S + 1024;
-  static_assert(oK % 1024 == 0 && oW % 1024 == 0 && odVl % 1024 == 0 && oHt % 1024 == 0 && oVt % 1024 == 0,
+  static constexpr int oQ = 0, oK = oQ + S * 16384, oW = oK + S * 16384, odVl = oW + S * 16384,
+                       odO = odVl + S * 8192 * NWG, oG = odO + S * 4096 * NWG, oPriv = al1k(oG + S * 256),
+                       oBar = oPriv + NWG * kPrivBytes, bytes = oBar + 8 * S + 1024;
+  static_assert(oK % 1024 == 0 && oW % 1024 == 0 && odVl % 1024 == 0 && oPriv % 1024 == 0,
                 "swizzled tiles sit on 1024-byte boundaries");
 };
 
-// grid (DV/32, H, B), 128 threads. Walks chunks c_end − 1 down to c_begin from dSfin (the gradient of
+// grid (DV/(32·NWG), H, B), 128·NWG threads (columns as fwd_walk_wg). Walks chunks c_end − 1 down to c_begin from dSfin (the gradient of
 // the state leaving c_end − 1; null: zeros): dH_c = dS (bf16), dV_new = e^{G_C−G} ⊙ K·dS + dV_local
 // (bf16), dS ← e^{G_C} dS + (scale e^G ⊙ Q)ᵀ dO − Wᵀ dV_new; dS0 gets the gradient entering c_begin.
 // Maps: q, k [B·T][H][dk] and W [B·H·T][dk] (64 × 64, swizzled), dO [B·T][H][DV] (8 × 64 × 4 core
 // matrices), dV_local fp32 [B·H·T][DV] (32 × 64, swizzled), G.
 // TS: dH_c and dV_new leave by bulk tensor stores (tmH, tmV as in fwd_walk_wg).
-template <int DV, bool TS = false>
-__global__ void __launch_bounds__(128) bwd_walk_wg(
+template <int DV, bool TS = false, int NWG = 1, int S = kWalkStages>
+__global__ void __launch_bounds__(128 * NWG) bwd_walk_wg(
     const __grid_constant__ CUtensorMap tmQ, const __grid_constant__ CUtensorMap tmK,
     const __grid_constant__ CUtensorMap tmW, const __grid_constant__ CUtensorMap tmdO,
     const __grid_constant__ CUtensorMap tmdVl, const __grid_constant__ CUtensorMap tmG,
     const __grid_constant__ CUtensorMap tmH, const __grid_constant__ CUtensorMap tmV, const float* __restrict__ dSfin,
     bf16* __restrict__ dHs, bf16* __restrict__ dVn, float* __restrict__ dS0, float scale, int T_, int H, int c_begin,
     int c_end) {
-  using L = BwdSmem;
-  constexpr int S = L::S;
+  using L = BwdSmem<NWG, S>;
   extern __shared__ unsigned char smem_raw[];
   unsigned char* sm = smem_1k(smem_raw);
-  const int v0 = blockIdx.x * kBV, h = blockIdx.y, b = blockIdx.z, tid = threadIdx.x;
-  const int warp = tid >> 5, lane = tid & 31, g = lane >> 2, t4 = lane & 3;
+  const int wgi = threadIdx.x >> 7, vb = blockIdx.x * NWG * kBV, v0 = vb + wgi * kBV;
+  const int h = blockIdx.y, b = blockIdx.z, tid = threadIdx.x;
+  const int warp = (tid >> 5) & 3, lane = tid & 31, g = lane >> 2, t4 = lane & 3;
   const int N = T_ / kC;
   const long bh = (long)b * H + h;
   unsigned char* sQ = sm + L::oQ;
@@ -422,20 +433,24 @@ __global__ void __launch_bounds__(128) bwd_walk_wg(
   unsigned char* sdO = sm + L::odO;
   unsigned char* sdVl = sm + L::odVl;
   float* sG = reinterpret_cast<float*>(sm + L::oG);
-  unsigned char* sSb = sm + L::oSb;
-  unsigned char* sVb = sm + L::oVb;
-  unsigned char* sHt = sm + L::oHt;
-  unsigned char* sVt = sm + L::oVt;
+  unsigned char* priv = sm + L::oPriv + wgi * kPrivBytes;
+  unsigned char* sSb = priv + kPrivSb;
+  unsigned char* sVb = priv + kPrivVb;
+  unsigned char* sHt = priv + kPrivHt;
+  unsigned char* sVt = priv + kPrivVt;
   uint64_t* bar = reinterpret_cast<uint64_t*>(sm + L::oBar);
-  init_stages(bar);
+  init_stages<S>(bar);
   auto issue = [&](int c, int buf) {  // one thread
     const int row = (int)(bh * T_ + (long)c * kC), trow = b * T_ + c * kC;
-    mbar_expect(bar + buf, 3 * 16384 + 4096 + 8192 + 256);
+    mbar_expect(bar + buf, 3 * 16384 + NWG * (4096 + 8192) + 256);
     load_tokens(sQ + buf * 16384, &tmQ, h, trow, bar + buf);
     load_tokens(sK + buf * 16384, &tmK, h, trow, bar + buf);
     load_rows(sW + buf * 16384, &tmW, row, bar + buf);
-    tma4(sdO + buf * 4096, &tmdO, 0, trow, v0 / 8, h, bar + buf);
-    tma2(sdVl + buf * 8192, &tmdVl, v0, row, bar + buf);
+#pragma unroll
+    for (int w = 0; w < NWG; ++w) {
+      tma4(sdO + (buf * NWG + w) * 4096, &tmdO, 0, trow, (vb + w * kBV) / 8, h, bar + buf);
+      tma2(sdVl + (buf * NWG + w) * 8192, &tmdVl, vb + w * kBV, row, bar + buf);
+    }
     tma2(sG + buf * 64, &tmG, 0, row / kC, bar + buf);
   };
   float s[2][16];
@@ -447,13 +462,13 @@ __global__ void __launch_bounds__(128) bwd_walk_wg(
     const int c = c_end - 1 - it, buf = it % S;
     chunk_start<TS>(s, sSb, sHt);
     if (tid == 0 && it + S - 1 < count) issue(c - (S - 1), (it + S - 1) % S);
-    if (TS && tid == 0) tma_store2(&tmH, v0, (int)((bh * N + c) * kDK), sHt);
+    if (TS && wg_leader()) tma_store2(&tmH, v0, (int)((bh * N + c) * kDK), sHt);
     mbar_wait(bar + buf, (it / S) & 1);
     const unsigned char* cQ = sQ + buf * 16384;
     const unsigned char* cK = sK + buf * 16384;
     const unsigned char* cW = sW + buf * 16384;
-    const unsigned char* cdO = sdO + buf * 4096;
-    const unsigned char* cdVl = sdVl + buf * 8192;
+    const unsigned char* cdO = sdO + (buf * NWG + wgi) * 4096;
+    const unsigned char* cdVl = sdVl + (buf * NWG + wgi) * 8192;
     const float* G = sG + buf * 64;
     const float gl = G[kC - 1], egl = __expf(gl);
     // Qᵀ's fragments (rows d = 64·hh + 16·warp.., k = tokens) scaled by scale·e^{G_t} in registers

@@ -42,10 +42,12 @@ MixerInputs gdn_inputs(const Case& c, bool gated, uint64_t seed) {
 }
 
 // (walk, gated): walk 0 runs the bf16 state walks at dk = 128 on one warpgroup (wgmma, TMA loads and
-// stores; the default), walk 1 on mma.sync, walk 2 on one warpgroup with the threads' own stores (dk =
-// 64 always runs the mma.sync walks: its cases run with walk 0 only).
+// stores, one or two a block as walk_warpgroups decides; the default), walk 1 on mma.sync, walk 2 on one
+// warpgroup with the threads' own stores, walk 3 on two warpgroups a block (dk = 64 always runs the
+// mma.sync walks: its cases run with walk 0 only).
 #ifdef CARRY_WITH_CUDA
-const std::pair<int, bool> kWalksAndGates[] = {{0, true}, {0, false}, {1, true}, {1, false}, {2, true}, {2, false}};
+const std::pair<int, bool> kWalksAndGates[] = {{0, true}, {0, false}, {1, true}, {1, false},
+                                               {2, true}, {2, false}, {3, true}, {3, false}};
 #endif
 
 // o, S, then d(q, k, v, [g], beta, S0), in fp32.
@@ -136,6 +138,43 @@ TEST(DeltaRuleKernel, PiecesGiveTheBitsOfOneWalk) {
           EXPECT_TRUE(at::equal(whole[i], cut[i]))
               << m.name() << " walk " << walk << " dk=" << c.dk << " dv=" << c.dv << " pieces " << pieces << ": output " << i
               << " differs, max |diff| " << (whole[i] - cut[i]).abs().max().item<double>();
+      }
+    }
+  }
+  carry_gdn::gdn_set_pieces(0);
+  carry_gdn::gdn_set_walk(-1);
+  carry_gdn::gdn_set_poison(false);
+#endif
+}
+
+// Two warpgroups a walk block (walk 3: each its own 32 columns, the chunk's shared tiles loaded once for
+// both) run each column's operations of one warpgroup a block (walk 4): the same bits of every output,
+// final state and gradient, in one walk and in pieces, dv = 64, 128 and 256.
+TEST(DeltaRuleKernel, TwoWarpgroupsGiveTheBitsOfOne) {
+  if (cuda_device_count() == 0) GTEST_SKIP() << "no CUDA device: GPU tests skipped";
+#ifndef CARRY_WITH_CUDA
+  GTEST_SKIP() << "built without CUDA";
+#else
+  carry_gdn::gdn_set_poison(true);
+  for (bool gated : {true, false}) {
+    const Mixer& m = get_mixer(gated ? "gated_deltanet" : "deltanet");
+    for (const Case& c : {Case{1, 448, 3, 128, 64}, Case{2, 320, 2, 128, 256}, Case{1, 448, 16, 128, 128}}) {
+      auto in = gdn_inputs(c, gated, 53 + c.dv);
+      MixerInputs low;
+      for (const auto& n : MixerInputs::names())
+        if (in.get(n).defined()) low.get(n) = in.get(n).to(at::kBFloat16);
+      auto s0 = at::randn({c.B, c.H, c.dk, c.dv}, at::kFloat).to(at::kCUDA) * 0.5;
+      for (int pieces : {1, 3}) {
+        carry_gdn::gdn_set_pieces(pieces);
+        carry_gdn::gdn_set_walk(4);
+        auto one = run(m, Form::kernel, low, s0);
+        carry_gdn::gdn_set_walk(3);
+        auto two = run(m, Form::kernel, low, s0);
+        ASSERT_EQ(one.size(), two.size());
+        for (size_t i = 0; i < one.size(); ++i)
+          EXPECT_TRUE(at::equal(one[i], two[i]))
+              << m.name() << " dv=" << c.dv << " H=" << c.H << " pieces " << pieces << ": output " << i
+              << " differs, max |diff| " << (one[i] - two[i]).abs().max().item<double>();
       }
     }
   }
