@@ -126,7 +126,21 @@ void gdn_set_walk(int kind) {
 namespace {
 std::atomic<int> g_pieces{0};
 }
-int forced_pieces() { return g_pieces.load(); }
+// gdn_set_pieces' value, else CARRY_GDN_PIECES (A/B timings; read once), else 0 (automatic).
+int forced_pieces() {
+  static const int env = [] {
+    const char* e = std::getenv("CARRY_GDN_PIECES");
+    if (!e || !*e) return 0;
+    char* end = nullptr;
+    const long v = std::strtol(e, &end, 10);
+    TORCH_CHECK(*end == '\0' && v >= 0 && v <= 4096,
+                "CARRY_GDN_PIECES: expected a count of pieces from 0 (automatic) to 4096 for the delta rule's bf16 "
+                "state walks, got '", e, "'");
+    return static_cast<int>(v);
+  }();
+  const int n = g_pieces.load();
+  return n > 0 ? n : env;
+}
 void gdn_set_pieces(int n) { g_pieces.store(n < 0 ? 0 : n); }
 
 namespace {
