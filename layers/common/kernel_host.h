@@ -16,6 +16,17 @@ inline bool switch_on(const char* name) {
   return !(e && e[0] == '0');
 }
 
+// An integer A/B setting of the kernels (an environment variable, read once by its caller): 0 when
+// unset or empty, else its value, which must lie in [lo, hi] (`what` says what is expected).
+inline long env_int(const char* name, long lo, long hi, const char* what) {
+  const char* e = std::getenv(name);
+  if (!e || !*e) return 0;
+  char* end = nullptr;
+  const long v = std::strtol(e, &end, 10);
+  TORCH_CHECK(*end == '\0' && v >= lo && v <= hi, name, ": expected ", what, ", got '", e, "'");
+  return v;
+}
+
 // at::empty, filled with NaN when `poison` is on (a debug switch: unwritten elements then show).
 inline at::Tensor alloc_poisoned(at::IntArrayRef sizes, const at::TensorOptions& opt, bool poison) {
   auto t = at::empty(sizes, opt);

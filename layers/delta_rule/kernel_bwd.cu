@@ -1236,7 +1236,8 @@ bool bwd_pieces(BwdArgs& a, bool own_dv = false) {
                                 : size_t(wg::BwdSmem<1, wg::kWalkStages>::bytes);
   CUtensorMap tmQ{}, tmK{}, tmW{}, tmdO{}, tmdVl{}, tmG{}, tmH{}, tmV{};
   const bool bulk = walk_bulk_stores();
-  auto wkern = nwg == 2 ? wg::bwd_walk_wg<DV, true, 2, 2> : bulk ? wg::bwd_walk_wg<DV, true> : wg::bwd_walk_wg<DV, false>;
+  auto wkern =
+      nwg == 2 ? wg::bwd_walk_wg<DV, true, 2, 2> : bulk ? wg::bwd_walk_wg<DV, true> : wg::bwd_walk_wg<DV, false>;
   if constexpr (WG) {
     const long rows = (long)d.B * d.H * d.T;
     wg::check_coords(rows);
@@ -1259,8 +1260,8 @@ bool bwd_pieces(BwdArgs& a, bool own_dv = false) {
   at::cuda::CUDAStream wst = stream;  // the walk's stream
   auto walk = [&](int c0, int c1, const float* from, float* to) {
     if constexpr (WG) {
-      wkern<<<dim3(DV / (BV * nwg), d.H, d.B), 128 * nwg, ssm, wst>>>(tmQ, tmK, tmW, tmdO, tmdVl, tmG, tmH, tmV, from,
-                                                                      P(a.dHs), P(a.dVn), to, a.scale, d.T, d.H, c0, c1);
+      wkern<<<dim3(DV / (BV * nwg), d.H, d.B), 128 * nwg, ssm, wst>>>(
+          tmQ, tmK, tmW, tmdO, tmdVl, tmG, tmH, tmV, from, P(a.dHs), P(a.dVn), to, a.scale, d.T, d.H, c0, c1);
     } else
       bwd_state_mma_kernel<DK, DV, BV, NW, kBwdStateStages><<<dim3(DV / BV, d.H, d.B), NW * 32, ssm, wst>>>(
           P(a.q), P(a.k), P(a.W), a.Gc.data_ptr<float>(), P(a.dO), a.dVl.data_ptr<float>(), from, P(a.dHs),

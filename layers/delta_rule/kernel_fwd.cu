@@ -54,13 +54,9 @@ bool poison_enabled() { return g_poison.load(); }
 // (read once).
 int state_cfg() {
   static const int cfg = [] {
-    const char* e = std::getenv("CARRY_GDN_STATE");
-    if (!e || !*e) return 0;
-    char* end = nullptr;
-    const long v = std::strtol(e, &end, 10);
-    TORCH_CHECK(*end == '\0' && v >= 0 && v <= 10 && v != 9,
-                "CARRY_GDN_STATE: expected one of 0-8 or 10 (the delta rule's state-walk tilings, "
-                "layers/delta_rule/kernel_fwd.cu), got '", e, "'");
+    const char* what = "one of 0-8 or 10 (the delta rule's state-walk tilings, layers/delta_rule/kernel_fwd.cu)";
+    const long v = env_int("CARRY_GDN_STATE", 0, 10, what);
+    TORCH_CHECK(v != 9, "CARRY_GDN_STATE: expected ", what, ", got '9'");
     return static_cast<int>(v);
   }();
   return cfg;
@@ -128,16 +124,8 @@ std::atomic<int> g_pieces{0};
 }
 // gdn_set_pieces' value, else CARRY_GDN_PIECES (A/B timings; read once), else 0 (automatic).
 int forced_pieces() {
-  static const int env = [] {
-    const char* e = std::getenv("CARRY_GDN_PIECES");
-    if (!e || !*e) return 0;
-    char* end = nullptr;
-    const long v = std::strtol(e, &end, 10);
-    TORCH_CHECK(*end == '\0' && v >= 0 && v <= 4096,
-                "CARRY_GDN_PIECES: expected a count of pieces from 0 (automatic) to 4096 for the delta rule's bf16 "
-                "state walks, got '", e, "'");
-    return static_cast<int>(v);
-  }();
+  static const int env = static_cast<int>(
+      env_int("CARRY_GDN_PIECES", 0, 4096, "a count from 0 (automatic) to 4096 of the delta rule's bf16 walk pieces"));
   const int n = g_pieces.load();
   return n > 0 ? n : env;
 }

@@ -1,16 +1,19 @@
 // The delta rule's bf16 state walks on one warpgroup (sm_90a): wgmma products, TMA loads.
 //
-// One block of 128 threads (one warpgroup) owns a 32-column tile of one head's dk × dv state (dk = 128),
-// held in fp32 registers as two m64n32 wgmma accumulators (rows 64·half + 16·warp + lane/4 (+8),
-// columns 8j + 2·(lane%4) (+1)). A chunk's tiles arrive by TMA, issued by one thread three chunks
-// ahead (kWalkStages buffers, an mbarrier each), so the warps spend no instructions on loads:
+// One warpgroup (128 threads) owns a 32-column tile of one head's dk × dv state (dk = 128), held in fp32
+// registers as two m64n32 wgmma accumulators (rows 64·half + 16·warp + lane/4 (+8), columns 8j +
+// 2·(lane%4) (+1)); a block holds one warpgroup or two (NWG: 64 columns, the chunk's K, Q, W and G
+// tiles loaded once for both, each warpgroup's own tiles and stores apart; the same operations, so
+// the same bits). A chunk's tiles arrive by TMA, issued by one thread S − 1 chunks ahead (S buffers,
+// an mbarrier each), so the warps spend no instructions on loads:
 //  - K, Q, W [64 tokens][128] bf16 as two 64-column halves, 128-byte swizzled (TMA SWIZZLE_128B): the
 //    wgmma A operand straight from shared memory, K-major (W·S, K·dS) or MN-major (Kᵀ·Ṽ, Wᵀ·dV);
 //  - U [64][32] bf16 dense rows, dV_local [64][32] fp32 128-byte swizzled, G [64] fp32, dO [64][32] in
 //    8 × 8 core matrices (the B operand of Qᵀ·dO).
 // The state and V_new go to shared memory as bf16 B operands (MN-major, no swizzle) from registers;
 // H_c and V_new (dH_c, dV_new) leave through shared copies in TMA's 64-byte swizzle by bulk tensor
-// stores (TS; the threads' own global stores otherwise). Two block barriers a chunk. What a chunk
+// stores (TS; the threads' own global stores otherwise; a warpgroup's first thread issues and waits for
+// its own). Two block barriers a chunk. What a chunk
 // does is fwd_state_mma_kernel's (kernel_fwd.cu) and bwd_state_mma_kernel's (kernel_bwd.cu), with the
 // same roundings to bf16; the products' fp32 sums run in the tensor cores' order, so the bits differ
 // from those kernels' (both are tested against the chunkwise form).
@@ -296,23 +299,21 @@ struct FwdSmem {
   static_assert(oK % 1024 == 0 && oPriv % 1024 == 0, "swizzled tiles sit on 1024-byte boundaries");
 };
 
-// grid (DV/(32·NWG), H, B), 128·NWG threads; warpgroup w of block x owns columns (NWG·x + w)·32 ...
-// Walks chunks [c_begin, c_end) from S0 (the state entering c_begin;
-// null: zeros), writes H_c (bf16 [B,H,N,dk,DV]) and V_new (bf16 [B,H,T,DV]), and the state after
+// grid (DV/(32·NWG), H, B), 128·NWG threads; warpgroup w of block x owns the 32 columns from
+// (NWG·x + w)·32. Walks chunks [c_begin, c_end) from S0 (the state entering c_begin; null: zeros),
+// writes H_c (bf16 [B,H,N,dk,DV]) and V_new (bf16 [B,H,T,DV]), and the state after
 // c_end − 1 to Sfin (fp32). Maps: W [B·H·T][dk], k [B·T][H][dk] (boxes of 64 × 64, swizzled), U
 // [B·H·T][DV] (boxes of 32 × 64), G (fp32 [B·H·T/64][64]).
 // TS: H_c and V_new leave by bulk tensor stores (tmH: Hs as [B·H·N·dk][DV], tmV: Vn as [B·H·T][DV],
 // boxes of 32 columns, 64-byte swizzle) from shared copies, instead of the threads' global stores.
 // A warpgroup's operations on its columns are the same whatever NWG: the same bits.
 template <int DV, bool TS = false, int NWG = 1, int S = kWalkStages>
-__global__ void __launch_bounds__(128 * NWG) fwd_walk_wg(const __grid_constant__ CUtensorMap tmW,
-                                                   const __grid_constant__ CUtensorMap tmK,
-                                                   const __grid_constant__ CUtensorMap tmU,
-                                                   const __grid_constant__ CUtensorMap tmG,
-                                                   const __grid_constant__ CUtensorMap tmH,
-                                                   const __grid_constant__ CUtensorMap tmV, const float* __restrict__ S0,
-                                                   bf16* __restrict__ Hs, bf16* __restrict__ Vn,
-                                                   float* __restrict__ Sfin, int T_, int H, int c_begin, int c_end) {
+__global__ void __launch_bounds__(128 * NWG)
+    fwd_walk_wg(const __grid_constant__ CUtensorMap tmW, const __grid_constant__ CUtensorMap tmK,
+                const __grid_constant__ CUtensorMap tmU, const __grid_constant__ CUtensorMap tmG,
+                const __grid_constant__ CUtensorMap tmH, const __grid_constant__ CUtensorMap tmV,
+                const float* __restrict__ S0, bf16* __restrict__ Hs, bf16* __restrict__ Vn, float* __restrict__ Sfin,
+                int T_, int H, int c_begin, int c_end) {
   using L = FwdSmem<NWG, S>;
   extern __shared__ unsigned char smem_raw[];
   unsigned char* sm = smem_1k(smem_raw);
@@ -405,9 +406,10 @@ struct BwdSmem {
                 "swizzled tiles sit on 1024-byte boundaries");
 };
 
-// grid (DV/(32·NWG), H, B), 128·NWG threads (columns as fwd_walk_wg). Walks chunks c_end − 1 down to c_begin from dSfin (the gradient of
-// the state leaving c_end − 1; null: zeros): dH_c = dS (bf16), dV_new = e^{G_C−G} ⊙ K·dS + dV_local
-// (bf16), dS ← e^{G_C} dS + (scale e^G ⊙ Q)ᵀ dO − Wᵀ dV_new; dS0 gets the gradient entering c_begin.
+// grid (DV/(32·NWG), H, B), 128·NWG threads (columns as fwd_walk_wg). Walks chunks c_end − 1 down to
+// c_begin from dSfin (the gradient of the state leaving c_end − 1; null: zeros): dH_c = dS (bf16),
+// dV_new = e^{G_C−G} ⊙ K·dS + dV_local (bf16), dS ← e^{G_C} dS + (scale e^G ⊙ Q)ᵀ dO − Wᵀ dV_new; dS0
+// gets the gradient entering c_begin.
 // Maps: q, k [B·T][H][dk] and W [B·H·T][dk] (64 × 64, swizzled), dO [B·T][H][DV] (8 × 64 × 4 core
 // matrices), dV_local fp32 [B·H·T][DV] (32 × 64, swizzled), G.
 // TS: dH_c and dV_new leave by bulk tensor stores (tmH, tmV as in fwd_walk_wg).
