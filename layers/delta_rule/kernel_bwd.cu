@@ -1229,7 +1229,7 @@ bool bwd_pieces(BwdArgs& a, bool own_dv = false) {
   auto stream = at::cuda::getCurrentCUDAStream();
   const Dims& d = a.d;
   auto P = [](const at::Tensor& t) { return reinterpret_cast<bf16*>(t.data_ptr()); };
-  // two warpgroups a block (walk kind 3) buffer two chunks: three would not fit in shared memory
+  // two warpgroups a block buffer two chunks (three would not fit in shared memory)
   const int nwg = WG ? walk_warpgroups(d, true) : 1;
   const size_t ssm = !WG ? BwdStateMmaSmem<DK, BV, kBwdStateStages>::bytes
                      : nwg == 2 ? size_t(wg::BwdSmem<2, 2>::bytes)
