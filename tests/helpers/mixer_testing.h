@@ -22,6 +22,14 @@ using carry::run_with_grads;
 using carry::Shape;
 using Result = carry::FormResult;
 
+// Every defined input of `in` converted to dtype dt (q, k, v and the gates alike).
+inline MixerInputs inputs_as(const MixerInputs& in, at::ScalarType dt) {
+  MixerInputs out;
+  for (const auto& n : MixerInputs::names())
+    if (in.get(n).defined()) out.get(n) = in.get(n).to(dt);
+  return out;
+}
+
 // Expects `f` to throw a c10::Error whose message contains `needle`.
 template <class F>
 void expect_error(F f, const std::string& needle) {

@@ -154,9 +154,7 @@ TEST(DecayKernel, FinalStateHookSeesTheFinishedState) {
     for (auto dt : {at::kBFloat16, at::kFloat})
       for (int segments : {1, 3}) {
         carry_decay::decay_set_segments(segments);
-        MixerInputs low;
-        for (const auto& n : MixerInputs::names())
-          if (in.get(n).defined()) low.get(n) = in.get(n).to(dt);
+        const MixerInputs low = inputs_as(in, dt);
         MixerOptions opt;
         opt.form = Form::kernel;
         // The backward's hook: the one-state kernel forms (scalar decay, GLA) call it once; linear
@@ -187,9 +185,7 @@ TEST(DecayKernel, PiecesGiveTheBitsOfOneWalk) {
     MixerOptions opt;
     for (const Case& c : {Case{1, 640, 2, 128, 128}, Case{2, 384, 1, 64, 64}, Case{1, 448, 2, 96, 192}}) {
       auto in = decay_inputs(f, c, 29 + c.T);
-      MixerInputs low;
-      for (const auto& n : MixerInputs::names())
-        if (in.get(n).defined()) low.get(n) = in.get(n).to(at::kBFloat16);
+      const MixerInputs low = inputs_as(in, at::kBFloat16);
       State s0{at::randn({c.B, c.H, c.dk, c.dv}, at::kFloat).to(at::kCUDA) * 0.5};
       if (std::string(f.mixer) == "linear_attn") s0.push_back(at::rand({c.B, c.H, c.dk}, at::kFloat).to(at::kCUDA));
       carry_decay::decay_set_pieces(1);

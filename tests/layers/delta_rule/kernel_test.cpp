@@ -77,12 +77,8 @@ TEST(DeltaRuleKernel, MatchesChunkwise) {
       auto in = gdn_inputs(c, gated, 17 + c.T);
       auto s0 = at::randn({c.B, c.H, c.dk, c.dv}, at::kFloat).to(at::kCUDA) * 0.5;
       for (auto dt : {at::kFloat, at::kBFloat16}) {
-        MixerInputs low;
-        for (const auto& n : MixerInputs::names())
-          if (in.get(n).defined()) low.get(n) = in.get(n).to(dt);
-        MixerInputs up;  // the reference sees the same values, upcast
-        for (const auto& n : MixerInputs::names())
-          if (low.get(n).defined()) up.get(n) = low.get(n).to(at::kFloat);
+        const MixerInputs low = inputs_as(in, dt);
+        const MixerInputs up = inputs_as(low, at::kFloat);  // the reference sees the same values, upcast
         ASSERT_TRUE(m.kernel_supports(low, MixerOptions{}));
         ASSERT_EQ(m.resolve_form(low, MixerOptions{}), Form::kernel);
         auto ref = run(m, Form::chunkwise, up, s0);
@@ -124,9 +120,7 @@ TEST(DeltaRuleKernel, PiecesGiveTheBitsOfOneWalk) {
     for (const Case& c : {Case{1, 448, 2, 128, 256}, Case{2, 448, 1, 64, 128}, Case{1, 448, 16, 128, 128}}) {
       if (walk != 0 && c.dk != 128) continue;
       auto in = gdn_inputs(c, gated, 91 + c.dv);
-      MixerInputs low;
-      for (const auto& n : MixerInputs::names())
-        if (in.get(n).defined()) low.get(n) = in.get(n).to(at::kBFloat16);
+      const MixerInputs low = inputs_as(in, at::kBFloat16);
       auto s0 = at::randn({c.B, c.H, c.dk, c.dv}, at::kFloat).to(at::kCUDA) * 0.5;
       carry_gdn::gdn_set_pieces(1);
       auto whole = run(m, Form::kernel, low, s0);
@@ -160,9 +154,7 @@ TEST(DeltaRuleKernel, TwoWarpgroupsGiveTheBitsOfOne) {
     const Mixer& m = get_mixer(gated ? "gated_deltanet" : "deltanet");
     for (const Case& c : {Case{1, 448, 3, 128, 64}, Case{2, 320, 2, 128, 256}, Case{1, 448, 16, 128, 128}}) {
       auto in = gdn_inputs(c, gated, 53 + c.dv);
-      MixerInputs low;
-      for (const auto& n : MixerInputs::names())
-        if (in.get(n).defined()) low.get(n) = in.get(n).to(at::kBFloat16);
+      const MixerInputs low = inputs_as(in, at::kBFloat16);
       auto s0 = at::randn({c.B, c.H, c.dk, c.dv}, at::kFloat).to(at::kCUDA) * 0.5;
       for (int pieces : {1, 3}) {
         carry_gdn::gdn_set_pieces(pieces);
@@ -201,9 +193,7 @@ TEST(DeltaRuleKernel, FinalStateHookSeesTheFinishedState) {
     for (auto dt : {at::kBFloat16, at::kFloat})
       for (int pieces : {1, 3}) {
         carry_gdn::gdn_set_pieces(pieces);
-        MixerInputs low;
-        for (const auto& n : MixerInputs::names())
-          if (in.get(n).defined()) low.get(n) = in.get(n).to(dt);
+        const MixerInputs low = inputs_as(in, dt);
         MixerOptions opt;
         opt.form = Form::kernel;
         check_state_hooks(m, low, {s0}, opt, /*grad_hook_calls=*/1,
