@@ -827,7 +827,7 @@ enum RowSlot { kRowDB1, kRowA1, kRowA2, kRowC, kRowF, kRowH1, kRowH2 };
 template <int DK, int DV>
 __global__ void __launch_bounds__(512) bwd_chunk_reg_kernel(
     const bf16* __restrict__ q, const bf16* __restrict__ k, const bf16* __restrict__ v, const float* __restrict__ Gc,
-    const float* __restrict__ beta, const float* __restrict__ Tm, const bf16* __restrict__ Hs,
+    const float* __restrict__ beta, const bf16* __restrict__ Tm, const bf16* __restrict__ Hs,
     const bf16* __restrict__ dHs, const bf16* __restrict__ Vn, const bf16* __restrict__ dVn,
     const bf16* __restrict__ dO, bf16* __restrict__ dq, bf16* __restrict__ dk, bf16* __restrict__ dv,
     float* __restrict__ dg, float* __restrict__ dbeta, float scale, int T_, int H, int c_off) {
@@ -870,36 +870,22 @@ __global__ void __launch_bounds__(512) bwd_chunk_reg_kernel(
                                        dHs + (bh * N + c) * DK * DV + v0, DV);
     cp_async_commit();
   };
-  // T (fp32, to bf16 here), G and β are read into registers first, all at once, and stored after the
-  // tiles' copies are issued: one memory latency for all of them. (Read and converted one float4 after
-  // the other, after the copies, T's two waits took 11% of this kernel's warp-stall samples at H=16,
-  // 131072 tokens on an H200.)
-  constexpr int TJ = C * C / 4 / NT;
-  static_assert((C * C / 4) % NT == 0, "T's float4s split evenly over the threads");
-  float4 tx[TJ];
+  // G and β are read into registers first and stored after the tiles' copies are issued: one memory
+  // latency for all of them. T comes saved in bf16 (the forward's rounding of its fp32 inverse, the
+  // operand this kernel multiplies by) and loads with Q and K. (Saved in fp32 and converted here, T's
+  // waits took 11% of this kernel's warp-stall samples at H=16, 131072 tokens on an H200 while it was
+  // read a float4 at a time after the copies.)
   float gv = 0.f, bv = 0.f;
-  {
-    const float4* tm = reinterpret_cast<const float4*>(Tm + (bh * N + c) * C * C);
-#pragma unroll
-    for (int j = 0; j < TJ; ++j) tx[j] = tm[tid + j * NT];
-    if (tid < C) {
-      gv = Gc[bh * T_ + t0 + tid];
-      bv = beta[((long)b * T_ + t0 + tid) * H + h];
-    }
+  if (tid < C) {
+    gv = Gc[bh * T_ + t0 + tid];
+    bv = beta[((long)b * T_ + t0 + tid) * H + h];
   }
+  load_tile_async<bf16, C, C, NT>(Tb, L::LTb, Tm + (bh * N + c) * C * C, C);
   load_tile_async<bf16, C, DK, NT>(sQ, L::LK, q + ((long)b * T_ + t0) * rowk + (long)h * DK, rowk);
   load_tile_async<bf16, C, DK, NT>(sK, L::LK, k + ((long)b * T_ + t0) * rowk + (long)h * DK, rowk);
   cp_async_commit();
   load_tiles(0, 0);
   if (NTILE > 1) load_tiles(BVt, 1);
-#pragma unroll
-  for (int j = 0; j < TJ; ++j) {
-    const int i = tid + j * NT, r = (4 * i) / C, s = (4 * i) % C;
-    uint2 u;
-    u.x = tc::pack_bf16(tx[j].x, tx[j].y);
-    u.y = tc::pack_bf16(tx[j].z, tx[j].w);
-    *reinterpret_cast<uint2*>(Tb + r * L::LTb + s) = u;
-  }
   if (tid < C) {
     sG[tid] = gv;
     sB[tid] = bv;
@@ -934,6 +920,13 @@ __global__ void __launch_bounds__(512) bwd_chunk_reg_kernel(
   auto col_get = [&](int slot, int s) {
     const float* p = colp + slot * 4 * C + s;
     return ((p[0] + p[C]) + p[2 * C]) + p[3 * C];
+  };
+  // A C×C fragment's n8-tile nt into Mb1 in bf16, two columns a 32-bit store (16-bit stores, one an
+  // element, were twice the shared-memory store instructions).
+  auto mb1_put = [&](int nt, const float (&x)[4]) {
+    const int col = mh + nt * 8 + 2 * t4;
+    *reinterpret_cast<unsigned*>(Mb1 + r0 * L::LTb + col) = tc::pack_bf16(x[0], x[1]);
+    *reinterpret_cast<unsigned*>(Mb1 + r1 * L::LTb + col) = tc::pack_bf16(x[2], x[3]);
   };
 
   // Phase 1: F1..F3, M1, M2 over the dv tiles; dv = β ⊙ Tᵀ dV_new per tile.
@@ -1048,6 +1041,7 @@ __global__ void __launch_bounds__(512) bwd_chunk_reg_kernel(
     float ra[2] = {0.f, 0.f};
 #pragma unroll
     for (int nt = 0; nt < MN; ++nt) {
+      float mv[4];
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const int r = e < 2 ? r0 : r1, s = mh + nt * 8 + 2 * t4 + (e & 1);
@@ -1057,8 +1051,9 @@ __global__ void __launch_bounds__(512) bwd_chunk_reg_kernel(
         const float x = dp * (scale * p[nt][e] * gam);
         p[nt][e] = x;
         ra[e >> 1] += x;
-        Mb1[r * L::LTb + s] = __float2bfloat16(dp * gam * scale);
+        mv[e] = dp * gam * scale;
       }
+      mb1_put(nt, mv);
     }
     row_put(kRowC, ra[0], ra[1]);
     col_put(0, p);
@@ -1083,11 +1078,13 @@ __global__ void __launch_bounds__(512) bwd_chunk_reg_kernel(
   {
 #pragma unroll
     for (int nt = 0; nt < MN; ++nt) {
+      float mv[4];
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
-        const int r = e < 2 ? r0 : r1, s = mh + nt * 8 + 2 * t4 + (e & 1);
-        Mb1[r * L::LTb + s] = __float2bfloat16(sB[s] * (m2[nt][e] + expf(sG[s]) * w[nt][e]));
+        const int s = mh + nt * 8 + 2 * t4 + (e & 1);
+        mv[e] = sB[s] * (m2[nt][e] + expf(sG[s]) * w[nt][e]);
       }
+      mb1_put(nt, mv);
     }
     float a[2] = {0.f, 0.f};
 #pragma unroll
@@ -1128,6 +1125,7 @@ __global__ void __launch_bounds__(512) bwd_chunk_reg_kernel(
     float ab[2] = {0.f, 0.f}, ag[2] = {0.f, 0.f};
 #pragma unroll
     for (int nt = 0; nt < MN; ++nt) {
+      float mv[4];
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const int r = e < 2 ? r0 : r1, s = mh + nt * 8 + 2 * t4 + (e & 1);
@@ -1140,8 +1138,9 @@ __global__ void __launch_bounds__(512) bwd_chunk_reg_kernel(
         const float xa = da * br * kk[nt][e] * gam;
         ag[e >> 1] += xa;
         za[nt][e] = xa;
-        Mb1[r * L::LTb + s] = __float2bfloat16(br * d);
+        mv[e] = br * d;
       }
+      mb1_put(nt, mv);
     }
     row_put(kRowH1, ab[0], ab[1]);
     row_put(kRowH2, ag[0], ag[1]);
@@ -1270,7 +1269,7 @@ bool bwd_pieces(BwdArgs& a, bool own_dv = false) {
   };
   auto chunks = [&](cudaStream_t st, int c0, int c1) {
     ckern<<<dim3(c1 - c0, d.H, d.B), 512, csm, st>>>(
-        P(a.q), P(a.k), P(a.v), a.Gc.data_ptr<float>(), a.beta.data_ptr<float>(), a.Tm.data_ptr<float>(), P(a.Hs),
+        P(a.q), P(a.k), P(a.v), a.Gc.data_ptr<float>(), a.beta.data_ptr<float>(), P(a.Tm), P(a.Hs),
         P(a.dHs), P(a.Vn), P(a.dVn), P(a.dO), P(a.dq), P(a.dk), P(a.dv),
         a.dg.defined() ? a.dg.data_ptr<float>() : nullptr, a.dbeta.data_ptr<float>(), a.scale, d.T, d.H, c0);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
@@ -1401,7 +1400,7 @@ bool bwd_impl(BwdArgs& a) {
     static_assert(sm <= kMaxSmem, "bf16 chunk kernel must fit");
     set_smem(kern, sm);
     kern<<<dim3(d.N, d.H, d.B), 512, sm, stream>>>(
-        P(a.q), P(a.k), P(a.v), a.Gc.data_ptr<float>(), a.beta.data_ptr<float>(), a.Tm.data_ptr<float>(), P(a.Hs),
+        P(a.q), P(a.k), P(a.v), a.Gc.data_ptr<float>(), a.beta.data_ptr<float>(), P(a.Tm), P(a.Hs),
         P(a.dHs), P(a.Vn), P(a.dVn), P(a.dO), P(a.dq), P(a.dk), P(a.dv),
         a.dg.defined() ? a.dg.data_ptr<float>() : nullptr, a.dbeta.data_ptr<float>(), a.scale, d.T, d.H, 0);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
@@ -1413,7 +1412,7 @@ bool bwd_impl(BwdArgs& a) {
       size_t sm = ChunkSmem<T, DK, BVt>::bytes;
       set_smem(kern, sm);
       kern<<<dim3(d.N, d.H, d.B), NWC * 32, sm, stream>>>(
-          P(a.q), P(a.k), P(a.v), a.Gc.data_ptr<float>(), a.beta.data_ptr<float>(), a.Tm.data_ptr<float>(), P(a.Hs),
+          P(a.q), P(a.k), P(a.v), a.Gc.data_ptr<float>(), a.beta.data_ptr<float>(), P(a.Tm), P(a.Hs),
           P(a.dHs), P(a.Vn), P(a.dVn), P(a.dO), P(a.dq), P(a.dk), P(a.dv),
           a.dg.defined() ? a.dg.data_ptr<float>() : nullptr, a.dbeta.data_ptr<float>(), a.scale, d.T, d.H,
           chunk_stop());
@@ -1479,7 +1478,7 @@ std::vector<at::Tensor> chunk_grads(const Dims& d, const at::Tensor& q, const at
   Tensor dW = -at::matmul(dVn, Hs.transpose(-1, -2));
   Tensor Kb = k5 * bcol * eG, Vb = v5 * bcol;
   Tensor dT = at::matmul(dVn, Vb.transpose(-1, -2)) + at::matmul(dW, Kb.transpose(-1, -2));
-  Tensor TmT = Tm.transpose(-1, -2);
+  Tensor TmT = Tm.to(f32).transpose(-1, -2);
   Tensor X = at::matmul(TmT, dW), Y = at::matmul(TmT, dVn);
   Tensor dv = Y * bcol;
   Tensor dbeta = (v5 * Y).sum(-1) + (k5 * X * eG).sum(-1);

@@ -4,9 +4,10 @@
 //  1. prep_kernel, grid (N chunks, H, B), 256 threads. One block owns one chunk of one head.
 //     Reads k [C,dk], v [C,dv], g, beta. In shared memory: K, A = strictly_lower(diag(β)KKᵀ ⊙ Γ)
 //     and its inverse T = (I+A)⁻¹ (fp32, 16x16 diagonal blocks by substitution, then the
-//     off-diagonal blocks by distance), V tiles of 64. Writes G (gate cumsum, fp32), T (fp32,
-//     saved for backward), W = T·(β e^G K) and U = T·(β V) in the input dtype.
-//     HBM floor per token and head: read 2(dk+dv) bytes, write 2(dk+dv) + 4·64 + 4 bytes (bf16).
+//     off-diagonal blocks by distance), V tiles of 64. Writes G (gate cumsum, fp32), and in the
+//     input dtype T (saved for backward: the bf16 backward multiplies by T's bf16 rounding, so
+//     saving that rounding gives its bits in half the bytes), W = T·(β e^G K) and U = T·(β V).
+//     HBM floor per token and head: read 2(dk+dv) bytes, write 2(dk+dv) + 2·64 + 4 bytes (bf16).
 //     FLOPs per chunk: 2·C²·dk (KKᵀ) + 2·C²·(dk+dv) (W, U), on tensor cores for bf16.
 //     For bf16 the launcher uses prep_reg_kernel (1b: products in mma.sync registers, β and e^G
 //     folded into T's columns) and, for 3., fwd_o_reg_kernel (3b).
@@ -177,28 +178,63 @@ __device__ __forceinline__ void unit_lower_inverse64(const float* sA, float* sTm
     for (int i = 0; i < 16; ++i) sTm[(r0 + i) * LA + r0 + col] = x[i];
   }
   __syncthreads();
-  // off-diagonal blocks at block distance d: T_IJ = −T_II · Σ_{K=J}^{I−1} A_IK T_KJ
+  // off-diagonal blocks at block distance d: T_IJ = −T_II · Σ_{K=J}^{I−1} A_IK T_KJ. A thread owns 2
+  // rows × 4 columns of a block: the rows' A (or T_II) and the columns' T (or Z) load as float4s once
+  // for the 8 products that share them, a tenth of the shared-memory loads of one element a thread
+  // (which set prep_reg_kernel's pace: its shared-memory pipe at 76% against 41% for compute, ncu, an
+  // H200). Every element's sum runs in that version's order (kb, then kk), so T keeps its bits.
   for (int d = 1; d < 4; ++d) {
     const int nb = 4 - d;
-    for (int e = tid; e < nb * 256; e += NT) {
-      const int J = e / 256, I = J + d, r = (e % 256) / 16, cc = e % 16;
-      float s = 0.f;
-      // 16 terms a step, unrolled (the loads of a step issue together; the sum's order is kk's)
+    const int J = tid >> 5, I = J + d, r = ((tid >> 2) & 7) * 2, cc = (tid & 3) * 4;
+    if (tid < nb * 32) {
+      float s[2][4] = {};
       for (int kb = J; kb < I; ++kb) {
-        const float* a = sA + (I * 16 + r) * LA + kb * 16;
-        const float* t = sTm + kb * 16 * LA + J * 16 + cc;
 #pragma unroll
-        for (int kk = 0; kk < 16; ++kk) s += a[kk] * t[kk * LA];
+        for (int k4 = 0; k4 < 16; k4 += 4) {
+          const float4 a0 = *reinterpret_cast<const float4*>(sA + (I * 16 + r) * LA + kb * 16 + k4);
+          const float4 a1 = *reinterpret_cast<const float4*>(sA + (I * 16 + r + 1) * LA + kb * 16 + k4);
+          const float av[2][4] = {{a0.x, a0.y, a0.z, a0.w}, {a1.x, a1.y, a1.z, a1.w}};
+#pragma unroll
+          for (int kk = 0; kk < 4; ++kk) {
+            const float4 t = *reinterpret_cast<const float4*>(sTm + (kb * 16 + k4 + kk) * LA + J * 16 + cc);
+#pragma unroll
+            for (int i = 0; i < 2; ++i) {
+              s[i][0] += av[i][kk] * t.x;
+              s[i][1] += av[i][kk] * t.y;
+              s[i][2] += av[i][kk] * t.z;
+              s[i][3] += av[i][kk] * t.w;
+            }
+          }
+        }
       }
-      sZ[e] = s;
+#pragma unroll
+      for (int i = 0; i < 2; ++i)
+        *reinterpret_cast<float4*>(sZ + J * 256 + (r + i) * 16 + cc) = make_float4(s[i][0], s[i][1], s[i][2], s[i][3]);
     }
     __syncthreads();
-    for (int e = tid; e < nb * 256; e += NT) {
-      const int J = e / 256, I = J + d, r = (e % 256) / 16, cc = e % 16;
-      float s = 0.f;
+    if (tid < nb * 32) {
+      float s[2][4] = {};
 #pragma unroll
-      for (int kk = 0; kk < 16; ++kk) s += sTm[(I * 16 + r) * LA + I * 16 + kk] * sZ[J * 256 + kk * 16 + cc];
-      sTm[(I * 16 + r) * LA + J * 16 + cc] = -s;
+      for (int k4 = 0; k4 < 16; k4 += 4) {
+        const float4 a0 = *reinterpret_cast<const float4*>(sTm + (I * 16 + r) * LA + I * 16 + k4);
+        const float4 a1 = *reinterpret_cast<const float4*>(sTm + (I * 16 + r + 1) * LA + I * 16 + k4);
+        const float av[2][4] = {{a0.x, a0.y, a0.z, a0.w}, {a1.x, a1.y, a1.z, a1.w}};
+#pragma unroll
+        for (int kk = 0; kk < 4; ++kk) {
+          const float4 z = *reinterpret_cast<const float4*>(sZ + J * 256 + (k4 + kk) * 16 + cc);
+#pragma unroll
+          for (int i = 0; i < 2; ++i) {
+            s[i][0] += av[i][kk] * z.x;
+            s[i][1] += av[i][kk] * z.y;
+            s[i][2] += av[i][kk] * z.z;
+            s[i][3] += av[i][kk] * z.w;
+          }
+        }
+      }
+#pragma unroll
+      for (int i = 0; i < 2; ++i)
+        *reinterpret_cast<float4*>(sTm + (I * 16 + r + i) * LA + J * 16 + cc) =
+            make_float4(-s[i][0], -s[i][1], -s[i][2], -s[i][3]);
     }
     __syncthreads();
   }
@@ -207,7 +243,7 @@ __device__ __forceinline__ void unit_lower_inverse64(const float* sA, float* sTm
 template <typename T, int DK, int DV>
 __global__ void __launch_bounds__(256) prep_kernel(const T* __restrict__ k, const T* __restrict__ v,
                                                    const float* __restrict__ g, const float* __restrict__ beta,
-                                                   float* __restrict__ Gc, float* __restrict__ Tm,
+                                                   float* __restrict__ Gc, T* __restrict__ Tm,
                                                    T* __restrict__ W, T* __restrict__ U, int T_, int H) {
   constexpr int C = kChunk, NT = 256, NW = 8;
   using L = PrepSmem<T, DK>;
@@ -250,11 +286,11 @@ __global__ void __launch_bounds__(256) prep_kernel(const T* __restrict__ k, cons
   __syncthreads();
   unit_lower_inverse64<NT>(sA, sTm, L::LA, sO);
 
-  float* tm = Tm + (bh * N + c) * C * C;
+  T* tm = Tm + (bh * N + c) * C * C;
   for (int i = tid; i < C * C; i += NT) {
     const int r = i / C, s = i % C;
     const float x = sTm[r * L::LA + s];
-    tm[i] = x;
+    tm[i] = from_f<T>(x);
     sTb[r * L::LTb + s] = from_f<T>(x);
   }
   for (int i = tid; i < C * DK; i += NT) {
@@ -311,7 +347,7 @@ struct PrepRegSmem {
 template <int DK, int DV>
 __global__ void __launch_bounds__(256) prep_reg_kernel(const bf16* __restrict__ k, const bf16* __restrict__ v,
                                                        const float* __restrict__ g, const float* __restrict__ beta,
-                                                       float* __restrict__ Gc, float* __restrict__ Tm,
+                                                       float* __restrict__ Gc, bf16* __restrict__ Tm,
                                                        bf16* __restrict__ W, bf16* __restrict__ U, int T_, int H,
                                                        int c_off) {
   constexpr int C = kChunk, NT = 256, NTILE = DV / 64, WN = DK / 16;  // W: n8-tiles a warp
@@ -372,12 +408,15 @@ __global__ void __launch_bounds__(256) prep_reg_kernel(const bf16* __restrict__ 
   }
   __syncthreads();
   unit_lower_inverse64<NT>(sA, sTm, L::LA, sZ);
-  {  // T to global (fp32, for backward); T·diag(β e^G) and T·diag(β) in bf16
-    float* tm = Tm + (bh * N + c) * C * C;
+  {  // T to global (bf16, the backward's operand: its bits), T·diag(β e^G) and T·diag(β) in bf16
+    bf16* tm = Tm + (bh * N + c) * C * C;
     for (int i = tid; i < C * C / 4; i += NT) {
       const int r = (4 * i) / C, s = (4 * i) % C;
       const float4 x = *reinterpret_cast<const float4*>(sTm + r * L::LA + s);
-      reinterpret_cast<float4*>(tm)[i] = x;
+      uint2 ut;
+      ut.x = tc::pack_bf16(x.x, x.y);
+      ut.y = tc::pack_bf16(x.z, x.w);
+      reinterpret_cast<uint2*>(tm)[i] = ut;
       const float b0 = sB[s], b1 = sB[s + 1], b2 = sB[s + 2], b3 = sB[s + 3];
       uint2 uw, uu;
       uw.x = tc::pack_bf16(x.x * b0 * expf(sG[s]), x.y * b1 * expf(sG[s + 1]));
@@ -922,8 +961,8 @@ void fwd_pieces(const Dims& d, const bf16* kp, const bf16* vp, const float* g, c
     set_smem(fwd_state_mma_kernel<DK, DV, BV, NW, kStateStages>, ssm);
   }
   auto prep = [&](cudaStream_t st, int c0, int c1) {
-    pkern<<<dim3(c1 - c0, d.H, d.B), 256, psm, st>>>(kp, vp, g, beta, Gc.data_ptr<float>(), Tm.data_ptr<float>(), Wp,
-                                                      Up, d.T, d.H, c0);
+    pkern<<<dim3(c1 - c0, d.H, d.B), 256, psm, st>>>(kp, vp, g, beta, Gc.data_ptr<float>(),
+                                                      reinterpret_cast<bf16*>(Tm.data_ptr()), Wp, Up, d.T, d.H, c0);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   };
   at::cuda::CUDAStream wst = stream;  // the walk's stream
@@ -1010,12 +1049,14 @@ void fwd_impl(const Dims& d, const at::Tensor& q, const at::Tensor& k, const at:
       auto kern = prep_reg_kernel<DK, DV>;
       constexpr size_t sm = PrepRegSmem<DK>::bytes;
       set_smem(kern, sm);
-      kern<<<gc, 256, sm, stream>>>(kp, vp, g, beta, Gc.data_ptr<float>(), Tm.data_ptr<float>(), Wp, Up, d.T, d.H, 0);
+      kern<<<gc, 256, sm, stream>>>(kp, vp, g, beta, Gc.data_ptr<float>(), reinterpret_cast<T*>(Tm.data_ptr()), Wp, Up,
+                                    d.T, d.H, 0);
     } else {
       auto kern = prep_kernel<T, DK, DV>;
       size_t sm = PrepSmem<T, DK>::bytes;
       set_smem(kern, sm);
-      kern<<<gc, 256, sm, stream>>>(kp, vp, g, beta, Gc.data_ptr<float>(), Tm.data_ptr<float>(), Wp, Up, d.T, d.H);
+      kern<<<gc, 256, sm, stream>>>(kp, vp, g, beta, Gc.data_ptr<float>(), reinterpret_cast<T*>(Tm.data_ptr()), Wp, Up,
+                                    d.T, d.H);
     }
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   }
@@ -1100,7 +1141,7 @@ std::vector<at::Tensor> gdn_fwd(const at::Tensor& q_, const at::Tensor& k_, cons
   }
   auto f32 = q.options().dtype(at::kFloat);
   auto io = q.options();
-  at::Tensor Gc = alloc({d.B, d.H, d.T}, f32), Tm = alloc({d.B, d.H, d.N, 64, 64}, f32);
+  at::Tensor Gc = alloc({d.B, d.H, d.T}, f32), Tm = alloc({d.B, d.H, d.N, 64, 64}, io);
   at::Tensor W = alloc({d.B, d.H, d.T, d.DK}, io), U = alloc({d.B, d.H, d.T, d.DV}, io);
   at::Tensor Hs = alloc({d.B, d.H, d.N, d.DK, d.DV}, io), Vn = alloc({d.B, d.H, d.T, d.DV}, io);
   at::Tensor Sfin = alloc({d.B, d.H, d.DK, d.DV}, f32), O = alloc({d.B, d.T, d.H, d.DV}, io);
