@@ -799,7 +799,8 @@ __global__ void __launch_bounds__(NW * 32) bwd_chunk_kernel(
 // and K load with the first tile. Row and column sums go through small per-warp partial arrays and
 // are added in a fixed order (same bits run to run and wherever the sequence is cut). The earlier
 // version kept F1..F3, M1, M2 in fp32 shared memory (220 KB) with a block barrier around each of
-// about 20 passes over them.
+// about 20 passes over them. Without a gate (DeltaNet) the sums only dG needs are skipped, and with
+// them QKᵀ (P enters dG alone; dq and dk take dP⊙Γ).
 template <int DK, int BVt>
 struct ChunkRegSmem {
   static constexpr int C = kChunk, P = 8;
@@ -849,6 +850,7 @@ __global__ void __launch_bounds__(512) bwd_chunk_reg_kernel(
   bf16* Mb2 = reinterpret_cast<bf16*>(smem + L::oMb2);
 
   const int c = c_off + blockIdx.x, h = blockIdx.y, b = blockIdx.z, tid = threadIdx.x;
+  const bool gated = dg != nullptr;  // Gated DeltaNet: dG and the row and column sums only it needs
   const int N = T_ / C;
   const long t0 = (long)c * C, bh = (long)b * H + h, rowk = (long)H * DK, rowv = (long)H * DV;
   const int warp = tid >> 5, lane = tid & 31, g = lane >> 2, t4 = lane & 3;
@@ -991,7 +993,7 @@ __global__ void __launch_bounds__(512) bwd_chunk_reg_kernel(
       }
     }
 #pragma unroll
-    for (int i = tid; i < DK * BVt / 2; i += NT) {  // <dH', H>
+    for (int i = tid; i < (gated ? DK * BVt / 2 : 0); i += NT) {  // <dH', H>
       const int r = (2 * i) / BVt, j = (2 * i) % BVt;
       const float2 a = tc::unpack_bf16(*reinterpret_cast<const unsigned*>(tH + r * L::LT + j));
       const float2 d = tc::unpack_bf16(*reinterpret_cast<const unsigned*>(tdH + r * L::LT + j));
@@ -1001,7 +1003,7 @@ __global__ void __launch_bounds__(512) bwd_chunk_reg_kernel(
     if (it + 2 < NTILE) load_tiles(v0 + 2 * BVt, it & 1);
   }
   row_put(kRowDB1, db[0], db[1]);
-  {
+  if (gated) {
     float x = hs;
     for (int off = 16; off > 0; off >>= 1) x += __shfl_xor_sync(0xffffffffu, x, off);
     if (lane == 0) sRed[warp] = x;
@@ -1024,20 +1026,24 @@ __global__ void __launch_bounds__(512) bwd_chunk_reg_kernel(
         f1[nt][2 * hf + 1] = x1;
         f2[nt][2 * hf] = y0;
         f2[nt][2 * hf + 1] = y1;
-        const float2 qq = tc::unpack_bf16(*reinterpret_cast<const unsigned*>(sQ + r * L::LK + col));
-        const float2 kk = tc::unpack_bf16(*reinterpret_cast<const unsigned*>(sK + r * L::LK + col));
-        a1[hf] += qq.x * x0 + qq.y * x1;
-        a2[hf] += kk.x * y0 + kk.y * y1;
+        if (gated) {
+          const float2 qq = tc::unpack_bf16(*reinterpret_cast<const unsigned*>(sQ + r * L::LK + col));
+          const float2 kk = tc::unpack_bf16(*reinterpret_cast<const unsigned*>(sK + r * L::LK + col));
+          a1[hf] += qq.x * x0 + qq.y * x1;
+          a2[hf] += kk.x * y0 + kk.y * y1;
+        }
         *reinterpret_cast<unsigned*>(sXb + r * L::LK + col) = tc::pack_bf16(-f3[nt][2 * hf], -f3[nt][2 * hf + 1]);
       }
     }
-    row_put(kRowA1, a1[0], a1[1]);
-    row_put(kRowA2, a2[0], a2[1]);
+    if (gated) {
+      row_put(kRowA1, a1[0], a1[1]);
+      row_put(kRowA2, a2[0], a2[1]);
+    }
   }
   // (b, c) P = scale QKᵀ⊙Γ (causal), dP = M1 (causal): Mb1 = dP⊙Γ·scale; sums of dP⊙P by row and column
   {
     float p[MN][4] = {};
-    frag_mma<MN, DK, false, true>(p, sQ, L::LK, sK, L::LK, m0, mh);
+    if (gated) frag_mma<MN, DK, false, true>(p, sQ, L::LK, sK, L::LK, m0, mh);
     float ra[2] = {0.f, 0.f};
 #pragma unroll
     for (int nt = 0; nt < MN; ++nt) {
@@ -1055,8 +1061,10 @@ __global__ void __launch_bounds__(512) bwd_chunk_reg_kernel(
       }
       mb1_put(nt, mv);
     }
-    row_put(kRowC, ra[0], ra[1]);
-    col_put(0, p);
+    if (gated) {
+      row_put(kRowC, ra[0], ra[1]);
+      col_put(0, p);
+    }
   }
   __syncthreads();
   // (d) dq = dQi + (dP⊙Γ·scale) K, written; dk = dKs + (dP⊙Γ·scale)ᵀ Q
@@ -1143,8 +1151,10 @@ __global__ void __launch_bounds__(512) bwd_chunk_reg_kernel(
       mb1_put(nt, mv);
     }
     row_put(kRowH1, ab[0], ab[1]);
-    row_put(kRowH2, ag[0], ag[1]);
-    col_put(1, za);
+    if (gated) {
+      row_put(kRowH2, ag[0], ag[1]);
+      col_put(1, za);
+    }
   }
   __syncthreads();
   // (i) dk += (βD) K + (βD)ᵀ K, written
@@ -1164,17 +1174,19 @@ __global__ void __launch_bounds__(512) bwd_chunk_reg_kernel(
     const int r = tid;
     const float eg = expf(sG[r]);
     dbeta[((long)b * T_ + t0 + r) * H + h] = (row_get(kRowDB1, r) + eg * row_get(kRowF, r)) + row_get(kRowH1, r);
-    const float a2 = row_get(kRowA2, r);
-    float x = row_get(kRowA1, r) - a2;
-    x += row_get(kRowC, r);
-    x -= col_get(0, r);
-    x += sB[r] * eg * row_get(kRowF, r);
-    x += row_get(kRowH2, r);
-    x -= col_get(1, r);
-    sDG[r] = x;
-    sKD[r] = a2;
+    if (gated) {
+      const float a2 = row_get(kRowA2, r);
+      float x = row_get(kRowA1, r) - a2;
+      x += row_get(kRowC, r);
+      x -= col_get(0, r);
+      x += sB[r] * eg * row_get(kRowF, r);
+      x += row_get(kRowH2, r);
+      x -= col_get(1, r);
+      sDG[r] = x;
+      sKD[r] = a2;
+    }
   }
-  if (dg == nullptr) return;
+  if (!gated) return;
   __syncthreads();
   if (tid < 32) {
     float* sCS = sKD + C;

@@ -34,6 +34,7 @@
 
 #include <ATen/cuda/CUDAEvent.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cstdlib>
 #include <string>
@@ -327,21 +328,24 @@ __global__ void __launch_bounds__(256) prep_kernel(const T* __restrict__ k, cons
 // 16·(w%4) and the column half w/4 of KKᵀ (straight into A), of W and of each 64-wide U tile. β and
 // e^G fold into T's columns (W = (T·diag(β e^G))·K, U = (T·diag(β))·V, two bf16 copies of T) instead
 // of passes that scale K and V in shared memory; W and U go from registers to global; the V tiles
-// are double-buffered and the first ones load with K. 91 KB of shared memory: two blocks an SM.
+// are double-buffered and the first ones load with K. The two bf16 copies of T take the place of A
+// and the inverse's scratch, dead by then: 73 KB of shared memory at dk = 128, three blocks an SM
+// (92 KB and two before; the inverse's barriers leave a block's SM idle, ncu: 33% of its warps'
+// stall samples at a barrier).
 template <int DK>
 struct PrepRegSmem {
   static constexpr int C = kChunk, LK = DK + 8, LA = C + kPadF, LTb = C + 8, LV = 64 + 8;
   static constexpr size_t oK = 0;
   static constexpr size_t oA = al128(oK + C * LK * 2);
-  static constexpr size_t oTm = al128(oA + C * LA * 4);
-  static constexpr size_t oTw = al128(oTm + C * LA * 4);
-  static constexpr size_t oTu = al128(oTw + C * LTb * 2);
-  static constexpr size_t oZ = al128(oTu + C * LTb * 2);
-  static constexpr size_t oG = al128(oZ + 3 * 256 * 4);
+  static constexpr size_t oZ = oA + C * LA * 4;                      // the inverse's scratch, after A
+  static constexpr size_t oTw = oA, oTu = oA + C * LTb * 2;          // over A and Z, after the inverse
+  static constexpr size_t oTm = al128(std::max(oZ + 3 * 256 * 4, oTu + C * LTb * 2));
+  static constexpr size_t oG = al128(oTm + C * LA * 4);
   static constexpr size_t oB = oG + C * 4;
   static constexpr size_t oBuf = al128(oB + C * 4);
   static constexpr size_t buf = al128(C * LV * 2);
   static constexpr size_t bytes = oBuf + 2 * buf;
+  static_assert(oZ % 16 == 0 && oTu % 16 == 0, "float4 and uint2 access");
 };
 
 template <int DK, int DV>
@@ -913,6 +917,14 @@ template <typename K>
 void set_smem(K kernel, size_t bytes) {
   C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)bytes));
 }
+// The same, asking for the SM's whole shared-memory carve-out, where the blocks an SM depend on it
+// (prep_reg_kernel: three blocks of 73 KB).
+template <typename K>
+void set_smem_max(K kernel, size_t bytes) {
+  set_smem(kernel, bytes);
+  C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
+                                      (int)cudaSharedmemCarveoutMaxShared));
+}
 
 // bf16: the chunk preparation, the state walk (fwd_state_mma_kernel, BV = 16 and 4 warps, or 32 and 8
 // where wide_state_tiles says so) and the output
@@ -935,7 +947,7 @@ void fwd_pieces(const Dims& d, const bf16* kp, const bf16* vp, const float* g, c
   auto pkern = prep_reg_kernel<DK, DV>;
   constexpr size_t psm = PrepRegSmem<DK>::bytes;
   set_smem(okern, osm);
-  set_smem(pkern, psm);
+  set_smem_max(pkern, psm);
   const int nwg = WG ? walk_warpgroups(d, false) : 1;  // warpgroups (32-column tiles) a walk block
   const Pieces pc = plan_pieces(d, (DV / (BV * nwg)) * d.H * d.B);
   // one walk: its own size; pieces: also more than an SM has left beside an output or a prep block
@@ -1048,7 +1060,7 @@ void fwd_impl(const Dims& d, const at::Tensor& q, const at::Tensor& k, const at:
                                          on_final_state);
       auto kern = prep_reg_kernel<DK, DV>;
       constexpr size_t sm = PrepRegSmem<DK>::bytes;
-      set_smem(kern, sm);
+      set_smem_max(kern, sm);
       kern<<<gc, 256, sm, stream>>>(kp, vp, g, beta, Gc.data_ptr<float>(), reinterpret_cast<T*>(Tm.data_ptr()), Wp, Up,
                                     d.T, d.H, 0);
     } else {
