@@ -160,6 +160,30 @@ struct PrepSmem {
   static constexpr size_t bytes = oB + C * 4;
 };
 
+// s[i][j] += Σ_{k<16} X[i][k]·Y[k][j] for 2 rows of X (x0, x1: 16 contiguous floats each) and 4 columns
+// of Y (y: 4 contiguous floats, rows ldy apart), k in order: X's rows and Y's columns load as float4s
+// once for the 8 products that share them.
+__device__ __forceinline__ void fma_2x4x16(float (&s)[2][4], const float* x0, const float* x1, const float* y,
+                                           int ldy) {
+#pragma unroll
+  for (int k4 = 0; k4 < 16; k4 += 4) {
+    const float4 a0 = *reinterpret_cast<const float4*>(x0 + k4);
+    const float4 a1 = *reinterpret_cast<const float4*>(x1 + k4);
+    const float av[2][4] = {{a0.x, a0.y, a0.z, a0.w}, {a1.x, a1.y, a1.z, a1.w}};
+#pragma unroll
+    for (int kk = 0; kk < 4; ++kk) {
+      const float4 t = *reinterpret_cast<const float4*>(y + (k4 + kk) * ldy);
+#pragma unroll
+      for (int i = 0; i < 2; ++i) {
+        s[i][0] += av[i][kk] * t.x;
+        s[i][1] += av[i][kk] * t.y;
+        s[i][2] += av[i][kk] * t.z;
+        s[i][3] += av[i][kk] * t.w;
+      }
+    }
+  }
+}
+
 // sA holds A (strictly lower, fp32); writes T = (I + A)⁻¹ into sTm. sZ: scratch of 3·256 floats.
 template <int NT>
 __device__ __forceinline__ void unit_lower_inverse64(const float* sA, float* sTm, int LA, float* sZ) {
@@ -189,25 +213,9 @@ __device__ __forceinline__ void unit_lower_inverse64(const float* sA, float* sTm
     const int J = tid >> 5, I = J + d, r = ((tid >> 2) & 7) * 2, cc = (tid & 3) * 4;
     if (tid < nb * 32) {
       float s[2][4] = {};
-      for (int kb = J; kb < I; ++kb) {
-#pragma unroll
-        for (int k4 = 0; k4 < 16; k4 += 4) {
-          const float4 a0 = *reinterpret_cast<const float4*>(sA + (I * 16 + r) * LA + kb * 16 + k4);
-          const float4 a1 = *reinterpret_cast<const float4*>(sA + (I * 16 + r + 1) * LA + kb * 16 + k4);
-          const float av[2][4] = {{a0.x, a0.y, a0.z, a0.w}, {a1.x, a1.y, a1.z, a1.w}};
-#pragma unroll
-          for (int kk = 0; kk < 4; ++kk) {
-            const float4 t = *reinterpret_cast<const float4*>(sTm + (kb * 16 + k4 + kk) * LA + J * 16 + cc);
-#pragma unroll
-            for (int i = 0; i < 2; ++i) {
-              s[i][0] += av[i][kk] * t.x;
-              s[i][1] += av[i][kk] * t.y;
-              s[i][2] += av[i][kk] * t.z;
-              s[i][3] += av[i][kk] * t.w;
-            }
-          }
-        }
-      }
+      for (int kb = J; kb < I; ++kb)
+        fma_2x4x16(s, sA + (I * 16 + r) * LA + kb * 16, sA + (I * 16 + r + 1) * LA + kb * 16,
+                   sTm + kb * 16 * LA + J * 16 + cc, LA);
 #pragma unroll
       for (int i = 0; i < 2; ++i)
         *reinterpret_cast<float4*>(sZ + J * 256 + (r + i) * 16 + cc) = make_float4(s[i][0], s[i][1], s[i][2], s[i][3]);
@@ -215,23 +223,7 @@ __device__ __forceinline__ void unit_lower_inverse64(const float* sA, float* sTm
     __syncthreads();
     if (tid < nb * 32) {
       float s[2][4] = {};
-#pragma unroll
-      for (int k4 = 0; k4 < 16; k4 += 4) {
-        const float4 a0 = *reinterpret_cast<const float4*>(sTm + (I * 16 + r) * LA + I * 16 + k4);
-        const float4 a1 = *reinterpret_cast<const float4*>(sTm + (I * 16 + r + 1) * LA + I * 16 + k4);
-        const float av[2][4] = {{a0.x, a0.y, a0.z, a0.w}, {a1.x, a1.y, a1.z, a1.w}};
-#pragma unroll
-        for (int kk = 0; kk < 4; ++kk) {
-          const float4 z = *reinterpret_cast<const float4*>(sZ + J * 256 + (k4 + kk) * 16 + cc);
-#pragma unroll
-          for (int i = 0; i < 2; ++i) {
-            s[i][0] += av[i][kk] * z.x;
-            s[i][1] += av[i][kk] * z.y;
-            s[i][2] += av[i][kk] * z.z;
-            s[i][3] += av[i][kk] * z.w;
-          }
-        }
-      }
+      fma_2x4x16(s, sTm + (I * 16 + r) * LA + I * 16, sTm + (I * 16 + r + 1) * LA + I * 16, sZ + J * 256 + cc, 16);
 #pragma unroll
       for (int i = 0; i < 2; ++i)
         *reinterpret_cast<float4*>(sTm + (I * 16 + r + i) * LA + J * 16 + cc) =
