@@ -187,6 +187,7 @@ __device__ __forceinline__ void fma_2x4x16(float (&s)[2][4], const float* x0, co
 // sA holds A (strictly lower, fp32); writes T = (I + A)⁻¹ into sTm. sZ: scratch of 3·256 floats.
 template <int NT>
 __device__ __forceinline__ void unit_lower_inverse64(const float* sA, float* sTm, int LA, float* sZ) {
+  static_assert(NT >= 96, "the inverse's steps take 64 and up to 96 threads");
   const int tid = threadIdx.x;
   // diagonal 16x16 blocks: one thread per (block, column), substitution down the column
   if (tid < 64) {
@@ -204,10 +205,10 @@ __device__ __forceinline__ void unit_lower_inverse64(const float* sA, float* sTm
   }
   __syncthreads();
   // off-diagonal blocks at block distance d: T_IJ = −T_II · Σ_{K=J}^{I−1} A_IK T_KJ. A thread owns 2
-  // rows × 4 columns of a block: the rows' A (or T_II) and the columns' T (or Z) load as float4s once
-  // for the 8 products that share them, a tenth of the shared-memory loads of one element a thread
-  // (which set prep_reg_kernel's pace: its shared-memory pipe at 76% against 41% for compute, ncu, an
-  // H200). Every element's sum runs in that version's order (kb, then kk), so T keeps its bits.
+  // rows × 4 columns of a block (fma_2x4x16): a tenth of the shared-memory load instructions of one
+  // element a thread, which set prep_reg_kernel's pace (its shared-memory pipe at 76% against 41% for
+  // compute, ncu, an H200). Every element's sum runs in that version's order (kb, then kk), so T keeps
+  // its bits.
   for (int d = 1; d < 4; ++d) {
     const int nb = 4 - d;
     const int J = tid >> 5, I = J + d, r = ((tid >> 2) & 7) * 2, cc = (tid & 3) * 4;
