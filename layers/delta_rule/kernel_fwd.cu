@@ -206,8 +206,8 @@ __device__ __forceinline__ void unit_lower_inverse64(const float* sA, float* sTm
   __syncthreads();
   // off-diagonal blocks at block distance d: T_IJ = −T_II · Σ_{K=J}^{I−1} A_IK T_KJ. A thread owns 2
   // rows × 4 columns of a block (fma_2x4x16): a tenth of the shared-memory load instructions of one
-  // element a thread, which set prep_reg_kernel's pace (its shared-memory pipe at 76% against 41% for
-  // compute, ncu, an H200). Every element's sum runs in that version's order (kb, then kk), so T keeps
+  // element a thread, which set prep_reg_kernel's pace (ncu, an H200: memory throughput 76% with DRAM
+  // at 24%, compute 41%). Every element's sum runs in that version's order (kb, then kk), so T keeps
   // its bits.
   for (int d = 1; d < 4; ++d) {
     const int nb = 4 - d;
