@@ -50,7 +50,8 @@ const char* kUsage =
     "  --pieces N cuts the delta rule's state walks into N pieces (1: one walk; without it: automatic).\n"
     "  --decay-segments N cuts the decay class's state recurrence into N segments (1: in order; without\n"
     "  it: automatic). --decay-pieces N walks the decay class's bf16 recurrence in N pieces, the output\n"
-    "  and gradient kernels of each finished piece on a second stream beside the next (default 1).\n"
+    "  and gradient kernels of each finished piece on a second stream beside the next (1: one walk;\n"
+    "  without it: automatic).\n"
     "  --checksum prints, after each row, FNV-1a hashes of the bytes of o, of every final-state entry and\n"
     "  of the gradients of one forward+backward on the row's fixed-seed inputs: two builds or settings\n"
     "  that print the same hashes computed the same bits.\n";

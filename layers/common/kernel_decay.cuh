@@ -50,8 +50,9 @@ void decay_set_poison(bool on);
 void decay_set_segments(int n);
 // The bf16 walk in n pieces of consecutive chunks (tests and `carry bench kernels --decay-pieces`): the
 // output kernel (forward) and the dV and dq/dk/dg kernels (backward) of each finished piece run on a
-// second stream while the next piece walks. The bits are the one walk's. 0 or 1: one walk (the
-// default, until measured); used only where the walk runs as one segment.
+// second stream while the next piece walks. The bits are the one walk's. 0: automatic (the default;
+// pieces where the walk's blocks take at most half the SMs: kernel_decay_launch.h, pieces_for); 1: one
+// walk; used only where the walk runs as one segment.
 void decay_set_pieces(int n);
 
 }  // namespace carry_decay

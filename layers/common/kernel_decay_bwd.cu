@@ -662,7 +662,9 @@ std::vector<at::Tensor> bwd_impl(const Dims& d, const at::Tensor& q, const at::T
       else run_qk(std::integral_constant<int, 32>());
     }
   };
-  auto chunk_grads = [&](cudaStream_t st, int c0, int c1) {
+  // beside: the next piece's walk runs beside (walk_then_local), so one block an item: a persistent block
+  // would hold its SM until every item is done, and the walk's next piece waits for whole SMs.
+  auto chunk_grads = [&](cudaStream_t st, int c0, int c1, bool beside) {
     if constexpr (frag_kind<T, KIND>()) {
       if (frag) {
         auto run = [&](auto dk_tag) {
@@ -670,7 +672,7 @@ std::vector<at::Tensor> bwd_impl(const Dims& d, const at::Tensor& q, const at::T
           auto kern = grad_frag_kernel<KIND, DK>;
           cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)GradFragSmem<DK>::bytes);
           const int items = (c1 - c0) * d.H * d.B;
-          const int blocks = grad_persist() ? std::min(items, sm_count()) : items;
+          const int blocks = grad_persist() && !beside ? std::min(items, sm_count()) : items;
           kern<<<blocks, 256, GradFragSmem<DK>::bytes, st>>>(
               reinterpret_cast<const bf16*>(q.data_ptr()), reinterpret_cast<const bf16*>(k.data_ptr()),
               reinterpret_cast<const bf16*>(v.data_ptr()), KIND == kNone ? nullptr : G.data_ptr<float>(),

@@ -499,37 +499,53 @@ std::pair<int, int> state_segments(int B, int Tn, int H, int DK, int DV, int seg
 
 // bf16: state_mma_kernel over chunks [c0, c1) cut into NS segments of L chunks, from S0 (fp32
 // [B,H,DK,DV]) into Send (the final state; with segments, each segment's end state, [B,H,NS,DK,DV]).
-// Four warps a block (a 64 x 32 tile, with the split accumulators) where dk allows, else two (dk = 96).
+// Four warps a block (a 64 x TV tile, with the split accumulators) where dk allows, else two (dk = 96,
+// TV = 32). TV = 64 (dk a multiple of 64) halves the blocks: a warp's chunk then runs 32 products on
+// the X̃ᵀ fragments it loaded and scaled once, every state element's operations those of TV = 32, so
+// the bits do not depend on TV. smem: the dynamic shared memory a block asks for, at least the
+// kernel's own (more keeps other kernels' blocks off its SM: walk_then_local).
 template <int KIND, bool REV>
 void launch_state_mma(const at::Tensor& X, const at::Tensor& Y, const float* g, const float* S0, at::Tensor& Hsave,
                       float* Send, int B, int Tn, int H, int DK, int DV, float scale, cudaStream_t stream, int NS,
-                      int L, float* segg, int c0, int c1) {
-  constexpr int TV = 32, NBUF = 3;
-  auto run = [&](auto nw_tag, auto split_tag) {
+                      int L, float* segg, int c0, int c1, int tv = 32, size_t smem = 0) {
+  constexpr int NBUF = 3;
+  auto run = [&](auto nw_tag, auto split_tag, auto tv_tag) {
     constexpr int W = decltype(nw_tag)::value;
     constexpr bool SP = decltype(split_tag)::value;
+    constexpr int TV = decltype(tv_tag)::value;
     using Sm = StateMmaSmem<KIND, W, TV, NBUF>;
     auto kern = state_mma_kernel<KIND, REV, W, TV, NBUF, SP>;
-    cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)Sm::bytes);
+    const size_t bytes = std::max(smem, Sm::bytes);
+    cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)bytes);
     dim3 mgrid((DK / (16 * W)) * (DV / TV), H, B * NS);
-    kern<<<mgrid, W * 32, Sm::bytes, stream>>>(reinterpret_cast<const bf16*>(X.data_ptr()),
-                                               reinterpret_cast<const bf16*>(Y.data_ptr()), g, S0,
-                                               reinterpret_cast<bf16*>(Hsave.data_ptr()), Send, Tn, H, DK, DV, scale,
-                                               NS, L, segg, c0, c1);
+    kern<<<mgrid, W * 32, bytes, stream>>>(reinterpret_cast<const bf16*>(X.data_ptr()),
+                                           reinterpret_cast<const bf16*>(Y.data_ptr()), g, S0,
+                                           reinterpret_cast<bf16*>(Hsave.data_ptr()), Send, Tn, H, DK, DV, scale,
+                                           NS, L, segg, c0, c1);
   };
-  if (DK % 64 == 0) run(std::integral_constant<int, 4>(), std::true_type());
-  else run(std::integral_constant<int, 2>(), std::false_type());
+  using I4 = std::integral_constant<int, 4>;
+  if (DK % 64 == 0 && tv == 64) run(I4(), std::true_type(), std::integral_constant<int, 64>());
+  else if (DK % 64 == 0) run(I4(), std::true_type(), std::integral_constant<int, 32>());
+  else run(std::integral_constant<int, 2>(), std::false_type(), std::integral_constant<int, 32>());
+}
+
+// The walk's tiles a block: TV = 64 where dk allows it (else 32), for a walk in pieces beside the
+// chunk-local kernels (walk_then_local).
+inline int piece_walk_tv(int DK) { return DK % 64 == 0 ? 64 : 32; }
+// Its blocks: (dk/64)·(dv/64) a head at TV = 64; (dk/32)·(dv/32) at dk = 96 (two warps, TV = 32).
+inline int piece_walk_blocks(int B, int H, int DK, int DV) {
+  return piece_walk_tv(DK) == 64 ? (DK / 64) * (DV / 64) * H * B : (DK / 32) * (DV / 32) * H * B;
 }
 
 // bf16, one segment: the walk over chunks [c0, c1) only, from the state `from` (fp32 [B,H,DK,DV]) to
-// `to`. Consecutive pieces chained through fp32 memory run the whole walk's operations on the same
-// values: its bits (kernel_decay.cuh, decay_set_pieces).
+// `to`, with piece_walk_tv's tiles. Consecutive pieces chained through fp32 memory run the whole walk's
+// operations on the same values: its bits (kernel_decay.cuh, decay_set_pieces).
 template <int KIND, bool REV>
 void launch_state_piece(const at::Tensor& X, const at::Tensor& Y, const at::Tensor& G, const float* from,
                         at::Tensor& Hsave, float* to, int B, int Tn, int H, int DK, int DV, float scale,
-                        cudaStream_t stream, int c0, int c1) {
+                        cudaStream_t stream, int c0, int c1, size_t smem) {
   launch_state_mma<KIND, REV>(X, Y, KIND == kNone ? nullptr : G.data_ptr<float>(), from, Hsave, to, B, Tn, H, DK, DV,
-                              scale, stream, 1, c1 - c0, nullptr, c0, c1);
+                              scale, stream, 1, c1 - c0, nullptr, c0, c1, piece_walk_tv(DK), smem);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 

@@ -17,10 +17,10 @@
 // registers, four warps a block sharing the chunk's K tile), and the scalar decay and linear attention
 // with dk 64 or 128 take 3. from out_frag_kernel (eight warps a chunk, P and the output's accumulators
 // in registers, 64-wide dv tiles double-buffered), which saves no P: the backward's grad_frag_kernel
-// recomputes it. With decay_set_pieces the walk runs in ranges of
-// chunks and each finished range's output kernel runs on a second stream beside the next range's walk
-// (walk_in_pieces, kernel_decay_launch.h); the final state goes to MixerOptions::on_final_state
-// between the walk and the output.
+// recomputes it. Where the walk's blocks take at most half the SMs (pieces_for) it runs in ranges of
+// chunks on 64-column tiles and each finished range's output kernel runs on a second stream beside the
+// next range's walk (walk_in_pieces, kernel_decay_launch.h); the final state goes to
+// MixerOptions::on_final_state between the walk and the output.
 #include "layers/common/kernel_decay.cuh"
 #include "layers/common/kernel_decay_device.cuh"
 #include "layers/common/kernel_decay_launch.h"
@@ -536,7 +536,7 @@ std::vector<at::Tensor> fwd_impl(const Dims& d, const at::Tensor& q, const at::T
   auto o = alloc({d.B, d.T, d.H, d.DV}, q.options());
   // P for the backward, unless its chunk-gradient kernel recomputes it (grad_frag_kernel)
   auto P = frag_path<T, KIND>(d.DK) ? at::empty({0}, q.options()) : alloc({d.B, d.H, d.N, kChunk, kChunk}, q.options());
-  auto out = [&](cudaStream_t st, int c0, int c1) {
+  auto out = [&](cudaStream_t st, int c0, int c1, bool /*beside the walk*/) {
     if (d.DK == 64) launch_out<T, KIND, 64>(d, q, k, v, G, Hsave, o, P, (float)scale, st, c0, c1);
     else if (d.DK == 96) launch_out<T, KIND, 96>(d, q, k, v, G, Hsave, o, P, (float)scale, st, c0, c1);
     else launch_out<T, KIND, 128>(d, q, k, v, G, Hsave, o, P, (float)scale, st, c0, c1);
