@@ -160,6 +160,13 @@ __device__ __forceinline__ void cp_async4(void* smem, const void* gmem) {
 // the L2 traffic set the pace (ncu, H=16, dk=dv=128: L2 77% busy). SPLIT (with four warps) adds the
 // chunk's product into two fresh accumulator sets (even and odd k-steps) and then S ← e^{Γ} ⊙ S +
 // U₀ + U₁, so S's dependency chain a chunk is one FMA. Grid and segments as state_kernel.
+// __launch_bounds__(NW·32, 1): one block an SM lets ptxas take the registers it wants (the forward's
+// split walk 80 → 118 at dk = 128, TV = 32; linear attention's reverse walk at TV = 64 spilled at 96),
+// the same operations and bits (`carry bench kernels --checksum`: the same hashes). Measured on an
+// H200, forward+backward ms, without → with: H=16, dk=dv=128, 16384 tokens simple GLA 0.996 → 0.915,
+// GLA 2.142 → 2.029, linear attention 0.953 → 0.892; 131072 GLA 14.927 / 15.012 → 14.726 / 14.790
+// (the others level); H=4, dk=128, dv=256 (segments) simple GLA 1.025 / 1.055 → 0.949 at 32768 and
+// 3.681 / 3.692 → 3.544 at 131072, GLA 7.037 / 6.976 → 6.828.
 template <int KIND, int NW, int TV, int NBUF>
 struct StateMmaSmem {
   static constexpr int C = kChunk, TK = 16 * NW, LX = TK + 8, LY = TV + 8, LG = TK + 4;
@@ -181,7 +188,7 @@ __device__ __forceinline__ float state_factor(const float* Gb, int LG, int t, in
 }
 
 template <int KIND, bool REV, int NW, int TV, int NBUF, bool SPLIT = false>
-__global__ void __launch_bounds__(NW * 32) state_mma_kernel(const bf16* __restrict__ X, const bf16* __restrict__ Y,
+__global__ void __launch_bounds__(NW * 32, 1) state_mma_kernel(const bf16* __restrict__ X, const bf16* __restrict__ Y,
                                                             const float* __restrict__ G, const float* __restrict__ S0,
                                                             bf16* __restrict__ Hsave, float* __restrict__ Sfinal,
                                                             int Tn, int H, int DK, int DV, float scale, int NS, int L,

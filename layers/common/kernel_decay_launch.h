@@ -49,6 +49,11 @@ inline int segments_of(const Dims& d) { return d.segments > 0 ? d.segments : for
 // rule (the next call, one walk → these pieces, 131072 tokens): linear attention 6.326 / 6.357 → 6.149 /
 // 6.150, simple GLA 6.967 / 6.957 → 6.354 / 6.298, GLA 15.896 / 15.966 → 14.842 / 14.930; at 65536
 // 3.194 / 3.258 → 3.248 / 3.229, 3.512 / 3.596 → 3.365 / 3.360, 8.008 / 8.015 → 7.842 / 7.826.
+// Measured and not taken (a later call): linear attention's reverse walk in pieces too (131072: 6.119
+// / 6.151 → 6.053 / 6.090; 65536: 3.167 / 3.216 → 3.287 / 3.241), and the forward's walk blocks asking
+// only for their own shared memory, so output blocks share their SMs (131072: linear attention 6.119
+// / 6.151 → 6.395 / 6.423, simple GLA 6.283 / 6.286 → 6.523 / 6.434, GLA 14.726 / 14.790 → 14.592 /
+// 14.632).
 // Depends on B, H, dk, dv, the family and the GPU, and on T only through the number of pieces, which
 // moves no bit (the pieces give the one walk's bits). CARRY_DECAY_AUTO_PIECES=0: one walk unless forced
 // (A/B; read once).
