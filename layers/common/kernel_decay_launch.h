@@ -21,6 +21,7 @@ bool poison_enabled();
 int forced_segments();  // decay_set_segments' value
 int forced_pieces();    // decay_set_pieces' value
 
+using carry_tiles::join;
 using carry_tiles::switch_on;
 
 // at::empty, filled with NaN when the debug poison is on.
@@ -65,14 +66,6 @@ inline int pieces_for(const Dims& d, bool bf16, int segments_used, int kind, boo
   if (!automatic || d.N < 1024 || (reverse && kind == kNone)) return 1;
   if (2 * piece_walk_blocks(d.B, d.H, d.DK, d.DV) > sm_count()) return 1;
   return 12;
-}
-
-// `after` waits for what has been enqueued on `before` so far (nothing when they are one stream).
-inline void join(const at::cuda::CUDAStream& before, const at::cuda::CUDAStream& after) {
-  if (before == after) return;
-  at::cuda::CUDAEvent e;
-  e.record(before);
-  e.block(after);
 }
 
 // The walk in `pieces` consecutive ranges of chunks (the last range first when `reverse`), each a launch

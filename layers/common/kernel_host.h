@@ -2,6 +2,8 @@
 #pragma once
 
 #include <ATen/ATen.h>
+#include <ATen/cuda/CUDAContext.h>
+#include <ATen/cuda/CUDAEvent.h>
 
 #include <cstdint>
 #include <cstdlib>
@@ -39,6 +41,14 @@ inline at::Tensor alloc_poisoned(at::IntArrayRef sizes, const at::TensorOptions&
 inline at::Tensor dense16(const at::Tensor& t) {
   auto c = t.contiguous();
   return reinterpret_cast<uintptr_t>(c.data_ptr()) % 16 ? c.clone() : c;
+}
+
+// `after` waits for what has been enqueued on `before` so far (nothing when they are one stream).
+inline void join(const at::cuda::CUDAStream& before, const at::cuda::CUDAStream& after) {
+  if (before == after) return;
+  at::cuda::CUDAEvent e;
+  e.record(before);
+  e.block(after);
 }
 
 }  // namespace carry_tiles

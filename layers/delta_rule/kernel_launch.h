@@ -81,13 +81,7 @@ inline at::cuda::CUDAStream walk_stream(const at::cuda::CUDAStream& caller) {
   static const bool high = carry_tiles::switch_on("CARRY_GDN_WALK_PRIORITY");
   return high ? at::cuda::getStreamFromPool(true, caller.device_index()) : caller;
 }
-// `after` waits for what has been enqueued on `before` so far (nothing when they are one stream).
-inline void join(const at::cuda::CUDAStream& before, const at::cuda::CUDAStream& after) {
-  if (before == after) return;
-  at::cuda::CUDAEvent e;
-  e.record(before);
-  e.block(after);
-}
+using carry_tiles::join;
 
 // A debug timeline of a pieces schedule (CARRY_GDN_TIMELINE=1; read once): events recorded around
 // each launch, on its stream after its waits, and printed to stderr as "[timeline] <schedule> <kernel>
