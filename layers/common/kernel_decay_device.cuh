@@ -160,8 +160,8 @@ __device__ __forceinline__ void cp_async4(void* smem, const void* gmem) {
 // the L2 traffic set the pace (ncu, H=16, dk=dv=128: L2 77% busy). SPLIT (with four warps) adds the
 // chunk's product into two fresh accumulator sets (even and odd k-steps) and then S ← e^{Γ} ⊙ S +
 // U₀ + U₁, so S's dependency chain a chunk is one FMA. Grid and segments as state_kernel.
-// __launch_bounds__(NW·32, 1): one block an SM lets ptxas take the registers it wants (the forward's
-// split walk 80 → 118 at dk = 128, TV = 32; linear attention's reverse walk at TV = 64 spilled at 96),
+// __launch_bounds__(NW·32, 1): one block an SM lets ptxas take the registers it wants (linear
+// attention's reverse split walk 76 → 118 at dk = 128, TV = 32; at TV = 64 96 with a spill → 180),
 // the same operations and bits (`carry bench kernels --checksum`: the same hashes). Measured on an
 // H200, forward+backward ms, without → with: H=16, dk=dv=128, 16384 tokens simple GLA 0.996 → 0.915,
 // GLA 2.142 → 2.029, linear attention 0.953 → 0.892; 131072 GLA 14.927 / 15.012 → 14.726 / 14.790
