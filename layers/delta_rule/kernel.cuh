@@ -32,9 +32,10 @@ std::vector<at::Tensor> gdn_bwd(const at::Tensor& q, const at::Tensor& k, const 
                                 int64_t chunk_size = 64,
                                 const std::function<void(const at::Tensor&)>& on_initial_state_grad = {});
 
-// Tests: the pieces the bf16 state walks are cut into (0: automatic, 1: one walk). Pieces give the
+// Tests: the pieces the bf16 state walks are cut into (0: automatic, 1: one walk), uniform or, with
+// ramp, the end pieces shorter (carry_tiles::piece_cuts; the automatic pieces ramp). Pieces give the
 // bits of one walk; they let the chunk-local kernels of finished pieces run beside the walk.
-void gdn_set_pieces(int n);
+void gdn_set_pieces(int n, bool ramp = false);
 
 // Tests and A/B timings: which bf16 state walks run at dk = 128. -1 (default): the environment's
 // choice (CARRY_GDN_WALK, CARRY_GDN_WALK_STORE), else 0; 0: the warpgroup walks (wgmma, TMA loads, bulk

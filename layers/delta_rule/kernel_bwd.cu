@@ -1230,8 +1230,9 @@ void dv_local_reg(const BwdArgs& a, cudaStream_t st, int c0, int c1) {
 // caller's stream then waits for the last one. Otherwise one walk, then the chunk-gradient kernel
 // over every chunk. (The timeline of a run: CARRY_GDN_TIMELINE=1, kernel_launch.h.)
 // own_dv: the intra-chunk dV is not computed yet, bwd_pieces runs it too: piece by piece on a stream
-// of its own in the walk's order when the walk is in pieces (the first piece's alone, the others beside
-// the walk, whose first piece would otherwise leave the SMs it does not use idle), else before the walk.
+// of its own in the walk's order when the walk is in pieces with wide state tiles or ramped pieces
+// (the first piece's alone, the others beside the walk, whose first piece would otherwise leave the
+// SMs it does not use idle; with narrow tiles two pieces ahead of the walk), else before the walk.
 // WG: the walk is wg::bwd_walk_wg (kernel_wg.cuh; dk = 128, 32 columns, one warpgroup) instead of
 // bwd_state_mma_kernel<BV, NW>.
 template <int DK, int DV, int BV = 16, int NW = 4, bool WG = false>
@@ -1287,6 +1288,13 @@ bool bwd_pieces(BwdArgs& a, bool own_dv = false) {
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   };
   const Pieces pc = plan_pieces(d, (DV / (BV * nwg)) * d.H * d.B);
+  // Narrow state tiles (H=4, dv=256) take the intra-chunk dV beside the walk only where the pieces ramp
+  // (from 1216 chunks): at 32768 tokens beside it Gated DeltaNet ran 1.987 / 1.921 ms against 1.868 /
+  // 1.829 before the walk (session 11's call 5), where the walk's pieces are too short to hide it.
+  if (own_dv && !wide_state_tiles(d) && !pc.ramped) {
+    dv_local_reg<DK, DV>(a, stream, 0, d.N);
+    own_dv = false;
+  }
   if (pc.n == 1) {
     if (own_dv) dv_local_reg<DK, DV>(a, stream, 0, d.N);
     walk(0, d.N, a.dSfin, a.dS0.data_ptr<float>());
@@ -1297,29 +1305,46 @@ bool bwd_pieces(BwdArgs& a, bool own_dv = false) {
   at::Tensor tmp = at::empty({2, d.B, d.H, d.DK, d.DV}, a.dS0.options());
   auto side = at::cuda::getStreamFromPool(false, a.q.device().index());
   Timeline tl("bwd", stream);
-  std::vector<at::cuda::CUDAEvent> dv_done(own_dv ? pc.n : 0);
+  std::vector<at::cuda::CUDAEvent> dv_done(own_dv ? pc.n : 0), reached(pc.n);
   at::cuda::CUDAStream dvs = stream;  // the intra-chunk dV's stream (own_dv)
+  auto dv_piece = [&](int p) {
+    tl.span("dv", p, dvs, [&] { dv_local_reg<DK, DV>(a, dvs, pc.c0(p, true), pc.c1(p, true)); });
+    dv_done[p].record(dvs);
+  };
+  // Narrow tiles: the dV of piece p + 2 waits until the walk's stream has reached piece p (reached[p]:
+  // its dV done, the piece before walked), so the dV blocks do not take the SMs before the walk's (one
+  // piece ahead the next walk could wait for its dV). Wide tiles: every piece's dV queued at once (it
+  // then held the first piece's walk back 90 µs at H=16, 16384 tokens, but throttled two ahead the
+  // layer ran no faster: 9.179 / 9.214 → 9.300 / 9.264 ms at 131072 tokens, with the ramp; call 5).
+  // CARRY_GDN_DV_AHEAD=n: n pieces ahead on every shape (A/B; read once; 64: all at once).
+  static const int dv_ahead = static_cast<int>(env_int(
+      "CARRY_GDN_DV_AHEAD", 0, 64, "the pieces from 1 to 64 the intra-chunk dV runs ahead of the reverse walk"));
+  const int kDvAhead = dv_ahead > 0 ? dv_ahead : wide_state_tiles(d) ? pc.n : 2;
   if (own_dv) {
     // the walk on a high-priority stream: it then takes the SMs ahead of the pieces' dV blocks
     wst = walk_stream(stream);
     dvs = at::cuda::getStreamFromPool(false, a.q.device().index());
     join(stream, wst);
     join(stream, dvs);  // the caller's stream has produced the inputs
-    for (int p = 0, c1 = d.N; c1 > 0; ++p, c1 -= pc.len) {
-      tl.span("dv", p, dvs, [&] { dv_local_reg<DK, DV>(a, dvs, std::max(0, c1 - pc.len), c1); });
-      dv_done[p].record(dvs);
-    }
+    for (int p = 0; p < std::min(kDvAhead, pc.n); ++p) dv_piece(p);
   }
   const float* from = a.dSfin;
-  for (int p = 0, c1 = d.N; c1 > 0; ++p, c1 -= pc.len) {
-    const int c0 = std::max(0, c1 - pc.len);
+  for (int p = 0; p < pc.n; ++p) {
+    const int c0 = pc.c0(p, true), c1 = pc.c1(p, true);
     float* to = c0 == 0 ? a.dS0.data_ptr<float>() : tmp[p % 2].data_ptr<float>();
-    if (own_dv) dv_done[p].block(wst);
+    if (own_dv) {
+      dv_done[p].block(wst);
+      reached[p].record(wst);
+    }
     tl.span("walk", p, wst, [&] { walk(c0, c1, from, to); });
     from = to;
     if (c0 == 0) {  // the reverse walk's last piece: the caller's stream gets dS0
       join(wst, stream);
       if (a.on_s0_grad) a.on_s0_grad(a.dS0);
+    }
+    if (own_dv && p + kDvAhead < pc.n) {
+      reached[p].block(dvs);
+      dv_piece(p + kDvAhead);
     }
     join(wst, side);
     tl.span("chunks", p, side, [&] { chunks(side, c0, c1); });
@@ -1338,16 +1363,17 @@ bool bwd_impl(BwdArgs& a) {
   auto P = [](const at::Tensor& t) { return reinterpret_cast<T*>(t.data_ptr()); };
   const int cfg = sizeof(T) == 2 ? state_cfg() : 0;
   if constexpr (std::is_same<T, bf16>::value) {
-    // 32-column tiles (wide_state_tiles, kernel_launch.h): the intra-chunk dV in pieces beside the walk
-    // (bwd_pieces' own_dv; CARRY_GDN_DV_PIECES=0: before it, for A/B). Measured on an H200, forward+
-    // backward ms at H=16, dk=dv=128: see README, "Kernel forms". At H=4, dv=256 (16-column tiles)
-    // pieces on every shape gave 7.74-8.63 ms at 131072 tokens, in a build that also held a reverse-walk
-    // change reverted after, against 7.40-7.47 without either (not one build), so those run it before
-    // the walk.
+    // The intra-chunk dV in pieces beside the walk (bwd_pieces' own_dv; CARRY_GDN_DV_PIECES=0: before
+    // it, for A/B): the warpgroup walks with wide state tiles (wide_state_tiles, kernel_launch.h) or
+    // ramped pieces (bwd_pieces decides: at H=4, dv=256 the dV kernel, 0.11 ms at 32768 tokens, ran
+    // ahead of the whole walk); the mma.sync walks in 32-column tiles (wide_state_tiles). Measured
+    // on an H200: see README, "Kernel forms". At H=4,
+    // dv=256 with the mma.sync walks (16-column tiles) pieces gave 7.74-8.63 ms at 131072 tokens, in
+    // a build that also held a reverse-walk change reverted after, against 7.40-7.47 without either.
     static const bool dv_pieces = switch_on("CARRY_GDN_DV_PIECES");
     if constexpr (DK == wg::kDK) {
       if (cfg == 0 && warpgroup_walk()) {
-        if (wide_state_tiles(a.d) && dv_pieces) return bwd_pieces<DK, DV, wg::kBV, 4, true>(a, true);
+        if (dv_pieces) return bwd_pieces<DK, DV, wg::kBV, 4, true>(a, true);
         dv_local_reg<DK, DV>(a, stream, 0, d.N);
         return bwd_pieces<DK, DV, wg::kBV, 4, true>(a);
       }

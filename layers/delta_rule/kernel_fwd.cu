@@ -123,6 +123,7 @@ void gdn_set_walk(int kind) {
 }
 namespace {
 std::atomic<int> g_pieces{0};
+std::atomic<bool> g_ramp_forced{false};
 }
 // gdn_set_pieces' value, else CARRY_GDN_PIECES (A/B timings; read once), else 0 (automatic).
 int forced_pieces() {
@@ -131,7 +132,16 @@ int forced_pieces() {
   const int n = g_pieces.load();
   return n > 0 ? n : env;
 }
-void gdn_set_pieces(int n) { g_pieces.store(n < 0 ? 0 : n); }
+// Whether the pieces ramp (carry_tiles::piece_cuts): gdn_set_pieces' ramp for forced pieces; for the
+// automatic ones on unless CARRY_GDN_PIECE_RAMP=0 (uniform pieces, for A/B timings; read once).
+bool ramp_pieces() {
+  static const bool env = switch_on("CARRY_GDN_PIECE_RAMP");
+  return forced_pieces() > 0 ? g_ramp_forced.load() : env;
+}
+void gdn_set_pieces(int n, bool ramp) {
+  g_pieces.store(n < 0 ? 0 : n);
+  g_ramp_forced.store(ramp);
+}
 
 namespace {
 
@@ -1000,13 +1010,13 @@ void fwd_pieces(const Dims& d, const bf16* kp, const bf16* vp, const float* g, c
   join(stream, side);  // the caller's stream has produced the inputs
   join(stream, wst);
   std::vector<at::cuda::CUDAEvent> prepared(pc.n);
-  tl.span("prep", 0, side, [&] { prep(side, 0, std::min(d.N, pc.len)); });
+  tl.span("prep", 0, side, [&] { prep(side, pc.c0(0, false), pc.c1(0, false)); });
   prepared[0].record(side);
   const float* from = S0;
-  for (int p = 0, c0 = 0; c0 < d.N; ++p, c0 += pc.len) {
-    const int c1 = std::min(d.N, c0 + pc.len);
-    if (c1 < d.N) {
-      tl.span("prep", p + 1, side, [&] { prep(side, c1, std::min(d.N, c1 + pc.len)); });
+  for (int p = 0; p < pc.n; ++p) {
+    const int c0 = pc.c0(p, false), c1 = pc.c1(p, false);
+    if (p + 1 < pc.n) {
+      tl.span("prep", p + 1, side, [&] { prep(side, pc.c0(p + 1, false), pc.c1(p + 1, false)); });
       prepared[p + 1].record(side);
     }
     float* to = c1 == d.N ? Sfin.data_ptr<float>() : tmp[p % 2].data_ptr<float>();

@@ -2,6 +2,7 @@
 #pragma once
 
 #include "layers/common/kernel_host.h"
+#include "layers/common/piece_cuts.h"
 
 #include <ATen/ATen.h>
 #include <ATen/cuda/CUDAContext.h>
@@ -19,6 +20,7 @@ namespace carry_gdn {
 bool poison_enabled();
 int state_cfg();
 int forced_pieces();  // gdn_set_pieces' value
+bool ramp_pieces();  // whether the pieces ramp (gdn_set_pieces' flag, or CARRY_GDN_PIECE_RAMP)
 bool warpgroup_walk();  // the bf16 walks at dk = 128 on the warpgroup kernels (kernel_wg.cuh)
 bool walk_bulk_stores();  // and those store H_c and V_new by bulk tensor stores
 
@@ -33,13 +35,25 @@ struct Dims {
 };
 
 // How a bf16 state walk (forward from chunk 0, reverse from the sequence's end) cuts the chunks: n
-// pieces of len chunks (the last piece walked may be shorter). The forced (test) value, else
-// automatic: pieces of about N/12 chunks (at least 32) when the walk's tiles (value_blocks blocks)
-// fill at most half the SMs, one walk otherwise. idle: whether the walk leaves at least half the SMs
-// to the other kernels (else they would share its SMs).
+// pieces at the boundaries cut (carry_tiles::piece_cuts; n + 1 of them, 0 to N). The forced (test)
+// value, else automatic: about N/12 chunks a piece (at least 32) when the walk's tiles (value_blocks
+// blocks) fill at most half the SMs, one walk otherwise. The automatic pieces ramp where the state
+// tiles are narrow (not wide_state_tiles: H=4, dv=256) and the end pieces keep 32 chunks (from 1216
+// chunks, 77824 tokens, in 12 pieces): the two at each end a quarter and a half of the others, so what
+// waits before the first walk and after the last is a quarter of a piece's chunk-local work
+// (CARRY_GDN_PIECE_RAMP=0: uniform, for A/B); the forced ones are uniform unless gdn_set_pieces asks
+// for the ramp (ramp_pieces). Measured on an H200 (session 11's call 5, with the reverse walk's dV
+// beside it, bwd_pieces): H=4, dv=256, 131072 tokens, DeltaNet 6.432 / 6.298 → 5.973 / 5.943 ms
+// forward+backward, Gated DeltaNet 6.483 / 6.269 → 5.951 / 5.940; at H=16, dk=dv=128 (wide tiles) level
+// (9.179 / 9.214 → 9.300 / 9.264), hence narrow tiles only. idle: whether the walk leaves at least half
+// the SMs to the other kernels (else they would share its SMs); ramped: whether the pieces ramp.
 struct Pieces {
-  int n, len;
-  bool idle;
+  int n;
+  std::vector<int> cut;
+  bool idle, ramped;
+  // Chunks [c0, c1) of piece p in walk order: from chunk 0 forward, from chunk N − 1 in reverse.
+  int c0(int p, bool reverse) const { return reverse ? cut[n - 1 - p] : cut[p]; }
+  int c1(int p, bool reverse) const { return reverse ? cut[n - p] : cut[p + 1]; }
 };
 // The current device's SM count.
 inline int sm_count() {
@@ -48,16 +62,6 @@ inline int sm_count() {
   C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
   return sms;
 }
-
-inline Pieces plan_pieces(const Dims& d, int value_blocks) {
-  const bool idle = 2 * value_blocks <= sm_count();
-  int n = forced_pieces();
-  if (n <= 0) n = idle ? std::max(1, std::min(12, d.N / 32)) : 1;
-  n = std::max(1, std::min(n, d.N));
-  const int len = (d.N + n - 1) / n;
-  return {(d.N + len - 1) / len, len, idle};
-}
-
 // The bf16 state walks' column tiles: 16 columns (4 warps) where those tiles leave at least half the
 // SMs idle (the walk then runs in pieces with the chunk-local kernels beside it), else 32 columns (8
 // warps): half the blocks, each reading a chunk's W and K (and Q) once for twice the columns. Measured
@@ -65,10 +69,23 @@ inline Pieces plan_pieces(const Dims& d, int value_blocks) {
 // 2.068 at 16k and 15.265 / 15.138 → 13.858 at 131k; at H=4, dv=256 (64 tiles of 16) 32 columns
 // ran slower (2.125 → 2.755 ms at 32k). Depends on B, H, dv and the GPU only, never on T: every cut
 // of a sequence runs the same tiles.
+// (The warpgroup walks, 32 columns, use it to tell the many-head shapes from the few-head ones.)
+inline bool wide_state_tiles(const Dims& d) { return 2 * (d.DV / 16) * d.H * d.B > sm_count(); }
+
+inline Pieces plan_pieces(const Dims& d, int value_blocks) {
+  const bool idle = 2 * value_blocks <= sm_count();
+  const int forced = forced_pieces();
+  const int n = forced > 0 ? forced : idle ? std::max(1, std::min(12, d.N / 32)) : 1;
+  const bool ramp = ramp_pieces() && (forced > 0 || !wide_state_tiles(d));
+  std::vector<int> cut = carry_tiles::piece_cuts(d.N, n, ramp, forced > 0 ? 1 : 32);
+  const int pieces = (int)cut.size() - 1;
+  const bool ramped = ramp && pieces >= 5 && cut[1] - cut[0] < cut[3] - cut[2];
+  return {pieces, std::move(cut), idle, ramped};
+}
+
 // Warpgroups (32-column tiles) a warpgroup walk block, forward or reverse: 1 or 2 (kernel_fwd.cu).
 int walk_warpgroups(const Dims& d, bool reverse);
 
-inline bool wide_state_tiles(const Dims& d) { return 2 * (d.DV / 16) * d.H * d.B > sm_count(); }
 
 // The stream a bf16 state walk in pieces runs on (the forward's; the reverse walk's where the
 // intra-chunk dV runs in pieces beside it): a high-priority one, so that the SMs a piece's blocks free

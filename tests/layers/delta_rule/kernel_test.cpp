@@ -13,6 +13,7 @@
 
 #include <gtest/gtest.h>
 #include <utility>
+#include <vector>
 #include <torch/csrc/autograd/autograd.h>
 
 namespace carry::testing {
@@ -106,8 +107,9 @@ TEST(DeltaRuleKernel, MatchesChunkwise) {
 
 // The bf16 state walks cut into pieces (the chunk-local kernels of finished pieces on a second
 // stream) give the bits of one walk: outputs, final state and every gradient, with a nonzero initial
-// state and final-state gradient; 7 chunks in pieces of 3 (three pieces, the last shorter) and of 1;
-// 16- and (H=16) 32-column tiles; the warpgroup and the mma.sync walks.
+// state and final-state gradient; 7 chunks in pieces of 3 (three pieces, the last shorter) and of 1,
+// 40 chunks in five ramped pieces (4, 8, 16, 8, 4 chunks: carry_tiles::piece_cuts, as the automatic
+// pieces are cut); 16- and (H=16) 32-column tiles; the warpgroup and the mma.sync walks.
 TEST(DeltaRuleKernel, PiecesGiveTheBitsOfOneWalk) {
   if (cuda_device_count() == 0) GTEST_SKIP() << "no CUDA device: GPU tests skipped";
 #ifndef CARRY_WITH_CUDA
@@ -117,20 +119,23 @@ TEST(DeltaRuleKernel, PiecesGiveTheBitsOfOneWalk) {
   for (const auto& [walk, gated] : kWalksAndGates) {
     carry_gdn::gdn_set_walk(walk);
     const Mixer& m = get_mixer(gated ? "gated_deltanet" : "deltanet");
-    for (const Case& c : {Case{1, 448, 2, 128, 256}, Case{2, 448, 1, 64, 128}, Case{1, 448, 16, 128, 128}}) {
+    for (const Case& c : {Case{1, 448, 2, 128, 256}, Case{2, 448, 1, 64, 128}, Case{1, 448, 16, 128, 128},
+                          Case{1, 2560, 2, 128, 256}}) {
       if (walk != 0 && c.dk != 128) continue;
       auto in = gdn_inputs(c, gated, 91 + c.dv);
       const MixerInputs low = inputs_as(in, at::kBFloat16);
       auto s0 = at::randn({c.B, c.H, c.dk, c.dv}, at::kFloat).to(at::kCUDA) * 0.5;
       carry_gdn::gdn_set_pieces(1);
       auto whole = run(m, Form::kernel, low, s0);
-      for (int pieces : {3, 7}) {
-        carry_gdn::gdn_set_pieces(pieces);
+      const bool ramped = c.T == 2560;
+      for (int pieces : ramped ? std::vector<int>{5} : std::vector<int>{3, 7}) {
+        carry_gdn::gdn_set_pieces(pieces, ramped);
         auto cut = run(m, Form::kernel, low, s0);
         ASSERT_EQ(whole.size(), cut.size());
         for (size_t i = 0; i < whole.size(); ++i)
           EXPECT_TRUE(at::equal(whole[i], cut[i]))
-              << m.name() << " walk " << walk << " dk=" << c.dk << " dv=" << c.dv << " pieces " << pieces << ": output " << i
+              << m.name() << " walk " << walk << " dk=" << c.dk << " dv=" << c.dv << " pieces " << pieces
+              << (ramped ? " ramped" : "") << ": output " << i
               << " differs, max |diff| " << (whole[i] - cut[i]).abs().max().item<double>();
       }
     }
