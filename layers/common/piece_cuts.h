@@ -23,8 +23,8 @@ namespace carry_tiles {
 // and 1/2 of the others, the N − ends chunks spread evenly over the middle n − 4 (the first ones a
 // chunk longer when it does not divide). Symmetric, so a reverse walk's first pieces are as short as a
 // forward's. A chunk-local kernel of a few chunks takes about as long as one of a few dozen (its blocks
-// fill no wave: at H=4, dv=256 the WY preparation of 13 chunks took 20 µs, of 54 chunks 27), so short
-// end pieces save nothing below min_end and their walks wait for the host's launches.
+// fill no wave: at H=4, dv=256 the WY preparation of 13 chunks took 20 µs, of 54 chunks 27), so end
+// pieces shorter than min_end save nothing.
 inline std::vector<int> piece_cuts(int N, int n, bool ramp, int min_end = 1) {
   if (N < 1 || n < 1)
     throw std::invalid_argument("piece_cuts: expected N >= 1 chunks and n >= 1 pieces, got N = " + std::to_string(N) +

@@ -1367,9 +1367,9 @@ bool bwd_impl(BwdArgs& a) {
     // it, for A/B): the warpgroup walks with wide state tiles (wide_state_tiles, kernel_launch.h) or
     // ramped pieces (bwd_pieces decides: at H=4, dv=256 the dV kernel, 0.11 ms at 32768 tokens, ran
     // ahead of the whole walk); the mma.sync walks in 32-column tiles (wide_state_tiles). Measured
-    // on an H200: see README, "Kernel forms". At H=4,
-    // dv=256 with the mma.sync walks (16-column tiles) pieces gave 7.74-8.63 ms at 131072 tokens, in
-    // a build that also held a reverse-walk change reverted after, against 7.40-7.47 without either.
+    // on an H200: see README, "Kernel forms". At H=4, dv=256 with the mma.sync walks (16-column tiles)
+    // pieces gave 7.74-8.63 ms at 131072 tokens, in a build that also held a reverse-walk change
+    // reverted after, against 7.40-7.47 without either.
     static const bool dv_pieces = switch_on("CARRY_GDN_DV_PIECES");
     if constexpr (DK == wg::kDK) {
       if (cfg == 0 && warpgroup_walk()) {

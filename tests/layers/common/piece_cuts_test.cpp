@@ -30,7 +30,8 @@ TEST(PieceCuts, UniformPiecesAsBefore) {
 }
 
 TEST(PieceCuts, RampShortensBothEnds) {
-  // 32768 tokens (512 chunks) in 12 pieces: 13, 27, eight of 54, 27, 13
+  // 512 chunks in 12 pieces: 13, 27, eight of 54, 27, 13 (the kernels' automatic pieces ask for end
+  // pieces of 32 chunks, so they ramp from 1216 chunks: below)
   const auto c = carry_tiles::piece_cuts(512, 12, true);
   std::vector<int> len;
   for (size_t i = 1; i < c.size(); ++i) len.push_back(c[i] - c[i - 1]);
