@@ -9,6 +9,7 @@
 #include "layers/precision.h"
 #ifdef CARRY_WITH_CUDA
 #include "layers/common/kernel_decay_op.h"
+#include "layers/linear_attn/kernel_fused.h"
 #endif
 
 namespace carry {
@@ -99,8 +100,11 @@ class LinearAttention final : public Mixer {
     // Normalized, the gradient of q is a difference of two near-equal terms: bf16 rounding of the
     // numerator or of o's gradient would show in it, so the kernels then read fp32 copies and o is fp32.
     const auto kdt = opt.normalize ? at::kFloat : in.q.scalar_type();
-    auto [num, S] = decay_kernel_forward(DecayKernel::none, in.q.to(kdt), in.k.to(kdt), in.v.to(kdt), Tensor(), S0,
-                                         scale, opt.serial_states);
+    // Without per-chunk states where the fused kernels take the inputs (kernel_fused.h; off by default).
+    auto [num, S] = linear_attn_fused_supports(in, opt)
+                        ? linear_attn_fused_forward(in.q, in.k, in.v, S0, scale)
+                        : decay_kernel_forward(DecayKernel::none, in.q.to(kdt), in.k.to(kdt), in.v.to(kdt), Tensor(),
+                                               S0, scale, opt.serial_states);
     const auto f32 = in.k.options().dtype(at::kFloat);
     Tensor z0 = init.size() > 1 && init[1].defined() ? init[1].to(at::kFloat)
                                                      : at::zeros({in.q.size(0), in.q.size(2), in.q.size(3)}, f32);

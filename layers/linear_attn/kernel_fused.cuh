@@ -1,0 +1,569 @@
+// Linear attention's kernels without per-chunk states (no decay, no normalizer; bf16 q, k, v with
+// dk = dv = 128; fp32 states): o_t = scale · q_t · S_t, S_t = S_{t−1} + k_t v_tᵀ. The chunks (64 tokens)
+// are cut into NS segments; a segment's summary (Σ KᵀV forward, Σ QᵀdO backward) comes from a pass over
+// its chunks, a scan over the segments gives each segment its incoming state, and one block a segment
+// then walks its chunks with the state in registers, computing the chunk's outputs or gradients: the
+// state never goes to memory (the decay class's kernels write it once a chunk and read it back in the
+// output and gradient kernels: 1.07 GB each way at H=16, dk = dv = 128, 131072 tokens). The fp32 sums
+// run in another association than one walk's, so the bits depend on NS: the fast path, not the ordered
+// scan's (MixerOptions::serial_states keeps the decay class's kernels).
+//   forward:  seg_sum (KᵀV), seg_scan (incoming states, final state), fused (o; 64-column dv tiles)
+//   backward: seg_sum_full (QᵀdO), seg_scan_rev (outgoing gradient states, dS0), bwd_dq, bwd_dkdv
+// Inputs [B, T, H, 128] contiguous (row b·T + t). Developed as a standalone program and checked, before
+// any GPU ran it, by running these kernels on the CPU with ldmatrix and mma.sync emulated per warp
+// (session 11): o, dq, dk, dv within 3.7e-3 of the token recurrence in double, the final state and dS0
+// within 4.2e-7, NS = 1, 2, 4.
+// CARRY_LA_EMU: the includer provides threadIdx, blockIdx, blockDim, SMEM_DECL, __syncthreads and the
+// warp primitives below (the emulation); otherwise they are the GPU's.
+#pragma once
+
+#include <cuda_bf16.h>
+
+namespace carry_la {
+
+using bf16 = __nv_bfloat16;
+constexpr int C = 64, DK = 128, BV = 64;
+
+#ifndef CARRY_LA_EMU
+#define SMEM_DECL extern __shared__ __align__(128) unsigned char smem[]
+__device__ __forceinline__ unsigned saddr(const void* p) { return static_cast<unsigned>(__cvta_generic_to_shared(p)); }
+__device__ __forceinline__ void ldsm4(unsigned (&r)[4], const void* p) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(saddr(p)));
+}
+__device__ __forceinline__ void ldsm4t(unsigned (&r)[4], const void* p) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(saddr(p)));
+}
+// d (16×8 fp32) += a (16×16 bf16) · b (16×8 bf16)
+__device__ __forceinline__ void mma(float (&d)[4], const unsigned (&a)[4], unsigned b0, unsigned b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+      "{%0,%1,%2,%3};\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+__device__ __forceinline__ void cp16(void* dst, const void* src) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(saddr(dst)), "l"(src) : "memory");
+}
+__device__ __forceinline__ void cp_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void cp_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory"); }
+
+#endif
+
+__device__ __forceinline__ unsigned pk(float x, float y) {
+  __nv_bfloat162 v = __floats2bfloat162_rn(x, y);
+  return *reinterpret_cast<unsigned*>(&v);
+}
+// [rows][128] bf16, 16-byte chunks XOR-swizzled by the row's low 3 bits (ldmatrix's 8 rows hit 8 banks groups)
+__device__ __forceinline__ int off128(int r, int c) { return r * 256 + ((((c >> 3) ^ (r & 7)) & 15) << 4) + (c & 7) * 2; }
+// [rows][64] bf16, the same swizzle
+__device__ __forceinline__ int off64(int r, int c) { return r * 128 + ((((c >> 3) ^ (r & 7)) & 7) << 4) + (c & 7) * 2; }
+
+// One chunk's tiles into shared memory (128 threads): Q and K [64 t][128 d] (Q optional), V [64 t][64 n] at
+// column v0. Token-major inputs [B·T][H][D] (t0: the row in B·T).
+__device__ __forceinline__ void load_chunk(unsigned char* sQ, unsigned char* sK, unsigned char* sV, const bf16* q,
+                                           const bf16* k, const bf16* v, int t0, int h, int H, int DV, int v0) {
+  const int tid = threadIdx.x;
+#pragma unroll
+  for (int i = 0; i < 8; ++i) {  // 64 rows × 16 chunks of 16 bytes
+    const int u = tid + i * 128, r = u >> 4, c = (u & 15) * 8;
+    const long g = ((long)(t0 + r) * H + h) * DK + c;
+    cp16(sK + off128(r, c), k + g);
+    if (sQ) cp16(sQ + off128(r, c), q + g);
+  }
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {  // 64 rows × 8 chunks
+    const int u = tid + i * 128, r = u >> 3, c = (u & 7) * 8;
+    cp16(sV + off64(r, c), v + ((long)(t0 + r) * H + h) * DV + v0 + c);
+  }
+}
+
+// s (this warp's 32 dk rows × 64 columns: [m-tile 2][n-tile 8][4]) += Kᵀ·V over the chunk's 64 tokens.
+__device__ __forceinline__ void kt_v(float (&s)[2][8][4], const unsigned char* sK, const unsigned char* sV) {
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, j = lane >> 3, r = lane & 7;
+#pragma unroll
+  for (int ks = 0; ks < 4; ++ks) {  // 16 tokens a step
+    unsigned a[2][4];
+#pragma unroll
+    for (int mi = 0; mi < 2; ++mi)  // A = Kᵀ (m = d, k = t) from K[t][d]: trans
+      ldsm4t(a[mi], sK + off128(16 * ks + r + (j >> 1) * 8, 32 * warp + 16 * mi + (j & 1) * 8));
+#pragma unroll
+    for (int np = 0; np < 4; ++np) {  // B = V (k = t, n) from V[t][n]: trans; two n-tiles a load
+      unsigned b[4];
+      ldsm4t(b, sV + off64(16 * ks + r + (j & 1) * 8, 16 * np + (j >> 1) * 8));
+#pragma unroll
+      for (int mi = 0; mi < 2; ++mi) {
+        mma(s[mi][2 * np], a[mi], b[0], b[1]);
+        mma(s[mi][2 * np + 1], a[mi], b[2], b[3]);
+      }
+    }
+  }
+}
+
+// 1. Σ over the segment's chunks of Kᵀ V, fp32, to Ssum [NS][B·H][DK][DV] (this block's 64 columns).
+__global__ void __launch_bounds__(128) seg_sum(const bf16* __restrict__ k, const bf16* __restrict__ v,
+                                                float* __restrict__ Ssum, int T, int B, int H, int DV, int NS) {
+  SMEM_DECL;
+  // the dv tiles of a segment side by side (q and k shared in L2); bh = b·H + h; tb: the batch row's first token
+  const int seg = blockIdx.y, bh = blockIdx.z, h = bh % H, tb = bh / H * T, v0 = blockIdx.x * BV;
+  const int N = T / C, per = N / NS, c0 = seg * per;
+  // buffer b: K at b·16 KB, V at 32 KB + b·8 KB
+  float s[2][8][4] = {};
+  load_chunk(nullptr, smem, smem + 32768, nullptr, k, v, tb + c0 * C, h, H, DV, v0);
+  cp_commit();
+  for (int i = 0; i < per; ++i) {
+    const int b = i & 1;
+    if (i + 1 < per)
+      load_chunk(nullptr, smem + (b ^ 1) * 16384, smem + 32768 + (b ^ 1) * 8192, nullptr, k, v, tb + (c0 + i + 1) * C, h, H,
+                 DV, v0);
+    cp_commit();
+    cp_wait<1>();
+    __syncthreads();
+    kt_v(s, smem + b * 16384, smem + 32768 + b * 8192);
+    __syncthreads();  // the buffer is reloaded next iteration
+  }
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t4 = lane & 3;
+  float* out = Ssum + ((long)seg * B * H + bh) * DK * DV;
+#pragma unroll
+  for (int mi = 0; mi < 2; ++mi)
+#pragma unroll
+    for (int n = 0; n < 8; ++n)
+#pragma unroll
+      for (int hf = 0; hf < 2; ++hf) {
+        const int d = 32 * warp + 16 * mi + g + 8 * hf, col = v0 + 8 * n + 2 * t4;
+        *reinterpret_cast<float2*>(out + (long)d * DV + col) = make_float2(s[mi][n][2 * hf], s[mi][n][2 * hf + 1]);
+      }
+}
+
+// 2. In place (H: the number of states, B·H): Ssum[s] ← S0 + Σ_{s' < s} Ssum[s'] (the state entering segment s); Sfin ← the total.
+__global__ void seg_scan(float* __restrict__ Ssum, const float* __restrict__ S0, float* __restrict__ Sfin, int H,
+                         int DV, int NS) {
+  const long per = (long)H * DK * DV, i = (long)blockIdx.x * blockDim.x + threadIdx.x;
+  if (i >= per) return;
+  float acc = S0 ? S0[i] : 0.f;
+  for (int s = 0; s < NS; ++s) {
+    const float x = Ssum[s * per + i];
+    Ssum[s * per + i] = acc;
+    acc += x;
+  }
+  Sfin[i] = acc;
+}
+
+// 3. Each segment's chunks from its incoming state: o = scale·Q·S_in + causal(scale·Q·Kᵀ)·V, S += Kᵀ·V.
+// 4 warps: warp w owns the chunk's query rows 16w.. for the output and dk rows 32w.. of the state.
+__global__ void __launch_bounds__(128, 2) fused(const bf16* __restrict__ q, const bf16* __restrict__ k,
+                                                 const bf16* __restrict__ v, const float* __restrict__ Sin,
+                                                 bf16* __restrict__ o, float scale, int T, int B, int H, int DV, int NS) {
+  SMEM_DECL;
+  // the dv tiles of a segment side by side (q and k shared in L2); bh = b·H + h; tb: the batch row's first token
+  const int seg = blockIdx.y, bh = blockIdx.z, h = bh % H, tb = bh / H * T, v0 = blockIdx.x * BV;
+  const int N = T / C, per = N / NS, c0 = seg * per;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t4 = lane & 3, j = lane >> 3, r = lane & 7;
+  // two buffers of Q, K (16 KB each) and V (8 KB), then the state in bf16 [128 d][64 n] (16 KB)
+  auto sQ = [&](int b) { return smem + b * 40960; };
+  auto sK = [&](int b) { return smem + b * 40960 + 16384; };
+  auto sV = [&](int b) { return smem + b * 40960 + 32768; };
+  unsigned char* sS = smem + 81920;
+  float s[2][8][4];
+  const float* in = Sin + ((long)seg * B * H + bh) * DK * DV;
+#pragma unroll
+  for (int mi = 0; mi < 2; ++mi)
+#pragma unroll
+    for (int n = 0; n < 8; ++n)
+#pragma unroll
+      for (int hf = 0; hf < 2; ++hf) {
+        const int d = 32 * warp + 16 * mi + g + 8 * hf, col = v0 + 8 * n + 2 * t4;
+        const float2 x = *reinterpret_cast<const float2*>(in + (long)d * DV + col);
+        s[mi][n][2 * hf] = x.x;
+        s[mi][n][2 * hf + 1] = x.y;
+      }
+  load_chunk(sQ(0), sK(0), sV(0), q, k, v, tb + c0 * C, h, H, DV, v0);
+  cp_commit();
+  for (int i = 0; i < per; ++i) {
+    const int b = i & 1, t0 = tb + (c0 + i) * C;
+    cp_wait<0>();
+    __syncthreads();  // chunk i landed; every warp is done with chunk i − 1 (its buffers and sS)
+    if (i + 1 < per) load_chunk(sQ(b ^ 1), sK(b ^ 1), sV(b ^ 1), q, k, v, t0 + C, h, H, DV, v0);
+    cp_commit();
+    // the incoming state in bf16 for Q·S
+#pragma unroll
+    for (int mi = 0; mi < 2; ++mi)
+#pragma unroll
+      for (int n = 0; n < 8; ++n)
+#pragma unroll
+        for (int hf = 0; hf < 2; ++hf)
+          *reinterpret_cast<unsigned*>(sS + off64(32 * warp + 16 * mi + g + 8 * hf, 8 * n + 2 * t4)) =
+              pk(s[mi][n][2 * hf], s[mi][n][2 * hf + 1]);
+    __syncthreads();
+    // this warp's 16 query rows: Q fragments over dk (8 k-steps)
+    unsigned aq[8][4];
+#pragma unroll
+    for (int ks = 0; ks < 8; ++ks) ldsm4(aq[ks], sQ(b) + off128(16 * warp + r + (j & 1) * 8, 16 * ks + (j >> 1) * 8));
+    // O = Q·S_in (B = S[d][n]: trans)
+    float acc[8][4] = {};
+#pragma unroll
+    for (int ks = 0; ks < 8; ++ks)
+#pragma unroll
+      for (int np = 0; np < 4; ++np) {
+        unsigned bb[4];
+        ldsm4t(bb, sS + off64(16 * ks + r + (j & 1) * 8, 16 * np + (j >> 1) * 8));
+        mma(acc[2 * np], aq[ks], bb[0], bb[1]);
+        mma(acc[2 * np + 1], aq[ks], bb[2], bb[3]);
+      }
+#pragma unroll
+    for (int n = 0; n < 8; ++n)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) acc[n][e] *= scale;
+    // P = Q·Kᵀ over the keys up to this warp's last row (B = Kᵀ: k = d, n = key, from K[key][d], no trans)
+    float p[8][4] = {};
+#pragma unroll
+    for (int ks = 0; ks < 8; ++ks)
+#pragma unroll
+      for (int np = 0; np < 4; ++np) {
+        if (16 * np > 16 * warp + 15) continue;  // keys past the warp's rows: masked anyway
+        unsigned bb[4];
+        ldsm4(bb, sK(b) + off128(16 * np + r + (j >> 1) * 8, 16 * ks + (j & 1) * 8));
+        mma(p[2 * np], aq[ks], bb[0], bb[1]);
+        mma(p[2 * np + 1], aq[ks], bb[2], bb[3]);
+      }
+    // causal mask (key ≤ query) and scale; P·V accumulated into O (A = P from the accumulators)
+#pragma unroll
+    for (int n = 0; n < 8; ++n)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int row = 16 * warp + g + 8 * (e >> 1), key = 8 * n + 2 * t4 + (e & 1);
+        p[n][e] = key <= row ? p[n][e] * scale : 0.f;
+      }
+#pragma unroll
+    for (int kk = 0; kk < 4; ++kk) {  // keys 16kk..16kk+15
+      if (16 * kk > 16 * warp + 15) continue;
+      const unsigned a[4] = {pk(p[2 * kk][0], p[2 * kk][1]), pk(p[2 * kk][2], p[2 * kk][3]),
+                             pk(p[2 * kk + 1][0], p[2 * kk + 1][1]), pk(p[2 * kk + 1][2], p[2 * kk + 1][3])};
+#pragma unroll
+      for (int np = 0; np < 4; ++np) {
+        unsigned bb[4];
+        ldsm4t(bb, sV(b) + off64(16 * kk + r + (j & 1) * 8, 16 * np + (j >> 1) * 8));
+        mma(acc[2 * np], a, bb[0], bb[1]);
+        mma(acc[2 * np + 1], a, bb[2], bb[3]);
+      }
+    }
+    // the output rows (bf16)
+#pragma unroll
+    for (int n = 0; n < 8; ++n)
+#pragma unroll
+      for (int hf = 0; hf < 2; ++hf) {
+        const int t = t0 + 16 * warp + g + 8 * hf, col = v0 + 8 * n + 2 * t4;
+        *reinterpret_cast<unsigned*>(o + ((long)t * H + h) * DV + col) = pk(acc[n][2 * hf], acc[n][2 * hf + 1]);
+      }
+    // S += Kᵀ·V
+    kt_v(s, sK(b), sV(b));
+  }
+}
+
+// ---- backward -------------------------------------------------------------------------------------
+// dq_t = scale·S_t·do_t;  with D_u = dS_fin + scale·Σ_{t≥u} q_t do_tᵀ:  dk_u = D_u·v_u,  dv_u = D_uᵀ·k_u.
+// Per chunk (S_in the state before it, D_out the gradient state after it):
+//   dq = scale·dO·S_inᵀ + scale·(dO Vᵀ ⊙ M)·K,  dk = V·D_outᵀ + scale·(V dOᵀ ⊙ Mᵀ)·Q,
+//   dv = K·D_out + scale·(K Qᵀ ⊙ Mᵀ)·dO          (M: key ≤ query, the diagonal included).
+// dq, dk and dv sum over the whole dv (dk) width, so a block holds a head's whole 128 × 128 state:
+// 8 warps, warp w the state's dk rows 32(w%4).. and dv columns 64(w/4).., and the chunk's rows 16(w%4)..
+// of its outputs over the output's 64-column half (w/4). The reverse pass carries D' = D/scale (its
+// products then need no scaling) and multiplies by scale where D is read.
+
+// [64 t][128] bf16 tiles (one buffer: nt tiles of 16 KB) of a chunk; tensors token-major [B·T][H][128].
+__device__ __forceinline__ void load_tiles(unsigned char* dst, const bf16* const* src, int nt, int t0, int h, int H) {
+  const int tid = threadIdx.x;  // 256 threads
+  for (int x = 0; x < nt; ++x)
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const int u = tid + i * 256, r = u >> 4, c = (u & 15) * 8;
+      cp16(dst + x * 16384 + off128(r, c), src[x] + ((long)(t0 + r) * H + h) * DK + c);
+    }
+}
+// s (warp's 32 rows of A's columns × 64 of B's columns from cb) += Aᵀ·B over 64 tokens, A and B [64 t][128].
+__device__ __forceinline__ void at_b(float (&s)[2][8][4], const unsigned char* sA, const unsigned char* sB, int rb,
+                                     int cb) {
+  const int lane = threadIdx.x & 31, j = lane >> 3, r = lane & 7;
+#pragma unroll
+  for (int ks = 0; ks < 4; ++ks) {
+    unsigned a[2][4];
+#pragma unroll
+    for (int mi = 0; mi < 2; ++mi) ldsm4t(a[mi], sA + off128(16 * ks + r + (j >> 1) * 8, rb + 16 * mi + (j & 1) * 8));
+#pragma unroll
+    for (int np = 0; np < 4; ++np) {
+      unsigned b[4];
+      ldsm4t(b, sB + off128(16 * ks + r + (j & 1) * 8, cb + 16 * np + (j >> 1) * 8));
+#pragma unroll
+      for (int mi = 0; mi < 2; ++mi) {
+        mma(s[mi][2 * np], a[mi], b[0], b[1]);
+        mma(s[mi][2 * np + 1], a[mi], b[2], b[3]);
+      }
+    }
+  }
+}
+// The state (warp's part) in bf16, times f, into sX [128][128].
+__device__ __forceinline__ void state_out(const float (&s)[2][8][4], unsigned char* sX, int rb, int cb, float f) {
+  const int lane = threadIdx.x & 31, g = lane >> 2, t4 = lane & 3;
+#pragma unroll
+  for (int mi = 0; mi < 2; ++mi)
+#pragma unroll
+    for (int n = 0; n < 8; ++n)
+#pragma unroll
+      for (int hf = 0; hf < 2; ++hf)
+        *reinterpret_cast<unsigned*>(sX + off128(rb + 16 * mi + g + 8 * hf, cb + 8 * n + 2 * t4)) =
+            pk(s[mi][n][2 * hf] * f, s[mi][n][2 * hf + 1] * f);
+}
+__device__ __forceinline__ void state_in(float (&s)[2][8][4], const float* p, int rb, int cb, float f) {
+  const int lane = threadIdx.x & 31, g = lane >> 2, t4 = lane & 3;
+#pragma unroll
+  for (int mi = 0; mi < 2; ++mi)
+#pragma unroll
+    for (int n = 0; n < 8; ++n)
+#pragma unroll
+      for (int hf = 0; hf < 2; ++hf) {
+        const float2 x = *reinterpret_cast<const float2*>(p + (long)(rb + 16 * mi + g + 8 * hf) * 128 + cb + 8 * n + 2 * t4);
+        s[mi][n][2 * hf] = x.x * f;
+        s[mi][n][2 * hf + 1] = x.y * f;
+      }
+}
+// A fragments of 16 rows (rows rb..) over 128 columns (8 k-steps) of a [64][128] tile.
+__device__ __forceinline__ void rows_a(unsigned (&a)[8][4], const unsigned char* sX, int rb) {
+  const int lane = threadIdx.x & 31, j = lane >> 3, r = lane & 7;
+#pragma unroll
+  for (int ks = 0; ks < 8; ++ks) ldsm4(a[ks], sX + off128(rb + r + (j & 1) * 8, 16 * ks + (j >> 1) * 8));
+}
+// acc (16 × 64 from column cb) += a (16 × 128) · Xᵀ where X is [n][128] (n = cb.. rows of sX): B non-trans.
+__device__ __forceinline__ void times_rows_t(float (&acc)[8][4], const unsigned (&a)[8][4], const unsigned char* sX,
+                                             int cb) {
+  const int lane = threadIdx.x & 31, j = lane >> 3, r = lane & 7;
+#pragma unroll
+  for (int ks = 0; ks < 8; ++ks)
+#pragma unroll
+    for (int np = 0; np < 4; ++np) {
+      unsigned bb[4];
+      ldsm4(bb, sX + off128(cb + 16 * np + r + (j >> 1) * 8, 16 * ks + (j & 1) * 8));
+      mma(acc[2 * np], a[ks], bb[0], bb[1]);
+      mma(acc[2 * np + 1], a[ks], bb[2], bb[3]);
+    }
+}
+// acc (16 × 64 from column cb) += a (16 × 128) · X[:, cb..] where X is [128 k][128]: B trans.
+__device__ __forceinline__ void times_cols(float (&acc)[8][4], const unsigned (&a)[8][4], const unsigned char* sX,
+                                           int cb) {
+  const int lane = threadIdx.x & 31, j = lane >> 3, r = lane & 7;
+#pragma unroll
+  for (int ks = 0; ks < 8; ++ks)
+#pragma unroll
+    for (int np = 0; np < 4; ++np) {
+      unsigned bb[4];
+      ldsm4t(bb, sX + off128(16 * ks + r + (j & 1) * 8, cb + 16 * np + (j >> 1) * 8));
+      mma(acc[2 * np], a[ks], bb[0], bb[1]);
+      mma(acc[2 * np + 1], a[ks], bb[2], bb[3]);
+    }
+}
+// p (16 rows rb.. × 64 tokens) = a (16 × 128) · Yᵀ over the tokens a causal mask keeps (Y [64 t][128]):
+// lower (token ≤ row) or upper (token ≥ row), times scale, zero elsewhere.
+template <bool UPPER>
+__device__ __forceinline__ void masked_rows_t(float (&p)[8][4], const unsigned (&a)[8][4], const unsigned char* sY,
+                                              int rb, float scale) {
+  const int lane = threadIdx.x & 31, g = lane >> 2, t4 = lane & 3, j = lane >> 3, r = lane & 7;
+#pragma unroll
+  for (int n = 0; n < 8; ++n)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) p[n][e] = 0.f;
+#pragma unroll
+  for (int np = 0; np < 4; ++np) {
+    if (UPPER ? 16 * np + 15 < rb : 16 * np > rb + 15) continue;
+#pragma unroll
+    for (int ks = 0; ks < 8; ++ks) {
+      unsigned bb[4];
+      ldsm4(bb, sY + off128(16 * np + r + (j >> 1) * 8, 16 * ks + (j & 1) * 8));
+      mma(p[2 * np], a[ks], bb[0], bb[1]);
+      mma(p[2 * np + 1], a[ks], bb[2], bb[3]);
+    }
+  }
+#pragma unroll
+  for (int n = 0; n < 8; ++n)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int row = rb + g + 8 * (e >> 1), tok = 8 * n + 2 * t4 + (e & 1);
+      p[n][e] = (UPPER ? tok >= row : tok <= row) ? p[n][e] * scale : 0.f;
+    }
+}
+// acc (16 × 64 from column cb) += p (16 × 64 tokens) · Z[:, cb..] (Z [64 t][128]), skipping zero blocks.
+template <bool UPPER>
+__device__ __forceinline__ void p_times(float (&acc)[8][4], const float (&p)[8][4], const unsigned char* sZ, int rb,
+                                        int cb) {
+  const int lane = threadIdx.x & 31, j = lane >> 3, r = lane & 7;
+#pragma unroll
+  for (int kk = 0; kk < 4; ++kk) {
+    if (UPPER ? 16 * kk + 15 < rb : 16 * kk > rb + 15) continue;
+    const unsigned a[4] = {pk(p[2 * kk][0], p[2 * kk][1]), pk(p[2 * kk][2], p[2 * kk][3]),
+                           pk(p[2 * kk + 1][0], p[2 * kk + 1][1]), pk(p[2 * kk + 1][2], p[2 * kk + 1][3])};
+#pragma unroll
+    for (int np = 0; np < 4; ++np) {
+      unsigned bb[4];
+      ldsm4t(bb, sZ + off128(16 * kk + r + (j & 1) * 8, cb + 16 * np + (j >> 1) * 8));
+      mma(acc[2 * np], a, bb[0], bb[1]);
+      mma(acc[2 * np + 1], a, bb[2], bb[3]);
+    }
+  }
+}
+__device__ __forceinline__ void store_rows(bf16* out, const float (&acc)[8][4], int t0, int rb, int cb, int h, int H) {
+  const int lane = threadIdx.x & 31, g = lane >> 2, t4 = lane & 3;
+#pragma unroll
+  for (int n = 0; n < 8; ++n)
+#pragma unroll
+    for (int hf = 0; hf < 2; ++hf)
+      *reinterpret_cast<unsigned*>(out + ((long)(t0 + rb + g + 8 * hf) * H + h) * 128 + cb + 8 * n + 2 * t4) =
+          pk(acc[n][2 * hf], acc[n][2 * hf + 1]);
+}
+
+// Segment sums of XᵀY (X, Y [B·T][H][128]) for the 256-thread kernels: Ssum [NS][B·H][128][128].
+__global__ void __launch_bounds__(256) seg_sum_full(const bf16* __restrict__ X, const bf16* __restrict__ Y,
+                                                     float* __restrict__ Ssum, int T, int B, int H, int NS) {
+  SMEM_DECL;
+  const int seg = blockIdx.x, bh = blockIdx.y, h = bh % H, tb = bh / H * T;
+  const int w = threadIdx.x >> 5, rb = 32 * (w & 3), cb = 64 * (w >> 2);
+  const int per = T / C / NS, c0 = seg * per;
+  const bf16* src[2] = {X, Y};
+  float s[2][8][4] = {};
+  load_tiles(smem, src, 2, tb + c0 * C, h, H);
+  cp_commit();
+  for (int i = 0; i < per; ++i) {
+    const int b = i & 1;
+    if (i + 1 < per) load_tiles(smem + (b ^ 1) * 32768, src, 2, tb + (c0 + i + 1) * C, h, H);
+    cp_commit();
+    cp_wait<1>();
+    __syncthreads();
+    at_b(s, smem + b * 32768, smem + b * 32768 + 16384, rb, cb);
+    __syncthreads();
+  }
+  const int lane = threadIdx.x & 31, g = lane >> 2, t4 = lane & 3;
+  float* out = Ssum + ((long)seg * B * H + bh) * 128 * 128;
+#pragma unroll
+  for (int mi = 0; mi < 2; ++mi)
+#pragma unroll
+    for (int n = 0; n < 8; ++n)
+#pragma unroll
+      for (int hf = 0; hf < 2; ++hf)
+        *reinterpret_cast<float2*>(out + (long)(rb + 16 * mi + g + 8 * hf) * 128 + cb + 8 * n + 2 * t4) =
+            make_float2(s[mi][n][2 * hf], s[mi][n][2 * hf + 1]);
+}
+// In place: Dsum[s] ← dSfin/scale + Σ_{s' > s} Dsum[s'] (D' leaving segment s); dS0 ← scale·(the total).
+__global__ void seg_scan_rev(float* __restrict__ Dsum, const float* __restrict__ dSfin, float* __restrict__ dS0,
+                             float scale, int H, int NS) {
+  const long per = (long)H * 128 * 128, i = (long)blockIdx.x * blockDim.x + threadIdx.x;
+  if (i >= per) return;
+  float acc = dSfin ? dSfin[i] / scale : 0.f;
+  for (int s = NS - 1; s >= 0; --s) {
+    const float x = Dsum[s * per + i];
+    Dsum[s * per + i] = acc;
+    acc += x;
+  }
+  dS0[i] = acc * scale;
+}
+
+// dq: each segment's chunks in order from the state entering it (Sin, the forward's scan).
+__global__ void __launch_bounds__(256, 1) bwd_dq(const bf16* __restrict__ k, const bf16* __restrict__ v,
+                                                  const bf16* __restrict__ dO, const float* __restrict__ Sin,
+                                                  bf16* __restrict__ dq, float scale, int T, int B, int H, int NS) {
+  SMEM_DECL;
+  const int seg = blockIdx.x, bh = blockIdx.y, h = bh % H, tb = bh / H * T;
+  const int w = threadIdx.x >> 5, rb = 32 * (w & 3), cb = 64 * (w >> 2);
+  const int orow = 16 * (w & 3);  // this warp's output rows
+  const int per = T / C / NS, c0 = seg * per;
+  // two buffers of dO, K, V (48 KB each), then S in bf16 [128 dk][128 dv] (32 KB)
+  unsigned char* sS = smem + 2 * 49152;
+  const bf16* src[3] = {dO, k, v};
+  float s[2][8][4];
+  state_in(s, Sin + ((long)seg * B * H + bh) * 128 * 128, rb, cb, 1.f);
+  load_tiles(smem, src, 3, tb + c0 * C, h, H);
+  cp_commit();
+  for (int i = 0; i < per; ++i) {
+    const int b = i & 1, t0 = tb + (c0 + i) * C;
+    unsigned char* sdO = smem + b * 49152;
+    unsigned char* sK = sdO + 16384;
+    unsigned char* sV = sdO + 32768;
+    cp_wait<0>();
+    __syncthreads();
+    if (i + 1 < per) load_tiles(smem + (b ^ 1) * 49152, src, 3, t0 + C, h, H);
+    cp_commit();
+    state_out(s, sS, rb, cb, 1.f);
+    __syncthreads();
+    unsigned a[8][4];
+    rows_a(a, sdO, orow);  // dO rows over dv
+    float acc[8][4] = {};
+    times_rows_t(acc, a, sS, cb);  // dO·S_inᵀ: S [dk][dv] rows dk = cb..
+#pragma unroll
+    for (int n = 0; n < 8; ++n)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) acc[n][e] *= scale;
+    float p[8][4];
+    masked_rows_t<false>(p, a, sV, orow, scale);  // scale·(dO Vᵀ ⊙ M)
+    p_times<false>(acc, p, sK, orow, cb);           // ·K[:, dk half]
+    store_rows(dq, acc, t0, orow, cb, h, H);
+    at_b(s, sK, sV, rb, cb);  // S += Kᵀ V
+  }
+}
+
+// dk, dv: each segment's chunks from its end down, from the D' leaving it (Dout, the reverse scan).
+__global__ void __launch_bounds__(256, 1) bwd_dkdv(const bf16* __restrict__ q, const bf16* __restrict__ k,
+                                                    const bf16* __restrict__ v, const bf16* __restrict__ dO,
+                                                    const float* __restrict__ Dout, bf16* __restrict__ dk,
+                                                    bf16* __restrict__ dv, float scale, int T, int B, int H, int NS) {
+  SMEM_DECL;
+  const int seg = blockIdx.x, bh = blockIdx.y, h = bh % H, tb = bh / H * T;
+  const int w = threadIdx.x >> 5, rb = 32 * (w & 3), cb = 64 * (w >> 2);
+  const int orow = 16 * (w & 3);
+  const int per = T / C / NS, c0 = seg * per;
+  // two buffers of Q, K, V, dO (64 KB each), then D in bf16 [128 dk][128 dv] (32 KB)
+  unsigned char* sD = smem + 2 * 65536;
+  const bf16* src[4] = {q, k, v, dO};
+  float s[2][8][4];  // D' (D / scale)
+  state_in(s, Dout + ((long)seg * B * H + bh) * 128 * 128, rb, cb, 1.f);
+  load_tiles(smem, src, 4, tb + (c0 + per - 1) * C, h, H);
+  cp_commit();
+  for (int i = 0; i < per; ++i) {
+    const int b = i & 1, t0 = tb + (c0 + per - 1 - i) * C;
+    unsigned char* sQ = smem + b * 65536;
+    unsigned char* sK = sQ + 16384;
+    unsigned char* sV = sQ + 32768;
+    unsigned char* sdO = sQ + 49152;
+    cp_wait<0>();
+    __syncthreads();
+    if (i + 1 < per) load_tiles(smem + (b ^ 1) * 65536, src, 4, t0 - C, h, H);
+    cp_commit();
+    state_out(s, sD, rb, cb, scale);  // D = scale·D'
+    __syncthreads();
+    unsigned a[8][4];
+    float acc[8][4], p[8][4];
+    // dk rows = V·Dᵀ[:, dk half] + scale·(V dOᵀ ⊙ Mᵀ)·Q[:, dk half]
+    rows_a(a, sV, orow);
+#pragma unroll
+    for (int n = 0; n < 8; ++n)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) acc[n][e] = 0.f;
+    times_rows_t(acc, a, sD, cb);  // V rows (over dv) · D[dk = cb.., dv]ᵀ
+    masked_rows_t<true>(p, a, sdO, orow, scale);
+    p_times<true>(acc, p, sQ, orow, cb);
+    store_rows(dk, acc, t0, orow, cb, h, H);
+    // dv rows = K·D[:, dv half] + scale·(K Qᵀ ⊙ Mᵀ)·dO[:, dv half]
+    rows_a(a, sK, orow);
+#pragma unroll
+    for (int n = 0; n < 8; ++n)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) acc[n][e] = 0.f;
+    times_cols(acc, a, sD, cb);  // K rows (over dk) · D[dk, dv = cb..]
+    masked_rows_t<true>(p, a, sQ, orow, scale);
+    p_times<true>(acc, p, sdO, orow, cb);
+    store_rows(dv, acc, t0, orow, cb, h, H);
+    at_b(s, sQ, sdO, rb, cb);  // D' += Qᵀ dO
+  }
+}
+
+
+}  // namespace carry_la

@@ -1,0 +1,109 @@
+// Linear attention's fused kernels (layers/linear_attn/kernel_fused.*: no per-chunk states) against the
+// chunkwise form in fp32 on the same upcast inputs: the output, the final state (S and the normalizer's
+// z) and the gradients of q, k, v and of the initial state, for a random functional of (o, final state),
+// with a nonzero initial state; bf16, relative max error ≤ 1e-2; automatic segments and 1, 2 and 4;
+// B = 1 and 2. And where they do not apply (off, fp32, normalized, serial states, dv ≠ 128), the decay
+// class's kernels run. Skips itself without a GPU (and on builds without CUDA).
+#include "layers/common/device.h"
+#include "tests/helpers/mixer_testing.h"
+
+#ifdef CARRY_WITH_CUDA
+#include "layers/linear_attn/kernel_fused.h"
+#endif
+
+#include <gtest/gtest.h>
+
+#include <cmath>
+
+namespace carry::testing {
+namespace {
+
+#ifdef CARRY_WITH_CUDA
+struct Case {
+  int64_t B, T, H;
+};
+
+MixerInputs fused_inputs(const Case& c, int64_t dv, at::ScalarType dt, uint64_t seed) {
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(seed);
+  auto o = at::TensorOptions().dtype(at::kFloat);
+  MixerInputs in;
+  in.q = at::randn({c.B, c.T, c.H, 128}, gen, o).to(at::kCUDA).to(dt);
+  in.k = (at::randn({c.B, c.T, c.H, 128}, gen, o) / std::sqrt(128.0)).to(at::kCUDA).to(dt);
+  in.v = at::randn({c.B, c.T, c.H, dv}, gen, o).to(at::kCUDA).to(dt);
+  return in;
+}
+
+std::vector<Tensor> run(const Mixer& m, Form form, const MixerInputs& in, const State& s0, const MixerOptions& opt) {
+  auto r = run_with_grads(m, form, in, s0, opt, /*seed=*/5);
+  r.outputs.insert(r.outputs.end(), r.grads.begin(), r.grads.end());
+  for (auto& t : r.outputs) t = t.to(at::kFloat);
+  return r.outputs;
+}
+#endif
+
+TEST(LinearAttnFused, MatchesChunkwise) {
+  if (cuda_device_count() == 0) GTEST_SKIP() << "no CUDA device: GPU tests skipped";
+#ifndef CARRY_WITH_CUDA
+  GTEST_SKIP() << "built without CUDA";
+#else
+  const Mixer& m = get_mixer("linear_attn");
+  const char* names[] = {"o", "final_S", "final_z", "dq", "dk", "dv", "d_initial_S", "d_initial_z"};
+  for (const Case& c : {Case{1, 1024, 2}, Case{2, 512, 3}}) {
+    const MixerInputs low = fused_inputs(c, 128, at::kBFloat16, 31 + c.T);
+    MixerInputs up;
+    for (const auto& n : MixerInputs::names())
+      if (low.get(n).defined()) up.get(n) = low.get(n).to(at::kFloat);
+    State s0{at::randn({c.B, c.H, 128, 128}, at::kFloat).to(at::kCUDA) * 0.5,
+             at::rand({c.B, c.H, 128}, at::kFloat).to(at::kCUDA)};
+    MixerOptions opt;
+    auto ref = run(m, Form::chunkwise, up, s0, opt);
+    for (int segments : {0, 1, 2, 4}) {
+      linear_attn_fused_set(1, segments);
+      ASSERT_TRUE(linear_attn_fused_supports(low, opt));
+      auto ker = run(m, Form::kernel, low, s0, opt);
+      ASSERT_EQ(ref.size(), ker.size());
+      ASSERT_EQ(ref.size(), std::size(names));
+      std::string line;
+      for (size_t i = 0; i < ref.size(); ++i) {
+        const double e = rel_err(ker[i], ref[i]);
+        EXPECT_TRUE(at::isfinite(ker[i]).all().item<bool>()) << names[i] << " has NaN";
+        EXPECT_LE(e, 1e-2) << "segments " << segments << " B=" << c.B << " T=" << c.T << " H=" << c.H << ": "
+                           << names[i];
+        char buf[64];
+        std::snprintf(buf, sizeof buf, " %s %.1e", names[i], e);
+        line += buf;
+      }
+      std::cout << "[ errors   ] linear_attn fused segments " << segments << " B=" << c.B << " T=" << c.T
+                << " H=" << c.H << ":" << line << "\n";
+    }
+  }
+  linear_attn_fused_set(-1, 0);
+#endif
+}
+
+TEST(LinearAttnFused, AppliesOnlyWhereItShould) {
+  if (cuda_device_count() == 0) GTEST_SKIP() << "no CUDA device: GPU tests skipped";
+#ifndef CARRY_WITH_CUDA
+  GTEST_SKIP() << "built without CUDA";
+#else
+  const Case c{1, 256, 2};
+  const MixerInputs bf = fused_inputs(c, 128, at::kBFloat16, 7), f32 = fused_inputs(c, 128, at::kFloat, 7),
+                    narrow = fused_inputs(c, 64, at::kBFloat16, 7);
+  MixerOptions plain, normalized, serial;
+  normalized.normalize = true;
+  serial.serial_states = true;
+  linear_attn_fused_set(0);
+  EXPECT_FALSE(linear_attn_fused_supports(bf, plain)) << "off";
+  linear_attn_fused_set(1);
+  EXPECT_TRUE(linear_attn_fused_supports(bf, plain));
+  EXPECT_FALSE(linear_attn_fused_supports(f32, plain)) << "fp32";
+  EXPECT_FALSE(linear_attn_fused_supports(bf, normalized)) << "normalized";
+  EXPECT_FALSE(linear_attn_fused_supports(bf, serial)) << "serial states";
+  EXPECT_FALSE(linear_attn_fused_supports(narrow, plain)) << "dv = 64";
+  EXPECT_THROW(linear_attn_fused_set(2), c10::Error);
+  linear_attn_fused_set(-1, 0);
+#endif
+}
+
+}  // namespace
+}  // namespace carry::testing
