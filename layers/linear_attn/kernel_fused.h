@@ -8,8 +8,8 @@
 namespace carry {
 
 // Whether the fused kernels take these inputs: on (linear_attn_fused_set or CARRY_LA_FUSED=1), CUDA bf16
-// q, k, v [B,T,H,128] with dv = 128, chunk_size 64, no normalizer and no serial_states (the ordered scan
-// keeps the decay class's kernels, whose bits do not depend on the cut).
+// q, k, v [B,T,H,128] with dv = 128 and T a positive multiple of 64, chunk_size 64, no normalizer and no
+// serial_states (the ordered scan keeps the decay class's kernels, whose bits do not depend on the cut).
 bool linear_attn_fused_supports(const MixerInputs& in, const MixerOptions& opt);
 
 // o = scale · q_t · S_t from initial_state [B,H,128,128] (undefined: zeros): o in bf16, the final state in

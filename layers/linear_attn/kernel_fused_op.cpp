@@ -45,7 +45,7 @@ bool linear_attn_fused_supports(const MixerInputs& in, const MixerOptions& opt) 
     return false;
   return in.q.size(3) == 128 && in.v.dim() == 4 && in.v.size(3) == 128 && in.k.sizes() == in.q.sizes() &&
          in.v.size(0) == in.q.size(0) && in.v.size(1) == in.q.size(1) && in.v.size(2) == in.q.size(2) &&
-         in.q.size(1) % 64 == 0;
+         in.q.size(1) >= 64 && in.q.size(1) % 64 == 0;
 }
 
 std::pair<Tensor, Tensor> linear_attn_fused_forward(const Tensor& q, const Tensor& k, const Tensor& v,
