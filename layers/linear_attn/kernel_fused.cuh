@@ -14,10 +14,14 @@
 // (session 11): o, dq, dk, dv within 3.7e-3 of the token recurrence in double, the final state and dS0
 // within 4.2e-7, NS = 1, 2, 4.
 // CARRY_LA_EMU: the includer provides threadIdx, blockIdx, blockDim, SMEM_DECL, __syncthreads and the
-// warp primitives below (the emulation); otherwise they are the GPU's.
+// primitives of layers/common/kernel_tiles.cuh the kernels use (tests/emulation/warp_emulation.h);
+// otherwise they are the GPU's.
 #pragma once
 
 #include <cuda_bf16.h>
+#ifndef CARRY_LA_EMU
+#include "layers/common/kernel_tiles.cuh"
+#endif
 
 namespace carry_la {
 
@@ -26,38 +30,15 @@ constexpr int C = 64, DK = 128, BV = 64;
 
 #ifndef CARRY_LA_EMU
 #define SMEM_DECL extern __shared__ __align__(128) unsigned char smem[]
-__device__ __forceinline__ unsigned saddr(const void* p) { return static_cast<unsigned>(__cvta_generic_to_shared(p)); }
-__device__ __forceinline__ void ldsm4(unsigned (&r)[4], const void* p) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(saddr(p)));
-}
-__device__ __forceinline__ void ldsm4t(unsigned (&r)[4], const void* p) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(saddr(p)));
-}
-// d (16×8 fp32) += a (16×16 bf16) · b (16×8 bf16)
-__device__ __forceinline__ void mma(float (&d)[4], const unsigned (&a)[4], unsigned b0, unsigned b1) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-      "{%0,%1,%2,%3};\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-__device__ __forceinline__ void cp16(void* dst, const void* src) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(saddr(dst)), "l"(src) : "memory");
-}
-__device__ __forceinline__ void cp_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
-template <int N>
-__device__ __forceinline__ void cp_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory"); }
-
+using carry_tiles::cp_async16;
+using carry_tiles::cp_async_commit;
+using carry_tiles::cp_async_wait;
+using carry_tiles::tc::ldsm_x4;
+using carry_tiles::tc::ldsm_x4_t;
+using carry_tiles::tc::mma16816;
+using carry_tiles::tc::pack_bf16;
 #endif
 
-__device__ __forceinline__ unsigned pk(float x, float y) {
-  __nv_bfloat162 v = __floats2bfloat162_rn(x, y);
-  return *reinterpret_cast<unsigned*>(&v);
-}
 // [rows][128] bf16, 16-byte chunks XOR-swizzled by the row's low 3 bits (ldmatrix's 8 rows hit 8 banks groups)
 __device__ __forceinline__ int off128(int r, int c) { return r * 256 + ((((c >> 3) ^ (r & 7)) & 15) << 4) + (c & 7) * 2; }
 // [rows][64] bf16, the same swizzle
@@ -72,13 +53,13 @@ __device__ __forceinline__ void load_chunk(unsigned char* sQ, unsigned char* sK,
   for (int i = 0; i < 8; ++i) {  // 64 rows × 16 chunks of 16 bytes
     const int u = tid + i * 128, r = u >> 4, c = (u & 15) * 8;
     const long g = ((long)(t0 + r) * H + h) * DK + c;
-    cp16(sK + off128(r, c), k + g);
-    if (sQ) cp16(sQ + off128(r, c), q + g);
+    cp_async16(sK + off128(r, c), k + g);
+    if (sQ) cp_async16(sQ + off128(r, c), q + g);
   }
 #pragma unroll
   for (int i = 0; i < 4; ++i) {  // 64 rows × 8 chunks
     const int u = tid + i * 128, r = u >> 3, c = (u & 7) * 8;
-    cp16(sV + off64(r, c), v + ((long)(t0 + r) * H + h) * DV + v0 + c);
+    cp_async16(sV + off64(r, c), v + ((long)(t0 + r) * H + h) * DV + v0 + c);
   }
 }
 
@@ -90,15 +71,15 @@ __device__ __forceinline__ void kt_v(float (&s)[2][8][4], const unsigned char* s
     unsigned a[2][4];
 #pragma unroll
     for (int mi = 0; mi < 2; ++mi)  // A = Kᵀ (m = d, k = t) from K[t][d]: trans
-      ldsm4t(a[mi], sK + off128(16 * ks + r + (j >> 1) * 8, 32 * warp + 16 * mi + (j & 1) * 8));
+      ldsm_x4_t(a[mi], sK + off128(16 * ks + r + (j >> 1) * 8, 32 * warp + 16 * mi + (j & 1) * 8));
 #pragma unroll
     for (int np = 0; np < 4; ++np) {  // B = V (k = t, n) from V[t][n]: trans; two n-tiles a load
       unsigned b[4];
-      ldsm4t(b, sV + off64(16 * ks + r + (j & 1) * 8, 16 * np + (j >> 1) * 8));
+      ldsm_x4_t(b, sV + off64(16 * ks + r + (j & 1) * 8, 16 * np + (j >> 1) * 8));
 #pragma unroll
       for (int mi = 0; mi < 2; ++mi) {
-        mma(s[mi][2 * np], a[mi], b[0], b[1]);
-        mma(s[mi][2 * np + 1], a[mi], b[2], b[3]);
+        mma16816(s[mi][2 * np], a[mi], b[0], b[1]);
+        mma16816(s[mi][2 * np + 1], a[mi], b[2], b[3]);
       }
     }
   }
@@ -114,14 +95,14 @@ __global__ void __launch_bounds__(128) seg_sum(const bf16* __restrict__ k, const
   // buffer b: K at b·16 KB, V at 32 KB + b·8 KB
   float s[2][8][4] = {};
   load_chunk(nullptr, smem, smem + 32768, nullptr, k, v, tb + c0 * C, h, H, DV, v0);
-  cp_commit();
+  cp_async_commit();
   for (int i = 0; i < per; ++i) {
     const int b = i & 1;
     if (i + 1 < per)
       load_chunk(nullptr, smem + (b ^ 1) * 16384, smem + 32768 + (b ^ 1) * 8192, nullptr, k, v, tb + (c0 + i + 1) * C, h, H,
                  DV, v0);
-    cp_commit();
-    cp_wait<1>();
+    cp_async_commit();
+    cp_async_wait<1>();
     __syncthreads();
     kt_v(s, smem + b * 16384, smem + 32768 + b * 8192);
     __syncthreads();  // the buffer is reloaded next iteration
@@ -182,13 +163,13 @@ __global__ void __launch_bounds__(128, 2) fused(const bf16* __restrict__ q, cons
         s[mi][n][2 * hf + 1] = x.y;
       }
   load_chunk(sQ(0), sK(0), sV(0), q, k, v, tb + c0 * C, h, H, DV, v0);
-  cp_commit();
+  cp_async_commit();
   for (int i = 0; i < per; ++i) {
     const int b = i & 1, t0 = tb + (c0 + i) * C;
-    cp_wait<0>();
+    cp_async_wait<0>();
     __syncthreads();  // chunk i landed; every warp is done with chunk i − 1 (its buffers and sS)
     if (i + 1 < per) load_chunk(sQ(b ^ 1), sK(b ^ 1), sV(b ^ 1), q, k, v, t0 + C, h, H, DV, v0);
-    cp_commit();
+    cp_async_commit();
     // the incoming state in bf16 for Q·S
 #pragma unroll
     for (int mi = 0; mi < 2; ++mi)
@@ -197,12 +178,12 @@ __global__ void __launch_bounds__(128, 2) fused(const bf16* __restrict__ q, cons
 #pragma unroll
         for (int hf = 0; hf < 2; ++hf)
           *reinterpret_cast<unsigned*>(sS + off64(32 * warp + 16 * mi + g + 8 * hf, 8 * n + 2 * t4)) =
-              pk(s[mi][n][2 * hf], s[mi][n][2 * hf + 1]);
+              pack_bf16(s[mi][n][2 * hf], s[mi][n][2 * hf + 1]);
     __syncthreads();
     // this warp's 16 query rows: Q fragments over dk (8 k-steps)
     unsigned aq[8][4];
 #pragma unroll
-    for (int ks = 0; ks < 8; ++ks) ldsm4(aq[ks], sQ(b) + off128(16 * warp + r + (j & 1) * 8, 16 * ks + (j >> 1) * 8));
+    for (int ks = 0; ks < 8; ++ks) ldsm_x4(aq[ks], sQ(b) + off128(16 * warp + r + (j & 1) * 8, 16 * ks + (j >> 1) * 8));
     // O = Q·S_in (B = S[d][n]: trans)
     float acc[8][4] = {};
 #pragma unroll
@@ -210,9 +191,9 @@ __global__ void __launch_bounds__(128, 2) fused(const bf16* __restrict__ q, cons
 #pragma unroll
       for (int np = 0; np < 4; ++np) {
         unsigned bb[4];
-        ldsm4t(bb, sS + off64(16 * ks + r + (j & 1) * 8, 16 * np + (j >> 1) * 8));
-        mma(acc[2 * np], aq[ks], bb[0], bb[1]);
-        mma(acc[2 * np + 1], aq[ks], bb[2], bb[3]);
+        ldsm_x4_t(bb, sS + off64(16 * ks + r + (j & 1) * 8, 16 * np + (j >> 1) * 8));
+        mma16816(acc[2 * np], aq[ks], bb[0], bb[1]);
+        mma16816(acc[2 * np + 1], aq[ks], bb[2], bb[3]);
       }
 #pragma unroll
     for (int n = 0; n < 8; ++n)
@@ -226,9 +207,9 @@ __global__ void __launch_bounds__(128, 2) fused(const bf16* __restrict__ q, cons
       for (int np = 0; np < 4; ++np) {
         if (16 * np > 16 * warp + 15) continue;  // keys past the warp's rows: masked anyway
         unsigned bb[4];
-        ldsm4(bb, sK(b) + off128(16 * np + r + (j >> 1) * 8, 16 * ks + (j & 1) * 8));
-        mma(p[2 * np], aq[ks], bb[0], bb[1]);
-        mma(p[2 * np + 1], aq[ks], bb[2], bb[3]);
+        ldsm_x4(bb, sK(b) + off128(16 * np + r + (j >> 1) * 8, 16 * ks + (j & 1) * 8));
+        mma16816(p[2 * np], aq[ks], bb[0], bb[1]);
+        mma16816(p[2 * np + 1], aq[ks], bb[2], bb[3]);
       }
     // causal mask (key ≤ query) and scale; P·V accumulated into O (A = P from the accumulators)
 #pragma unroll
@@ -241,14 +222,14 @@ __global__ void __launch_bounds__(128, 2) fused(const bf16* __restrict__ q, cons
 #pragma unroll
     for (int kk = 0; kk < 4; ++kk) {  // keys 16kk..16kk+15
       if (16 * kk > 16 * warp + 15) continue;
-      const unsigned a[4] = {pk(p[2 * kk][0], p[2 * kk][1]), pk(p[2 * kk][2], p[2 * kk][3]),
-                             pk(p[2 * kk + 1][0], p[2 * kk + 1][1]), pk(p[2 * kk + 1][2], p[2 * kk + 1][3])};
+      const unsigned a[4] = {pack_bf16(p[2 * kk][0], p[2 * kk][1]), pack_bf16(p[2 * kk][2], p[2 * kk][3]),
+                             pack_bf16(p[2 * kk + 1][0], p[2 * kk + 1][1]), pack_bf16(p[2 * kk + 1][2], p[2 * kk + 1][3])};
 #pragma unroll
       for (int np = 0; np < 4; ++np) {
         unsigned bb[4];
-        ldsm4t(bb, sV(b) + off64(16 * kk + r + (j & 1) * 8, 16 * np + (j >> 1) * 8));
-        mma(acc[2 * np], a, bb[0], bb[1]);
-        mma(acc[2 * np + 1], a, bb[2], bb[3]);
+        ldsm_x4_t(bb, sV(b) + off64(16 * kk + r + (j & 1) * 8, 16 * np + (j >> 1) * 8));
+        mma16816(acc[2 * np], a, bb[0], bb[1]);
+        mma16816(acc[2 * np + 1], a, bb[2], bb[3]);
       }
     }
     // the output rows (bf16)
@@ -257,7 +238,7 @@ __global__ void __launch_bounds__(128, 2) fused(const bf16* __restrict__ q, cons
 #pragma unroll
       for (int hf = 0; hf < 2; ++hf) {
         const int t = t0 + 16 * warp + g + 8 * hf, col = v0 + 8 * n + 2 * t4;
-        *reinterpret_cast<unsigned*>(o + ((long)t * H + h) * DV + col) = pk(acc[n][2 * hf], acc[n][2 * hf + 1]);
+        *reinterpret_cast<unsigned*>(o + ((long)t * H + h) * DV + col) = pack_bf16(acc[n][2 * hf], acc[n][2 * hf + 1]);
       }
     // S += Kᵀ·V
     kt_v(s, sK(b), sV(b));
@@ -281,7 +262,7 @@ __device__ __forceinline__ void load_tiles(unsigned char* dst, const bf16* const
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
       const int u = tid + i * 256, r = u >> 4, c = (u & 15) * 8;
-      cp16(dst + x * 16384 + off128(r, c), src[x] + ((long)(t0 + r) * H + h) * DK + c);
+      cp_async16(dst + x * 16384 + off128(r, c), src[x] + ((long)(t0 + r) * H + h) * DK + c);
     }
 }
 // s (warp's 32 rows of A's columns × 64 of B's columns from cb) += Aᵀ·B over 64 tokens, A and B [64 t][128].
@@ -292,15 +273,15 @@ __device__ __forceinline__ void at_b(float (&s)[2][8][4], const unsigned char* s
   for (int ks = 0; ks < 4; ++ks) {
     unsigned a[2][4];
 #pragma unroll
-    for (int mi = 0; mi < 2; ++mi) ldsm4t(a[mi], sA + off128(16 * ks + r + (j >> 1) * 8, rb + 16 * mi + (j & 1) * 8));
+    for (int mi = 0; mi < 2; ++mi) ldsm_x4_t(a[mi], sA + off128(16 * ks + r + (j >> 1) * 8, rb + 16 * mi + (j & 1) * 8));
 #pragma unroll
     for (int np = 0; np < 4; ++np) {
       unsigned b[4];
-      ldsm4t(b, sB + off128(16 * ks + r + (j & 1) * 8, cb + 16 * np + (j >> 1) * 8));
+      ldsm_x4_t(b, sB + off128(16 * ks + r + (j & 1) * 8, cb + 16 * np + (j >> 1) * 8));
 #pragma unroll
       for (int mi = 0; mi < 2; ++mi) {
-        mma(s[mi][2 * np], a[mi], b[0], b[1]);
-        mma(s[mi][2 * np + 1], a[mi], b[2], b[3]);
+        mma16816(s[mi][2 * np], a[mi], b[0], b[1]);
+        mma16816(s[mi][2 * np + 1], a[mi], b[2], b[3]);
       }
     }
   }
@@ -315,7 +296,7 @@ __device__ __forceinline__ void state_out(const float (&s)[2][8][4], unsigned ch
 #pragma unroll
       for (int hf = 0; hf < 2; ++hf)
         *reinterpret_cast<unsigned*>(sX + off128(rb + 16 * mi + g + 8 * hf, cb + 8 * n + 2 * t4)) =
-            pk(s[mi][n][2 * hf] * f, s[mi][n][2 * hf + 1] * f);
+            pack_bf16(s[mi][n][2 * hf] * f, s[mi][n][2 * hf + 1] * f);
 }
 __device__ __forceinline__ void state_in(float (&s)[2][8][4], const float* p, int rb, int cb, float f) {
   const int lane = threadIdx.x & 31, g = lane >> 2, t4 = lane & 3;
@@ -334,7 +315,7 @@ __device__ __forceinline__ void state_in(float (&s)[2][8][4], const float* p, in
 __device__ __forceinline__ void rows_a(unsigned (&a)[8][4], const unsigned char* sX, int rb) {
   const int lane = threadIdx.x & 31, j = lane >> 3, r = lane & 7;
 #pragma unroll
-  for (int ks = 0; ks < 8; ++ks) ldsm4(a[ks], sX + off128(rb + r + (j & 1) * 8, 16 * ks + (j >> 1) * 8));
+  for (int ks = 0; ks < 8; ++ks) ldsm_x4(a[ks], sX + off128(rb + r + (j & 1) * 8, 16 * ks + (j >> 1) * 8));
 }
 // acc (16 × 64 from column cb) += a (16 × 128) · Xᵀ where X is [n][128] (n = cb.. rows of sX): B non-trans.
 __device__ __forceinline__ void times_rows_t(float (&acc)[8][4], const unsigned (&a)[8][4], const unsigned char* sX,
@@ -345,9 +326,9 @@ __device__ __forceinline__ void times_rows_t(float (&acc)[8][4], const unsigned 
 #pragma unroll
     for (int np = 0; np < 4; ++np) {
       unsigned bb[4];
-      ldsm4(bb, sX + off128(cb + 16 * np + r + (j >> 1) * 8, 16 * ks + (j & 1) * 8));
-      mma(acc[2 * np], a[ks], bb[0], bb[1]);
-      mma(acc[2 * np + 1], a[ks], bb[2], bb[3]);
+      ldsm_x4(bb, sX + off128(cb + 16 * np + r + (j >> 1) * 8, 16 * ks + (j & 1) * 8));
+      mma16816(acc[2 * np], a[ks], bb[0], bb[1]);
+      mma16816(acc[2 * np + 1], a[ks], bb[2], bb[3]);
     }
 }
 // acc (16 × 64 from column cb) += a (16 × 128) · X[:, cb..] where X is [128 k][128]: B trans.
@@ -359,9 +340,9 @@ __device__ __forceinline__ void times_cols(float (&acc)[8][4], const unsigned (&
 #pragma unroll
     for (int np = 0; np < 4; ++np) {
       unsigned bb[4];
-      ldsm4t(bb, sX + off128(16 * ks + r + (j & 1) * 8, cb + 16 * np + (j >> 1) * 8));
-      mma(acc[2 * np], a[ks], bb[0], bb[1]);
-      mma(acc[2 * np + 1], a[ks], bb[2], bb[3]);
+      ldsm_x4_t(bb, sX + off128(16 * ks + r + (j & 1) * 8, cb + 16 * np + (j >> 1) * 8));
+      mma16816(acc[2 * np], a[ks], bb[0], bb[1]);
+      mma16816(acc[2 * np + 1], a[ks], bb[2], bb[3]);
     }
 }
 // p (16 rows rb.. × 64 tokens) = a (16 × 128) · Yᵀ over the tokens a causal mask keeps (Y [64 t][128]):
@@ -380,9 +361,9 @@ __device__ __forceinline__ void masked_rows_t(float (&p)[8][4], const unsigned (
 #pragma unroll
     for (int ks = 0; ks < 8; ++ks) {
       unsigned bb[4];
-      ldsm4(bb, sY + off128(16 * np + r + (j >> 1) * 8, 16 * ks + (j & 1) * 8));
-      mma(p[2 * np], a[ks], bb[0], bb[1]);
-      mma(p[2 * np + 1], a[ks], bb[2], bb[3]);
+      ldsm_x4(bb, sY + off128(16 * np + r + (j >> 1) * 8, 16 * ks + (j & 1) * 8));
+      mma16816(p[2 * np], a[ks], bb[0], bb[1]);
+      mma16816(p[2 * np + 1], a[ks], bb[2], bb[3]);
     }
   }
 #pragma unroll
@@ -401,14 +382,14 @@ __device__ __forceinline__ void p_times(float (&acc)[8][4], const float (&p)[8][
 #pragma unroll
   for (int kk = 0; kk < 4; ++kk) {
     if (UPPER ? 16 * kk + 15 < rb : 16 * kk > rb + 15) continue;
-    const unsigned a[4] = {pk(p[2 * kk][0], p[2 * kk][1]), pk(p[2 * kk][2], p[2 * kk][3]),
-                           pk(p[2 * kk + 1][0], p[2 * kk + 1][1]), pk(p[2 * kk + 1][2], p[2 * kk + 1][3])};
+    const unsigned a[4] = {pack_bf16(p[2 * kk][0], p[2 * kk][1]), pack_bf16(p[2 * kk][2], p[2 * kk][3]),
+                           pack_bf16(p[2 * kk + 1][0], p[2 * kk + 1][1]), pack_bf16(p[2 * kk + 1][2], p[2 * kk + 1][3])};
 #pragma unroll
     for (int np = 0; np < 4; ++np) {
       unsigned bb[4];
-      ldsm4t(bb, sZ + off128(16 * kk + r + (j & 1) * 8, cb + 16 * np + (j >> 1) * 8));
-      mma(acc[2 * np], a, bb[0], bb[1]);
-      mma(acc[2 * np + 1], a, bb[2], bb[3]);
+      ldsm_x4_t(bb, sZ + off128(16 * kk + r + (j & 1) * 8, cb + 16 * np + (j >> 1) * 8));
+      mma16816(acc[2 * np], a, bb[0], bb[1]);
+      mma16816(acc[2 * np + 1], a, bb[2], bb[3]);
     }
   }
 }
@@ -419,7 +400,7 @@ __device__ __forceinline__ void store_rows(bf16* out, const float (&acc)[8][4], 
 #pragma unroll
     for (int hf = 0; hf < 2; ++hf)
       *reinterpret_cast<unsigned*>(out + ((long)(t0 + rb + g + 8 * hf) * H + h) * 128 + cb + 8 * n + 2 * t4) =
-          pk(acc[n][2 * hf], acc[n][2 * hf + 1]);
+          pack_bf16(acc[n][2 * hf], acc[n][2 * hf + 1]);
 }
 
 // Segment sums of XᵀY (X, Y [B·T][H][128]) for the 256-thread kernels: Ssum [NS][B·H][128][128].
@@ -432,12 +413,12 @@ __global__ void __launch_bounds__(256) seg_sum_full(const bf16* __restrict__ X, 
   const bf16* src[2] = {X, Y};
   float s[2][8][4] = {};
   load_tiles(smem, src, 2, tb + c0 * C, h, H);
-  cp_commit();
+  cp_async_commit();
   for (int i = 0; i < per; ++i) {
     const int b = i & 1;
     if (i + 1 < per) load_tiles(smem + (b ^ 1) * 32768, src, 2, tb + (c0 + i + 1) * C, h, H);
-    cp_commit();
-    cp_wait<1>();
+    cp_async_commit();
+    cp_async_wait<1>();
     __syncthreads();
     at_b(s, smem + b * 32768, smem + b * 32768 + 16384, rb, cb);
     __syncthreads();
@@ -482,16 +463,16 @@ __global__ void __launch_bounds__(256, 1) bwd_dq(const bf16* __restrict__ k, con
   float s[2][8][4];
   state_in(s, Sin + ((long)seg * B * H + bh) * 128 * 128, rb, cb, 1.f);
   load_tiles(smem, src, 3, tb + c0 * C, h, H);
-  cp_commit();
+  cp_async_commit();
   for (int i = 0; i < per; ++i) {
     const int b = i & 1, t0 = tb + (c0 + i) * C;
     unsigned char* sdO = smem + b * 49152;
     unsigned char* sK = sdO + 16384;
     unsigned char* sV = sdO + 32768;
-    cp_wait<0>();
+    cp_async_wait<0>();
     __syncthreads();
     if (i + 1 < per) load_tiles(smem + (b ^ 1) * 49152, src, 3, t0 + C, h, H);
-    cp_commit();
+    cp_async_commit();
     state_out(s, sS, rb, cb, 1.f);
     __syncthreads();
     unsigned a[8][4];
@@ -526,17 +507,17 @@ __global__ void __launch_bounds__(256, 1) bwd_dkdv(const bf16* __restrict__ q, c
   float s[2][8][4];  // D' (D / scale)
   state_in(s, Dout + ((long)seg * B * H + bh) * 128 * 128, rb, cb, 1.f);
   load_tiles(smem, src, 4, tb + (c0 + per - 1) * C, h, H);
-  cp_commit();
+  cp_async_commit();
   for (int i = 0; i < per; ++i) {
     const int b = i & 1, t0 = tb + (c0 + per - 1 - i) * C;
     unsigned char* sQ = smem + b * 65536;
     unsigned char* sK = sQ + 16384;
     unsigned char* sV = sQ + 32768;
     unsigned char* sdO = sQ + 49152;
-    cp_wait<0>();
+    cp_async_wait<0>();
     __syncthreads();
     if (i + 1 < per) load_tiles(smem + (b ^ 1) * 65536, src, 4, t0 - C, h, H);
-    cp_commit();
+    cp_async_commit();
     state_out(s, sD, rb, cb, scale);  // D = scale·D'
     __syncthreads();
     unsigned a[8][4];

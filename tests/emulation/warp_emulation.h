@@ -4,7 +4,8 @@
 // fragment layouts PTX documents, cp.async as plain copies. Kernels written for it (the
 // CARRY_LA_EMU path of layers/linear_attn/kernel_fused.cuh) take these in place of the GPU's. The
 // numbers, not the speed: a block of 256 threads runs its warps' collectives through barriers.
-// Include before the kernels' header. C++20 (std::barrier).
+// The names are those of layers/common/kernel_tiles.cuh's helpers. Include before the kernels' header.
+// C++20 (std::barrier).
 #pragma once
 
 #define CARRY_LA_EMU 1
@@ -69,13 +70,13 @@ inline void ldsm_emu(unsigned (&r)[4], const void* p, bool trans) {
   }
   carry_emu::warp_bar->arrive_and_wait();
 }
-inline void ldsm4(unsigned (&r)[4], const void* p) { ldsm_emu(r, p, false); }
-inline void ldsm4t(unsigned (&r)[4], const void* p) { ldsm_emu(r, p, true); }
+inline void ldsm_x4(unsigned (&r)[4], const void* p) { ldsm_emu(r, p, false); }
+inline void ldsm_x4_t(unsigned (&r)[4], const void* p) { ldsm_emu(r, p, true); }
 inline float emu_bf(uint16_t x) { return __bfloat162float(__ushort_as_bfloat16(x)); }
 // mma.sync.m16n8k16.row.col, fp32 accumulators: lane (g, t) = (lane/4, lane%4) holds A (g, 2t..2t+1),
 // (g+8, 2t..), (g, 2t+8..), (g+8, 2t+8..), B (2t..2t+1, g), (2t+8..2t+9, g), and C (g, 2t..2t+1),
 // (g+8, 2t..2t+1); the lower index in the low half. Sums in fp32, k ascending.
-inline void mma(float (&d)[4], const unsigned (&a)[4], unsigned b0, unsigned b1) {
+inline void mma16816(float (&d)[4], const unsigned (&a)[4], unsigned b0, unsigned b1) {
   const int lane = carry_emu::tid.x & 31, g = lane >> 2, t4 = lane & 3;
   unsigned* mine = carry_emu::warp->regs[lane];
   for (int i = 0; i < 4; ++i) mine[i] = a[i];
@@ -104,10 +105,16 @@ inline void mma(float (&d)[4], const unsigned (&a)[4], unsigned b0, unsigned b1)
   }
   carry_emu::warp_bar->arrive_and_wait();
 }
-inline void cp16(void* dst, const void* src) { std::memcpy(dst, src, 16); }
-inline void cp_commit() {}
+inline void cp_async16(void* dst, const void* src) { std::memcpy(dst, src, 16); }
+inline void cp_async_commit() {}
 template <int N>
-inline void cp_wait() {}
+inline void cp_async_wait() {}
+inline unsigned pack_bf16(float x, float y) {
+  __nv_bfloat162 v = __floats2bfloat162_rn(x, y);
+  unsigned u;
+  std::memcpy(&u, &v, 4);
+  return u;
+}
 
 namespace carry_emu {
 // kernel() as a grid of blocks, one block after another, each block's threads as host threads sharing

@@ -30,6 +30,16 @@ inline MixerInputs inputs_as(const MixerInputs& in, at::ScalarType dt) {
   return out;
 }
 
+// The outputs (o, then the final state's tensors) followed by the gradients of every input and initial
+// state for run_with_grads' random functional (seed 5), all in fp32: the kernel tests' comparison list.
+inline std::vector<Tensor> outputs_then_grads(const Mixer& m, Form form, const MixerInputs& in, const State& s0,
+                                              const MixerOptions& opt) {
+  auto r = run_with_grads(m, form, in, s0, opt, /*seed=*/5);
+  r.outputs.insert(r.outputs.end(), r.grads.begin(), r.grads.end());
+  for (auto& t : r.outputs) t = t.to(at::kFloat);
+  return r.outputs;
+}
+
 // Expects `f` to throw a c10::Error whose message contains `needle`.
 template <class F>
 void expect_error(F f, const std::string& needle) {

@@ -55,12 +55,6 @@ MixerInputs decay_inputs(const Family& f, const Case& c, uint64_t seed) {
   return in;
 }
 
-std::vector<Tensor> run(const Mixer& m, Form form, const MixerInputs& in, const State& s0, const MixerOptions& opt) {
-  auto r = run_with_grads(m, form, in, s0, opt, /*seed=*/5);
-  r.outputs.insert(r.outputs.end(), r.grads.begin(), r.grads.end());
-  for (auto& t : r.outputs) t = t.to(at::kFloat);
-  return r.outputs;
-}
 
 TEST(DecayKernel, MatchesChunkwise) {
   if (cuda_device_count() == 0) GTEST_SKIP() << "no CUDA device: GPU tests skipped";
@@ -102,8 +96,8 @@ TEST(DecayKernel, MatchesChunkwise) {
           }
         ASSERT_TRUE(m.kernel_supports(low, opt));
         ASSERT_EQ(m.resolve_form(low, opt), Form::kernel);
-        auto ref = run(m, Form::chunkwise, up, s0, opt);
-        auto ker = run(m, Form::kernel, low, s0, opt);
+        auto ref = outputs_then_grads(m, Form::chunkwise, up, s0, opt);
+        auto ker = outputs_then_grads(m, Form::kernel, low, s0, opt);
         ASSERT_EQ(ref.size(), ker.size());
         ASSERT_EQ(ref.size(), names.size());
         // Normalized linear attention's bf16 dq is a difference of two near-equal terms (numerator
@@ -189,10 +183,10 @@ TEST(DecayKernel, PiecesGiveTheBitsOfOneWalk) {
       State s0{at::randn({c.B, c.H, c.dk, c.dv}, at::kFloat).to(at::kCUDA) * 0.5};
       if (std::string(f.mixer) == "linear_attn") s0.push_back(at::rand({c.B, c.H, c.dk}, at::kFloat).to(at::kCUDA));
       carry_decay::decay_set_pieces(1);
-      auto whole = run(m, Form::kernel, low, s0, opt);
+      auto whole = outputs_then_grads(m, Form::kernel, low, s0, opt);
       for (int pieces : {2, 3, 4}) {
         carry_decay::decay_set_pieces(pieces);
-        auto cut = run(m, Form::kernel, low, s0, opt);
+        auto cut = outputs_then_grads(m, Form::kernel, low, s0, opt);
         ASSERT_EQ(cut.size(), whole.size());
         int differ = 0;
         for (size_t i = 0; i < cut.size(); ++i) {

@@ -32,13 +32,6 @@ MixerInputs fused_inputs(const Case& c, int64_t dv, at::ScalarType dt, uint64_t 
   in.v = at::randn({c.B, c.T, c.H, dv}, gen, o).to(at::kCUDA).to(dt);
   return in;
 }
-
-std::vector<Tensor> run(const Mixer& m, Form form, const MixerInputs& in, const State& s0, const MixerOptions& opt) {
-  auto r = run_with_grads(m, form, in, s0, opt, /*seed=*/5);
-  r.outputs.insert(r.outputs.end(), r.grads.begin(), r.grads.end());
-  for (auto& t : r.outputs) t = t.to(at::kFloat);
-  return r.outputs;
-}
 #endif
 
 TEST(LinearAttnFused, MatchesChunkwise) {
@@ -56,11 +49,11 @@ TEST(LinearAttnFused, MatchesChunkwise) {
     State s0{at::randn({c.B, c.H, 128, 128}, at::kFloat).to(at::kCUDA) * 0.5,
              at::rand({c.B, c.H, 128}, at::kFloat).to(at::kCUDA)};
     MixerOptions opt;
-    auto ref = run(m, Form::chunkwise, up, s0, opt);
+    auto ref = outputs_then_grads(m, Form::chunkwise, up, s0, opt);
     for (int segments : {0, 1, 2, 4}) {
       linear_attn_fused_set(1, segments);
       ASSERT_TRUE(linear_attn_fused_supports(low, opt));
-      auto ker = run(m, Form::kernel, low, s0, opt);
+      auto ker = outputs_then_grads(m, Form::kernel, low, s0, opt);
       ASSERT_EQ(ref.size(), ker.size());
       ASSERT_EQ(ref.size(), std::size(names));
       std::string line;
