@@ -44,6 +44,19 @@ __device__ __forceinline__ int off128(int r, int c) { return r * 256 + ((((c >> 
 // [rows][64] bf16, the same swizzle
 __device__ __forceinline__ int off64(int r, int c) { return r * 128 + ((((c >> 3) ^ (r & 7)) & 7) << 4) + (c & 7) * 2; }
 
+// f(row, col, x0, x1) for each pair (row, col..col+1) of a warp's 32 × 64 state accumulators s ([m-tile 2]
+// [n-tile 8][4]: rows rb + 16·mi + lane/4 (+8), columns cb + 8·n + 2·(lane%4) (+1)).
+template <class S, class F>
+__device__ __forceinline__ void state_pairs(S (&s)[2][8][4], int rb, int cb, F&& f) {
+  const int lane = threadIdx.x & 31, g = lane >> 2, t4 = lane & 3;
+#pragma unroll
+  for (int mi = 0; mi < 2; ++mi)
+#pragma unroll
+    for (int n = 0; n < 8; ++n)
+#pragma unroll
+      for (int hf = 0; hf < 2; ++hf) f(rb + 16 * mi + g + 8 * hf, cb + 8 * n + 2 * t4, s[mi][n][2 * hf], s[mi][n][2 * hf + 1]);
+}
+
 // One chunk's tiles into shared memory (128 threads): Q and K [64 t][128 d] (Q optional), V [64 t][64 n] at
 // column v0. Token-major inputs [B·T][H][D] (t0: the row in B·T).
 __device__ __forceinline__ void load_chunk(unsigned char* sQ, unsigned char* sK, unsigned char* sV, const bf16* q,
@@ -107,17 +120,10 @@ __global__ void __launch_bounds__(128) seg_sum(const bf16* __restrict__ k, const
     kt_v(s, smem + b * 16384, smem + 32768 + b * 8192);
     __syncthreads();  // the buffer is reloaded next iteration
   }
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t4 = lane & 3;
   float* out = Ssum + ((long)seg * B * H + bh) * DK * DV;
-#pragma unroll
-  for (int mi = 0; mi < 2; ++mi)
-#pragma unroll
-    for (int n = 0; n < 8; ++n)
-#pragma unroll
-      for (int hf = 0; hf < 2; ++hf) {
-        const int d = 32 * warp + 16 * mi + g + 8 * hf, col = v0 + 8 * n + 2 * t4;
-        *reinterpret_cast<float2*>(out + (long)d * DV + col) = make_float2(s[mi][n][2 * hf], s[mi][n][2 * hf + 1]);
-      }
+  state_pairs(s, 32 * (threadIdx.x >> 5), v0, [&](int d, int col, float x0, float x1) {
+    *reinterpret_cast<float2*>(out + (long)d * DV + col) = make_float2(x0, x1);
+  });
 }
 
 // 2. In place (H: the number of states, B·H): Ssum[s] ← S0 + Σ_{s' < s} Ssum[s'] (the state entering segment s); Sfin ← the total.
@@ -151,17 +157,10 @@ __global__ void __launch_bounds__(128, 2) fused(const bf16* __restrict__ q, cons
   unsigned char* sS = smem + 81920;
   float s[2][8][4];
   const float* in = Sin + ((long)seg * B * H + bh) * DK * DV;
-#pragma unroll
-  for (int mi = 0; mi < 2; ++mi)
-#pragma unroll
-    for (int n = 0; n < 8; ++n)
-#pragma unroll
-      for (int hf = 0; hf < 2; ++hf) {
-        const int d = 32 * warp + 16 * mi + g + 8 * hf, col = v0 + 8 * n + 2 * t4;
-        const float2 x = *reinterpret_cast<const float2*>(in + (long)d * DV + col);
-        s[mi][n][2 * hf] = x.x;
-        s[mi][n][2 * hf + 1] = x.y;
-      }
+  state_pairs(s, 32 * warp, v0, [&](int d, int col, float& x0, float& x1) {
+    const float2 x = *reinterpret_cast<const float2*>(in + (long)d * DV + col);
+    x0 = x.x, x1 = x.y;
+  });
   load_chunk(sQ(0), sK(0), sV(0), q, k, v, tb + c0 * C, h, H, DV, v0);
   cp_async_commit();
   for (int i = 0; i < per; ++i) {
@@ -171,14 +170,9 @@ __global__ void __launch_bounds__(128, 2) fused(const bf16* __restrict__ q, cons
     if (i + 1 < per) load_chunk(sQ(b ^ 1), sK(b ^ 1), sV(b ^ 1), q, k, v, t0 + C, h, H, DV, v0);
     cp_async_commit();
     // the incoming state in bf16 for Q·S
-#pragma unroll
-    for (int mi = 0; mi < 2; ++mi)
-#pragma unroll
-      for (int n = 0; n < 8; ++n)
-#pragma unroll
-        for (int hf = 0; hf < 2; ++hf)
-          *reinterpret_cast<unsigned*>(sS + off64(32 * warp + 16 * mi + g + 8 * hf, 8 * n + 2 * t4)) =
-              pack_bf16(s[mi][n][2 * hf], s[mi][n][2 * hf + 1]);
+    state_pairs(s, 32 * warp, 0, [&](int d, int col, float x0, float x1) {
+      *reinterpret_cast<unsigned*>(sS + off64(d, col)) = pack_bf16(x0, x1);
+    });
     __syncthreads();
     // this warp's 16 query rows: Q fragments over dk (8 k-steps)
     unsigned aq[8][4];
@@ -288,28 +282,16 @@ __device__ __forceinline__ void at_b(float (&s)[2][8][4], const unsigned char* s
 }
 // The state (warp's part) in bf16, times f, into sX [128][128].
 __device__ __forceinline__ void state_out(const float (&s)[2][8][4], unsigned char* sX, int rb, int cb, float f) {
-  const int lane = threadIdx.x & 31, g = lane >> 2, t4 = lane & 3;
-#pragma unroll
-  for (int mi = 0; mi < 2; ++mi)
-#pragma unroll
-    for (int n = 0; n < 8; ++n)
-#pragma unroll
-      for (int hf = 0; hf < 2; ++hf)
-        *reinterpret_cast<unsigned*>(sX + off128(rb + 16 * mi + g + 8 * hf, cb + 8 * n + 2 * t4)) =
-            pack_bf16(s[mi][n][2 * hf] * f, s[mi][n][2 * hf + 1] * f);
+  state_pairs(s, rb, cb, [&](int d, int col, float x0, float x1) {
+    *reinterpret_cast<unsigned*>(sX + off128(d, col)) = pack_bf16(x0 * f, x1 * f);
+  });
 }
-__device__ __forceinline__ void state_in(float (&s)[2][8][4], const float* p, int rb, int cb, float f) {
-  const int lane = threadIdx.x & 31, g = lane >> 2, t4 = lane & 3;
-#pragma unroll
-  for (int mi = 0; mi < 2; ++mi)
-#pragma unroll
-    for (int n = 0; n < 8; ++n)
-#pragma unroll
-      for (int hf = 0; hf < 2; ++hf) {
-        const float2 x = *reinterpret_cast<const float2*>(p + (long)(rb + 16 * mi + g + 8 * hf) * 128 + cb + 8 * n + 2 * t4);
-        s[mi][n][2 * hf] = x.x * f;
-        s[mi][n][2 * hf + 1] = x.y * f;
-      }
+// The state (warp's part) from fp32 [128][128] memory.
+__device__ __forceinline__ void state_in(float (&s)[2][8][4], const float* p, int rb, int cb) {
+  state_pairs(s, rb, cb, [&](int d, int col, float& x0, float& x1) {
+    const float2 x = *reinterpret_cast<const float2*>(p + (long)d * 128 + col);
+    x0 = x.x, x1 = x.y;
+  });
 }
 // A fragments of 16 rows (rows rb..) over 128 columns (8 k-steps) of a [64][128] tile.
 __device__ __forceinline__ void rows_a(unsigned (&a)[8][4], const unsigned char* sX, int rb) {
@@ -423,16 +405,10 @@ __global__ void __launch_bounds__(256) seg_sum_full(const bf16* __restrict__ X, 
     at_b(s, smem + b * 32768, smem + b * 32768 + 16384, rb, cb);
     __syncthreads();
   }
-  const int lane = threadIdx.x & 31, g = lane >> 2, t4 = lane & 3;
   float* out = Ssum + ((long)seg * B * H + bh) * 128 * 128;
-#pragma unroll
-  for (int mi = 0; mi < 2; ++mi)
-#pragma unroll
-    for (int n = 0; n < 8; ++n)
-#pragma unroll
-      for (int hf = 0; hf < 2; ++hf)
-        *reinterpret_cast<float2*>(out + (long)(rb + 16 * mi + g + 8 * hf) * 128 + cb + 8 * n + 2 * t4) =
-            make_float2(s[mi][n][2 * hf], s[mi][n][2 * hf + 1]);
+  state_pairs(s, rb, cb, [&](int d, int col, float x0, float x1) {
+    *reinterpret_cast<float2*>(out + (long)d * 128 + col) = make_float2(x0, x1);
+  });
 }
 // In place: Dsum[s] ← dSfin/scale + Σ_{s' > s} Dsum[s'] (D' leaving segment s); dS0 ← scale·(the total).
 __global__ void seg_scan_rev(float* __restrict__ Dsum, const float* __restrict__ dSfin, float* __restrict__ dS0,
@@ -461,7 +437,7 @@ __global__ void __launch_bounds__(256, 1) bwd_dq(const bf16* __restrict__ k, con
   unsigned char* sS = smem + 2 * 49152;
   const bf16* src[3] = {dO, k, v};
   float s[2][8][4];
-  state_in(s, Sin + ((long)seg * B * H + bh) * 128 * 128, rb, cb, 1.f);
+  state_in(s, Sin + ((long)seg * B * H + bh) * 128 * 128, rb, cb);
   load_tiles(smem, src, 3, tb + c0 * C, h, H);
   cp_async_commit();
   for (int i = 0; i < per; ++i) {
@@ -505,7 +481,7 @@ __global__ void __launch_bounds__(256, 1) bwd_dkdv(const bf16* __restrict__ q, c
   unsigned char* sD = smem + 2 * 65536;
   const bf16* src[4] = {q, k, v, dO};
   float s[2][8][4];  // D' (D / scale)
-  state_in(s, Dout + ((long)seg * B * H + bh) * 128 * 128, rb, cb, 1.f);
+  state_in(s, Dout + ((long)seg * B * H + bh) * 128 * 128, rb, cb);
   load_tiles(smem, src, 4, tb + (c0 + per - 1) * C, h, H);
   cp_async_commit();
   for (int i = 0; i < per; ++i) {
