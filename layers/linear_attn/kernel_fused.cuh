@@ -140,6 +140,35 @@ __global__ void seg_scan(float* __restrict__ Ssum, const float* __restrict__ S0,
   Sfin[i] = acc;
 }
 
+// p (16 rows rb.. × 64 tokens) = a (16 × 128) · Yᵀ over the tokens a causal mask keeps (Y [64 t][128]):
+// lower (token ≤ row) or upper (token ≥ row), times scale, zero elsewhere.
+template <bool UPPER>
+__device__ __forceinline__ void masked_rows_t(float (&p)[8][4], const unsigned (&a)[8][4], const unsigned char* sY,
+                                              int rb, float scale) {
+  const int lane = threadIdx.x & 31, g = lane >> 2, t4 = lane & 3, j = lane >> 3, r = lane & 7;
+#pragma unroll
+  for (int n = 0; n < 8; ++n)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) p[n][e] = 0.f;
+#pragma unroll
+  for (int np = 0; np < 4; ++np) {
+    if (UPPER ? 16 * np + 15 < rb : 16 * np > rb + 15) continue;
+#pragma unroll
+    for (int ks = 0; ks < 8; ++ks) {
+      unsigned bb[4];
+      ldsm_x4(bb, sY + off128(16 * np + r + (j >> 1) * 8, 16 * ks + (j & 1) * 8));
+      mma16816(p[2 * np], a[ks], bb[0], bb[1]);
+      mma16816(p[2 * np + 1], a[ks], bb[2], bb[3]);
+    }
+  }
+#pragma unroll
+  for (int n = 0; n < 8; ++n)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int row = rb + g + 8 * (e >> 1), tok = 8 * n + 2 * t4 + (e & 1);
+      p[n][e] = (UPPER ? tok >= row : tok <= row) ? p[n][e] * scale : 0.f;
+    }
+}
 // 3. Each segment's chunks from its incoming state: o = scale·Q·S_in + causal(scale·Q·Kᵀ)·V, S += Kᵀ·V.
 // 4 warps: warp w owns the chunk's query rows 16w.. for the output and dk rows 32w.. of the state.
 __global__ void __launch_bounds__(128, 2) fused(const bf16* __restrict__ q, const bf16* __restrict__ k,
@@ -193,26 +222,9 @@ __global__ void __launch_bounds__(128, 2) fused(const bf16* __restrict__ q, cons
     for (int n = 0; n < 8; ++n)
 #pragma unroll
       for (int e = 0; e < 4; ++e) acc[n][e] *= scale;
-    // P = Q·Kᵀ over the keys up to this warp's last row (B = Kᵀ: k = d, n = key, from K[key][d], no trans)
-    float p[8][4] = {};
-#pragma unroll
-    for (int ks = 0; ks < 8; ++ks)
-#pragma unroll
-      for (int np = 0; np < 4; ++np) {
-        if (16 * np > 16 * warp + 15) continue;  // keys past the warp's rows: masked anyway
-        unsigned bb[4];
-        ldsm_x4(bb, sK(b) + off128(16 * np + r + (j >> 1) * 8, 16 * ks + (j & 1) * 8));
-        mma16816(p[2 * np], aq[ks], bb[0], bb[1]);
-        mma16816(p[2 * np + 1], aq[ks], bb[2], bb[3]);
-      }
-    // causal mask (key ≤ query) and scale; P·V accumulated into O (A = P from the accumulators)
-#pragma unroll
-    for (int n = 0; n < 8; ++n)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int row = 16 * warp + g + 8 * (e >> 1), key = 8 * n + 2 * t4 + (e & 1);
-        p[n][e] = key <= row ? p[n][e] * scale : 0.f;
-      }
+    // P = causal(scale·Q·Kᵀ) over this warp's rows; P·V accumulated into O (A = P from the accumulators)
+    float p[8][4];
+    masked_rows_t<false>(p, aq, sK(b), 16 * warp, scale);
 #pragma unroll
     for (int kk = 0; kk < 4; ++kk) {  // keys 16kk..16kk+15
       if (16 * kk > 16 * warp + 15) continue;
@@ -325,35 +337,6 @@ __device__ __forceinline__ void times_cols(float (&acc)[8][4], const unsigned (&
       ldsm_x4_t(bb, sX + off128(16 * ks + r + (j & 1) * 8, cb + 16 * np + (j >> 1) * 8));
       mma16816(acc[2 * np], a[ks], bb[0], bb[1]);
       mma16816(acc[2 * np + 1], a[ks], bb[2], bb[3]);
-    }
-}
-// p (16 rows rb.. × 64 tokens) = a (16 × 128) · Yᵀ over the tokens a causal mask keeps (Y [64 t][128]):
-// lower (token ≤ row) or upper (token ≥ row), times scale, zero elsewhere.
-template <bool UPPER>
-__device__ __forceinline__ void masked_rows_t(float (&p)[8][4], const unsigned (&a)[8][4], const unsigned char* sY,
-                                              int rb, float scale) {
-  const int lane = threadIdx.x & 31, g = lane >> 2, t4 = lane & 3, j = lane >> 3, r = lane & 7;
-#pragma unroll
-  for (int n = 0; n < 8; ++n)
-#pragma unroll
-    for (int e = 0; e < 4; ++e) p[n][e] = 0.f;
-#pragma unroll
-  for (int np = 0; np < 4; ++np) {
-    if (UPPER ? 16 * np + 15 < rb : 16 * np > rb + 15) continue;
-#pragma unroll
-    for (int ks = 0; ks < 8; ++ks) {
-      unsigned bb[4];
-      ldsm_x4(bb, sY + off128(16 * np + r + (j >> 1) * 8, 16 * ks + (j & 1) * 8));
-      mma16816(p[2 * np], a[ks], bb[0], bb[1]);
-      mma16816(p[2 * np + 1], a[ks], bb[2], bb[3]);
-    }
-  }
-#pragma unroll
-  for (int n = 0; n < 8; ++n)
-#pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      const int row = rb + g + 8 * (e >> 1), tok = 8 * n + 2 * t4 + (e & 1);
-      p[n][e] = (UPPER ? tok >= row : tok <= row) ? p[n][e] * scale : 0.f;
     }
 }
 // acc (16 × 64 from column cb) += p (16 × 64 tokens) · Z[:, cb..] (Z [64 t][128]), skipping zero blocks.
