@@ -23,6 +23,11 @@ struct Case {
   int64_t B, T, H;
 };
 
+// Back to the environment's choice when a test ends, also when an assertion returns early.
+struct FusedModeReset {
+  ~FusedModeReset() { linear_attn_fused_set(-1, 0); }
+};
+
 MixerInputs fused_inputs(const Case& c, int64_t dv, at::ScalarType dt, uint64_t seed) {
   auto gen = at::make_generator<at::CPUGeneratorImpl>(seed);
   auto o = at::TensorOptions().dtype(at::kFloat);
@@ -39,6 +44,7 @@ TEST(LinearAttnFused, MatchesChunkwise) {
 #ifndef CARRY_WITH_CUDA
   GTEST_SKIP() << "built without CUDA";
 #else
+  FusedModeReset reset;
   const Mixer& m = get_mixer("linear_attn");
   const char* names[] = {"o", "final_S", "final_z", "dq", "dk", "dv", "d_initial_S", "d_initial_z"};
   for (const Case& c : {Case{1, 1024, 2}, Case{2, 512, 3}}) {
@@ -70,7 +76,6 @@ TEST(LinearAttnFused, MatchesChunkwise) {
                 << " H=" << c.H << ":" << line << "\n";
     }
   }
-  linear_attn_fused_set(-1, 0);
 #endif
 }
 
@@ -79,6 +84,7 @@ TEST(LinearAttnFused, AppliesOnlyWhereItShould) {
 #ifndef CARRY_WITH_CUDA
   GTEST_SKIP() << "built without CUDA";
 #else
+  FusedModeReset reset;
   const Case c{1, 256, 2};
   const MixerInputs bf = fused_inputs(c, 128, at::kBFloat16, 7), f32 = fused_inputs(c, 128, at::kFloat, 7),
                     narrow = fused_inputs(c, 64, at::kBFloat16, 7);
@@ -94,7 +100,6 @@ TEST(LinearAttnFused, AppliesOnlyWhereItShould) {
   EXPECT_FALSE(linear_attn_fused_supports(bf, serial)) << "serial states";
   EXPECT_FALSE(linear_attn_fused_supports(narrow, plain)) << "dv = 64";
   EXPECT_THROW(linear_attn_fused_set(2), c10::Error);
-  linear_attn_fused_set(-1, 0);
 #endif
 }
 
