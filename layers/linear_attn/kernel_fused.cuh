@@ -44,6 +44,15 @@ __device__ __forceinline__ int off128(int r, int c) { return r * 256 + ((((c >> 
 // [rows][64] bf16, the same swizzle
 __device__ __forceinline__ int off64(int r, int c) { return r * 128 + ((((c >> 3) ^ (r & 7)) & 7) << 4) + (c & 7) * 2; }
 
+// B fragments of two n8-tiles (columns n0..n0+15) over k0..k0+15 from a [rows][128] bf16 tile stored
+// [n][k] (KROWS false: ldmatrix) or [k][n] (KROWS true: ldmatrix.trans): bb[0], bb[1] the first tile's.
+template <bool KROWS>
+__device__ __forceinline__ void b_pair(unsigned (&bb)[4], const unsigned char* sX, int k0, int n0) {
+  const int lane = threadIdx.x & 31, j = lane >> 3, r = lane & 7;
+  if constexpr (KROWS) ldsm_x4_t(bb, sX + off128(k0 + r + (j & 1) * 8, n0 + (j >> 1) * 8));
+  else ldsm_x4(bb, sX + off128(n0 + r + (j >> 1) * 8, k0 + (j & 1) * 8));
+}
+
 // f(row, col, x0, x1) for each pair (row, col..col+1) of a warp's 32 × 64 state accumulators s ([m-tile 2]
 // [n-tile 8][4]: rows rb + 16·mi + lane/4 (+8), columns cb + 8·n + 2·(lane%4) (+1)).
 template <class S, class F>
@@ -145,7 +154,7 @@ __global__ void seg_scan(float* __restrict__ Ssum, const float* __restrict__ S0,
 template <bool UPPER>
 __device__ __forceinline__ void masked_rows_t(float (&p)[8][4], const unsigned (&a)[8][4], const unsigned char* sY,
                                               int rb, float scale) {
-  const int lane = threadIdx.x & 31, g = lane >> 2, t4 = lane & 3, j = lane >> 3, r = lane & 7;
+  const int lane = threadIdx.x & 31, g = lane >> 2, t4 = lane & 3;
 #pragma unroll
   for (int n = 0; n < 8; ++n)
 #pragma unroll
@@ -156,7 +165,7 @@ __device__ __forceinline__ void masked_rows_t(float (&p)[8][4], const unsigned (
 #pragma unroll
     for (int ks = 0; ks < 8; ++ks) {
       unsigned bb[4];
-      ldsm_x4(bb, sY + off128(16 * np + r + (j >> 1) * 8, 16 * ks + (j & 1) * 8));
+      b_pair<false>(bb, sY, 16 * ks, 16 * np);
       mma16816(p[2 * np], a[ks], bb[0], bb[1]);
       mma16816(p[2 * np + 1], a[ks], bb[2], bb[3]);
     }
@@ -283,7 +292,7 @@ __device__ __forceinline__ void at_b(float (&s)[2][8][4], const unsigned char* s
 #pragma unroll
     for (int np = 0; np < 4; ++np) {
       unsigned b[4];
-      ldsm_x4_t(b, sB + off128(16 * ks + r + (j & 1) * 8, cb + 16 * np + (j >> 1) * 8));
+      b_pair<true>(b, sB, 16 * ks, cb + 16 * np);
 #pragma unroll
       for (int mi = 0; mi < 2; ++mi) {
         mma16816(s[mi][2 * np], a[mi], b[0], b[1]);
@@ -311,30 +320,16 @@ __device__ __forceinline__ void rows_a(unsigned (&a)[8][4], const unsigned char*
 #pragma unroll
   for (int ks = 0; ks < 8; ++ks) ldsm_x4(a[ks], sX + off128(rb + r + (j & 1) * 8, 16 * ks + (j >> 1) * 8));
 }
-// acc (16 × 64 from column cb) += a (16 × 128) · Xᵀ where X is [n][128] (n = cb.. rows of sX): B non-trans.
-__device__ __forceinline__ void times_rows_t(float (&acc)[8][4], const unsigned (&a)[8][4], const unsigned char* sX,
-                                             int cb) {
-  const int lane = threadIdx.x & 31, j = lane >> 3, r = lane & 7;
+// acc (16 × 64 from column cb) += a (16 × 128) · X over 128 k, X a [128][128] tile: stored [n][k] (KROWS
+// false: a · Xᵀ over X's rows cb..) or [k][n] (true: a · X[:, cb..]).
+template <bool KROWS>
+__device__ __forceinline__ void times_b(float (&acc)[8][4], const unsigned (&a)[8][4], const unsigned char* sX, int cb) {
 #pragma unroll
   for (int ks = 0; ks < 8; ++ks)
 #pragma unroll
     for (int np = 0; np < 4; ++np) {
       unsigned bb[4];
-      ldsm_x4(bb, sX + off128(cb + 16 * np + r + (j >> 1) * 8, 16 * ks + (j & 1) * 8));
-      mma16816(acc[2 * np], a[ks], bb[0], bb[1]);
-      mma16816(acc[2 * np + 1], a[ks], bb[2], bb[3]);
-    }
-}
-// acc (16 × 64 from column cb) += a (16 × 128) · X[:, cb..] where X is [128 k][128]: B trans.
-__device__ __forceinline__ void times_cols(float (&acc)[8][4], const unsigned (&a)[8][4], const unsigned char* sX,
-                                           int cb) {
-  const int lane = threadIdx.x & 31, j = lane >> 3, r = lane & 7;
-#pragma unroll
-  for (int ks = 0; ks < 8; ++ks)
-#pragma unroll
-    for (int np = 0; np < 4; ++np) {
-      unsigned bb[4];
-      ldsm_x4_t(bb, sX + off128(16 * ks + r + (j & 1) * 8, cb + 16 * np + (j >> 1) * 8));
+      b_pair<KROWS>(bb, sX, 16 * ks, cb + 16 * np);
       mma16816(acc[2 * np], a[ks], bb[0], bb[1]);
       mma16816(acc[2 * np + 1], a[ks], bb[2], bb[3]);
     }
@@ -343,7 +338,6 @@ __device__ __forceinline__ void times_cols(float (&acc)[8][4], const unsigned (&
 template <bool UPPER>
 __device__ __forceinline__ void p_times(float (&acc)[8][4], const float (&p)[8][4], const unsigned char* sZ, int rb,
                                         int cb) {
-  const int lane = threadIdx.x & 31, j = lane >> 3, r = lane & 7;
 #pragma unroll
   for (int kk = 0; kk < 4; ++kk) {
     if (UPPER ? 16 * kk + 15 < rb : 16 * kk > rb + 15) continue;
@@ -352,7 +346,7 @@ __device__ __forceinline__ void p_times(float (&acc)[8][4], const float (&p)[8][
 #pragma unroll
     for (int np = 0; np < 4; ++np) {
       unsigned bb[4];
-      ldsm_x4_t(bb, sZ + off128(16 * kk + r + (j & 1) * 8, cb + 16 * np + (j >> 1) * 8));
+      b_pair<true>(bb, sZ, 16 * kk, cb + 16 * np);
       mma16816(acc[2 * np], a, bb[0], bb[1]);
       mma16816(acc[2 * np + 1], a, bb[2], bb[3]);
     }
@@ -437,7 +431,7 @@ __global__ void __launch_bounds__(256, 1) bwd_dq(const bf16* __restrict__ k, con
     unsigned a[8][4];
     rows_a(a, sdO, orow);  // dO rows over dv
     float acc[8][4] = {};
-    times_rows_t(acc, a, sS, cb);  // dO·S_inᵀ: S [dk][dv] rows dk = cb..
+    times_b<false>(acc, a, sS, cb);  // dO·S_inᵀ: S [dk][dv] rows dk = cb..
 #pragma unroll
     for (int n = 0; n < 8; ++n)
 #pragma unroll
@@ -487,7 +481,7 @@ __global__ void __launch_bounds__(256, 1) bwd_dkdv(const bf16* __restrict__ q, c
     for (int n = 0; n < 8; ++n)
 #pragma unroll
       for (int e = 0; e < 4; ++e) acc[n][e] = 0.f;
-    times_rows_t(acc, a, sD, cb);  // V rows (over dv) · D[dk = cb.., dv]ᵀ
+    times_b<false>(acc, a, sD, cb);  // V rows (over dv) · D[dk = cb.., dv]ᵀ
     masked_rows_t<true>(p, a, sdO, orow, scale);
     p_times<true>(acc, p, sQ, orow, cb);
     store_rows(dk, acc, t0, orow, cb, h, H);
@@ -497,7 +491,7 @@ __global__ void __launch_bounds__(256, 1) bwd_dkdv(const bf16* __restrict__ q, c
     for (int n = 0; n < 8; ++n)
 #pragma unroll
       for (int e = 0; e < 4; ++e) acc[n][e] = 0.f;
-    times_cols(acc, a, sD, cb);  // K rows (over dk) · D[dk, dv = cb..]
+    times_b<true>(acc, a, sD, cb);  // K rows (over dk) · D[dk, dv = cb..]
     masked_rows_t<true>(p, a, sQ, orow, scale);
     p_times<true>(acc, p, sdO, orow, cb);
     store_rows(dv, acc, t0, orow, cb, h, H);
