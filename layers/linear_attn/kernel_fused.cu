@@ -47,7 +47,7 @@ float* F(const at::Tensor& t) { return t.data_ptr<float>(); }
 bool fused_enabled() {
   static const bool env = [] {
     const char* e = std::getenv("CARRY_LA_FUSED");
-    return e && e[0] == '1';
+    return !(e && e[0] == '0');
   }();
   const int m = g_mode.load();
   return m < 0 ? env : m == 1;

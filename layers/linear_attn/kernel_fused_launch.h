@@ -8,7 +8,7 @@
 
 namespace carry_la {
 
-// Whether the fused kernels are on (linear_attn_fused_set, else CARRY_LA_FUSED=1) and the forced segments.
+// Whether the fused kernels are on (linear_attn_fused_set, else unless CARRY_LA_FUSED=0) and the forced segments.
 bool fused_enabled();
 int fused_forced_segments();
 

@@ -12,6 +12,7 @@
 
 #ifdef CARRY_WITH_CUDA
 #include "layers/common/kernel_decay.cuh"
+#include "layers/linear_attn/kernel_fused.h"
 #endif
 
 #include <gtest/gtest.h>
@@ -32,6 +33,15 @@ struct Family {
   bool normalize;
   double max_decay;  // −log decay per token drawn log-uniformly in [1e-5, max_decay]
 };
+
+#ifdef CARRY_WITH_CUDA
+// Linear attention's bf16 kernel form runs its fused kernels by default (kernel_fused.h, tested in
+// tests/layers/linear_attn/fused_kernel_test.cpp); these tests hold it to the decay class's kernels.
+struct DecayClassOnly {
+  DecayClassOnly() { linear_attn_fused_set(0); }
+  ~DecayClassOnly() { linear_attn_fused_set(-1); }
+};
+#endif
 
 MixerInputs decay_inputs(const Family& f, const Case& c, uint64_t seed) {
   auto gen = at::make_generator<at::CPUGeneratorImpl>(seed);
@@ -61,6 +71,7 @@ TEST(DecayKernel, MatchesChunkwise) {
 #ifndef CARRY_WITH_CUDA
   GTEST_SKIP() << "built without CUDA";
 #else
+  const DecayClassOnly decay_class_only;
   carry_decay::decay_set_poison(true);
   // GLA's diagonal blocks run on tensor cores while the gate spans at most 40 nats about a block's middle
   // row (kDiagSpan), elementwise beyond: decays up to 3 nats a token keep every block on tensor cores,
@@ -138,6 +149,7 @@ TEST(DecayKernel, FinalStateHookSeesTheFinishedState) {
 #ifndef CARRY_WITH_CUDA
   GTEST_SKIP() << "built without CUDA";
 #else
+  const DecayClassOnly decay_class_only;
   const Family families[] = {{"gla", "gk", false, 0.3}, {"scalar_decay", "g", false, 0.3}, {"linear_attn", "", false, 0}};
   for (const Family& f : families) {
     const Mixer& m = get_mixer(f.mixer);
@@ -171,6 +183,7 @@ TEST(DecayKernel, PiecesGiveTheBitsOfOneWalk) {
 #ifndef CARRY_WITH_CUDA
   GTEST_SKIP() << "built without CUDA";
 #else
+  const DecayClassOnly decay_class_only;
   carry_decay::decay_set_poison(true);
   carry_decay::decay_set_segments(1);  // pieces apply where the walk is one segment
   const Family families[] = {{"gla", "gk", false, 0.3}, {"scalar_decay", "g", false, 0.3}, {"linear_attn", "", false, 0}};

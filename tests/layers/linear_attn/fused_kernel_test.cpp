@@ -14,6 +14,7 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstdlib>
 
 namespace carry::testing {
 namespace {
@@ -91,6 +92,7 @@ TEST(LinearAttnFused, AppliesOnlyWhereItShould) {
   MixerOptions plain, normalized, serial;
   normalized.normalize = true;
   serial.serial_states = true;
+  if (!std::getenv("CARRY_LA_FUSED")) EXPECT_TRUE(linear_attn_fused_supports(bf, plain)) << "on by default";
   linear_attn_fused_set(0);
   EXPECT_FALSE(linear_attn_fused_supports(bf, plain)) << "off";
   linear_attn_fused_set(1);
@@ -100,6 +102,27 @@ TEST(LinearAttnFused, AppliesOnlyWhereItShould) {
   EXPECT_FALSE(linear_attn_fused_supports(bf, serial)) << "serial states";
   EXPECT_FALSE(linear_attn_fused_supports(narrow, plain)) << "dv = 64";
   EXPECT_THROW(linear_attn_fused_set(2), c10::Error);
+#endif
+}
+
+// The final-state hook sees the fused forward's final state (S and z), and the initial state's gradient
+// comes back through autograd as from the decay class's kernels (linear attention's form calls no
+// backward hook).
+TEST(LinearAttnFused, FinalStateHookSeesTheFinishedState) {
+  if (cuda_device_count() == 0) GTEST_SKIP() << "no CUDA device: GPU tests skipped";
+#ifndef CARRY_WITH_CUDA
+  GTEST_SKIP() << "built without CUDA";
+#else
+  FusedModeReset reset;
+  linear_attn_fused_set(1);
+  const Case c{1, 512, 2};
+  const MixerInputs bf = fused_inputs(c, 128, at::kBFloat16, 11);
+  MixerOptions opt;
+  opt.form = Form::kernel;
+  ASSERT_TRUE(linear_attn_fused_supports(bf, opt));
+  State s0{at::randn({c.B, c.H, 128, 128}, at::kFloat).to(at::kCUDA) * 0.5,
+           at::rand({c.B, c.H, 128}, at::kFloat).to(at::kCUDA)};
+  check_state_hooks(get_mixer("linear_attn"), bf, s0, opt, /*grad_hook_calls=*/0, "linear_attn fused");
 #endif
 }
 
