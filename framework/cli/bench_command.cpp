@@ -43,7 +43,8 @@ const char* kUsage =
     "                           [--serial] [--pieces N] [--decay-segments N]\n"
     "                           [--decay-pieces N] [--checksum]\n"
     "  Times the kernel forms on the GPU (bf16, B = 1): forward and forward+backward ms, tokens/s,\n"
-    "  GB/s and TFLOP/s against counted floors. Without --T/--heads/--dk/--dv it runs the issue's shapes:\n"
+    "  GB/s and TFLOP/s against counted floors, and the MiB one forward+backward adds at its peak above its\n"
+    "  inputs and the output's gradient (saved tensors, outputs, workspaces, the inputs' gradients). Without --T/--heads/--dk/--dv it runs the issue's shapes:\n"
     "  H=16 dk=dv=128 at T = 16384, 65536, 131072; H=4 dk=128 dv=256 and H=4 dk=96 dv=192 at 32768, 131072;\n"
     "  softmax_attn (sliding window --window) at H=6 dk=dv=128, T = 32768, 131072. --serial walks every\n"
     "  state pass in order (MixerOptions::serial_states: no segments, as the ordered scan runs them).\n"
@@ -206,8 +207,8 @@ int run(const Args& a) {
     std::printf("\nH=%lld dk=%lld dv=%lld", (long long)s.H, (long long)s.dk, (long long)s.dv);
     if (attention) std::printf(" (softmax_attn: window %lld)", (long long)a.window);
     std::printf("\n");
-    std::printf("%-16s %8s %10s %12s %14s %9s %9s %9s\n", "family", "T", "fwd ms", "fwd+bwd ms", "tokens/s",
-                "fwd GB/s", "f+b GB/s", "f+b TF/s");
+    std::printf("%-16s %8s %10s %12s %14s %9s %9s %9s %9s\n", "family", "T", "fwd ms", "fwd+bwd ms", "tokens/s",
+                "fwd GB/s", "f+b GB/s", "f+b TF/s", "f+b MiB");
     for (int64_t T : s.Ts) {
       for (const auto& name : s.families) {
         const Mixer& m = get_mixer(name);
@@ -238,10 +239,24 @@ int run(const Args& a) {
           auto out = m.forward(leaves, {}, opt);
           torch::autograd::backward({out.o}, {d_o});
         }, a.reps);
+        // The memory one forward+backward adds above its inputs and d_o at its peak: saved tensors, the
+        // output and final state, workspaces and the inputs' gradients (launcher/fla_kernel_memory.py
+        // measures FLA's ops the same way).
+        for (auto& x : xs) x.mutable_grad().reset();
+        cuda_synchronize();
+        cuda_reset_peak_allocated(0);
+        const int64_t held = cuda_peak_allocated_bytes(0);
+        {
+          auto out = m.forward(leaves, {}, opt);
+          torch::autograd::backward({out.o}, {d_o});
+          cuda_synchronize();
+        }
+        const double added_mib = double(cuda_peak_allocated_bytes(0) - held) / (1024.0 * 1024.0);
+        for (auto& x : xs) x.mutable_grad().reset();
         Floors f = floors(m, T, s, a.window);
-        std::printf("%-16s %8lld %10.3f %12.3f %14.0f %9.0f %9.0f %9.1f\n", name.c_str(), (long long)T, fwd, fb,
+        std::printf("%-16s %8lld %10.3f %12.3f %14.0f %9.0f %9.0f %9.1f %9.0f\n", name.c_str(), (long long)T, fwd, fb,
                     T / (fb * 1e-3), f.fwd_bytes / (fwd * 1e-3) / 1e9, f.fb_bytes / (fb * 1e-3) / 1e9,
-                    f.fb_flops / (fb * 1e-3) / 1e12);
+                    f.fb_flops / (fb * 1e-3) / 1e12, added_mib);
         if (a.checksum) {
           for (auto& x : xs) x.mutable_grad().reset();
           auto out = m.forward(leaves, {}, opt);
