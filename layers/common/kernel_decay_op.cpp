@@ -4,6 +4,7 @@
 
 #include "layers/common/kernel_decay.cuh"
 #include "layers/common/layout.h"
+#include "layers/common/state_grad_hook.h"
 
 #include <torch/csrc/autograd/custom_function.h>
 
@@ -12,12 +13,6 @@ namespace {
 
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
-
-// MixerOptions::on_initial_state_grad, kept in the autograd context for the backward.
-struct StateGradHook : torch::CustomClassHolder {
-  explicit StateGradHook(std::function<void(const Tensor&)> f) : fn(std::move(f)) {}
-  std::function<void(const Tensor&)> fn;
-};
 
 struct DecayKernelOp : public torch::autograd::Function<DecayKernelOp> {
   // g travels as an empty tensor for linear attention (autograd Functions take no undefined tensors).
@@ -34,8 +29,7 @@ struct DecayKernelOp : public torch::autograd::Function<DecayKernelOp> {
     ctx->saved_data["scale"] = scale;
     ctx->saved_data["kind"] = kind;
     ctx->saved_data["segments"] = segments;
-    if (on_initial_state_grad)
-      ctx->saved_data["on_s0_grad"] = at::IValue::make_capsule(c10::make_intrusive<StateGradHook>(on_initial_state_grad));
+    carry_tiles::keep_state_grad_hook(ctx, on_initial_state_grad);
     return {out[0], out[1]};
   }
 
@@ -49,9 +43,7 @@ struct DecayKernelOp : public torch::autograd::Function<DecayKernelOp> {
     Tensor d_o = grads[0].defined() ? grads[0].contiguous() : at::zeros({B, T, H, dv}, v.options());
     Tensor d_s = grads[1].defined() ? grads[1].contiguous()
                                     : at::zeros({B, H, dk, dv}, q.options().dtype(at::kFloat));
-    std::function<void(const Tensor&)> hook;
-    auto it = ctx->saved_data.find("on_s0_grad");
-    if (it != ctx->saved_data.end()) hook = c10::static_intrusive_pointer_cast<StateGradHook>(it->second.toCapsule())->fn;
+    const std::function<void(const Tensor&)> hook = carry_tiles::state_grad_hook(ctx);
     auto d = carry_decay::decay_bwd(decay, q, k, v, g, ctx->saved_data["scale"].toDouble(), Tensor(), saved, d_o,
                                     d_s, static_cast<int>(ctx->saved_data["segments"].toInt()), hook);
     return {d[0], d[1], d[2], g.defined() ? d[3] : Tensor(), d[4], Tensor(), Tensor(), Tensor(), Tensor(), Tensor()};

@@ -2,6 +2,7 @@
 // sources (CARRY_CUDA builds and the compile-and-link check), never on the ATen-only path.
 #include "layers/delta_rule/kernel_op.h"
 
+#include "layers/common/state_grad_hook.h"
 #include "layers/delta_rule/kernel.cuh"
 
 #include <torch/csrc/autograd/custom_function.h>
@@ -11,12 +12,6 @@ namespace {
 
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
-
-// MixerOptions::on_initial_state_grad, kept in the autograd context for the backward.
-struct StateGradHook : torch::CustomClassHolder {
-  explicit StateGradHook(std::function<void(const Tensor&)> f) : fn(std::move(f)) {}
-  std::function<void(const Tensor&)> fn;
-};
 
 Tensor dense(const Tensor& t) { return t.defined() ? t.contiguous() : t; }
 
@@ -40,8 +35,7 @@ struct DeltaRuleKernelOp : public torch::autograd::Function<DeltaRuleKernelOp> {
     ctx->save_for_backward(keep);
     ctx->saved_data["scale"] = scale;
     ctx->saved_data["chunk"] = chunk;
-    if (on_initial_state_grad)
-      ctx->saved_data["on_s0_grad"] = at::IValue::make_capsule(c10::make_intrusive<StateGradHook>(on_initial_state_grad));
+    carry_tiles::keep_state_grad_hook(ctx, on_initial_state_grad);
     return {out[0], out[1]};
   }
 
@@ -54,9 +48,7 @@ struct DeltaRuleKernelOp : public torch::autograd::Function<DeltaRuleKernelOp> {
     Tensor d_o = grads[0].defined() ? grads[0].contiguous() : at::zeros({B, T, H, dv}, v.options());
     Tensor d_s = grads[1].defined() ? grads[1].contiguous()
                                     : at::zeros({B, H, dk, dv}, q.options().dtype(at::kFloat));
-    std::function<void(const Tensor&)> hook;
-    auto it = ctx->saved_data.find("on_s0_grad");
-    if (it != ctx->saved_data.end()) hook = c10::static_intrusive_pointer_cast<StateGradHook>(it->second.toCapsule())->fn;
+    const std::function<void(const Tensor&)> hook = carry_tiles::state_grad_hook(ctx);
     auto d = carry_gdn::gdn_bwd(q, k, v, g, beta, ctx->saved_data["scale"].toDouble(), s0, saved, d_o, d_s,
                                 ctx->saved_data["chunk"].toInt(), hook);
     return {d[0], d[1], d[2], g.defined() ? d[3] : Tensor(), d[4], d[5], Tensor(), Tensor(), Tensor(), Tensor()};

@@ -13,6 +13,12 @@
 // any GPU ran it, by running these kernels on the CPU with ldmatrix and mma.sync emulated per warp
 // (session 11): o, dq, dk, dv within 3.7e-3 of the token recurrence in double, the final state and dS0
 // within 4.2e-7, NS = 1, 2, 4.
+// With a scalar decay (G = true: simple GLA, RetNet, Lightning, Mamba-2's SSD core; S_t = e^{g_t} S_{t−1} +
+// k_t v_tᵀ), the kernels read b, the log decay summed within each chunk (fp32 [B·T][H], b_t = Σ_{s ≤ t in
+// the chunk} g_s, B = b at the chunk's last token), and the segment sums also return Γ, each segment's
+// total log decay ([NS][B·H]): o = scale·diag(e^b)·Q·S_in + (causal(scale·QKᵀ) ⊙ e^{b_t − b_s})·V,
+// S ← e^B·S + (diag(e^{B − b})·K)ᵀ·V; the backward mirrors it and sums ⟨q_t, dq_t⟩ and ⟨k_t, dk_t⟩ a token
+// (atomically, two addends onto zero: the same bits in either order) for the decay's gradient.
 // CARRY_LA_EMU: the includer provides threadIdx, blockIdx, blockDim, SMEM_DECL, __syncthreads and the
 // primitives of layers/common/kernel_tiles.cuh the kernels use (tests/emulation/warp_emulation.h);
 // otherwise they are the GPU's.
@@ -43,6 +49,44 @@ using carry_tiles::tc::pack_bf16;
 __device__ __forceinline__ int off128(int r, int c) { return r * 256 + ((((c >> 3) ^ (r & 7)) & 15) << 4) + (c & 7) * 2; }
 // [rows][64] bf16, the same swizzle
 __device__ __forceinline__ int off64(int r, int c) { return r * 128 + ((((c >> 3) ^ (r & 7)) & 7) << 4) + (c & 7) * 2; }
+
+// The two bf16 of u (the first in the low half) as floats.
+__device__ __forceinline__ void unpack_bf16(unsigned u, float& lo, float& hi) {
+#ifdef CARRY_LA_EMU
+  const unsigned ul = u << 16, uh = u & 0xFFFF0000u;
+  std::memcpy(&lo, &ul, 4);
+  std::memcpy(&hi, &uh, 4);
+#else
+  lo = __uint_as_float(u << 16), hi = __uint_as_float(u & 0xFFFF0000u);
+#endif
+}
+// The bf16 pair of u times (x, y).
+__device__ __forceinline__ unsigned scale_pair(unsigned u, float x, float y) {
+  float lo, hi;
+  unpack_bf16(u, lo, hi);
+  return pack_bf16(lo * x, hi * y);
+}
+// An A fragment (m16 × k16, k = tokens k0..k0+15) with each token's column times w[token].
+__device__ __forceinline__ void scale_a_tokens(unsigned (&a)[4], const float* w, int k0) {
+  const int t4 = threadIdx.x & 3, c = k0 + 2 * t4;
+  a[0] = scale_pair(a[0], w[c], w[c + 1]);
+  a[1] = scale_pair(a[1], w[c], w[c + 1]);
+  a[2] = scale_pair(a[2], w[c + 8], w[c + 9]);
+  a[3] = scale_pair(a[3], w[c + 8], w[c + 9]);
+}
+// The chunk's decay into shared memory (threads 0..63; visible after the caller's next barrier), from b
+// (fp32 [B·T][H], the log decay summed within the chunk): sg[t] = e^{b_t}, sg[64 + t] = e^{B − b_t},
+// sg[128 + t] = b_t (B = b_63, e^B = sg[63]).
+__device__ __forceinline__ void chunk_gate(float* sg, const float* b, int t0, int h, int H) {
+  const int t = threadIdx.x;
+  if (t < C) {
+    const float bt = b[(long)(t0 + t) * H + h], bl = b[(long)(t0 + C - 1) * H + h];
+    sg[t] = expf(bt);
+    sg[C + t] = expf(bl - bt);
+    sg[2 * C + t] = bt;
+  }
+}
+constexpr int kGateBytes = 3 * C * 4;
 
 // B fragments of two n8-tiles (columns n0..n0+15) over k0..k0+15 from a [rows][128] bf16 tile stored
 // [n][k] (KROWS false: ldmatrix) or [k][n] (KROWS true: ldmatrix.trans): bb[0], bb[1] the first tile's.
@@ -85,15 +129,20 @@ __device__ __forceinline__ void load_chunk(unsigned char* sQ, unsigned char* sK,
   }
 }
 
-// s (this warp's 32 dk rows × 64 columns: [m-tile 2][n-tile 8][4]) += Kᵀ·V over the chunk's 64 tokens.
-__device__ __forceinline__ void kt_v(float (&s)[2][8][4], const unsigned char* sK, const unsigned char* sV) {
+// s (this warp's 32 dk rows × 64 columns: [m-tile 2][n-tile 8][4]) += Kᵀ·V over the chunk's 64 tokens
+// (with w: token t's K row times w[t]).
+template <bool G = false>
+__device__ __forceinline__ void kt_v(float (&s)[2][8][4], const unsigned char* sK, const unsigned char* sV,
+                                     const float* w = nullptr) {
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, j = lane >> 3, r = lane & 7;
 #pragma unroll
   for (int ks = 0; ks < 4; ++ks) {  // 16 tokens a step
     unsigned a[2][4];
 #pragma unroll
-    for (int mi = 0; mi < 2; ++mi)  // A = Kᵀ (m = d, k = t) from K[t][d]: trans
+    for (int mi = 0; mi < 2; ++mi) {  // A = Kᵀ (m = d, k = t) from K[t][d]: trans
       ldsm_x4_t(a[mi], sK + off128(16 * ks + r + (j >> 1) * 8, 32 * warp + 16 * mi + (j & 1) * 8));
+      if constexpr (G) scale_a_tokens(a[mi], w, 16 * ks);
+    }
 #pragma unroll
     for (int np = 0; np < 4; ++np) {  // B = V (k = t, n) from V[t][n]: trans; two n-tiles a load
       unsigned b[4];
@@ -107,15 +156,29 @@ __device__ __forceinline__ void kt_v(float (&s)[2][8][4], const unsigned char* s
   }
 }
 
-// 1. Σ over the segment's chunks of Kᵀ V, fp32, to Ssum [NS][B·H][DK][DV] (this block's 64 columns).
+// s ×= f (the state's decay over a chunk).
+__device__ __forceinline__ void state_times(float (&s)[2][8][4], float f) {
+#pragma unroll
+  for (int mi = 0; mi < 2; ++mi)
+#pragma unroll
+    for (int n = 0; n < 8; ++n)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) s[mi][n][e] *= f;
+}
+
+// 1. Σ over the segment's chunks of Kᵀ V, fp32, to Ssum [NS][B·H][DK][DV] (this block's 64 columns); with G
+// the segment's state from zero (S ← e^B·S + (e^{B−b}·K)ᵀV a chunk) and its total log decay to Gam [NS][B·H].
+template <bool G = false>
 __global__ void __launch_bounds__(128) seg_sum(const bf16* __restrict__ k, const bf16* __restrict__ v,
-                                                float* __restrict__ Ssum, int T, int B, int H, int DV, int NS) {
+                                                float* __restrict__ Ssum, int T, int B, int H, int DV, int NS,
+                                                const float* __restrict__ gb = nullptr, float* __restrict__ Gam = nullptr) {
   SMEM_DECL;
   // the dv tiles of a segment side by side (q and k shared in L2); bh = b·H + h; tb: the batch row's first token
   const int seg = blockIdx.y, bh = blockIdx.z, h = bh % H, tb = bh / H * T, v0 = blockIdx.x * BV;
   const int N = T / C, per = N / NS, c0 = seg * per;
-  // buffer b: K at b·16 KB, V at 32 KB + b·8 KB
-  float s[2][8][4] = {};
+  // buffer b: K at b·16 KB, V at 32 KB + b·8 KB; the chunk's decay at 48 KB
+  float* sg = reinterpret_cast<float*>(smem + 49152);
+  float s[2][8][4] = {}, gam = 0.f;
   load_chunk(nullptr, smem, smem + 32768, nullptr, k, v, tb + c0 * C, h, H, DV, v0);
   cp_async_commit();
   for (int i = 0; i < per; ++i) {
@@ -125,10 +188,17 @@ __global__ void __launch_bounds__(128) seg_sum(const bf16* __restrict__ k, const
                  DV, v0);
     cp_async_commit();
     cp_async_wait<1>();
+    if constexpr (G) chunk_gate(sg, gb, tb + (c0 + i) * C, h, H);
     __syncthreads();
-    kt_v(s, smem + b * 16384, smem + 32768 + b * 8192);
+    if constexpr (G) {
+      state_times(s, sg[C - 1]);
+      gam += sg[3 * C - 1];
+    }
+    kt_v<G>(s, smem + b * 16384, smem + 32768 + b * 8192, sg + C);
     __syncthreads();  // the buffer is reloaded next iteration
   }
+  if constexpr (G)
+    if (threadIdx.x == 0 && blockIdx.x == 0) Gam[(long)seg * B * H + bh] = gam;
   float* out = Ssum + ((long)seg * B * H + bh) * DK * DV;
   state_pairs(s, 32 * (threadIdx.x >> 5), v0, [&](int d, int col, float x0, float x1) {
     *reinterpret_cast<float2*>(out + (long)d * DV + col) = make_float2(x0, x1);
@@ -136,24 +206,27 @@ __global__ void __launch_bounds__(128) seg_sum(const bf16* __restrict__ k, const
 }
 
 // 2. In place (H: the number of states, B·H): Ssum[s] ← S0 + Σ_{s' < s} Ssum[s'] (the state entering segment s); Sfin ← the total.
+// With Gam (the segments' log decays [NS][H]): Ssum[s] ← e^{Gam[s−1]}·Ssum[s−1]' + Ssum[s−1], from S0.
 __global__ void seg_scan(float* __restrict__ Ssum, const float* __restrict__ S0, float* __restrict__ Sfin, int H,
-                         int DV, int NS) {
+                         int DV, int NS, const float* __restrict__ Gam = nullptr) {
   const long per = (long)H * DK * DV, i = (long)blockIdx.x * blockDim.x + threadIdx.x;
   if (i >= per) return;
+  const long bh = i / ((long)DK * DV);
   float acc = S0 ? S0[i] : 0.f;
   for (int s = 0; s < NS; ++s) {
     const float x = Ssum[s * per + i];
     Ssum[s * per + i] = acc;
-    acc += x;
+    acc = Gam ? expf(Gam[(long)s * H + bh]) * acc + x : acc + x;
   }
   Sfin[i] = acc;
 }
 
 // p (16 rows rb.. × 64 tokens) = a (16 × 128) · Yᵀ over the tokens a causal mask keeps (Y [64 t][128]):
-// lower (token ≤ row) or upper (token ≥ row), times scale, zero elsewhere.
+// lower (token ≤ row) or upper (token ≥ row), times scale, zero elsewhere; with sb (the chunk's b) also times
+// the decay between the two, e^{b_row − b_token} (lower) or e^{b_token − b_row} (upper), at most 1.
 template <bool UPPER>
 __device__ __forceinline__ void masked_rows_t(float (&p)[8][4], const unsigned (&a)[8][4], const unsigned char* sY,
-                                              int rb, float scale) {
+                                              int rb, float scale, const float* sb = nullptr) {
   const int lane = threadIdx.x & 31, g = lane >> 2, t4 = lane & 3;
 #pragma unroll
   for (int n = 0; n < 8; ++n)
@@ -175,14 +248,20 @@ __device__ __forceinline__ void masked_rows_t(float (&p)[8][4], const unsigned (
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
       const int row = rb + g + 8 * (e >> 1), tok = 8 * n + 2 * t4 + (e & 1);
-      p[n][e] = (UPPER ? tok >= row : tok <= row) ? p[n][e] * scale : 0.f;
+      const bool keep = UPPER ? tok >= row : tok <= row;
+      const float f = sb && keep ? expf(UPPER ? sb[tok] - sb[row] : sb[row] - sb[tok]) : 1.f;
+      p[n][e] = keep ? p[n][e] * scale * f : 0.f;
     }
 }
 // 3. Each segment's chunks from its incoming state: o = scale·Q·S_in + causal(scale·Q·Kᵀ)·V, S += Kᵀ·V.
 // 4 warps: warp w owns the chunk's query rows 16w.. for the output and dk rows 32w.. of the state.
+// With G (gb: the chunk-summed log decay): o = scale·e^{b}·Q·S_in + (causal(scale·QKᵀ) ⊙ e^{b_t − b_s})·V,
+// S ← e^B·S + (e^{B−b}·K)ᵀ·V.
+template <bool G = false>
 __global__ void __launch_bounds__(128, 2) fused(const bf16* __restrict__ q, const bf16* __restrict__ k,
                                                  const bf16* __restrict__ v, const float* __restrict__ Sin,
-                                                 bf16* __restrict__ o, float scale, int T, int B, int H, int DV, int NS) {
+                                                 bf16* __restrict__ o, float scale, int T, int B, int H, int DV, int NS,
+                                                 const float* __restrict__ gb = nullptr) {
   SMEM_DECL;
   // the dv tiles of a segment side by side (q and k shared in L2); bh = b·H + h; tb: the batch row's first token
   const int seg = blockIdx.y, bh = blockIdx.z, h = bh % H, tb = bh / H * T, v0 = blockIdx.x * BV;
@@ -193,6 +272,7 @@ __global__ void __launch_bounds__(128, 2) fused(const bf16* __restrict__ q, cons
   auto sK = [&](int b) { return smem + b * 40960 + 16384; };
   auto sV = [&](int b) { return smem + b * 40960 + 32768; };
   unsigned char* sS = smem + 81920;
+  float* sg = reinterpret_cast<float*>(smem + 98304);  // the chunk's decay (G)
   float s[2][8][4];
   const float* in = Sin + ((long)seg * B * H + bh) * DK * DV;
   state_pairs(s, 32 * warp, v0, [&](int d, int col, float& x0, float& x1) {
@@ -207,6 +287,7 @@ __global__ void __launch_bounds__(128, 2) fused(const bf16* __restrict__ q, cons
     __syncthreads();  // chunk i landed; every warp is done with chunk i − 1 (its buffers and sS)
     if (i + 1 < per) load_chunk(sQ(b ^ 1), sK(b ^ 1), sV(b ^ 1), q, k, v, t0 + C, h, H, DV, v0);
     cp_async_commit();
+    if constexpr (G) chunk_gate(sg, gb, t0, h, H);
     // the incoming state in bf16 for Q·S
     state_pairs(s, 32 * warp, 0, [&](int d, int col, float x0, float x1) {
       *reinterpret_cast<unsigned*>(sS + off64(d, col)) = pack_bf16(x0, x1);
@@ -230,10 +311,10 @@ __global__ void __launch_bounds__(128, 2) fused(const bf16* __restrict__ q, cons
 #pragma unroll
     for (int n = 0; n < 8; ++n)
 #pragma unroll
-      for (int e = 0; e < 4; ++e) acc[n][e] *= scale;
+      for (int e = 0; e < 4; ++e) acc[n][e] *= G ? scale * sg[16 * warp + g + 8 * (e >> 1)] : scale;
     // P = causal(scale·Q·Kᵀ) over this warp's rows; P·V accumulated into O (A = P from the accumulators)
     float p[8][4];
-    masked_rows_t<false>(p, aq, sK(b), 16 * warp, scale);
+    masked_rows_t<false>(p, aq, sK(b), 16 * warp, scale, G ? sg + 2 * C : nullptr);
 #pragma unroll
     for (int kk = 0; kk < 4; ++kk) {  // keys 16kk..16kk+15
       if (16 * kk > 16 * warp + 15) continue;
@@ -255,8 +336,9 @@ __global__ void __launch_bounds__(128, 2) fused(const bf16* __restrict__ q, cons
         const int t = t0 + 16 * warp + g + 8 * hf, col = v0 + 8 * n + 2 * t4;
         *reinterpret_cast<unsigned*>(o + ((long)t * H + h) * DV + col) = pack_bf16(acc[n][2 * hf], acc[n][2 * hf + 1]);
       }
-    // S += Kᵀ·V
-    kt_v(s, sK(b), sV(b));
+    // S += Kᵀ·V (with G: S ← e^B·S + (e^{B−b}·K)ᵀ·V)
+    if constexpr (G) state_times(s, sg[C - 1]);
+    kt_v<G>(s, sK(b), sV(b), sg + C);
   }
 }
 
@@ -280,15 +362,20 @@ __device__ __forceinline__ void load_tiles(unsigned char* dst, const bf16* const
       cp_async16(dst + x * 16384 + off128(r, c), src[x] + ((long)(t0 + r) * H + h) * DK + c);
     }
 }
-// s (warp's 32 rows of A's columns × 64 of B's columns from cb) += Aᵀ·B over 64 tokens, A and B [64 t][128].
+// s (warp's 32 rows of A's columns × 64 of B's columns from cb) += Aᵀ·B over 64 tokens, A and B [64 t][128]
+// (with w: token t's A row times w[t]).
+template <bool G = false>
 __device__ __forceinline__ void at_b(float (&s)[2][8][4], const unsigned char* sA, const unsigned char* sB, int rb,
-                                     int cb) {
+                                     int cb, const float* w = nullptr) {
   const int lane = threadIdx.x & 31, j = lane >> 3, r = lane & 7;
 #pragma unroll
   for (int ks = 0; ks < 4; ++ks) {
     unsigned a[2][4];
 #pragma unroll
-    for (int mi = 0; mi < 2; ++mi) ldsm_x4_t(a[mi], sA + off128(16 * ks + r + (j >> 1) * 8, rb + 16 * mi + (j & 1) * 8));
+    for (int mi = 0; mi < 2; ++mi) {
+      ldsm_x4_t(a[mi], sA + off128(16 * ks + r + (j >> 1) * 8, rb + 16 * mi + (j & 1) * 8));
+      if constexpr (G) scale_a_tokens(a[mi], w, 16 * ks);
+    }
 #pragma unroll
     for (int np = 0; np < 4; ++np) {
       unsigned b[4];
@@ -362,24 +449,66 @@ __device__ __forceinline__ void store_rows(bf16* out, const float (&acc)[8][4], 
           pack_bf16(acc[n][2 * hf], acc[n][2 * hf + 1]);
 }
 
-// Segment sums of XᵀY (X, Y [B·T][H][128]) for the 256-thread kernels: Ssum [NS][B·H][128][128].
+// acc's rows (rb + lane/4, +8) times f[row].
+__device__ __forceinline__ void rows_times(float (&acc)[8][4], const float* f, int rb) {
+  const int g = (threadIdx.x & 31) >> 2;
+#pragma unroll
+  for (int n = 0; n < 8; ++n)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) acc[n][e] *= f[rb + g + 8 * (e >> 1)];
+}
+// For the decay's gradient: Σ over the warp's 64 columns (cb..) of acc · X (X a [64][128] bf16 tile) for
+// each of its rows (rb + lane/4, +8), added to out[(t0 + row)·H + h]. Two warps a row add onto zero, so
+// the sum has the same bits in either order.
+__device__ __forceinline__ void row_dots(const float (&acc)[8][4], const unsigned char* sX, int rb, int cb, float* out,
+                                         int t0, int h, int H) {
+  const int lane = threadIdx.x & 31, g = lane >> 2, t4 = lane & 3;
+  float d[2] = {0.f, 0.f};
+#pragma unroll
+  for (int n = 0; n < 8; ++n)
+#pragma unroll
+    for (int hf = 0; hf < 2; ++hf) {
+      float lo, hi;
+      unpack_bf16(*reinterpret_cast<const unsigned*>(sX + off128(rb + g + 8 * hf, cb + 8 * n + 2 * t4)), lo, hi);
+      d[hf] += acc[n][2 * hf] * lo + acc[n][2 * hf + 1] * hi;
+    }
+#pragma unroll
+  for (int hf = 0; hf < 2; ++hf) {
+    d[hf] += __shfl_xor_sync(0xffffffffu, d[hf], 1);
+    d[hf] += __shfl_xor_sync(0xffffffffu, d[hf], 2);
+  }
+  if (t4 == 0) {
+    atomicAdd(out + (long)(t0 + rb + g) * H + h, d[0]);
+    atomicAdd(out + (long)(t0 + rb + g + 8) * H + h, d[1]);
+  }
+}
+
+// Segment sums of XᵀY (X, Y [B·T][H][128]) for the 256-thread kernels: Ssum [NS][B·H][128][128]. With G
+// (the backward's Q and dO) the segment's gradient state from zero walked from its last chunk down:
+// D ← e^B·D + (e^b·Q)ᵀ·dO a chunk.
+template <bool G = false>
 __global__ void __launch_bounds__(256) seg_sum_full(const bf16* __restrict__ X, const bf16* __restrict__ Y,
-                                                     float* __restrict__ Ssum, int T, int B, int H, int NS) {
+                                                     float* __restrict__ Ssum, int T, int B, int H, int NS,
+                                                     const float* __restrict__ gb = nullptr) {
   SMEM_DECL;
+  float* sg = reinterpret_cast<float*>(smem + 65536);
   const int seg = blockIdx.x, bh = blockIdx.y, h = bh % H, tb = bh / H * T;
   const int w = threadIdx.x >> 5, rb = 32 * (w & 3), cb = 64 * (w >> 2);
   const int per = T / C / NS, c0 = seg * per;
   const bf16* src[2] = {X, Y};
   float s[2][8][4] = {};
-  load_tiles(smem, src, 2, tb + c0 * C, h, H);
+  auto chunk = [&](int i) { return G ? c0 + per - 1 - i : c0 + i; };
+  load_tiles(smem, src, 2, tb + chunk(0) * C, h, H);
   cp_async_commit();
   for (int i = 0; i < per; ++i) {
     const int b = i & 1;
-    if (i + 1 < per) load_tiles(smem + (b ^ 1) * 32768, src, 2, tb + (c0 + i + 1) * C, h, H);
+    if (i + 1 < per) load_tiles(smem + (b ^ 1) * 32768, src, 2, tb + chunk(i + 1) * C, h, H);
     cp_async_commit();
     cp_async_wait<1>();
+    if constexpr (G) chunk_gate(sg, gb, tb + chunk(i) * C, h, H);
     __syncthreads();
-    at_b(s, smem + b * 32768, smem + b * 32768 + 16384, rb, cb);
+    if constexpr (G) state_times(s, sg[C - 1]);
+    at_b<G>(s, smem + b * 32768, smem + b * 32768 + 16384, rb, cb, sg);
     __syncthreads();
   }
   float* out = Ssum + ((long)seg * B * H + bh) * 128 * 128;
@@ -388,44 +517,55 @@ __global__ void __launch_bounds__(256) seg_sum_full(const bf16* __restrict__ X, 
   });
 }
 // In place: Dsum[s] ← dSfin/scale + Σ_{s' > s} Dsum[s'] (D' leaving segment s); dS0 ← scale·(the total).
+// With Gam (the segments' log decays [NS][H]): D' entering segment s = e^{Gam[s]}·(D' leaving it) + Dsum[s].
 __global__ void seg_scan_rev(float* __restrict__ Dsum, const float* __restrict__ dSfin, float* __restrict__ dS0,
-                             float scale, int H, int NS) {
+                             float scale, int H, int NS, const float* __restrict__ Gam = nullptr) {
   const long per = (long)H * 128 * 128, i = (long)blockIdx.x * blockDim.x + threadIdx.x;
   if (i >= per) return;
+  const long bh = i / (128 * 128);
   float acc = dSfin ? dSfin[i] / scale : 0.f;
   for (int s = NS - 1; s >= 0; --s) {
     const float x = Dsum[s * per + i];
     Dsum[s * per + i] = acc;
-    acc += x;
+    acc = Gam ? expf(Gam[(long)s * H + bh]) * acc + x : acc + x;
   }
   dS0[i] = acc * scale;
 }
 
-// dq: each segment's chunks in order from the state entering it (Sin, the forward's scan).
+// dq: each segment's chunks in order from the state entering it (Sin, the forward's scan). With G the
+// decays as in the forward (dq = scale·e^b·dO·S_inᵀ + scale·(dO Vᵀ ⊙ M ⊙ e^{b_t − b_s})·K), q read too, and
+// ⟨q_t, dq_t⟩ added to dgq [B·T][H].
+template <bool G = false>
 __global__ void __launch_bounds__(256, 1) bwd_dq(const bf16* __restrict__ k, const bf16* __restrict__ v,
                                                   const bf16* __restrict__ dO, const float* __restrict__ Sin,
-                                                  bf16* __restrict__ dq, float scale, int T, int B, int H, int NS) {
+                                                  bf16* __restrict__ dq, float scale, int T, int B, int H, int NS,
+                                                  const bf16* __restrict__ q = nullptr,
+                                                  const float* __restrict__ gb = nullptr, float* __restrict__ dgq = nullptr) {
   SMEM_DECL;
   const int seg = blockIdx.x, bh = blockIdx.y, h = bh % H, tb = bh / H * T;
   const int w = threadIdx.x >> 5, rb = 32 * (w & 3), cb = 64 * (w >> 2);
   const int orow = 16 * (w & 3);  // this warp's output rows
   const int per = T / C / NS, c0 = seg * per;
-  // two buffers of dO, K, V (48 KB each), then S in bf16 [128 dk][128 dv] (32 KB)
-  unsigned char* sS = smem + 2 * 49152;
-  const bf16* src[3] = {dO, k, v};
+  // two buffers of dO, K, V (and Q with G; 16 KB each), then S in bf16 [128 dk][128 dv] (32 KB), the decay
+  constexpr int nt = G ? 4 : 3, buf = nt * 16384;
+  unsigned char* sS = smem + 2 * buf;
+  float* sg = reinterpret_cast<float*>(smem + 2 * buf + 32768);
+  const bf16* src[4] = {dO, k, v, q};
   float s[2][8][4];
   state_in(s, Sin + ((long)seg * B * H + bh) * 128 * 128, rb, cb);
-  load_tiles(smem, src, 3, tb + c0 * C, h, H);
+  load_tiles(smem, src, nt, tb + c0 * C, h, H);
   cp_async_commit();
   for (int i = 0; i < per; ++i) {
     const int b = i & 1, t0 = tb + (c0 + i) * C;
-    unsigned char* sdO = smem + b * 49152;
+    unsigned char* sdO = smem + b * buf;
     unsigned char* sK = sdO + 16384;
     unsigned char* sV = sdO + 32768;
+    unsigned char* sQ = sdO + 49152;  // G only
     cp_async_wait<0>();
     __syncthreads();
-    if (i + 1 < per) load_tiles(smem + (b ^ 1) * 49152, src, 3, t0 + C, h, H);
+    if (i + 1 < per) load_tiles(smem + (b ^ 1) * buf, src, nt, t0 + C, h, H);
     cp_async_commit();
+    if constexpr (G) chunk_gate(sg, gb, t0, h, H);
     state_out(s, sS, rb, cb, 1.f);
     __syncthreads();
     unsigned a[8][4];
@@ -436,20 +576,28 @@ __global__ void __launch_bounds__(256, 1) bwd_dq(const bf16* __restrict__ k, con
     for (int n = 0; n < 8; ++n)
 #pragma unroll
       for (int e = 0; e < 4; ++e) acc[n][e] *= scale;
+    if constexpr (G) rows_times(acc, sg, orow);
     float p[8][4];
-    masked_rows_t<false>(p, a, sV, orow, scale);  // scale·(dO Vᵀ ⊙ M)
-    p_times<false>(acc, p, sK, orow, cb);           // ·K[:, dk half]
+    masked_rows_t<false>(p, a, sV, orow, scale, G ? sg + 2 * C : nullptr);  // scale·(dO Vᵀ ⊙ M)
+    p_times<false>(acc, p, sK, orow, cb);                                   // ·K[:, dk half]
     store_rows(dq, acc, t0, orow, cb, h, H);
-    at_b(s, sK, sV, rb, cb);  // S += Kᵀ V
+    if constexpr (G) row_dots(acc, sQ, orow, cb, dgq, t0, h, H);
+    if constexpr (G) state_times(s, sg[C - 1]);
+    at_b<G>(s, sK, sV, rb, cb, sg + C);  // S += Kᵀ V (G: S ← e^B·S + (e^{B−b}·K)ᵀ V)
   }
 }
 
-// dk, dv: each segment's chunks from its end down, from the D' leaving it (Dout, the reverse scan).
+// dk, dv: each segment's chunks from its end down, from the D' leaving it (Dout, the reverse scan). With G:
+// dk = e^{B−b}·V·Dᵀ + scale·(V dOᵀ ⊙ Mᵀ ⊙ e^{b_t − b_s})·Q, dv likewise, D' ← e^B·D' + (e^b·Q)ᵀ·dO, and
+// ⟨k_t, dk_t⟩ added to dgk [B·T][H].
+template <bool G = false>
 __global__ void __launch_bounds__(256, 1) bwd_dkdv(const bf16* __restrict__ q, const bf16* __restrict__ k,
                                                     const bf16* __restrict__ v, const bf16* __restrict__ dO,
                                                     const float* __restrict__ Dout, bf16* __restrict__ dk,
-                                                    bf16* __restrict__ dv, float scale, int T, int B, int H, int NS) {
+                                                    bf16* __restrict__ dv, float scale, int T, int B, int H, int NS,
+                                                    const float* __restrict__ gb = nullptr, float* __restrict__ dgk = nullptr) {
   SMEM_DECL;
+  float* sg = reinterpret_cast<float*>(smem + 2 * 65536 + 32768);  // the chunk's decay (G)
   const int seg = blockIdx.x, bh = blockIdx.y, h = bh % H, tb = bh / H * T;
   const int w = threadIdx.x >> 5, rb = 32 * (w & 3), cb = 64 * (w >> 2);
   const int orow = 16 * (w & 3);
@@ -471,6 +619,7 @@ __global__ void __launch_bounds__(256, 1) bwd_dkdv(const bf16* __restrict__ q, c
     __syncthreads();
     if (i + 1 < per) load_tiles(smem + (b ^ 1) * 65536, src, 4, t0 - C, h, H);
     cp_async_commit();
+    if constexpr (G) chunk_gate(sg, gb, t0, h, H);
     state_out(s, sD, rb, cb, scale);  // D = scale·D'
     __syncthreads();
     unsigned a[8][4];
@@ -482,9 +631,11 @@ __global__ void __launch_bounds__(256, 1) bwd_dkdv(const bf16* __restrict__ q, c
 #pragma unroll
       for (int e = 0; e < 4; ++e) acc[n][e] = 0.f;
     times_b<false>(acc, a, sD, cb);  // V rows (over dv) · D[dk = cb.., dv]ᵀ
-    masked_rows_t<true>(p, a, sdO, orow, scale);
+    if constexpr (G) rows_times(acc, sg + C, orow);
+    masked_rows_t<true>(p, a, sdO, orow, scale, G ? sg + 2 * C : nullptr);
     p_times<true>(acc, p, sQ, orow, cb);
     store_rows(dk, acc, t0, orow, cb, h, H);
+    if constexpr (G) row_dots(acc, sK, orow, cb, dgk, t0, h, H);
     // dv rows = K·D[:, dv half] + scale·(K Qᵀ ⊙ Mᵀ)·dO[:, dv half]
     rows_a(a, sK, orow);
 #pragma unroll
@@ -492,10 +643,12 @@ __global__ void __launch_bounds__(256, 1) bwd_dkdv(const bf16* __restrict__ q, c
 #pragma unroll
       for (int e = 0; e < 4; ++e) acc[n][e] = 0.f;
     times_b<true>(acc, a, sD, cb);  // K rows (over dk) · D[dk, dv = cb..]
-    masked_rows_t<true>(p, a, sQ, orow, scale);
+    if constexpr (G) rows_times(acc, sg + C, orow);
+    masked_rows_t<true>(p, a, sQ, orow, scale, G ? sg + 2 * C : nullptr);
     p_times<true>(acc, p, sdO, orow, cb);
     store_rows(dv, acc, t0, orow, cb, h, H);
-    at_b(s, sQ, sdO, rb, cb);  // D' += Qᵀ dO
+    if constexpr (G) state_times(s, sg[C - 1]);
+    at_b<G>(s, sQ, sdO, rb, cb, sg);  // D' += Qᵀ dO (G: D' ← e^B·D' + (e^b·Q)ᵀ dO)
   }
 }
 

@@ -1,5 +1,5 @@
 // Linear attention's kernels without per-chunk states (layers/linear_attn/kernel_fused.cuh) as one
-// differentiable op (CUDA builds only). On by default for linear attention's kernel form where it applies;
+// differentiable op (CUDA builds only), and the scalar decay's on the same kernels (below). On by default for linear attention's kernel form where it applies;
 // CARRY_LA_FUSED=0 (read once) or linear_attn_fused_set(0) gives the decay class's kernels instead.
 #pragma once
 
@@ -20,6 +20,19 @@ std::pair<Tensor, Tensor> linear_attn_fused_forward(const Tensor& q, const Tenso
 // Tests and A/B: -1 the environment's choice (CARRY_LA_FUSED, on unless 0), 0 off, 1 on; segments: 0
 // automatic (linear_attn_fused_segments), n > 0 that many (must divide the chunks).
 void linear_attn_fused_set(int mode, int segments = 0);
+
+// The scalar decay (RetNet, Lightning, simple GLA, Mamba-2's SSD core: one log decay a token and head) on
+// the same kernels with the decay. Off by default until timed on a GPU: CARRY_SD_FUSED=1 (read once) or
+// scalar_decay_fused_set(1) turns it on. It takes CUDA bf16 q, k, v [B,T,H,128] (dv = 128, T a positive
+// multiple of 64), the log decay g [B,T,H] in any floating dtype, chunk_size 64, no serial_states.
+bool scalar_decay_fused_supports(const MixerInputs& in, const MixerOptions& opt);
+// The family's kernel form on them: {o, {final state}}, the state hooks of `opt` called as the decay
+// class's kernel form calls them; differentiable in q, k, v, g and the initial state.
+MixerOutput scalar_decay_fused_form(const Mixer& family, const MixerInputs& in, const State& init,
+                                    const MixerOptions& opt);
+// Tests and A/B: -1 the environment's choice (CARRY_SD_FUSED, off unless 1), 0 off, 1 on (the segments
+// follow linear_attn_fused_set's).
+void scalar_decay_fused_set(int mode);
 
 // The segments for B·H heads of N chunks: about one backward block a SM (the largest power of two up to
 // 32 at most SMs / (B·H)), halved until it divides N.

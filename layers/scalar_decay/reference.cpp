@@ -8,6 +8,7 @@
 #include "layers/precision.h"
 #ifdef CARRY_WITH_CUDA
 #include "layers/common/kernel_decay_op.h"
+#include "layers/linear_attn/kernel_fused.h"
 #endif
 
 namespace carry {
@@ -68,6 +69,8 @@ class ScalarDecay final : public Mixer {
     return decay_kernel_supports(in, opt);
   }
   MixerOutput kernel(const MixerInputs& in, const State& init, const MixerOptions& opt) const override {
+    // Without per-chunk states where those kernels take the inputs (kernel_fused.h; CARRY_SD_FUSED=1: on).
+    if (scalar_decay_fused_supports(in, opt)) return scalar_decay_fused_form(*this, in, init, opt);
     return decay_kernel_form(*this, DecayKernel::scalar, in.g, in, init, opt);
   }
 #endif

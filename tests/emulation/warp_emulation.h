@@ -1,6 +1,7 @@
 // Running CUDA kernels on the CPU to check their indexing without a GPU: each GPU thread a host thread,
 // __syncthreads a barrier of the block's threads, and the warp-collective instructions the kernels use
-// (ldmatrix.x4 with and without .trans, mma.sync m16n8k16 bf16 → fp32) emulated per warp with the
+// (ldmatrix.x4 with and without .trans, mma.sync m16n8k16 bf16 → fp32, __shfl_xor_sync of a float;
+// atomicAdd on a float as an atomic host add) emulated per warp with the
 // fragment layouts PTX documents, cp.async as plain copies. Kernels written for it (the
 // CARRY_LA_EMU path of layers/linear_attn/kernel_fused.cuh) take these in place of the GPU's. The
 // numbers, not the speed: a block of 256 threads runs its warps' collectives through barriers.
@@ -12,7 +13,9 @@
 
 #include <cuda_bf16.h>
 
+#include <atomic>
 #include <barrier>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <memory>
@@ -105,6 +108,17 @@ inline void mma16816(float (&d)[4], const unsigned (&a)[4], unsigned b0, unsigne
   }
   carry_emu::warp_bar->arrive_and_wait();
 }
+// __shfl_xor_sync of a float over the whole warp (every lane takes part).
+inline float __shfl_xor_sync(unsigned, float x, int m) {
+  const int lane = carry_emu::tid.x & 31;
+  std::memcpy(carry_emu::warp->regs[lane], &x, 4);
+  carry_emu::warp_bar->arrive_and_wait();
+  float y;
+  std::memcpy(&y, carry_emu::warp->regs[lane ^ m], 4);
+  carry_emu::warp_bar->arrive_and_wait();
+  return y;
+}
+inline float atomicAdd(float* p, float x) { return std::atomic_ref<float>(*p).fetch_add(x); }
 inline void cp_async16(void* dst, const void* src) { std::memcpy(dst, src, 16); }
 inline void cp_async_commit() {}
 template <int N>

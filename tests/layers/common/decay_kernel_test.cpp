@@ -35,11 +35,12 @@ struct Family {
 };
 
 #ifdef CARRY_WITH_CUDA
-// Linear attention's bf16 kernel form runs its fused kernels by default (kernel_fused.h, tested in
-// tests/layers/linear_attn/fused_kernel_test.cpp); these tests hold it to the decay class's kernels.
+// Linear attention's bf16 kernel form runs its fused kernels by default, the scalar decay's with
+// CARRY_SD_FUSED=1 (kernel_fused.h, tested in tests/layers/linear_attn/fused_kernel_test.cpp); these tests
+// hold both to the decay class's kernels.
 struct DecayClassOnly {
-  DecayClassOnly() { linear_attn_fused_set(0); }
-  ~DecayClassOnly() { linear_attn_fused_set(-1); }
+  DecayClassOnly() { linear_attn_fused_set(0), scalar_decay_fused_set(0); }
+  ~DecayClassOnly() { linear_attn_fused_set(-1), scalar_decay_fused_set(-1); }
 };
 #endif
 
