@@ -206,7 +206,8 @@ __global__ void __launch_bounds__(128) seg_sum(const bf16* __restrict__ k, const
 }
 
 // 2. In place (H: the number of states, B·H): Ssum[s] ← S0 + Σ_{s' < s} Ssum[s'] (the state entering segment s); Sfin ← the total.
-// With Gam (the segments' log decays [NS][H]): Ssum[s] ← e^{Gam[s−1]}·Ssum[s−1]' + Ssum[s−1], from S0.
+// With Gam (the segments' log decays [NS][H]): the state entering segment s is e^{Gam[s−1]} times the one
+// entering s − 1, plus Ssum[s − 1] (S0 entering segment 0).
 __global__ void seg_scan(float* __restrict__ Ssum, const float* __restrict__ S0, float* __restrict__ Sfin, int H,
                          int DV, int NS, const float* __restrict__ Gam = nullptr) {
   const long per = (long)H * DK * DV, i = (long)blockIdx.x * blockDim.x + threadIdx.x;
