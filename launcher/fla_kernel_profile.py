@@ -14,6 +14,8 @@ import argparse
 import collections
 import sys
 
+import fla_common
+
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.split('\n')[0])
@@ -23,36 +25,10 @@ def main():
     p.add_argument('--dv', type=int, default=128)
     p.add_argument('--ops', default='simple_gla,linear_attn,delta_rule,gated_delta_rule')
     a = p.parse_args()
-    try:
-        import torch
-        import torch.nn.functional as F
-    except ImportError:
-        sys.exit("fla_kernel_profile: no python3 with torch here (run it on the GPU machine)")
-    try:
-        import fla  # noqa: F401
-        import fla.ops.common.chunk_o as chunk_o
-        from fla.ops.delta_rule import chunk_delta_rule
-        from fla.ops.gated_delta_rule import chunk_gated_delta_rule
-        from fla.ops.linear_attn import chunk_linear_attn
-        from fla.ops.simple_gla import chunk_simple_gla
-    except ImportError as e:
-        sys.exit(f"fla_kernel_profile: FLA is not importable ({e}); install its wheels to a folder on PYTHONPATH "
-                 "(../shared/anchors/README.md)")
-    # As ../shared/anchors/fla_ops.py: FLA 0.6.0 refuses its gated backward under Triton < 3.7.1 on Hopper;
-    # lifting the guard times the same kernels (a speed anchor only).
-    chunk_o.TRITON_ABOVE_3_7_1 = True
-    if not torch.cuda.is_available():
-        sys.exit("fla_kernel_profile: no CUDA device here")
-    dev, dt, T, H, K, V = 'cuda', torch.bfloat16, a.T, a.heads, a.dk, a.dv
-    q = torch.randn(1, T, H, K, device=dev, dtype=dt, requires_grad=True)
-    k = F.normalize(torch.randn(1, T, H, K, device=dev), p=2, dim=-1).to(dt).requires_grad_()
-    v = torch.randn(1, T, H, V, device=dev, dtype=dt, requires_grad=True)
-    g = F.logsigmoid(torch.randn(1, T, H, device=dev)).requires_grad_()
-    beta = torch.rand(1, T, H, device=dev, dtype=dt).sigmoid().requires_grad_()
-    ops = {'simple_gla': lambda: chunk_simple_gla(q, k, v, g)[0],
-           'linear_attn': lambda: chunk_linear_attn(q, k, v, normalize=False)[0],
-           'delta_rule': lambda: chunk_delta_rule(q, k, v, beta)[0],
-           'gated_delta_rule': lambda: chunk_gated_delta_rule(q, k, v, g, beta)[0]}
+    torch, F, fns = fla_common.load('fla_kernel_profile')
+    T, H, K, V = a.T, a.heads, a.dk, a.dv
+    x = fla_common.inputs(torch, F, T, H, K, V)
+    ops = {name: fn for name, (fn, _) in fla_common.ops(fns, x).items()}
     from torch.profiler import ProfilerActivity, profile
     reps = 5
     for name in a.ops.split(','):
@@ -61,7 +37,7 @@ def main():
         fn = ops[name]
 
         def run():
-            for t in (q, k, v, g, beta):
+            for t in x.values():
                 t.grad = None
             o = fn()
             o.backward(torch.ones_like(o))

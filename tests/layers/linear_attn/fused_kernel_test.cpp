@@ -30,6 +30,23 @@ struct FusedModeReset {
   ~FusedModeReset() { linear_attn_fused_set(-1, 0); }
 };
 
+// What both fused paths refuse, switched by set(mode): anything while off; fp32 inputs, serial states and
+// dv = 64 while on (left on); a mode other than -1, 0, 1.
+template <class Supports, class Set>
+void expect_shared_refusals(Supports supports, Set set, const MixerInputs& bf, const MixerInputs& f32,
+                            const MixerInputs& narrow) {
+  MixerOptions plain, serial;
+  serial.serial_states = true;
+  set(0);
+  EXPECT_FALSE(supports(bf, plain)) << "off";
+  set(1);
+  EXPECT_TRUE(supports(bf, plain));
+  EXPECT_FALSE(supports(f32, plain)) << "fp32";
+  EXPECT_FALSE(supports(bf, serial)) << "serial states";
+  EXPECT_FALSE(supports(narrow, plain)) << "dv = 64";
+  EXPECT_THROW(set(2), c10::Error);
+}
+
 MixerInputs fused_inputs(const Case& c, int64_t dv, at::ScalarType dt, uint64_t seed) {
   auto gen = at::make_generator<at::CPUGeneratorImpl>(seed);
   auto o = at::TensorOptions().dtype(at::kFloat);
@@ -90,19 +107,11 @@ TEST(LinearAttnFused, AppliesOnlyWhereItShould) {
   const Case c{1, 256, 2};
   const MixerInputs bf = fused_inputs(c, 128, at::kBFloat16, 7), f32 = fused_inputs(c, 128, at::kFloat, 7),
                     narrow = fused_inputs(c, 64, at::kBFloat16, 7);
-  MixerOptions plain, normalized, serial;
+  MixerOptions plain, normalized;
   normalized.normalize = true;
-  serial.serial_states = true;
   if (!std::getenv("CARRY_LA_FUSED")) EXPECT_TRUE(linear_attn_fused_supports(bf, plain)) << "on by default";
-  linear_attn_fused_set(0);
-  EXPECT_FALSE(linear_attn_fused_supports(bf, plain)) << "off";
-  linear_attn_fused_set(1);
-  EXPECT_TRUE(linear_attn_fused_supports(bf, plain));
-  EXPECT_FALSE(linear_attn_fused_supports(f32, plain)) << "fp32";
+  expect_shared_refusals(linear_attn_fused_supports, [](int m) { linear_attn_fused_set(m); }, bf, f32, narrow);
   EXPECT_FALSE(linear_attn_fused_supports(bf, normalized)) << "normalized";
-  EXPECT_FALSE(linear_attn_fused_supports(bf, serial)) << "serial states";
-  EXPECT_FALSE(linear_attn_fused_supports(narrow, plain)) << "dv = 64";
-  EXPECT_THROW(linear_attn_fused_set(2), c10::Error);
 #endif
 }
 
@@ -190,18 +199,10 @@ TEST(ScalarDecayFused, AppliesOnlyWhereItShould) {
   MixerInputs bf = fused_inputs(c, 128, at::kBFloat16, 7), f32 = fused_inputs(c, 128, at::kFloat, 7),
               narrow = fused_inputs(c, 64, at::kBFloat16, 7), ungated = bf;
   for (MixerInputs* in : {&bf, &f32, &narrow}) in->g = at::full({c.B, c.T, c.H}, -0.01, at::kFloat).to(at::kCUDA);
-  MixerOptions plain, serial;
-  serial.serial_states = true;
+  MixerOptions plain;
   if (!std::getenv("CARRY_SD_FUSED")) EXPECT_FALSE(scalar_decay_fused_supports(bf, plain)) << "off by default";
-  scalar_decay_fused_set(0);
-  EXPECT_FALSE(scalar_decay_fused_supports(bf, plain)) << "off";
-  scalar_decay_fused_set(1);
-  EXPECT_TRUE(scalar_decay_fused_supports(bf, plain));
-  EXPECT_FALSE(scalar_decay_fused_supports(f32, plain)) << "fp32";
-  EXPECT_FALSE(scalar_decay_fused_supports(bf, serial)) << "serial states";
-  EXPECT_FALSE(scalar_decay_fused_supports(narrow, plain)) << "dv = 64";
+  expect_shared_refusals(scalar_decay_fused_supports, scalar_decay_fused_set, bf, f32, narrow);
   EXPECT_FALSE(scalar_decay_fused_supports(ungated, plain)) << "no decay";
-  EXPECT_THROW(scalar_decay_fused_set(2), c10::Error);
 #endif
 }
 
