@@ -1,6 +1,7 @@
 // Linear attention's kernels without per-chunk states (layers/linear_attn/kernel_fused.cuh) as one
-// differentiable op (CUDA builds only), and the scalar decay's on the same kernels (below). On by default for linear attention's kernel form where it applies;
-// CARRY_LA_FUSED=0 (read once) or linear_attn_fused_set(0) gives the decay class's kernels instead.
+// differentiable op (CUDA builds only), and the scalar decay's on the same kernels (below). On by default
+// for linear attention's kernel form where it applies; CARRY_LA_FUSED=0 (read once) or
+// linear_attn_fused_set(0) gives the decay class's kernels instead.
 #pragma once
 
 #include "layers/mixer.h"

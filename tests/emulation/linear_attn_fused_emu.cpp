@@ -5,8 +5,8 @@
 // tokens (4 chunks) in 1 and 2 segments, outputs poisoned (NaN) first. bf16 products: relative max error
 // ≤ 1e-2 for the bf16 outputs (3–4e-3 measured), ≤ 1e-5 for the fp32 states. The same with a scalar decay
 // (the kernels' G = true path: simple GLA / RetNet / Mamba-2's core) and the decay's gradient, from log
-// decays of half-lives from about 1 to 7000 tokens (B = 2 sequences of 192 tokens, H = 2, 1 and 3
-// segments); there the states too are held to 1e-2 (K and Q times their decays are rounded to bf16
+// decays of half-lives from about 1 to 7000 tokens and from a fifth of a token (B = 2 sequences of 192
+// tokens, H = 2, 1 and 3 segments); there the states too are held to 1e-2 (K and Q times their decays are rounded to bf16
 // before the state products). The GPU tests of the same kernels
 // (tests/layers/linear_attn/fused_kernel_test.cpp) check them against the chunkwise forms.
 #include "tests/emulation/warp_emulation.h"
@@ -30,7 +30,7 @@ struct Data {
   std::vector<float> S0, dSf, g;  // g: the log decay a token [B·T][H] (empty: none)
 };
 
-Data make(int B, int T, int H, uint64_t seed, bool gated) {
+Data make(int B, int T, int H, uint64_t seed, double max_decay = 0) {
   Data x{B, T, H, {}, {}, {}, {}, {}, {}, {}};
   const size_t n = (size_t)B * T * H * 128, ns = (size_t)B * H * 128 * 128;
   uint64_t st = seed;
@@ -49,9 +49,10 @@ Data make(int B, int T, int H, uint64_t seed, bool gated) {
   for (auto& e : x.dO) e = __float2bfloat16(rnd());
   for (auto& e : x.S0) e = 0.5f * rnd();
   for (auto& e : x.dSf) e = 0.5f * rnd();
-  if (gated) {  // −g log-uniform in [1e-4, 0.7]
+  if (max_decay > 0) {  // −g log-uniform in [1e-4, max_decay]
     x.g.resize((size_t)B * T * H);
-    for (auto& e : x.g) e = -std::exp(std::log(1e-4f) + (0.5f * rnd() + 0.5f) * (std::log(0.7f) - std::log(1e-4f)));
+    const float lo = std::log(1e-4f), hi = std::log((float)max_decay);
+    for (auto& e : x.g) e = -std::exp(lo + (0.5f * rnd() + 0.5f) * (hi - lo));
   }
   return x;
 }
@@ -227,18 +228,22 @@ void check_kernels(const Data& x, const Ref& R, int NS, float scale, const char*
 
 TEST(LinearAttnFusedEmulated, MatchesTheTokenRecurrence) {
   const float scale = 1.f / std::sqrt(128.f);
-  const Data x = make(2, 256, 1, 12345, /*gated=*/false);
+  const Data x = make(2, 256, 1, 12345);
   const Ref R = reference(x, scale);
   for (int NS : {1, 2}) check_kernels(x, R, NS, scale, "linear attention");
 }
 
 // Two sequences of two heads (the decay's and the segments' indexing by batch row and head), 3 chunks: in
-// one segment (the decay carried from chunk to chunk inside a walk) and in three (across the scans).
+// one segment (the decay carried from chunk to chunk inside a walk) and in three (across the scans); log
+// decays up to 0.7 a token and up to 3 (a chunk's decay then underflows to zero in fp32).
 TEST(ScalarDecayFusedEmulated, MatchesTheTokenRecurrence) {
   const float scale = 1.f / std::sqrt(128.f);
-  const Data x = make(2, 192, 2, 777, /*gated=*/true);
-  const Ref R = reference(x, scale);
-  for (int NS : {1, 3}) check_kernels(x, R, NS, scale, "scalar decay");
+  for (double max_decay : {0.7, 3.0}) {
+    const Data x = make(2, 192, 2, 777, max_decay);
+    const Ref R = reference(x, scale);
+    const std::string what = "scalar decay up to " + std::to_string(max_decay).substr(0, 3);
+    for (int NS : {1, 3}) check_kernels(x, R, NS, scale, what.c_str());
+  }
 }
 
 }  // namespace
