@@ -3,6 +3,7 @@
 #include "layers/linear_attn/kernel_fused.h"
 #include "layers/linear_attn/kernel_fused_launch.h"
 
+#include "layers/common/kernel_host.h"
 #include "layers/linear_attn/kernel_fused.cuh"
 
 #include <ATen/cuda/CUDAContext.h>
@@ -51,10 +52,7 @@ float* F(const at::Tensor& t) { return t.data_ptr<float>(); }
 }  // namespace
 
 bool fused_enabled() {
-  static const bool env = [] {
-    const char* e = std::getenv("CARRY_LA_FUSED");
-    return !(e && e[0] == '0');
-  }();
+  static const bool env = carry_tiles::switch_on("CARRY_LA_FUSED");
   const int m = g_mode.load();
   return m < 0 ? env : m == 1;
 }
