@@ -3,6 +3,7 @@
 // kernel, run forward for the states and in reverse for their gradients), and tile copies.
 #pragma once
 
+#include "layers/common/kernel_host.h"
 #include "layers/common/kernel_tiles.cuh"
 
 #include <ATen/ATen.h>
@@ -464,13 +465,7 @@ constexpr size_t state_smem() {
 
 namespace carry_decay {
 
-// The current device's SM count (CUDA runtime; asked once a launch, which costs no synchronisation).
-inline int sm_count() {
-  int dev = 0, n = 0;
-  C10_CUDA_CHECK(cudaGetDevice(&dev));
-  C10_CUDA_CHECK(cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev));
-  return n;
-}
+using carry_tiles::sm_count;
 
 // Launch the state recurrence (forward or reverse). bf16: state_mma_kernel (16 x 32 pieces, one a warp,
 // four warps a block with split accumulators where dk is a multiple of 64, else two; 3 stages). Measured

@@ -29,6 +29,14 @@ inline long env_int(const char* name, long lo, long hi, const char* what) {
   return v;
 }
 
+// The current device's SM count (CUDA runtime; asked once a launch, which costs no synchronisation).
+inline int sm_count() {
+  int dev = 0, n = 0;
+  C10_CUDA_CHECK(cudaGetDevice(&dev));
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev));
+  return n;
+}
+
 // at::empty, filled with NaN when `poison` is on (a debug switch: unwritten elements then show).
 inline at::Tensor alloc_poisoned(at::IntArrayRef sizes, const at::TensorOptions& opt, bool poison) {
   auto t = at::empty(sizes, opt);

@@ -55,13 +55,7 @@ struct Pieces {
   int c0(int p, bool reverse) const { return reverse ? cut[n - 1 - p] : cut[p]; }
   int c1(int p, bool reverse) const { return reverse ? cut[n - p] : cut[p + 1]; }
 };
-// The current device's SM count.
-inline int sm_count() {
-  int dev = 0, sms = 0;
-  C10_CUDA_CHECK(cudaGetDevice(&dev));
-  C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
-  return sms;
-}
+using carry_tiles::sm_count;
 // The bf16 state walks' column tiles: 16 columns (4 warps) where those tiles leave at least half the
 // SMs idle (the walk then runs in pieces with the chunk-local kernels beside it), else 32 columns (8
 // warps): half the blocks, each reading a chunk's W and K (and Q) once for twice the columns. Measured

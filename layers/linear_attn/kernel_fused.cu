@@ -19,13 +19,6 @@ namespace {
 std::atomic<int> g_mode{-1}, g_segments{0};  // linear_attn_fused_set
 std::atomic<int> g_decay_mode{-1};            // scalar_decay_fused_set
 
-int sm_count() {
-  int dev = 0, sms = 0;
-  C10_CUDA_CHECK(cudaGetDevice(&dev));
-  C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
-  return sms;
-}
-
 // Shared memory of each kernel (bytes), without (0) and with (1) the decay: the launches below and their
 // attributes.
 constexpr int kSumSmem[2] = {49152, 49152 + kGateBytes}, kFusedSmem[2] = {2 * 40960 + 16384, 2 * 40960 + 16384 + kGateBytes},
@@ -141,7 +134,7 @@ void scalar_decay_fused_set(int mode) {
 }
 
 int linear_attn_fused_segments(int64_t B, int64_t H, int64_t N) {
-  const int64_t per_sm = std::max<int64_t>(1, carry_la::sm_count() / std::max<int64_t>(1, B * H));
+  const int64_t per_sm = std::max<int64_t>(1, carry_tiles::sm_count() / std::max<int64_t>(1, B * H));
   int ns = 1;
   while (ns * 2 <= per_sm && ns * 2 <= 32) ns *= 2;
   while (ns > 1 && N % ns) ns /= 2;

@@ -43,6 +43,7 @@ using carry_tiles::tc::ldsm_x4;
 using carry_tiles::tc::ldsm_x4_t;
 using carry_tiles::tc::mma16816;
 using carry_tiles::tc::pack_bf16;
+using carry_tiles::tc::unpack_bf16;
 #endif
 
 // [rows][128] bf16, 16-byte chunks XOR-swizzled by the row's low 3 bits (ldmatrix's 8 rows hit 8 banks groups)
@@ -50,21 +51,10 @@ __device__ __forceinline__ int off128(int r, int c) { return r * 256 + ((((c >> 
 // [rows][64] bf16, the same swizzle
 __device__ __forceinline__ int off64(int r, int c) { return r * 128 + ((((c >> 3) ^ (r & 7)) & 7) << 4) + (c & 7) * 2; }
 
-// The two bf16 of u (the first in the low half) as floats.
-__device__ __forceinline__ void unpack_bf16(unsigned u, float& lo, float& hi) {
-#ifdef CARRY_LA_EMU
-  const unsigned ul = u << 16, uh = u & 0xFFFF0000u;
-  std::memcpy(&lo, &ul, 4);
-  std::memcpy(&hi, &uh, 4);
-#else
-  lo = __uint_as_float(u << 16), hi = __uint_as_float(u & 0xFFFF0000u);
-#endif
-}
 // The bf16 pair of u times (x, y).
 __device__ __forceinline__ unsigned scale_pair(unsigned u, float x, float y) {
-  float lo, hi;
-  unpack_bf16(u, lo, hi);
-  return pack_bf16(lo * x, hi * y);
+  const float2 f = unpack_bf16(u);
+  return pack_bf16(f.x * x, f.y * y);
 }
 // An A fragment (m16 × k16, k = tokens k0..k0+15) with each token's column times w[token].
 __device__ __forceinline__ void scale_a_tokens(unsigned (&a)[4], const float* w, int k0) {
@@ -469,9 +459,8 @@ __device__ __forceinline__ void row_dots(const float (&acc)[8][4], const unsigne
   for (int n = 0; n < 8; ++n)
 #pragma unroll
     for (int hf = 0; hf < 2; ++hf) {
-      float lo, hi;
-      unpack_bf16(*reinterpret_cast<const unsigned*>(sX + off128(rb + g + 8 * hf, cb + 8 * n + 2 * t4)), lo, hi);
-      d[hf] += acc[n][2 * hf] * lo + acc[n][2 * hf + 1] * hi;
+      const float2 x = unpack_bf16(*reinterpret_cast<const unsigned*>(sX + off128(rb + g + 8 * hf, cb + 8 * n + 2 * t4)));
+      d[hf] += acc[n][2 * hf] * x.x + acc[n][2 * hf + 1] * x.y;
     }
 #pragma unroll
   for (int hf = 0; hf < 2; ++hf) {

@@ -123,6 +123,13 @@ inline void cp_async16(void* dst, const void* src) { std::memcpy(dst, src, 16); 
 inline void cp_async_commit() {}
 template <int N>
 inline void cp_async_wait() {}
+inline float2 unpack_bf16(unsigned u) {
+  const unsigned lo = u << 16, hi = u & 0xFFFF0000u;
+  float2 f;
+  std::memcpy(&f.x, &lo, 4);
+  std::memcpy(&f.y, &hi, 4);
+  return f;
+}
 inline unsigned pack_bf16(float x, float y) {
   __nv_bfloat162 v = __floats2bfloat162_rn(x, y);
   unsigned u;
