@@ -64,16 +64,27 @@ __device__ __forceinline__ void scale_a_tokens(unsigned (&a)[4], const float* w,
   a[2] = scale_pair(a[2], w[c + 8], w[c + 9]);
   a[3] = scale_pair(a[3], w[c + 8], w[c + 9]);
 }
-// The chunk's decay into shared memory (threads 0..63; visible after the caller's next barrier), from b
-// (fp32 [B·T][H], the log decay summed within the chunk): sg[t] = e^{b_t}, sg[64 + t] = e^{B − b_t},
-// sg[128 + t] = b_t (B = b_63, e^B = sg[63]).
-__device__ __forceinline__ void chunk_gate(float* sg, const float* b, int t0, int h, int H) {
+// The chunk's decay into shared memory (threads 0..63; visible after the caller's next barrier) from the
+// two log decays a thread read a chunk ahead (GateRegs, gate_load: b, fp32 [B·T][H], the log decay summed
+// within the chunk): sg[t] = e^{b_t}, sg[64 + t] = e^{B − b_t}, sg[128 + t] = b_t (B = b_63, e^B = sg[63]).
+// Read a chunk ahead, the strided loads' latency passes behind the chunk before instead of stalling the
+// block once a chunk (it made the gated kernels 1.7 times the ungated ones' time on an H200).
+struct GateRegs {
+  float bt = 0.f, bl = 0.f;
+};
+__device__ __forceinline__ void gate_load(GateRegs& r, const float* b, int t0, int h, int H) {
   const int t = threadIdx.x;
   if (t < C) {
-    const float bt = b[(long)(t0 + t) * H + h], bl = b[(long)(t0 + C - 1) * H + h];
-    sg[t] = expf(bt);
-    sg[C + t] = expf(bl - bt);
-    sg[2 * C + t] = bt;
+    r.bt = b[(long)(t0 + t) * H + h];
+    r.bl = b[(long)(t0 + C - 1) * H + h];
+  }
+}
+__device__ __forceinline__ void chunk_gate(float* sg, const GateRegs& r) {
+  const int t = threadIdx.x;
+  if (t < C) {
+    sg[t] = expf(r.bt);
+    sg[C + t] = expf(r.bl - r.bt);
+    sg[2 * C + t] = r.bt;
   }
 }
 constexpr int kGateBytes = 3 * C * 4;
@@ -169,6 +180,8 @@ __global__ void __launch_bounds__(128) seg_sum(const bf16* __restrict__ k, const
   // buffer b: K at b·16 KB, V at 32 KB + b·8 KB; the chunk's decay at 48 KB
   float* sg = reinterpret_cast<float*>(smem + 49152);
   float s[2][8][4] = {}, gam = 0.f;
+  GateRegs gr;
+  if constexpr (G) gate_load(gr, gb, tb + c0 * C, h, H);
   load_chunk(nullptr, smem, smem + 32768, nullptr, k, v, tb + c0 * C, h, H, DV, v0);
   cp_async_commit();
   for (int i = 0; i < per; ++i) {
@@ -178,7 +191,10 @@ __global__ void __launch_bounds__(128) seg_sum(const bf16* __restrict__ k, const
                  DV, v0);
     cp_async_commit();
     cp_async_wait<1>();
-    if constexpr (G) chunk_gate(sg, gb, tb + (c0 + i) * C, h, H);
+    if constexpr (G) {
+      chunk_gate(sg, gr);
+      if (i + 1 < per) gate_load(gr, gb, tb + (c0 + i + 1) * C, h, H);
+    }
     __syncthreads();
     if constexpr (G) {
       state_times(s, sg[C - 1]);
@@ -270,6 +286,8 @@ __global__ void __launch_bounds__(128, 2) fused(const bf16* __restrict__ q, cons
     const float2 x = *reinterpret_cast<const float2*>(in + (long)d * DV + col);
     x0 = x.x, x1 = x.y;
   });
+  GateRegs gr;
+  if constexpr (G) gate_load(gr, gb, tb + c0 * C, h, H);
   load_chunk(sQ(0), sK(0), sV(0), q, k, v, tb + c0 * C, h, H, DV, v0);
   cp_async_commit();
   for (int i = 0; i < per; ++i) {
@@ -278,7 +296,10 @@ __global__ void __launch_bounds__(128, 2) fused(const bf16* __restrict__ q, cons
     __syncthreads();  // chunk i landed; every warp is done with chunk i − 1 (its buffers and sS)
     if (i + 1 < per) load_chunk(sQ(b ^ 1), sK(b ^ 1), sV(b ^ 1), q, k, v, t0 + C, h, H, DV, v0);
     cp_async_commit();
-    if constexpr (G) chunk_gate(sg, gb, t0, h, H);
+    if constexpr (G) {
+      chunk_gate(sg, gr);
+      if (i + 1 < per) gate_load(gr, gb, t0 + C, h, H);
+    }
     // the incoming state in bf16 for Q·S
     state_pairs(s, 32 * warp, 0, [&](int d, int col, float x0, float x1) {
       *reinterpret_cast<unsigned*>(sS + off64(d, col)) = pack_bf16(x0, x1);
@@ -488,6 +509,8 @@ __global__ void __launch_bounds__(256) seg_sum_full(const bf16* __restrict__ X, 
   const bf16* src[2] = {X, Y};
   float s[2][8][4] = {};
   auto chunk = [&](int i) { return G ? c0 + per - 1 - i : c0 + i; };
+  GateRegs gr;
+  if constexpr (G) gate_load(gr, gb, tb + chunk(0) * C, h, H);
   load_tiles(smem, src, 2, tb + chunk(0) * C, h, H);
   cp_async_commit();
   for (int i = 0; i < per; ++i) {
@@ -495,7 +518,10 @@ __global__ void __launch_bounds__(256) seg_sum_full(const bf16* __restrict__ X, 
     if (i + 1 < per) load_tiles(smem + (b ^ 1) * 32768, src, 2, tb + chunk(i + 1) * C, h, H);
     cp_async_commit();
     cp_async_wait<1>();
-    if constexpr (G) chunk_gate(sg, gb, tb + chunk(i) * C, h, H);
+    if constexpr (G) {
+      chunk_gate(sg, gr);
+      if (i + 1 < per) gate_load(gr, gb, tb + chunk(i + 1) * C, h, H);
+    }
     __syncthreads();
     if constexpr (G) state_times(s, sg[C - 1]);
     at_b<G>(s, smem + b * 32768, smem + b * 32768 + 16384, rb, cb, sg);
@@ -543,6 +569,8 @@ __global__ void __launch_bounds__(256, 1) bwd_dq(const bf16* __restrict__ k, con
   const bf16* src[4] = {dO, k, v, q};
   float s[2][8][4];
   state_in(s, Sin + ((long)seg * B * H + bh) * 128 * 128, rb, cb);
+  GateRegs gr;
+  if constexpr (G) gate_load(gr, gb, tb + c0 * C, h, H);
   load_tiles(smem, src, nt, tb + c0 * C, h, H);
   cp_async_commit();
   for (int i = 0; i < per; ++i) {
@@ -555,7 +583,10 @@ __global__ void __launch_bounds__(256, 1) bwd_dq(const bf16* __restrict__ k, con
     __syncthreads();
     if (i + 1 < per) load_tiles(smem + (b ^ 1) * buf, src, nt, t0 + C, h, H);
     cp_async_commit();
-    if constexpr (G) chunk_gate(sg, gb, t0, h, H);
+    if constexpr (G) {
+      chunk_gate(sg, gr);
+      if (i + 1 < per) gate_load(gr, gb, t0 + C, h, H);
+    }
     state_out(s, sS, rb, cb, 1.f);
     __syncthreads();
     unsigned a[8][4];
@@ -597,6 +628,8 @@ __global__ void __launch_bounds__(256, 1) bwd_dkdv(const bf16* __restrict__ q, c
   const bf16* src[4] = {q, k, v, dO};
   float s[2][8][4];  // D' (D / scale)
   state_in(s, Dout + ((long)seg * B * H + bh) * 128 * 128, rb, cb);
+  GateRegs gr;
+  if constexpr (G) gate_load(gr, gb, tb + (c0 + per - 1) * C, h, H);
   load_tiles(smem, src, 4, tb + (c0 + per - 1) * C, h, H);
   cp_async_commit();
   for (int i = 0; i < per; ++i) {
@@ -609,7 +642,10 @@ __global__ void __launch_bounds__(256, 1) bwd_dkdv(const bf16* __restrict__ q, c
     __syncthreads();
     if (i + 1 < per) load_tiles(smem + (b ^ 1) * 65536, src, 4, t0 - C, h, H);
     cp_async_commit();
-    if constexpr (G) chunk_gate(sg, gb, t0, h, H);
+    if constexpr (G) {
+      chunk_gate(sg, gr);
+      if (i + 1 < per) gate_load(gr, gb, t0 - C, h, H);
+    }
     state_out(s, sD, rb, cb, scale);  // D = scale·D'
     __syncthreads();
     unsigned a[8][4];
