@@ -66,7 +66,7 @@ __device__ __forceinline__ void scale_a_tokens(unsigned (&a)[4], const float* w,
 }
 // The chunk's decay into shared memory (threads 0..63; visible after the caller's next barrier) from the
 // two log decays a thread read a chunk ahead (GateRegs, gate_load: b, fp32 [B·T][H], the log decay summed
-// within the chunk): sg[t] = e^{b_t}, sg[64 + t] = e^{B − b_t}, sg[128 + t] = b_t (B = b_63, e^B = sg[63]).
+// within the chunk): sg[t] = e^{b_t}, sg[64 + t] = e^{B − b_t}, sg[128 + t] = log2(e)·b_t (B = b_63, e^B = sg[63]).
 // Read a chunk ahead, the strided loads' latency passes behind the chunk before instead of stalling the
 // block once a chunk (it made the gated kernels 1.7 times the ungated ones' time on an H200).
 struct GateRegs {
@@ -84,7 +84,7 @@ __device__ __forceinline__ void chunk_gate(float* sg, const GateRegs& r) {
   if (t < C) {
     sg[t] = expf(r.bt);
     sg[C + t] = expf(r.bl - r.bt);
-    sg[2 * C + t] = r.bt;
+    sg[2 * C + t] = r.bt * 1.4426950408889634f;  // log2(e)·b_t: masked_rows_t's factors by exp2f
   }
 }
 constexpr int kGateBytes = 3 * C * 4;
@@ -192,14 +192,12 @@ __global__ void __launch_bounds__(128) seg_sum(const bf16* __restrict__ k, const
     cp_async_commit();
     cp_async_wait<1>();
     if constexpr (G) {
+      gam += gr.bl;  // the chunk's log decay b_63 (thread 0's is the one stored)
       chunk_gate(sg, gr);
       if (i + 1 < per) gate_load(gr, gb, tb + (c0 + i + 1) * C, h, H);
     }
     __syncthreads();
-    if constexpr (G) {
-      state_times(s, sg[C - 1]);
-      gam += sg[3 * C - 1];
-    }
+    if constexpr (G) state_times(s, sg[C - 1]);
     kt_v<G>(s, smem + b * 16384, smem + 32768 + b * 8192, sg + C);
     __syncthreads();  // the buffer is reloaded next iteration
   }
@@ -229,7 +227,7 @@ __global__ void seg_scan(float* __restrict__ Ssum, const float* __restrict__ S0,
 }
 
 // p (16 rows rb.. × 64 tokens) = a (16 × 128) · Yᵀ over the tokens a causal mask keeps (Y [64 t][128]):
-// lower (token ≤ row) or upper (token ≥ row), times scale, zero elsewhere; with sb (the chunk's b) also times
+// lower (token ≤ row) or upper (token ≥ row), times scale, zero elsewhere; with sb (the chunk's log2(e)·b) also times
 // the decay between the two, e^{b_row − b_token} (lower) or e^{b_token − b_row} (upper), at most 1.
 template <bool UPPER>
 __device__ __forceinline__ void masked_rows_t(float (&p)[8][4], const unsigned (&a)[8][4], const unsigned char* sY,
@@ -256,7 +254,7 @@ __device__ __forceinline__ void masked_rows_t(float (&p)[8][4], const unsigned (
     for (int e = 0; e < 4; ++e) {
       const int row = rb + g + 8 * (e >> 1), tok = 8 * n + 2 * t4 + (e & 1);
       const bool keep = UPPER ? tok >= row : tok <= row;
-      const float f = sb && keep ? expf(UPPER ? sb[tok] - sb[row] : sb[row] - sb[tok]) : 1.f;
+      const float f = sb && keep ? exp2f(UPPER ? sb[tok] - sb[row] : sb[row] - sb[tok]) : 1.f;
       p[n][e] = keep ? p[n][e] * scale * f : 0.f;
     }
 }
