@@ -1016,7 +1016,7 @@ __global__ void __launch_bounds__(512) bwd_chunk_reg_kernel(
 #pragma unroll
     for (int hf = 0; hf < 2; ++hf) {
       const int r = hf ? r1 : r0;
-      const float s1 = scale * expf(sG[r]), s2 = expf(gl - sG[r]);
+      const float s1 = scale * __expf(sG[r]), s2 = __expf(gl - sG[r]);
 #pragma unroll
       for (int nt = 0; nt < FN; ++nt) {
         const int col = fh + nt * 8 + 2 * t4;
@@ -1052,7 +1052,7 @@ __global__ void __launch_bounds__(512) bwd_chunk_reg_kernel(
       for (int e = 0; e < 4; ++e) {
         const int r = e < 2 ? r0 : r1, s = mh + nt * 8 + 2 * t4 + (e & 1);
         const bool in = s <= r;
-        const float gam = in ? expf(sG[r] - sG[s]) : 0.f;
+        const float gam = in ? __expf(sG[r] - sG[s]) : 0.f;
         const float dp = in ? m1[nt][e] : 0.f;
         const float x = dp * (scale * p[nt][e] * gam);
         p[nt][e] = x;
@@ -1090,7 +1090,7 @@ __global__ void __launch_bounds__(512) bwd_chunk_reg_kernel(
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const int s = mh + nt * 8 + 2 * t4 + (e & 1);
-        mv[e] = sB[s] * (m2[nt][e] + expf(sG[s]) * w[nt][e]);
+        mv[e] = sB[s] * (m2[nt][e] + __expf(sG[s]) * w[nt][e]);
       }
       mb1_put(nt, mv);
     }
@@ -1098,7 +1098,7 @@ __global__ void __launch_bounds__(512) bwd_chunk_reg_kernel(
 #pragma unroll
     for (int hf = 0; hf < 2; ++hf) {
       const int r = hf ? r1 : r0;
-      const float be = sB[r] * expf(sG[r]);
+      const float be = sB[r] * __expf(sG[r]);
 #pragma unroll
       for (int nt = 0; nt < FN; ++nt) {
         const int col = fh + nt * 8 + 2 * t4;
@@ -1139,7 +1139,7 @@ __global__ void __launch_bounds__(512) bwd_chunk_reg_kernel(
         const int r = e < 2 ? r0 : r1, s = mh + nt * 8 + 2 * t4 + (e & 1);
         const bool in = s < r;
         const float br = sB[r];
-        const float gam = in ? expf(sG[r] - sG[s]) : 0.f;
+        const float gam = in ? __expf(sG[r] - sG[s]) : 0.f;
         const float da = in ? -za[nt][e] : 0.f;
         const float d = da * gam;
         ab[e >> 1] += d * kk[nt][e];
@@ -1172,7 +1172,7 @@ __global__ void __launch_bounds__(512) bwd_chunk_reg_kernel(
   float* sKD = sDG + C;
   if (tid < C) {
     const int r = tid;
-    const float eg = expf(sG[r]);
+    const float eg = __expf(sG[r]);
     dbeta[((long)b * T_ + t0 + r) * H + h] = (row_get(kRowDB1, r) + eg * row_get(kRowF, r)) + row_get(kRowH1, r);
     if (gated) {
       const float a2 = row_get(kRowA2, r);

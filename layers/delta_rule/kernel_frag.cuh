@@ -20,8 +20,8 @@ __device__ __forceinline__ void causal_p_bf16(const carry_tiles::bf16* sQ, const
 #pragma unroll
     for (int hf = 0; hf < 2; ++hf) {
       const int r = m0 + g + hf * 8, s = n0 + nt * 8 + 2 * t4;
-      const float x0 = s <= r ? scale * p[nt][2 * hf] * expf(sG[r] - sG[s]) : 0.f;
-      const float x1 = s + 1 <= r ? scale * p[nt][2 * hf + 1] * expf(sG[r] - sG[s + 1]) : 0.f;
+      const float x0 = s <= r ? scale * p[nt][2 * hf] * __expf(sG[r] - sG[s]) : 0.f;
+      const float x1 = s + 1 <= r ? scale * p[nt][2 * hf + 1] * __expf(sG[r] - sG[s + 1]) : 0.f;
       *reinterpret_cast<unsigned*>(sPb + r * LPb + s) = tc::pack_bf16(x0, x1);
     }
   }

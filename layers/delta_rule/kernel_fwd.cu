@@ -408,7 +408,7 @@ __global__ void __launch_bounds__(256) prep_reg_kernel(const bf16* __restrict__ 
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const int r = m0 + gq + (e >> 1) * 8, s = n0 + nt * 8 + 2 * t4 + (e & 1);
-        sA[r * L::LA + s] = s < r ? sB[r] * kk[nt][e] * expf(sG[r] - sG[s]) : 0.f;
+        sA[r * L::LA + s] = s < r ? sB[r] * kk[nt][e] * __expf(sG[r] - sG[s]) : 0.f;
         sTm[r * L::LA + s] = 0.f;
       }
     }
@@ -426,8 +426,8 @@ __global__ void __launch_bounds__(256) prep_reg_kernel(const bf16* __restrict__ 
       reinterpret_cast<uint2*>(tm)[i] = ut;
       const float b0 = sB[s], b1 = sB[s + 1], b2 = sB[s + 2], b3 = sB[s + 3];
       uint2 uw, uu;
-      uw.x = tc::pack_bf16(x.x * b0 * expf(sG[s]), x.y * b1 * expf(sG[s + 1]));
-      uw.y = tc::pack_bf16(x.z * b2 * expf(sG[s + 2]), x.w * b3 * expf(sG[s + 3]));
+      uw.x = tc::pack_bf16(x.x * b0 * __expf(sG[s]), x.y * b1 * __expf(sG[s + 1]));
+      uw.y = tc::pack_bf16(x.z * b2 * __expf(sG[s + 2]), x.w * b3 * __expf(sG[s + 3]));
       uu.x = tc::pack_bf16(x.x * b0, x.y * b1);
       uu.y = tc::pack_bf16(x.z * b2, x.w * b3);
       *reinterpret_cast<uint2*>(sTw + r * L::LTb + s) = uw;
@@ -868,7 +868,7 @@ __global__ void __launch_bounds__(256) fwd_o_reg_kernel(const bf16* __restrict__
   load_qk_and_p<DK, NT>(sQ, sK, L::LK, q + ((long)b * T_ + t0) * rowk + (long)h * DK,
                         k + ((long)b * T_ + t0) * rowk + (long)h * DK, rowk, load_tiles, NB == 1 ? 1 : NTILE, sG,
                         Gc + bh * T_ + t0, 1, scale, sPb, L::LPb);
-  const float e0 = scale * expf(sG[m0 + g]), e1 = scale * expf(sG[m0 + g + 8]);
+  const float e0 = scale * __expf(sG[m0 + g]), e1 = scale * __expf(sG[m0 + g + 8]);
   for (int it = 0; it < NTILE; ++it) {
     const char* base = smem + L::oBuf + (NB == 1 ? 0 : (it & 1)) * L::buf;
     const bf16* sH = reinterpret_cast<const bf16*>(base);

@@ -36,8 +36,11 @@ struct Dims {
 
 // How a bf16 state walk (forward from chunk 0, reverse from the sequence's end) cuts the chunks: n
 // pieces at the boundaries cut (carry_tiles::piece_cuts; n + 1 of them, 0 to N). The forced (test)
-// value, else automatic: about N/12 chunks a piece (at least 32) when the walk's tiles (value_blocks
-// blocks) fill at most half the SMs, one walk otherwise. The automatic pieces ramp where the state
+// value, else automatic: about N/12 chunks a piece (at least 32; at least 64 where the state tiles are
+// wide, H=16 with dk=dv=128: 4 pieces instead of 8 at 16384 tokens gave DeltaNet 1.568 / 1.616 → 1.522 /
+// 1.493 ms and Gated DeltaNet 1.663 / 1.700 → 1.635 / 1.668 forward+backward, 6 and 12 pieces no better,
+// session 13's call 3 on an H200) when the walk's tiles (value_blocks blocks) fill at most half the SMs,
+// one walk otherwise. The automatic pieces ramp where the state
 // tiles are narrow (not wide_state_tiles: H=4, dv=256) and the end pieces keep 32 chunks (from 1216
 // chunks, 77824 tokens, in 12 pieces): the two at each end a quarter and a half of the others, so what
 // waits before the first walk and after the last is a quarter of a piece's chunk-local work
@@ -69,7 +72,7 @@ inline bool wide_state_tiles(const Dims& d) { return 2 * (d.DV / 16) * d.H * d.B
 inline Pieces plan_pieces(const Dims& d, int value_blocks) {
   const bool idle = 2 * value_blocks <= sm_count();
   const int forced = forced_pieces();
-  const int n = forced > 0 ? forced : idle ? std::max(1, std::min(12, d.N / 32)) : 1;
+  const int n = forced > 0 ? forced : idle ? std::max(1, std::min(12, d.N / (wide_state_tiles(d) ? 64 : 32))) : 1;
   const bool ramp = ramp_pieces() && (forced > 0 || !wide_state_tiles(d));
   std::vector<int> cut = carry_tiles::piece_cuts(d.N, n, ramp, forced > 0 ? 1 : 32);
   const int pieces = (int)cut.size() - 1;

@@ -51,10 +51,7 @@ bool fused_enabled() {
 }
 int fused_forced_segments() { return g_segments.load(); }
 bool decay_fused_enabled() {
-  static const bool env = [] {
-    const char* e = std::getenv("CARRY_SD_FUSED");
-    return e && e[0] == '1';
-  }();
+  static const bool env = carry_tiles::switch_on("CARRY_SD_FUSED");
   const int m = g_decay_mode.load();
   return m < 0 ? env : m == 1;
 }

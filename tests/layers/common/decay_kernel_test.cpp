@@ -35,8 +35,7 @@ struct Family {
 };
 
 #ifdef CARRY_WITH_CUDA
-// Linear attention's bf16 kernel form runs its fused kernels by default, the scalar decay's with
-// CARRY_SD_FUSED=1 (kernel_fused.h, tested in tests/layers/linear_attn/fused_kernel_test.cpp); these tests
+// Linear attention's and the scalar decay's bf16 kernel forms run their fused kernels by default (kernel_fused.h, tested in tests/layers/linear_attn/fused_kernel_test.cpp); these tests
 // hold both to the decay class's kernels.
 struct DecayClassOnly {
   DecayClassOnly() { linear_attn_fused_set(0), scalar_decay_fused_set(0); }

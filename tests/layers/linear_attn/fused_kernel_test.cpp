@@ -136,7 +136,7 @@ TEST(LinearAttnFused, FinalStateHookSeesTheFinishedState) {
 #endif
 }
 
-// The scalar decay on the same kernels (scalar_decay_fused_form; off by default): against the chunkwise form
+// The scalar decay on the same kernels (scalar_decay_fused_form; on by default): against the chunkwise form
 // in fp32 on the same upcast inputs, with log decays drawn log-uniformly from 1e-5 to 0.3 a token (half-lives
 // from about 2 to 7·10^4 tokens) and from 1e-3 to 3 (down to a fifth of a token); the output, the final
 // state and the gradients of q, k, v, the decay and the initial state; bf16, relative max error ≤ 1e-2;
@@ -200,7 +200,7 @@ TEST(ScalarDecayFused, AppliesOnlyWhereItShould) {
               narrow = fused_inputs(c, 64, at::kBFloat16, 7), ungated = bf;
   for (MixerInputs* in : {&bf, &f32, &narrow}) in->g = at::full({c.B, c.T, c.H}, -0.01, at::kFloat).to(at::kCUDA);
   MixerOptions plain;
-  if (!std::getenv("CARRY_SD_FUSED")) EXPECT_FALSE(scalar_decay_fused_supports(bf, plain)) << "off by default";
+  if (!std::getenv("CARRY_SD_FUSED")) EXPECT_TRUE(scalar_decay_fused_supports(bf, plain)) << "on by default";
   expect_shared_refusals(scalar_decay_fused_supports, scalar_decay_fused_set, bf, f32, narrow);
   EXPECT_FALSE(scalar_decay_fused_supports(ungated, plain)) << "no decay";
 #endif
