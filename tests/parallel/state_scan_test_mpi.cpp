@@ -450,6 +450,51 @@ TEST_P(SequenceParallel, ScanOverNcclOnGpus) {
   check_scan_against_serial(m, g, at::Device(at::kCUDA, world_info().local_rank), " nccl/cuda");
 }
 
+// The kernel forms over NCCL, one GPU a rank: bf16 q, k, v with dk = dv = 128 and chunks of 64, where
+// every rank runs linear attention's and the scalar decay's fused kernels (no per-chunk states), GLA's
+// decay-class kernels and the delta rule's (DeltaNet, Gated DeltaNet), each scan mode against the serial
+// chunkwise run in fp32 on the same (upcast) inputs: the outputs, the final state and every gradient, the
+// initial state's included, within 1e-2 (the bf16 products' rounding, as the one-GPU kernel tests bound).
+TEST(KernelForms, ScanOverNcclMatchesSerial) {
+  if (!gpus_for_every_rank()) GTEST_SKIP() << "needs NCCL and one CUDA device a rank";
+  ProcessGroups& g = nccl_groups(1, world_size());
+  const int P = g.layout.sp;
+  const at::Device dev(at::kCUDA, world_info().local_rank);
+  for (const char* name : {"linear_attn", "scalar_decay", "gla", "deltanet", "gated_deltanet"}) {
+    const Mixer& m = get_mixer(name);
+    Shape s;
+    s.B = 1, s.T = 256 * P, s.H = 2, s.dk = 128, s.dv = 128;
+    MixerOptions opt;
+    opt.chunk_size = 64;
+    const MixerInputs in_cpu = random_inputs(m, s, at::kFloat, 77);
+    MixerInputs up = to_device(in_cpu, dev), low = up;
+    for (const char* n : {"q", "k", "v"}) low.get(n) = up.get(n).to(at::kBFloat16), up.get(n) = low.get(n).to(at::kFloat);
+    State init;
+    for (auto& t : random_state(m, in_cpu, opt, 78)) init.push_back(t.to(dev));
+    auto w = random_weights(m, in_cpu, opt, P, /*boundaries=*/false, 79);
+    w.o = w.o.to(dev);
+    for (auto& t : w.final_state) t = t.to(dev);
+    ASSERT_TRUE(m.has_kernel() && m.kernel_supports(sp_slice(low, g.sp_rank, P, opt.chunk_size), opt))
+        << name << ": the kernel form does not take a rank's slice, so this test would not run it";
+    for (ScanMode mode : {ScanMode::ordered, ScanMode::tree, ScanMode::allgather}) {
+      ScanRun par = parallel_run(m, *g.sp, low, init, opt, w, mode);
+      double e_out = 0, e_grad = 0;
+      if (g.sp_rank == 0) {
+        ScanRun ser = serial_run(m, up, init, opt, w, P);
+        e_out = carry::testing::max_rel_err(par.outputs, ser.outputs);
+        e_grad = carry::testing::max_rel_err(par.grads, ser.grads);
+      }
+      e_out = max_over_world(e_out);
+      e_grad = max_over_world(e_grad);
+      const std::string tag = std::string(name) + " " + scan_mode_name(mode) + " bf16 kernels sp=" + std::to_string(P);
+      if (world_rank() == 0)
+        std::cout << "[ errors   ] " << tag << ": forward " << e_out << " gradients " << e_grad << "\n";
+      EXPECT_LE(e_out, 1e-2) << tag;
+      EXPECT_LE(e_grad, 1e-2) << tag;
+    }
+  }
+}
+
 // ordered pipelined over G head groups (H = 4 heads; G = 1, 2, 4): outputs, final state and every
 // gradient bit for bit those of one serial chunkwise run over all heads.
 TEST_P(SequenceParallel, OrderedHeadGroupsBitwiseEqualSerial) {
