@@ -8,9 +8,12 @@
 
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
 
 #include <algorithm>
+#include <array>
 #include <atomic>
+#include <mutex>
 #include <cstdlib>
 
 namespace carry_la {
@@ -25,18 +28,21 @@ constexpr int kSumSmem[2] = {49152, 49152 + kGateBytes}, kFusedSmem[2] = {2 * 40
               kSumFullSmem[2] = {65536, 65536 + kGateBytes}, kDqSmem[2] = {2 * 49152 + 32768, 2 * 65536 + 32768 + kGateBytes},
               kDkdvSmem[2] = {2 * 65536 + 32768, 2 * 65536 + 32768 + kGateBytes};
 
+// Once a device: a kernel's attributes belong to the device's context (set once a process, a second GPU's
+// launches failed: "invalid argument").
 template <bool G>
-void set_attributes() {
-  static const bool done = [] {
+void set_attributes(int device) {
+  static std::array<std::once_flag, 64> once;
+  TORCH_CHECK(device >= 0 && device < (int)once.size(), "linear_attn (fused kernels): CUDA device ", device,
+              " is beyond the ", once.size(), " this build handles");
+  std::call_once(once[device], [] {
     const auto max = cudaFuncAttributeMaxDynamicSharedMemorySize;
     C10_CUDA_CHECK(cudaFuncSetAttribute(seg_sum<G>, max, kSumSmem[G]));
     C10_CUDA_CHECK(cudaFuncSetAttribute(fused<G>, max, kFusedSmem[G]));
     C10_CUDA_CHECK(cudaFuncSetAttribute(seg_sum_full<G>, max, kSumFullSmem[G]));
     C10_CUDA_CHECK(cudaFuncSetAttribute(bwd_dq<G>, max, kDqSmem[G]));
     C10_CUDA_CHECK(cudaFuncSetAttribute(bwd_dkdv<G>, max, kDkdvSmem[G]));
-    return true;
-  }();
-  (void)done;
+  });
 }
 
 bf16* P(const at::Tensor& t) { return reinterpret_cast<bf16*>(t.data_ptr()); }
@@ -59,7 +65,8 @@ bool decay_fused_enabled() {
 std::vector<at::Tensor> launch_fwd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& s0,
                                    float scale, int ns, const at::Tensor& gb) {
   const bool G = gb.defined();
-  G ? set_attributes<true>() : set_attributes<false>();
+  c10::cuda::CUDAGuard guard(q.device());  // the tensors' device, whichever is current (the other launchers' rule)
+  G ? set_attributes<true>(q.get_device()) : set_attributes<false>(q.get_device());
   const int B = (int)q.size(0), T = (int)q.size(1), H = (int)q.size(2), BH = B * H;
   TORCH_CHECK((T / 64) % ns == 0, "linear_attn (fused kernels): ", ns, " segments do not divide ", T / 64, " chunks");
   auto f32 = q.options().dtype(at::kFloat);
@@ -84,7 +91,8 @@ std::vector<at::Tensor> launch_bwd(const at::Tensor& q, const at::Tensor& k, con
                                    const at::Tensor& d_o, const at::Tensor& dSfin, float scale, const at::Tensor& gb,
                                    const at::Tensor& gam) {
   const bool G = gb.defined();
-  G ? set_attributes<true>() : set_attributes<false>();
+  c10::cuda::CUDAGuard guard(q.device());  // the tensors' device, whichever is current (the other launchers' rule)
+  G ? set_attributes<true>(q.get_device()) : set_attributes<false>(q.get_device());
   const int B = (int)q.size(0), T = (int)q.size(1), H = (int)q.size(2), BH = B * H, ns = (int)Sin.size(0);
   at::Tensor dq = at::empty_like(q), dk = at::empty_like(k), dv = at::empty_like(v);
   at::Tensor dS0 = at::empty({B, H, 128, 128}, dSfin.options()), Dout = at::empty_like(Sin);
