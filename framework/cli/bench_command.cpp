@@ -40,7 +40,7 @@ namespace {
 const char* kUsage =
     "usage: carry bench kernels [--families gla,scalar_decay,linear_attn,deltanet,gated_deltanet,softmax_attn]\n"
     "                           [--T 16384,65536] [--heads 16] [--dk 128] [--dv 128] [--window 2048] [--reps 10]\n"
-    "                           [--serial] [--pieces N] [--decay-segments N]\n"
+    "                           [--serial] [--pieces N [--ramp]] [--decay-segments N]\n"
     "                           [--decay-pieces N] [--checksum]\n"
     "  Times the kernel forms on the GPU (bf16, B = 1): forward and forward+backward ms, tokens/s,\n"
     "  GB/s and TFLOP/s against counted floors, and the MiB one forward+backward adds at its peak above its\n"
@@ -48,7 +48,8 @@ const char* kUsage =
     "  H=16 dk=dv=128 at T = 16384, 65536, 131072; H=4 dk=128 dv=256 and H=4 dk=96 dv=192 at 32768, 131072;\n"
     "  softmax_attn (sliding window --window) at H=6 dk=dv=128, T = 32768, 131072. --serial walks every\n"
     "  state pass in order (MixerOptions::serial_states: no segments, as the ordered scan runs them).\n"
-    "  --pieces N cuts the delta rule's state walks into N pieces (1: one walk; without it: automatic).\n"
+    "  --pieces N cuts the delta rule's state walks into N pieces (1: one walk; without it: automatic);\n"
+    "  with --ramp the end pieces are shorter (a quarter and a half of the others, from 5 pieces).\n"
     "  --decay-segments N cuts the decay class's state recurrence into N segments (1: in order; without\n"
     "  it: automatic). --decay-pieces N walks the decay class's bf16 recurrence in N pieces, the output\n"
     "  and gradient kernels of each finished piece on a second stream beside the next (1: one walk;\n"
@@ -71,6 +72,7 @@ struct Args {
   int reps = 10;
   bool serial = false;  // MixerOptions::serial_states
   int pieces = 0;       // the delta rule's walk pieces (carry_gdn::gdn_set_pieces)
+  bool ramp = false;    // and whether forced pieces ramp
   int decay_segments = 0;  // the decay class's state segments (carry_decay::decay_set_segments)
   int decay_pieces = 0;    // the decay class's walk pieces (carry_decay::decay_set_pieces)
   bool checksum = false;   // print the hashes of one run's outputs and gradients
@@ -98,11 +100,14 @@ Args parse(int argc, char** argv) {
     else if (f == "--reps") a.reps = (int)parse_positive_int(f, value());
     else if (f == "--serial") a.serial = true;
     else if (f == "--pieces") a.pieces = (int)parse_positive_int(f, value());
+    else if (f == "--ramp") a.ramp = true;
     else if (f == "--decay-segments") a.decay_segments = (int)parse_positive_int(f, value());
     else if (f == "--decay-pieces") a.decay_pieces = (int)parse_positive_int(f, value());
     else if (f == "--checksum") a.checksum = true;
     else throw std::invalid_argument("unknown option '" + f + "'");
   }
+  if (a.ramp && a.pieces == 0)
+    throw std::invalid_argument("--ramp needs --pieces N (the automatic pieces choose their own ramp)");
   for (auto& name : a.families) get_mixer(name);  // an unknown family fails here, with the list
   if (any_shape) {
     if (custom.Ts.empty()) custom.Ts = {16384};
@@ -196,7 +201,7 @@ Floors floors(const Mixer& m, int64_t T, const Shape& s, int64_t window) {
 
 int run(const Args& a) {
 #ifdef CARRY_WITH_CUDA
-  carry_gdn::gdn_set_pieces(a.pieces);
+  carry_gdn::gdn_set_pieces(a.pieces, a.ramp);
   carry_decay::decay_set_segments(a.decay_segments);
   carry_decay::decay_set_pieces(a.decay_pieces);
 #endif

@@ -68,7 +68,8 @@ __device__ __forceinline__ void scale_a_tokens(unsigned (&a)[4], const float* w,
 // two log decays a thread read a chunk ahead (GateRegs, gate_load: b, fp32 [B·T][H], the log decay summed
 // within the chunk): sg[t] = e^{b_t}, sg[64 + t] = e^{B − b_t}, sg[128 + t] = log2(e)·b_t (B = b_63, e^B = sg[63]).
 // Read a chunk ahead, the strided loads' latency passes behind the chunk before instead of stalling the
-// block once a chunk (it made the gated kernels 1.7 times the ungated ones' time on an H200).
+// block once a chunk (ncu on an H200, H=16, 131072 tokens: the forward walk 1.502 → 1.415 ms, seg_sum
+// 0.431 → 0.324, bwd_dq 1.601 → 1.404).
 struct GateRegs {
   float bt = 0.f, bl = 0.f;
 };
