@@ -25,9 +25,10 @@ struct Case {
   int64_t B, T, H;
 };
 
-// Back to the environment's choice when a test ends, also when an assertion returns early.
+// Both fused paths' switches back to the environment's choice (the segments automatic) when a test ends,
+// also when an assertion returns early.
 struct FusedModeReset {
-  ~FusedModeReset() { linear_attn_fused_set(-1, 0); }
+  ~FusedModeReset() { linear_attn_fused_set(-1, 0), scalar_decay_fused_set(-1); }
 };
 
 // What both fused paths refuse, switched by set(mode): anything while off; fp32 inputs, serial states and
@@ -146,9 +147,7 @@ TEST(ScalarDecayFused, MatchesChunkwise) {
 #ifndef CARRY_WITH_CUDA
   GTEST_SKIP() << "built without CUDA";
 #else
-  struct Reset {
-    ~Reset() { scalar_decay_fused_set(-1), linear_attn_fused_set(-1, 0); }
-  } reset;
+  FusedModeReset reset;
   const Mixer& m = get_mixer("scalar_decay");
   const char* names[] = {"o", "final_S", "dq", "dk", "dv", "dg", "d_initial_S"};
   for (double max_decay : {0.3, 3.0})
@@ -192,9 +191,7 @@ TEST(ScalarDecayFused, AppliesOnlyWhereItShould) {
 #ifndef CARRY_WITH_CUDA
   GTEST_SKIP() << "built without CUDA";
 #else
-  struct Reset {
-    ~Reset() { scalar_decay_fused_set(-1); }
-  } reset;
+  FusedModeReset reset;
   const Case c{1, 256, 2};
   MixerInputs bf = fused_inputs(c, 128, at::kBFloat16, 7), f32 = fused_inputs(c, 128, at::kFloat, 7),
               narrow = fused_inputs(c, 64, at::kBFloat16, 7), ungated = bf;
@@ -213,9 +210,7 @@ TEST(ScalarDecayFused, StateHooks) {
 #ifndef CARRY_WITH_CUDA
   GTEST_SKIP() << "built without CUDA";
 #else
-  struct Reset {
-    ~Reset() { scalar_decay_fused_set(-1); }
-  } reset;
+  FusedModeReset reset;
   scalar_decay_fused_set(1);
   const Case c{1, 512, 2};
   MixerInputs bf = fused_inputs(c, 128, at::kBFloat16, 13);
