@@ -127,8 +127,8 @@ struct DvRegSmem {
 template <int DK, int DV>
 __global__ void __launch_bounds__(256) bwd_dv_local_reg_kernel(const bf16* __restrict__ q, const bf16* __restrict__ k,
                                                                const float* __restrict__ Gc, const bf16* __restrict__ dO,
-                                                               float* __restrict__ dVl, float scale, int T_, int H,
-                                                               int c_begin) {
+                                                               float* __restrict__ dVl, bf16* __restrict__ qs,
+                                                               float scale, int T_, int H, int c_begin) {
   constexpr int C = kChunk, NT = 256, NTILE = DV / 64;
   using L = DvRegSmem<DK>;
   extern __shared__ __align__(128) char smem[];
@@ -148,6 +148,22 @@ __global__ void __launch_bounds__(256) bwd_dv_local_reg_kernel(const bf16* __res
   load_qk_and_p<DK, NT>(sQ, sK, L::LK, q + ((long)b * T_ + t0) * rowk + (long)h * DK,
                         k + ((long)b * T_ + t0) * rowk + (long)h * DK, rowk, load_do, NTILE, sG,
                         Gc + bh * T_ + t0, 1, scale, sPb, L::LPb);
+  if (qs) {  // Q̃ = scale·e^{G_t} ⊙ Q in bf16 (q's layout) for the reverse warpgroup walk (kernel_wg.cuh)
+    for (int i = tid; i < C * DK / 8; i += NT) {
+      const int r = i / (DK / 8), c8 = (i % (DK / 8)) * 8;
+      const float f = scale * __expf(sG[r]);
+      const uint4 u = *reinterpret_cast<const uint4*>(sQ + r * L::LK + c8);
+      const unsigned in[4] = {u.x, u.y, u.z, u.w};
+      unsigned o[4];
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const float2 x = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&in[e]));
+        const __nv_bfloat162 y = __floats2bfloat162_rn(x.x * f, x.y * f);
+        o[e] = *reinterpret_cast<const unsigned*>(&y);
+      }
+      *reinterpret_cast<uint4*>(qs + ((long)b * T_ + t0 + r) * rowk + (long)h * DK + c8) = make_uint4(o[0], o[1], o[2], o[3]);
+    }
+  }
   for (int it = 0; it < NTILE; ++it) {
     const bf16* sV = reinterpret_cast<const bf16*>(smem + L::oBuf + (it & 1) * L::buf);
     if (it + 1 < NTILE) cp_async_wait<1>();
@@ -1209,15 +1225,19 @@ struct BwdArgs {
   std::function<void(const at::Tensor&)> on_s0_grad;
 };
 
-// The bf16 intra-chunk dV (bwd_dv_local_reg_kernel) of chunks [c0, c1) on stream st.
+// The bf16 intra-chunk dV (bwd_dv_local_reg_kernel) of chunks [c0, c1) on stream st; scaled_q: it also
+// leaves Q̃ = scale·e^G ⊙ Q in dq's memory for the warpgroup reverse walk (the chunk-gradient kernel,
+// which writes dq, runs on a chunk only after the walk has passed it).
 template <int DK, int DV>
-void dv_local_reg(const BwdArgs& a, cudaStream_t st, int c0, int c1) {
+void dv_local_reg(const BwdArgs& a, cudaStream_t st, int c0, int c1, bool scaled_q) {
   auto kern = bwd_dv_local_reg_kernel<DK, DV>;
   constexpr size_t sm = DvRegSmem<DK>::bytes;
   set_smem(kern, sm);
   auto P = [](const at::Tensor& t) { return reinterpret_cast<const bf16*>(t.data_ptr()); };
   kern<<<dim3(c1 - c0, a.d.H, a.d.B), 256, sm, st>>>(P(a.q), P(a.k), a.Gc.data_ptr<float>(), P(a.dO),
-                                                      a.dVl.data_ptr<float>(), a.scale, a.d.T, a.d.H, c0);
+                                                      a.dVl.data_ptr<float>(),
+                                                      scaled_q ? reinterpret_cast<bf16*>(a.dq.data_ptr()) : nullptr,
+                                                      a.scale, a.d.T, a.d.H, c0);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
@@ -1248,12 +1268,16 @@ bool bwd_pieces(BwdArgs& a, bool own_dv = false) {
                                 : size_t(wg::BwdSmem<1, wg::kWalkStages>::bytes);
   CUtensorMap tmQ{}, tmK{}, tmW{}, tmdO{}, tmdVl{}, tmG{}, tmH{}, tmV{};
   const bool bulk = walk_bulk_stores();
-  auto wkern =
-      nwg == 2 ? wg::bwd_walk_wg<DV, true, 2, 2> : bulk ? wg::bwd_walk_wg<DV, true> : wg::bwd_walk_wg<DV, false>;
+  // DeltaNet (no gate, dg undefined) walks without the gate's reads and unit factors (the same bits)
+  constexpr int S = wg::kWalkStages;
+  const bool gate = a.dg.defined();
+  auto wkern = nwg == 2 ? (gate ? wg::bwd_walk_wg<DV, true, 2, 2, true> : wg::bwd_walk_wg<DV, true, 2, 2, false>)
+               : bulk   ? (gate ? wg::bwd_walk_wg<DV, true, 1, S, true> : wg::bwd_walk_wg<DV, true, 1, S, false>)
+                        : wg::bwd_walk_wg<DV, false>;
   if constexpr (WG) {
     const long rows = (long)d.B * d.H * d.T;
     wg::check_coords(rows);
-    tmQ = wg::map_tokens(P(a.q), d.B, d.T, d.H);
+    tmQ = wg::map_tokens(P(a.dq), d.B, d.T, d.H);  // Q̃, which the intra-chunk dV kernel left in dq
     tmK = wg::map_tokens(P(a.k), d.B, d.T, d.H);
     tmW = wg::map_w(P(a.W), rows);
     tmdO = wg::map_do(P(a.dO), d.B, d.T, d.H, DV);
@@ -1273,7 +1297,7 @@ bool bwd_pieces(BwdArgs& a, bool own_dv = false) {
   auto walk = [&](int c0, int c1, const float* from, float* to) {
     if constexpr (WG) {
       wkern<<<dim3(DV / (BV * nwg), d.H, d.B), 128 * nwg, ssm, wst>>>(
-          tmQ, tmK, tmW, tmdO, tmdVl, tmG, tmH, tmV, from, P(a.dHs), P(a.dVn), to, a.scale, d.T, d.H, c0, c1);
+          tmQ, tmK, tmW, tmdO, tmdVl, tmG, tmH, tmV, from, P(a.dHs), P(a.dVn), to, d.T, d.H, c0, c1);
     } else
       bwd_state_mma_kernel<DK, DV, BV, NW, kBwdStateStages><<<dim3(DV / BV, d.H, d.B), NW * 32, ssm, wst>>>(
           P(a.q), P(a.k), P(a.W), a.Gc.data_ptr<float>(), P(a.dO), a.dVl.data_ptr<float>(), from, P(a.dHs),
@@ -1292,11 +1316,11 @@ bool bwd_pieces(BwdArgs& a, bool own_dv = false) {
   // (from 1216 chunks): at 32768 tokens beside it Gated DeltaNet ran 1.987 / 1.921 ms against 1.868 /
   // 1.829 before the walk (session 11's call 5), where the walk's pieces are too short to hide it.
   if (own_dv && !wide_state_tiles(d) && !pc.ramped) {
-    dv_local_reg<DK, DV>(a, stream, 0, d.N);
+    dv_local_reg<DK, DV>(a, stream, 0, d.N, WG);
     own_dv = false;
   }
   if (pc.n == 1) {
-    if (own_dv) dv_local_reg<DK, DV>(a, stream, 0, d.N);
+    if (own_dv) dv_local_reg<DK, DV>(a, stream, 0, d.N, WG);
     walk(0, d.N, a.dSfin, a.dS0.data_ptr<float>());
     if (a.on_s0_grad) a.on_s0_grad(a.dS0);  // before the chunk kernels: a send runs beside them
     chunks(stream, 0, d.N);
@@ -1308,7 +1332,7 @@ bool bwd_pieces(BwdArgs& a, bool own_dv = false) {
   std::vector<at::cuda::CUDAEvent> dv_done(own_dv ? pc.n : 0), reached(pc.n);
   at::cuda::CUDAStream dvs = stream;  // the intra-chunk dV's stream (own_dv)
   auto dv_piece = [&](int p) {
-    tl.span("dv", p, dvs, [&] { dv_local_reg<DK, DV>(a, dvs, pc.c0(p, true), pc.c1(p, true)); });
+    tl.span("dv", p, dvs, [&] { dv_local_reg<DK, DV>(a, dvs, pc.c0(p, true), pc.c1(p, true), WG); });
     dv_done[p].record(dvs);
   };
   // Narrow tiles: the dV of piece p + 2 waits until the walk's stream has reached piece p (reached[p]:
@@ -1374,12 +1398,12 @@ bool bwd_impl(BwdArgs& a) {
     if constexpr (DK == wg::kDK) {
       if (cfg == 0 && warpgroup_walk()) {
         if (dv_pieces) return bwd_pieces<DK, DV, wg::kBV, 4, true>(a, true);
-        dv_local_reg<DK, DV>(a, stream, 0, d.N);
+        dv_local_reg<DK, DV>(a, stream, 0, d.N, true);
         return bwd_pieces<DK, DV, wg::kBV, 4, true>(a);
       }
     }
     if (cfg == 0 && wide_state_tiles(a.d) && dv_pieces) return bwd_pieces<DK, DV, 32, 8>(a, true);
-    dv_local_reg<DK, DV>(a, stream, 0, d.N);
+    dv_local_reg<DK, DV>(a, stream, 0, d.N, false);
   } else {
     auto kern = bwd_dv_local_kernel<T, DK, DV>;
     size_t sm = DvSmem<T, DK>::bytes;

@@ -961,7 +961,11 @@ void fwd_pieces(const Dims& d, const bf16* kp, const bf16* vp, const float* g, c
       std::max(walk_bytes, pc.n == 1 || !pc.idle ? size_t(0) : size_t(kMaxSmemSM) - std::min(osm, psm) + 1024);
   CUtensorMap tmW{}, tmK{}, tmU{}, tmG{}, tmH{}, tmV{};
   const bool bulk = walk_bulk_stores();
-  auto wkern = nwg == 2 ? wg::fwd_walk_wg<DV, true, 2> : bulk ? wg::fwd_walk_wg<DV, true> : wg::fwd_walk_wg<DV, false>;
+  // DeltaNet (no gate) walks without the gate's reads and unit factors (GATE = false, the same bits)
+  constexpr int S = wg::kWalkStages;
+  auto wkern = nwg == 2 ? (g ? wg::fwd_walk_wg<DV, true, 2, S, true> : wg::fwd_walk_wg<DV, true, 2, S, false>)
+               : bulk   ? (g ? wg::fwd_walk_wg<DV, true, 1, S, true> : wg::fwd_walk_wg<DV, true, 1, S, false>)
+                        : wg::fwd_walk_wg<DV, false>;
   if constexpr (WG) {
     const long rows = (long)d.B * d.H * d.T;
     wg::check_coords(rows);

@@ -60,6 +60,14 @@ __device__ __forceinline__ uint64_t desc_sw128(const void* p) { return desc(p, 1
 // offset(k, n) = (n/8)·128 + (k/8)·512 + (k%8)·16 + (n%8)·2 (K direction 512 bytes, N direction 128).
 __device__ __forceinline__ int bmn_off(int k, int n) { return (n >> 3) * 128 + (k >> 3) * 512 + (k & 7) * 16 + (n & 7) * 2; }
 __device__ __forceinline__ uint64_t desc_bmn(const void* p) { return desc(p, 512, 128); }
+// A B operand [k][32 n] MN-major in TMA's 64-byte swizzle (sw64_off: 64-byte rows, 8-row groups 512 bytes
+// apart): the tiles the bulk stores read (H_c, V_new) serve as the products' B operands too. 32 columns
+// are one swizzle atom wide, so only the K-direction offset (512) is read; it is given for both offsets,
+// whichever of them the layout names the K stride.
+__device__ __forceinline__ uint64_t desc_sw64(const void* p) { return desc(p, 512, 512) | (2ull << 62); }
+// A B descriptor ks k16-steps on: both layouts above advance 1024 bytes (16 rows) a step, and the
+// start-address field is the descriptor's low bits in 16-byte units.
+__device__ __forceinline__ uint64_t desc_step(uint64_t d0, int ks) { return d0 + (uint64_t)(ks * 64); }
 // [64 t][128 d] bf16 as two 128-byte-swizzled halves (what TMA's SWIZZLE_128B writes for boxes of 64 d).
 __device__ __forceinline__ int sw_off(int t, int d) {
   return (d >> 6) * 8192 + t * 128 + ((((d >> 3) & 7) ^ (t & 7)) << 4) + (d & 7) * 2;
@@ -72,26 +80,17 @@ __device__ __forceinline__ void wg_wait() { asm volatile("wgmma.wait_group.sync.
 // Shared-memory writes of the threads made visible to the tensor cores' (async proxy) reads.
 __device__ __forceinline__ void fence_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
 
-// d (m64n32, fp32) += A·B, A and B from shared memory (TA, TB: 1 = MN-major).
-template <int TA, int TB>
+// d (m64n32, fp32) += A·B, A and B from shared memory (TA, TB: 1 = MN-major; SB = −1: B negated, an
+// exact sign change of every product).
+template <int TA, int TB, int SB = 1>
 __device__ __forceinline__ void mma_ss(float (&d)[16], uint64_t da, uint64_t db) {
   asm volatile(
       "wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16 "
-      "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15}, %16, %17, 1, 1, 1, %18, %19;\n"
+      "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15}, %16, %17, 1, 1, %18, %19, %20;\n"
       : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
         "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
-      : "l"(da), "l"(db), "n"(TA), "n"(TB));
+      : "l"(da), "l"(db), "n"(SB), "n"(TA), "n"(TB));
 }
-// d += A·B, A from registers (the mma.m16n8k16 A fragment of this warp's 16 rows), B MN-major in shared memory.
-__device__ __forceinline__ void mma_rs(float (&d)[16], const unsigned (&a)[4], uint64_t db) {
-  asm volatile(
-      "wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16 "
-      "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15}, {%16,%17,%18,%19}, %20, 1, 1, 1, 1;\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
-        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db));
-}
-
 __device__ __forceinline__ void mbar_init(uint64_t* b) {
   asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;\n" ::"r"(saddr(b)) : "memory");
 }
@@ -139,22 +138,37 @@ __device__ __forceinline__ void store_wait_all() { asm volatile("cp.async.bulk.w
 // [rows][32] bf16 with 64-byte rows in TMA's 64-byte swizzle: the 16-byte chunk of a row XORed with
 // bits 1-2 of the row.
 __device__ __forceinline__ int sw64_off(int r, int n) { return r * 64 + ((((n >> 3) ^ (r >> 1)) & 3) << 4) + (n & 7) * 2; }
-// The state (bf16) into a [128][32] sw64 tile (H_c or dH_c for a bulk store).
-__device__ __forceinline__ void state_to_sw64(const float (&s)[2][16], unsigned char* t) {
-  const int warp = (threadIdx.x >> 5) & 3, lane = threadIdx.x & 31, g = lane >> 2, t4 = lane & 3;
-#pragma unroll
-  for (int hh = 0; hh < 2; ++hh)
-#pragma unroll
-    for (int j = 0; j < 4; ++j)
-#pragma unroll
-      for (int hf = 0; hf < 2; ++hf)
-        *reinterpret_cast<unsigned*>(t + sw64_off(64 * hh + 16 * warp + g + 8 * hf, 8 * j + 2 * t4)) =
-            pk(s[hh][4 * j + 2 * hf], s[hh][4 * j + 2 * hf + 1]);
+// Four 8 × 8 bf16 matrices from the warp's mma fragments into shared memory (row r of matrix i at the
+// address lane 8i + r gives; a thread's register i holds its pair of matrix i, as in an accumulator).
+__device__ __forceinline__ void stsm_x4(void* p, const unsigned (&r)[4]) {
+  asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(saddr(p)), "r"(r[0]),
+               "r"(r[1]), "r"(r[2]), "r"(r[3])
+               : "memory");
 }
-__device__ __forceinline__ void ldsm_x4_t(unsigned (&r)[4], const void* p) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(saddr(p)));
+// A warp's 16 rows at row0 of an m64n32 fragment set (x[hf][j]: the bf16 pair of row g + 8·hf, column
+// 8j + 2·t4) into a [rows][32] sw64 tile: two stmatrix.x4, matrix i of the pair jp = (j = 2·jp + i/2,
+// hf = i%2).
+__device__ __forceinline__ void frag_to_sw64(const unsigned (&x)[2][4], int row0, unsigned char* t) {
+  const int lane = threadIdx.x & 31, i = lane >> 3, rr = lane & 7;
+#pragma unroll
+  for (int jp = 0; jp < 2; ++jp) {
+    const unsigned r[4] = {x[0][2 * jp], x[1][2 * jp], x[0][2 * jp + 1], x[1][2 * jp + 1]};
+    stsm_x4(t + sw64_off(row0 + 8 * (i & 1) + rr, 8 * (2 * jp + (i >> 1))), r);
+  }
+}
+// The state (bf16) into a [128][32] sw64 tile (H_c or dH_c for a bulk store, and the B operand of W·S
+// or K·dS).
+__device__ __forceinline__ void state_to_sw64(const float (&s)[2][16], unsigned char* t) {
+  const int warp = (threadIdx.x >> 5) & 3;
+#pragma unroll
+  for (int hh = 0; hh < 2; ++hh) {
+    unsigned x[2][4];
+#pragma unroll
+    for (int hf = 0; hf < 2; ++hf)
+#pragma unroll
+      for (int j = 0; j < 4; ++j) x[hf][j] = pk(s[hh][4 * j + 2 * hf], s[hh][4 * j + 2 * hf + 1]);
+    frag_to_sw64(x, 64 * hh + 16 * warp, t);
+  }
 }
 
 // The block's dynamic shared memory, rounded up to 1024 bytes (the swizzle atoms' alignment; the
@@ -234,54 +248,55 @@ __device__ __forceinline__ void load_tokens(unsigned char* dst, const CUtensorMa
   tma3(dst, m, 0, h, trow, bar);
   tma3(dst + 8192, m, 64, h, trow, bar);
 }
-// A chunk's start: the state into the B operand Sb (and, TS, into the tile its bulk store reads), made
-// visible to the tensor cores and TMA; thread 0 first waits until the previous bulk store has read its
-// tile; then one block barrier (every warp is past the previous chunk: its buffers are free).
+// A chunk's start: the state into the B operand of the chunk's first product: TS, the sw64 tile its
+// bulk store reads (stmatrix), else Sb (bmn_off); made visible to the tensor cores and TMA; thread 0 of
+// each warpgroup first waits until its previous bulk stores have read their tiles; then one block
+// barrier (every warp is past the previous chunk: the shared buffers are free).
 template <bool TS>
 __device__ __forceinline__ void chunk_start(const float (&s)[2][16], unsigned char* sSb, unsigned char* sHt) {
-  state_to_b(s, sSb);
   if constexpr (TS) state_to_sw64(s, sHt);
+  else state_to_b(s, sSb);
   fence_async();
   if (TS && wg_leader()) store_wait_read();
   __syncthreads();
 }
-// The barrier before the state update: Vb (and, TS, the V tile) written and visible; thread 0 waits for
-// the state's bulk store to have read its tile, then, after the barrier, sends the V tile to row vrow.
+// The state's B descriptor (the tile chunk_start wrote).
+template <bool TS>
+__device__ __forceinline__ uint64_t state_desc(const unsigned char* sSb, const unsigned char* sHt) {
+  return TS ? desc_sw64(sHt) : desc_bmn(sSb);
+}
+// The barrier before the state update, over the warpgroup alone (its tiles are its own; a block of two
+// warpgroups syncs both only at chunk_start): Vb (and, TS, the V tile) written and visible; thread 0
+// waits for the state's bulk store to have read its tile, then, after the barrier, sends the V tile to
+// row vrow.
 template <bool TS>
 __device__ __forceinline__ void chunk_middle(const CUtensorMap* tmV, int v0, int vrow, const unsigned char* sVt) {
   fence_async();
   if (TS && wg_leader()) store_wait_read();
-  __syncthreads();
+  asm volatile("bar.sync %0, 128;\n" ::"r"(1 + (int)(threadIdx.x >> 7)) : "memory");
   if (TS && wg_leader()) tma_store2(tmV, v0, vrow, sVt);
 }
-// d (m64n32) = A·Sb over dk = 128, A [64 tokens][128] in a swizzled tile (W·S, K·dS); issued, not waited for.
-__device__ __forceinline__ void tokens_times_state(float (&d)[16], const unsigned char* a, const unsigned char* sSb) {
+// d (m64n32) = A·S over dk = 128, A [64 tokens][128] in a swizzled tile (W·S, K·dS), S the B operand at
+// descriptor db; issued, not waited for.
+__device__ __forceinline__ void tokens_times_state(float (&d)[16], const unsigned char* a, uint64_t db) {
 #pragma unroll
   for (int i = 0; i < 16; ++i) d[i] = 0.f;
   wg_fence();
 #pragma unroll
-  for (int ks = 0; ks < 8; ++ks) mma_ss<0, 1>(d, desc_sw128(a + (ks >> 2) * 8192 + (ks & 3) * 32), desc_bmn(sSb + ks * 1024));
+  for (int ks = 0; ks < 8; ++ks) mma_ss<0, 1>(d, desc_sw128(a + (ks >> 2) * 8192 + (ks & 3) * 32), desc_step(db, ks));
   wg_commit();
 }
-// s += Aᵀ·Vb over the chunk's 64 tokens, A [64 tokens][128] in a swizzled tile (Kᵀ·Ṽ, −Wᵀ·dV), then waited for.
-__device__ __forceinline__ void update_state(float (&s)[2][16], const unsigned char* a, const unsigned char* sVb) {
+// s += SB·Aᵀ·V over the chunk's 64 tokens, A [64 tokens][128] in a swizzled tile (Kᵀ·Ṽ, −Wᵀ·dV), V the
+// B operand at descriptor db; then waited for.
+template <int SB = 1>
+__device__ __forceinline__ void update_state(float (&s)[2][16], const unsigned char* a, uint64_t db) {
   wg_fence();
 #pragma unroll
   for (int hh = 0; hh < 2; ++hh)
 #pragma unroll
-    for (int ks = 0; ks < 4; ++ks) mma_ss<1, 1>(s[hh], desc_sw128(a + hh * 8192 + ks * 2048), desc_bmn(sVb + ks * 1024));
+    for (int ks = 0; ks < 4; ++ks) mma_ss<1, 1, SB>(s[hh], desc_sw128(a + hh * 8192 + ks * 2048), desc_step(db, ks));
   wg_commit();
   wg_wait<0>();
-}
-// A V_new (dV_new) pair of row r, column col: to global (vn, row stride ld) or, TS, to the bulk store's
-// tile; and scaled by f into the B operand Vb.
-template <bool TS>
-__device__ __forceinline__ void put_v(unsigned x, int r, int col, bf16* vn, long ld, unsigned char* sVt,
-                                      unsigned char* sVb, float f) {
-  if constexpr (TS) *reinterpret_cast<unsigned*>(sVt + sw64_off(r, col)) = x;
-  else *reinterpret_cast<unsigned*>(vn + (long)r * ld + col) = x;
-  const float2 xf = upk(x);
-  *reinterpret_cast<unsigned*>(sVb + bmn_off(r, col)) = pk(xf.x * f, xf.y * f);
 }
 // The end of a walk: thread 0 waits for its bulk stores to land; the state to fp32 memory.
 template <bool TS>
@@ -307,7 +322,9 @@ struct FwdSmem {
 // TS: H_c and V_new leave by bulk tensor stores (tmH: Hs as [B·H·N·dk][DV], tmV: Vn as [B·H·T][DV],
 // boxes of 32 columns, 64-byte swizzle) from shared copies, instead of the threads' global stores.
 // A warpgroup's operations on its columns are the same whatever NWG: the same bits.
-template <int DV, bool TS = false, int NWG = 1, int S = kWalkStages>
+// GATE = false (DeltaNet: G is zero): no gate is read and no factor e^0 = 1 applied (the same bits);
+// with TS the V_new tile the bulk store reads is then the update's B operand as it is.
+template <int DV, bool TS = false, int NWG = 1, int S = kWalkStages, bool GATE = true>
 __global__ void __launch_bounds__(128 * NWG)
     fwd_walk_wg(const __grid_constant__ CUtensorMap tmW, const __grid_constant__ CUtensorMap tmK,
                 const __grid_constant__ CUtensorMap tmU, const __grid_constant__ CUtensorMap tmG,
@@ -335,12 +352,12 @@ __global__ void __launch_bounds__(128 * NWG)
   init_stages<S>(bar);
   auto issue = [&](int c, int buf) {  // one thread
     const int row = (int)(bh * T_ + (long)c * kC), trow = b * T_ + c * kC;
-    mbar_expect(bar + buf, 2 * 16384 + NWG * 4096 + 256);
+    mbar_expect(bar + buf, 2 * 16384 + NWG * 4096 + (GATE ? 256 : 0));
     load_rows(sW + buf * 16384, &tmW, row, bar + buf);
     load_tokens(sK + buf * 16384, &tmK, h, trow, bar + buf);
 #pragma unroll
     for (int w = 0; w < NWG; ++w) tma2(sU + (buf * NWG + w) * 4096, &tmU, vb + w * kBV, row, bar + buf);
-    tma2(sG + buf * 64, &tmG, 0, row / kC, bar + buf);
+    if constexpr (GATE) tma2(sG + buf * 64, &tmG, 0, row / kC, bar + buf);
   };
   float s[2][16];
   state_io<false>(s, const_cast<float*>(S0 ? S0 + bh * kDK * DV : nullptr), DV, v0);
@@ -358,39 +375,60 @@ __global__ void __launch_bounds__(128 * NWG)
     const float* G = sG + buf * 64;
     // V_new = U − W·S
     float d[16];
-    tokens_times_state(d, cW, sSb);
+    tokens_times_state(d, cW, state_desc<TS>(sSb, sHt));
     if constexpr (!TS) b_to_global(sSb, Hs + ((bh * N + c) * kDK) * DV + v0, DV);  // H_c = S, beside the product
-    const float gl = G[kC - 1];
-    float e[2];
+    const float gl = GATE ? G[kC - 1] : 0.f;
+    float e[2] = {1.f, 1.f};
     unsigned uu[2][4];
 #pragma unroll
     for (int hf = 0; hf < 2; ++hf) {
       const int r = 16 * warp + g + 8 * hf;
-      e[hf] = __expf(gl - G[r]);
+      if constexpr (GATE) e[hf] = __expf(gl - G[r]);
 #pragma unroll
       for (int j = 0; j < 4; ++j) uu[hf][j] = *reinterpret_cast<const unsigned*>(cU + r * 64 + (8 * j + 2 * t4) * 2);
     }
     wg_wait<0>();
-    bf16* vn = Vn + (bh * T_ + (long)c * kC) * DV + v0;
+    unsigned x[2][4], xb[2][4];  // V_new and Vb = e^{G_C−G} V_new, bf16 pairs
 #pragma unroll
-    for (int hf = 0; hf < 2; ++hf) {
-      const int r = 16 * warp + g + 8 * hf;
+    for (int hf = 0; hf < 2; ++hf)
 #pragma unroll
       for (int j = 0; j < 4; ++j) {
-        const int col = 8 * j + 2 * t4;
         const float2 uf = upk(uu[hf][j]);
-        const unsigned x = pk(uf.x - d[4 * j + 2 * hf], uf.y - d[4 * j + 2 * hf + 1]);
-        put_v<TS>(x, r, col, vn, DV, sVt, sVb, e[hf]);  // V_new; Vb = e^{G_C−G} V_new
+        x[hf][j] = pk(uf.x - d[4 * j + 2 * hf], uf.y - d[4 * j + 2 * hf + 1]);
+        if constexpr (GATE) {
+          const float2 xf = upk(x[hf][j]);
+          xb[hf][j] = pk(xf.x * e[hf], xf.y * e[hf]);
+        } else {
+          xb[hf][j] = x[hf][j];
+        }
       }
+    uint64_t vdesc;  // Vb's B descriptor
+    if constexpr (TS) {
+      frag_to_sw64(x, 16 * warp, sVt);
+      if constexpr (GATE) frag_to_sw64(xb, 16 * warp, sVb);
+      vdesc = desc_sw64(GATE ? sVb : sVt);
+    } else {
+      bf16* vn = Vn + (bh * T_ + (long)c * kC) * DV + v0;
+#pragma unroll
+      for (int hf = 0; hf < 2; ++hf)
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          const int r = 16 * warp + g + 8 * hf, col = 8 * j + 2 * t4;
+          *reinterpret_cast<unsigned*>(vn + (long)r * DV + col) = x[hf][j];
+          *reinterpret_cast<unsigned*>(sVb + bmn_off(r, col)) = xb[hf][j];
+        }
+      vdesc = desc_bmn(sVb);
     }
     chunk_middle<TS>(&tmV, v0, (int)(bh * T_ + (long)c * kC), sVt);
     // S ← e^{G_C} S + Kᵀ·(e^{G_C−G} V_new)
-    const float egl = __expf(gl);
+    if constexpr (GATE) {
+      const float egl = __expf(gl);
 #pragma unroll
-    for (int hh = 0; hh < 2; ++hh)
+      for (int hh = 0; hh < 2; ++hh)
 #pragma unroll
-      for (int i = 0; i < 16; ++i) s[hh][i] *= egl;
-    update_state(s, cK, sVb);
+        for (int i = 0; i < 16; ++i) s[hh][i] *= egl;
+    }
+    update_state(s, cK, vdesc);
   }
   walk_end<TS>(s, Sfin + bh * kDK * DV, DV, v0);
 }
@@ -408,18 +446,21 @@ struct BwdSmem {
 
 // grid (DV/(32·NWG), H, B), 128·NWG threads (columns as fwd_walk_wg). Walks chunks c_end − 1 down to
 // c_begin from dSfin (the gradient of the state leaving c_end − 1; null: zeros): dH_c = dS (bf16),
-// dV_new = e^{G_C−G} ⊙ K·dS + dV_local (bf16), dS ← e^{G_C} dS + (scale e^G ⊙ Q)ᵀ dO − Wᵀ dV_new; dS0
-// gets the gradient entering c_begin.
-// Maps: q, k [B·T][H][dk] and W [B·H·T][dk] (64 × 64, swizzled), dO [B·T][H][DV] (8 × 64 × 4 core
+// dV_new = e^{G_C−G} ⊙ K·dS + dV_local (bf16), dS ← e^{G_C} dS + Q̃ᵀ dO − Wᵀ dV_new; dS0 gets the
+// gradient entering c_begin. Q̃ = scale·e^G ⊙ Q in bf16 comes ready from the intra-chunk dV kernel
+// (bwd_dv_local_reg_kernel, kernel_bwd.cu: the same products the walk once formed in registers, 250 of
+// its 869 instructions a chunk).
+// Maps: Q̃, k [B·T][H][dk] and W [B·H·T][dk] (64 × 64, swizzled), dO [B·T][H][DV] (8 × 64 × 4 core
 // matrices), dV_local fp32 [B·H·T][DV] (32 × 64, swizzled), G.
-// TS: dH_c and dV_new leave by bulk tensor stores (tmH, tmV as in fwd_walk_wg).
-template <int DV, bool TS = false, int NWG = 1, int S = kWalkStages>
+// TS: dH_c and dV_new leave by bulk tensor stores (tmH, tmV as in fwd_walk_wg), and their tiles are
+// the products' B operands (dV_new's negated by the product). GATE = false: as in fwd_walk_wg.
+template <int DV, bool TS = false, int NWG = 1, int S = kWalkStages, bool GATE = true>
 __global__ void __launch_bounds__(128 * NWG) bwd_walk_wg(
     const __grid_constant__ CUtensorMap tmQ, const __grid_constant__ CUtensorMap tmK,
     const __grid_constant__ CUtensorMap tmW, const __grid_constant__ CUtensorMap tmdO,
     const __grid_constant__ CUtensorMap tmdVl, const __grid_constant__ CUtensorMap tmG,
     const __grid_constant__ CUtensorMap tmH, const __grid_constant__ CUtensorMap tmV, const float* __restrict__ dSfin,
-    bf16* __restrict__ dHs, bf16* __restrict__ dVn, float* __restrict__ dS0, float scale, int T_, int H, int c_begin,
+    bf16* __restrict__ dHs, bf16* __restrict__ dVn, float* __restrict__ dS0, int T_, int H, int c_begin,
     int c_end) {
   using L = BwdSmem<NWG, S>;
   extern __shared__ unsigned char smem_raw[];
@@ -444,7 +485,7 @@ __global__ void __launch_bounds__(128 * NWG) bwd_walk_wg(
   init_stages<S>(bar);
   auto issue = [&](int c, int buf) {  // one thread
     const int row = (int)(bh * T_ + (long)c * kC), trow = b * T_ + c * kC;
-    mbar_expect(bar + buf, 3 * 16384 + NWG * (4096 + 8192) + 256);
+    mbar_expect(bar + buf, 3 * 16384 + NWG * (4096 + 8192) + (GATE ? 256 : 0));
     load_tokens(sQ + buf * 16384, &tmQ, h, trow, bar + buf);
     load_tokens(sK + buf * 16384, &tmK, h, trow, bar + buf);
     load_rows(sW + buf * 16384, &tmW, row, bar + buf);
@@ -453,7 +494,7 @@ __global__ void __launch_bounds__(128 * NWG) bwd_walk_wg(
       tma4(sdO + (buf * NWG + w) * 4096, &tmdO, 0, trow, (vb + w * kBV) / 8, h, bar + buf);
       tma2(sdVl + (buf * NWG + w) * 8192, &tmdVl, vb + w * kBV, row, bar + buf);
     }
-    tma2(sG + buf * 64, &tmG, 0, row / kC, bar + buf);
+    if constexpr (GATE) tma2(sG + buf * 64, &tmG, 0, row / kC, bar + buf);
   };
   float s[2][16];
   state_io<false>(s, const_cast<float*>(dSfin ? dSfin + bh * kDK * DV : nullptr), DV, v0);
@@ -472,43 +513,30 @@ __global__ void __launch_bounds__(128 * NWG) bwd_walk_wg(
     const unsigned char* cdO = sdO + (buf * NWG + wgi) * 4096;
     const unsigned char* cdVl = sdVl + (buf * NWG + wgi) * 8192;
     const float* G = sG + buf * 64;
-    const float gl = G[kC - 1], egl = __expf(gl);
-    // Qᵀ's fragments (rows d = 64·hh + 16·warp.., k = tokens) scaled by scale·e^{G_t} in registers
-    unsigned aqf[2][4][4];
+    const float gl = GATE ? G[kC - 1] : 0.f;
+    if constexpr (GATE) {
+      const float egl = __expf(gl);
 #pragma unroll
-    for (int ks = 0; ks < 4; ++ks) {
-      const int t = 16 * ks + 2 * t4;
-      const float f0 = scale * __expf(G[t]), f1 = scale * __expf(G[t + 1]), f2 = scale * __expf(G[t + 8]),
-                  f3 = scale * __expf(G[t + 9]);
+      for (int hh = 0; hh < 2; ++hh)
 #pragma unroll
-      for (int hh = 0; hh < 2; ++hh) {
-        const int j = lane >> 3, r = lane & 7;
-        ldsm_x4_t(aqf[hh][ks], cQ + sw_off(16 * ks + r + (j >> 1) * 8, 64 * hh + 16 * warp + (j & 1) * 8));
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const float2 x = upk(aqf[hh][ks][e]);
-          aqf[hh][ks][e] = (e >> 1) ? pk(x.x * f2, x.y * f3) : pk(x.x * f0, x.y * f1);
-        }
-      }
+        for (int i = 0; i < 16; ++i) s[hh][i] *= egl;
     }
-#pragma unroll
-    for (int hh = 0; hh < 2; ++hh)
-#pragma unroll
-      for (int i = 0; i < 16; ++i) s[hh][i] *= egl;
     float d[16];
-    tokens_times_state(d, cK, sSb);  // K·dS
+    tokens_times_state(d, cK, state_desc<TS>(sSb, sHt));  // K·dS
+    // Q̃ᵀ (rows d = 64·hh.., k = tokens: MN-major from the swizzled tile, as Wᵀ in update_state) times dO
 #pragma unroll
     for (int hh = 0; hh < 2; ++hh)
 #pragma unroll
-      for (int ks = 0; ks < 4; ++ks) mma_rs(s[hh], aqf[hh][ks], desc(cdO + ks * 256, 128, 1024));
-    wg_commit();  // e^{G_C} dS + (scale e^G ⊙ Q)ᵀ dO
+      for (int ks = 0; ks < 4; ++ks)
+        mma_ss<1, 1>(s[hh], desc_sw128(cQ + hh * 8192 + ks * 2048), desc(cdO + ks * 256, 128, 1024));
+    wg_commit();  // e^{G_C} dS + Q̃ᵀ dO
     if constexpr (!TS) b_to_global(sSb, dHs + ((bh * N + c) * kDK) * DV + v0, DV);  // dH_c = dS
-    float e[2];
+    float e[2] = {1.f, 1.f};
     float2 l[2][4];
 #pragma unroll
     for (int hf = 0; hf < 2; ++hf) {
       const int r = 16 * warp + g + 8 * hf;
-      e[hf] = __expf(gl - G[r]);
+      if constexpr (GATE) e[hf] = __expf(gl - G[r]);
 #pragma unroll
       for (int j = 0; j < 4; ++j) {
         const int col = 8 * j + 2 * t4;
@@ -516,20 +544,31 @@ __global__ void __launch_bounds__(128 * NWG) bwd_walk_wg(
       }
     }
     wg_wait<1>();
-    bf16* dvn = dVn + (bh * T_ + (long)c * kC) * DV + v0;
+    unsigned x[2][4];  // dV_new, bf16 pairs
 #pragma unroll
-    for (int hf = 0; hf < 2; ++hf) {
-      const int r = 16 * warp + g + 8 * hf;
+    for (int hf = 0; hf < 2; ++hf)
 #pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        const int col = 8 * j + 2 * t4;
-        const unsigned x = pk(d[4 * j + 2 * hf] * e[hf] + l[hf][j].x, d[4 * j + 2 * hf + 1] * e[hf] + l[hf][j].y);
-        put_v<TS>(x, r, col, dvn, DV, sVt, sVb, -1.f);  // dV_new; Vb = −dV_new
-      }
+      for (int j = 0; j < 4; ++j)
+        x[hf][j] = GATE ? pk(d[4 * j + 2 * hf] * e[hf] + l[hf][j].x, d[4 * j + 2 * hf + 1] * e[hf] + l[hf][j].y)
+                        : pk(d[4 * j + 2 * hf] + l[hf][j].x, d[4 * j + 2 * hf + 1] + l[hf][j].y);
+    if constexpr (TS) {
+      frag_to_sw64(x, 16 * warp, sVt);  // dV_new, the bulk store's tile and (negated) the update's B
+    } else {
+      bf16* dvn = dVn + (bh * T_ + (long)c * kC) * DV + v0;
+#pragma unroll
+      for (int hf = 0; hf < 2; ++hf)
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          const int r = 16 * warp + g + 8 * hf, col = 8 * j + 2 * t4;
+          *reinterpret_cast<unsigned*>(dvn + (long)r * DV + col) = x[hf][j];
+          const float2 xf = upk(x[hf][j]);
+          *reinterpret_cast<unsigned*>(sVb + bmn_off(r, col)) = pk(-xf.x, -xf.y);  // Vb = −dV_new
+        }
     }
     wg_wait<0>();
     chunk_middle<TS>(&tmV, v0, (int)(bh * T_ + (long)c * kC), sVt);
-    update_state(s, cW, sVb);  // − Wᵀ dV_new
+    if constexpr (TS) update_state<-1>(s, cW, desc_sw64(sVt));  // − Wᵀ dV_new
+    else update_state(s, cW, desc_bmn(sVb));
   }
   walk_end<TS>(s, dS0 + bh * kDK * DV, DV, v0);
 }

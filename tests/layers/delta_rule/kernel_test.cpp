@@ -181,6 +181,45 @@ TEST(DeltaRuleKernel, TwoWarpgroupsGiveTheBitsOfOne) {
 #endif
 }
 
+// DeltaNet's warpgroup walks take no gate (GATE = false in kernel_wg.cuh: no gate read, no unit factors
+// e^0 applied, the V_new tile as the update's operand): they give the bits of Gated DeltaNet's with a
+// zero log decay, in every output, the final state and every gradient but dg (bf16, an initial state,
+// one walk and three pieces, one and two warpgroups a block, bulk and the threads' stores).
+TEST(DeltaRuleKernel, UngatedWalksGiveTheBitsOfAZeroGate) {
+  if (cuda_device_count() == 0) GTEST_SKIP() << "no CUDA device: GPU tests skipped";
+#ifndef CARRY_WITH_CUDA
+  GTEST_SKIP() << "built without CUDA";
+#else
+  carry_gdn::gdn_set_poison(true);
+  const Mixer& dn = get_mixer("deltanet");
+  const Mixer& gdn = get_mixer("gated_deltanet");
+  for (int walk : {0, 2, 3, 4}) {
+    carry_gdn::gdn_set_walk(walk);
+    for (const Case& c : {Case{1, 448, 3, 128, 64}, Case{2, 320, 2, 128, 256}, Case{1, 448, 16, 128, 128}}) {
+      const MixerInputs plain = inputs_as(gdn_inputs(c, false, 29 + c.dv), at::kBFloat16);
+      MixerInputs zero = plain;
+      zero.g = at::zeros({c.B, c.T, c.H}, plain.q.options());
+      auto s0 = at::randn({c.B, c.H, c.dk, c.dv}, at::kFloat).to(at::kCUDA) * 0.5;
+      for (int pieces : {1, 3}) {
+        carry_gdn::gdn_set_pieces(pieces);
+        auto u = run(dn, Form::kernel, plain, s0);   // o, S, dq, dk, dv, dbeta, dS0
+        auto z = run(gdn, Form::kernel, zero, s0);  // o, S, dq, dk, dv, dg, dbeta, dS0
+        ASSERT_EQ(u.size() + 1, z.size());
+        z.erase(z.begin() + 5);
+        const char* names[] = {"o", "final_state", "dq", "dk", "dv", "dbeta", "dinitial_state"};
+        for (size_t i = 0; i < u.size(); ++i)
+          EXPECT_TRUE(at::equal(u[i], z[i]))
+              << "walk " << walk << " dv=" << c.dv << " H=" << c.H << " pieces " << pieces << ": " << names[i]
+              << " differs, max |diff| " << (u[i] - z[i]).abs().max().item<double>();
+      }
+    }
+  }
+  carry_gdn::gdn_set_pieces(0);
+  carry_gdn::gdn_set_walk(-1);
+  carry_gdn::gdn_set_poison(false);
+#endif
+}
+
 // MixerOptions::on_final_state in the kernel form: called once, from inside the forward right after the
 // state walk is enqueued (the ordered scan's send then runs beside the output kernel). A clone taken in
 // the hook, on the stream at that point, must already hold the returned final state's bits: the hook
