@@ -48,26 +48,34 @@ __device__ __forceinline__ unsigned pk(float x, float y) {
 }
 __device__ __forceinline__ float2 upk(unsigned u) { return __bfloat1622float2(*reinterpret_cast<__nv_bfloat162*>(&u)); }
 
-// wgmma shared-memory descriptor: start address, leading and stride byte offsets (16-byte units).
-__device__ __forceinline__ uint64_t desc(const void* p, int lbo, int sbo) {
-  return (uint64_t)((saddr(p) & 0x3FFFF) >> 4) | (uint64_t)((lbo >> 4) & 0x3FFF) << 16 |
-         (uint64_t)((sbo >> 4) & 0x3FFF) << 32;
+// wgmma shared-memory descriptor as its two words: lo the start address (16-byte units, bits 0-13) and
+// the leading byte offset, hi the stride byte offset and the swizzle mode (bits 62-63 of the whole).
+// A step within a tile adds to lo alone (shared addresses stay below 2^18: the address field never
+// carries), so a chunk computes each tile's base once and every product's descriptor is one 32-bit add
+// from it (with the 64-bit descriptor rebuilt a product, the reverse walk spent about 200 of its 290
+// instructions a chunk on descriptors).
+struct Desc {
+  uint32_t lo, hi;
+  __device__ __forceinline__ Desc at(int bytes) const { return {lo + (uint32_t)(bytes >> 4), hi}; }
+  __device__ __forceinline__ uint64_t u64() const { return (uint64_t)hi << 32 | lo; }
+};
+__device__ __forceinline__ Desc desc(const void* p, int lbo, int sbo, unsigned swizzle = 0) {
+  return {((saddr(p) & 0x3FFFFu) >> 4) | ((uint32_t)(lbo >> 4) & 0x3FFFu) << 16,
+          ((uint32_t)(sbo >> 4) & 0x3FFFu) | swizzle << 30};
 }
 // A 64-row operand in a 128-byte-swizzled half tile: 8-row groups 1024 bytes apart (the other offset
 // is unused: 64 elements, one swizzle atom, along the contiguous dimension).
-__device__ __forceinline__ uint64_t desc_sw128(const void* p) { return desc(p, 1024, 1024) | (1ull << 62); }
+__device__ __forceinline__ Desc desc_sw128(const void* p) { return desc(p, 1024, 1024, 1); }
 // The B operands written by the threads, [k][32 n] MN-major in 8 × 8 core matrices:
 // offset(k, n) = (n/8)·128 + (k/8)·512 + (k%8)·16 + (n%8)·2 (K direction 512 bytes, N direction 128).
 __device__ __forceinline__ int bmn_off(int k, int n) { return (n >> 3) * 128 + (k >> 3) * 512 + (k & 7) * 16 + (n & 7) * 2; }
-__device__ __forceinline__ uint64_t desc_bmn(const void* p) { return desc(p, 512, 128); }
+__device__ __forceinline__ Desc desc_bmn(const void* p) { return desc(p, 512, 128); }
 // A B operand [k][32 n] MN-major in TMA's 64-byte swizzle (sw64_off: 64-byte rows, 8-row groups 512 bytes
 // apart): the tiles the bulk stores read (H_c, V_new) serve as the products' B operands too. 32 columns
 // are one swizzle atom wide, so only the K-direction offset (512) is read; it is given for both offsets,
 // whichever of them the layout names the K stride.
-__device__ __forceinline__ uint64_t desc_sw64(const void* p) { return desc(p, 512, 512) | (2ull << 62); }
-// A B descriptor ks k16-steps on: both layouts above advance 1024 bytes (16 rows) a step, and the
-// start-address field is the descriptor's low bits in 16-byte units.
-__device__ __forceinline__ uint64_t desc_step(uint64_t d0, int ks) { return d0 + (uint64_t)(ks * 64); }
+// (Both B layouts advance 1024 bytes, 16 rows, a k16-step.)
+__device__ __forceinline__ Desc desc_sw64(const void* p) { return desc(p, 512, 512, 2); }
 // [64 t][128 d] bf16 as two 128-byte-swizzled halves (what TMA's SWIZZLE_128B writes for boxes of 64 d).
 __device__ __forceinline__ int sw_off(int t, int d) {
   return (d >> 6) * 8192 + t * 128 + ((((d >> 3) & 7) ^ (t & 7)) << 4) + (d & 7) * 2;
@@ -83,13 +91,13 @@ __device__ __forceinline__ void fence_async() { asm volatile("fence.proxy.async.
 // d (m64n32, fp32) += A·B, A and B from shared memory (TA, TB: 1 = MN-major; SB = −1: B negated, an
 // exact sign change of every product).
 template <int TA, int TB, int SB = 1>
-__device__ __forceinline__ void mma_ss(float (&d)[16], uint64_t da, uint64_t db) {
+__device__ __forceinline__ void mma_ss(float (&d)[16], Desc a, Desc b) {
   asm volatile(
       "wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16 "
       "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15}, %16, %17, 1, 1, %18, %19, %20;\n"
       : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
         "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
-      : "l"(da), "l"(db), "n"(SB), "n"(TA), "n"(TB));
+      : "l"(a.u64()), "l"(b.u64()), "n"(SB), "n"(TA), "n"(TB));
 }
 __device__ __forceinline__ void mbar_init(uint64_t* b) {
   asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;\n" ::"r"(saddr(b)) : "memory");
@@ -262,7 +270,7 @@ __device__ __forceinline__ void chunk_start(const float (&s)[2][16], unsigned ch
 }
 // The state's B descriptor (the tile chunk_start wrote).
 template <bool TS>
-__device__ __forceinline__ uint64_t state_desc(const unsigned char* sSb, const unsigned char* sHt) {
+__device__ __forceinline__ Desc state_desc(const unsigned char* sSb, const unsigned char* sHt) {
   return TS ? desc_sw64(sHt) : desc_bmn(sSb);
 }
 // The barrier before the state update, over the warpgroup alone (its tiles are its own; a block of two
@@ -278,23 +286,25 @@ __device__ __forceinline__ void chunk_middle(const CUtensorMap* tmV, int v0, int
 }
 // d (m64n32) = A·S over dk = 128, A [64 tokens][128] in a swizzled tile (W·S, K·dS), S the B operand at
 // descriptor db; issued, not waited for.
-__device__ __forceinline__ void tokens_times_state(float (&d)[16], const unsigned char* a, uint64_t db) {
+__device__ __forceinline__ void tokens_times_state(float (&d)[16], const unsigned char* a, Desc db) {
 #pragma unroll
   for (int i = 0; i < 16; ++i) d[i] = 0.f;
+  const Desc da = desc_sw128(a);
   wg_fence();
 #pragma unroll
-  for (int ks = 0; ks < 8; ++ks) mma_ss<0, 1>(d, desc_sw128(a + (ks >> 2) * 8192 + (ks & 3) * 32), desc_step(db, ks));
+  for (int ks = 0; ks < 8; ++ks) mma_ss<0, 1>(d, da.at((ks >> 2) * 8192 + (ks & 3) * 32), db.at(ks * 1024));
   wg_commit();
 }
 // s += SB·Aᵀ·V over the chunk's 64 tokens, A [64 tokens][128] in a swizzled tile (Kᵀ·Ṽ, −Wᵀ·dV), V the
 // B operand at descriptor db; then waited for.
 template <int SB = 1>
-__device__ __forceinline__ void update_state(float (&s)[2][16], const unsigned char* a, uint64_t db) {
+__device__ __forceinline__ void update_state(float (&s)[2][16], const unsigned char* a, Desc db) {
+  const Desc da = desc_sw128(a);
   wg_fence();
 #pragma unroll
   for (int hh = 0; hh < 2; ++hh)
 #pragma unroll
-    for (int ks = 0; ks < 4; ++ks) mma_ss<1, 1, SB>(s[hh], desc_sw128(a + hh * 8192 + ks * 2048), desc_step(db, ks));
+    for (int ks = 0; ks < 4; ++ks) mma_ss<1, 1, SB>(s[hh], da.at(hh * 8192 + ks * 2048), db.at(ks * 1024));
   wg_commit();
   wg_wait<0>();
 }
@@ -334,7 +344,8 @@ __global__ void __launch_bounds__(128 * NWG)
   using L = FwdSmem<NWG, S>;
   extern __shared__ unsigned char smem_raw[];
   unsigned char* sm = smem_1k(smem_raw);
-  const int wgi = threadIdx.x >> 7, vb = blockIdx.x * NWG * kBV, v0 = vb + wgi * kBV;
+  // the warpgroup (a constant with one: its private tiles' descriptors then stay in uniform registers)
+  const int wgi = NWG == 1 ? 0 : threadIdx.x >> 7, vb = blockIdx.x * NWG * kBV, v0 = vb + wgi * kBV;
   const int h = blockIdx.y, b = blockIdx.z, tid = threadIdx.x;
   const int warp = (tid >> 5) & 3, lane = tid & 31, g = lane >> 2, t4 = lane & 3;
   const int N = T_ / kC;
@@ -402,7 +413,7 @@ __global__ void __launch_bounds__(128 * NWG)
           xb[hf][j] = x[hf][j];
         }
       }
-    uint64_t vdesc;  // Vb's B descriptor
+    Desc vdesc;  // Vb's B descriptor
     if constexpr (TS) {
       frag_to_sw64(x, 16 * warp, sVt);
       if constexpr (GATE) frag_to_sw64(xb, 16 * warp, sVb);
@@ -465,7 +476,8 @@ __global__ void __launch_bounds__(128 * NWG) bwd_walk_wg(
   using L = BwdSmem<NWG, S>;
   extern __shared__ unsigned char smem_raw[];
   unsigned char* sm = smem_1k(smem_raw);
-  const int wgi = threadIdx.x >> 7, vb = blockIdx.x * NWG * kBV, v0 = vb + wgi * kBV;
+  // the warpgroup (a constant with one: its private tiles' descriptors then stay in uniform registers)
+  const int wgi = NWG == 1 ? 0 : threadIdx.x >> 7, vb = blockIdx.x * NWG * kBV, v0 = vb + wgi * kBV;
   const int h = blockIdx.y, b = blockIdx.z, tid = threadIdx.x;
   const int warp = (tid >> 5) & 3, lane = tid & 31, g = lane >> 2, t4 = lane & 3;
   const int N = T_ / kC;
@@ -524,11 +536,11 @@ __global__ void __launch_bounds__(128 * NWG) bwd_walk_wg(
     float d[16];
     tokens_times_state(d, cK, state_desc<TS>(sSb, sHt));  // K·dS
     // Q̃ᵀ (rows d = 64·hh.., k = tokens: MN-major from the swizzled tile, as Wᵀ in update_state) times dO
+    const Desc dq = desc_sw128(cQ), ddo = desc(cdO, 128, 1024);
 #pragma unroll
     for (int hh = 0; hh < 2; ++hh)
 #pragma unroll
-      for (int ks = 0; ks < 4; ++ks)
-        mma_ss<1, 1>(s[hh], desc_sw128(cQ + hh * 8192 + ks * 2048), desc(cdO + ks * 256, 128, 1024));
+      for (int ks = 0; ks < 4; ++ks) mma_ss<1, 1>(s[hh], dq.at(hh * 8192 + ks * 2048), ddo.at(ks * 256));
     wg_commit();  // e^{G_C} dS + Q̃ᵀ dO
     if constexpr (!TS) b_to_global(sSb, dHs + ((bh * N + c) * kDK) * DV + v0, DV);  // dH_c = dS
     float e[2] = {1.f, 1.f};
