@@ -14,7 +14,7 @@
 // TMA's 64-byte swizzle: the tiles the bulk tensor stores send out (a warpgroup's first thread issues and
 // waits for its own) are the products' B operands too. Without (the threads' own global stores) they go
 // to B tiles in 8 × 8 core matrices. One block barrier and one warpgroup barrier a chunk. Session 14 took
-// the instructions a warp spends on a chunk from 493 to about 265 forward and from 869 to about 330 in
+// the instructions a warp spends on a chunk from 493 to about 265 forward and from 869 to about 320 in
 // reverse (ncu at H=16, 16384 tokens: a piece of 64 chunks 97 → 75 µs forward, 151 → 94 µs reverse; the
 // same bits): Q̃ from the intra-chunk dV kernel, no second copies of the tiles, no gate work for
 // DeltaNet, each descriptor one add from a base (Desc). What a chunk
