@@ -17,7 +17,9 @@
 //     registers (see 3b below; ~197 KB of shared memory at dk = 128, dv tiles double-buffered).
 //     bwd_chunk_kernel (fp32), 256 threads: the same formulas on shared fp32 tiles with FMA
 //     products; fp32 with dk=128 does not fit: it falls back to chunk_grads (batched ATen).
-//  For bf16 the intra-chunk dV is bwd_dv_local_reg_kernel (1b), the same product from registers.
+//  For bf16 the intra-chunk dV is bwd_dv_local_reg_kernel (1b), the same product from registers; where
+//  the warpgroup reverse walk (kernel_wg.cuh) follows, it also writes Q̃ = scale·e^G ⊙ Q (bf16) into dq's
+//  memory for the walk, which 3. overwrites with dq once the walk has passed the chunk.
 #include "layers/delta_rule/kernel.cuh"
 #include "layers/common/kernel_tiles.cuh"
 #include "layers/delta_rule/kernel_launch.h"
