@@ -80,10 +80,6 @@ __device__ __forceinline__ Desc desc_bmn(const void* p) { return desc(p, 512, 12
 // whichever of them the layout names the K stride.
 // (Both B layouts advance 1024 bytes, 16 rows, a k16-step.)
 __device__ __forceinline__ Desc desc_sw64(const void* p) { return desc(p, 512, 512, 2); }
-// [64 t][128 d] bf16 as two 128-byte-swizzled halves (what TMA's SWIZZLE_128B writes for boxes of 64 d).
-__device__ __forceinline__ int sw_off(int t, int d) {
-  return (d >> 6) * 8192 + t * 128 + ((((d >> 3) & 7) ^ (t & 7)) << 4) + (d & 7) * 2;
-}
 
 __device__ __forceinline__ void wg_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
 __device__ __forceinline__ void wg_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
