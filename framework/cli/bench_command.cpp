@@ -39,8 +39,8 @@ namespace {
 
 const char* kUsage =
     "usage: carry bench kernels [--families gla,scalar_decay,linear_attn,deltanet,gated_deltanet,softmax_attn]\n"
-    "                           [--T 16384,65536] [--heads 16] [--dk 128] [--dv 128] [--window 2048] [--reps 10]\n"
-    "                           [--serial] [--pieces N [--ramp]] [--decay-segments N]\n"
+    "                           [--T 16384,65536] [--heads 16] [--dk 128] [--dv 128] [--window 2048] [--reps 20]\n"
+    "                           [--timer events|wall] [--serial] [--pieces N [--ramp]] [--decay-segments N]\n"
     "                           [--decay-pieces N] [--checksum]\n"
     "  Times the kernel forms on the GPU (bf16, B = 1): forward and forward+backward ms, tokens/s,\n"
     "  GB/s and TFLOP/s against counted floors, and the MiB one forward+backward adds at its peak above its\n"
@@ -54,6 +54,9 @@ const char* kUsage =
     "  it: automatic). --decay-pieces N walks the decay class's bf16 recurrence in N pieces, the output\n"
     "  and gradient kernels of each finished piece on a second stream beside the next (1: one walk;\n"
     "  without it: automatic).\n"
+    "  --timer: events (default) times each rep on the GPU as the anchors' triton.testing.do_bench does (the\n"
+    "  L2 cache flushed before it, CUDA events around it, no host wait between reps); wall: the host's clock\n"
+    "  from launch to a device synchronize after each rep (the timer before session 15). Both take the median.\n"
     "  --checksum prints, after each row, FNV-1a hashes of the bytes of o, of every final-state entry and\n"
     "  of the gradients of one forward+backward on the row's fixed-seed inputs: two builds or settings\n"
     "  that print the same hashes computed the same bits.\n";
@@ -69,7 +72,8 @@ struct Args {
                                     "softmax_attn"};
   std::vector<Shape> shapes;
   int64_t window = 2048;  // softmax_attn's sliding window
-  int reps = 10;
+  int reps = 20;
+  bool wall = false;  // --timer wall: host clock with a synchronize a rep, instead of CUDA events
   bool serial = false;  // MixerOptions::serial_states
   int pieces = 0;       // the delta rule's walk pieces (carry_gdn::gdn_set_pieces)
   bool ramp = false;    // and whether forced pieces ramp
@@ -98,6 +102,11 @@ Args parse(int argc, char** argv) {
     else if (f == "--dv") custom.dv = parse_positive_int(f, value()), any_shape = true;
     else if (f == "--window") a.window = parse_positive_int(f, value());
     else if (f == "--reps") a.reps = (int)parse_positive_int(f, value());
+    else if (f == "--timer") {
+      const std::string t = value();
+      if (t != "events" && t != "wall") throw std::invalid_argument("--timer: expected events or wall, got '" + t + "'");
+      a.wall = t == "wall";
+    }
     else if (f == "--serial") a.serial = true;
     else if (f == "--pieces") a.pieces = (int)parse_positive_int(f, value());
     else if (f == "--ramp") a.ramp = true;
@@ -126,11 +135,15 @@ Args parse(int argc, char** argv) {
   return a;
 }
 
-double median_ms(const std::function<void()>& f, int reps) {
+// The median of reps timed runs of f after 3 warm-ups: GPU time between CUDA events with the L2 cache
+// flushed before each run (as FLA's triton.testing.do_bench), or with wall the host's clock from launch
+// to a device synchronize.
+double median_ms(const std::function<void()>& f, int reps, bool wall) {
   for (int i = 0; i < 3; ++i) f();
   cuda_synchronize();
   std::vector<double> ms;
-  for (int i = 0; i < reps; ++i) {
+  if (!wall) ms = cuda_event_times_ms(f, reps);
+  for (int i = 0; i < (ms.empty() ? reps : 0); ++i) {
     auto t0 = std::chrono::steady_clock::now();
     f();
     cuda_synchronize();
@@ -205,8 +218,10 @@ int run(const Args& a) {
   carry_decay::decay_set_segments(a.decay_segments);
   carry_decay::decay_set_pieces(a.decay_pieces);
 #endif
-  std::printf("carry bench kernels: %s, bf16, B = 1, median of %d (after 3 warm-ups)%s\n",
-              cuda_device_name(0).c_str(), a.reps, a.serial ? ", serial state passes" : "");
+  std::printf("carry bench kernels: %s, bf16, B = 1, median of %d (after 3 warm-ups; %s)%s\n",
+              cuda_device_name(0).c_str(), a.reps,
+              a.wall ? "host clock, a synchronize a rep" : "CUDA events, L2 flushed before each rep, as do_bench",
+              a.serial ? ", serial state passes" : "");
   for (const Shape& s : a.shapes) {
     const bool attention = std::find(s.families.begin(), s.families.end(), "softmax_attn") != s.families.end();
     std::printf("\nH=%lld dk=%lld dv=%lld", (long long)s.H, (long long)s.dk, (long long)s.dv);
@@ -229,7 +244,7 @@ int run(const Args& a) {
         double fwd = median_ms([&] {
           c10::InferenceMode guard;
           m.forward(in, {}, opt);
-        }, a.reps);
+        }, a.reps, a.wall);
         MixerInputs leaves;
         std::vector<Tensor> xs;
         for (const auto& n : MixerInputs::names())
@@ -243,7 +258,7 @@ int run(const Args& a) {
           for (auto& x : xs) x.mutable_grad().reset();
           auto out = m.forward(leaves, {}, opt);
           torch::autograd::backward({out.o}, {d_o});
-        }, a.reps);
+        }, a.reps, a.wall);
         // The memory one forward+backward adds above its inputs and d_o at its peak: saved tensors, the
         // output and final state, workspaces and the inputs' gradients (launcher/fla_kernel_memory.py
         // measures FLA's ops the same way).

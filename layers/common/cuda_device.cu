@@ -6,7 +6,12 @@
 #include <c10/cuda/CUDACachingAllocator.h>
 #include <cuda_runtime.h>
 
+#include <c10/cuda/CUDAStream.h>
+
 #include <cstdio>
+#include <stdexcept>
+#include <string>
+#include <vector>
 
 namespace carry::cuda {
 
@@ -44,6 +49,34 @@ void allocator_counts(int index, long long* mallocs, long long* retries) {
 }
 
 void synchronize() { cudaDeviceSynchronize(); }
+
+namespace {
+void check(cudaError_t e, const char* what) {
+  if (e != cudaSuccess) throw std::runtime_error(std::string("CUDA error in ") + what + ": " + cudaGetErrorString(e));
+}
+}  // namespace
+
+void event_times_ms(void (*call)(void*), void* ctx, int reps, double* ms) {
+  constexpr size_t kFlush = 256u << 20;  // larger than any Hopper L2 (50 MB on H100 and H200), as do_bench
+  static void* flush = nullptr;  // outside the caching allocator: it does not enter its peak figures
+  if (!flush) check(cudaMalloc(&flush, kFlush), "event_times_ms (the L2 flush buffer)");
+  const cudaStream_t st = c10::cuda::getCurrentCUDAStream().stream();
+  std::vector<cudaEvent_t> ev(2 * static_cast<size_t>(reps));
+  for (auto& e : ev) check(cudaEventCreate(&e), "event_times_ms (events)");
+  for (int i = 0; i < reps; ++i) {
+    check(cudaMemsetAsync(flush, 0, kFlush, st), "event_times_ms (the L2 flush)");
+    check(cudaEventRecord(ev[2 * i], st), "event_times_ms (start)");
+    call(ctx);
+    check(cudaEventRecord(ev[2 * i + 1], st), "event_times_ms (end)");
+  }
+  check(cudaEventSynchronize(ev.back()), "event_times_ms (waiting)");
+  for (int i = 0; i < reps; ++i) {
+    float t = 0.f;
+    check(cudaEventElapsedTime(&t, ev[2 * i], ev[2 * i + 1]), "event_times_ms (elapsed)");
+    ms[i] = t;
+  }
+  for (auto& e : ev) cudaEventDestroy(e);
+}
 
 void reset_peak_allocated(int index) {
   c10::cuda::CUDACachingAllocator::resetPeakStats(static_cast<c10::DeviceIndex>(index));

@@ -14,4 +14,9 @@ void reset_peak_allocated(int index);
 // failed, freed the cache and tried again).
 void allocator_counts(int index, long long* mallocs, long long* retries);
 void synchronize();
+// Times `reps` calls of f on the current stream the way triton.testing.do_bench (FLA's and the anchors'
+// timer) does: before each call the L2 cache is flushed (a 256 MB buffer zeroed on the stream), CUDA
+// events are recorded around the call, the host does not wait between calls. Writes each call's
+// milliseconds to ms[0 .. reps).
+void event_times_ms(void (*call)(void*), void* ctx, int reps, double* ms);
 }  // namespace carry::cuda

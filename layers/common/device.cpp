@@ -51,4 +51,16 @@ void cuda_synchronize() {
   cuda::synchronize();
 #endif
 }
+std::vector<double> cuda_event_times_ms(const std::function<void()>& f, int reps) {
+#ifdef CARRY_WITH_CUDA
+  std::vector<double> ms(static_cast<size_t>(reps));
+  auto call = [](void* ctx) { (*static_cast<const std::function<void()>*>(ctx))(); };
+  cuda::event_times_ms(call, const_cast<std::function<void()>*>(&f), reps, ms.data());
+  return ms;
+#else
+  (void)f;
+  (void)reps;
+  return {};
+#endif
+}
 }  // namespace carry

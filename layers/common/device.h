@@ -3,7 +3,9 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <string>
+#include <vector>
 
 namespace carry {
 int cuda_device_count();        // 0 on CPU-only builds or machines
@@ -19,4 +21,8 @@ struct CudaAllocatorCounts {
 CudaAllocatorCounts cuda_allocator_counts(int index);
 // Waits for all work on the current CUDA device (benchmarks); a no-op without CUDA.
 void cuda_synchronize();
+// GPU milliseconds of each of `reps` calls of f, taken as triton.testing.do_bench (the anchors' timer)
+// takes them: the L2 cache flushed before each call, CUDA events around it on the current stream, no
+// host wait between calls. Empty without CUDA.
+std::vector<double> cuda_event_times_ms(const std::function<void()>& f, int reps);
 }  // namespace carry

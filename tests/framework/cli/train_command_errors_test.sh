@@ -68,6 +68,7 @@ check_usage() {  # name expected-first-line carry-args...
 }
 check_usage "bench unknown family" "carry bench: unknown mixer family 'nope'" bench kernels --families nope
 check_usage "bench ramp without pieces" "carry bench: --ramp needs --pieces N" bench kernels --ramp
+check_usage "bench unknown timer" "carry bench: --timer: expected events or wall, got 'gpu'" bench kernels --timer gpu
 # (carry check printed the C++ backtrace here before)
 check_usage "check unknown family" "carry check: unknown mixer family 'nope'" check --family nope
 # `carry train --dry-run` of a model too large to measure here: one line (it was killed by the kernel
