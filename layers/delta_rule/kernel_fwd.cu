@@ -97,8 +97,12 @@ bool walk_bulk_stores() { return walk_kind() != 1 && walk_kind() != 2; }
 // kernels set the pace: H=16, dk=dv=128, 64 tiles of 32 columns (DeltaNet 10.82 / 10.70 → 10.46 / 10.38
 // ms forward+backward at 131072 tokens), and costs where the walk does: H=4, dv=256, 32 tiles (Gated
 // DeltaNet 1.94 / 1.89 → 2.60 / 2.51 ms at 32768). Automatic: two where the 32-column tiles number from
-// 3/8 to 1/2 of the SMs (the walk then runs in pieces), else one. CARRY_GDN_WALK_WARPGROUPS=F,B (each 1
-// or 2, forward and reverse) overrides it for A/B timings (read once).
+// 3/8 to 1/2 of the SMs (the walk then runs in pieces) and the sequence has more than 256 chunks, else
+// one. At 256 chunks (16384 tokens, four pieces of 64) one warpgroup a block both ways ran faster (session
+// 15's call 3, H=16, dk=dv=128, one H200, two runs each, forward+backward ms: DeltaNet 1.326 / 1.324 →
+// 1.299 / 1.306, Gated DeltaNet 1.448 / 1.460 → 1.424 / 1.423), at 512 chunks level (DeltaNet 2.485 /
+// 2.494 → 2.502 / 2.503) and at 1024 slower (4.672 / 4.675 → 4.787 / 4.784). CARRY_GDN_WALK_WARPGROUPS=F,B
+// (each 1 or 2, forward and reverse) overrides it for A/B timings (read once).
 int walk_warpgroups(const Dims& d, bool reverse) {
   static const std::pair<int, int> env = [] {
     const char* e = std::getenv("CARRY_GDN_WALK_WARPGROUPS");
@@ -115,7 +119,7 @@ int walk_warpgroups(const Dims& d, bool reverse) {
   const int forced = reverse ? env.second : env.first;
   if (forced) return forced;
   const int tiles = (d.DV / 32) * d.H * d.B, sms = sm_count();
-  return 8 * tiles >= 3 * sms && 2 * tiles <= sms ? 2 : 1;
+  return d.N > 256 && 8 * tiles >= 3 * sms && 2 * tiles <= sms ? 2 : 1;
 }
 void gdn_set_walk(int kind) {
   TORCH_CHECK(kind >= -1 && kind <= 4, "gdn_set_walk: expected -1, 0, 1, 2, 3 or 4, got ", kind);
