@@ -2,6 +2,7 @@
 // f, and in backward recomputes f(x) with autograd and differentiates it.
 #include "layers/recompute.h"
 
+#include "layers/common/side_stream.h"
 #include "layers/precision.h"
 
 #include <ATen/core/grad_mode.h>
@@ -79,9 +80,9 @@ class RecomputeBackward final : public torch::autograd::Node {
  public:
   RecomputeBackward(std::function<Tensor(const Tensor&)> f, Tensor x, std::vector<Tensor> parameters,
                     AutocastState autocast, at::TensorOptions y_options, std::vector<int64_t> y_sizes,
-                    MessageLog log)
+                    MessageLog log, std::weak_ptr<RecomputeBackward> previous)
       : f_(std::move(f)), x_(std::move(x)), parameters_(std::move(parameters)), autocast_(autocast),
-        y_options_(y_options), y_sizes_(std::move(y_sizes)), log_(std::move(log)) {}
+        y_options_(y_options), y_sizes_(std::move(y_sizes)), log_(std::move(log)), previous_(std::move(previous)) {}
 
   std::string name() const override { return "carry::RecomputeBackward"; }
 
@@ -91,31 +92,58 @@ class RecomputeBackward final : public torch::autograd::Node {
     // Every rank must recompute (collectives inside f): an absent gradient counts as zeros.
     if (!gy.defined()) gy = at::zeros(y_sizes_, y_options_);
 
-    at::AutoGradMode grad_on(true);
-    const bool x_grad = x_.requires_grad();
-    auto x = x_.detach().requires_grad_(x_grad);
-    Tensor y;
-    {
-      // The forward's autocast for the recomputation only; the backward below runs without it, as
-      // the backward of a layer that kept its activations does.
-      AutocastStateScope autocast(autocast_);
-      LogScope replay(&log_, /*replay=*/true);
-      RecomputingScope recomputing;
-      y = f_(x);
-    }
-    TORCH_CHECK(log_.next == log_.received.size(), "recompute: the recomputation took ", log_.next,
-                " of the ", log_.received.size(), " messages the forward received");
+    // This layer's recomputation: run ahead on a side stream by the layer above (overlap), or now.
+    Recomputed r = ahead_.y.defined() ? std::move(ahead_) : recompute();
+    ahead_ = Recomputed{};
+    // Overlap: the layer below recomputes on the other side stream while this one differentiates.
+    if (auto below = previous_.lock()) below->recompute_ahead(r.slot == 0 ? 1 : 0);
 
     // Differentiate with respect to x (when it needs a gradient) and the parameters that do: output
-    // slot 0 is x, 1 + i parameter i.
-    std::vector<Tensor> inputs{x};
+    // slot 0 is x, 1 + i parameter i. A graph recomputed on a side stream runs its backward there (each
+    // node on its forward's stream); the caller's stream then waits for it and the gradients it made.
+    std::vector<Tensor> inputs{r.x};
     inputs.insert(inputs.end(), parameters_.begin(), parameters_.end());
-    variable_list out = grads_wrt(y, gy, inputs);
+    const SideStream side(r.x, r.slot);
+    variable_list out;
+    side.run([&] { out = grads_wrt(r.y, gy, inputs); });
+    side.join();
+    for (const auto& g : out) side.used_on_current(g);
     f_ = nullptr, x_ = Tensor(), parameters_.clear(), log_ = MessageLog{};
     return out;
   }
 
  private:
+  struct Recomputed {
+    Tensor x, y;    // the layer's input as a leaf, and f(x) with its graph
+    int slot = -1;  // the side stream it ran on (-1: the caller's)
+  };
+
+  // f(x) with autograd on, under the forward's autocast (the backward runs without it, as the backward of
+  // a layer that kept its activations does) and with the forward's messages replayed.
+  Recomputed recompute() {
+    at::AutoGradMode grad_on(true);
+    Recomputed r;
+    r.x = x_.detach().requires_grad_(x_.requires_grad());
+    {
+      AutocastStateScope autocast(autocast_);
+      LogScope replay(&log_, /*replay=*/true);
+      RecomputingScope recomputing;
+      r.y = f_(r.x);
+    }
+    TORCH_CHECK(log_.next == log_.received.size(), "recompute: the recomputation took ", log_.next,
+                " of the ", log_.received.size(), " messages the forward received");
+    return r;
+  }
+
+  // Recomputes this layer before its backward is called, on side stream `slot` of its device (in place
+  // where there is none), so that the GPU runs it beside the backward of the layer above.
+  void recompute_ahead(int slot) {
+    if (!f_ || ahead_.y.defined()) return;
+    const SideStream side(x_, slot);
+    side.run([&] { ahead_ = recompute(); });
+    ahead_.slot = side.active() ? slot : -1;
+  }
+
   std::function<Tensor(const Tensor&)> f_;
   Tensor x_;
   std::vector<Tensor> parameters_;
@@ -123,7 +151,13 @@ class RecomputeBackward final : public torch::autograd::Node {
   at::TensorOptions y_options_;
   std::vector<int64_t> y_sizes_;
   MessageLog log_;
+  // overlap: the recomputed layer created just before this one (the one its gradient flows to)
+  std::weak_ptr<RecomputeBackward> previous_;
+  Recomputed ahead_;  // this layer's recomputation, run ahead by the layer above
 };
+
+// The last node recompute_in_backward made with overlap on this thread (the next one links to it).
+thread_local std::weak_ptr<RecomputeBackward> t_last_overlapped;
 
 // The recomputation's stand-in for a stashed core: its inputs are the recomputed core inputs, its
 // output the kept core output; the backward runs the kept graph from that output to its leaves.
@@ -186,7 +220,7 @@ MixerOutput stashed_mixer_core(const std::shared_ptr<MixerCoreStash>& stash, con
 }
 
 Tensor recompute_in_backward(std::function<Tensor(const Tensor&)> f, const Tensor& x,
-                             const std::vector<Tensor>& parameters) {
+                             const std::vector<Tensor>& parameters, bool overlap) {
   bool any = x.requires_grad();
   for (auto& p : parameters) any = any || p.requires_grad();
   if (!at::GradMode::is_enabled() || !any) return f(x);
@@ -200,8 +234,10 @@ Tensor recompute_in_backward(std::function<Tensor(const Tensor&)> f, const Tenso
   }
   auto node = std::shared_ptr<RecomputeBackward>(
       new RecomputeBackward(std::move(f), x.detach().requires_grad_(x.requires_grad()), parameters,
-                            AutocastState::current(), y.options(), y.sizes().vec(), std::move(log)),
+                            AutocastState::current(), y.options(), y.sizes().vec(), std::move(log),
+                            overlap ? t_last_overlapped : std::weak_ptr<RecomputeBackward>()),
       torch::autograd::deleteNode);
+  t_last_overlapped = overlap ? node : std::weak_ptr<RecomputeBackward>();
   variable_list inputs{x};
   inputs.insert(inputs.end(), parameters.begin(), parameters.end());
   node->set_next_edges(torch::autograd::collect_next_edges(inputs));

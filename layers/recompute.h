@@ -16,8 +16,15 @@
 
 namespace carry {
 
+//
+// overlap (parallel.recompute_overlap): layers recomputed one after another in the forward form a chain
+// (each node links to the one made before it on this thread). When a layer's backward starts, it first
+// starts the recomputation of the layer below on one of two side streams (layers/common/side_stream.h),
+// so the GPU runs it beside this layer's backward; that layer's backward then differentiates the graph
+// made ahead, on that stream, and the caller's stream waits for it. The same operations and bits; one
+// more layer's activations alive at a time. On the CPU the layer below is recomputed in place, earlier.
 Tensor recompute_in_backward(std::function<Tensor(const Tensor&)> f, const Tensor& x,
-                             const std::vector<Tensor>& parameters);
+                             const std::vector<Tensor>& parameters, bool overlap = false);
 
 // True on this thread while recompute_in_backward runs f again inside the backward. There only the
 // graph of f's result is differentiated; its values are never read, so the ops whose output is only

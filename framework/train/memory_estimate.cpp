@@ -296,11 +296,13 @@ MemoryEstimate estimate_memory(const RunConfig& config, std::FILE* progress) {
   // The inputs kept are every recomputed layer's and the first kept layer's (the output of a recomputed
   // one; a kept layer's own output is in its kept bytes).
   double last_kept = 0, last_backward = 0, rebuilt = 0, recomputed_inputs = 0, keeps_mixer_inputs = 0;
+  double rebuilt_kept = 0;  // the largest recomputed layer's activations (parallel.recompute_overlap)
   for (int64_t i = 0; i < L; ++i) {
     const auto& l = m.layers[i];
     const bool recomputed = i < L - keep_last;
     if (recomputed) {
       rebuilt = std::max(rebuilt, l.kept_bytes + l.backward_bytes);
+      rebuilt_kept = std::max(rebuilt_kept, l.kept_bytes);
     } else {
       last_kept += l.kept_bytes;
       last_backward = std::max(last_backward, l.backward_bytes);
@@ -310,6 +312,8 @@ MemoryEstimate estimate_memory(const RunConfig& config, std::FILE* progress) {
       keeps_mixer_inputs += l.input_bytes + (recomputed ? l.core_bytes : 0);
     }
   }
+  // Overlapped recomputation: while a layer is differentiated the one below it is rebuilt already.
+  if (config.parallel().recompute_overlap() && L - keep_last >= 2) rebuilt += rebuilt_kept;
   m.activations_recomputed = recomputed_inputs + last_kept + m.head_bytes;
   const double fixed = m.parameter_bytes + m.gradient_bytes + m.optimizer_bytes;
   // Peaks: the backward starts with every activation alive and the head's gradients; with
@@ -361,9 +365,11 @@ std::string memory_report(const MemoryEstimate& m, const RunConfig& config) {
       "head " + bytes_text(m.head_backward_bytes) + ", a layer " + bytes_text(layer_backward));
   row("activations, kept", m.activations_kept, "every layer + head");
   const int64_t keep_last = std::min<int64_t>(par.recompute_keep_last(), static_cast<int64_t>(m.layers.size()));
+  const std::string rebuilt = par.recompute_overlap() ? "two layers rebuilt at a time (recompute_overlap)"
+                                                      : "one rebuilt at a time";
   row("activations, recomputed", m.activations_recomputed,
-      keep_last > 0 ? "layer inputs + the last " + std::to_string(keep_last) + " whole + head; one rebuilt at a time"
-                    : std::string("layer inputs + head; one layer rebuilt at a time"));
+      keep_last > 0 ? "layer inputs + the last " + std::to_string(keep_last) + " whole + head; " + rebuilt
+                    : "layer inputs + head; " + rebuilt);
   row("activations, around kept mixers", m.activations_keeps_mixer, "layer inputs + mixer cores + head");
   const bool recompute = par.recompute(), keeps = recompute && par.recompute_keeps_mixer();
   row("peak, activations kept", m.total_kept, recompute ? "" : "<- this config (parallel.recompute: false)");

@@ -138,7 +138,7 @@ Tensor Model::hidden(const Tensor& tokens, const ModelContext& ctx) const {
     for (const auto& part : {b->mixer_norm.parameters(), b->mixer->parameters(), b->mlp_norm.parameters(),
                              b->mlp.parameters()})
       for (auto& [name, p] : part) params.push_back(p);
-    h = recompute_in_backward(block, h, params);
+    h = recompute_in_backward(block, h, params, ctx.recompute_overlap);
   }
   return norm_.forward(h);
 }

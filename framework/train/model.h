@@ -49,6 +49,9 @@ struct ModelContext {
   // With recompute: the last this many layers are not recomputed (they keep their activations; their
   // backward comes first, right after the loss). parallel.recompute_keep_last; 0 recomputes all.
   int64_t recompute_keep_last = 0;
+  // With recompute: each recomputed layer's second forward runs beside the backward of the layer above
+  // (recompute_in_backward's overlap; parallel.recompute_overlap).
+  bool recompute_overlap = false;
   // Packed documents: [B, sequence length] bool on the CPU, true where a document starts (the whole
   // sequence, also under sequence parallelism). Every layer's state, convolutions and attention
   // restart there (MixerLayerContext::document_starts). Undefined: one document a sequence.

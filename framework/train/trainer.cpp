@@ -188,6 +188,8 @@ Trainer::Trainer(const RunConfig& config, std::shared_ptr<parallel::ProcessGroup
   context_.recompute = config_.parallel().recompute();
   context_.recompute_keeps_mixer = config_.parallel().recompute_keeps_mixer();
   context_.recompute_keep_last = config_.parallel().recompute_keep_last();
+  // Overlap only where no layer exchanges states with other ranks in its backward (sp = 1).
+  context_.recompute_overlap = config_.parallel().recompute_overlap() && sp_ == 1;
   context_.loss_chunk_tokens = config_.parallel().loss_chunk_tokens();
   // Collective: every rank of the sp group agrees on the layout here, once.
   const int64_t segments = par.segments() > 0 ? par.segments() : sp_;
@@ -1004,6 +1006,7 @@ int Trainer::run() {
       bf16_ ? "bf16 autocast (fp32 master weights and optimizer, mixer kernels read bf16 q, k, v and fp32 gates, fp32 states; ATen mixer forms in fp32)" : "fp32",
       !par.recompute()                ? "kept"
       : par.recompute_keeps_mixer() ? "recomputed per layer in backward around each kept mixer core"
+      : context_.recompute_overlap  ? "recomputed per layer beside the backward of the layer above"
                                     : "recomputed per layer in backward",
       kept_last.c_str());
   if (resumed) log("resumed from %s at step %lld\n", config_.checkpoint().dir().c_str(), static_cast<long long>(step_));

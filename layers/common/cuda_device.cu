@@ -6,9 +6,13 @@
 #include <c10/cuda/CUDACachingAllocator.h>
 #include <cuda_runtime.h>
 
+#include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 
+#include <array>
 #include <cstdio>
+#include <mutex>
+#include <optional>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -76,6 +80,45 @@ void event_times_ms(void (*call)(void*), void* ctx, int reps, double* ms) {
     ms[i] = t;
   }
   for (auto& e : ev) cudaEventDestroy(e);
+}
+
+namespace {
+// Side stream `slot` of `device`, taken from the pool on first use and kept.
+c10::cuda::CUDAStream side_stream(int device, int slot) {
+  static std::mutex mu;
+  static std::vector<std::array<std::optional<c10::cuda::CUDAStream>, 2>> streams;
+  std::lock_guard<std::mutex> lock(mu);
+  if (streams.size() <= static_cast<size_t>(device)) streams.resize(device + 1);
+  auto& s = streams[device][slot];
+  if (!s) s = c10::cuda::getStreamFromPool(false, static_cast<c10::DeviceIndex>(device));
+  return *s;
+}
+// `waiter` waits for the work queued on `done` so far.
+void stream_wait(const c10::cuda::CUDAStream& waiter, const c10::cuda::CUDAStream& done) {
+  cudaEvent_t ev;
+  check(cudaEventCreateWithFlags(&ev, cudaEventDisableTiming), "side stream (event)");
+  check(cudaEventRecord(ev, done.stream()), "side stream (record)");
+  check(cudaStreamWaitEvent(waiter.stream(), ev, 0), "side stream (wait)");
+  cudaEventDestroy(ev);  // released once the wait has seen it
+}
+}  // namespace
+
+void side_stream_run(int device, int slot, void (*call)(void*), void* ctx) {
+  const auto dev = static_cast<c10::DeviceIndex>(device);
+  const c10::cuda::CUDAStream side = side_stream(device, slot);
+  stream_wait(side, c10::cuda::getCurrentCUDAStream(dev));
+  c10::cuda::CUDAStreamGuard guard(side);
+  call(ctx);
+}
+
+void side_stream_join(int device, int slot) {
+  const auto dev = static_cast<c10::DeviceIndex>(device);
+  stream_wait(c10::cuda::getCurrentCUDAStream(dev), side_stream(device, slot));
+}
+
+void record_on_current_stream(const at::Tensor& t) {
+  c10::cuda::CUDACachingAllocator::recordStream(t.storage().data_ptr(),
+                                                c10::cuda::getCurrentCUDAStream(t.get_device()));
 }
 
 void reset_peak_allocated(int index) {

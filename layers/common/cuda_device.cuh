@@ -2,6 +2,8 @@
 // use layers/common/device.h, which also answers on builds without CUDA.
 #pragma once
 
+#include <ATen/core/Tensor.h>
+
 namespace carry::cuda {
 // Number of CUDA devices this process can use; 0 when the driver or a device is missing.
 int device_count();
@@ -19,4 +21,11 @@ void synchronize();
 // events are recorded around the call, the host does not wait between calls. Writes each call's
 // milliseconds to ms[0 .. reps).
 void event_times_ms(void (*call)(void*), void* ctx, int reps, double* ms);
+// layers/common/side_stream.h: side stream `slot` (0 or 1) of device `device`, taken once from the pool.
+// side_stream_run: the side stream waits for the current one, then call(ctx) runs with it current;
+// side_stream_join: the current stream waits for the side one.
+void side_stream_run(int device, int slot, void (*call)(void*), void* ctx);
+void side_stream_join(int device, int slot);
+// The caching allocator's recordStream of t's memory on the current stream of t's device.
+void record_on_current_stream(const at::Tensor& t);
 }  // namespace carry::cuda

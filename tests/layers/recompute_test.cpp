@@ -104,5 +104,67 @@ TEST(Recompute, TheRecomputedResultIsAGraphOnly) {
   EXPECT_TRUE(at::equal(graph_only_add(xd, xd, false), xd + xd));
 }
 
+// Overlapped recomputation (recompute_in_backward's overlap): a chain of four recomputed layers, each with
+// its own parameter and an exchange. When a layer's backward starts it first recomputes the layer below
+// (on the CPU in place, earlier), so layer i's second forward runs before layer i+1's gradient reaches it;
+// every layer still runs twice in all (the forward and one recomputation), each exchange once, and the
+// gradients of x and of every parameter are those without overlap, bit for bit.
+TEST(Recompute, OverlappedRecomputationRunsEachLayerOnceAheadWithTheSameGradients) {
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(9);
+  const Tensor x0 = at::randn({5, 6}, gen, at::kDouble);
+  const Tensor gy = at::randn({5, 6}, gen, at::kDouble);
+  std::vector<Tensor> w;
+  for (int i = 0; i < 4; ++i) w.push_back(at::randn({6}, gen, at::kDouble).requires_grad_(true));
+  struct Run {
+    std::vector<Tensor> grads;
+    std::vector<int> forwards, exchanges;
+    std::vector<std::string> order;  // "f<i>": a call of layer i's function; "g<i>": its input's gradient made
+  };
+  auto run = [&](bool overlap) {
+    Run r;
+    r.forwards.assign(4, 0);
+    r.exchanges.assign(4, 0);
+    for (auto& p : w) p.mutable_grad() = Tensor();
+    Tensor x = x0.clone().requires_grad_(true), h = x;
+    for (int i = 0; i < 4; ++i) {
+      auto f = [&r, &w, i](const Tensor& in) {
+        ++r.forwards[i];
+        r.order.push_back("f" + std::to_string(i));
+        if (in.requires_grad())
+          in.register_hook([&r, i](const Tensor& g) {
+            r.order.push_back("g" + std::to_string(i));
+            return g;
+          });
+        auto got = received_once([&r, i] {
+          ++r.exchanges[i];
+          return std::vector<Tensor>{at::full({6}, 0.5 + i, at::kDouble)};
+        });
+        return (in * w[i]).tanh() * got[0] + in;
+      };
+      h = recompute_in_backward(f, h, {w[i]}, overlap);
+    }
+    r.order.push_back("backward");
+    h.backward(gy);
+    r.grads.push_back(x.grad());
+    for (auto& p : w) r.grads.push_back(p.grad().clone());
+    return r;
+  };
+  const Run plain = run(false), ahead = run(true);
+  for (int i = 0; i < 4; ++i) {
+    EXPECT_EQ(ahead.forwards[i], 2) << "layer " << i << ": the forward and one recomputation";
+    EXPECT_EQ(ahead.exchanges[i], 1) << "layer " << i << ": the exchange ran again";
+  }
+  // Without overlap each layer is recomputed when its own backward starts; with it, a layer's backward
+  // recomputes the layer below before it differentiates itself.
+  const std::vector<std::string> in_turn{"f0", "f1", "f2", "f3", "backward", "f3", "g3", "f2", "g2", "f1", "g1", "f0", "g0"};
+  const std::vector<std::string> overlapped{"f0", "f1", "f2", "f3", "backward", "f3", "f2", "g3", "f1", "g2", "f0", "g1", "g0"};
+  EXPECT_EQ(plain.order, in_turn);
+  EXPECT_EQ(ahead.order, overlapped);
+  ASSERT_EQ(plain.grads.size(), ahead.grads.size());
+  for (size_t i = 0; i < plain.grads.size(); ++i)
+    EXPECT_TRUE(at::equal(plain.grads[i], ahead.grads[i])) << "gradient " << i;
+  EXPECT_GT(plain.grads[0].abs().sum().item<double>(), 0);
+}
+
 }  // namespace
 }  // namespace carry

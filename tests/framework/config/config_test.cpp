@@ -458,6 +458,9 @@ TEST_F(ConfigTest, ValidationErrorFromAnOverrideSaysSo) {
   auto path = (dir_ + "/run.textproto");
   EXPECT_EQ(msg, path + ": model.n_heads: must divide d_model (64), got 10 (or set head_dim_k and head_dim_v) (set by "
                         "--set model.n_heads=10)");
+  EXPECT_EQ(load_error(kValid, {"parallel.recompute=false", "parallel.recompute_overlap=true"}),
+            path + ": parallel.recompute_overlap: true needs parallel.recompute: true (it overlaps the recomputation "
+                   "with the backward); got recompute: false (set by --set parallel.recompute_overlap=true)");
   EXPECT_EQ(load_error(kValid, {"parallel.recompute=false", "parallel.recompute_keeps_mixer=true"}),
             path + ": parallel.recompute_keeps_mixer: true needs parallel.recompute: true (it chooses what the "
                    "recomputation keeps); got recompute: false (set by --set parallel.recompute_keeps_mixer=true)");

@@ -121,6 +121,18 @@ TEST(MemoryEstimate, ExtrapolationMatchesADirectMeasurement) {
     EXPECT_LE(mn.total_recomputed, m.total_recomputed);
     EXPECT_LE(m.total_recomputed, ma.total_recomputed);
     EXPECT_LT(mn.activations_recomputed, m.activations_recomputed);
+    // parallel.recompute_overlap: while a layer is rebuilt and differentiated the one below is rebuilt
+    // already, so the rebuilt term grows by the largest recomputed layer's activations.
+    auto overlap = none;
+    overlap.mutable_parallel()->set_recompute(true);
+    overlap.mutable_parallel()->set_recompute_overlap(true);
+    auto mo = estimate_memory(overlap);
+    double largest = 0;
+    for (const auto& l : mo.layers) largest = std::max(largest, l.kept_bytes);
+    EXPECT_NEAR(mo.total_recomputed,
+                fixed + 3 * mo.layers[0].input_bytes + mo.head_bytes + std::max(mo.head_backward_bytes, rebuilt + largest),
+                1e-6 * mo.total_recomputed);
+    EXPECT_NE(memory_report(mo, overlap).find("two layers rebuilt at a time"), std::string::npos);
   }
   auto report = memory_report(m, cfg);
   EXPECT_NE(report.find("peak, recomputed around kept mixers"), std::string::npos) << report;
