@@ -149,18 +149,15 @@ TEST(Trainer, RecomputeGivesTheSameSteps) {
   std::printf("[ errors   ] trainer recompute vs kept activations (fp64, 4 steps, gdn+swa): %.3e\n", worst);
 }
 
-// Overlapped recomputation (parallel.recompute_overlap: each recomputed layer's second forward starts when
-// the backward of the layer above starts) changes when a layer is recomputed, not what: 4 steps of three
-// recomputed layers give the losses, gradient norms and parameters without overlap bit for bit (fp64;
-// on the CPU the layer below is recomputed in place; the GPU run, on side streams, is GpuTrainer's).
-TEST(Trainer, OverlappedRecomputeGivesTheSameSteps) {
-  std::vector<std::string> three{"model.n_layers=3", "parallel.recompute=true", "parallel.recompute_keep_last=0"};
-  auto o = quiet();
-  o.dtype = at::kDouble;
-  Trainer in_turn(tiny_config(three), nullptr, o);
-  three.push_back("parallel.recompute_overlap=true");
-  Trainer overlapped(tiny_config(three), nullptr, o);
-  for (int i = 0; i < 4; ++i) {
+// `steps` steps of three recomputed layers (extra settings added) with and without
+// parallel.recompute_overlap: the same losses, gradient norms and parameters, bit for bit.
+void expect_overlap_gives_the_same_steps(std::vector<std::string> settings, const TrainerOptions& o, int steps) {
+  for (const char* s : {"model.n_layers=3", "parallel.recompute=true", "parallel.recompute_keep_last=0"})
+    settings.push_back(s);
+  Trainer in_turn(tiny_config(settings), nullptr, o);
+  settings.push_back("parallel.recompute_overlap=true");
+  Trainer overlapped(tiny_config(settings), nullptr, o);
+  for (int i = 0; i < steps; ++i) {
     auto a = in_turn.train_step(), b = overlapped.train_step();
     EXPECT_EQ(a.loss, b.loss) << "step " << i + 1;
     EXPECT_EQ(a.grad_norm, b.grad_norm) << "step " << i + 1;
@@ -169,25 +166,22 @@ TEST(Trainer, OverlappedRecomputeGivesTheSameSteps) {
   for (size_t i = 0; i < pa.size(); ++i) EXPECT_TRUE(at::equal(pa[i].second, pb[i].second)) << pa[i].first;
 }
 
+// Overlapped recomputation (parallel.recompute_overlap: each recomputed layer's second forward starts when
+// the backward of the layer above starts) changes when a layer is recomputed, not what: 4 fp64 steps (on
+// the CPU the layer below is recomputed in place; the GPU run, on side streams, is GpuTrainer's).
+TEST(Trainer, OverlappedRecomputeGivesTheSameSteps) {
+  auto o = quiet();
+  o.dtype = at::kDouble;
+  expect_overlap_gives_the_same_steps({}, o, 4);
+}
+
 // On a GPU (skipped without one): overlapped recomputation runs each layer's second forward on a side
-// stream beside the backward of the layer above; bf16, three recomputed layers, 5 steps: the losses,
-// gradient norms and parameters of the run without overlap, bit for bit.
+// stream beside the backward of the layer above; 5 bf16 steps, bit for bit.
 TEST(GpuTrainer, OverlappedRecomputeGivesTheSameSteps) {
   if (cuda_device_count() == 0) GTEST_SKIP() << "no CUDA device";
   auto on_gpu = quiet();
   on_gpu.force_cpu = false;
-  std::vector<std::string> three{"precision=BF16", "model.n_layers=3", "parallel.recompute=true",
-                                 "parallel.recompute_keep_last=0"};
-  Trainer in_turn(tiny_config(three), nullptr, on_gpu);
-  three.push_back("parallel.recompute_overlap=true");
-  Trainer overlapped(tiny_config(three), nullptr, on_gpu);
-  for (int i = 0; i < 5; ++i) {
-    auto a = in_turn.train_step(), b = overlapped.train_step();
-    EXPECT_EQ(a.loss, b.loss) << "step " << i + 1;
-    EXPECT_EQ(a.grad_norm, b.grad_norm) << "step " << i + 1;
-  }
-  auto pa = in_turn.model().parameters(), pb = overlapped.model().parameters();
-  for (size_t i = 0; i < pa.size(); ++i) EXPECT_TRUE(at::equal(pa[i].second, pb[i].second)) << pa[i].first;
+  expect_overlap_gives_the_same_steps({"precision=BF16"}, on_gpu, 5);
 }
 
 // precision BF16 (CPU autocast here; the GPU run is in gpu_test / the README): master weights and the
