@@ -2,10 +2,12 @@
 // have the toolkit but no GPU or driver (the CPU machines compile and link this file; nothing runs
 // there), and reads the peak memory of PyTorch's caching allocator.
 #include "layers/common/cuda_device.cuh"
+#include "layers/common/kernel_host.h"
 
 #include <c10/cuda/CUDACachingAllocator.h>
 #include <cuda_runtime.h>
 
+#include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 
@@ -13,8 +15,6 @@
 #include <cstdio>
 #include <mutex>
 #include <optional>
-#include <stdexcept>
-#include <string>
 #include <vector>
 
 namespace carry::cuda {
@@ -54,29 +54,23 @@ void allocator_counts(int index, long long* mallocs, long long* retries) {
 
 void synchronize() { cudaDeviceSynchronize(); }
 
-namespace {
-void check(cudaError_t e, const char* what) {
-  if (e != cudaSuccess) throw std::runtime_error(std::string("CUDA error in ") + what + ": " + cudaGetErrorString(e));
-}
-}  // namespace
-
 void event_times_ms(void (*call)(void*), void* ctx, int reps, double* ms) {
   constexpr size_t kFlush = 256u << 20;  // larger than any Hopper L2 (50 MB on H100 and H200), as do_bench
   static void* flush = nullptr;  // outside the caching allocator: it does not enter its peak figures
-  if (!flush) check(cudaMalloc(&flush, kFlush), "event_times_ms (the L2 flush buffer)");
+  if (!flush) C10_CUDA_CHECK(cudaMalloc(&flush, kFlush));
   const cudaStream_t st = c10::cuda::getCurrentCUDAStream().stream();
   std::vector<cudaEvent_t> ev(2 * static_cast<size_t>(reps));
-  for (auto& e : ev) check(cudaEventCreate(&e), "event_times_ms (events)");
+  for (auto& e : ev) C10_CUDA_CHECK(cudaEventCreate(&e));
   for (int i = 0; i < reps; ++i) {
-    check(cudaMemsetAsync(flush, 0, kFlush, st), "event_times_ms (the L2 flush)");
-    check(cudaEventRecord(ev[2 * i], st), "event_times_ms (start)");
+    C10_CUDA_CHECK(cudaMemsetAsync(flush, 0, kFlush, st));
+    C10_CUDA_CHECK(cudaEventRecord(ev[2 * i], st));
     call(ctx);
-    check(cudaEventRecord(ev[2 * i + 1], st), "event_times_ms (end)");
+    C10_CUDA_CHECK(cudaEventRecord(ev[2 * i + 1], st));
   }
-  check(cudaEventSynchronize(ev.back()), "event_times_ms (waiting)");
+  C10_CUDA_CHECK(cudaEventSynchronize(ev.back()));
   for (int i = 0; i < reps; ++i) {
     float t = 0.f;
-    check(cudaEventElapsedTime(&t, ev[2 * i], ev[2 * i + 1]), "event_times_ms (elapsed)");
+    C10_CUDA_CHECK(cudaEventElapsedTime(&t, ev[2 * i], ev[2 * i + 1]));
     ms[i] = t;
   }
   for (auto& e : ev) cudaEventDestroy(e);
@@ -93,27 +87,19 @@ c10::cuda::CUDAStream side_stream(int device, int slot) {
   if (!s) s = c10::cuda::getStreamFromPool(false, static_cast<c10::DeviceIndex>(device));
   return *s;
 }
-// `waiter` waits for the work queued on `done` so far.
-void stream_wait(const c10::cuda::CUDAStream& waiter, const c10::cuda::CUDAStream& done) {
-  cudaEvent_t ev;
-  check(cudaEventCreateWithFlags(&ev, cudaEventDisableTiming), "side stream (event)");
-  check(cudaEventRecord(ev, done.stream()), "side stream (record)");
-  check(cudaStreamWaitEvent(waiter.stream(), ev, 0), "side stream (wait)");
-  cudaEventDestroy(ev);  // released once the wait has seen it
-}
 }  // namespace
 
 void side_stream_run(int device, int slot, void (*call)(void*), void* ctx) {
   const auto dev = static_cast<c10::DeviceIndex>(device);
   const c10::cuda::CUDAStream side = side_stream(device, slot);
-  stream_wait(side, c10::cuda::getCurrentCUDAStream(dev));
+  carry_tiles::join(c10::cuda::getCurrentCUDAStream(dev), side);
   c10::cuda::CUDAStreamGuard guard(side);
   call(ctx);
 }
 
 void side_stream_join(int device, int slot) {
   const auto dev = static_cast<c10::DeviceIndex>(device);
-  stream_wait(c10::cuda::getCurrentCUDAStream(dev), side_stream(device, slot));
+  carry_tiles::join(side_stream(device, slot), c10::cuda::getCurrentCUDAStream(dev));
 }
 
 void record_on_current_stream(const at::Tensor& t) {
