@@ -293,6 +293,7 @@ MemoryEstimate estimate_memory(const RunConfig& config, std::FILE* progress) {
   // alive from their forward through the head's backward and their own; a recomputed layer is rebuilt
   // only once they are gone.
   const int64_t keep_last = std::min<int64_t>(std::max<int64_t>(config.parallel().recompute_keep_last(), 0), L);
+  const bool overlap = recompute_overlap_applies(config, /*if_recomputed=*/true);
   // The inputs kept are every recomputed layer's and the first kept layer's (the output of a recomputed
   // one; a kept layer's own output is in its kept bytes).
   double last_kept = 0, last_backward = 0, rebuilt = 0, recomputed_inputs = 0, keeps_mixer_inputs = 0;
@@ -313,7 +314,7 @@ MemoryEstimate estimate_memory(const RunConfig& config, std::FILE* progress) {
     }
   }
   // Overlapped recomputation: while a layer is differentiated the one below it is rebuilt already.
-  if (config.parallel().recompute_overlap() && L - keep_last >= 2) rebuilt += rebuilt_kept;
+  if (overlap && L - keep_last >= 2) rebuilt += rebuilt_kept;
   m.activations_recomputed = recomputed_inputs + last_kept + m.head_bytes;
   const double fixed = m.parameter_bytes + m.gradient_bytes + m.optimizer_bytes;
   // Peaks: the backward starts with every activation alive and the head's gradients; with
@@ -365,7 +366,7 @@ std::string memory_report(const MemoryEstimate& m, const RunConfig& config) {
       "head " + bytes_text(m.head_backward_bytes) + ", a layer " + bytes_text(layer_backward));
   row("activations, kept", m.activations_kept, "every layer + head");
   const int64_t keep_last = std::min<int64_t>(par.recompute_keep_last(), static_cast<int64_t>(m.layers.size()));
-  const std::string rebuilt = par.recompute_overlap() ? "two layers rebuilt at a time (recompute_overlap)"
+  const std::string rebuilt = recompute_overlap_applies(config, /*if_recomputed=*/true) ? "two layers rebuilt at a time (recompute_overlap)"
                                                       : "one rebuilt at a time";
   row("activations, recomputed", m.activations_recomputed,
       keep_last > 0 ? "layer inputs + the last " + std::to_string(keep_last) + " whole + head; " + rebuilt

@@ -188,8 +188,7 @@ Trainer::Trainer(const RunConfig& config, std::shared_ptr<parallel::ProcessGroup
   context_.recompute = config_.parallel().recompute();
   context_.recompute_keeps_mixer = config_.parallel().recompute_keeps_mixer();
   context_.recompute_keep_last = config_.parallel().recompute_keep_last();
-  // Overlap only where no layer exchanges states with other ranks in its backward (sp = 1).
-  context_.recompute_overlap = config_.parallel().recompute_overlap() && sp_ == 1;
+  context_.recompute_overlap = recompute_overlap_applies(config_);
   context_.loss_chunk_tokens = config_.parallel().loss_chunk_tokens();
   // Collective: every rank of the sp group agrees on the layout here, once.
   const int64_t segments = par.segments() > 0 ? par.segments() : sp_;

@@ -154,8 +154,9 @@ TEST(Trainer, RecomputeGivesTheSameSteps) {
 void expect_overlap_gives_the_same_steps(std::vector<std::string> settings, const TrainerOptions& o, int steps) {
   for (const char* s : {"model.n_layers=3", "parallel.recompute=true", "parallel.recompute_keep_last=0"})
     settings.push_back(s);
+  settings.push_back("parallel.recompute_overlap=false");
   Trainer in_turn(tiny_config(settings), nullptr, o);
-  settings.push_back("parallel.recompute_overlap=true");
+  settings.back() = "parallel.recompute_overlap=true";
   Trainer overlapped(tiny_config(settings), nullptr, o);
   for (int i = 0; i < steps; ++i) {
     auto a = in_turn.train_step(), b = overlapped.train_step();
