@@ -2,6 +2,7 @@
 #include "parallel/gradient_sum.h"
 
 #include "layers/common/nvtx.h"
+#include "parallel/peer_sum.h"
 #include "parallel/segments.h"
 
 #include <torch/csrc/autograd/function_hook.h>
@@ -41,6 +42,7 @@ struct OverlappedGradientSum::State {
   std::vector<int> missing;    // per bucket: its parameters not arrived yet
   int next = -1;               // the next bucket to send (they go from the last to the first)
   Tensor flat, got;            // this rank's flat gradients (then their sum), and the partner's (P > 2)
+  std::unique_ptr<PeerSum> peer;  // use_copy_engines: the buckets go by the copy engines
 #ifdef CARRY_WITH_CUDA
   std::optional<c10::cuda::CUDAStream> side;  // where the buckets' messages and sums run
   // set_timing: finish()'s start and end on the caller's stream, per step not yet taken
@@ -67,6 +69,10 @@ struct OverlappedGradientSum::State {
   void send(int b) {
     NvtxRange range("gradient bucket");
     Tensor mine = piece(flat, b);
+    if (peer) {  // the copy engines, with streams of their own
+      peer->exchange_and_add(mine, offset[buckets[b].first]);
+      return;
+    }
 #ifdef CARRY_WITH_CUDA
     std::optional<c10::cuda::CUDAStreamGuard> on_side;
     if (side) {
@@ -167,17 +173,37 @@ bool OverlappedGradientSum::overlapping() const {
   return state_->mode == State::Mode::overlapping;
 }
 
+namespace {
+void allocate(OverlappedGradientSum::State& s) {
+  if (s.flat.defined()) return;
+  const auto opt = s.params[0].second.options();
+  s.flat = at::empty({s.total}, opt);
+  if (s.comm->size() > 2) s.got = at::empty({s.total}, opt);  // two ranks: one all-reduce in place
+#ifdef CARRY_WITH_CUDA
+  if (opt.device().is_cuda()) s.side = c10::cuda::getStreamFromPool(false, opt.device().index());
+#endif
+}
+}  // namespace
+
+std::string OverlappedGradientSum::use_copy_engines() {
+  State& s = *state_;
+  std::lock_guard<std::mutex> lock(s.mutex);
+  allocate(s);
+  std::string why;
+  s.peer = PeerSum::open(*s.comm, s.flat, &why);
+  return s.peer ? "" : why;
+}
+
+bool OverlappedGradientSum::copy_engines() const {
+  std::lock_guard<std::mutex> lock(state_->mutex);
+  return state_->peer != nullptr;
+}
+
 void OverlappedGradientSum::begin() {
   State& s = *state_;
   std::lock_guard<std::mutex> lock(s.mutex);
-  if (!s.flat.defined()) {
-    const auto opt = s.params[0].second.options();
-    s.flat = at::empty({s.total}, opt);
-    if (s.comm->size() > 2) s.got = at::empty({s.total}, opt);  // two ranks: one all-reduce in place
-#ifdef CARRY_WITH_CUDA
-    if (opt.device().is_cuda()) s.side = c10::cuda::getStreamFromPool(false, opt.device().index());
-#endif
-  }
+  allocate(s);
+  if (s.peer && s.mode == State::Mode::overlapping) s.peer->begin_step();
   std::fill(s.arrivals.begin(), s.arrivals.end(), 0);
   s.missing.clear();
   for (auto& [first, last] : s.buckets) {
@@ -264,6 +290,10 @@ Tensor OverlappedGradientSum::finish() {
     s.send(b);
   }
   s.next = -1;
+  if (s.peer) {  // the caller's stream waits for the copy engines' sums
+    s.peer->finish_step();
+    return s.flat;
+  }
 #ifdef CARRY_WITH_CUDA
   if (s.side) {  // the caller's stream waits for the side stream's sums
     at::cuda::CUDAEvent done;

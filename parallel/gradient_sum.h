@@ -19,6 +19,10 @@
 // own (NCCL: its own stream), or the state chain's messages would queue behind gradient buckets. On
 // CUDA the buckets' messages and sums run on a side stream, so the backward's stream never waits for
 // them; finish() makes the caller's stream wait.
+//
+// Over two GPUs of one host the buckets can go by the copy engines instead of NCCL's kernels
+// (use_copy_engines, parallel/peer_sum.h): no SM is taken from the backward while a bucket waits for
+// the other rank. The same bits: each element is still one addition of the two ranks' values.
 #pragma once
 
 #include "layers/parameters.h"
@@ -47,6 +51,10 @@ class OverlappedGradientSum {
   // Whether the buckets went during the backward (false on the first, counting step, or if a parameter's
   // hook fired twice somewhere).
   bool overlapping() const;
+  // Collective, before the first begin(): the buckets go by the copy engines (two ranks of one host,
+  // NCCL, CUDA). "" if so; otherwise why not, and the buckets stay on the communicator.
+  std::string use_copy_engines();
+  bool copy_engines() const;
   // With timing on (CUDA): the GPU time the caller's stream stood still in finish() for the sums the
   // backward did not hide, summed over the finished steps since the last call.
   void set_timing(bool on);

@@ -201,13 +201,28 @@ Trainer::Trainer(const RunConfig& config, std::shared_ptr<parallel::ProcessGroup
                                                   /*head_groups=*/1, config_.data().seq_len());
   }
   if (par.has_serial_states()) context_.slice.serial_states = par.serial_states();
-  // Off by default: on two NVLinked H200s the buckets' messages and sums slowed the backward they ran
-  // beside by more than they saved (README, "Two GPUs").
-  const char* overlap = std::getenv("CARRY_GRADIENT_OVERLAP");
-  if (segments_ && segments_->per_rank() == 1 && sp_ > 1 && groups_->sp_gradients && overlap &&
-      std::string(overlap) == "1")
+  // The gradients' sum during the backward (CARRY_GRADIENT_OVERLAP): "1" sends buckets over NCCL
+  // (slower on two NVLinked H200s: its kernels took SMs from the backward; README, "Two GPUs"); "copy"
+  // sends them by the copy engines (two GPUs of one host), falling back to one sum after the backward
+  // where the GPUs cannot map each other's memory. Unset or "0": one sum after the backward.
+  const char* overlap_env = std::getenv("CARRY_GRADIENT_OVERLAP");
+  const std::string overlap = overlap_env ? overlap_env : "0";
+  TORCH_CHECK(overlap == "0" || overlap == "1" || overlap == "copy",
+              "CARRY_GRADIENT_OVERLAP: expected 0, 1 (buckets over NCCL) or copy (buckets by the copy engines); got '",
+              overlap, "'");
+  if (segments_ && segments_->per_rank() == 1 && sp_ > 1 && groups_->sp_gradients && overlap != "0") {
     gradient_sum_ = std::make_unique<parallel::OverlappedGradientSum>(model_.parameters(), groups_->sp_gradients,
                                                                       /*bucket_bytes=*/int64_t{64} << 20);
+    if (overlap == "copy") {
+      const std::string why = gradient_sum_->use_copy_engines();
+      if (!why.empty()) {
+        warn("the gradients' sum by the copy engines is not available (" + why + "); summing after the backward");
+        gradient_sum_.reset();
+      } else {
+        log("gradients: summed during the backward in buckets by the copy engines (CARRY_GRADIENT_OVERLAP=copy)\n");
+      }
+    }
+  }
   const char* timing = std::getenv("CARRY_COMM_TIMING");
   comm_timing_ = timing && std::string(timing) == "1" && groups_;
   if (comm_timing_) {

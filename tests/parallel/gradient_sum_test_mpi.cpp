@@ -2,12 +2,15 @@
 // (1, 2, 4 ranks): over three steps it gives tree_sum's bits of the flat gradients; the first step
 // only counts the hooks (nothing is sent before the backward ends), the later ones send buckets while
 // the backward runs; a parameter used twice in the graph (tied) and one without a gradient are summed
-// right; a count that says a gradient arrives in two parts keeps every step on the plain path.
+// right; a count that says a gradient arrives in two parts keeps every step on the plain path. And the
+// buckets by the copy engines (parallel/peer_sum.h): refused with a reason off two NCCL GPUs, and on
+// them (2 ranks, one GPU each) the all-reduce's bits over steps where one rank runs ahead.
 #include "parallel/gradient_sum.h"
 #include "parallel/segments.h"
 
 #include <gtest/gtest.h>
 #include <mpi.h>
+#include <torch/cuda.h>
 
 #include <atomic>
 
@@ -52,18 +55,19 @@ NamedParameters make_parameters() {
 // A loss that differs by rank and step: p1 is used twice (tied), p6 not at all.
 Tensor loss_of(const NamedParameters& p, int rank, int step) {
   auto gen = at::make_generator<at::CPUGeneratorImpl>(100 * rank + step);
-  Tensor l = at::zeros({}, at::kFloat);
+  Tensor l = at::zeros({}, p[0].second.options().requires_grad(false));
   for (int i = 0; i < 6; ++i) {
     const Tensor& w = p[i].second;
     auto x = at::randn(w.sizes(), gen, at::kFloat) * at::exp(at::randn(w.sizes(), gen, at::kFloat) * 3);
-    l = l + (w * w * x).sum();
+    l = l + (w * w * x.to(w.device())).sum();
   }
   return l + (p[1].second * p[1].second.sin()).sum() * 0.5;
 }
 
 Tensor flat_of(const NamedParameters& p) {
   std::vector<Tensor> v;
-  for (auto& [name, t] : p) v.push_back(t.grad().defined() ? t.grad().reshape({-1}) : at::zeros({t.numel()}));
+  for (auto& [name, t] : p)
+    v.push_back(t.grad().defined() ? t.grad().reshape({-1}) : at::zeros({t.numel()}, t.options().requires_grad(false)));
   return at::cat(v);
 }
 
@@ -109,6 +113,58 @@ TEST(GradientSum, AGradientInTwoPartsKeepsThePlainPath) {
     Tensor got = sum.finish().clone();
     EXPECT_TRUE(at::equal(got, tree_sum({flat_of(params)}, world.get()))) << "step " << step;
     if (world->size() > 1) EXPECT_FALSE(sum.overlapping());  // every rank agreed on the plain path
+  }
+}
+
+// Off two GPUs of one host over NCCL the copy engines are refused with a reason, and the buckets go
+// over the communicator as before (the same bits).
+TEST(GradientSum, CopyEnginesNeedTwoNcclGpus) {
+  auto world = make_mpi_communicator(MPI_COMM_WORLD);
+  auto params = make_parameters();
+  OverlappedGradientSum sum(params, make_mpi_communicator(MPI_COMM_WORLD), 4096);
+  const std::string why = sum.use_copy_engines();
+  EXPECT_NE(why.find(world->size() == 2 ? "NCCL backend" : "two ranks"), std::string::npos) << why;
+  EXPECT_FALSE(sum.copy_engines());
+  for (int step = 0; step < 2; ++step) {
+    for (auto& [name, t] : params) t.mutable_grad() = Tensor();
+    sum.begin();
+    loss_of(params, world->rank(), step).backward();
+    Tensor got = sum.finish().clone();
+    EXPECT_TRUE(at::equal(got, tree_sum({flat_of(params)}, world.get()))) << "step " << step;
+  }
+}
+
+// Two ranks, one GPU each, NCCL (skipped otherwise): the buckets by the copy engines give NCCL's
+// all-reduce's bits at every step; rank 0 or rank 1 runs ahead by a queue of matrix products in
+// alternate steps, so each side's waits (for the other's buckets, for its buffer) are exercised.
+TEST(GradientSum, CopyEnginesGiveTheAllReducesBits) {
+  const bool here = nccl_available() && world_info().size == 2 &&
+                    torch::cuda::device_count() >= static_cast<size_t>(world_info().local_size);
+  double missing = here ? 0 : 1, any = 0;
+  MPI_Allreduce(&missing, &any, 1, MPI_DOUBLE, MPI_MAX, MPI_COMM_WORLD);
+  if (any != 0) GTEST_SKIP() << "needs two ranks with a GPU each and NCCL";
+  CommOptions opt;
+  opt.on_timeout = CommOptions::OnTimeout::throw_error;
+  ProcessGroups g = make_process_groups({1, 2}, Backend::nccl, opt);
+  const at::Device dev(at::kCUDA, world_info().local_rank);
+  const int r = g.sp->rank();
+  NamedParameters params;
+  for (auto& [name, t] : make_parameters()) params.emplace_back(name, t.detach().to(dev).requires_grad_(true));
+  OverlappedGradientSum sum(params, g.sp_gradients, /*bucket_bytes=*/4096);  // several buckets
+  ASSERT_EQ(sum.use_copy_engines(), "");
+  ASSERT_TRUE(sum.copy_engines());
+  auto busy = at::randn({2048, 2048}, at::TensorOptions().device(dev));
+  for (int step = 0; step < 6; ++step) {
+    for (auto& [name, t] : params) t.mutable_grad() = Tensor();
+    if (step % 2 == r) for (int i = 0; i < 40; ++i) busy = at::mm(busy, busy).tanh_();  // this rank lags
+    sum.begin();
+    loss_of(params, r, step).backward();
+    Tensor got = sum.finish().clone();
+    Tensor want = flat_of(params).clone();
+    g.sp_gradients->all_reduce_sum(want);
+    EXPECT_TRUE(at::equal(got, want)) << "step " << step << ", rank " << r << ": largest difference "
+                                      << (got - want).abs().max().item<float>();
+    EXPECT_EQ(sum.overlapping(), true);
   }
 }
 
