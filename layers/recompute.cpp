@@ -232,10 +232,14 @@ Tensor recompute_in_backward(std::function<Tensor(const Tensor&)> f, const Tenso
     LogScope record(&log, /*replay=*/false);
     y = f(x.detach());
   }
+  // The layer below is the node whose output this layer reads. Only that one: a model run again on the
+  // same thread (the next segment of ordered segments, the next micro-batch) starts a chain of its own.
+  std::weak_ptr<RecomputeBackward> below;
+  if (auto previous = t_last_overlapped.lock(); overlap && previous && x.grad_fn().get() == previous.get())
+    below = previous;
   auto node = std::shared_ptr<RecomputeBackward>(
       new RecomputeBackward(std::move(f), x.detach().requires_grad_(x.requires_grad()), parameters,
-                            AutocastState::current(), y.options(), y.sizes().vec(), std::move(log),
-                            overlap ? t_last_overlapped : std::weak_ptr<RecomputeBackward>()),
+                            AutocastState::current(), y.options(), y.sizes().vec(), std::move(log), below),
       torch::autograd::deleteNode);
   t_last_overlapped = overlap ? node : std::weak_ptr<RecomputeBackward>();
   variable_list inputs{x};

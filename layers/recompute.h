@@ -18,7 +18,7 @@ namespace carry {
 
 //
 // overlap (parallel.recompute_overlap): layers recomputed one after another in the forward form a chain
-// (each node links to the one made before it on this thread). When a layer's backward starts, it first
+// (each node links to the one made before it on this thread, if that one's output is its input). When a layer's backward starts, it first
 // starts the recomputation of the layer below on one of two side streams (layers/common/side_stream.h),
 // so the GPU runs it beside this layer's backward; that layer's backward then differentiates the graph
 // made ahead, on that stream, and the caller's stream waits for it. The same operations and bits; one

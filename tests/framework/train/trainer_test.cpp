@@ -174,6 +174,10 @@ TEST(Trainer, OverlappedRecomputeGivesTheSameSteps) {
   auto o = quiet();
   o.dtype = at::kDouble;
   expect_overlap_gives_the_same_steps({}, o, 4);
+  // Ordered segments run the model once a segment: each run's layers form a chain of their own (linked
+  // across runs, the first layer of segment 2 recomputed segment 1's last layer ahead, in segment 2's
+  // context: another gradient norm at step 1 on an H200, and here).
+  expect_overlap_gives_the_same_steps({"parallel.scan_mode=ORDERED", "parallel.segments=2"}, o, 3);
 }
 
 // On a GPU (skipped without one): overlapped recomputation runs each layer's second forward on a side
