@@ -1339,8 +1339,7 @@ LayerMixer layer_mixer(const ModelConfig& model, int64_t layer) {
 
 bool recompute_overlap_applies(const RunConfig& config, bool if_recomputed) {
   const auto& par = config.parallel();
-  return (if_recomputed || par.recompute()) && par.recompute_overlap() && !par.recompute_keeps_mixer() &&
-         par.sp() == 1;
+  return (if_recomputed || par.recompute()) && par.recompute_overlap() && !par.recompute_keeps_mixer();
 }
 
 int64_t head_dim_k(const ModelConfig& model) {

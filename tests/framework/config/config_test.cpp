@@ -454,8 +454,8 @@ TEST_F(ConfigTest, NonFiniteHyperparametersAreRefused) {
 }
 
 // parallel.recompute_overlap is on by default and applies only where it can: with recompute, without
-// recompute_keeps_mixer, at sp = 1 (elsewhere it is ignored, as recompute_keep_last is without recompute).
-TEST(RecomputeOverlap, AppliesWithRecomputeWithoutKeptMixersAtSp1) {
+// recompute_keeps_mixer (elsewhere it is ignored, as recompute_keep_last is without recompute).
+TEST(RecomputeOverlap, AppliesWithRecomputeWithoutKeptMixers) {
   RunConfig c;
   EXPECT_TRUE(c.parallel().recompute_overlap()) << "the default";
   EXPECT_FALSE(recompute_overlap_applies(c)) << "recompute is off";
@@ -463,7 +463,7 @@ TEST(RecomputeOverlap, AppliesWithRecomputeWithoutKeptMixersAtSp1) {
   c.mutable_parallel()->set_recompute(true);
   EXPECT_TRUE(recompute_overlap_applies(c));
   c.mutable_parallel()->set_sp(2);
-  EXPECT_FALSE(recompute_overlap_applies(c)) << "sp = 2";
+  EXPECT_TRUE(recompute_overlap_applies(c)) << "sp = 2: the recomputation replays what the layer received";
   c.mutable_parallel()->set_sp(1);
   c.mutable_parallel()->set_recompute_keeps_mixer(true);
   EXPECT_FALSE(recompute_overlap_applies(c)) << "recompute_keeps_mixer";
