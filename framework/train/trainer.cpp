@@ -400,7 +400,12 @@ Trainer::Batch Trainer::batch_for(int64_t step, int64_t micro, bool eval) const 
   at::Tensor starts;  // packed documents: a document starts at every end-of-document token
   if (data.has_token_files() && data.token_files().eod_token() >= 0) starts = tokens.eq(data.token_files().eod_token());
   const int64_t Tp = T / sp_;
-  auto slice = [&](const at::Tensor& x) { return x.narrow(1, sp_rank_ * Tp, Tp).contiguous().to(device_); };
+  // On CUDA through pinned memory without a host wait: a pageable upload synchronizes the host with the
+  // stream, so the GPU finished the previous step's update before the host went on to queue this step.
+  auto slice = [&](const at::Tensor& x) {
+    auto part = x.narrow(1, sp_rank_ * Tp, Tp).contiguous();
+    return device_.is_cuda() ? part.pin_memory().to(device_, /*non_blocking=*/true) : part.to(device_);
+  };
   return {slice(tokens), slice(targets), slice(mask), starts};
 }
 
@@ -450,6 +455,21 @@ class SyncAudit {
   }
 };
 }  // namespace
+
+void Trainer::prefetch_batches(int64_t step) {
+  std::vector<Batch> micro;
+  for (int64_t m = 0; m < grad_accum_steps(); ++m)
+    micro.push_back(SyncAudit::allowed([&] { return batch_for(step, m, false); }));  // the input upload
+  prefetched_ = {step, std::move(micro)};
+}
+
+std::vector<Trainer::Batch> Trainer::step_batches() {
+  if (!prefetched_ || prefetched_->first != step_) prefetch_batches(step_);
+  auto micro = std::move(prefetched_->second);
+  prefetched_.reset();
+  return micro;
+}
+
 
 namespace {
 // Every parameter's gradient in one flat buffer, in parameter order (zeros where a parameter has none).
@@ -530,9 +550,7 @@ StepStats Trainer::train_step() {
   at::Tensor sums;  // [Σ ce·mask, Σ mask, stop signals] over all ranks, fp64 on the device
   at::Tensor gradients;  // with segments: the flat gradients summed over the sp group
   if (segments_) {
-    std::vector<Batch> micro;
-    for (int64_t m = 0; m < accum; ++m)
-      micro.push_back(SyncAudit::allowed([&] { return batch_for(step_, m, false); }));
+    std::vector<Batch> micro = step_batches();
     // Summed over the sp group by the segment tree; the data-parallel replicas below.
     sums = segmented_forward_backward(micro, stop_flag(at::TensorOptions().device(device_)), gradients);
     if (dp_ > 1) {
@@ -541,7 +559,7 @@ StepStats Trainer::train_step() {
       sums = at::stack({dp_sums[0], sums[1], dp_sums[1]});
     }
   } else if (accum == 1) {
-    auto batch = SyncAudit::allowed([&] { return batch_for(step_, 0, false); });  // the input upload
+    auto batch = step_batches()[0];
     // The head and cross entropy run chunk by chunk (chunked_loss.h): Σ ce·mask, never the logits.
     // Ignored targets (kIgnoreIndex < 0) contribute 0.
     LinearCrossEntropy ce;
@@ -559,9 +577,7 @@ StepStats Trainer::train_step() {
     // Gradient accumulation: the micro-batches' masks give the global token count first (one small
     // all-reduce), then each micro-batch back-propagates its share Σ ce·mask / count, so the summed
     // gradients are those of the whole batch's mean; the loss sums and the stop flag travel after.
-    std::vector<Batch> micro;
-    for (int64_t m = 0; m < accum; ++m)
-      micro.push_back(SyncAudit::allowed([&] { return batch_for(step_, m, false); }));
+    std::vector<Batch> micro = step_batches();
     auto masked = at::zeros({1}, at::TensorOptions().dtype(at::kDouble).device(device_));
     for (auto& b : micro) masked += b.loss_mask.to(at::kDouble).sum();
     all_reduce(masked);
@@ -593,6 +609,16 @@ StepStats Trainer::train_step() {
   auto norm = clip_grad_norm_on_device(params, config_.optimizer().grad_clip());
   if (!norm.defined()) norm = at::zeros({}, sums.options());
   // The step's one host read.
+  // The next step's batches, made on the host while the GPU still runs this step's backward. A batch
+  // that cannot be made (a token id past the vocabulary) is left for the next step to report, after this
+  // step's update, as without the prefetch.
+  if (step_ + 1 < config_.optimizer().total_steps()) {
+    try {
+      prefetch_batches(step_ + 1);
+    } catch (const std::exception&) {
+      prefetched_.reset();
+    }
+  }
   auto host = SyncAudit::allowed([&] { return at::cat({sums, norm.view({1}).to(sums.device())}).cpu(); });
   const double* h = host.data_ptr<double>();
   const double loss_sum = h[0], count = h[1], grad_norm = h[3];

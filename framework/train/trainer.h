@@ -38,6 +38,7 @@
 #include <functional>
 #include <map>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -144,6 +145,12 @@ class Trainer {
   };
   // Micro-batch `micro` (of optimizer.grad_accum_steps) of a step; eval: batch `step` of the evaluation.
   Batch batch_for(int64_t step, int64_t micro, bool eval) const;
+  // This step's micro-batches: made ahead by the previous step (prefetch_batches, before its host read,
+  // so the host makes and uploads them while the GPU runs that step's backward), or made now. batch_for
+  // is a function of the step alone, so a batch made ahead is the batch made now.
+  std::vector<Batch> step_batches();
+  void prefetch_batches(int64_t step);
+  std::optional<std::pair<int64_t, std::vector<Batch>>> prefetched_;
   int64_t grad_accum_steps() const { return std::max<int64_t>(1, config_.optimizer().grad_accum_steps()); }
   void open_token_data();
   // The model context of this rank's slice (sequence parallelism, recomputation).
