@@ -862,6 +862,9 @@ void check_run(const RunConfig& c, Errors& e) {
   if (par.recompute_keep_last() < 0)
     e.add("parallel.recompute_keep_last", "expected 0 or more layers that keep their activations under "
           "parallel.recompute; got " + std::to_string(par.recompute_keep_last()));
+  if (par.has_recompute_overlap() && par.recompute_overlap() && !par.recompute())
+    e.add("parallel.recompute_overlap", "true needs parallel.recompute: true (it overlaps the recomputation with the "
+          "backward); got recompute: false");
   if (par.recompute_keeps_mixer() && !par.recompute())
     e.add("parallel.recompute_keeps_mixer", "true needs parallel.recompute: true (it chooses what the recomputation "
           "keeps); got recompute: false");
@@ -1339,7 +1342,8 @@ LayerMixer layer_mixer(const ModelConfig& model, int64_t layer) {
 
 bool recompute_overlap_applies(const RunConfig& config, bool if_recomputed) {
   const auto& par = config.parallel();
-  return (if_recomputed || par.recompute()) && par.recompute_overlap() && !par.recompute_keeps_mixer();
+  const bool on = par.has_recompute_overlap() ? par.recompute_overlap() : par.sp() == 1;
+  return (if_recomputed || par.recompute()) && on && !par.recompute_keeps_mixer();
 }
 
 int64_t head_dim_k(const ModelConfig& model) {

@@ -105,7 +105,7 @@ int64_t head_dim_v(const ModelConfig& model);   // head_dim_v, or d_model / n_he
 int64_t mlp_hidden_size(const ModelConfig& model);  // mlp_ratio * d_model rounded up to 64
 
 // Whether a run rebuilds each recomputed layer beside the backward of the layer above
-// (parallel.recompute_overlap): with recompute, without recompute_keeps_mixer. With
+// (parallel.recompute_overlap; unset: at sp = 1): with recompute, without recompute_keeps_mixer. With
 // `if_recomputed`, as if parallel.recompute were on (the memory estimate's recomputed peak).
 bool recompute_overlap_applies(const RunConfig& config, bool if_recomputed = false);
 

@@ -453,17 +453,19 @@ TEST_F(ConfigTest, NonFiniteHyperparametersAreRefused) {
             path + ": optimizer.eps: must be positive, got 0 (set by --set optimizer.eps=0)");
 }
 
-// parallel.recompute_overlap is on by default and applies only where it can: with recompute, without
-// recompute_keeps_mixer (elsewhere it is ignored, as recompute_keep_last is without recompute).
-TEST(RecomputeOverlap, AppliesWithRecomputeWithoutKeptMixers) {
+// parallel.recompute_overlap applies with recompute and without recompute_keeps_mixer; unset, at sp = 1 only
+// (sp > 1 spreads long contexts for memory); set, at any sp.
+TEST(RecomputeOverlap, UnsetAppliesAtSp1SetAppliesAnywhere) {
   RunConfig c;
-  EXPECT_TRUE(c.parallel().recompute_overlap()) << "the default";
+  EXPECT_FALSE(c.parallel().has_recompute_overlap()) << "no declared default: unset means automatic";
   EXPECT_FALSE(recompute_overlap_applies(c)) << "recompute is off";
   EXPECT_TRUE(recompute_overlap_applies(c, /*if_recomputed=*/true));
   c.mutable_parallel()->set_recompute(true);
   EXPECT_TRUE(recompute_overlap_applies(c));
   c.mutable_parallel()->set_sp(2);
-  EXPECT_TRUE(recompute_overlap_applies(c)) << "sp = 2: the recomputation replays what the layer received";
+  EXPECT_FALSE(recompute_overlap_applies(c)) << "unset at sp = 2";
+  c.mutable_parallel()->set_recompute_overlap(true);
+  EXPECT_TRUE(recompute_overlap_applies(c)) << "set at sp = 2";
   c.mutable_parallel()->set_sp(1);
   c.mutable_parallel()->set_recompute_keeps_mixer(true);
   EXPECT_FALSE(recompute_overlap_applies(c)) << "recompute_keeps_mixer";
@@ -477,6 +479,9 @@ TEST_F(ConfigTest, ValidationErrorFromAnOverrideSaysSo) {
   auto path = (dir_ + "/run.textproto");
   EXPECT_EQ(msg, path + ": model.n_heads: must divide d_model (64), got 10 (or set head_dim_k and head_dim_v) (set by "
                         "--set model.n_heads=10)");
+  EXPECT_EQ(load_error(kValid, {"parallel.recompute=false", "parallel.recompute_overlap=true"}),
+            path + ": parallel.recompute_overlap: true needs parallel.recompute: true (it overlaps the recomputation "
+                   "with the backward); got recompute: false (set by --set parallel.recompute_overlap=true)");
   EXPECT_EQ(load_error(kValid, {"parallel.recompute=false", "parallel.recompute_keeps_mixer=true"}),
             path + ": parallel.recompute_keeps_mixer: true needs parallel.recompute: true (it chooses what the "
                    "recomputation keeps); got recompute: false (set by --set parallel.recompute_keeps_mixer=true)");

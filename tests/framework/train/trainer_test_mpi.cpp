@@ -207,16 +207,16 @@ TEST(Trainer, OrderedSegmentsGiveTheSameBitsOnEveryLayout) {
   if (P == 2)
     models.push_back({"model.mixers=gated_deltanet,softmax_attn", "model.mixer_options[1]={kind: \"softmax_attn\" window: 8}"});
   for (auto& m : models)
-    for (int recompute : {0, 1, 2}) {  // kept; recomputed beside the layer above (the default); one at a time
+    for (int recompute : {0, 1, 2}) {  // kept; recomputed beside the layer above everywhere; the defaults
       auto o = m;
       o.push_back("parallel.recompute=" + std::string(recompute ? "true" : "false"));
       std::string what = std::string(m.empty() ? "gdn" : "gdn+swa") +
-                         (recompute == 1 ? ", recomputed beside" : recompute == 2 ? ", recomputed in turn" : "");
+                         (recompute == 1 ? ", recomputed beside" : recompute == 2 ? ", recomputed in turn on sp ranks" : "");
       auto serial_o = o, sp_o = o;
-      // both layers recomputed, so the overlap has a layer below to run ahead; in turn on sp ranks
-      // against beside on one: the overlap changes no bit either
+      // Both layers recomputed, so the overlap has a layer below to run ahead. The defaults rebuild beside
+      // the layer above on one rank and in turn on sp ranks: the overlap changes no bit either.
       if (recompute) serial_o.push_back("parallel.recompute_keep_last=0"), sp_o.push_back("parallel.recompute_keep_last=0");
-      if (recompute == 2) sp_o.push_back("parallel.recompute_overlap=false");
+      if (recompute == 1) sp_o.push_back("parallel.recompute_overlap=true");
       serial_o.push_back("parallel.segments=" + std::to_string(P));
       sp_o.push_back("parallel.sp=" + std::to_string(P));  // segments = sp by default
       auto serial = train_bits(config(serial_o), false);
