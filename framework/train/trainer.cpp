@@ -470,7 +470,6 @@ std::vector<Trainer::Batch> Trainer::step_batches() {
   return micro;
 }
 
-
 namespace {
 // Every parameter's gradient in one flat buffer, in parameter order (zeros where a parameter has none).
 at::Tensor flat_gradients(const NamedParameters& params) {
@@ -608,7 +607,6 @@ StepStats Trainer::train_step() {
   if (gradients.defined()) set_gradients(params, gradients);
   auto norm = clip_grad_norm_on_device(params, config_.optimizer().grad_clip());
   if (!norm.defined()) norm = at::zeros({}, sums.options());
-  // The step's one host read.
   // The next step's batches, made on the host while the GPU still runs this step's backward. A batch
   // that cannot be made (a token id past the vocabulary) is left for the next step to report, after this
   // step's update, as without the prefetch.
@@ -619,6 +617,7 @@ StepStats Trainer::train_step() {
       prefetched_.reset();
     }
   }
+  // The step's one host read.
   auto host = SyncAudit::allowed([&] { return at::cat({sums, norm.view({1}).to(sums.device())}).cpu(); });
   const double* h = host.data_ptr<double>();
   const double loss_sum = h[0], count = h[1], grad_norm = h[3];
