@@ -30,6 +30,24 @@ grep -q "stream 7: 1 gaps >= 20 us a step, 0.05 ms a step" <<<"$out" || fail "st
 grep -q "0.05 ms at     0.10 ms  after nvjet_sm90_tst_256x128  before void carry_gdn::fwd_state_mma_kernel<128>" <<<"$out" || fail "the gap's kernels"
 grep -q "by kind (ms a step): nccl 0.20, gemm 0.10, carry 0.10, other 0.01" <<<"$out" || fail "kernels by kind"
 grep -q "trace_rank1.json: no GPU events" <<<"$out" || fail "rank 1 without GPU events"
+# --idle: a rank where no stream runs for 1 ms while the host waits in cudaStreamSynchronize; the gaps by
+# size and the longest with the host's calls during it.
+mkdir "$dir/idle"
+cat >"$dir/idle/trace_rank0.json" <<'JSON'
+{"traceEvents": [
+ {"ph": "X", "cat": "kernel", "name": "k1(int)", "ts": 0, "dur": 100, "args": {"stream": 7}},
+ {"ph": "X", "cat": "kernel", "name": "k2", "ts": 103, "dur": 47, "args": {"stream": 7}},
+ {"ph": "X", "cat": "kernel", "name": "k3", "ts": 1150, "dur": 50, "args": {"stream": 9}},
+ {"ph": "X", "cat": "cuda_runtime", "name": "cudaStreamSynchronize", "ts": 160, "dur": 900, "args": {}},
+ {"ph": "X", "cat": "cpu_op", "name": "aten::item", "ts": 2000, "dur": 10, "args": {}}
+]}
+JSON
+idle=$("$root/launcher/trace_summary" "$dir/idle" --steps 1 --idle 2)
+echo "$idle"
+grep -q "all-idle gaps a step by size: 0-5 us: 1 gaps, 0.00 ms; 5-20 us: 0 gaps, 0.00 ms; 20-100 us: 0 gaps, 0.00 ms; 100-1000 us: 0 gaps, 0.00 ms; >= 1000 us: 1 gaps, 1.00 ms" <<<"$idle" || fail "the idle gaps by size"
+grep -q "idle  1.000 ms at     0.15 ms  after k2  before k3" <<<"$idle" || fail "the longest idle gap"
+grep -q "host: cudaStreamSynchronize 0.90 ms" <<<"$idle" || fail "the host's call during the gap"
+grep -q "host: nothing traced" <<<"$idle" || fail "the 3 us gap without host events"
 mkdir "$dir/empty"
 if msg=$("$root/launcher/trace_summary" "$dir/empty" 2>&1); then fail "an empty directory was accepted"; fi
 grep -q "no trace_rank<r>.json in" <<<"$msg" || fail "the empty directory's message: $msg"
