@@ -366,8 +366,9 @@ std::string memory_report(const MemoryEstimate& m, const RunConfig& config) {
       "head " + bytes_text(m.head_backward_bytes) + ", a layer " + bytes_text(layer_backward));
   row("activations, kept", m.activations_kept, "every layer + head");
   const int64_t keep_last = std::min<int64_t>(par.recompute_keep_last(), static_cast<int64_t>(m.layers.size()));
-  const std::string rebuilt = recompute_overlap_applies(config, /*if_recomputed=*/true) ? "two layers rebuilt at a time (recompute_overlap)"
-                                                      : "one rebuilt at a time";
+  const std::string rebuilt = recompute_overlap_applies(config, /*if_recomputed=*/true)
+                                  ? "two layers rebuilt at a time (recompute_overlap)"
+                                  : "one rebuilt at a time";
   row("activations, recomputed", m.activations_recomputed,
       keep_last > 0 ? "layer inputs + the last " + std::to_string(keep_last) + " whole + head; " + rebuilt
                     : "layer inputs + head; " + rebuilt);
