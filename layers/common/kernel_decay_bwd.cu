@@ -626,7 +626,7 @@ std::vector<at::Tensor> bwd_impl(const Dims& d, const at::Tensor& q, const at::T
       constexpr int DK = decltype(dk_tag)::value;
       using L = DvSmem<T, KIND, DK, TV>;
       auto kern = dv_kernel<T, KIND, DK, TV, NW>;
-      cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)L::bytes);
+      carry_tiles::allow_smem(kern, L::bytes);
       kern<<<grid, NW * 32, L::bytes, st>>>(
           reinterpret_cast<const T*>(k.data_ptr()), KIND == kNone ? nullptr : G.data_ptr<float>(),
           reinterpret_cast<const T*>(P.data_ptr()), reinterpret_cast<const T*>(dO.data_ptr()),
@@ -642,7 +642,7 @@ std::vector<at::Tensor> bwd_impl(const Dims& d, const at::Tensor& q, const at::T
       constexpr int TK = decltype(tk_tag)::value, NW = TK / 8;  // one thread per diagonal block and column
       using L = QkSmem<T, KIND, TK>;
       auto kern = dqk_kernel<T, KIND, TK, NW>;
-      cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)L::bytes);
+      carry_tiles::allow_smem(kern, L::bytes);
       dim3 grid(c1 - c0, nkt, d.B * d.H);
       kern<<<grid, NW * 32, L::bytes, st>>>(
           reinterpret_cast<const T*>(q.data_ptr()), reinterpret_cast<const T*>(k.data_ptr()),
@@ -670,7 +670,7 @@ std::vector<at::Tensor> bwd_impl(const Dims& d, const at::Tensor& q, const at::T
         auto run = [&](auto dk_tag) {
           constexpr int DK = decltype(dk_tag)::value;
           auto kern = grad_frag_kernel<KIND, DK>;
-          cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)GradFragSmem<DK>::bytes);
+          carry_tiles::allow_smem(kern, GradFragSmem<DK>::bytes);
           const int items = (c1 - c0) * d.H * d.B;
           const int blocks = grad_persist() && !beside ? std::min(items, sm_count()) : items;
           kern<<<blocks, 256, GradFragSmem<DK>::bytes, st>>>(

@@ -518,7 +518,7 @@ void launch_state_mma(const at::Tensor& X, const at::Tensor& Y, const float* g, 
     using Sm = StateMmaSmem<KIND, W, TV, NBUF>;
     auto kern = state_mma_kernel<KIND, REV, W, TV, NBUF, SP>;
     const size_t bytes = std::max(smem, Sm::bytes);
-    cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)bytes);
+    carry_tiles::allow_smem(kern, bytes);
     dim3 mgrid((DK / (16 * W)) * (DV / TV), H, B * NS);
     kern<<<mgrid, W * 32, bytes, stream>>>(reinterpret_cast<const bf16*>(X.data_ptr()),
                                            reinterpret_cast<const bf16*>(Y.data_ptr()), g, S0,
@@ -570,7 +570,7 @@ void launch_state(const at::Tensor& X, const at::Tensor& Y, const at::Tensor& G,
   } else {
     constexpr size_t smem = state_smem<T, KIND, TK, TV>();
     auto kern = state_kernel<T, KIND, REV, TK, TV, NW>;
-    cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
+    carry_tiles::allow_smem(kern, smem);
     dim3 grid((DK / TK) * (DV / TV), H, B * NS);
     kern<<<grid, NW * 32, smem, stream>>>(reinterpret_cast<const T*>(X.data_ptr()),
                                           reinterpret_cast<const T*>(Y.data_ptr()), g, S0.data_ptr<float>(),

@@ -476,7 +476,7 @@ void launch_out(const Dims& d, const at::Tensor& q, const at::Tensor& k, const a
   if constexpr (frag_path<T, KIND>(DK)) {
     using L = OutFragSmem<DK>;
     auto kern = out_frag_kernel<KIND, DK>;
-    cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)L::bytes);
+    carry_tiles::allow_smem(kern, L::bytes);
     kern<<<dim3(c1 - c0, d.H, d.B), 256, L::bytes, stream>>>(
         reinterpret_cast<const bf16*>(q.data_ptr()), reinterpret_cast<const bf16*>(k.data_ptr()),
         reinterpret_cast<const bf16*>(v.data_ptr()), KIND == kNone ? nullptr : G.data_ptr<float>(),
@@ -489,7 +489,7 @@ void launch_out(const Dims& d, const at::Tensor& q, const at::Tensor& k, const a
     if (gla_out_frag()) {
       using L = OutDiagFragSmem<DK>;
       auto kern = out_diag_frag_kernel<DK>;
-      cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)L::bytes);
+      carry_tiles::allow_smem(kern, L::bytes);
       kern<<<dim3(c1 - c0, d.H, d.B), 256, L::bytes, stream>>>(
           reinterpret_cast<const bf16*>(q.data_ptr()), reinterpret_cast<const bf16*>(k.data_ptr()),
           reinterpret_cast<const bf16*>(v.data_ptr()), G.data_ptr<float>(),
@@ -502,7 +502,7 @@ void launch_out(const Dims& d, const at::Tensor& q, const at::Tensor& k, const a
   constexpr int TV = sizeof(T) == 2 && KIND != kDiag ? 64 : 32, NW = 8;  // bf16 GLA: see OutSmem
   using L = OutSmem<T, KIND, DK, TV>;
   auto kern = out_kernel<T, KIND, DK, TV, NW>;
-  cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)L::bytes);
+  carry_tiles::allow_smem(kern, L::bytes);
   dim3 grid(c1 - c0, 1, d.B * d.H);
   kern<<<grid, NW * 32, L::bytes, stream>>>(
       reinterpret_cast<const T*>(q.data_ptr()), reinterpret_cast<const T*>(k.data_ptr()),

@@ -7,7 +7,10 @@
 
 #include <cstdint>
 #include <cstdlib>
+#include <functional>
 #include <limits>
+#include <mutex>
+#include <unordered_map>
 
 namespace carry_tiles {
 
@@ -35,6 +38,47 @@ inline int sm_count() {
   C10_CUDA_CHECK(cudaGetDevice(&dev));
   C10_CUDA_CHECK(cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev));
   return n;
+}
+
+// Lets `kernel` launch with up to `bytes` of dynamic shared memory on the current device and, with
+// `max_carveout`, prefer the SM's whole shared-memory carve-out. The runtime is asked only when a
+// (kernel, device) needs a larger limit than it was given (the limit is the kernel's, on the device's
+// context, and only ever grows here), so a steady training step makes no such call. Measured on an
+// H200 (session 17): the call does not wait for the GPU, but costs 2 to 50 us of host time, and each
+// launcher made several a layer.
+// Safe from several host threads: the call and the record are made under one lock.
+inline void allow_smem_raw(const void* kernel, size_t bytes, bool max_carveout) {
+  struct Key {
+    const void* kernel;
+    int device;
+    bool operator==(const Key& o) const { return kernel == o.kernel && device == o.device; }
+  };
+  struct Hash {
+    size_t operator()(const Key& k) const { return std::hash<const void*>()(k.kernel) ^ (size_t(k.device) << 1); }
+  };
+  struct Given {
+    size_t bytes = 0;
+    bool carveout = false;
+  };
+  static std::mutex mu;
+  static std::unordered_map<Key, Given, Hash> given;
+  int dev = 0;
+  C10_CUDA_CHECK(cudaGetDevice(&dev));
+  std::lock_guard<std::mutex> lock(mu);
+  Given& g = given[Key{kernel, dev}];
+  if (bytes > g.bytes) {
+    C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)bytes));
+    g.bytes = bytes;
+  }
+  if (max_carveout && !g.carveout) {
+    C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
+                                        (int)cudaSharedmemCarveoutMaxShared));
+    g.carveout = true;
+  }
+}
+template <typename K>
+void allow_smem(K* kernel, size_t bytes, bool max_carveout = false) {
+  allow_smem_raw(reinterpret_cast<const void*>(kernel), bytes, max_carveout);
 }
 
 // at::empty, filled with NaN when `poison` is on (a debug switch: unwritten elements then show).

@@ -45,7 +45,7 @@ constexpr int kBwdStateStages = 3;
 
 template <typename K>
 void set_smem(K kernel, size_t bytes) {
-  C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)bytes));
+  carry_tiles::allow_smem(kernel, bytes);
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -922,15 +922,13 @@ OutKernel<DK, DV> out_kernel(const Dims& d) {
 
 template <typename K>
 void set_smem(K kernel, size_t bytes) {
-  C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)bytes));
+  carry_tiles::allow_smem(kernel, bytes);
 }
 // The same, asking for the SM's whole shared-memory carve-out, where the blocks an SM depend on it
 // (prep_reg_kernel: three blocks of 73 KB).
 template <typename K>
 void set_smem_max(K kernel, size_t bytes) {
-  set_smem(kernel, bytes);
-  C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
-                                      (int)cudaSharedmemCarveoutMaxShared));
+  carry_tiles::allow_smem(kernel, bytes, true);
 }
 
 // bf16: the chunk preparation, the state walk (fwd_state_mma_kernel, BV = 16 and 4 warps, or 32 and 8

@@ -11,9 +11,7 @@
 #include <c10/cuda/CUDAGuard.h>
 
 #include <algorithm>
-#include <array>
 #include <atomic>
-#include <mutex>
 #include <cstdlib>
 
 namespace carry_la {
@@ -28,21 +26,14 @@ constexpr int kSumSmem[2] = {49152, 49152 + kGateBytes}, kFusedSmem[2] = {2 * 40
               kSumFullSmem[2] = {65536, 65536 + kGateBytes}, kDqSmem[2] = {2 * 49152 + 32768, 2 * 65536 + 32768 + kGateBytes},
               kDkdvSmem[2] = {2 * 65536 + 32768, 2 * 65536 + 32768 + kGateBytes};
 
-// Once a device: a kernel's attributes belong to the device's context (set once a process, a second GPU's
-// launches failed: "invalid argument").
+// Each kernel's shared memory, asked of the runtime once a device (carry_tiles::allow_smem).
 template <bool G>
-void set_attributes(int device) {
-  static std::array<std::once_flag, 64> once;
-  TORCH_CHECK(device >= 0 && device < (int)once.size(), "linear_attn (fused kernels): CUDA device ", device,
-              " is beyond the ", once.size(), " this build handles");
-  std::call_once(once[device], [] {
-    const auto max = cudaFuncAttributeMaxDynamicSharedMemorySize;
-    C10_CUDA_CHECK(cudaFuncSetAttribute(seg_sum<G>, max, kSumSmem[G]));
-    C10_CUDA_CHECK(cudaFuncSetAttribute(fused<G>, max, kFusedSmem[G]));
-    C10_CUDA_CHECK(cudaFuncSetAttribute(seg_sum_full<G>, max, kSumFullSmem[G]));
-    C10_CUDA_CHECK(cudaFuncSetAttribute(bwd_dq<G>, max, kDqSmem[G]));
-    C10_CUDA_CHECK(cudaFuncSetAttribute(bwd_dkdv<G>, max, kDkdvSmem[G]));
-  });
+void set_attributes() {
+  carry_tiles::allow_smem(seg_sum<G>, kSumSmem[G]);
+  carry_tiles::allow_smem(fused<G>, kFusedSmem[G]);
+  carry_tiles::allow_smem(seg_sum_full<G>, kSumFullSmem[G]);
+  carry_tiles::allow_smem(bwd_dq<G>, kDqSmem[G]);
+  carry_tiles::allow_smem(bwd_dkdv<G>, kDkdvSmem[G]);
 }
 
 bf16* P(const at::Tensor& t) { return reinterpret_cast<bf16*>(t.data_ptr()); }
@@ -66,7 +57,7 @@ std::vector<at::Tensor> launch_fwd(const at::Tensor& q, const at::Tensor& k, con
                                    float scale, int ns, const at::Tensor& gb) {
   const bool G = gb.defined();
   c10::cuda::CUDAGuard guard(q.device());  // the tensors' device, whichever is current (the other launchers' rule)
-  G ? set_attributes<true>(q.get_device()) : set_attributes<false>(q.get_device());
+  G ? set_attributes<true>() : set_attributes<false>();
   const int B = (int)q.size(0), T = (int)q.size(1), H = (int)q.size(2), BH = B * H;
   TORCH_CHECK((T / 64) % ns == 0, "linear_attn (fused kernels): ", ns, " segments do not divide ", T / 64, " chunks");
   auto f32 = q.options().dtype(at::kFloat);
@@ -92,7 +83,7 @@ std::vector<at::Tensor> launch_bwd(const at::Tensor& q, const at::Tensor& k, con
                                    const at::Tensor& gam) {
   const bool G = gb.defined();
   c10::cuda::CUDAGuard guard(q.device());  // the tensors' device, whichever is current (the other launchers' rule)
-  G ? set_attributes<true>(q.get_device()) : set_attributes<false>(q.get_device());
+  G ? set_attributes<true>() : set_attributes<false>();
   const int B = (int)q.size(0), T = (int)q.size(1), H = (int)q.size(2), BH = B * H, ns = (int)Sin.size(0);
   at::Tensor dq = at::empty_like(q), dk = at::empty_like(k), dv = at::empty_like(v);
   at::Tensor dS0 = at::empty({B, H, 128, 128}, dSfin.options()), Dout = at::empty_like(Sin);

@@ -65,7 +65,7 @@ constexpr size_t al128(size_t x) { return (x + 127) & ~size_t(127); }
 
 template <typename K>
 void set_smem(K kernel, size_t bytes) {
-  C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)bytes));
+  carry_tiles::allow_smem(kernel, bytes);
 }
 
 struct Dims {
