@@ -510,13 +510,6 @@ std::shared_ptr<Communicator> make_nccl_communicator(MPI_Comm comm, int device, 
   // NVLink multicast (NVLS) can take a host's GPUs out of service on the machines we run on; keep
   // it off unless the user asks for it explicitly.
   setenv("NCCL_NVLS_ENABLE", "0", /*overwrite=*/0);
-  // Point-to-point messages (the ordered chain's states and state gradients, the halos) on one
-  // channel, unless the user sets NCCL_MAX_P2P_NCHANNELS: a send's kernel holds an SM a channel from
-  // its launch until the peer has posted the receive, and the rank ahead in the chain posts each send
-  // about a layer's walk before the rank behind receives it. The messages are a few MB at most and
-  // the chain waits on them only at its start, so one channel's bandwidth costs nothing; the SMs
-  // given back to the layers do (README, "Two GPUs": 125M Gated DeltaNet, 2 H200s, session 17).
-  setenv("NCCL_MAX_P2P_NCHANNELS", "1", /*overwrite=*/0);
   int devices = 0;
   if (cudaGetDeviceCount(&devices) != cudaSuccess) {
     cudaGetLastError();
