@@ -55,6 +55,19 @@ namespace carry::parallel {
 
 namespace {
 
+// How run() waits for a nonblocking communicator to finish enqueuing: CARRY_NCCL_POLL=yield (the
+// default) or sleep (20 us sleeps from the first poll, as before session 17), for A/B timings. Read once.
+bool poll_by_yield() {
+  static const bool yield = [] {
+    const char* e = std::getenv("CARRY_NCCL_POLL");
+    const std::string v = e ? e : "";
+    TORCH_CHECK(v.empty() || v == "yield" || v == "sleep", "CARRY_NCCL_POLL: expected 'yield' (the default) or 'sleep', got '",
+                v, "'");
+    return v != "sleep";
+  }();
+  return yield;
+}
+
 // NCCL entry points, resolved from the loaded libnccl.
 struct NcclApi {
   decltype(&ncclGetUniqueId) GetUniqueId;
@@ -293,6 +306,12 @@ class NcclCommunicator final : public Communicator {
     waited_ms_ = 0;
     return s;
   }
+  HostCalls take_host_calls() override {
+    std::lock_guard<std::mutex> lock(mutex_);
+    HostCalls h = host_calls_;
+    host_calls_ = {};
+    return h;
+  }
 
   void synchronize() override {
     std::unique_lock<std::mutex> lock(mutex_);
@@ -358,6 +377,7 @@ class NcclCommunicator final : public Communicator {
   template <class Enqueue>
   void run(const std::string& op, const std::vector<int>& peers,
            std::initializer_list<Tensor> buffers, bool caller_waits, Enqueue enqueue) {
+    const auto entered = std::chrono::steady_clock::now();
     {
       std::unique_lock<std::mutex> lock(mutex_);
       if (!failure_.empty()) {  // the failure itself, as the watchdog found it (or an earlier call)
@@ -387,14 +407,19 @@ class NcclCommunicator final : public Communicator {
     auto start = std::chrono::steady_clock::now();
     ncclResult_t r = enqueue(stream);
     if (r != ncclSuccess && r != ncclInProgress) nccl_fail(op, peers, r);
-    // A nonblocking communicator may still be enqueuing (host work, not the GPU's).
+    // A nonblocking communicator may still be enqueuing (host work, not the GPU's: NCCL finishes a
+    // group on a thread of its own). Polled by yielding the core for the first millisecond (a sleep
+    // of 20 us takes about 60 on Linux and comes once or twice a message), then by sleeping.
+    const bool yield = poll_by_yield();
     for (;;) {
       ncclResult_t st = ncclSuccess;
       nccl().CommGetAsyncError(comm_, &st);
       if (st == ncclSuccess) break;
       if (st != ncclInProgress) nccl_fail(op, peers, st);
-      if (elapsed(start) > timeout_s()) time_out(op, peers);
-      std::this_thread::sleep_for(std::chrono::microseconds(20));
+      const double waited = elapsed(start);
+      if (waited > timeout_s()) time_out(op, peers);
+      if (yield && waited < 1e-3) std::this_thread::yield();
+      else std::this_thread::sleep_for(std::chrono::microseconds(20));
     }
     cuda_check(cudaEventRecord(done->get(), stream), "cudaEventRecord on the NCCL stream");
     // What the caller enqueues next (reading received data) comes after the operation.
@@ -403,6 +428,10 @@ class NcclCommunicator final : public Communicator {
       std::lock_guard<std::mutex> lock(mutex_);
       pending_.push_back(Work{std::move(done), timed ? std::move(ready) : nullptr, op, peers,
                               detail::comm_context_lines(), start});
+      if (timing_.load()) {
+        host_calls_.count += 1;
+        host_calls_.seconds += elapsed(entered);
+      }
     }
     wake_.notify_all();
   }
@@ -497,6 +526,7 @@ class NcclCommunicator final : public Communicator {
   std::string failure_;
   double waited_ms_ = 0;  // set_wait_timing's sum, under mutex_
   std::map<std::string, double> waited_by_kind_ms_;  // the same by message_kind, under mutex_
+  HostCalls host_calls_;  // run()'s host time while timing, under mutex_
   std::atomic<bool> timing_{false};
   bool stop_ = false;
   std::thread watchdog_;  // last: started once the rest is constructed

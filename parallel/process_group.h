@@ -113,6 +113,14 @@ class Communicator {
   // The same waits by kind of message (message_kind) since the last call, in seconds.
   // take_waited_seconds() does not clear it, nor it take_waited_seconds().
   virtual std::map<std::string, double> take_waits_by_kind() { return {}; }
+  // The host's side of the same operations, measured when wait timing is on (NCCL): how many were
+  // enqueued since the last call and the host seconds spent enqueuing them (until the backend had
+  // queued its kernels on its stream), which the host does not spend running ahead of the GPU.
+  struct HostCalls {
+    long count = 0;
+    double seconds = 0;
+  };
+  virtual HostCalls take_host_calls() { return {}; }
 };
 
 // The kind of a message for take_waits_by_kind: its innermost CommContext line with digits as '#', a

@@ -64,6 +64,7 @@ class SegmentCommunicator final : public Communicator {
   std::map<std::string, double> take_waits_by_kind() override {
     return sp_ ? sp_->take_waits_by_kind() : std::map<std::string, double>{};
   }
+  HostCalls take_host_calls() override { return sp_ ? sp_->take_host_calls() : HostCalls{}; }
 
  private:
   bool local(int r) const { return r / per_rank_ == sp_rank_; }

@@ -236,6 +236,9 @@ void Trainer::take_comm_waits() {
   groups_->sp->synchronize();
   comm_wait_s_ += groups_->sp->take_waited_seconds();
   for (auto& [kind, s] : groups_->sp->take_waits_by_kind()) waits_by_kind_[kind] += s;
+  const parallel::Communicator::HostCalls h = groups_->sp->take_host_calls();
+  host_calls_ += h.count;
+  host_call_s_ += h.seconds;
   if (gradient_sum_) gradient_wait_s_ += gradient_sum_->take_waited_seconds();
 }
 
@@ -1140,7 +1143,13 @@ int Trainer::run() {
         if (!kinds.empty())
           std::fprintf(stderr, "carry: step %lld, rank %d: the stream's waits on sp messages by kind, share of %.3f s:%s\n",
                        static_cast<long long>(s.step), rank(), window_seconds, text.c_str());
+        if (host_calls_ > 0)
+          std::fprintf(stderr, "carry: step %lld, rank %d: %ld sp messages enqueued, %.2f ms of host time (%.2f%% of %.3f s)\n",
+                       static_cast<long long>(s.step), rank(), host_calls_, 1e3 * host_call_s_,
+                       100 * host_call_s_ / std::max(1e-9, window_seconds), window_seconds);
         waits_by_kind_.clear();
+        host_calls_ = 0;
+        host_call_s_ = 0;
       }
       metrics.record(s.step, wall_clock_s(), fields);
       window_tokens = 0, window_seconds = 0;

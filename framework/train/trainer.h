@@ -183,6 +183,8 @@ class Trainer {
   bool comm_timing_ = false;
   double comm_wait_s_ = 0, gradient_wait_s_ = 0;
   std::map<std::string, double> waits_by_kind_;  // this rank's, by parallel::message_kind, since the last log line
+  long host_calls_ = 0;      // sp messages this rank enqueued since the last log line (take_host_calls)
+  double host_call_s_ = 0;   // and the host seconds it spent enqueuing them
   void take_comm_waits();
   void all_reduce(at::Tensor& t, bool sp_only = false) const;
   void log(const char* fmt, ...) const;
