@@ -405,6 +405,8 @@ class NcclCommunicator final : public Communicator {
       if (t.defined() && t.is_cuda() && t.storage().data_ptr().get() != nullptr)
         c10::cuda::CUDACachingAllocator::recordStream(t.storage().data_ptr(), stream_);
     auto start = std::chrono::steady_clock::now();
+    // One thread at a time in the communicator's calls (see api_mutex_).
+    std::unique_lock<std::mutex> api(api_mutex_);
     ncclResult_t r = enqueue(stream);
     if (r != ncclSuccess && r != ncclInProgress) nccl_fail(op, peers, r);
     // A nonblocking communicator may still be enqueuing (host work, not the GPU's: NCCL finishes a
@@ -421,6 +423,7 @@ class NcclCommunicator final : public Communicator {
       if (yield && waited < 1e-3) std::this_thread::yield();
       else std::this_thread::sleep_for(std::chrono::microseconds(20));
     }
+    api.unlock();
     cuda_check(cudaEventRecord(done->get(), stream), "cudaEventRecord on the NCCL stream");
     // What the caller enqueues next (reading received data) comes after the operation.
     if (caller_waits) cuda_check(cudaStreamWaitEvent(caller, done->get(), 0), "cudaStreamWaitEvent");
@@ -462,8 +465,10 @@ class NcclCommunicator final : public Communicator {
         if (q != cudaErrorNotReady) {
           why = std::string("CUDA error: ") + cudaGetErrorString(q);
         } else {
+          // Skipped while the caller is in a call (it polls the same error; the next round asks).
           ncclResult_t st = ncclSuccess;
-          nccl().CommGetAsyncError(comm_, &st);
+          std::unique_lock<std::mutex> api(api_mutex_, std::try_to_lock);
+          if (api.owns_lock()) nccl().CommGetAsyncError(comm_, &st);
           if (st != ncclSuccess && st != ncclInProgress)
             why = std::string("NCCL error: ") + nccl().GetErrorString(st);
           else if (elapsed(w.start) > timeout_s())
@@ -527,6 +532,12 @@ class NcclCommunicator final : public Communicator {
   double waited_ms_ = 0;  // set_wait_timing's sum, under mutex_
   std::map<std::string, double> waited_by_kind_ms_;  // the same by message_kind, under mutex_
   HostCalls host_calls_;  // run()'s host time while timing, under mutex_
+  // Held by run() while it enqueues and polls, and by the watchdog while it asks for the async error:
+  // ncclCommGetAsyncError of a nonblocking communicator completes (joins and frees) the group job NCCL
+  // left running, and two threads asking at once crashed a run in it (session 17, rank 0's
+  // ncclCommGetAsyncError, SIGSEGV, 125M Gated DeltaNet at sp = 2). ncclCommAbort takes no lock: it is
+  // meant to stop a call in progress from another thread.
+  std::mutex api_mutex_;
   std::atomic<bool> timing_{false};
   bool stop_ = false;
   std::thread watchdog_;  // last: started once the rest is constructed
