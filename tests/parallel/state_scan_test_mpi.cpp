@@ -786,9 +786,13 @@ TEST(Communicator, NcclOnGpus) {
 // The ordered chain's message pattern arrives in order and intact: 12 "layers" of states down the chain
 // (rank r receives from r−1, then sends to r+1) and 12 of gradients back up, on two tags, with a
 // halo-like exchange (a send_recv with both sides) between the layers, every value naming its layer,
-// rank and tag. Run on the CPU (MPI) and, with a GPU a rank, over NCCL.
+// rank and tag. Run on the CPU (MPI) and, with a GPU a rank, over NCCL. With wait timing on, NCCL also
+// counts every operation it enqueued and the host time spent on them (take_host_calls); MPI counts none.
 void check_chain(Communicator& c, at::Device dev) {
   const int r = c.rank(), P = c.size();
+  c.set_wait_timing(true);
+  c.take_host_calls();
+  long enqueued = 0;  // this rank's operations with a peer (a send_recv with both sides is one)
   const int fwd = 10000, bwd = 10001;
   auto opt = at::TensorOptions().dtype(at::kFloat).device(dev);
   auto value = [&](int layer, int rank, int tag) { return at::full({1000}, layer * 100 + rank * 10 + (tag - fwd), opt); };
@@ -802,6 +806,7 @@ void check_chain(Communicator& c, at::Device dev) {
     Tensor halo = at::empty({8}, opt);
     c.send_recv(at::full({8}, r, opt), r + 1 < P ? r + 1 : -1, halo, r > 0 ? r - 1 : -1, 7101);
     if (r > 0) EXPECT_TRUE(at::equal(halo, at::full({8}, r - 1, opt))) << "rank " << r << " halo " << layer;
+    enqueued += (r > 0) + (r + 1 < P) + (P > 1);
   }
   for (int layer = 11; layer >= 0; --layer) {
     if (r + 1 < P) {
@@ -810,8 +815,19 @@ void check_chain(Communicator& c, at::Device dev) {
       EXPECT_TRUE(at::equal(got, value(layer, r + 1, bwd))) << "rank " << r << " layer " << layer << " backward";
     }
     if (r > 0) c.send(value(layer, r, bwd), r - 1, bwd);
+    enqueued += (r + 1 < P) + (r > 0);
   }
   c.synchronize();
+  const Communicator::HostCalls h = c.take_host_calls();
+  c.set_wait_timing(false);
+  if (c.backend() == "nccl") {
+    EXPECT_EQ(h.count, enqueued) << "rank " << r;
+    EXPECT_GT(h.seconds, 0.0) << "rank " << r;
+  } else {
+    EXPECT_EQ(h.count, 0) << "rank " << r;
+  }
+  c.take_waited_seconds();
+  c.take_waits_by_kind();
 }
 
 TEST(Communicator, ChainMessagesArriveInOrder) {
