@@ -44,7 +44,7 @@ inline int sm_count() {
 // `max_carveout`, prefer the SM's whole shared-memory carve-out. The runtime is asked only when a
 // (kernel, device) needs a larger limit than it was given (the limit is the kernel's, on the device's
 // context, and only ever grows here), so a steady training step makes no such call. Measured on an
-// H200 (session 17): the call does not wait for the GPU, but costs 2 to 50 us of host time, and each
+// H200 (session 17): the call does not wait for the GPU, but costs 1 to 54 us of host time, and each
 // launcher made several a layer.
 // Safe from several host threads: the call and the record are made under one lock.
 inline void allow_smem_raw(const void* kernel, size_t bytes, bool max_carveout) {
