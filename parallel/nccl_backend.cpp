@@ -532,11 +532,12 @@ class NcclCommunicator final : public Communicator {
   double waited_ms_ = 0;  // set_wait_timing's sum, under mutex_
   std::map<std::string, double> waited_by_kind_ms_;  // the same by message_kind, under mutex_
   HostCalls host_calls_;  // run()'s host time while timing, under mutex_
-  // Held by run() while it enqueues and polls, and by the watchdog while it asks for the async error:
-  // ncclCommGetAsyncError of a nonblocking communicator completes (joins and frees) the group job NCCL
-  // left running, and two threads asking at once crashed a run in it (session 17, rank 0's
-  // ncclCommGetAsyncError, SIGSEGV, 125M Gated DeltaNet at sp = 2). ncclCommAbort takes no lock: it is
-  // meant to stop a call in progress from another thread.
+  // Held by run() while it enqueues and polls, and by the watchdog while it asks for the async error.
+  // NCCL's calls are generally not thread-safe on one communicator (its documentation: threads should use
+  // communicators of their own), and the watchdog's ncclCommGetAsyncError beside the caller's enqueue
+  // and polls crashed a run inside ncclCommGetAsyncError (session 17: SIGSEGV on rank 0, 125M Gated
+  // DeltaNet at sp = 2, the caller polling without sleeps). ncclCommAbort takes no lock: it is meant
+  // to stop a call in progress from another thread.
   std::mutex api_mutex_;
   std::atomic<bool> timing_{false};
   bool stop_ = false;
