@@ -224,11 +224,30 @@ Trainer::Trainer(const RunConfig& config, std::shared_ptr<parallel::ProcessGroup
     }
   }
   const char* timing = std::getenv("CARRY_COMM_TIMING");
-  comm_timing_ = timing && std::string(timing) == "1" && groups_;
+  phase_timing_ = timing && std::string(timing) == "1";
+  comm_timing_ = phase_timing_ && groups_;
   if (comm_timing_) {
     groups_->sp->set_wait_timing(true);
     if (gradient_sum_) gradient_sum_->set_timing(true);
   }
+}
+
+void Trainer::phase_mark(const char* phase_ending_here) {
+  if (!phase_timing_) return;
+  TimingMark m = timing_mark(device_.is_cuda());
+  if (phase_last_) phase_spans_.push_back(PhaseSpan{phase_ending_here, *phase_last_, m});
+  phase_last_ = m;
+}
+
+std::vector<std::pair<std::string, double>> Trainer::take_phase_seconds() {
+  std::vector<std::pair<std::string, double>> out;
+  for (const PhaseSpan& s : phase_spans_) {
+    auto it = std::find_if(out.begin(), out.end(), [&](const auto& p) { return p.first == s.phase; });
+    if (it == out.end()) it = out.insert(out.end(), {s.phase, 0.0});
+    it->second += timing_mark_ms(s.from, s.to) / 1e3;
+  }
+  phase_spans_.clear();
+  return out;
 }
 
 void Trainer::take_comm_waits() {
@@ -515,6 +534,7 @@ at::Tensor Trainer::segmented_forward_backward(const std::vector<Batch>& micro, 
     }
     // One segment and one micro-batch: the gradients' sum goes in buckets while the backward runs.
     const bool overlap = gradient_sum_ && micro.size() == 1;
+    phase_mark("forward");
     for (int j = k - 1; j >= 0; --j) {  // the state gradients flow right to left
       segments_->set_segment(j);
       if (overlap) gradient_sum_->begin();
@@ -527,6 +547,7 @@ at::Tensor Trainer::segmented_forward_backward(const std::vector<Batch>& micro, 
       }
       for (auto& [name, p] : params) p.mutable_grad() = at::Tensor();
     }
+    phase_mark("backward");
   }
   auto* sp = segments_->sp();
   if (!gradients.defined()) gradients = parallel::tree_sum(grads, sp);
@@ -538,6 +559,7 @@ at::Tensor Trainer::segmented_forward_backward(const std::vector<Batch>& micro, 
 
 StepStats Trainer::train_step() {
   const double t0 = now_s();
+  phase_mark("between steps");
   SyncAudit audit;
   const auto& data = config_.data();
   for (auto& [name, p] : model_.parameters()) p.mutable_grad() = at::Tensor();
@@ -574,7 +596,9 @@ StepStats Trainer::train_step() {
     // every rank decides the same.
     sums = at::stack({ce.loss.detach().to(at::kDouble), w.sum().to(at::kDouble), stop_flag(w.options())});
     all_reduce(sums);
+    phase_mark("forward");
     (ce.loss / sums[1].to(ce.loss.scalar_type())).backward();
+    phase_mark("backward");
   } else {
     // Gradient accumulation: the micro-batches' masks give the global token count first (one small
     // all-reduce), then each micro-batch back-propagates its share Σ ce·mask / count, so the summed
@@ -592,7 +616,9 @@ StepStats Trainer::train_step() {
       }
       auto part = ce.loss.detach().to(at::kDouble);
       local_sum = local_sum.defined() ? local_sum + part : part;
+      phase_mark("forward");
       (ce.loss / masked[0].to(ce.loss.scalar_type())).backward();
+      phase_mark("backward");
     }
     auto local = at::stack({local_sum, stop_flag(local_sum.options())});
     all_reduce(local);
@@ -610,6 +636,7 @@ StepStats Trainer::train_step() {
   if (gradients.defined()) set_gradients(params, gradients);
   auto norm = clip_grad_norm_on_device(params, config_.optimizer().grad_clip());
   if (!norm.defined()) norm = at::zeros({}, sums.options());
+  phase_mark("gradient sum and clip");
   // The next step's batches, made on the host while the GPU still runs this step's backward. A batch
   // that cannot be made (a token id past the vocabulary) is left for the next step to report, after this
   // step's update, as without the prefetch.
@@ -632,6 +659,7 @@ StepStats Trainer::train_step() {
               " (loss ", number_text(loss_sum / count), "); the parameters were not updated. ", divergence_hint());
   const double lr = learning_rate(config_.optimizer(), step_);
   optimizer_->step(lr);
+  phase_mark("update");
   ++step_;
   const int64_t tokens = static_cast<int64_t>(dp_) * accum * data.batch_size() * data.seq_len();
   tokens_seen_ += tokens;
@@ -1071,7 +1099,7 @@ int Trainer::run() {
   const bool show_mfu = device_.is_cuda();
   const double peak = kAssumedGpuPeakFlopsPerRank * dp_ * sp_;
   const double flops_per_token = 6.0 * static_cast<double>(model_.num_parameters());
-  int64_t window_tokens = 0;
+  int64_t window_tokens = 0, window_steps = 0;
   double window_seconds = 0;
   StopSignals signals;
   const double started = now_s();
@@ -1088,7 +1116,7 @@ int Trainer::run() {
     // past max_minutes raises its stop flag, which the next step's loss sum carries to all ranks.
     const bool step_limit = options_.max_steps > 0 && steps_here >= options_.max_steps;
     if (options_.max_minutes > 0 && now_s() - started > 60 * options_.max_minutes) time_is_up_ = true;
-    window_tokens += s.tokens, window_seconds += s.seconds;
+    window_tokens += s.tokens, window_seconds += s.seconds, ++window_steps;
     if (s.step % log_every == 0 || s.step == total || s.step == 1) {
       const double tps = window_seconds > 0 ? window_tokens / window_seconds : 0;
       const double mfu = flops_per_token * tps / peak;
@@ -1151,8 +1179,20 @@ int Trainer::run() {
         host_calls_ = 0;
         host_call_s_ = 0;
       }
+      if (phase_timing_) {  // this rank's phases over the window (the first window has no "between steps")
+        std::string text;
+        for (auto& [phase, sec] : take_phase_seconds()) {
+          char part[96];
+          std::snprintf(part, sizeof part, "%s%s %.2f", text.empty() ? "" : ", ", phase.c_str(),
+                        1e3 * sec / static_cast<double>(window_steps));
+          text += part;
+        }
+        std::fprintf(stderr, "carry: step %lld, rank %d: the steps' phases on the %s, ms a step over %lld steps: %s\n",
+                     static_cast<long long>(s.step), rank(), device_.is_cuda() ? "GPU" : "CPU",
+                     static_cast<long long>(window_steps), text.c_str());
+      }
       metrics.record(s.step, wall_clock_s(), fields);
-      window_tokens = 0, window_seconds = 0;
+      window_tokens = 0, window_seconds = 0, window_steps = 0;
     }
     if (options_.on_step) options_.on_step(s);
     // The evaluation of this step comes before a stop: an invocation cut by --max-steps, --max-minutes or

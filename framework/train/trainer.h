@@ -28,6 +28,7 @@
 #include "framework/config/config.h"
 #include "framework/train/model.h"
 #include "framework/train/optimizer.h"
+#include "layers/common/device.h"
 #include "parallel/gradient_sum.h"
 #include "parallel/process_group.h"
 #include "parallel/segments.h"
@@ -133,6 +134,13 @@ class Trainer {
 
   int64_t step() const { return step_; }
   int64_t tokens_seen() const { return tokens_seen_; }
+  // With CARRY_COMM_TIMING=1: the time of each phase of the steps since the last call, in seconds,
+  // in the order the phases came: "forward", "backward", "gradient sum and clip" (the gradients' sums
+  // over ranks and segments, the loss sums, the clipping), "update" (the step's host read and the
+  // optimizer) and "between steps" (from one step's end to the next one's start). Measured on the
+  // device's stream (CUDA events at train_step's phase boundaries, read here, which waits for them) or
+  // by the host clock on the CPU. Empty when the timing is off.
+  std::vector<std::pair<std::string, double>> take_phase_seconds();
   const Model& model() const { return model_; }
   const AdamW& optimizer() const { return *optimizer_; }
   const RunConfig& config() const { return config_; }
@@ -183,6 +191,14 @@ class Trainer {
   bool comm_timing_ = false;
   double comm_wait_s_ = 0, gradient_wait_s_ = 0;
   std::map<std::string, double> waits_by_kind_;  // this rank's, by parallel::message_kind, since the last log line
+  bool phase_timing_ = false;  // CARRY_COMM_TIMING=1, on any layout (take_phase_seconds)
+  struct PhaseSpan {
+    std::string phase;
+    TimingMark from, to;
+  };
+  std::vector<PhaseSpan> phase_spans_;  // since the last take_phase_seconds, read there
+  std::optional<TimingMark> phase_last_;  // the latest mark
+  void phase_mark(const char* phase_ending_here);
   long host_calls_ = 0;      // sp messages this rank enqueued since the last log line (take_host_calls)
   double host_call_s_ = 0;   // and the host seconds it spent enqueuing them
   void take_comm_waits();

@@ -107,6 +107,21 @@ void record_on_current_stream(const at::Tensor& t) {
                                                 c10::cuda::getCurrentCUDAStream(t.get_device()));
 }
 
+std::shared_ptr<void> record_event() {
+  cudaEvent_t e = nullptr;
+  C10_CUDA_CHECK(cudaEventCreate(&e));
+  std::shared_ptr<void> owned(e, [](void* p) { cudaEventDestroy(static_cast<cudaEvent_t>(p)); });
+  C10_CUDA_CHECK(cudaEventRecord(e, c10::cuda::getCurrentCUDAStream().stream()));
+  return owned;
+}
+
+double event_elapsed_ms(void* a, void* b) {
+  C10_CUDA_CHECK(cudaEventSynchronize(static_cast<cudaEvent_t>(b)));
+  float ms = 0.f;
+  C10_CUDA_CHECK(cudaEventElapsedTime(&ms, static_cast<cudaEvent_t>(a), static_cast<cudaEvent_t>(b)));
+  return ms;
+}
+
 void reset_peak_allocated(int index) {
   c10::cuda::CUDACachingAllocator::resetPeakStats(static_cast<c10::DeviceIndex>(index));
 }

@@ -4,6 +4,8 @@
 
 #include <ATen/core/Tensor.h>
 
+#include <memory>
+
 namespace carry::cuda {
 // Number of CUDA devices this process can use; 0 when the driver or a device is missing.
 int device_count();
@@ -28,4 +30,8 @@ void side_stream_run(int device, int slot, void (*call)(void*), void* ctx);
 void side_stream_join(int device, int slot);
 // The caching allocator's recordStream of t's memory on the current stream of t's device.
 void record_on_current_stream(const at::Tensor& t);
+// A timing event recorded on the current device's current stream (a cudaEvent_t, destroyed with the
+// last copy of the pointer), and the milliseconds between two, waiting for the later one.
+std::shared_ptr<void> record_event();
+double event_elapsed_ms(void* a, void* b);
 }  // namespace carry::cuda

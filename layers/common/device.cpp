@@ -1,6 +1,10 @@
 // Device discovery behind the CUDA build option (see device.h).
 #include "layers/common/device.h"
 
+#include <c10/util/Exception.h>
+
+#include <chrono>
+
 #ifdef CARRY_WITH_CUDA
 #include "layers/common/cuda_device.cuh"
 #endif
@@ -62,5 +66,25 @@ std::vector<double> cuda_event_times_ms(const std::function<void()>& f, int reps
   (void)reps;
   return {};
 #endif
+}
+TimingMark timing_mark(bool on_cuda) {
+  TimingMark m;
+#ifdef CARRY_WITH_CUDA
+  if (on_cuda) {
+    m.event = cuda::record_event();
+    return m;
+  }
+#else
+  TORCH_CHECK(!on_cuda, "timing_mark: a CUDA mark in a build without CUDA");
+#endif
+  m.host_s = std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
+  return m;
+}
+double timing_mark_ms(const TimingMark& a, const TimingMark& b) {
+  TORCH_CHECK(bool(a.event) == bool(b.event), "timing_mark_ms: a CUDA mark and a host mark");
+#ifdef CARRY_WITH_CUDA
+  if (a.event) return cuda::event_elapsed_ms(a.event.get(), b.event.get());
+#endif
+  return 1e3 * (b.host_s - a.host_s);
 }
 }  // namespace carry

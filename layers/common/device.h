@@ -4,6 +4,7 @@
 
 #include <cstdint>
 #include <functional>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -25,4 +26,13 @@ void cuda_synchronize();
 // takes them: the L2 cache flushed before each call, CUDA events around it on the current stream, no
 // host wait between calls. Empty without CUDA.
 std::vector<double> cuda_event_times_ms(const std::function<void()>& f, int reps);
+// A point on a timeline: a CUDA event recorded on the current device's current stream when `on_cuda`
+// (the GPU reaches it once the work queued before it is done), else the host clock. timing_mark_ms
+// gives the milliseconds from `a` to `b`, waiting until the GPU has reached `b`.
+struct TimingMark {
+  std::shared_ptr<void> event;  // a cudaEvent_t, destroyed with the last copy
+  double host_s = 0;
+};
+TimingMark timing_mark(bool on_cuda);
+double timing_mark_ms(const TimingMark& a, const TimingMark& b);
 }  // namespace carry

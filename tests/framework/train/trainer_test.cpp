@@ -253,6 +253,52 @@ TEST(GpuTrainer, Fp32Bf16AndRecomputeOnCuda) {
 // fp32 and bf16 steps on CUDA, with gradient accumulation too, run through. The switch is read once a
 // process, so this test runs only when the caller set it (skipped otherwise, and without a GPU):
 //   CARRY_SYNC_DEBUG=error bin/carry_tests --gtest_filter='GpuTrainer.StepsRunWithoutHiddenSyncs'
+// CARRY_COMM_TIMING=1 times the steps' phases: on a CPU by the host clock, so the four phases inside a
+// step cover nearly all of train_step's time (on a GPU by CUDA events); every phase takes time; a second take starts from zero;
+// without the switch nothing is timed. Three steps of each path: one batch, accumulated micro-batches,
+// ordered segments.
+void check_phase_times(bool on_cuda) {
+  auto o = quiet();
+  o.force_cpu = !on_cuda;
+  for (auto extra : std::vector<std::vector<std::string>>{{}, {"optimizer.grad_accum_steps=2"}, {"parallel.segments=2"}}) {
+    std::string what;
+    for (auto& e : extra) what += e + " ";
+    setenv("CARRY_COMM_TIMING", "1", 1);
+    Trainer t(tiny_config(extra), nullptr, o);
+    unsetenv("CARRY_COMM_TIMING");
+    double stepped = 0;
+    for (int i = 0; i < 3; ++i) stepped += t.train_step().seconds;
+    const auto phases = t.take_phase_seconds();
+    std::vector<std::string> names;
+    double inside = 0;
+    for (auto& [phase, sec] : phases) {
+      names.push_back(phase);
+      EXPECT_GT(sec, 0.0) << what << phase;
+      if (phase != "between steps") inside += sec;
+    }
+    EXPECT_EQ(names, (std::vector<std::string>{"forward", "backward", "gradient sum and clip", "update", "between steps"}))
+        << what;
+    if (!on_cuda) {  // on a GPU the last step's update runs after train_step has returned
+      EXPECT_LE(inside, stepped) << what;
+      EXPECT_GE(inside, 0.8 * stepped) << what;
+    }
+    t.train_step();
+    const auto again = t.take_phase_seconds();
+    EXPECT_EQ(again.size(), 5u) << what << ": one step, its five phases";
+  }
+  Trainer off(tiny_config(), nullptr, o);
+  off.train_step();
+  off.train_step();
+  EXPECT_TRUE(off.take_phase_seconds().empty());
+}
+
+TEST(Trainer, PhaseTimesCoverTheStep) { check_phase_times(false); }
+
+TEST(GpuTrainer, PhaseTimesCoverTheStep) {
+  if (cuda_device_count() == 0) GTEST_SKIP() << "no CUDA device";
+  check_phase_times(true);
+}
+
 TEST(GpuTrainer, StepsRunWithoutHiddenSyncs) {
   if (cuda_device_count() == 0) GTEST_SKIP() << "no CUDA device";
   const char* v = std::getenv("CARRY_SYNC_DEBUG");
