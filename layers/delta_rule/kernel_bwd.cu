@@ -43,10 +43,6 @@ constexpr size_t al128(size_t x) { return (x + 127) & ~size_t(127); }
 // SM) and ran 3% faster on an H200 (H=4, dk=128, dv=256, T=32768: 1084 vs 1114 µs).
 constexpr int kBwdStateStages = 3;
 
-template <typename K>
-void set_smem(K kernel, size_t bytes) {
-  carry_tiles::allow_smem(kernel, bytes);
-}
 
 // ---------------------------------------------------------------------------------------------
 // 1. intra-chunk dV_new
@@ -1234,7 +1230,7 @@ template <int DK, int DV>
 void dv_local_reg(const BwdArgs& a, cudaStream_t st, int c0, int c1, bool scaled_q) {
   auto kern = bwd_dv_local_reg_kernel<DK, DV>;
   constexpr size_t sm = DvRegSmem<DK>::bytes;
-  set_smem(kern, sm);
+  carry_tiles::allow_smem(kern, sm);
   auto P = [](const at::Tensor& t) { return reinterpret_cast<const bf16*>(t.data_ptr()); };
   kern<<<dim3(c1 - c0, a.d.H, a.d.B), 256, sm, st>>>(P(a.q), P(a.k), a.Gc.data_ptr<float>(), P(a.dO),
                                                       a.dVl.data_ptr<float>(),
@@ -1287,14 +1283,14 @@ bool bwd_pieces(BwdArgs& a, bool own_dv = false) {
     tmG = wg::map_g(a.Gc.data_ptr<float>(), rows);
     tmH = wg::map_store(P(a.dHs), (long)d.B * d.H * d.N * DK, DV, DK);
     tmV = wg::map_store(P(a.dVn), rows, DV, wg::kC);
-    set_smem(wkern, ssm);
+    carry_tiles::allow_smem(wkern, ssm);
   } else {
-    set_smem(bwd_state_mma_kernel<DK, DV, BV, NW, kBwdStateStages>, ssm);
+    carry_tiles::allow_smem(bwd_state_mma_kernel<DK, DV, BV, NW, kBwdStateStages>, ssm);
   }
   auto ckern = bwd_chunk_reg_kernel<DK, DV>;
   constexpr size_t csm = ChunkRegSmem<DK, 64>::bytes;
   static_assert(csm <= kMaxSmem, "bf16 chunk kernel must fit");
-  set_smem(ckern, csm);
+  carry_tiles::allow_smem(ckern, csm);
   at::cuda::CUDAStream wst = stream;  // the walk's stream
   auto walk = [&](int c0, int c1, const float* from, float* to) {
     if constexpr (WG) {
@@ -1409,7 +1405,7 @@ bool bwd_impl(BwdArgs& a) {
   } else {
     auto kern = bwd_dv_local_kernel<T, DK, DV>;
     size_t sm = DvSmem<T, DK>::bytes;
-    set_smem(kern, sm);
+    carry_tiles::allow_smem(kern, sm);
     kern<<<dim3(d.N, d.H, d.B), 256, sm, stream>>>(P(a.q), P(a.k), a.Gc.data_ptr<float>(), P(a.dO),
                                                     a.dVl.data_ptr<float>(), a.scale, d.T, d.H);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
@@ -1420,7 +1416,7 @@ bool bwd_impl(BwdArgs& a) {
       constexpr int NBUF = sizeof(T) == 2 ? 2 : 1;
       auto kern = bwd_state_kernel<T, DK, DV, BV, NBUF, NW>;
       size_t sm = BwdStateSmem<T, DK, BV, NBUF>::bytes;
-      set_smem(kern, sm);
+      carry_tiles::allow_smem(kern, sm);
       kern<<<dim3(DV / BV, d.H, d.B), NW * 32, sm, stream>>>(P(a.q), P(a.k), P(a.W), a.Gc.data_ptr<float>(), P(a.dO),
                                                             a.dVl.data_ptr<float>(), a.dSfin, P(a.dHs), P(a.dVn),
                                                             a.dS0.data_ptr<float>(), a.scale, d.T, d.H);
@@ -1434,7 +1430,7 @@ bool bwd_impl(BwdArgs& a) {
       if constexpr (std::is_same<T, bf16>::value && ((DK / 16) * (BV / 16)) % NW == 0) {
         auto kern = bwd_state_mma_kernel<DK, DV, BV, NW, kBwdStateStages>;
         size_t sm = BwdStateMmaSmem<DK, BV, kBwdStateStages>::bytes;
-        set_smem(kern, sm);
+        carry_tiles::allow_smem(kern, sm);
         kern<<<dim3(DV / BV, d.H, d.B), NW * 32, sm, stream>>>(P(a.q), P(a.k), P(a.W), a.Gc.data_ptr<float>(),
                                                               P(a.dO), a.dVl.data_ptr<float>(), a.dSfin, P(a.dHs),
                                                               P(a.dVn), a.dS0.data_ptr<float>(), a.scale, d.T, d.H,
@@ -1462,7 +1458,7 @@ bool bwd_impl(BwdArgs& a) {
     auto kern = bwd_chunk_reg_kernel<DK, DV>;
     constexpr size_t sm = ChunkRegSmem<DK, 64>::bytes;
     static_assert(sm <= kMaxSmem, "bf16 chunk kernel must fit");
-    set_smem(kern, sm);
+    carry_tiles::allow_smem(kern, sm);
     kern<<<dim3(d.N, d.H, d.B), 512, sm, stream>>>(
         P(a.q), P(a.k), P(a.v), a.Gc.data_ptr<float>(), a.beta.data_ptr<float>(), P(a.Tm), P(a.Hs),
         P(a.dHs), P(a.Vn), P(a.dVn), P(a.dO), P(a.dq), P(a.dk), P(a.dv),
@@ -1474,7 +1470,7 @@ bool bwd_impl(BwdArgs& a) {
     if constexpr (ChunkSmem<T, DK, BVt>::bytes <= kMaxSmem) {
       auto kern = bwd_chunk_kernel<T, DK, DV, BVt, NWC>;
       size_t sm = ChunkSmem<T, DK, BVt>::bytes;
-      set_smem(kern, sm);
+      carry_tiles::allow_smem(kern, sm);
       kern<<<dim3(d.N, d.H, d.B), NWC * 32, sm, stream>>>(
           P(a.q), P(a.k), P(a.v), a.Gc.data_ptr<float>(), a.beta.data_ptr<float>(), P(a.Tm), P(a.Hs),
           P(a.dHs), P(a.Vn), P(a.dVn), P(a.dO), P(a.dq), P(a.dk), P(a.dv),

@@ -920,16 +920,6 @@ OutKernel<DK, DV> out_kernel(const Dims& d) {
   return {fwd_o_reg_kernel<DK, DV, 2>, OutRegSmem<DK, 2>::bytes};
 }
 
-template <typename K>
-void set_smem(K kernel, size_t bytes) {
-  carry_tiles::allow_smem(kernel, bytes);
-}
-// The same, asking for the SM's whole shared-memory carve-out, where the blocks an SM depend on it
-// (prep_reg_kernel: three blocks of 73 KB).
-template <typename K>
-void set_smem_max(K kernel, size_t bytes) {
-  carry_tiles::allow_smem(kernel, bytes, true);
-}
 
 // bf16: the chunk preparation, the state walk (fwd_state_mma_kernel, BV = 16 and 4 warps, or 32 and 8
 // where wide_state_tiles says so) and the output
@@ -951,8 +941,8 @@ void fwd_pieces(const Dims& d, const bf16* kp, const bf16* vp, const float* g, c
   const size_t osm = ok.smem;
   auto pkern = prep_reg_kernel<DK, DV>;
   constexpr size_t psm = PrepRegSmem<DK>::bytes;
-  set_smem(okern, osm);
-  set_smem_max(pkern, psm);
+  carry_tiles::allow_smem(okern, osm);
+  carry_tiles::allow_smem(pkern, psm, /*max_carveout=*/true);  // three blocks of 73 KB an SM need the carve-out
   const int nwg = WG ? walk_warpgroups(d, false) : 1;  // warpgroups (32-column tiles) a walk block
   const Pieces pc = plan_pieces(d, (DV / (BV * nwg)) * d.H * d.B);
   // one walk: its own size; pieces: also more than an SM has left beside an output or a prep block
@@ -977,9 +967,9 @@ void fwd_pieces(const Dims& d, const bf16* kp, const bf16* vp, const float* g, c
     tmG = wg::map_g(Gc.data_ptr<float>(), rows);
     tmH = wg::map_store(Hp, (long)d.B * d.H * d.N * DK, DV, DK);
     tmV = wg::map_store(Vnp, rows, DV, wg::kC);
-    set_smem(wkern, ssm);
+    carry_tiles::allow_smem(wkern, ssm);
   } else {
-    set_smem(fwd_state_mma_kernel<DK, DV, BV, NW, kStateStages>, ssm);
+    carry_tiles::allow_smem(fwd_state_mma_kernel<DK, DV, BV, NW, kStateStages>, ssm);
   }
   auto prep = [&](cudaStream_t st, int c0, int c1) {
     pkern<<<dim3(c1 - c0, d.H, d.B), 256, psm, st>>>(kp, vp, g, beta, Gc.data_ptr<float>(),
@@ -1069,13 +1059,13 @@ void fwd_impl(const Dims& d, const at::Tensor& q, const at::Tensor& k, const at:
                                          on_final_state);
       auto kern = prep_reg_kernel<DK, DV>;
       constexpr size_t sm = PrepRegSmem<DK>::bytes;
-      set_smem_max(kern, sm);
+      carry_tiles::allow_smem(kern, sm, /*max_carveout=*/true);  // its blocks an SM depend on the carve-out
       kern<<<gc, 256, sm, stream>>>(kp, vp, g, beta, Gc.data_ptr<float>(), reinterpret_cast<T*>(Tm.data_ptr()), Wp, Up,
                                     d.T, d.H, 0);
     } else {
       auto kern = prep_kernel<T, DK, DV>;
       size_t sm = PrepSmem<T, DK>::bytes;
-      set_smem(kern, sm);
+      carry_tiles::allow_smem(kern, sm);
       kern<<<gc, 256, sm, stream>>>(kp, vp, g, beta, Gc.data_ptr<float>(), reinterpret_cast<T*>(Tm.data_ptr()), Wp, Up,
                                     d.T, d.H);
     }
@@ -1087,7 +1077,7 @@ void fwd_impl(const Dims& d, const at::Tensor& q, const at::Tensor& k, const at:
       constexpr int NBUF = sizeof(T) == 2 ? 2 : 1;
       auto kern = fwd_state_kernel<T, DK, DV, BV, NBUF, NW>;
       size_t sm = StateSmem<T, DK, BV, NBUF>::bytes;
-      set_smem(kern, sm);
+      carry_tiles::allow_smem(kern, sm);
       kern<<<dim3(DV / BV, d.H, d.B), NW * 32, sm, stream>>>(kp, Wp, Up, Gc.data_ptr<float>(), S0, Hp, Vnp,
                                                             Sfin.data_ptr<float>(), d.T, d.H);
     };
@@ -1100,7 +1090,7 @@ void fwd_impl(const Dims& d, const at::Tensor& q, const at::Tensor& k, const at:
       if constexpr (std::is_same<T, bf16>::value && ((DK / 16) * (BV / 16)) % NW == 0) {
         auto kern = fwd_state_mma_kernel<DK, DV, BV, NW, kStateStages>;
         size_t sm = StateMmaSmem<DK, BV, kStateStages>::bytes;
-        set_smem(kern, sm);
+        carry_tiles::allow_smem(kern, sm);
         kern<<<dim3(DV / BV, d.H, d.B), NW * 32, sm, stream>>>(kp, Wp, Up, Gc.data_ptr<float>(), S0, Hp, Vnp,
                                                               Sfin.data_ptr<float>(), d.T, d.H, 0, d.N);
       } else {
@@ -1121,13 +1111,13 @@ void fwd_impl(const Dims& d, const at::Tensor& q, const at::Tensor& k, const at:
   if (on_final_state) on_final_state(Sfin);  // before the output kernel: a send runs beside it
   if constexpr (std::is_same<T, bf16>::value) {
     const OutKernel<DK, DV> ok = out_kernel<DK, DV>(d);
-    set_smem(ok.kern, ok.smem);
+    carry_tiles::allow_smem(ok.kern, ok.smem);
     ok.kern<<<gc, 256, ok.smem, stream>>>(qp, kp, Gc.data_ptr<float>(), Hp, Vnp, Op, scale, d.T, d.H, 0);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   } else {
     auto kern = fwd_o_kernel<T, DK, DV>;
     size_t sm = OutSmem<T, DK>::bytes;
-    set_smem(kern, sm);
+    carry_tiles::allow_smem(kern, sm);
     kern<<<gc, 256, sm, stream>>>(qp, kp, Gc.data_ptr<float>(), Hp, Vnp, Op, scale, d.T, d.H);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   }

@@ -532,7 +532,7 @@ void bwd_impl(const Dims& d, const at::Tensor& q, const at::Tensor& k, const at:
     {
       auto kern = bwd_dq_bf16_kernel<DK, DV>;
       const size_t sm = DqSmem<DK, DV>::bytes;
-      set_smem(kern, sm);
+      carry_tiles::allow_smem(kern, sm);
       kern<<<grid, 128, sm, stream>>>(p(q), p(k), p(v), p(o), lse.data_ptr<float>(), p(d_o), w(dq),
                                       D.data_ptr<float>(), scale_log2, scale, d.T, d.H, d.window);
       C10_CUDA_KERNEL_LAUNCH_CHECK();
@@ -540,7 +540,7 @@ void bwd_impl(const Dims& d, const at::Tensor& q, const at::Tensor& k, const at:
     {
       auto kern = bwd_dkv_bf16_kernel<DK, DV>;
       const size_t sm = DkvSmem<DK, DV>::bytes;
-      set_smem(kern, sm);
+      carry_tiles::allow_smem(kern, sm);
       kern<<<grid, 128, sm, stream>>>(p(q), p(k), p(v), lse.data_ptr<float>(), D.data_ptr<float>(), p(d_o), w(dk),
                                       w(dv), scale_log2, scale, d.T, d.H, d.window);
       C10_CUDA_KERNEL_LAUNCH_CHECK();
@@ -549,7 +549,7 @@ void bwd_impl(const Dims& d, const at::Tensor& q, const at::Tensor& k, const at:
     {
       auto kern = bwd_dq_f32_kernel<DK, DV>;
       const size_t sm = DqF32Smem<DK, DV>::bytes;
-      set_smem(kern, sm);
+      carry_tiles::allow_smem(kern, sm);
       kern<<<grid, 256, sm, stream>>>(q.data_ptr<float>(), k.data_ptr<float>(), v.data_ptr<float>(),
                                       o.data_ptr<float>(), lse.data_ptr<float>(), d_o.data_ptr<float>(),
                                       dq.data_ptr<float>(), D.data_ptr<float>(), scale_log2, scale, d.T, d.H,
@@ -559,7 +559,7 @@ void bwd_impl(const Dims& d, const at::Tensor& q, const at::Tensor& k, const at:
     {
       auto kern = bwd_dkv_f32_kernel<DK, DV>;
       const size_t sm = DkvF32Smem<DK, DV>::bytes;
-      set_smem(kern, sm);
+      carry_tiles::allow_smem(kern, sm);
       kern<<<dim3(2 * d.N, d.H, d.B), 256, sm, stream>>>(q.data_ptr<float>(), k.data_ptr<float>(),
                                                           v.data_ptr<float>(), lse.data_ptr<float>(),
                                                           D.data_ptr<float>(), d_o.data_ptr<float>(),

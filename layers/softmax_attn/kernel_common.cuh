@@ -63,10 +63,6 @@ inline at::Tensor alloc(at::IntArrayRef sizes, const at::TensorOptions& opt) {
 
 constexpr size_t al128(size_t x) { return (x + 127) & ~size_t(127); }
 
-template <typename K>
-void set_smem(K kernel, size_t bytes) {
-  carry_tiles::allow_smem(kernel, bytes);
-}
 
 struct Dims {
   int B, T, H, DK, DV, N;

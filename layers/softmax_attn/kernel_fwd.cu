@@ -289,7 +289,7 @@ void fwd_impl(const Dims& d, const at::Tensor& q, const at::Tensor& k, const at:
   if (q.scalar_type() == at::kBFloat16) {
     auto kern = fwd_bf16_kernel<DK, DV>;
     const size_t sm = FwdSmem<DK, DV>::bytes;
-    set_smem(kern, sm);
+    carry_tiles::allow_smem(kern, sm);
     kern<<<grid, 128, sm, stream>>>(reinterpret_cast<const bf16*>(q.data_ptr()),
                                     reinterpret_cast<const bf16*>(k.data_ptr()),
                                     reinterpret_cast<const bf16*>(v.data_ptr()), reinterpret_cast<bf16*>(o.data_ptr()),
@@ -297,7 +297,7 @@ void fwd_impl(const Dims& d, const at::Tensor& q, const at::Tensor& k, const at:
   } else {
     auto kern = fwd_f32_kernel<DK, DV>;
     const size_t sm = FwdF32Smem<DK, DV>::bytes;
-    set_smem(kern, sm);
+    carry_tiles::allow_smem(kern, sm);
     kern<<<grid, 256, sm, stream>>>(q.data_ptr<float>(), k.data_ptr<float>(), v.data_ptr<float>(),
                                     o.data_ptr<float>(), lse.data_ptr<float>(), scale_log2, d.T, d.H, d.window);
   }
