@@ -152,6 +152,9 @@ Trainer::Trainer(const RunConfig& config, std::shared_ptr<parallel::ProcessGroup
     // One GPU per rank: the communicators were made for device local_rank (Backend::nccl).
     int local = groups_ ? groups_->world_info.local_rank : 0;
     device_ = at::Device(at::kCUDA, static_cast<c10::DeviceIndex>(local % cuda_device_count()));
+    // And the main thread's current device, which everything that names none uses (rank 1 was
+    // recording its phase marks on device 0's stream).
+    cuda_make_current(device_.index());
   }
   bf16_ = config_.precision() == RunConfig::BF16;
   TORCH_CHECK(!bf16_ || options_.dtype == at::kFloat, "trainer: precision BF16 keeps fp32 master weights; "
@@ -234,7 +237,7 @@ Trainer::Trainer(const RunConfig& config, std::shared_ptr<parallel::ProcessGroup
 
 void Trainer::phase_mark(const char* phase_ending_here) {
   if (!phase_timing_) return;
-  TimingMark m = timing_mark(device_.is_cuda());
+  TimingMark m = timing_mark(device_.is_cuda() ? device_.index() : -1);
   if (phase_last_) phase_spans_.push_back(PhaseSpan{phase_ending_here, *phase_last_, m});
   phase_last_ = m;
 }

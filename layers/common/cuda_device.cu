@@ -54,6 +54,8 @@ void allocator_counts(int index, long long* mallocs, long long* retries) {
 
 void synchronize() { cudaDeviceSynchronize(); }
 
+void make_current(int index) { c10::cuda::set_device(static_cast<c10::DeviceIndex>(index)); }
+
 void event_times_ms(void (*call)(void*), void* ctx, int reps, double* ms) {
   constexpr size_t kFlush = 256u << 20;  // larger than any Hopper L2 (50 MB on H100 and H200), as do_bench
   static void* flush = nullptr;  // outside the caching allocator: it does not enter its peak figures
@@ -107,11 +109,12 @@ void record_on_current_stream(const at::Tensor& t) {
                                                 c10::cuda::getCurrentCUDAStream(t.get_device()));
 }
 
-std::shared_ptr<void> record_event() {
+std::shared_ptr<void> record_event(int device) {
+  c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device));  // the event belongs to that device
   cudaEvent_t e = nullptr;
   C10_CUDA_CHECK(cudaEventCreate(&e));
   std::shared_ptr<void> owned(e, [](void* p) { cudaEventDestroy(static_cast<cudaEvent_t>(p)); });
-  C10_CUDA_CHECK(cudaEventRecord(e, c10::cuda::getCurrentCUDAStream().stream()));
+  C10_CUDA_CHECK(cudaEventRecord(e, c10::cuda::getCurrentCUDAStream(static_cast<c10::DeviceIndex>(device)).stream()));
   return owned;
 }
 

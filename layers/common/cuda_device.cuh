@@ -18,6 +18,8 @@ void reset_peak_allocated(int index);
 // failed, freed the cache and tried again).
 void allocator_counts(int index, long long* mallocs, long long* retries);
 void synchronize();
+// The calling thread's current device.
+void make_current(int index);
 // Times `reps` calls of f on the current stream the way triton.testing.do_bench (FLA's and the anchors'
 // timer) does: before each call the L2 cache is flushed (a 256 MB buffer zeroed on the stream), CUDA
 // events are recorded around the call, the host does not wait between calls. Writes each call's
@@ -30,8 +32,8 @@ void side_stream_run(int device, int slot, void (*call)(void*), void* ctx);
 void side_stream_join(int device, int slot);
 // The caching allocator's recordStream of t's memory on the current stream of t's device.
 void record_on_current_stream(const at::Tensor& t);
-// A timing event recorded on the current device's current stream (a cudaEvent_t, destroyed with the
-// last copy of the pointer), and the milliseconds between two, waiting for the later one.
-std::shared_ptr<void> record_event();
+// A timing event recorded on the current stream of `device` (a cudaEvent_t, destroyed with the last
+// copy of the pointer), and the milliseconds between two, waiting for the later one.
+std::shared_ptr<void> record_event(int device);
 double event_elapsed_ms(void* a, void* b);
 }  // namespace carry::cuda

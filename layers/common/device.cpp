@@ -50,6 +50,13 @@ CudaAllocatorCounts cuda_allocator_counts(int index) {
 #endif
   return c;
 }
+void cuda_make_current(int index) {
+#ifdef CARRY_WITH_CUDA
+  cuda::make_current(index);
+#else
+  (void)index;
+#endif
+}
 void cuda_synchronize() {
 #ifdef CARRY_WITH_CUDA
   cuda::synchronize();
@@ -67,15 +74,15 @@ std::vector<double> cuda_event_times_ms(const std::function<void()>& f, int reps
   return {};
 #endif
 }
-TimingMark timing_mark(bool on_cuda) {
+TimingMark timing_mark(int cuda_device) {
   TimingMark m;
 #ifdef CARRY_WITH_CUDA
-  if (on_cuda) {
-    m.event = cuda::record_event();
+  if (cuda_device >= 0) {
+    m.event = cuda::record_event(cuda_device);
     return m;
   }
 #else
-  TORCH_CHECK(!on_cuda, "timing_mark: a CUDA mark in a build without CUDA");
+  TORCH_CHECK(cuda_device < 0, "timing_mark: a mark on CUDA device ", cuda_device, " in a build without CUDA");
 #endif
   m.host_s = std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
   return m;

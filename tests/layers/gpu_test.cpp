@@ -35,5 +35,22 @@ TEST(Gpu, ChunkwiseOnCudaEqualsCpu) {
   }
 }
 
+// A timing mark names its device: marks on the last GPU, made while the first is current, span the work
+// queued on the last GPU between them (a rank's phase marks on device 0's stream measured nothing).
+TEST(Gpu, TimingMarksAreOnTheNamedDevice) {
+  if (cuda_device_count() < 2) GTEST_SKIP() << "needs 2 CUDA devices, found " << cuda_device_count();
+  const int last = cuda_device_count() - 1;
+  cuda_make_current(0);
+  auto a = at::randn({4096, 4096}, at::TensorOptions().device(at::Device(at::kCUDA, last)));
+  cuda_synchronize();
+  const TimingMark from = timing_mark(last);
+  for (int i = 0; i < 20; ++i) a = at::matmul(a, a).tanh_();  // ~2.7 TFLOP in fp32: well over a millisecond
+  const TimingMark to = timing_mark(last);
+  const double ms = timing_mark_ms(from, to);
+  std::cout << "[ timing   ] 20 matmuls of 4096 on device " << last << ": " << ms << " ms\n";
+  EXPECT_GT(ms, 0.5);
+  EXPECT_TRUE(at::isfinite(a).all().item<bool>());
+}
+
 }  // namespace
 }  // namespace carry::testing
