@@ -15,6 +15,16 @@
 // alone sends a copy and does not hold the caller's stream back, so a rank that runs ahead in the
 // ordered chain never waits for the rank it sends to.
 //
+// Neighbour links (CommOptions::copy_engine_neighbours): a message of at most kLinkMaxMessage bytes
+// between ranks r and r ± 1 of one host skips NCCL. The sender's copy stream copies it (a DMA copy
+// over NVLink, no SM) into a ring in the receiver's memory, mapped by CUDA IPC, and writes the
+// receiver's `arrived` flag; the receiver's stream waits for the flag (cuStreamWaitValue32: no SM
+// either), copies the message out and writes the sender's `consumed` flag, which the sender waits for
+// before it reuses that part of the ring. Both sides place the k-th message the same way (the sizes of
+// the messages before it), flags only grow, and nothing waits on the host. NCCL's point-to-point
+// kernels instead sit on SMs from the moment their stream reaches them until the peer's side arrives,
+// which in the ordered chain is a walk later.
+//
 // Timeouts: the communicator is nonblocking (ncclConfig_t::blocking = 0), so no NCCL call blocks the
 // host. A watchdog thread polls each enqueued operation's completion event and NCCL's async error
 // against the timeout. On a failure it aborts the NCCL communicator (ncclCommAbort, so no stream
@@ -40,15 +50,22 @@
 #include <cuda_runtime_api.h>
 #include <dlfcn.h>
 #include <nccl.h>
+#if __has_include(<cudaTypedefs.h>)
+#include "parallel/stream_ops.h"
+#define CARRY_HAVE_LINKS 1
+#endif
 
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <deque>
 #include <map>
+#include <functional>
 #include <mutex>
+#include <optional>
 #include <thread>
 
 namespace carry::parallel {
@@ -155,6 +172,38 @@ class CudaEvent {
   cudaEvent_t event_ = nullptr;
 };
 
+// Neighbour links (see the top of the file): each rank's block for a neighbour is the ring its
+// messages land in, then two flags on their own 128-byte lines.
+constexpr int64_t kLinkRing = int64_t{32} << 20;
+constexpr int64_t kLinkMaxMessage = kLinkRing / 4;
+constexpr int64_t kLinkFlagBytes = 256, kArrived = 0, kConsumed = 128;
+
+struct CopyLink {
+  int peer = -1;
+  void* base = nullptr;       // this rank's block: the ring for the peer's messages, then the flags
+  void* peer_base = nullptr;  // the peer's block, mapped here
+#ifdef CARRY_HAVE_LINKS
+  std::optional<c10::cuda::CUDAStream> copy;  // where this rank's sends to the peer run
+#endif
+  uint32_t sent = 0, received = 0;              // messages so far, each way
+  int64_t send_head = 0, recv_head = 0;         // where the next message starts, in bytes over all laps
+  std::deque<std::pair<uint32_t, int64_t>> in_ring;  // sent messages that may still fill the peer's ring: number, start
+
+  // Where a message of `bytes` starts (over all laps; the ring offset is start % kLinkRing): the next
+  // 256-byte boundary, or the next lap when it would cross the ring's end. Both sides call it in the
+  // same order with the same sizes.
+  static int64_t place(int64_t& head, int64_t bytes) {
+    const int64_t size = (bytes + 255) / 256 * 256, off = head % kLinkRing;
+    if (off + size > kLinkRing) head += kLinkRing - off;
+    const int64_t start = head;
+    head += size;
+    return start;
+  }
+  static uint64_t flag(void* block, int64_t which) {
+    return reinterpret_cast<uint64_t>(static_cast<char*>(block) + kLinkRing + which);
+  }
+};
+
 class NcclCommunicator final : public Communicator {
  public:
   NcclCommunicator(ncclComm_t comm, int rank, int size, int device, std::vector<int> world_ranks,
@@ -177,6 +226,7 @@ class NcclCommunicator final : public Communicator {
     }
     wake_.notify_all();
     watchdog_.join();
+    close_links();
     if (!failure_.empty() || comm_ == nullptr) return;
     // Finalize (flushes outstanding work), bounded by the timeout; abort if it does not finish.
     ncclResult_t r = nccl().CommFinalize(comm_);
@@ -214,19 +264,30 @@ class NcclCommunicator final : public Communicator {
       host_->send_recv(out, dst, in, src, tag);
       return;
     }
+    if (dst >= 0) check_peer(dst, "send");
+    if (src >= 0) check_peer(src, "recv");
+    // Small messages to and from a linked neighbour go by the copy engines; what is left, by NCCL.
+    const bool direct = src < 0 || (in.device() == device() && in.is_contiguous());
+    if (dst >= 0 && linked(dst, out.nbytes())) {
+      link_send(dst, on_device(out).clone(), describe("send", out.nbytes(), tag, "to", dst));
+      dst = -1;
+    }
+    if (src >= 0 && linked(src, in.nbytes())) {
+      Tensor rbuf = direct ? in : at::empty(in.sizes(), in.options().device(device()));
+      link_recv(src, rbuf, describe("recv", rbuf.nbytes(), tag, "from", src));
+      if (!direct) in.copy_(rbuf);
+      src = -1;
+    }
     std::string op;
     std::vector<int> peers;
     Tensor sbuf, rbuf;
     if (dst >= 0) {
-      check_peer(dst, "send");
       // A send alone goes from a copy (see the top of the file); with a receive the caller waits anyway.
       sbuf = src < 0 ? on_device(out).clone() : on_device(out);
       op = describe("send", sbuf.nbytes(), tag, "to", dst);
       peers.push_back(dst);
     }
-    bool direct = src < 0 || (in.device() == device() && in.is_contiguous());
     if (src >= 0) {
-      check_peer(src, "recv");
       rbuf = direct ? in : at::empty(in.sizes(), in.options().device(device()));
       op += std::string(op.empty() ? "" : " and ") +
             describe("recv", rbuf.nbytes(), tag, "from", src);
@@ -439,6 +500,227 @@ class NcclCommunicator final : public Communicator {
     wake_.notify_all();
   }
 
+  bool linked(int peer, int64_t bytes) const {
+    return bytes > 0 && bytes <= kLinkMaxMessage && links_.count(peer) > 0;
+  }
+
+  // Hands an operation on `stream` (ending at `done`) to the watchdog, and counts it.
+  void follow(std::shared_ptr<CudaEvent> done, std::shared_ptr<CudaEvent> ready, const std::string& op, int peer,
+              std::chrono::steady_clock::time_point entered) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    pending_.push_back(Work{std::move(done), std::move(ready), op, {peer}, detail::comm_context_lines(), entered});
+    if (timing_.load()) {
+      host_calls_.count += 1;
+      host_calls_.by_copy_engines += 1;
+      host_calls_.seconds += elapsed(entered);
+    }
+    wake_.notify_all();
+  }
+
+  void check_link_open(const std::string& op) {
+    std::unique_lock<std::mutex> lock(mutex_);
+    if (!failure_.empty()) {
+      const std::string msg = failure_ + "\n  (reported by the next call on the communicator: " + op + ")";
+      lock.unlock();
+      fail(msg);
+    }
+  }
+
+#ifdef CARRY_HAVE_LINKS
+  void link_check(CUresult r, const std::string& op, int peer, const char* what) {
+    if (r != CUDA_SUCCESS)
+      fail(detail::comm_error_message(*this, op, {peer}, std::string(what) + " failed (CUresult " +
+                                                             std::to_string(static_cast<int>(r)) + ")"));
+  }
+  void cuda_link_check(cudaError_t e, const std::string& op, int peer, const char* what) {
+    if (e != cudaSuccess)
+      fail(detail::comm_error_message(*this, op, {peer}, std::string(what) + ": " + cudaGetErrorString(e)));
+  }
+
+  // The message (contiguous, this GPU's, no longer written by the caller) into the peer's ring, on the
+  // link's copy stream after the caller's current stream.
+  void link_send(int peer, const Tensor& buf, const std::string& op) {
+    const auto entered = std::chrono::steady_clock::now();
+    check_link_open(op);
+    CopyLink& l = *links_.at(peer);
+    c10::cuda::CUDAGuard guard(device_);
+    const cudaStream_t caller = c10::cuda::getCurrentCUDAStream(static_cast<c10::DeviceIndex>(device_)).stream();
+    const cudaStream_t copy = l.copy->stream();
+    const int64_t bytes = buf.nbytes();
+    const int64_t start = CopyLink::place(l.send_head, bytes);
+    const int64_t end = start + (bytes + 255) / 256 * 256;
+    // The peer must have copied out every earlier message this one overwrites (the ring's previous lap).
+    uint32_t must = 0;
+    while (!l.in_ring.empty() && l.in_ring.front().second < end - kLinkRing) {
+      must = l.in_ring.front().first;
+      l.in_ring.pop_front();
+    }
+    const uint32_t k = ++l.sent;
+    l.in_ring.emplace_back(k, start);
+    auto ready = std::make_shared<CudaEvent>();
+    auto done = std::make_shared<CudaEvent>();
+    cuda_link_check(cudaEventRecord(ready->get(), caller), op, peer, "cudaEventRecord on the caller's stream");
+    cuda_link_check(cudaStreamWaitEvent(copy, ready->get(), 0), op, peer, "cudaStreamWaitEvent");
+    if (must > 0)
+      link_check(ops_.wait(copy, CopyLink::flag(l.base, kConsumed), must, CU_STREAM_WAIT_VALUE_GEQ), op, peer,
+                 "waiting for the peer to free its ring");
+    cuda_link_check(cudaMemcpyAsync(static_cast<char*>(l.peer_base) + start % kLinkRing, buf.data_ptr(), bytes,
+                                    cudaMemcpyDeviceToDevice, copy),
+                    op, peer, "the copy into the peer's ring");
+    link_check(ops_.write(copy, CopyLink::flag(l.peer_base, kArrived), k, CU_STREAM_WRITE_VALUE_DEFAULT), op, peer,
+               "writing the peer's arrived flag");
+    c10::cuda::CUDACachingAllocator::recordStream(buf.storage().data_ptr(), *l.copy);
+    cuda_link_check(cudaEventRecord(done->get(), copy), op, peer, "cudaEventRecord on the copy stream");
+    follow(std::move(done), nullptr, op, peer, entered);
+  }
+
+  // The next message from the peer into `buf` (contiguous, this GPU's), on the caller's current stream:
+  // what the caller enqueues next sees it.
+  void link_recv(int peer, Tensor& buf, const std::string& op) {
+    const auto entered = std::chrono::steady_clock::now();
+    check_link_open(op);
+    CopyLink& l = *links_.at(peer);
+    c10::cuda::CUDAGuard guard(device_);
+    const cudaStream_t caller = c10::cuda::getCurrentCUDAStream(static_cast<c10::DeviceIndex>(device_)).stream();
+    const int64_t bytes = buf.nbytes();
+    const int64_t start = CopyLink::place(l.recv_head, bytes);
+    const uint32_t k = ++l.received;
+    const bool timed = timing_.load();
+    std::shared_ptr<CudaEvent> ready = timed ? std::make_shared<CudaEvent>(true) : nullptr;
+    auto done = std::make_shared<CudaEvent>(timed);
+    if (ready) cuda_link_check(cudaEventRecord(ready->get(), caller), op, peer, "cudaEventRecord");
+    link_check(ops_.wait(caller, CopyLink::flag(l.base, kArrived), k, CU_STREAM_WAIT_VALUE_GEQ | link_wait_flags_),
+               op, peer, "waiting for the message");
+    if (ready) cuda_link_check(cudaEventRecord(done->get(), caller), op, peer, "cudaEventRecord");
+    cuda_link_check(cudaMemcpyAsync(buf.data_ptr(), static_cast<char*>(l.base) + start % kLinkRing, bytes,
+                                    cudaMemcpyDeviceToDevice, caller),
+                    op, peer, "the copy out of the ring");
+    link_check(ops_.write(caller, CopyLink::flag(l.peer_base, kConsumed), k, CU_STREAM_WRITE_VALUE_DEFAULT), op,
+               peer, "writing the peer's consumed flag");
+    if (!ready) cuda_link_check(cudaEventRecord(done->get(), caller), op, peer, "cudaEventRecord");
+    follow(std::move(done), std::move(ready), op, peer, entered);
+  }
+
+ public:
+  // Collective over the ranks of `boot` (this communicator's): links to r - 1 and r + 1 where both are
+  // on this host and both GPUs map each other's block; "" when every link this rank wanted is up, else
+  // why not (that neighbour's messages go by NCCL).
+  std::string open_links(Communicator& boot) {
+    std::string why;
+    if (size_ < 2) return why;
+    std::string local = load_stream_ops(ops_);
+    int flush = 0;
+    if (cudaDeviceGetAttribute(&flush, cudaDevAttrCanFlushRemoteWrites, device_) == cudaSuccess && flush)
+      link_wait_flags_ = CU_STREAM_WAIT_VALUE_FLUSH;
+    (void)cudaGetLastError();
+    const uint64_t host = std::hash<std::string>{}(world_info().host);
+    for (int peer : {rank_ - 1, rank_ + 1}) {  // every rank: the left link first, so the pairs meet in order
+      if (peer < 0 || peer >= size_) continue;
+      auto l = std::make_unique<CopyLink>();
+      l->peer = peer;
+      std::string mine = local;
+      cudaIpcMemHandle_t handle{};
+      if (mine.empty()) mine = prepare_block(*l, &handle);
+      constexpr int64_t kH = sizeof(cudaIpcMemHandle_t);
+      auto out = at::zeros({1 + 8 + kH}, at::kByte), in = at::zeros({1 + 8 + kH}, at::kByte);
+      out.data_ptr<uint8_t>()[0] = mine.empty() ? 1 : 0;
+      std::memcpy(out.data_ptr<uint8_t>() + 1, &host, 8);
+      std::memcpy(out.data_ptr<uint8_t>() + 9, &handle, kH);
+      {
+        CommContext ctx("communicator '" + opt_.name + "': exchanging the neighbour links' IPC handles");
+        boot.send_recv(out, peer, in, peer, /*tag=*/7301);
+      }
+      uint64_t peer_host = 0;
+      std::memcpy(&peer_host, in.data_ptr<uint8_t>() + 1, 8);
+      if (mine.empty() && peer_host != host) mine = "rank " + std::to_string(peer) + " is on another host";
+      if (mine.empty() && in.data_ptr<uint8_t>()[0] == 0) mine = "rank " + std::to_string(peer) + " could not share its block";
+      if (mine.empty()) {
+        std::memcpy(&handle, in.data_ptr<uint8_t>() + 9, kH);
+        mine = map_peer_block(*l, handle);
+      }
+      auto ok = at::full({1}, mine.empty() ? 1 : 0, at::kByte), peer_ok = at::zeros({1}, at::kByte);
+      {
+        CommContext ctx("communicator '" + opt_.name + "': agreeing on the neighbour links");
+        boot.send_recv(ok, peer, peer_ok, peer, /*tag=*/7302);
+      }
+      if (mine.empty() && peer_ok.data_ptr<uint8_t>()[0] == 0)
+        mine = "rank " + std::to_string(peer) + " could not map this rank's block";
+      if (mine.empty()) {
+        links_[peer] = std::move(l);
+      } else {
+        release_link(*l);
+        why += (why.empty() ? "" : "; ") + std::string("to rank ") + std::to_string(peer) + ": " + mine;
+      }
+    }
+    return why;
+  }
+
+ private:
+  std::string prepare_block(CopyLink& l, cudaIpcMemHandle_t* handle) {
+    c10::cuda::CUDAGuard guard(device_);
+    const int64_t bytes = kLinkRing + kLinkFlagBytes;
+    if (cudaMalloc(&l.base, bytes) != cudaSuccess) {
+      (void)cudaGetLastError();
+      l.base = nullptr;
+      return "cudaMalloc of the link's ring (" + std::to_string(bytes >> 20) + " MiB) failed";
+    }
+    if (cudaMemset(l.base, 0, bytes) != cudaSuccess || cudaDeviceSynchronize() != cudaSuccess ||
+        cudaIpcGetMemHandle(handle, l.base) != cudaSuccess) {
+      (void)cudaGetLastError();
+      return "zeroing or sharing the link's ring failed";
+    }
+    return "";
+  }
+
+  std::string map_peer_block(CopyLink& l, const cudaIpcMemHandle_t& handle) {
+    c10::cuda::CUDAGuard guard(device_);
+    if (cudaIpcOpenMemHandle(&l.peer_base, handle, cudaIpcMemLazyEnablePeerAccess) != cudaSuccess) {
+      (void)cudaGetLastError();
+      l.peer_base = nullptr;
+      return "cudaIpcOpenMemHandle could not map the neighbour's ring (no peer access between the GPUs?)";
+    }
+    l.copy.emplace(c10::cuda::getStreamFromPool(/*isHighPriority=*/true, static_cast<c10::DeviceIndex>(device_)));
+    const cudaStream_t s = l.copy->stream();
+    const CUresult w = ops_.write(s, CopyLink::flag(l.base, kArrived), 0, CU_STREAM_WRITE_VALUE_DEFAULT);
+    const CUresult v = ops_.wait(s, CopyLink::flag(l.base, kArrived), 0, CU_STREAM_WAIT_VALUE_GEQ | link_wait_flags_);
+    if (w != CUDA_SUCCESS || v != CUDA_SUCCESS || cudaStreamSynchronize(s) != cudaSuccess) {
+      (void)cudaGetLastError();
+      return "the stream memory operations failed on this device";
+    }
+    return "";
+  }
+
+  // Raises this rank's flags past every wait (a message that never came must not hang a stream), waits
+  // for the link's copies, then unmaps and frees.
+  void release_link(CopyLink& l) {
+    c10::cuda::CUDAGuard guard(device_);
+    if (l.base && ops_.write) {
+      auto s = c10::cuda::getStreamFromPool(false, static_cast<c10::DeviceIndex>(device_));
+      (void)ops_.write(s.stream(), CopyLink::flag(l.base, kArrived), l.received + (1u << 30), CU_STREAM_WRITE_VALUE_DEFAULT);
+      (void)ops_.write(s.stream(), CopyLink::flag(l.base, kConsumed), l.sent + (1u << 30), CU_STREAM_WRITE_VALUE_DEFAULT);
+      (void)cudaStreamSynchronize(s.stream());
+    }
+    if (l.copy) (void)cudaStreamSynchronize(l.copy->stream());
+    if (l.peer_base) (void)cudaIpcCloseMemHandle(l.peer_base);
+    if (l.base) (void)cudaFree(l.base);
+    l.base = l.peer_base = nullptr;
+    (void)cudaGetLastError();
+  }
+  void close_links() {
+    for (auto& [peer, l] : links_) release_link(*l);
+    links_.clear();
+  }
+#else
+  void link_send(int, const Tensor&, const std::string&) {}
+  void link_recv(int, Tensor&, const std::string&) {}
+  void close_links() {}
+
+ public:
+  std::string open_links(Communicator&) { return "carry was built without cudaTypedefs.h (stream memory operations)"; }
+
+ private:
+#endif
+
   // The watchdog: drops completed operations, and on an error or a timeout aborts the communicator
   // and records (or, in abort mode, reports) the failure.
   void watch() {
@@ -540,6 +822,11 @@ class NcclCommunicator final : public Communicator {
   // to stop a call in progress from another thread.
   std::mutex api_mutex_;
   std::atomic<bool> timing_{false};
+  std::map<int, std::unique_ptr<CopyLink>> links_;  // by neighbour rank (open_links)
+#ifdef CARRY_HAVE_LINKS
+  StreamOps ops_;
+  unsigned int link_wait_flags_ = 0;
+#endif
   bool stop_ = false;
   std::thread watchdog_;  // last: started once the rest is constructed
 };
@@ -606,8 +893,16 @@ std::shared_ptr<Communicator> make_nccl_communicator(MPI_Comm comm, int device, 
                                           std::string("NCCL error: ") + nccl().GetErrorString(st)));
   }
   // The bootstrap communicator stays: host tensors' messages go over it (NcclCommunicator::send_recv).
-  return std::make_shared<NcclCommunicator>(c, boot->rank(), boot->size(), device,
-                                            std::move(world_ranks), std::move(opt), boot);
+  const bool links = opt.copy_engine_neighbours;
+  auto nc = std::make_shared<NcclCommunicator>(c, boot->rank(), boot->size(), device, std::move(world_ranks),
+                                               std::move(opt), boot);
+  if (links) {
+    const std::string why = nc->open_links(*boot);
+    if (!why.empty())
+      std::fprintf(stderr, "carry: rank %d: communicator '%s': some messages to neighbours go by NCCL, not the copy engines (%s)\n",
+                   world_info().rank, nc->options().name.c_str(), why.c_str());
+  }
+  return nc;
 }
 
 }  // namespace carry::parallel

@@ -22,30 +22,14 @@
 #include <cuda.h>
 #include <cudaTypedefs.h>
 #include <cuda_runtime_api.h>
+
+#include "parallel/stream_ops.h"
 #endif
 
 namespace carry::parallel {
 
 #ifdef CARRY_HAVE_PEER_SUM
 namespace {
-
-// The stream memory operations, from the driver through the runtime (no link against libcuda).
-struct StreamOps {
-  PFN_cuStreamWaitValue32_v11070 wait = nullptr;
-  PFN_cuStreamWriteValue32_v11070 write = nullptr;
-};
-
-std::string stream_ops(StreamOps& ops) {
-  cudaDriverEntryPointQueryResult q{};
-  if (cudaGetDriverEntryPointByVersion("cuStreamWaitValue32", reinterpret_cast<void**>(&ops.wait), 12000,
-                                       cudaEnableDefault, &q) != cudaSuccess || q != cudaDriverEntryPointSuccess ||
-      cudaGetDriverEntryPointByVersion("cuStreamWriteValue32", reinterpret_cast<void**>(&ops.write), 12000,
-                                       cudaEnableDefault, &q) != cudaSuccess || q != cudaDriverEntryPointSuccess) {
-    (void)cudaGetLastError();
-    return "the driver gives no cuStreamWaitValue32 / cuStreamWriteValue32";
-  }
-  return "";
-}
 
 // The flags at the end of each rank's mapped block, on their own 128-byte lines.
 constexpr int64_t kFlagBytes = 256;
@@ -79,7 +63,7 @@ class CopyEnginePeerSum final : public PeerSum {
   std::string prepare(cudaIpcMemHandle_t* handle, const at::ScalarType dtype) {
     c10::cuda::CUDAGuard guard(device_);
     dtype_ = dtype;
-    if (auto why = stream_ops(ops_); !why.empty()) return why;
+    if (auto why = load_stream_ops(ops_); !why.empty()) return why;
     int flush = 0;
     if (cudaDeviceGetAttribute(&flush, cudaDevAttrCanFlushRemoteWrites, device_.index()) == cudaSuccess && flush)
       wait_flags_ = CU_STREAM_WAIT_VALUE_FLUSH;

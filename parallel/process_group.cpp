@@ -394,6 +394,16 @@ double default_comm_timeout_s() {
   return 300;
 }
 
+// CARRY_SP_MESSAGES: how the sp group's small messages between neighbours travel on GPUs: "nccl" (the
+// default) or "copy" (the copy engines, CommOptions::copy_engine_neighbours).
+bool sp_messages_by_copy_engines() {
+  const char* e = std::getenv("CARRY_SP_MESSAGES");
+  const std::string v = e ? e : "";
+  TORCH_CHECK(v.empty() || v == "nccl" || v == "copy", "CARRY_SP_MESSAGES: expected 'nccl' (the default) or 'copy', got '",
+              v, "'");
+  return v == "copy";
+}
+
 CommContext::CommContext(std::string what) { t_context.push_back(std::move(what)); }
 CommContext::~CommContext() { t_context.pop_back(); }
 
@@ -700,6 +710,7 @@ ProcessGroups make_process_groups(ParallelLayout layout, Backend backend, CommOp
   MPI_Comm_split(MPI_COMM_WORLD, g.sp_rank, g.dp_rank, &dp_comm);
   CommOptions so = opt, dpo = opt;
   so.name = "sp";
+  so.copy_engine_neighbours = sp_messages_by_copy_engines();
   dpo.name = "dp";
   CommOptions go = opt;
   go.name = "sp gradients";

@@ -47,12 +47,20 @@ const WorldInfo& world_info();
 
 // The default timeout: CARRY_COMM_TIMEOUT_S if set (seconds, > 0), else 300.
 double default_comm_timeout_s();
+// CARRY_SP_MESSAGES=copy: the sp group's neighbour messages by the copy engines
+// (CommOptions::copy_engine_neighbours); "nccl" or unset: by NCCL. Anything else: one clear error.
+bool sp_messages_by_copy_engines();
 
 struct CommOptions {
   double timeout_s = -1;  // <= 0: default_comm_timeout_s()
   // On timeout: abort the whole job (default) or throw CommError (tests, callers that recover).
   enum class OnTimeout { abort, throw_error } on_timeout = OnTimeout::abort;
   std::string name = "world";  // shown in error messages: "world", "sp", "dp", ...
+  // NCCL backend: small point-to-point messages between neighbouring ranks (r and r ± 1) of one host go
+  // by the copy engines into a ring the receiver shares by CUDA IPC, signalled by stream memory
+  // operations (no kernel on an SM, no NCCL call), where both GPUs allow it; NCCL otherwise. The sp
+  // group's option (CARRY_SP_MESSAGES=copy).
+  bool copy_engine_neighbours = false;
 };
 
 // A communication failure: a timeout, or any operation on a communicator that already timed out.
@@ -119,6 +127,7 @@ class Communicator {
   struct HostCalls {
     long count = 0;
     double seconds = 0;
+    long by_copy_engines = 0;  // of `count`: the messages that went by the copy engines
   };
   virtual HostCalls take_host_calls() { return {}; }
 };

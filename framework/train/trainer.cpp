@@ -261,6 +261,7 @@ void Trainer::take_comm_waits() {
   const parallel::Communicator::HostCalls h = groups_->sp->take_host_calls();
   host_calls_ += h.count;
   host_call_s_ += h.seconds;
+  host_calls_by_copy_ += h.by_copy_engines;
   if (gradient_sum_) gradient_wait_s_ += gradient_sum_->take_waited_seconds();
 }
 
@@ -1175,11 +1176,12 @@ int Trainer::run() {
           std::fprintf(stderr, "carry: step %lld, rank %d: the stream's waits on sp messages by kind, share of %.3f s:%s\n",
                        static_cast<long long>(s.step), rank(), window_seconds, text.c_str());
         if (host_calls_ > 0)
-          std::fprintf(stderr, "carry: step %lld, rank %d: %ld sp messages enqueued, %.2f ms of host time (%.2f%% of %.3f s)\n",
-                       static_cast<long long>(s.step), rank(), host_calls_, 1e3 * host_call_s_,
+          std::fprintf(stderr, "carry: step %lld, rank %d: %ld sp messages enqueued (%ld by the copy engines), %.2f ms of host time (%.2f%% of %.3f s)\n",
+                       static_cast<long long>(s.step), rank(), host_calls_, host_calls_by_copy_, 1e3 * host_call_s_,
                        100 * host_call_s_ / std::max(1e-9, window_seconds), window_seconds);
         waits_by_kind_.clear();
         host_calls_ = 0;
+        host_calls_by_copy_ = 0;
         host_call_s_ = 0;
       }
       if (phase_timing_) {  // this rank's phases over the window (the first window has no "between steps")

@@ -201,6 +201,7 @@ class Trainer {
   void phase_mark(const char* phase_ending_here);
   long host_calls_ = 0;      // sp messages this rank enqueued since the last log line (take_host_calls)
   double host_call_s_ = 0;   // and the host seconds it spent enqueuing them
+  long host_calls_by_copy_ = 0;  // of host_calls_: by the copy engines (CARRY_SP_MESSAGES=copy)
   void take_comm_waits();
   void all_reduce(at::Tensor& t, bool sp_only = false) const;
   void log(const char* fmt, ...) const;

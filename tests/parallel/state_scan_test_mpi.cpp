@@ -836,6 +836,51 @@ TEST(Communicator, ChainMessagesArriveInOrder) {
     check_chain(*nccl_groups(1, world_size()).world, at::Device(at::kCUDA, world_info().local_rank));
 }
 
+// CommOptions::copy_engine_neighbours: messages between neighbours go by the copy engines through a
+// ring in the receiver's memory. 240 messages of 1 KiB to 2 MiB each way (about 8 laps of the 32 MiB
+// ring, so the sender waits for the receiver to free it), the receiver held back by GPU work now and
+// then, both directions in one call, and messages too large for the ring (by NCCL) in between: every
+// byte arrives in order, and the links carried all the small ones.
+TEST(Communicator, CopyEngineLinksCarryNeighbourMessagesInOrder) {
+  if (!gpus_for_every_rank()) GTEST_SKIP() << "needs NCCL and one CUDA device a rank";
+  CommOptions opt;
+  opt.name = "links test";
+  opt.copy_engine_neighbours = true;
+  auto comm = make_nccl_communicator(MPI_COMM_WORLD, world_info().local_rank, opt);
+  const int r = comm->rank(), P = comm->size();
+  const at::Device dev(at::kCUDA, world_info().local_rank);
+  auto opts = at::TensorOptions().dtype(at::kFloat).device(dev);
+  auto message = [&](int i, int from, int64_t n) { return at::arange(n, opts).mul_(1e-3).add_(i + 1000 * from); };
+  comm->set_wait_timing(true);
+  comm->take_host_calls();
+  long linked = 0;
+  Tensor slow = at::randn({2048, 2048}, opts);
+  for (int i = 0; i < 240; ++i) {
+    const int64_t n = (i * 7919 % 2048 + 1) * 256;  // 1 KiB .. 2 MiB of floats
+    if (r > 0 && i % 40 == 0)
+      for (int j = 0; j < 8; ++j) slow = at::matmul(slow, slow).tanh_();  // the receiver falls behind
+    Tensor got = at::empty({n}, opts), back = at::empty({n}, opts);
+    // Right, then left in one call: rank r sends to r + 1 and hears from r - 1, then the other way.
+    comm->send_recv(message(i, r, n), r + 1 < P ? r + 1 : -1, got, r > 0 ? r - 1 : -1, 11);
+    comm->send_recv(message(i, r, n), r > 0 ? r - 1 : -1, back, r + 1 < P ? r + 1 : -1, 12);
+    linked += (r + 1 < P) * 2 + (r > 0) * 2;
+    if (r > 0) ASSERT_TRUE(at::equal(got, message(i, r - 1, n))) << "rank " << r << " message " << i << " from the left";
+    if (r + 1 < P) ASSERT_TRUE(at::equal(back, message(i, r + 1, n))) << "rank " << r << " message " << i << " from the right";
+    if (i % 60 == 59) {  // 12 MiB: past the links' limit, by NCCL between the links' messages
+      const int64_t big = int64_t{3} << 20;
+      Tensor big_got = at::empty({big}, opts);
+      comm->send_recv(message(i, r, big), r + 1 < P ? r + 1 : -1, big_got, r > 0 ? r - 1 : -1, 13);
+      if (r > 0) ASSERT_TRUE(at::equal(big_got, message(i, r - 1, big))) << "rank " << r << " large message " << i;
+    }
+  }
+  comm->synchronize();
+  const Communicator::HostCalls h = comm->take_host_calls();
+  EXPECT_EQ(h.by_copy_engines, linked) << "rank " << r;
+  EXPECT_GT(h.count, h.by_copy_engines) << "rank " << r << ": the large messages went by NCCL";
+  EXPECT_TRUE(at::isfinite(slow).all().item<bool>());
+  MPI_Barrier(MPI_COMM_WORLD);
+}
+
 // NCCL calls return before the GPU has finished them; a receive that no rank sends times out (found by
 // the watchdog thread once enqueued, or while NCCL connects to the silent peer) and throws, naming the
 // operation and the context it was started in; every rank then goes on.
