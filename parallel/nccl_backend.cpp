@@ -504,7 +504,9 @@ class NcclCommunicator final : public Communicator {
     return bytes > 0 && bytes <= kLinkMaxMessage && links_.count(peer) > 0;
   }
 
-  // Hands an operation on `stream` (ending at `done`) to the watchdog, and counts it.
+  // Hands a link's operation (complete at `done`) to the watchdog, and counts it. A link's wait that
+  // times out is reported as NCCL's are; ncclCommAbort cannot release a stream waiting on a flag, so in
+  // throw mode that stream stays stopped until the communicator is destroyed (which raises the flags).
   void follow(std::shared_ptr<CudaEvent> done, std::shared_ptr<CudaEvent> ready, const std::string& op, int peer,
               std::chrono::steady_clock::time_point entered) {
     std::lock_guard<std::mutex> lock(mutex_);
