@@ -179,7 +179,6 @@ constexpr int64_t kLinkMaxMessage = kLinkRing / 4;
 constexpr int64_t kLinkFlagBytes = 256, kArrived = 0, kConsumed = 128;
 
 struct CopyLink {
-  int peer = -1;
   void* base = nullptr;       // this rank's block: the ring for the peer's messages, then the flags
   void* peer_base = nullptr;  // the peer's block, mapped here
 #ifdef CARRY_HAVE_LINKS
@@ -439,14 +438,7 @@ class NcclCommunicator final : public Communicator {
   void run(const std::string& op, const std::vector<int>& peers,
            std::initializer_list<Tensor> buffers, bool caller_waits, Enqueue enqueue) {
     const auto entered = std::chrono::steady_clock::now();
-    {
-      std::unique_lock<std::mutex> lock(mutex_);
-      if (!failure_.empty()) {  // the failure itself, as the watchdog found it (or an earlier call)
-        const std::string msg = failure_ + "\n  (reported by the next call on the communicator: " + op + ")";
-        lock.unlock();
-        fail(msg);
-      }
-    }
+    check_not_failed(op);
     c10::cuda::CUDAGuard guard(device_);
     const cudaStream_t caller =
         c10::cuda::getCurrentCUDAStream(static_cast<c10::DeviceIndex>(device_)).stream();
@@ -519,7 +511,9 @@ class NcclCommunicator final : public Communicator {
     wake_.notify_all();
   }
 
-  void check_link_open(const std::string& op) {
+  // Refuses a call once the communicator has failed, with the failure itself (as the watchdog found it,
+  // or an earlier call).
+  void check_not_failed(const std::string& op) {
     std::unique_lock<std::mutex> lock(mutex_);
     if (!failure_.empty()) {
       const std::string msg = failure_ + "\n  (reported by the next call on the communicator: " + op + ")";
@@ -543,7 +537,7 @@ class NcclCommunicator final : public Communicator {
   // link's copy stream after the caller's current stream.
   void link_send(int peer, const Tensor& buf, const std::string& op) {
     const auto entered = std::chrono::steady_clock::now();
-    check_link_open(op);
+    check_not_failed(op);
     CopyLink& l = *links_.at(peer);
     c10::cuda::CUDAGuard guard(device_);
     const cudaStream_t caller = c10::cuda::getCurrentCUDAStream(static_cast<c10::DeviceIndex>(device_)).stream();
@@ -580,7 +574,7 @@ class NcclCommunicator final : public Communicator {
   // what the caller enqueues next sees it.
   void link_recv(int peer, Tensor& buf, const std::string& op) {
     const auto entered = std::chrono::steady_clock::now();
-    check_link_open(op);
+    check_not_failed(op);
     CopyLink& l = *links_.at(peer);
     c10::cuda::CUDAGuard guard(device_);
     const cudaStream_t caller = c10::cuda::getCurrentCUDAStream(static_cast<c10::DeviceIndex>(device_)).stream();
@@ -619,7 +613,6 @@ class NcclCommunicator final : public Communicator {
     for (int peer : {rank_ - 1, rank_ + 1}) {  // every rank: the left link first, so the pairs meet in order
       if (peer < 0 || peer >= size_) continue;
       auto l = std::make_unique<CopyLink>();
-      l->peer = peer;
       std::string mine = local;
       cudaIpcMemHandle_t handle{};
       if (mine.empty()) mine = prepare_block(*l, &handle);
