@@ -56,8 +56,58 @@ bool fused_loss(const Tensor& hidden, at::ScalarType ct) {
 #endif
 }
 
+// deferred (with grads): the last chunks whose logit gradients fit in defer_bytes keep them in
+// *deferred instead of adding their product into grad_weight.
+// One chunk's share of the head weight's gradient, dlogitsᵀ·h, added into the fp32 (or wider) sum: by
+// cuBLAS in its epilogue for bf16 products on CUDA (no bf16 rounding per chunk, no separate add pass).
+void add_weight_gradient(Tensor& sum, const Tensor& dlogits, const Tensor& h, bool fp32_accumulate) {
+  if (fp32_accumulate) at::addmm_out(sum, sum, dlogits.t(), h, at::kFloat);
+  else sum.add_(at::mm(dlogits.t(), h));
+}
+
+}  // namespace
+
+struct DeferredHeadAccess {
+  static void setup(DeferredHeadGradient& d, const Tensor& weight, const Tensor& sum, bool fp32_accumulate) {
+    d.weight_ = weight;
+    d.weight_dtype_ = weight.scalar_type();
+    d.sum_ = sum;
+    d.fp32_accumulate_ = fp32_accumulate;
+  }
+  static void keep(DeferredHeadGradient& d, const Tensor& dlogits, const Tensor& h) {
+    d.dlogits_.push_back(dlogits);
+    d.hidden_.push_back(h);
+  }
+  static void arrived(DeferredHeadGradient& d, const Tensor& incoming) { d.incoming_ = incoming; }
+};
+
+int64_t DeferredHeadGradient::bytes() const {
+  int64_t b = 0;
+  for (auto& t : dlogits_) b += t.numel() * static_cast<int64_t>(t.element_size());
+  return b;
+}
+
+void DeferredHeadGradient::finish() {
+  if (incoming_.defined() && !dlogits_.empty()) {
+    at::NoGradGuard no_grad;
+    for (size_t i = 0; i < dlogits_.size(); ++i) add_weight_gradient(sum_, dlogits_[i], hidden_[i], fp32_accumulate_);
+    // As LinearCrossEntropyFunction::backward scales the sum.
+    Tensor dw = (sum_ * incoming_.to(sum_.scalar_type())).to(weight_dtype_);
+    Tensor& grad = weight_.mutable_grad();
+    if (grad.defined()) grad.add_(dw);
+    else grad = dw;
+  }
+  dlogits_.clear();
+  hidden_.clear();
+  sum_ = Tensor();
+  incoming_ = Tensor();
+}
+
+namespace {
+
 Pass chunked_pass(const Tensor& hidden, const Tensor& weight, const Tensor& targets, const Tensor& weights,
-                  int64_t chunk, bool grads, bool predictions) {
+                  int64_t chunk, bool grads, bool predictions, int64_t defer_bytes = 0,
+                  DeferredHeadGradient* deferred = nullptr) {
   at::NoGradGuard no_grad;
   const int64_t N = hidden.size(0);
   const auto ct = matmul_type(hidden, weight);
@@ -74,6 +124,18 @@ Pass chunked_pass(const Tensor& hidden, const Tensor& weight, const Tensor& targ
   // On CUDA with bf16 products, cuBLAS adds each chunk's weight gradient into the fp32 sum in its
   // epilogue (no bf16 rounding per chunk, no separate add pass).
   const bool fp32_accumulate = fused && ct == at::kBFloat16 && grads && out.grad_weight.scalar_type() == at::kFloat;
+  // The first chunk whose weight gradient is deferred: the last chunks whose logit gradients fit the budget.
+  int64_t defer_from = N;
+  if (grads && deferred && defer_bytes > 0) {
+    const int64_t V = weight.size(0), elem = static_cast<int64_t>(c10::elementSize(ct));
+    int64_t used = 0;
+    for (int64_t start = (N - 1) / chunk * chunk; start >= 0; start -= chunk) {
+      used += std::min(chunk, N - start) * V * elem;
+      if (used > defer_bytes) break;
+      defer_from = start;
+    }
+    DeferredHeadAccess::setup(*deferred, weight, out.grad_weight, fp32_accumulate);
+  }
   for (int64_t start = 0; start < N; start += chunk) {
     const int64_t n = std::min(chunk, N - start);
     const Tensor h = hc.narrow(0, start, n);
@@ -106,17 +168,28 @@ Pass chunked_pass(const Tensor& hidden, const Tensor& weight, const Tensor& targ
     Tensor gh = out.grad_hidden.narrow(0, start, n);
     if (gh.scalar_type() == ct) at::mm_out(gh, dlogits, wc);
     else gh.copy_(at::mm(dlogits, wc));
-    if (fp32_accumulate) at::addmm_out(out.grad_weight, out.grad_weight, dlogits.t(), h, at::kFloat);
-    else out.grad_weight.add_(at::mm(dlogits.t(), h));
+    if (start >= defer_from) DeferredHeadAccess::keep(*deferred, dlogits, h);
+    else add_weight_gradient(out.grad_weight, dlogits, h, fp32_accumulate);
   }
   return out;
 }
 
+// The deferred part in the autograd context, for the backward.
+struct DeferredHolder : torch::CustomClassHolder {
+  explicit DeferredHolder(std::shared_ptr<DeferredHeadGradient> d) : deferred(std::move(d)) {}
+  std::shared_ptr<DeferredHeadGradient> deferred;
+};
+
 struct LinearCrossEntropyFunction : public torch::autograd::Function<LinearCrossEntropyFunction> {
   // Outputs: the weighted sum, the per-token losses (no gradient), the predictions (if asked; else empty).
+  // deferred (may be null): where the last chunks' weight gradient waits (defer_bytes of their logit gradients).
   static variable_list forward(AutogradContext* ctx, const Tensor& hidden, const Tensor& weight, const Tensor& targets,
-                               const Tensor& weights, int64_t chunk, bool predictions) {
-    auto pass = chunked_pass(hidden, weight, targets, weights, chunk, /*grads=*/true, predictions);
+                               const Tensor& weights, int64_t chunk, bool predictions, int64_t defer_bytes,
+                               const std::shared_ptr<DeferredHeadGradient>& deferred) {
+    auto pass = chunked_pass(hidden, weight, targets, weights, chunk, /*grads=*/true, predictions, defer_bytes,
+                             deferred.get());
+    if (deferred && deferred->chunks() > 0)
+      ctx->saved_data["deferred"] = at::IValue::make_capsule(c10::make_intrusive<DeferredHolder>(deferred));
     ctx->save_for_backward({pass.grad_hidden, pass.grad_weight});
     ctx->saved_data["weight_dtype"] = static_cast<int64_t>(weight.scalar_type());
     Tensor loss = (pass.ce * weights).sum();
@@ -128,18 +201,24 @@ struct LinearCrossEntropyFunction : public torch::autograd::Function<LinearCross
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     auto saved = ctx->get_saved_variables();
     const Tensor& g = grads[0];
-    if (!g.defined()) return {Tensor(), Tensor(), Tensor(), Tensor(), Tensor(), Tensor()};
+    if (!g.defined()) return {Tensor(), Tensor(), Tensor(), Tensor(), Tensor(), Tensor(), Tensor(), Tensor()};
     const auto weight_dtype = static_cast<at::ScalarType>(ctx->saved_data["weight_dtype"].toInt());
     Tensor dh = saved[0] * g.to(saved[0].scalar_type());
+    if (ctx->saved_data.count("deferred")) {  // the weight's gradient comes with DeferredHeadGradient::finish
+      auto holder = c10::static_intrusive_pointer_cast<DeferredHolder>(ctx->saved_data["deferred"].toCapsule());
+      DeferredHeadAccess::arrived(*holder->deferred, g);
+      return {dh, Tensor(), Tensor(), Tensor(), Tensor(), Tensor(), Tensor(), Tensor()};
+    }
     Tensor dw = (saved[1] * g.to(saved[1].scalar_type())).to(weight_dtype);
-    return {dh, dw, Tensor(), Tensor(), Tensor(), Tensor()};
+    return {dh, dw, Tensor(), Tensor(), Tensor(), Tensor(), Tensor(), Tensor()};
   }
 };
 
 }  // namespace
 
 LinearCrossEntropy linear_cross_entropy(const Tensor& hidden, const Tensor& weight, const Tensor& targets,
-                                        const Tensor& token_weights, int64_t chunk_tokens, bool predictions) {
+                                        const Tensor& token_weights, int64_t chunk_tokens, bool predictions,
+                                        int64_t defer_bytes) {
   TORCH_CHECK(hidden.dim() >= 1 && hidden.is_floating_point(),
               "linear_cross_entropy: hidden must be floating [..., d], got ", hidden.scalar_type(), " ", hidden.sizes());
   TORCH_CHECK(weight.dim() == 2 && weight.is_floating_point() && weight.size(1) == hidden.size(-1),
@@ -165,7 +244,9 @@ LinearCrossEntropy linear_cross_entropy(const Tensor& hidden, const Tensor& weig
   LinearCrossEntropy out;
   const bool grads = at::GradMode::is_enabled() && (hidden.requires_grad() || weight.requires_grad());
   if (grads) {
-    auto r = LinearCrossEntropyFunction::apply(h, weight, t, w, chunk, predictions);
+    auto deferred = defer_bytes > 0 && weight.requires_grad() ? std::make_shared<DeferredHeadGradient>() : nullptr;
+    auto r = LinearCrossEntropyFunction::apply(h, weight, t, w, chunk, predictions, defer_bytes, deferred);
+    if (deferred && deferred->chunks() > 0) out.deferred = deferred;
     out.loss = r[0];
     out.token_losses = r[1].view(lead);
     if (predictions) out.predictions = r[2].view(lead);

@@ -19,6 +19,8 @@
 #include <ATen/ATen.h>
 
 #include <cstdint>
+#include <memory>
+#include <vector>
 
 namespace carry {
 
@@ -29,18 +31,52 @@ namespace carry {
 // matrix products, and the head's fp32 weight-gradient sum read and written fewer times).
 int64_t default_loss_chunk_tokens(int64_t vocab_size, int64_t fused_logit_bytes = 0);
 
+// The head weight's gradient of the loss's last chunks, left for after the backward
+// (linear_cross_entropy's defer_bytes). The forward keeps those chunks' logit gradients instead of
+// multiplying them into the weight's gradient; the backward then gives the weight no gradient and
+// keeps its incoming gradient here, and finish() adds the chunks in their order to the forward's sum,
+// scales it as the backward would have, and adds the result to weight.grad(). The same operations in
+// the same order, so the same bits as without deferral (a tied head's two terms are added the other
+// way round: one addition, commutative). Why: under the ordered sequence-parallel scan the ranks after
+// the first start their backward, and send the state gradients the rank before them waits for, that
+// much earlier (README.md, "Two GPUs").
+class DeferredHeadGradient {
+ public:
+  // Call once after the backward that reached .loss (the trainer does, before the gradients are read);
+  // nothing to do when no gradient reached it. Not thread-safe; frees the kept chunks.
+  void finish();
+  int64_t chunks() const { return static_cast<int64_t>(dlogits_.size()); }
+  int64_t bytes() const;
+
+ private:
+  friend struct DeferredHeadAccess;
+  at::Tensor weight_;                 // the head's weight (a parameter): where the gradient goes
+  at::ScalarType weight_dtype_ = at::kFloat;
+  at::Tensor sum_;                    // the forward's fp32 sum over the other chunks
+  std::vector<at::Tensor> dlogits_;   // per deferred chunk [n, V], in the chunks' order
+  std::vector<at::Tensor> hidden_;    // per deferred chunk [n, d], the matmul dtype
+  bool fp32_accumulate_ = false;      // the chunks go into the sum as the forward's would (addmm_out)
+  at::Tensor incoming_;               // the backward's gradient of .loss (undefined: none arrived)
+};
+
 struct LinearCrossEntropy {
   at::Tensor loss;          // Σ_t w_t·ce_t, 0-dim, fp32 at least; differentiable in hidden and weight
   at::Tensor token_losses;  // ce_t with the shape of targets, fp32 at least, no gradient; 0 where ignored
   at::Tensor predictions;   // argmax over the vocabulary of the logits, int64, shape of targets (if asked)
+  // Set when defer_bytes left some chunks' weight gradient for later: call deferred->finish() after the
+  // backward, or the weight's gradient misses the whole head's share.
+  std::shared_ptr<DeferredHeadGradient> deferred;
 };
 
 // hidden [..., d] (floating), weight [V, d], targets [...] int64 (the leading dims of hidden; < 0:
 // ignored), token_weights [...] (bool or floating; undefined: all ones). chunk_tokens <= 0 picks
 // default_loss_chunk_tokens(V, ...) for the form that runs. The gradients are computed (and kept) only when grad mode is on and
 // hidden or weight requires one.
+// defer_bytes > 0 (with gradients, weight requiring one): the weight's gradient of the last chunks whose
+// logit gradients take at most that many bytes together is left for .deferred->finish()
+// (DeferredHeadGradient); those logit gradients stay allocated until then.
 LinearCrossEntropy linear_cross_entropy(const at::Tensor& hidden, const at::Tensor& weight, const at::Tensor& targets,
                                         const at::Tensor& token_weights = {}, int64_t chunk_tokens = 0,
-                                        bool predictions = false);
+                                        bool predictions = false, int64_t defer_bytes = 0);
 
 }  // namespace carry

@@ -273,6 +273,14 @@ MemoryEstimate estimate_memory(const RunConfig& config, std::FILE* progress) {
     }
     m.head_bytes = extrapolate(ys);
     m.head_backward_bytes = extrapolate(bs);
+    // The ranks after the first of an ordered sp group, one segment a rank, keep the loss's last chunks'
+    // logit gradients until after the backward (parallel.deferred_head_gradient_mib; the trainer's).
+    const auto& par = config.parallel();
+    const int64_t sp_ranks = std::max<int64_t>(par.sp(), 1);
+    const int64_t segments = par.segments() > 0 ? par.segments() : sp_ranks;
+    if (par.scan_mode() == config::ParallelConfig::ORDERED && sp_ranks > 1 && segments == sp_ranks)
+      m.head_bytes += std::min(static_cast<double>(par.deferred_head_gradient_mib()) * (1 << 20),
+                               static_cast<double>(m.batch * m.slice_tokens * mc.vocab_size()) * (bf16 ? 2 : 4));
   }
   const double input = 4.0 * static_cast<double>(m.batch * m.slice_tokens * d);
   double largest_backward = 0;

@@ -165,11 +165,12 @@ Tensor Model::token_losses(const Tensor& tokens, const Tensor& targets, const Mo
 }
 
 LinearCrossEntropy Model::loss_sum(const Tensor& tokens, const Tensor& targets, const Tensor& weights,
-                                   const ModelContext& ctx, bool predictions) const {
+                                   const ModelContext& ctx, bool predictions, int64_t defer_head_bytes) const {
   check_targets(tokens, targets);
   TORCH_CHECK(!weights.defined() || weights.sizes() == tokens.sizes(), "model: loss weights must have the shape of tokens ",
               tokens.sizes(), ", got ", weights.sizes());
-  return linear_cross_entropy(hidden(tokens, ctx), head_weight(), targets, weights, ctx.loss_chunk_tokens, predictions);
+  return linear_cross_entropy(hidden(tokens, ctx), head_weight(), targets, weights, ctx.loss_chunk_tokens, predictions,
+                              defer_head_bytes);
 }
 
 Tensor Model::loss(const Tensor& tokens, const Tensor& targets, const Tensor& mask, const ModelContext& ctx) const {

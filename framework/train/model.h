@@ -76,8 +76,11 @@ class Model {
   // .predictions = the argmax tokens [B,T] when asked. Targets < 0 are ignored (loss 0, no gradient);
   // weights [B,T] bool or float (undefined: all ones). Sequence-parallel and data-parallel trainers sum
   // .loss and the weights over ranks and back-propagate .loss / global count.
+  // defer_head_bytes > 0: the head weight's gradient of the last chunks is left for
+  // .deferred->finish() after the backward (linear_cross_entropy's defer_bytes).
   LinearCrossEntropy loss_sum(const Tensor& tokens, const Tensor& targets, const Tensor& weights = {},
-                              const ModelContext& context = {}, bool predictions = false) const;
+                              const ModelContext& context = {}, bool predictions = false,
+                              int64_t defer_head_bytes = 0) const;
   // Masked mean cross entropy: Σ mask·ce / Σ mask; mask [B,T] (bool or float; undefined = all ones).
   // Chunked (loss_sum); no host read: a mask that selects no token gives 0 (and zero gradients).
   Tensor loss(const Tensor& tokens, const Tensor& targets, const Tensor& mask = {},

@@ -142,6 +142,9 @@ class Trainer {
   // by the host clock on the CPU. Empty when the timing is off.
   std::vector<std::pair<std::string, double>> take_phase_seconds();
   const Model& model() const { return model_; }
+  // The byte budget of this rank's deferred head gradient (parallel.deferred_head_gradient_mib where it
+  // applies), 0 where none is deferred.
+  int64_t deferred_head_bytes() const { return deferred_head_bytes_; }
   const AdamW& optimizer() const { return *optimizer_; }
   const RunConfig& config() const { return config_; }
   int rank() const;  // world rank
@@ -184,6 +187,10 @@ class Trainer {
   // One segment a rank, sp > 1 and CARRY_GRADIENT_OVERLAP=1: the weight gradients' tree sum goes in
   // buckets during the backward (parallel/gradient_sum.h). Null otherwise.
   std::unique_ptr<parallel::OverlappedGradientSum> gradient_sum_;
+  // Bytes of the loss's last chunks' logit gradients whose head weight gradient waits until after the
+  // backward (parallel.deferred_head_gradient_mib: ORDERED, sp > 1, sp ranks after the first, no
+  // gradient_sum_); 0: none.
+  int64_t deferred_head_bytes_ = 0;
   // CARRY_COMM_TIMING=1: the GPU time the step's stream waits on the sp group's messages (the state
   // chain, halos, loss sums; the gradients too when they are summed after the backward) and on the
   // gradient buckets after the backward, summed since the last log line (metrics comm_wait_s,

@@ -3,7 +3,9 @@
 // tied embedding, in fp64 and fp32, with a float mask and ignored targets, for several chunk sizes
 // (one not dividing the token count), under an arbitrary upstream gradient; run-to-run bitwise
 // equality; bf16 autocast on the CPU; the GPU against the CPU, and the CUDA cross-entropy kernel
-// (layers/common/kernel_loss.cuh) against the ATen form on the same GPU (skip without a GPU).
+// (layers/common/kernel_loss.cuh) against the ATen form on the same GPU (skip without a GPU); the head
+// weight's gradient of the last chunks deferred until after the backward (DeferredHeadGradient): the
+// same bits as without, on the CPU and with the CUDA kernel.
 #include "framework/train/chunked_loss.h"
 #include "layers/common/device.h"
 #include "layers/common/fused_switch.h"
@@ -85,6 +87,76 @@ Result chunked_form(const Problem& p, double upstream, int64_t chunk) {
   auto out = linear_cross_entropy(p.hidden(), p.head(), p.targets, p.mask, chunk);
   Result r{out.loss.detach(), out.token_losses, torch::autograd::grad({out.loss * upstream}, leaves(p))};
   return r;
+}
+
+// .backward() into the leaves' .grad (as the trainer runs it), with defer_bytes, and finish() when
+// asked; the leaves' gradients (undefined where none arrived), cleared after.
+struct Deferred {
+  std::vector<Tensor> grads;
+  int64_t chunks = 0, bytes = 0;
+};
+Deferred deferred_form(const Problem& p, double upstream, int64_t chunk, int64_t defer_bytes, bool finish) {
+  auto out = linear_cross_entropy(p.hidden(), p.head(), p.targets, p.mask, chunk, false, defer_bytes);
+  (out.loss * upstream).backward();
+  Deferred d;
+  if (out.deferred) {
+    d.chunks = out.deferred->chunks();
+    d.bytes = out.deferred->bytes();
+    if (finish) out.deferred->finish();
+  }
+  for (auto& t : leaves(p)) {
+    d.grads.push_back(t.grad().defined() ? t.grad().clone() : Tensor());
+    t.mutable_grad() = Tensor();
+  }
+  return d;
+}
+
+// The deferred chunks give the bits of the run without deferral: tied and untied heads, fp32 and bf16
+// autocast, 80 tokens in chunks of 9 (the last one short), budgets of no chunk to all of them.
+void expect_deferral_exact(at::Device device, bool fused) {
+  const bool was = fused_ops_enabled();
+  set_fused_ops(fused);
+  for (bool bf16 : {false, true}) {
+    at::autocast::set_autocast_enabled(device.type(), bf16);
+    at::autocast::set_autocast_dtype(device.type(), at::kBFloat16);
+    for (bool tied : {true, false}) {
+      auto p = make_problem(at::kFloat, tied, 2, 40, 50, 16, 31 + tied, device);
+      const int64_t chunk = 9, N = 80, V = 50, elem = bf16 ? 2 : 4;
+      auto plain = deferred_form(p, 1.0 / 3, chunk, 0, true);
+      EXPECT_EQ(plain.chunks, 0);
+      // The last chunk holds 80 - 72 = 8 tokens: budgets for it alone, it and two more, and everything.
+      const std::vector<std::pair<int64_t, int64_t>> budgets{
+          {8 * V * elem - 1, 0}, {8 * V * elem, 1}, {(8 + 2 * 9) * V * elem, 3}, {int64_t{1} << 40, 9}};
+      for (auto [bytes, chunks] : budgets) {
+        auto d = deferred_form(p, 1.0 / 3, chunk, bytes, true);
+        EXPECT_EQ(d.chunks, chunks) << "budget " << bytes;
+        ASSERT_EQ(d.grads.size(), plain.grads.size());
+        for (size_t i = 0; i < d.grads.size(); ++i) {
+          ASSERT_TRUE(d.grads[i].defined()) << i;
+          EXPECT_TRUE(at::equal(d.grads[i], plain.grads[i]))
+              << (bf16 ? "bf16" : "fp32") << (tied ? " tied" : " untied") << ", budget " << bytes << ", leaf " << i
+              << ": max diff " << (d.grads[i] - plain.grads[i]).abs().max().item<double>();
+        }
+        if (chunks == 0) continue;
+        EXPECT_EQ(d.bytes, (N - (9 - chunks) * chunk) * V * elem);
+        // Without finish() the head's weight misses its share: the deferral took effect.
+        auto missing = deferred_form(p, 1.0 / 3, chunk, bytes, false);
+        const size_t head = tied ? 0 : 2;
+        EXPECT_TRUE(!missing.grads[head].defined() || !at::equal(missing.grads[head], plain.grads[head]));
+        EXPECT_TRUE(at::equal(missing.grads[1], plain.grads[1]));  // the rest is whole
+      }
+    }
+    at::autocast::set_autocast_enabled(device.type(), false);
+    at::autocast::clear_cache();
+  }
+  set_fused_ops(was);
+}
+
+TEST(ChunkedLoss, DeferredHeadGradientGivesTheSameBits) { expect_deferral_exact(at::kCPU, false); }
+
+TEST(ChunkedLoss, DeferredHeadGradientGivesTheSameBitsWithTheCudaKernel) {
+  if (cuda_device_count() == 0) GTEST_SKIP() << "no CUDA device: GPU tests skipped";
+  expect_deferral_exact(at::Device(at::kCUDA, 0), true);
 }
 
 TEST(ChunkedLoss, MatchesTheFullLogitsForm) {

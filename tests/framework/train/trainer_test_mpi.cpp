@@ -173,11 +173,13 @@ TEST(Trainer, RecomputeUnderSpEqualsSerial) {
 struct BitRun {
   std::vector<double> losses, norms;
   std::vector<at::Tensor> params;
+  int64_t deferred_head_bytes = 0;  // this rank's budget (Trainer::deferred_head_bytes)
 };
 
 BitRun train_bits(const RunConfig& cfg, bool distributed) {
   auto t = make_trainer(cfg, distributed, at::kFloat);
   BitRun r;
+  r.deferred_head_bytes = t->deferred_head_bytes();
   for (int i = 0; i < 5; ++i) {
     auto s = t->train_step();
     r.losses.push_back(s.loss), r.norms.push_back(s.grad_norm);
@@ -223,7 +225,18 @@ TEST(Trainer, OrderedSegmentsGiveTheSameBitsOnEveryLayout) {
       auto sp = train_bits(config(sp_o), true);
       EXPECT_TRUE(same_bits(sp, serial, "sp=" + std::to_string(P) + " vs sp=1 with " + std::to_string(P) +
                                             " segments (fp32, 5 steps, " + what + ")"));
+      // The ranks after the first left their head's weight gradient until after the backward (the default).
+      EXPECT_EQ(sp.deferred_head_bytes, parallel::world_info().rank > 0 ? int64_t{1280} << 20 : 0);
+      EXPECT_EQ(serial.deferred_head_bytes, 0);
     }
+  {
+    // And without that deferral (parallel.deferred_head_gradient_mib=0): the same bits too.
+    auto serial = train_bits(config({"parallel.segments=" + std::to_string(P)}), false);
+    auto sp = train_bits(config({"parallel.sp=" + std::to_string(P), "parallel.deferred_head_gradient_mib=0"}), true);
+    EXPECT_EQ(sp.deferred_head_bytes, 0);
+    EXPECT_TRUE(same_bits(sp, serial, "sp=" + std::to_string(P) + " without the deferred head gradient vs sp=1 with " +
+                                          std::to_string(P) + " segments (fp32, 5 steps)"));
+  }
   {
     // The weight gradients' sum in buckets during the backward (parallel/gradient_sum.h) keeps the bits.
     const std::string sp = "parallel.sp=" + std::to_string(P);
