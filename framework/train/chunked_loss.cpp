@@ -68,8 +68,9 @@ void add_weight_gradient(Tensor& sum, const Tensor& dlogits, const Tensor& h, bo
 }  // namespace
 
 struct DeferredHeadAccess {
+  static bool anchored(const DeferredHeadGradient& d) { return d.anchored_; }
+  static void anchor(DeferredHeadGradient& d) { d.anchored_ = true; }
   static void setup(DeferredHeadGradient& d, const Tensor& weight, const Tensor& sum, bool fp32_accumulate) {
-    d.weight_ = weight;
     d.weight_dtype_ = weight.scalar_type();
     d.sum_ = sum;
     d.fp32_accumulate_ = fp32_accumulate;
@@ -79,6 +80,21 @@ struct DeferredHeadAccess {
     d.hidden_.push_back(h);
   }
   static void arrived(DeferredHeadGradient& d, const Tensor& incoming) { d.incoming_ = incoming; }
+  // The weight's gradient: the deferred chunks added to the sum in their order, scaled as
+  // LinearCrossEntropyFunction::backward scales it; undefined when nothing waits. Frees the chunks.
+  static Tensor take(DeferredHeadGradient& d) {
+    Tensor dw;
+    if (d.incoming_.defined() && !d.dlogits_.empty()) {
+      at::NoGradGuard no_grad;
+      for (size_t i = 0; i < d.dlogits_.size(); ++i) add_weight_gradient(d.sum_, d.dlogits_[i], d.hidden_[i], d.fp32_accumulate_);
+      dw = (d.sum_ * d.incoming_.to(d.sum_.scalar_type())).to(d.weight_dtype_);
+    }
+    d.dlogits_.clear();
+    d.hidden_.clear();
+    d.sum_ = Tensor();
+    d.incoming_ = Tensor();
+    return dw;
+  }
 };
 
 int64_t DeferredHeadGradient::bytes() const {
@@ -87,20 +103,40 @@ int64_t DeferredHeadGradient::bytes() const {
   return b;
 }
 
-void DeferredHeadGradient::finish() {
-  if (incoming_.defined() && !dlogits_.empty()) {
-    at::NoGradGuard no_grad;
-    for (size_t i = 0; i < dlogits_.size(); ++i) add_weight_gradient(sum_, dlogits_[i], hidden_[i], fp32_accumulate_);
-    // As LinearCrossEntropyFunction::backward scales the sum.
-    Tensor dw = (sum_ * incoming_.to(sum_.scalar_type())).to(weight_dtype_);
-    Tensor& grad = weight_.mutable_grad();
-    if (grad.defined()) grad.add_(dw);
-    else grad = dw;
+namespace {
+
+// A DeferredHeadGradient in an autograd context.
+struct DeferredHolder : torch::CustomClassHolder {
+  explicit DeferredHolder(std::shared_ptr<DeferredHeadGradient> d) : deferred(std::move(d)) {}
+  std::shared_ptr<DeferredHeadGradient> deferred;
+};
+at::IValue hold(const std::shared_ptr<DeferredHeadGradient>& d) {
+  return at::IValue::make_capsule(c10::make_intrusive<DeferredHolder>(d));
+}
+DeferredHeadGradient& held(AutogradContext* ctx) {
+  return *c10::static_intrusive_pointer_cast<DeferredHolder>(ctx->saved_data["deferred"].toCapsule())->deferred;
+}
+
+// The anchor: x as is; in the backward x's gradient as is and the weight's deferred gradient.
+struct DeferredHeadAnchor : public torch::autograd::Function<DeferredHeadAnchor> {
+  static variable_list forward(AutogradContext* ctx, const Tensor& x, const Tensor& /*weight*/,
+                               const std::shared_ptr<DeferredHeadGradient>& deferred) {
+    ctx->saved_data["deferred"] = hold(deferred);
+    return {x};
   }
-  dlogits_.clear();
-  hidden_.clear();
-  sum_ = Tensor();
-  incoming_ = Tensor();
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    return {grads[0], DeferredHeadAccess::take(held(ctx)), Tensor()};
+  }
+};
+
+}  // namespace
+
+Tensor anchor_deferred_head_gradient(const Tensor& x, const Tensor& weight,
+                                     const std::shared_ptr<DeferredHeadGradient>& deferred) {
+  TORCH_CHECK(deferred, "anchor_deferred_head_gradient: no DeferredHeadGradient given");
+  if (!at::GradMode::is_enabled() || !x.requires_grad() || !weight.requires_grad()) return x;
+  DeferredHeadAccess::anchor(*deferred);
+  return DeferredHeadAnchor::apply(x, weight, deferred)[0];
 }
 
 namespace {
@@ -174,12 +210,6 @@ Pass chunked_pass(const Tensor& hidden, const Tensor& weight, const Tensor& targ
   return out;
 }
 
-// The deferred part in the autograd context, for the backward.
-struct DeferredHolder : torch::CustomClassHolder {
-  explicit DeferredHolder(std::shared_ptr<DeferredHeadGradient> d) : deferred(std::move(d)) {}
-  std::shared_ptr<DeferredHeadGradient> deferred;
-};
-
 struct LinearCrossEntropyFunction : public torch::autograd::Function<LinearCrossEntropyFunction> {
   // Outputs: the weighted sum, the per-token losses (no gradient), the predictions (if asked; else empty).
   // deferred (may be null): where the last chunks' weight gradient waits (defer_bytes of their logit gradients).
@@ -188,8 +218,7 @@ struct LinearCrossEntropyFunction : public torch::autograd::Function<LinearCross
                                const std::shared_ptr<DeferredHeadGradient>& deferred) {
     auto pass = chunked_pass(hidden, weight, targets, weights, chunk, /*grads=*/true, predictions, defer_bytes,
                              deferred.get());
-    if (deferred && deferred->chunks() > 0)
-      ctx->saved_data["deferred"] = at::IValue::make_capsule(c10::make_intrusive<DeferredHolder>(deferred));
+    if (deferred && deferred->chunks() > 0) ctx->saved_data["deferred"] = hold(deferred);
     ctx->save_for_backward({pass.grad_hidden, pass.grad_weight});
     ctx->saved_data["weight_dtype"] = static_cast<int64_t>(weight.scalar_type());
     Tensor loss = (pass.ce * weights).sum();
@@ -204,9 +233,8 @@ struct LinearCrossEntropyFunction : public torch::autograd::Function<LinearCross
     if (!g.defined()) return {Tensor(), Tensor(), Tensor(), Tensor(), Tensor(), Tensor(), Tensor(), Tensor()};
     const auto weight_dtype = static_cast<at::ScalarType>(ctx->saved_data["weight_dtype"].toInt());
     Tensor dh = saved[0] * g.to(saved[0].scalar_type());
-    if (ctx->saved_data.count("deferred")) {  // the weight's gradient comes with DeferredHeadGradient::finish
-      auto holder = c10::static_intrusive_pointer_cast<DeferredHolder>(ctx->saved_data["deferred"].toCapsule());
-      DeferredHeadAccess::arrived(*holder->deferred, g);
+    if (ctx->saved_data.count("deferred")) {  // the weight's gradient comes from the anchor's backward
+      DeferredHeadAccess::arrived(held(ctx), g);
       return {dh, Tensor(), Tensor(), Tensor(), Tensor(), Tensor(), Tensor(), Tensor()};
     }
     Tensor dw = (saved[1] * g.to(saved[1].scalar_type())).to(weight_dtype);
@@ -218,7 +246,7 @@ struct LinearCrossEntropyFunction : public torch::autograd::Function<LinearCross
 
 LinearCrossEntropy linear_cross_entropy(const Tensor& hidden, const Tensor& weight, const Tensor& targets,
                                         const Tensor& token_weights, int64_t chunk_tokens, bool predictions,
-                                        int64_t defer_bytes) {
+                                        int64_t defer_bytes, const std::shared_ptr<DeferredHeadGradient>& anchored) {
   TORCH_CHECK(hidden.dim() >= 1 && hidden.is_floating_point(),
               "linear_cross_entropy: hidden must be floating [..., d], got ", hidden.scalar_type(), " ", hidden.sizes());
   TORCH_CHECK(weight.dim() == 2 && weight.is_floating_point() && weight.size(1) == hidden.size(-1),
@@ -244,7 +272,8 @@ LinearCrossEntropy linear_cross_entropy(const Tensor& hidden, const Tensor& weig
   LinearCrossEntropy out;
   const bool grads = at::GradMode::is_enabled() && (hidden.requires_grad() || weight.requires_grad());
   if (grads) {
-    auto deferred = defer_bytes > 0 && weight.requires_grad() ? std::make_shared<DeferredHeadGradient>() : nullptr;
+    const bool defer = defer_bytes > 0 && anchored && DeferredHeadAccess::anchored(*anchored) && weight.requires_grad();
+    const auto deferred = defer ? anchored : nullptr;
     auto r = LinearCrossEntropyFunction::apply(h, weight, t, w, chunk, predictions, defer_bytes, deferred);
     if (deferred && deferred->chunks() > 0) out.deferred = deferred;
     out.loss = r[0];

@@ -74,7 +74,8 @@ Model build_model(const ModelConfig& model, uint64_t seed, at::TensorOptions opt
   return m;
 }
 
-Tensor Model::hidden(const Tensor& tokens, const ModelContext& ctx) const {
+Tensor Model::hidden(const Tensor& tokens, const ModelContext& ctx,
+                    const std::shared_ptr<DeferredHeadGradient>& deferred) const {
   TORCH_CHECK(tokens.dim() == 2, "model: tokens must be [B, T], got ", tokens.sizes());
   TORCH_CHECK(tokens.scalar_type() == at::kLong, "model: tokens must be int64, got ", tokens.scalar_type());
   const int64_t V = config_.vocab_size();
@@ -86,6 +87,7 @@ Tensor Model::hidden(const Tensor& tokens, const ModelContext& ctx) const {
                 ", ", hi, "]");
   }
   auto h = at::embedding(embedding_, tokens.to(embedding_.device()));
+  if (deferred) h = anchor_deferred_head_gradient(h, head_weight(), deferred);
   // The context is shared by value with each layer's closure: a recomputation in backward runs after
   // the caller's context is gone.
   auto with_documents = std::make_shared<ModelContext>(ctx);
@@ -169,8 +171,9 @@ LinearCrossEntropy Model::loss_sum(const Tensor& tokens, const Tensor& targets, 
   check_targets(tokens, targets);
   TORCH_CHECK(!weights.defined() || weights.sizes() == tokens.sizes(), "model: loss weights must have the shape of tokens ",
               tokens.sizes(), ", got ", weights.sizes());
-  return linear_cross_entropy(hidden(tokens, ctx), head_weight(), targets, weights, ctx.loss_chunk_tokens, predictions,
-                              defer_head_bytes);
+  auto deferred = defer_head_bytes > 0 && at::GradMode::is_enabled() ? std::make_shared<DeferredHeadGradient>() : nullptr;
+  return linear_cross_entropy(hidden(tokens, ctx, deferred), head_weight(), targets, weights, ctx.loss_chunk_tokens,
+                              predictions, defer_head_bytes, deferred);
 }
 
 Tensor Model::loss(const Tensor& tokens, const Tensor& targets, const Tensor& mask, const ModelContext& ctx) const {

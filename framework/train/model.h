@@ -66,7 +66,10 @@ class Model {
   // tokens [B,T] int64 -> logits [B,T,V] in the model's dtype.
   Tensor forward(const Tensor& tokens, const ModelContext& context = {}) const;
   // The final hidden states [B,T,d] (after the last norm), before the head.
-  Tensor hidden(const Tensor& tokens, const ModelContext& context = {}) const;
+  // deferred: the embedding's output goes through its anchor (chunked_loss.h,
+  // anchor_deferred_head_gradient), for a loss that defers the head's gradient (loss_sum).
+  Tensor hidden(const Tensor& tokens, const ModelContext& context = {},
+                const std::shared_ptr<DeferredHeadGradient>& deferred = nullptr) const;
   // Cross entropy per token [B,T] (computed in fp32 at least) of targets [B,T] int64 under logits.
   // Without a gradient to take (grad mode off, e.g. evaluation) it runs chunk by chunk and never holds
   // the [B,T,V] logits; with one it builds them (per-token gradients; training uses loss_sum).
@@ -76,8 +79,9 @@ class Model {
   // .predictions = the argmax tokens [B,T] when asked. Targets < 0 are ignored (loss 0, no gradient);
   // weights [B,T] bool or float (undefined: all ones). Sequence-parallel and data-parallel trainers sum
   // .loss and the weights over ranks and back-propagate .loss / global count.
-  // defer_head_bytes > 0: the head weight's gradient of the last chunks is left for
-  // .deferred->finish() after the backward (linear_cross_entropy's defer_bytes).
+  // defer_head_bytes > 0: the head weight's gradient of the last chunks whose logit gradients fit in
+  // it is computed at the end of the backward, right before the embedding's (linear_cross_entropy's
+  // defer_bytes, anchored on the embedding's output); the same bits.
   LinearCrossEntropy loss_sum(const Tensor& tokens, const Tensor& targets, const Tensor& weights = {},
                               const ModelContext& context = {}, bool predictions = false,
                               int64_t defer_head_bytes = 0) const;

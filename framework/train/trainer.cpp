@@ -227,8 +227,8 @@ Trainer::Trainer(const RunConfig& config, std::shared_ptr<parallel::ProcessGroup
     }
   }
   // The ranks after the first start their backward, and send the state gradients the rank before them
-  // waits for, earlier when their head's weight gradient waits until after it (DeferredHeadGradient).
-  if (segments_ && segments_->per_rank() == 1 && sp_ > 1 && sp_rank_ > 0 && !gradient_sum_)
+  // waits for, earlier when their head's weight gradient waits until the end of it (DeferredHeadGradient).
+  if (segments_ && segments_->per_rank() == 1 && sp_ > 1 && sp_rank_ > 0)
     deferred_head_bytes_ = par.deferred_head_gradient_mib() << 20;
   const char* timing = std::getenv("CARRY_COMM_TIMING");
   phase_timing_ = timing && std::string(timing) == "1";
@@ -548,7 +548,6 @@ at::Tensor Trainer::segmented_forward_backward(const std::vector<Batch>& micro, 
       segments_->set_segment(j);
       if (overlap) gradient_sum_->begin();
       (ce[j].loss / masked[0].to(ce[j].loss.scalar_type())).backward();
-      if (ce[j].deferred) ce[j].deferred->finish();  // before the gradients are read
       ce[j] = LinearCrossEntropy{};
       if (overlap) gradients = gradient_sum_->finish();
       else {

@@ -187,9 +187,9 @@ class Trainer {
   // One segment a rank, sp > 1 and CARRY_GRADIENT_OVERLAP=1: the weight gradients' tree sum goes in
   // buckets during the backward (parallel/gradient_sum.h). Null otherwise.
   std::unique_ptr<parallel::OverlappedGradientSum> gradient_sum_;
-  // Bytes of the loss's last chunks' logit gradients whose head weight gradient waits until after the
-  // backward (parallel.deferred_head_gradient_mib: ORDERED, sp > 1, sp ranks after the first, no
-  // gradient_sum_); 0: none.
+  // Bytes of the loss's last chunks' logit gradients whose head weight gradient waits until the end of
+  // the backward (parallel.deferred_head_gradient_mib: ORDERED, sp > 1, one segment a rank, sp ranks
+  // after the first); 0: none.
   int64_t deferred_head_bytes_ = 0;
   // CARRY_COMM_TIMING=1: the GPU time the step's stream waits on the sp group's messages (the state
   // chain, halos, loss sums; the gradients too when they are summed after the backward) and on the
