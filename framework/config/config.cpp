@@ -881,8 +881,9 @@ void check_run(const RunConfig& c, Errors& e) {
   else if (par.segments() > 0 && sp >= 1 && rank_segments == 0)
     e.add("parallel.segments", "must be sp times a power of two (each rank holds a power of two of them), got ",
           par.segments(), " with sp = ", sp);
-  if (par.deferred_head_gradient_mib() < 0)
-    e.add("parallel.deferred_head_gradient_mib", "must be >= 0 (0: off), got ", par.deferred_head_gradient_mib());
+  if (par.deferred_head_gradient_mib() < 0 || par.deferred_head_gradient_mib() > (int64_t{1} << 20))
+    e.add("parallel.deferred_head_gradient_mib", "expected 0 (off) to 1048576 MiB of logit gradients a rank after "
+          "the first holds for its head's gradient; got " + std::to_string(par.deferred_head_gradient_mib()));
   if (par.loss_chunk_tokens() < 0)
     e.add("parallel.loss_chunk_tokens", "must be >= 0 (0: the default for the form that runs), got ", par.loss_chunk_tokens());
   int64_t ranks = 0;

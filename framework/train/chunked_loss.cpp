@@ -56,8 +56,6 @@ bool fused_loss(const Tensor& hidden, at::ScalarType ct) {
 #endif
 }
 
-// deferred (with grads): the last chunks whose logit gradients fit in defer_bytes keep them in
-// *deferred instead of adding their product into grad_weight.
 // One chunk's share of the head weight's gradient, dlogitsᵀ·h, added into the fp32 (or wider) sum: by
 // cuBLAS in its epilogue for bf16 products on CUDA (no bf16 rounding per chunk, no separate add pass).
 void add_weight_gradient(Tensor& sum, const Tensor& dlogits, const Tensor& h, bool fp32_accumulate) {
@@ -141,6 +139,8 @@ Tensor anchor_deferred_head_gradient(const Tensor& x, const Tensor& weight,
 
 namespace {
 
+// deferred (with grads): the last chunks whose logit gradients fit in defer_bytes keep them in
+// *deferred instead of adding their product into grad_weight.
 Pass chunked_pass(const Tensor& hidden, const Tensor& weight, const Tensor& targets, const Tensor& weights,
                   int64_t chunk, bool grads, bool predictions, int64_t defer_bytes = 0,
                   DeferredHeadGradient* deferred = nullptr) {
@@ -218,8 +218,10 @@ struct LinearCrossEntropyFunction : public torch::autograd::Function<LinearCross
                                const std::shared_ptr<DeferredHeadGradient>& deferred) {
     auto pass = chunked_pass(hidden, weight, targets, weights, chunk, /*grads=*/true, predictions, defer_bytes,
                              deferred.get());
-    if (deferred && deferred->chunks() > 0) ctx->saved_data["deferred"] = hold(deferred);
-    ctx->save_for_backward({pass.grad_hidden, pass.grad_weight});
+    const bool later = deferred && deferred->chunks() > 0;
+    // Deferred: the anchor adds the last chunks into the weight's sum in place; the backward reads none of it.
+    if (later) ctx->saved_data["deferred"] = hold(deferred);
+    ctx->save_for_backward({pass.grad_hidden, later ? Tensor() : pass.grad_weight});
     ctx->saved_data["weight_dtype"] = static_cast<int64_t>(weight.scalar_type());
     Tensor loss = (pass.ce * weights).sum();
     Tensor preds = predictions ? pass.predictions : at::empty({0}, targets.options());

@@ -488,6 +488,11 @@ TEST_F(ConfigTest, ValidationErrorFromAnOverrideSaysSo) {
   EXPECT_EQ(load_error(kValid, {"parallel.recompute_keep_last=-1"}),
             path + ": parallel.recompute_keep_last: expected 0 or more layers that keep their activations under "
                    "parallel.recompute; got -1 (set by --set parallel.recompute_keep_last=-1)");
+  for (const char* bad : {"-1", "1048577"})
+    EXPECT_EQ(load_error(kValid, {std::string("parallel.deferred_head_gradient_mib=") + bad}),
+              path + ": parallel.deferred_head_gradient_mib: expected 0 (off) to 1048576 MiB of logit gradients a "
+                     "rank after the first holds for its head's gradient; got " + bad +
+                     " (set by --set parallel.deferred_head_gradient_mib=" + bad + ")");
 }
 
 // Ordered segments: the ORDERED scan only, sp times a power of two, and the sequence cut into them

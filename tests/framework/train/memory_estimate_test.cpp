@@ -70,6 +70,26 @@ double block_bytes(const Model& model, int i, int64_t B, int64_t t) {
       .live_bytes;
 }
 
+// parallel.deferred_head_gradient_mib: at sp = 2 under the ORDERED scan the rank after the first holds
+// its slice's logit gradients (up to the budget) beside the head's: the estimate's head grows by that.
+TEST(MemoryEstimate, CountsTheDeferredHeadGradient) {
+  OneCpuThread one_thread;
+  auto cfg = run_config_from_text(kRun, "memory.textproto");
+  cfg.mutable_parallel()->set_sp(2);
+  cfg.mutable_parallel()->set_recompute_overlap(false);
+  auto off = cfg;
+  off.mutable_parallel()->set_deferred_head_gradient_mib(0);
+  auto with = estimate_memory(cfg), without = estimate_memory(off);
+  ASSERT_EQ(with.slice_tokens, 256);
+  const double logits = 2.0 * 256 * 96 * (cfg.precision() == RunConfig::BF16 ? 2 : 4);  // all of it: under the budget
+  EXPECT_NEAR(with.head_bytes - without.head_bytes, logits, 1e-6 * logits);
+  EXPECT_NEAR(with.total_kept - without.total_kept, logits, 1e-6 * with.total_kept);
+  // One rank: nothing deferred.
+  auto one = cfg, one_off = off;
+  one.mutable_parallel()->set_sp(1), one_off.mutable_parallel()->set_sp(1);
+  EXPECT_EQ(estimate_memory(one).head_bytes, estimate_memory(one_off).head_bytes);
+}
+
 TEST(MemoryEstimate, ExtrapolationMatchesADirectMeasurement) {
   OneCpuThread one_thread;
   auto cfg = run_config_from_text(kRun, "memory.textproto");
