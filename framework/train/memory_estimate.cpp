@@ -274,7 +274,7 @@ MemoryEstimate estimate_memory(const RunConfig& config, std::FILE* progress) {
     m.head_bytes = extrapolate(ys);
     m.head_backward_bytes = extrapolate(bs);
     // The ranks after the first of an ordered sp group, one segment a rank, keep the loss's last chunks'
-    // logit gradients until after the backward (parallel.deferred_head_gradient_mib; the trainer's).
+    // logit gradients until the end of the backward (parallel.deferred_head_gradient_mib; the trainer's).
     const auto& par = config.parallel();
     const int64_t sp_ranks = std::max<int64_t>(par.sp(), 1);
     const int64_t segments = par.segments() > 0 ? par.segments() : sp_ranks;

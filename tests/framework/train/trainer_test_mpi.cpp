@@ -225,7 +225,7 @@ TEST(Trainer, OrderedSegmentsGiveTheSameBitsOnEveryLayout) {
       auto sp = train_bits(config(sp_o), true);
       EXPECT_TRUE(same_bits(sp, serial, "sp=" + std::to_string(P) + " vs sp=1 with " + std::to_string(P) +
                                             " segments (fp32, 5 steps, " + what + ")"));
-      // The ranks after the first left their head's weight gradient until after the backward (the default).
+      // The ranks after the first left their head's weight gradient to the end of the backward (the default).
       EXPECT_EQ(sp.deferred_head_bytes, parallel::world_info().rank > 0 ? int64_t{2560} << 20 : 0);
       EXPECT_EQ(serial.deferred_head_bytes, 0);
     }
