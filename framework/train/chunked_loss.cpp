@@ -68,8 +68,8 @@ void add_weight_gradient(Tensor& sum, const Tensor& dlogits, const Tensor& h, bo
 struct DeferredHeadAccess {
   static bool anchored(const DeferredHeadGradient& d) { return d.anchored_; }
   static void anchor(DeferredHeadGradient& d) { d.anchored_ = true; }
-  static void setup(DeferredHeadGradient& d, const Tensor& weight, const Tensor& sum, bool fp32_accumulate) {
-    d.weight_dtype_ = weight.scalar_type();
+  static void setup(DeferredHeadGradient& d, at::ScalarType weight_dtype, const Tensor& sum, bool fp32_accumulate) {
+    d.weight_dtype_ = weight_dtype;
     d.sum_ = sum;
     d.fp32_accumulate_ = fp32_accumulate;
   }
@@ -170,7 +170,8 @@ Pass chunked_pass(const Tensor& hidden, const Tensor& weight, const Tensor& targ
       if (used > defer_bytes) break;
       defer_from = start;
     }
-    DeferredHeadAccess::setup(*deferred, weight, out.grad_weight, fp32_accumulate);
+    // (nothing deferred: the anchor's object keeps no reference to the sum)
+    if (defer_from < N) DeferredHeadAccess::setup(*deferred, weight.scalar_type(), out.grad_weight, fp32_accumulate);
   }
   for (int64_t start = 0; start < N; start += chunk) {
     const int64_t n = std::min(chunk, N - start);
