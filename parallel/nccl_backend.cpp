@@ -360,6 +360,12 @@ class NcclCommunicator final : public Communicator {
     waited_by_kind_ms_.clear();
     return out;
   }
+  std::vector<std::pair<std::string, double>> take_wait_sequence() override {
+    std::lock_guard<std::mutex> lock(mutex_);
+    std::vector<std::pair<std::string, double>> out(wait_sequence_.begin(), wait_sequence_.end());
+    wait_sequence_.clear();
+    return out;
+  }
   double take_waited_seconds() override {
     std::lock_guard<std::mutex> lock(mutex_);
     const double s = waited_ms_ / 1000.0;
@@ -734,7 +740,10 @@ class NcclCommunicator final : public Communicator {
           float ms = 0;
           if (w.ready && cudaEventElapsedTime(&ms, w.ready->get(), w.done->get()) == cudaSuccess) {
             waited_ms_ += ms;
-            waited_by_kind_ms_[message_kind(w.context.empty() ? w.op : w.context.back())] += ms;
+            const std::string kind = message_kind(w.context.empty() ? w.op : w.context.back());
+            waited_by_kind_ms_[kind] += ms;
+            wait_sequence_.emplace_back(kind, ms / 1000.0);
+            if (wait_sequence_.size() > 4096) wait_sequence_.pop_front();
           }
           pending_.pop_front();
           continue;
@@ -808,6 +817,7 @@ class NcclCommunicator final : public Communicator {
   std::string failure_;
   double waited_ms_ = 0;  // set_wait_timing's sum, under mutex_
   std::map<std::string, double> waited_by_kind_ms_;  // the same by message_kind, under mutex_
+  std::deque<std::pair<std::string, double>> wait_sequence_;  // the same one by one (s), under mutex_
   HostCalls host_calls_;  // run()'s host time while timing, under mutex_
   // Held by run() while it enqueues and polls, and by the watchdog while it asks for the async error.
   // NCCL's calls are generally not thread-safe on one communicator (its documentation: threads should use

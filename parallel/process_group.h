@@ -121,6 +121,9 @@ class Communicator {
   // The same waits by kind of message (message_kind) since the last call, in seconds.
   // take_waited_seconds() does not clear it, nor it take_waited_seconds().
   virtual std::map<std::string, double> take_waits_by_kind() { return {}; }
+  // The same waits one by one, in the order their operations were enqueued, since the last call (at most
+  // the last 4096): (message_kind, seconds). Cleared only by this call.
+  virtual std::vector<std::pair<std::string, double>> take_wait_sequence() { return {}; }
   // The host's side of the same operations, measured when wait timing is on (NCCL): how many were
   // enqueued since the last call and the host seconds spent enqueuing them (until the backend had
   // queued its kernels on its stream), which the host does not spend running ahead of the GPU.

@@ -64,6 +64,9 @@ class SegmentCommunicator final : public Communicator {
   std::map<std::string, double> take_waits_by_kind() override {
     return sp_ ? sp_->take_waits_by_kind() : std::map<std::string, double>{};
   }
+  std::vector<std::pair<std::string, double>> take_wait_sequence() override {
+    return sp_ ? sp_->take_wait_sequence() : std::vector<std::pair<std::string, double>>{};
+  }
   HostCalls take_host_calls() override { return sp_ ? sp_->take_host_calls() : HostCalls{}; }
 
  private:

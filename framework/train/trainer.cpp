@@ -230,8 +230,19 @@ Trainer::Trainer(const RunConfig& config, std::shared_ptr<parallel::ProcessGroup
   // waits for, earlier when their head's weight gradient waits until the end of it (DeferredHeadGradient).
   if (segments_ && segments_->per_rank() == 1 && sp_ > 1 && sp_rank_ > 0)
     deferred_head_bytes_ = par.deferred_head_gradient_mib() << 20;
+  // The first sp rank updates the embedding and the first layer at the end of a step, the rest right
+  // before the next step's second layer (parallel.update_after_first_layer): its first state reaches
+  // the next rank sooner by that much of the update.
+  if (segments_ && segments_->per_rank() == 1 && sp_ > 1 && sp_rank_ == 0 && par.update_after_first_layer()) {
+    const NamedParameters params = model_.parameters();
+    size_t first = 0;
+    while (first < params.size() && params[first].first.rfind("layers.1.", 0) != 0) ++first;
+    if (first < params.size()) split_update_first_ = first;
+  }
   const char* timing = std::getenv("CARRY_COMM_TIMING");
-  phase_timing_ = timing && std::string(timing) == "1";
+  // "order": also each rank's waits of the window's last step one by one (wait_order_).
+  phase_timing_ = timing && (std::string(timing) == "1" || std::string(timing) == "order");
+  wait_order_ = phase_timing_ && std::string(timing) == "order";
   comm_timing_ = phase_timing_ && groups_;
   if (comm_timing_) {
     groups_->sp->set_wait_timing(true);
@@ -262,6 +273,7 @@ void Trainer::take_comm_waits() {
   groups_->sp->synchronize();
   comm_wait_s_ += groups_->sp->take_waited_seconds();
   for (auto& [kind, s] : groups_->sp->take_waits_by_kind()) waits_by_kind_[kind] += s;
+  last_wait_sequence_ = groups_->sp->take_wait_sequence();
   const parallel::Communicator::HostCalls h = groups_->sp->take_host_calls();
   host_calls_ += h.count;
   host_call_s_ += h.seconds;
@@ -535,12 +547,16 @@ at::Tensor Trainer::segmented_forward_backward(const std::vector<Batch>& micro, 
     std::vector<LinearCrossEntropy> ce(k);
     for (int j = 0; j < k; ++j) {
       auto [seg, ctx] = segment_of(batch, j);
+      if (split_update_first_ > 0) ctx.before_layer = [this](int64_t layer) {
+        if (layer >= 1) optimizer_->finish_step();
+      };
       AutocastScope autocast(device_.type(), at::kBFloat16, bf16_);
       ce[j] = model_.loss_sum(seg.tokens, seg.targets, seg.loss_mask, ctx, /*predictions=*/false,
                               deferred_head_bytes_);
       auto l = at::stack({ce[j].loss.detach().to(at::kDouble), at::zeros({}, masked.options())});
       losses[j] = losses[j].defined() ? losses[j] + l : l;
     }
+    optimizer_->finish_step();  // (done by the second layer's forward already)
     // One segment and one micro-batch: the gradients' sum goes in buckets while the backward runs.
     const bool overlap = gradient_sum_ && micro.size() == 1;
     phase_mark("forward");
@@ -667,7 +683,8 @@ StepStats Trainer::train_step() {
   TORCH_CHECK(std::isfinite(grad_norm), "trainer: step ", step_ + 1, ": the gradient norm is ", number_text(grad_norm),
               " (loss ", number_text(loss_sum / count), "); the parameters were not updated. ", divergence_hint());
   const double lr = learning_rate(config_.optimizer(), step_);
-  optimizer_->step(lr);
+  if (split_update_first_ > 0) optimizer_->step_first(lr, split_update_first_);
+  else optimizer_->step(lr);
   phase_mark("update");
   ++step_;
   const int64_t tokens = static_cast<int64_t>(dp_) * accum * data.batch_size() * data.seq_len();
@@ -684,6 +701,7 @@ StepStats Trainer::train_step() {
 }
 
 EvalStats Trainer::evaluate() {
+  optimizer_->finish_step();
   at::NoGradGuard no_grad;
   const int64_t batches = config_.data().eval_batches();
   // Per rank: [Σ ce·mask, Σ mask, correct]; per sequence (summed over sp): [masked, correct].
@@ -730,6 +748,7 @@ EvalStats Trainer::evaluate() {
 // ---- checkpoints ----
 
 void Trainer::save_checkpoint() {
+  optimizer_->finish_step();
   const auto& ck = config_.checkpoint();
   if (!ck.has_dir() || ck.dir().empty()) return;
   // Never write a checkpoint with a non-finite parameter: it would become `latest` and every resume
@@ -1180,6 +1199,21 @@ int Trainer::run() {
         if (!kinds.empty())
           std::fprintf(stderr, "carry: step %lld, rank %d: the stream's waits on sp messages by kind, share of %.3f s:%s\n",
                        static_cast<long long>(s.step), rank(), window_seconds, text.c_str());
+        if (wait_order_ && !last_wait_sequence_.empty()) {
+          // The step's waits one by one, by kind in the order each kind first came (ms).
+          std::vector<std::pair<std::string, std::string>> order;
+          for (auto& [kind, w_s] : last_wait_sequence_) {
+            auto it = std::find_if(order.begin(), order.end(), [&](const auto& o) { return o.first == kind; });
+            if (it == order.end()) it = order.insert(order.end(), {kind, ""});
+            char v[24];
+            std::snprintf(v, sizeof v, " %.3f", 1e3 * w_s);
+            it->second += v;
+          }
+          std::string text;
+          for (auto& [kind, values] : order) text += "\n  " + kind + ":" + values;
+          std::fprintf(stderr, "carry: step %lld, rank %d: the step's waits on sp messages one by one, ms:%s\n",
+                       static_cast<long long>(s.step), rank(), text.c_str());
+        }
         if (host_calls_ > 0)
           std::fprintf(stderr, "carry: step %lld, rank %d: %ld sp messages enqueued (%ld by the copy engines), %.2f ms of host time (%.2f%% of %.3f s)\n",
                        static_cast<long long>(s.step), rank(), host_calls_, host_calls_by_copy_, 1e3 * host_call_s_,
