@@ -25,7 +25,6 @@
 #include "layers/parameters.h"
 
 #include <cstdint>
-#include <optional>
 #include <unordered_map>
 #include <string>
 #include <utility>
@@ -53,40 +52,20 @@ class AdamW {
   // One update with learning rate `lr` from the parameters' .grad() (a parameter without a gradient
   // is treated as having a zero gradient: its moments still decay). Advances steps().
   void step(double lr);
-  // The same update in two parts (the same bits): the first `first` parameters (in order) now, the
-  // others at finish_step(). It keeps their gradients until then, so the caller may drop the
-  // parameters' .grad() in between. The trainer's first sp rank runs a step's later part after the next
-  // step's first layer (trainer.h, split_update_). A step, or load_state, finishes a pending part first.
-  void step_first(double lr, size_t first);
-  void finish_step();  // no-op when nothing is pending
-  bool pending() const { return pending_.has_value(); }
   int64_t steps() const { return steps_; }
 
   // The state as named tensors: "exp_avg.<param>" for every parameter in order, then
-  // "exp_avg_sq.<param>". Shares storage with the optimizer (copy before mutating). Refused while a
-  // part is pending (finish_step first).
+  // "exp_avg_sq.<param>". Shares storage with the optimizer (copy before mutating).
   std::vector<std::pair<std::string, at::Tensor>> state() const;
   // Restores state() output (any order; every name required, shapes must match; values are copied
-  // into the optimizer's tensors, converting dtype and device) and the step count; a pending part is
-  // dropped.
+  // into the optimizer's tensors, converting dtype and device) and the step count.
   void load_state(const std::vector<std::pair<std::string, at::Tensor>>& state, int64_t steps);
 
   const NamedParameters& parameters() const { return params_; }
 
  private:
-  struct Item {
-    at::Tensor p, g;  // the parameter and its gradient as the step found it
-    size_t index;     // in params_
-  };
-  struct Pending {
-    std::vector<Item> items;
-    double lr;
-  };
-  // The update of `items` at step steps_ with learning rate `lr`.
-  void update(const std::vector<Item>& items, double lr);
   NamedParameters params_;
   config::OptimizerConfig opt_;
-  std::optional<Pending> pending_;
   std::vector<at::Tensor> exp_avg_, exp_avg_sq_;
   int64_t steps_ = 0;
   bool fused_ = true;

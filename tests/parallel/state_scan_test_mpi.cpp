@@ -799,6 +799,7 @@ void check_chain(Communicator& c, at::Device dev) {
   for (int layer = 0; layer < 12; ++layer) {
     if (r > 0) {
       Tensor got = at::empty({1000}, opt);
+      CommContext ctx("chain test: forward state of layer " + std::to_string(layer));
       c.recv(got, r - 1, fwd);
       EXPECT_TRUE(at::equal(got, value(layer, r - 1, fwd))) << "rank " << r << " layer " << layer << " forward";
     }
@@ -811,6 +812,7 @@ void check_chain(Communicator& c, at::Device dev) {
   for (int layer = 11; layer >= 0; --layer) {
     if (r + 1 < P) {
       Tensor got = at::empty({1000}, opt);
+      CommContext ctx("chain test: backward gradient of layer " + std::to_string(layer));
       c.recv(got, r + 1, bwd);
       EXPECT_TRUE(at::equal(got, value(layer, r + 1, bwd))) << "rank " << r << " layer " << layer << " backward";
     }
@@ -826,8 +828,27 @@ void check_chain(Communicator& c, at::Device dev) {
   } else {
     EXPECT_EQ(h.count, 0) << "rank " << r;
   }
-  c.take_waited_seconds();
+  // The waits one by one (CARRY_COMM_TIMING=order): NCCL lists the chain's receives in the order they
+  // were enqueued, under their kinds (the layer as '#'), and their sum is the waits' total.
+  const auto sequence = c.take_wait_sequence();
+  const double waited = c.take_waited_seconds();
   c.take_waits_by_kind();
+  if (c.backend() != "nccl") {
+    EXPECT_TRUE(sequence.empty()) << "rank " << r;
+    return;
+  }
+  std::vector<std::string> chain;
+  double sum = 0;
+  for (auto& [kind, seconds] : sequence) {
+    sum += seconds;
+    EXPECT_GE(seconds, 0.0) << kind;
+    if (kind.rfind("chain test: ", 0) == 0) chain.push_back(kind);
+  }
+  std::vector<std::string> expected(r > 0 ? 12 : 0, "chain test: forward state of layer #");
+  expected.resize(expected.size() + (r + 1 < P ? 12 : 0), "chain test: backward gradient of layer #");
+  EXPECT_EQ(chain, expected) << "rank " << r;
+  EXPECT_NEAR(sum, waited, 1e-6 + 1e-6 * waited) << "rank " << r;
+  EXPECT_TRUE(c.take_wait_sequence().empty()) << "taken once";
 }
 
 TEST(Communicator, ChainMessagesArriveInOrder) {
