@@ -103,7 +103,6 @@ Tensor Model::hidden(const Tensor& tokens, const ModelContext& ctx,
   }
   std::shared_ptr<const ModelContext> shared = with_documents;
   for (size_t i = 0; i < blocks_.size(); ++i) {
-    if (ctx.before_layer) ctx.before_layer(static_cast<int64_t>(i));
     const ModelBlock* b = &blocks_[i];
     // NVTX names (layers/common/nvtx.h): "layer i kind" around the block, "mixer kind" and "mlp" inside;
     // a recomputed block shows them again in the backward.

@@ -21,7 +21,6 @@
 #include "layers/norm.h"
 #include "layers/parameters.h"
 
-#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -60,9 +59,6 @@ struct ModelContext {
   // Tokens per chunk of the chunked head + cross entropy (framework/train/chunked_loss.h); 0: the
   // default for the form that runs (default_loss_chunk_tokens).
   int64_t loss_chunk_tokens = 0;
-  // Called with i right before layer i's forward (not before a recomputation's replay of it): the
-  // trainer's first sp rank finishes the last step's update there (trainer.h, split_update_).
-  std::function<void(int64_t)> before_layer;
 };
 
 class Model {

@@ -1,10 +1,8 @@
 // AdamW, the warmup + cosine schedule and gradient clipping (see optimizer.h).
 #include "framework/train/optimizer.h"
-#include "layers/common/side_stream.h"
 
 #include <ATen/ATen.h>
 #include <ATen/core/grad_mode.h>
-#include <c10/core/impl/LocalDispatchKeySet.h>
 #include <c10/util/Exception.h>
 
 #include <algorithm>
@@ -69,70 +67,27 @@ AdamW::AdamW(NamedParameters params, const config::OptimizerConfig& opt, bool fu
   }
 }
 
-void AdamW::step(double lr) { step_first(lr, params_.size()); }
-
-void AdamW::step_first(double lr, size_t first, bool beside) {
-  finish_step();
+void AdamW::step(double lr) {
   at::NoGradGuard no_grad;
   ++steps_;
-  // The fused form's step count t on each device (a fill kernel, no host read); fp32 holds every count
-  // up to 2^24. The later part reads the same tensor: no update comes between.
-  if (fused_)
-    for (auto& [device, t] : step_tensors_) t.fill_(static_cast<double>(steps_));
-  std::vector<Item> now, later;
-  for (size_t i = 0; i < params_.size(); ++i) {
-    at::Tensor p = params_[i].second;
-    at::Tensor g = p.grad().defined() ? p.grad() : at::zeros_like(p);
-    if (g.scalar_type() != p.scalar_type()) g = g.to(p.scalar_type());
-    // The fused kernel needs every list's tensors laid out as the parameter.
-    if (fused_ && p.is_cuda() && g.strides() != p.strides()) g = at::empty_like(p).copy_(g);
-    (i < first ? now : later).push_back(Item{p, g, i});
-  }
-  update(now, lr);
-  if (later.empty()) return;
-  pending_ = Pending{{}, lr, SideStream(later[0].p, beside ? 1 : -1)};
-  if (!pending_->side.active()) {
-    pending_->items = std::move(later);
-    return;
-  }
-  // On the side stream, after what the current one has queued (the gradients, the step count): the
-  // gradients made on the current stream are not handed out again before the side stream is done.
-  const SideStream& side = pending_->side;
-  side.run([&] {
-    for (const Item& item : later) side.used_on_current(item.g);
-    update(later, lr);
-  });
-}
-
-void AdamW::finish_step() {
-  if (!pending_) return;
-  Pending p = std::move(*pending_);
-  pending_.reset();
-  if (p.side.active()) p.side.join();
-  else update(p.items, p.lr);
-}
-
-void AdamW::update(const std::vector<Item>& items, double lr) {
-  if (items.empty()) return;
-  at::NoGradGuard no_grad;
-  // A later part may run inside the next step's autocast forward: the update's ops stay as they are.
-  c10::impl::ExcludeDispatchKeyGuard no_autocast{c10::autocast_dispatch_keyset};
   const double b1 = opt_.beta1(), b2 = opt_.beta2(), eps = opt_.eps(), wd = opt_.weight_decay();
   const double bc1 = 1.0 - std::pow(b1, static_cast<double>(steps_));
   const double bc2 = 1.0 - std::pow(b2, static_cast<double>(steps_));
   const double step_size = lr / bc1, bc2_sqrt = std::sqrt(bc2);
   // The fused form's lists: [decayed, not decayed] × (parameters, gradients, exp_avg, exp_avg_sq, steps).
   std::vector<at::Tensor> lists[2][5];
-  for (const Item& item : items) {
-    const at::Tensor& p = item.p;
-    const at::Tensor& g = item.g;
-    auto& m = exp_avg_[item.index];
-    auto& v = exp_avg_sq_[item.index];
+  for (size_t i = 0; i < params_.size(); ++i) {
+    at::Tensor p = params_[i].second;
+    auto& m = exp_avg_[i];
+    auto& v = exp_avg_sq_[i];
+    at::Tensor g = p.grad().defined() ? p.grad() : at::zeros_like(p);
+    if (g.scalar_type() != p.scalar_type()) g = g.to(p.scalar_type());
     if (fused_ && p.is_cuda()) {
+      // The fused kernel needs every list's tensors laid out as the parameter.
+      if (g.strides() != p.strides()) g = at::empty_like(p).copy_(g);
       auto it = step_tensors_.find(p.device());
       if (it == step_tensors_.end())
-        it = step_tensors_.emplace(p.device(), at::full({}, static_cast<double>(steps_), p.options().dtype(at::kFloat)))
-                 .first;
+        it = step_tensors_.emplace(p.device(), at::zeros({}, p.options().dtype(at::kFloat))).first;
       auto& l = lists[(wd != 0 && p.dim() >= 2) ? 0 : 1];
       l[0].push_back(p), l[1].push_back(g), l[2].push_back(m), l[3].push_back(v), l[4].push_back(it->second);
       continue;
@@ -143,6 +98,9 @@ void AdamW::update(const std::vector<Item>& items, double lr) {
     auto denom = (v.sqrt() / bc2_sqrt).add_(eps);
     p.addcdiv_(m, denom, -step_size);
   }
+  if (lists[0][0].empty() && lists[1][0].empty()) return;
+  // The step count t on each device (a fill kernel, no host read); fp32 holds every count up to 2^24.
+  for (auto& [device, t] : step_tensors_) t.fill_(static_cast<double>(steps_));
   for (int decayed = 0; decayed < 2; ++decayed) {
     auto& l = lists[decayed];
     if (l[0].empty()) continue;
@@ -152,7 +110,6 @@ void AdamW::update(const std::vector<Item>& items, double lr) {
 }
 
 std::vector<std::pair<std::string, at::Tensor>> AdamW::state() const {
-  TORCH_CHECK(!pending_, "AdamW::state: the step's later part is still pending (call finish_step first)");
   std::vector<std::pair<std::string, at::Tensor>> out;
   for (size_t i = 0; i < params_.size(); ++i) out.emplace_back("exp_avg." + params_[i].first, exp_avg_[i]);
   for (size_t i = 0; i < params_.size(); ++i)
@@ -162,7 +119,6 @@ std::vector<std::pair<std::string, at::Tensor>> AdamW::state() const {
 
 void AdamW::load_state(const std::vector<std::pair<std::string, at::Tensor>>& state, int64_t steps) {
   TORCH_CHECK(steps >= 0, "AdamW::load_state: the step count must be >= 0, got ", steps);
-  finish_step();  // a later part still queued on a side stream must not write after the load
   std::map<std::string, at::Tensor> by_name;
   for (auto& [name, t] : state) by_name[name] = t;
   TORCH_CHECK(by_name.size() == 2 * params_.size(), "AdamW::load_state: expected ", 2 * params_.size(),

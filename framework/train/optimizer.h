@@ -22,11 +22,9 @@
 #pragma once
 
 #include "framework/config/carry.pb.h"
-#include "layers/common/side_stream.h"
 #include "layers/parameters.h"
 
 #include <cstdint>
-#include <optional>
 #include <unordered_map>
 #include <string>
 #include <utility>
@@ -54,21 +52,10 @@ class AdamW {
   // One update with learning rate `lr` from the parameters' .grad() (a parameter without a gradient
   // is treated as having a zero gradient: its moments still decay). Advances steps().
   void step(double lr);
-  // The same update in two parts (the same bits): the first `first` parameters (in order) now, on the
-  // current stream, and the others later. beside (CUDA parameters): the others at once on a side stream
-  // (layers/common/side_stream.h), running beside what the current stream does next; finish_step() makes
-  // the current stream wait for them. Otherwise (or on the CPU) finish_step() runs them. Either way the
-  // gradients are held, so the caller may drop the parameters' .grad() in between. The trainer's first
-  // sp rank runs the later part beside the next step's first layer (trainer.h, split_update_first_). A
-  // step, and load_state, finish a pending part first.
-  void step_first(double lr, size_t first, bool beside = false);
-  void finish_step();  // no-op when nothing is pending
-  bool pending() const { return pending_.has_value(); }
   int64_t steps() const { return steps_; }
 
   // The state as named tensors: "exp_avg.<param>" for every parameter in order, then
-  // "exp_avg_sq.<param>". Shares storage with the optimizer (copy before mutating). Refused while a
-  // part is pending (finish_step first).
+  // "exp_avg_sq.<param>". Shares storage with the optimizer (copy before mutating).
   std::vector<std::pair<std::string, at::Tensor>> state() const;
   // Restores state() output (any order; every name required, shapes must match; values are copied
   // into the optimizer's tensors, converting dtype and device) and the step count.
@@ -77,20 +64,8 @@ class AdamW {
   const NamedParameters& parameters() const { return params_; }
 
  private:
-  struct Item {
-    at::Tensor p, g;  // the parameter and its gradient as the step found it
-    size_t index;     // in params_
-  };
-  struct Pending {
-    std::vector<Item> items;  // to run at finish_step (none when they run beside)
-    double lr;
-    SideStream side;          // active: they were queued there
-  };
-  // The update of `items` at step steps_ with learning rate `lr`.
-  void update(const std::vector<Item>& items, double lr);
   NamedParameters params_;
   config::OptimizerConfig opt_;
-  std::optional<Pending> pending_;
   std::vector<at::Tensor> exp_avg_, exp_avg_sq_;
   int64_t steps_ = 0;
   bool fused_ = true;

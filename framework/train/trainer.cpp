@@ -230,16 +230,6 @@ Trainer::Trainer(const RunConfig& config, std::shared_ptr<parallel::ProcessGroup
   // waits for, earlier when their head's weight gradient waits until the end of it (DeferredHeadGradient).
   if (segments_ && segments_->per_rank() == 1 && sp_ > 1 && sp_rank_ > 0)
     deferred_head_bytes_ = par.deferred_head_gradient_mib() << 20;
-  // The first sp rank updates the embedding and the first layer at the end of a step and the rest on a
-  // side stream beside the next step's first layer, which then starts that much earlier; the next rank
-  // updates all before its first layer, so the first rank's first state is there when it needs it
-  // (parallel.update_after_first_layer).
-  if (segments_ && segments_->per_rank() == 1 && sp_ > 1 && sp_rank_ == 0 && par.update_after_first_layer()) {
-    const NamedParameters params = model_.parameters();
-    size_t first = 0;
-    while (first < params.size() && params[first].first.rfind("layers.1.", 0) != 0) ++first;
-    if (first < params.size()) split_update_first_ = first;
-  }
   const char* timing = std::getenv("CARRY_COMM_TIMING");
   // "order": also each rank's waits of the window's last step one by one (wait_order_).
   phase_timing_ = timing && (std::string(timing) == "1" || std::string(timing) == "order");
@@ -548,16 +538,12 @@ at::Tensor Trainer::segmented_forward_backward(const std::vector<Batch>& micro, 
     std::vector<LinearCrossEntropy> ce(k);
     for (int j = 0; j < k; ++j) {
       auto [seg, ctx] = segment_of(batch, j);
-      if (split_update_first_ > 0) ctx.before_layer = [this](int64_t layer) {
-        if (layer >= 1) optimizer_->finish_step();
-      };
       AutocastScope autocast(device_.type(), at::kBFloat16, bf16_);
       ce[j] = model_.loss_sum(seg.tokens, seg.targets, seg.loss_mask, ctx, /*predictions=*/false,
                               deferred_head_bytes_);
       auto l = at::stack({ce[j].loss.detach().to(at::kDouble), at::zeros({}, masked.options())});
       losses[j] = losses[j].defined() ? losses[j] + l : l;
     }
-    optimizer_->finish_step();  // (joined before the second layer already)
     // One segment and one micro-batch: the gradients' sum goes in buckets while the backward runs.
     const bool overlap = gradient_sum_ && micro.size() == 1;
     phase_mark("forward");
@@ -684,8 +670,7 @@ StepStats Trainer::train_step() {
   TORCH_CHECK(std::isfinite(grad_norm), "trainer: step ", step_ + 1, ": the gradient norm is ", number_text(grad_norm),
               " (loss ", number_text(loss_sum / count), "); the parameters were not updated. ", divergence_hint());
   const double lr = learning_rate(config_.optimizer(), step_);
-  if (split_update_first_ > 0) optimizer_->step_first(lr, split_update_first_, /*beside=*/true);
-  else optimizer_->step(lr);
+  optimizer_->step(lr);
   phase_mark("update");
   ++step_;
   const int64_t tokens = static_cast<int64_t>(dp_) * accum * data.batch_size() * data.seq_len();
@@ -702,7 +687,6 @@ StepStats Trainer::train_step() {
 }
 
 EvalStats Trainer::evaluate() {
-  optimizer_->finish_step();
   at::NoGradGuard no_grad;
   const int64_t batches = config_.data().eval_batches();
   // Per rank: [Σ ce·mask, Σ mask, correct]; per sequence (summed over sp): [masked, correct].
@@ -749,7 +733,6 @@ EvalStats Trainer::evaluate() {
 // ---- checkpoints ----
 
 void Trainer::save_checkpoint() {
-  optimizer_->finish_step();
   const auto& ck = config_.checkpoint();
   if (!ck.has_dir() || ck.dir().empty()) return;
   // Never write a checkpoint with a non-finite parameter: it would become `latest` and every resume

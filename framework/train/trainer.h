@@ -141,21 +141,11 @@ class Trainer {
   // device's stream (CUDA events at train_step's phase boundaries, read here, which waits for them) or
   // by the host clock on the CPU. Empty when the timing is off.
   std::vector<std::pair<std::string, double>> take_phase_seconds();
-  // Both finish a split update first (split_update_first_).
-  const Model& model() const {
-    optimizer_->finish_step();
-    return model_;
-  }
+  const Model& model() const { return model_; }
   // The byte budget of this rank's deferred head gradient (parallel.deferred_head_gradient_mib where it
   // applies), 0 where none is deferred.
   int64_t deferred_head_bytes() const { return deferred_head_bytes_; }
-  // How many parameters (in order) this rank's update takes at the end of a step when it splits the update
-  // (parallel.update_after_first_layer where it applies), 0 where it does not.
-  size_t split_update_parameters() const { return split_update_first_; }
-  const AdamW& optimizer() const {
-    optimizer_->finish_step();
-    return *optimizer_;
-  }
+  const AdamW& optimizer() const { return *optimizer_; }
   const RunConfig& config() const { return config_; }
   int rank() const;  // world rank
 
@@ -201,13 +191,6 @@ class Trainer {
   // the backward (parallel.deferred_head_gradient_mib: ORDERED, sp > 1, one segment a rank, sp ranks
   // after the first); 0: none.
   int64_t deferred_head_bytes_ = 0;
-  // parallel.update_after_first_layer (ORDERED, sp > 1, one segment a rank, sp rank 0, two layers or
-  // more): the parameters the update takes at the end of a step (the embedding and the first layer:
-  // AdamW::step_first); the others go on a side stream at once (on the CPU: wait), and the step's stream
-  // waits for them before the next step's second layer (Model's before_layer) or whatever reads the
-  // parameters first (evaluate, save_checkpoint, model(), optimizer()). The same bits. 0: one update at
-  // the end of the step.
-  size_t split_update_first_ = 0;
   // CARRY_COMM_TIMING=1: the GPU time the step's stream waits on the sp group's messages (the state
   // chain, halos, loss sums; the gradients too when they are summed after the backward) and on the
   // gradient buckets after the backward, summed since the last log line (metrics comm_wait_s,

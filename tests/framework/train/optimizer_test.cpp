@@ -102,50 +102,5 @@ TEST(Optimizer, FusedAdamWOnCudaEqualsTheLoop) {
   }
 }
 
-// A step in two parts (step_first, then finish_step after the gradients are dropped, as the trainer's first
-// sp rank does) gives the bits of one step, for every cut, on the CPU and with the fused kernel on a GPU,
-// there also with the later part on a side stream (beside) while the current stream goes on.
-void expect_split_steps_give_the_same_bits(at::Device device, bool fused, bool beside = false) {
-  for (size_t first : {size_t{0}, size_t{1}, size_t{3}, size_t{5}}) {
-    auto pa = make_parameters(at::kFloat, device, 3), pb = make_parameters(at::kFloat, device, 3);
-    AdamW whole(pa, adam_config(), fused), split(pb, adam_config(), fused);
-    for (int t = 1; t <= 4; ++t) {
-      set_gradients(pa, t), set_gradients(pb, t);
-      const double lr = 0.01 * t;
-      whole.step(lr);
-      split.step_first(lr, first, beside);
-      EXPECT_EQ(split.pending(), first < pb.size()) << "first " << first;
-      for (auto& [name, p] : pb) p.mutable_grad() = Tensor();  // the next step's start drops them
-      if (beside) at::randn({1 << 20}, pb[0].second.options()).sum();  // the current stream goes on meanwhile
-      if (t < 4) split.finish_step();  // the last one: finished by the next step_first below
-    }
-    for (auto& [name, p] : pa) p.mutable_grad() = Tensor();  // a fifth step without gradients (decay only)
-    split.step_first(0.05, 2, beside);  // finishes step 4 first, then runs part of the fifth
-    whole.step(0.05);
-    split.finish_step();
-    EXPECT_FALSE(split.pending());
-    EXPECT_EQ(split.steps(), 5);
-    for (size_t i = 0; i < pa.size(); ++i)
-      EXPECT_TRUE(at::equal(pa[i].second, pb[i].second)) << pa[i].first << ", first " << first << " on " << device;
-    auto sa = whole.state(), sb = split.state();
-    for (size_t i = 0; i < sa.size(); ++i)
-      EXPECT_TRUE(at::equal(sa[i].second, sb[i].second)) << sa[i].first << ", first " << first << " on " << device;
-  }
-  // The state is refused while a part is pending.
-  auto ps = make_parameters(at::kFloat, device, 4);
-  AdamW a(ps, adam_config(), fused);
-  set_gradients(ps, 1);
-  a.step_first(0.01, 1);
-  EXPECT_THROW(a.state(), c10::Error);
-}
-
-TEST(Optimizer, StepInTwoPartsGivesTheSameBits) { expect_split_steps_give_the_same_bits(at::kCPU, false); }
-
-TEST(Optimizer, StepInTwoPartsGivesTheSameBitsWithTheFusedKernel) {
-  if (cuda_device_count() == 0) GTEST_SKIP() << "no CUDA device: GPU tests skipped";
-  expect_split_steps_give_the_same_bits(at::Device(at::kCUDA, 0), true);
-  expect_split_steps_give_the_same_bits(at::Device(at::kCUDA, 0), true, /*beside=*/true);
-}
-
 }  // namespace
 }  // namespace carry

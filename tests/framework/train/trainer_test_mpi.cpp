@@ -174,14 +174,12 @@ struct BitRun {
   std::vector<double> losses, norms;
   std::vector<at::Tensor> params;
   int64_t deferred_head_bytes = 0;  // this rank's budget (Trainer::deferred_head_bytes)
-  size_t split_update = 0;          // Trainer::split_update_parameters
 };
 
 BitRun train_bits(const RunConfig& cfg, bool distributed) {
   auto t = make_trainer(cfg, distributed, at::kFloat);
   BitRun r;
   r.deferred_head_bytes = t->deferred_head_bytes();
-  r.split_update = t->split_update_parameters();
   for (int i = 0; i < 5; ++i) {
     auto s = t->train_step();
     r.losses.push_back(s.loss), r.norms.push_back(s.grad_norm);
@@ -230,10 +228,6 @@ TEST(Trainer, OrderedSegmentsGiveTheSameBitsOnEveryLayout) {
       // The ranks after the first left their head's weight gradient to the end of the backward (the default).
       EXPECT_EQ(sp.deferred_head_bytes, parallel::world_info().rank > 0 ? int64_t{2560} << 20 : 0);
       EXPECT_EQ(serial.deferred_head_bytes, 0);
-      // The first rank updated the embedding and the first layer at each step's end, the rest in the next
-      // step's forward (the default).
-      EXPECT_EQ(sp.split_update > 0, parallel::world_info().rank == 0);
-      EXPECT_EQ(serial.split_update, 0u);
     }
   {
     // And without that deferral (parallel.deferred_head_gradient_mib=0): the same bits too.
@@ -241,14 +235,6 @@ TEST(Trainer, OrderedSegmentsGiveTheSameBitsOnEveryLayout) {
     auto sp = train_bits(config({"parallel.sp=" + std::to_string(P), "parallel.deferred_head_gradient_mib=0"}), true);
     EXPECT_EQ(sp.deferred_head_bytes, 0);
     EXPECT_TRUE(same_bits(sp, serial, "sp=" + std::to_string(P) + " without the deferred head gradient vs sp=1 with " +
-                                          std::to_string(P) + " segments (fp32, 5 steps)"));
-  }
-  {
-    // And with one update at each step's end (parallel.update_after_first_layer=false).
-    auto serial = train_bits(config({"parallel.segments=" + std::to_string(P)}), false);
-    auto sp = train_bits(config({"parallel.sp=" + std::to_string(P), "parallel.update_after_first_layer=false"}), true);
-    EXPECT_EQ(sp.split_update, 0u);
-    EXPECT_TRUE(same_bits(sp, serial, "sp=" + std::to_string(P) + " with one update a step vs sp=1 with " +
                                           std::to_string(P) + " segments (fp32, 5 steps)"));
   }
   {
