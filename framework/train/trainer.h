@@ -200,7 +200,7 @@ class Trainer {
   bool wait_order_ = false;  // CARRY_COMM_TIMING=order
   std::vector<std::pair<std::string, double>> last_wait_sequence_;  // the last step's waits one by one (s)
   std::map<std::string, double> waits_by_kind_;  // this rank's, by parallel::message_kind, since the last log line
-  bool phase_timing_ = false;  // CARRY_COMM_TIMING=1, on any layout (take_phase_seconds)
+  bool phase_timing_ = false;  // CARRY_COMM_TIMING=1 or order, on any layout (take_phase_seconds)
   struct PhaseSpan {
     std::string phase;
     TimingMark from, to;
