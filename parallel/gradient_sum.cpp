@@ -1,6 +1,8 @@
 // The ordered segments' gradient sum, started during the backward (see the header).
 #include "parallel/gradient_sum.h"
 
+#include "parallel/flat_layout.h"
+
 #include "layers/common/nvtx.h"
 #include "parallel/peer_sum.h"
 #include "parallel/segments.h"
@@ -144,12 +146,16 @@ OverlappedGradientSum::OverlappedGradientSum(NamedParameters params, std::shared
   const int n = static_cast<int>(s.params.size());
   int first = 0;
   int64_t bytes = 0;
+  // The trainer's flat layout of one piece (parallel/flat_layout.h: each parameter aligned).
+  std::vector<int64_t> numels;
+  for (auto& [name, p] : s.params) numels.push_back(p.numel());
+  const FlatLayout layout = FlatLayout::make(numels);
+  s.offset = layout.offset;
+  s.total = layout.numel;
   for (int i = 0; i < n; ++i) {
     const Tensor& p = s.params[i].second;
     TORCH_CHECK(p.scalar_type() == s.params[0].second.scalar_type() && p.device() == s.params[0].second.device(),
                 "gradient sum: every parameter must share one dtype and device");
-    s.offset.push_back(s.total);
-    s.total += p.numel();
     s.bucket_of.push_back(static_cast<int>(s.buckets.size()));
     bytes += p.numel() * p.element_size();
     if (bytes >= bucket_bytes || i == n - 1) {
@@ -177,7 +183,7 @@ namespace {
 void allocate(OverlappedGradientSum::State& s) {
   if (s.flat.defined()) return;
   const auto opt = s.params[0].second.options();
-  s.flat = at::empty({s.total}, opt);
+  s.flat = at::zeros({s.total}, opt);  // the gaps between parameters stay zeros
   if (s.comm->size() > 2) s.got = at::empty({s.total}, opt);  // two ranks: one all-reduce in place
 #ifdef CARRY_WITH_CUDA
   if (opt.device().is_cuda()) s.side = c10::cuda::getStreamFromPool(false, opt.device().index());

@@ -98,6 +98,7 @@ struct NcclApi {
   decltype(&ncclRecv) Recv;
   decltype(&ncclAllGather) AllGather;
   decltype(&ncclAllReduce) AllReduce;
+  decltype(&ncclReduceScatter) ReduceScatter;
   decltype(&ncclBroadcast) Broadcast;
   decltype(&ncclGroupStart) GroupStart;
   decltype(&ncclGroupEnd) GroupEnd;
@@ -125,6 +126,7 @@ const NcclApi& nccl() {
     sym(a.Recv, "ncclRecv");
     sym(a.AllGather, "ncclAllGather");
     sym(a.AllReduce, "ncclAllReduce");
+    sym(a.ReduceScatter, "ncclReduceScatter");
     sym(a.Broadcast, "ncclBroadcast");
     sym(a.GroupStart, "ncclGroupStart");
     sym(a.GroupEnd, "ncclGroupEnd");
@@ -338,6 +340,33 @@ class NcclCommunicator final : public Communicator {
                                   s);
         });
     if (!in_place) t.copy_(buf);
+  }
+
+  // In place on this GPU's buffers (NCCL's in-place forms: this rank's piece is at rank · n of the buffer);
+  // anything else takes the base forms.
+  void reduce_scatter_sum(Tensor& flat) override {
+    if (flat.device() != device() || !flat.is_contiguous() || flat.dim() != 1 || flat.numel() % size_ != 0)
+      return Communicator::reduce_scatter_sum(flat);
+    NvtxRange range("reduce_scatter_sum " + opt_.name);
+    const int64_t n = flat.numel() / size_;
+    auto type = nccl_type_of(flat.scalar_type());
+    run(describe("reduce_scatter_sum", flat.nbytes(), -1, "", -1), all_peers(), {flat}, /*caller_waits=*/true,
+        [&](cudaStream_t s) {
+          return nccl().ReduceScatter(flat.data_ptr(), static_cast<char*>(flat.data_ptr()) + rank_ * n * flat.element_size(),
+                                      n, type, ncclSum, comm_, s);
+        });
+  }
+
+  void all_gather_pieces(Tensor& flat) override {
+    if (flat.device() != device() || !flat.is_contiguous() || flat.dim() != 1 || flat.numel() % size_ != 0)
+      return Communicator::all_gather_pieces(flat);
+    NvtxRange range("all_gather_pieces " + opt_.name);
+    const int64_t bytes = flat.nbytes() / size_;
+    run(describe("all_gather_pieces", flat.nbytes(), -1, "", -1), all_peers(), {flat}, /*caller_waits=*/true,
+        [&](cudaStream_t s) {
+          return nccl().AllGather(static_cast<char*>(flat.data_ptr()) + rank_ * bytes, flat.data_ptr(), bytes,
+                                  ncclUint8, comm_, s);
+        });
   }
 
   void broadcast(Tensor& t, int root) override {

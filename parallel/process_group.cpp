@@ -27,6 +27,28 @@ void Communicator::send(const Tensor& t, int dst, int tag) {
 void Communicator::recv(Tensor& t, int src, int tag) { send_recv(Tensor(), -1, t, src, tag); }
 
 namespace {
+// The piece length of `flat` for reduce_scatter_sum and all_gather_pieces, after checking its shape.
+int64_t piece_length(const Tensor& flat, int ranks, const char* op) {
+  TORCH_CHECK(flat.dim() == 1 && flat.is_contiguous() && flat.numel() % ranks == 0, op,
+              ": expected a contiguous 1-D buffer of ", ranks, " equal pieces, got shape ", flat.sizes(),
+              flat.is_contiguous() ? "" : " (not contiguous)");
+  return flat.numel() / ranks;
+}
+}  // namespace
+
+void Communicator::reduce_scatter_sum(Tensor& flat) {
+  piece_length(flat, size(), "reduce_scatter_sum");
+  all_reduce_sum(flat);
+}
+
+void Communicator::all_gather_pieces(Tensor& flat) {
+  const int64_t n = piece_length(flat, size(), "all_gather_pieces");
+  auto all = all_gather(flat.narrow(0, rank() * n, n));
+  for (int r = 0; r < size(); ++r)
+    if (r != rank()) flat.narrow(0, r * n, n).copy_(all[r]);
+}
+
+namespace {
 
 bool g_we_initialized = false;
 WorldInfo g_world;

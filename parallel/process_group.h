@@ -108,6 +108,14 @@ class Communicator {
   virtual void all_reduce_sum(Tensor& t) = 0;
   virtual void broadcast(Tensor& t, int root) = 0;
   virtual void barrier() = 0;
+  // Collectives on `flat`, a 1-D contiguous buffer of size() equal pieces, piece i being elements
+  // [i·n/size(), (i+1)·n/size()), in place. reduce_scatter_sum: this rank's piece (piece rank())
+  // becomes the sum over the ranks of their copies of it; the other pieces are left unspecified.
+  // all_gather_pieces: piece i of every rank's `flat` becomes rank i's. The base forms run on
+  // all_reduce_sum and all_gather (the sum is all_reduce_sum's); NCCL runs its reduce-scatter and
+  // all-gather, which move half of an all-reduce's bytes each.
+  virtual void reduce_scatter_sum(Tensor& flat);
+  virtual void all_gather_pieces(Tensor& flat);
   // Blocks until every operation this rank has started has completed, and raises a failure found
   // meanwhile (as CommOptions say). Backends whose calls complete before they return (MPI) do nothing.
   virtual void synchronize() {}

@@ -23,6 +23,58 @@ Tensor tree(const std::vector<Tensor>& v, int64_t a, int64_t b) {
   return tree(v, a, m) + tree(v, m, b);
 }
 
+// The range [lo, hi) of an n-element buffer a rank holds before each halving round (distance 1, 2, ...,
+// P/2) and, last, after them.
+std::vector<std::pair<int64_t, int64_t>> halving_ranges(int r, int P, int64_t n) {
+  std::vector<std::pair<int64_t, int64_t>> ranges{{0, n}};
+  for (int d = 1; d < P; d *= 2) {
+    auto [lo, hi] = ranges.back();
+    const int64_t mid = lo + (hi - lo) / 2;
+    ranges.emplace_back((r & d) ? mid : lo, (r & d) ? hi : mid);
+  }
+  return ranges;
+}
+
+// Recursive halving: in the round of distance d a rank and its partner r ^ d, which hold the same range,
+// split it; each keeps one half, sends the other and adds the partner's copy of its own half. After the
+// rounds a rank holds its last range summed over all ranks in the tree's order (the block of 2d ranks'
+// sum is its two halves' sums added, as the tree adds them; IEEE addition commutes, so which operand
+// comes first does not change a bit).
+void halving_rounds(Tensor& flat, Communicator* sp) {
+  const int r = sp->rank(), P = sp->size();
+  const auto ranges = halving_ranges(r, P, flat.numel());
+  for (size_t i = 0; i + 1 < ranges.size(); ++i) {
+    const int d = 1 << i;
+    const auto [lo, hi] = ranges[i];
+    const auto [keep_lo, keep_hi] = ranges[i + 1];
+    const int64_t give_lo = keep_lo == lo ? keep_hi : lo, give_hi = keep_lo == lo ? hi : keep_lo;
+    Tensor got = at::empty({keep_hi - keep_lo}, flat.options());
+    {
+      CommContext ctx("tree sum over segments: halving round of distance " + std::to_string(d));
+      sp->send_recv(flat.narrow(0, give_lo, give_hi - give_lo), r ^ d, got, r ^ d, /*tag=*/7204);
+    }
+    flat.narrow(0, keep_lo, keep_hi - keep_lo).add_(got);
+  }
+}
+
+// The halving rounds in reverse: each round hands the partner the range this rank holds and takes its
+// range, until every rank holds the whole buffer.
+void gathering_rounds(Tensor& flat, Communicator* sp) {
+  const int r = sp->rank(), P = sp->size();
+  const auto ranges = halving_ranges(r, P, flat.numel());
+  for (size_t i = ranges.size() - 1; i >= 1; --i) {
+    const int d = 1 << (i - 1);
+    const auto [lo, hi] = ranges[i];
+    const auto [plo, phi] = ranges[i - 1];
+    const int64_t other_lo = lo == plo ? hi : plo, other_hi = lo == plo ? phi : lo;
+    Tensor got = flat.narrow(0, other_lo, other_hi - other_lo);
+    {
+      CommContext ctx("tree sum over segments: gathering round of distance " + std::to_string(d));
+      sp->send_recv(flat.narrow(0, lo, hi - lo), r ^ d, got, r ^ d, /*tag=*/7205);
+    }
+  }
+}
+
 }  // namespace
 
 SegmentCommunicator::SegmentCommunicator(std::shared_ptr<Communicator> sp, int per_rank, at::Device device)
@@ -100,46 +152,14 @@ Tensor tree_sum(const std::vector<Tensor>& local, Communicator* sp) {
     return mine;
   }
   if (power_of_two(P) && mine.numel() >= int64_t{1024} * P) {
-    // By halves (recursive halving, then doubling back): in the round of distance d a rank and its
-    // partner r ^ d, which hold the same range, split it; each keeps one half, sends the other and
-    // adds the partner's copy of its own half. After the rounds d = 1, 2, ..., P/2 a rank holds 1/P of
-    // the buffer summed over all ranks in the tree's order (the block of 2d ranks' sum is its two
-    // halves' sums added, as the tree adds them; IEEE addition commutes, so which operand comes first
-    // does not change a bit); the rounds in reverse then hand the pieces back until every rank holds
-    // the whole. Each rank sends 2(1 − 1/P) of the buffer instead of log2(P) whole buffers (0.5 GB of
-    // a 125M model's gradients: 1.5 against 2 buffers at 4 ranks, 1.75 against 3 at 8).
-    // In place: a rank's one segment is the caller's own tensor, so that one is copied first.
+    // By halves (recursive halving, then doubling back): each rank sends 2(1 − 1/P) of the buffer
+    // instead of log2(P) whole buffers (0.5 GB of a 125M model's gradients: 1.5 against 2 buffers at 4
+    // ranks, 1.75 against 3 at 8). In place: a rank's one segment is the caller's own tensor, so that
+    // one is copied first.
     if (k == 1) mine = mine.clone(at::MemoryFormat::Contiguous);
     Tensor flat = mine.view({-1});
-    std::vector<std::pair<int64_t, int64_t>> ranges;  // the range held before each round
-    int64_t lo = 0, hi = flat.numel();
-    for (int d = 1; d < P; d *= 2) {
-      ranges.emplace_back(lo, hi);
-      const int partner = r ^ d;
-      const int64_t mid = lo + (hi - lo) / 2;
-      const bool upper = (r & d) != 0;
-      const int64_t keep_lo = upper ? mid : lo, keep_hi = upper ? hi : mid;
-      const int64_t give_lo = upper ? lo : mid, give_hi = upper ? mid : hi;
-      Tensor got = at::empty({keep_hi - keep_lo}, flat.options());
-      {
-        CommContext ctx("tree sum over segments: halving round of distance " + std::to_string(d));
-        sp->send_recv(flat.narrow(0, give_lo, give_hi - give_lo), partner, got, partner, /*tag=*/7204);
-      }
-      flat.narrow(0, keep_lo, keep_hi - keep_lo).add_(got);
-      lo = keep_lo, hi = keep_hi;
-    }
-    for (int d = P / 2; d >= 1; d /= 2) {
-      const auto [plo, phi] = ranges.back();
-      ranges.pop_back();
-      const int partner = r ^ d;
-      const int64_t other_lo = lo == plo ? hi : plo, other_hi = lo == plo ? phi : lo;
-      Tensor got = flat.narrow(0, other_lo, other_hi - other_lo);
-      {
-        CommContext ctx("tree sum over segments: gathering round of distance " + std::to_string(d));
-        sp->send_recv(flat.narrow(0, lo, hi - lo), partner, got, partner, /*tag=*/7205);
-      }
-      lo = plo, hi = phi;
-    }
+    halving_rounds(flat, sp);
+    gathering_rounds(flat, sp);
     return mine;
   }
   if (power_of_two(P)) {
@@ -162,6 +182,48 @@ Tensor tree_sum(const std::vector<Tensor>& local, Communicator* sp) {
     all = sp->all_gather(mine);
   }
   return tree(all, 0, P);
+}
+
+int tree_piece(int rank, int P) {
+  TORCH_CHECK(power_of_two(P) && rank >= 0 && rank < P, "tree_piece: expected a rank of a power of two of ranks, got ",
+              rank, " of ", P);
+  if (P == 2) return rank;  // the reduce-scatter's piece
+  return static_cast<int>(halving_ranges(rank, P, P).back().first);
+}
+
+Tensor tree_reduce_scatter(const std::vector<Tensor>& local, Communicator* sp) {
+  const int64_t k = static_cast<int64_t>(local.size());
+  TORCH_CHECK(power_of_two(k), "tree_reduce_scatter: a rank must hold a power of two of segments, got ", k);
+  Tensor mine = tree(local, 0, k);
+  if (!sp || sp->size() == 1) return mine;
+  const int P = sp->size();
+  TORCH_CHECK(power_of_two(P) && mine.dim() == 1 && mine.numel() % P == 0, "tree_reduce_scatter: expected a 1-D "
+              "buffer of ", P, " equal pieces over a power of two of ranks, got shape ", mine.sizes(), " over ", P);
+  NvtxRange range("tree_reduce_scatter over sp");
+  mine = mine.contiguous();
+  if (P == 2) {
+    CommContext ctx("tree sum over segments: the two ranks' subtrees, piece by piece");
+    sp->reduce_scatter_sum(mine);
+    return mine;
+  }
+  if (k == 1) mine = mine.clone(at::MemoryFormat::Contiguous);  // the halving rounds write over it
+  halving_rounds(mine, sp);
+  return mine;
+}
+
+void tree_all_gather(Tensor& flat, Communicator* sp) {
+  if (!sp || sp->size() == 1) return;
+  const int P = sp->size();
+  TORCH_CHECK(power_of_two(P) && flat.dim() == 1 && flat.is_contiguous() && flat.numel() % P == 0,
+              "tree_all_gather: expected a contiguous 1-D buffer of ", P, " equal pieces over a power of two of "
+              "ranks, got shape ", flat.sizes(), " over ", P);
+  NvtxRange range("tree_all_gather over sp");
+  if (P == 2) {
+    CommContext ctx("the update's pieces from the rank holding each");
+    sp->all_gather_pieces(flat);
+    return;
+  }
+  gathering_rounds(flat, sp);
 }
 
 }  // namespace carry::parallel

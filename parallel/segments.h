@@ -91,4 +91,15 @@ class SegmentCommunicator final : public Communicator {
 // local's tensors (a rank with one segment: its only partial sum).
 Tensor tree_sum(const std::vector<Tensor>& local, Communicator* sp);
 
+// tree_sum in two halves, for the update split over the sp group (framework/train/sharded_update.h).
+// The partial sums are 1-D buffers of P = sp->size() (a power of two) equal pieces. After
+// tree_reduce_scatter, piece tree_piece(rank, P) of the returned buffer holds tree_sum's bits for those
+// elements and the other pieces are unspecified; tree_all_gather then gives every rank every piece from
+// the rank holding it. Two ranks: one reduce-scatter and one all-gather (half an all-reduce each);
+// more: the halving rounds and the gathering rounds of tree_sum's large-buffer form. The result may be
+// written over local's tensors (a rank with one segment: its only partial sum).
+int tree_piece(int rank, int P);
+Tensor tree_reduce_scatter(const std::vector<Tensor>& local, Communicator* sp);
+void tree_all_gather(Tensor& flat, Communicator* sp);
+
 }  // namespace carry::parallel

@@ -22,35 +22,41 @@ double learning_rate(const config::OptimizerConfig& opt, int64_t step) {
   return lr * (ratio + (1.0 - ratio) * 0.5 * (1.0 + std::cos(M_PI * progress)));
 }
 
-at::Tensor clip_grad_norm_on_device(const NamedParameters& params, double max_norm) {
+namespace {
+bool cuda_fp32_on_one_device(const std::vector<at::Tensor>& grads) {
+  for (const auto& g : grads)
+    if (!g.is_cuda() || g.scalar_type() != at::kFloat || g.device() != grads[0].device()) return false;
+  return !grads.empty();
+}
+}  // namespace
+
+at::Tensor gradient_norm_parts(const std::vector<at::Tensor>& grads) {
   at::NoGradGuard no_grad;
-  // Every tensor's sum of squares stays on the device, and so do their total and the scale.
+  TORCH_CHECK(!grads.empty(), "gradient_norm_parts: no gradient");
+  // Every part stays on the device. On one GPU: a few multi-tensor launches instead of three kernels a tensor.
+  if (cuda_fp32_on_one_device(grads)) return at::stack(at::_foreach_norm(grads, 2)).to(at::kDouble).pow(2);
+  std::vector<at::Tensor> sums;
+  for (const auto& g : grads) sums.push_back(g.to(at::kDouble).pow(2).sum());
+  return at::stack(sums);
+}
+
+void scale_gradients(const std::vector<at::Tensor>& grads, const at::Tensor& norm, double max_norm) {
+  if (max_norm <= 0 || grads.empty()) return;
+  at::NoGradGuard no_grad;
+  // max_norm / (norm + 1e-6) as a division (Scalar / Tensor would multiply by a reciprocal).
+  auto scale = at::where(norm > max_norm, at::full_like(norm, max_norm).div_(norm + 1e-6), at::ones_like(norm));
+  if (cuda_fp32_on_one_device(grads)) at::_foreach_mul_(grads, scale.to(at::kFloat));
+  else
+    for (const auto& g : grads) g.mul_(scale);
+}
+
+at::Tensor clip_grad_norm_on_device(const NamedParameters& params, double max_norm) {
   std::vector<at::Tensor> grads;
-  bool cuda_fp32 = true;
-  for (auto& [name, p] : params) {
-    const auto& g = p.grad();
-    if (!g.defined()) continue;
-    grads.push_back(g);
-    cuda_fp32 = cuda_fp32 && g.is_cuda() && g.scalar_type() == at::kFloat && g.device() == grads[0].device();
-  }
+  for (auto& [name, p] : params)
+    if (p.grad().defined()) grads.push_back(p.grad());
   if (grads.empty()) return {};
-  at::Tensor norm;
-  if (cuda_fp32) {
-    // On one GPU: a few multi-tensor launches (each tensor's norm in fp32, their squares summed in fp64)
-    // instead of three kernels a tensor.
-    norm = at::stack(at::_foreach_norm(grads, 2)).to(at::kDouble).pow(2).sum().sqrt();
-  } else {
-    std::vector<at::Tensor> sums;
-    for (const auto& g : grads) sums.push_back(g.to(at::kDouble).pow(2).sum());
-    norm = at::stack(sums).sum().sqrt();
-  }
-  if (max_norm > 0) {
-    // max_norm / (norm + 1e-6) as a division (Scalar / Tensor would multiply by a reciprocal).
-    auto scale = at::where(norm > max_norm, at::full_like(norm, max_norm).div_(norm + 1e-6), at::ones_like(norm));
-    if (cuda_fp32) at::_foreach_mul_(grads, scale.to(at::kFloat));
-    else
-      for (auto& g : grads) g.mul_(scale);
-  }
+  auto norm = gradient_norm_parts(grads).sum().sqrt();
+  scale_gradients(grads, norm, max_norm);
   return norm;
 }
 
@@ -76,7 +82,8 @@ void AdamW::step(double lr) {
   const double step_size = lr / bc1, bc2_sqrt = std::sqrt(bc2);
   // The fused form's lists: [decayed, not decayed] × (parameters, gradients, exp_avg, exp_avg_sq, steps).
   std::vector<at::Tensor> lists[2][5];
-  for (size_t i = 0; i < params_.size(); ++i) {
+  const size_t end = last_ < 0 ? params_.size() : static_cast<size_t>(last_);
+  for (size_t i = static_cast<size_t>(first_); i < end; ++i) {
     at::Tensor p = params_[i].second;
     auto& m = exp_avg_[i];
     auto& v = exp_avg_sq_[i];
@@ -106,6 +113,25 @@ void AdamW::step(double lr) {
     if (l[0].empty()) continue;
     at::_fused_adamw_(l[0], l[1], l[2], l[3], /*max_exp_avg_sqs=*/{}, l[4], lr, b1, b2, decayed == 0 ? wd : 0.0, eps,
                       /*amsgrad=*/false, /*maximize=*/false, /*grad_scale=*/std::nullopt, /*found_inf=*/std::nullopt);
+  }
+}
+
+void AdamW::update_only(int first, int last) {
+  TORCH_CHECK(first >= 0 && first <= last && last <= static_cast<int>(params_.size()), "AdamW::update_only: expected ",
+              "0 <= first <= last <= ", params_.size(), ", got [", first, ", ", last, ")");
+  first_ = first, last_ = last;
+}
+
+void AdamW::place_state(const at::Tensor& exp_avg, const at::Tensor& exp_avg_sq, const std::vector<int64_t>& offset) {
+  TORCH_CHECK(offset.size() == params_.size(), "AdamW::place_state: expected ", params_.size(), " offsets, got ",
+              offset.size());
+  at::NoGradGuard no_grad;
+  for (size_t i = 0; i < params_.size(); ++i) {
+    const auto& p = params_[i].second;
+    auto m = exp_avg.narrow(0, offset[i], p.numel()).view(p.sizes());
+    auto v = exp_avg_sq.narrow(0, offset[i], p.numel()).view(p.sizes());
+    m.copy_(exp_avg_[i]), v.copy_(exp_avg_sq_[i]);
+    exp_avg_[i] = m, exp_avg_sq_[i] = v;
   }
 }
 

@@ -44,6 +44,16 @@ double clip_grad_norm(const NamedParameters& params, double max_norm);
 // of exactly 1 leaves the gradients' bits as they are). Same bits as clip_grad_norm.
 at::Tensor clip_grad_norm_on_device(const NamedParameters& params, double max_norm);
 
+// The global norm's parts: each gradient's squared L2 norm in fp64, stacked in the given order (on
+// CUDA fp32 gradients of one device each tensor's norm in fp32 by one multi-tensor launch, then squared
+// in fp64; elsewhere each sum of squares in fp64). clip_grad_norm_on_device's norm is their sum's square
+// root. A tensor's part does not depend on the other tensors of the list (the multi-tensor kernel sums
+// each tensor's chunks on their own), so ranks holding different parameters compute the same parts.
+at::Tensor gradient_norm_parts(const std::vector<at::Tensor>& grads);
+// Scales `grads` by min(1, max_norm / (norm + 1e-6)) on their device (norm: 0-dim fp64; max_norm <= 0:
+// nothing); a scale of exactly 1 leaves their bits.
+void scale_gradients(const std::vector<at::Tensor>& grads, const at::Tensor& norm, double max_norm);
+
 class AdamW {
  public:
   // fused: CUDA parameters take at::_fused_adamw_ (false: the loop on every device).
@@ -63,11 +73,19 @@ class AdamW {
 
   const NamedParameters& parameters() const { return params_; }
 
+  // The update split over ranks (sharded_update.h): step() updates parameters [first, last) only and
+  // leaves the others and their moments as they are (another rank updates them).
+  void update_only(int first, int last);
+  // The moments move into `exp_avg` and `exp_avg_sq` (flat buffers of the parameters' dtype and device):
+  // parameter i's at element offset[i], their values kept. state() still names one tensor a parameter.
+  void place_state(const at::Tensor& exp_avg, const at::Tensor& exp_avg_sq, const std::vector<int64_t>& offset);
+
  private:
   NamedParameters params_;
   config::OptimizerConfig opt_;
   std::vector<at::Tensor> exp_avg_, exp_avg_sq_;
   int64_t steps_ = 0;
+  int first_ = 0, last_ = -1;  // the parameters step() updates; last_ < 0: to the end
   bool fused_ = true;
   std::unordered_map<at::Device, at::Tensor> step_tensors_;  // the fused form's step count, one per CUDA device
 };

@@ -226,6 +226,27 @@ Trainer::Trainer(const RunConfig& config, std::shared_ptr<parallel::ProcessGroup
       }
     }
   }
+  // The update split over the sp ranks (parallel.shard_update, sharded_update.h), where the gradients'
+  // sum waits for the backward's end (not with CARRY_GRADIENT_OVERLAP's buckets).
+  if (segments_ && sp_ > 1 && !gradient_sum_ && par.shard_update()) {
+    const std::string why = ShardedUpdate::unavailable(model_.parameters(), segments_->sp());
+    if (why.empty()) {
+      sharded_ = std::make_unique<ShardedUpdate>(model_.parameters(), *optimizer_, segments_->sp());
+      const auto& l = sharded_->layout();
+      log("update: split over the %d sp ranks (parallel.shard_update): %d pieces of %lld elements, rank 0 updates "
+          "parameter tensors %d to %d of %zu\n", sp_, l.pieces, static_cast<long long>(l.piece_numel), sharded_->first(),
+          sharded_->last() - 1, model_.parameters().size());
+    } else {
+      log("update: on every sp rank (parallel.shard_update does not apply: %s)\n", why.c_str());
+    }
+  }
+  if (sharded_) {
+    grad_layout_ = sharded_->layout();
+  } else {
+    std::vector<int64_t> numels;
+    for (auto& [name, p] : model_.parameters()) numels.push_back(p.numel());
+    grad_layout_ = parallel::FlatLayout::make(numels);
+  }
   // The ranks after the first start their backward, and send the state gradients the rank before them
   // waits for, earlier when their head's weight gradient waits until the end of it (DeferredHeadGradient).
   if (segments_ && segments_->per_rank() == 1 && sp_ > 1 && sp_rank_ > 0)
@@ -503,26 +524,6 @@ std::vector<Trainer::Batch> Trainer::step_batches() {
   return micro;
 }
 
-namespace {
-// Every parameter's gradient in one flat buffer, in parameter order (zeros where a parameter has none).
-at::Tensor flat_gradients(const NamedParameters& params) {
-  std::vector<at::Tensor> flat;
-  for (auto& [name, p] : params)
-    flat.push_back(p.grad().defined() ? p.grad().reshape({-1}) : at::zeros({p.numel()}, p.options()));
-  return at::cat(flat);
-}
-
-// The inverse: each parameter's gradient is its piece of `buffer` (a view: the buffer is the step's
-// own, and the next step's backward starts from no gradients).
-void set_gradients(const NamedParameters& params, const at::Tensor& buffer) {
-  int64_t offset = 0;
-  for (auto& [name, p] : params) {
-    p.mutable_grad() = buffer.narrow(0, offset, p.numel()).view(p.sizes());
-    offset += p.numel();
-  }
-}
-}  // namespace
-
 at::Tensor Trainer::segmented_forward_backward(const std::vector<Batch>& micro, const at::Tensor& stop,
                                                at::Tensor& gradients) {
   const int k = segments_->per_rank();
@@ -554,7 +555,7 @@ at::Tensor Trainer::segmented_forward_backward(const std::vector<Batch>& micro, 
       ce[j] = LinearCrossEntropy{};
       if (overlap) gradients = gradient_sum_->finish();
       else {
-        auto g = flat_gradients(params);
+        auto g = flat_gradients(params, grad_layout_);
         grads[j] = grads[j].defined() ? grads[j] + g : g;
       }
       for (auto& [name, p] : params) p.mutable_grad() = at::Tensor();
@@ -562,7 +563,8 @@ at::Tensor Trainer::segmented_forward_backward(const std::vector<Batch>& micro, 
     phase_mark("backward");
   }
   auto* sp = segments_->sp();
-  if (!gradients.defined()) gradients = parallel::tree_sum(grads, sp);
+  // Split over the sp ranks: each holds its piece's sum (sharded_update.h).
+  if (!gradients.defined()) gradients = sharded_ ? parallel::tree_reduce_scatter(grads, sp) : parallel::tree_sum(grads, sp);
   grads.clear();
   losses[0] = losses[0] + at::stack({at::zeros({}, stop.options()), stop});  // the stop signals ride along
   auto loss = parallel::tree_sum(losses, sp);
@@ -642,11 +644,22 @@ StepStats Trainer::train_step() {
   auto params = model_.parameters();
   parallel::Communicator* grad_comm = !groups_ ? nullptr : segments_ ? groups_->dp.get() : groups_->world.get();
   if (grad_comm && grad_comm->size() > 1) {
-    if (!gradients.defined()) gradients = flat_gradients(params);
-    grad_comm->all_reduce_sum(gradients);
+    if (!gradients.defined()) gradients = flat_gradients(params, grad_layout_);
+    if (sharded_) {
+      auto piece = sharded_->mine(gradients);  // the piece this rank updates, the same on every replica
+      grad_comm->all_reduce_sum(piece);
+    } else {
+      grad_comm->all_reduce_sum(gradients);
+    }
   }
-  if (gradients.defined()) set_gradients(params, gradients);
-  auto norm = clip_grad_norm_on_device(params, config_.optimizer().grad_clip());
+  at::Tensor norm;
+  if (sharded_) {
+    sharded_->set_gradients(gradients);
+    norm = sharded_->clip(config_.optimizer().grad_clip());
+  } else {
+    if (gradients.defined()) set_gradients(params, gradients, grad_layout_);
+    norm = clip_grad_norm_on_device(params, config_.optimizer().grad_clip());
+  }
   if (!norm.defined()) norm = at::zeros({}, sums.options());
   phase_mark("gradient sum and clip");
   // The next step's batches, made on the host while the GPU still runs this step's backward. A batch
@@ -671,6 +684,7 @@ StepStats Trainer::train_step() {
               " (loss ", number_text(loss_sum / count), "); the parameters were not updated. ", divergence_hint());
   const double lr = learning_rate(config_.optimizer(), step_);
   optimizer_->step(lr);
+  if (sharded_) sharded_->gather_parameters();
   phase_mark("update");
   ++step_;
   const int64_t tokens = static_cast<int64_t>(dp_) * accum * data.batch_size() * data.seq_len();
@@ -735,6 +749,8 @@ EvalStats Trainer::evaluate() {
 void Trainer::save_checkpoint() {
   const auto& ck = config_.checkpoint();
   if (!ck.has_dir() || ck.dir().empty()) return;
+  // Every rank's moments from the rank that updates them: rank 0 writes them all.
+  if (sharded_) sharded_->gather_optimizer_state();
   // Never write a checkpoint with a non-finite parameter: it would become `latest` and every resume
   // would start from it. One reduction, here only (not every step): a not-finite flag per parameter
   // tensor, stacked, summed over the ranks (so that every rank refuses alike) and copied to the host

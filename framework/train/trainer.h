@@ -28,6 +28,7 @@
 #include "framework/config/config.h"
 #include "framework/train/model.h"
 #include "framework/train/optimizer.h"
+#include "framework/train/sharded_update.h"
 #include "layers/common/device.h"
 #include "parallel/gradient_sum.h"
 #include "parallel/process_group.h"
@@ -146,6 +147,8 @@ class Trainer {
   // applies), 0 where none is deferred.
   int64_t deferred_head_bytes() const { return deferred_head_bytes_; }
   const AdamW& optimizer() const { return *optimizer_; }
+  // The update split over the sp ranks (parallel.shard_update where it applies), else null.
+  ShardedUpdate* sharded_update() const { return sharded_.get(); }
   const RunConfig& config() const { return config_; }
   int rank() const;  // world rank
 
@@ -187,6 +190,10 @@ class Trainer {
   // One segment a rank, sp > 1 and CARRY_GRADIENT_OVERLAP=1: the weight gradients' tree sum goes in
   // buckets during the backward (parallel/gradient_sum.h). Null otherwise.
   std::unique_ptr<parallel::OverlappedGradientSum> gradient_sum_;
+  // The update split over the sp ranks (parallel.shard_update), and the flat gradients' layout (its
+  // layout when split, else one piece).
+  std::unique_ptr<ShardedUpdate> sharded_;
+  parallel::FlatLayout grad_layout_;
   // Bytes of the loss's last chunks' logit gradients whose head weight gradient waits until the end of
   // the backward (parallel.deferred_head_gradient_mib: ORDERED, sp > 1, one segment a rank, sp ranks
   // after the first); 0: none.

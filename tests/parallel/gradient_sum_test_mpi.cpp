@@ -6,6 +6,7 @@
 // buckets by the copy engines (parallel/peer_sum.h): refused with a reason off two NCCL GPUs, and on
 // them (2 ranks, one GPU each) the all-reduce's bits over steps where one rank runs ahead.
 #include "parallel/gradient_sum.h"
+#include "parallel/flat_layout.h"
 #include "parallel/segments.h"
 
 #include <gtest/gtest.h>
@@ -64,11 +65,16 @@ Tensor loss_of(const NamedParameters& p, int rank, int step) {
   return l + (p[1].second * p[1].second.sin()).sum() * 0.5;
 }
 
+// The flat gradients in the trainer's layout (parallel/flat_layout.h: each parameter aligned, zeros between).
 Tensor flat_of(const NamedParameters& p) {
-  std::vector<Tensor> v;
-  for (auto& [name, t] : p)
-    v.push_back(t.grad().defined() ? t.grad().reshape({-1}) : at::zeros({t.numel()}, t.options().requires_grad(false)));
-  return at::cat(v);
+  std::vector<int64_t> numels;
+  for (auto& [name, t] : p) numels.push_back(t.numel());
+  const auto layout = FlatLayout::make(numels);
+  Tensor flat = at::zeros({layout.numel}, p[0].second.options().requires_grad(false));
+  for (size_t i = 0; i < p.size(); ++i)
+    if (p[i].second.grad().defined())
+      flat.narrow(0, layout.offset[i], p[i].second.numel()).copy_(p[i].second.grad().reshape({-1}));
+  return flat;
 }
 
 TEST(GradientSum, BucketsDuringTheBackwardGiveTreeSumsBits) {

@@ -47,6 +47,42 @@ TEST(Segments, TreeSumIsTheSameOnEveryLayout) {
   }
 }
 
+// The tree sum in two halves (tree_reduce_scatter, then tree_all_gather): the piece a rank holds after
+// the first has tree_sum's bits, and after the second every rank holds the whole sum with them. Over
+// 1, 2 and 4 ranks (power-of-two sizes; 12288 splits into 4 pieces of 3072).
+TEST(Segments, TreeSumInHalvesHasItsBits) {
+  auto comm = make_mpi_communicator(MPI_COMM_WORLD);
+  const int r = comm->rank(), P = comm->size();
+  if (kSegments % P != 0) GTEST_SKIP() << "needs a world size dividing " << kSegments;
+  for (int64_t n : {int64_t{4096}, int64_t{12288}}) {
+    auto all = partial_sums(n);
+    const Tensor one_rank = tree_sum(all, nullptr);
+    const int k = kSegments / P;
+    std::vector<Tensor> mine(all.begin() + r * k, all.begin() + (r + 1) * k);
+    Tensor flat = tree_reduce_scatter(mine, comm.get());
+    const int piece = tree_piece(r, P);
+    const int64_t len = n / P;
+    EXPECT_TRUE(at::equal(flat.narrow(0, piece * len, len), one_rank.narrow(0, piece * len, len)))
+        << "rank " << r << " of " << P << ", piece " << piece << ", " << n << " elements";
+    tree_all_gather(flat, comm.get());
+    EXPECT_TRUE(at::equal(flat, one_rank)) << "rank " << r << " of " << P << ", " << n << " elements";
+  }
+  // Every piece is some rank's.
+  std::vector<int> held(P, 0);
+  for (int q = 0; q < P; ++q) held.at(tree_piece(q, P)) += 1;
+  for (int j = 0; j < P; ++j) EXPECT_EQ(held[j], 1) << "piece " << j << " of " << P;
+  // A buffer that does not split into equal pieces is refused with its shape.
+  if (P > 1) {
+    std::vector<Tensor> odd{at::ones({P * 8 + 1})};
+    try {
+      tree_reduce_scatter(odd, comm.get());
+      ADD_FAILURE() << "an uneven buffer was accepted";
+    } catch (const c10::Error& e) {
+      EXPECT_NE(std::string(e.what_without_backtrace()).find("equal pieces"), std::string::npos) << e.what_without_backtrace();
+    }
+  }
+}
+
 TEST(Segments, RankMustHoldAPowerOfTwo) {
   auto all = partial_sums();
   try {

@@ -735,6 +735,22 @@ void check_communicator(Communicator& c, at::Device dev) {
   c.broadcast(b, P - 1);
   EXPECT_TRUE(at::equal(b, at::arange(6, opt)));
   c.barrier();
+  // reduce_scatter_sum and all_gather_pieces on a buffer of P pieces of 5 (fp32 and fp64): element e of
+  // rank q holds (q + 1)·(e + 1); after the first this rank's piece holds the sums, after the second every
+  // piece holds its rank's values (here the sums on every rank).
+  for (auto dt : {at::kFloat, at::kDouble}) {
+    auto o = opt.dtype(dt);
+    Tensor flat = at::arange(1, 5 * P + 1, o) * (r + 1);
+    c.reduce_scatter_sum(flat);
+    const Tensor want = at::arange(1, 5 * P + 1, o) * (P * (P + 1) / 2);
+    EXPECT_TRUE(at::equal(flat.narrow(0, 5 * r, 5), want.narrow(0, 5 * r, 5))) << "rank " << r << " " << dt;
+    c.all_gather_pieces(flat);
+    EXPECT_TRUE(at::equal(flat, want)) << "rank " << r << " " << dt;
+  }
+  if (P > 1) {
+    Tensor uneven = at::zeros({5 * P + 1}, opt);
+    EXPECT_THROW(c.reduce_scatter_sum(uneven), c10::Error);
+  }
   // Lists: mixed dtypes, an undefined entry, a scalar; with a known layout and self-described.
   std::vector<Tensor> list{at::full({2, 3}, r, opt), Tensor(),
                            at::full({}, r, at::TensorOptions().dtype(at::kLong).device(dev)),

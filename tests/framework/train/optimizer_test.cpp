@@ -1,14 +1,19 @@
 // AdamW's two forms (framework/train/optimizer.h): on the CPU the per-parameter loop whatever `fused`
 // says (bit for bit); on a GPU ATen's fused multi-tensor AdamW against the loop on the same device over
 // several steps (parameters, exp_avg, exp_avg_sq), with decayed and undecayed parameters, a parameter
-// without a gradient and one whose gradient is laid out unlike it. The GPU test skips without a GPU.
+// without a gradient and one whose gradient is laid out unlike it; and the update split in two (each half
+// of the parameters updated by its own optimizer over views of flat buffers, the gradient norm from the
+// halves' parts) against the whole update, bit for bit on the CPU and on a GPU. The GPU tests skip
+// without a GPU.
 #include "framework/train/optimizer.h"
 #include "layers/common/device.h"
+#include "parallel/flat_layout.h"
 
 #include <gtest/gtest.h>
 
 #include <ATen/ATen.h>
 #include <ATen/CPUGeneratorImpl.h>
+#include <ATen/core/grad_mode.h>
 
 #include <cstdio>
 #include <string>
@@ -100,6 +105,83 @@ TEST(Optimizer, FusedAdamWOnCudaEqualsTheLoop) {
     for (size_t i = 0; i < again.state().size(); ++i)
       EXPECT_TRUE(at::equal(again.state()[i].second, fused.state()[i].second));
   }
+}
+
+// The update split over two ranks as the trainer splits it (sharded_update.h), in one process: two
+// copies of the parameters moved into flat buffers of a two-piece layout, each copy's optimizer limited
+// to one piece, the clipping norm assembled from each piece's parts; after every step the second copy's
+// piece is copied into the first (the all-gather). Parameters, moments and norms equal the whole update's
+// bit for bit, over steps with clipping active and not.
+void split_update_equals_the_whole(at::Device device) {
+  const int64_t sizes[][2] = {{96, 40}, {6, 1}, {40, 1}, {3, 5}, {64, 33}, {7, 1}, {130, 1}};
+  auto make = [&] {
+    auto gen = at::make_generator<at::CPUGeneratorImpl>(5);
+    NamedParameters ps;
+    int i = 0;
+    for (auto& s : sizes) {
+      auto shape = s[1] == 1 ? std::vector<int64_t>{s[0]} : std::vector<int64_t>{s[0], s[1]};
+      ps.emplace_back("p" + std::to_string(i++), at::randn(shape, gen, at::kFloat).to(device).set_requires_grad(true));
+    }
+    return ps;
+  };
+  auto whole = make(), a = make(), b = make();
+  std::vector<int64_t> numels;
+  for (auto& [n, p] : whole) numels.push_back(p.numel());
+  const auto layout = parallel::FlatLayout::make(numels, 2);
+  const int cut = layout.piece_first[1], n = static_cast<int>(whole.size());
+  ASSERT_GT(cut, 0);
+  ASSERT_LT(cut, n);
+  AdamW opt_whole(whole, adam_config()), opt_a(a, adam_config()), opt_b(b, adam_config());
+  std::vector<Tensor> flat_a, flat_b;  // parameters, exp_avg, exp_avg_sq
+  for (auto* ps : {&a, &b}) {
+    auto& flats = ps == &a ? flat_a : flat_b;
+    for (int k = 0; k < 3; ++k) flats.push_back(at::zeros({layout.numel}, (*ps)[0].second.options()));
+    at::NoGradGuard no_grad;
+    for (int i = 0; i < n; ++i) {
+      auto& p = (*ps)[i].second;
+      auto v = flats[0].narrow(0, layout.offset[i], p.numel()).view(p.sizes());
+      v.copy_(p.detach());
+      p.set_data(v);
+    }
+    (ps == &a ? opt_a : opt_b).place_state(flats[1], flats[2], layout.offset);
+  }
+  opt_a.update_only(0, cut), opt_b.update_only(cut, n);
+  for (int t = 1; t <= 5; ++t) {
+    const double max_norm = t % 2 ? 0.5 : 1e9;  // odd steps clip
+    auto gen = at::make_generator<at::CPUGeneratorImpl>(200 + t);
+    std::vector<Tensor> g_whole, g_a, g_b;
+    for (int i = 0; i < n; ++i) {
+      auto g = (at::randn(whole[i].second.sizes(), gen, at::kFloat) * at::exp(at::randn({1}, gen, at::kFloat) * 3)).to(device);
+      whole[i].second.mutable_grad() = g.clone();
+      if (i < cut) a[i].second.mutable_grad() = g.clone(), g_a.push_back(a[i].second.grad());
+      else b[i].second.mutable_grad() = g.clone(), g_b.push_back(b[i].second.grad());
+      g_whole.push_back(whole[i].second.grad());
+    }
+    auto norm_whole = clip_grad_norm_on_device(whole, max_norm);
+    auto parts = at::zeros({n}, at::TensorOptions().dtype(at::kDouble).device(device));
+    parts.narrow(0, 0, cut).add_(gradient_norm_parts(g_a));
+    parts.narrow(0, cut, n - cut).add_(gradient_norm_parts(g_b));
+    auto norm = parts.sum().sqrt();
+    EXPECT_TRUE(at::equal(norm, norm_whole)) << "step " << t << ": " << norm.item<double>() << " vs "
+                                             << norm_whole.item<double>();
+    scale_gradients(g_a, norm, max_norm), scale_gradients(g_b, norm, max_norm);
+    opt_whole.step(0.01), opt_a.step(0.01), opt_b.step(0.01);
+    // The all-gather: the second piece from b.
+    const auto piece = [&](const Tensor& f) { return f.narrow(0, layout.piece_numel, layout.piece_numel); };
+    for (int k = 0; k < 3; ++k) piece(flat_a[k]).copy_(piece(flat_b[k]));
+    for (int i = 0; i < n; ++i)
+      EXPECT_TRUE(at::equal(a[i].second, whole[i].second)) << "step " << t << ", parameter " << i;
+    auto sa = opt_a.state(), sw = opt_whole.state();
+    for (size_t i = 0; i < sw.size(); ++i)
+      EXPECT_TRUE(at::equal(sa[i].second, sw[i].second)) << "step " << t << ", " << sw[i].first;
+  }
+}
+
+TEST(Optimizer, SplitUpdateEqualsTheWholeOnTheCpu) { split_update_equals_the_whole(at::kCPU); }
+
+TEST(Optimizer, SplitUpdateEqualsTheWholeOnCuda) {
+  if (cuda_device_count() == 0) GTEST_SKIP() << "no CUDA device: GPU tests skipped";
+  split_update_equals_the_whole(at::Device(at::kCUDA, 0));
 }
 
 }  // namespace

@@ -174,6 +174,8 @@ struct BitRun {
   std::vector<double> losses, norms;
   std::vector<at::Tensor> params;
   int64_t deferred_head_bytes = 0;  // this rank's budget (Trainer::deferred_head_bytes)
+  bool sharded = false;             // the update split over the sp ranks (Trainer::sharded_update)
+  std::vector<at::Tensor> state;    // AdamW's moments after the 5 steps (gathered from their ranks first)
 };
 
 BitRun train_bits(const RunConfig& cfg, bool distributed) {
@@ -185,6 +187,9 @@ BitRun train_bits(const RunConfig& cfg, bool distributed) {
     r.losses.push_back(s.loss), r.norms.push_back(s.grad_norm);
   }
   for (auto& [n, p] : t->model().parameters()) r.params.push_back(p.detach().clone());
+  r.sharded = t->sharded_update() != nullptr;
+  if (r.sharded) t->sharded_update()->gather_optimizer_state();
+  for (auto& [n, m] : t->optimizer().state()) r.state.push_back(m.clone());
   return r;
 }
 
@@ -192,6 +197,8 @@ BitRun train_bits(const RunConfig& cfg, bool distributed) {
 bool same_bits(const BitRun& a, const BitRun& b, const std::string& what) {
   bool same = a.losses == b.losses && a.norms == b.norms && a.params.size() == b.params.size();
   for (size_t i = 0; same && i < a.params.size(); ++i) same = at::equal(a.params[i], b.params[i]);
+  same = same && a.state.size() == b.state.size();
+  for (size_t i = 0; same && i < a.state.size(); ++i) same = at::equal(a.state[i], b.state[i]);
   int mine = same ? 1 : 0, all = 0;
   MPI_Allreduce(&mine, &all, 1, MPI_INT, MPI_MIN, MPI_COMM_WORLD);
   if (parallel::world_info().rank == 0) {
@@ -228,7 +235,18 @@ TEST(Trainer, OrderedSegmentsGiveTheSameBitsOnEveryLayout) {
       // The ranks after the first left their head's weight gradient to the end of the backward (the default).
       EXPECT_EQ(sp.deferred_head_bytes, parallel::world_info().rank > 0 ? int64_t{2560} << 20 : 0);
       EXPECT_EQ(serial.deferred_head_bytes, 0);
+      // And each rank updated its piece of the parameters (the default, parallel.shard_update).
+      EXPECT_TRUE(sp.sharded);
+      EXPECT_FALSE(serial.sharded);
     }
+  {
+    // Every rank updating every parameter (parallel.shard_update=false): the same bits, moments included.
+    auto serial = train_bits(config({"parallel.segments=" + std::to_string(P)}), false);
+    auto whole = train_bits(config({"parallel.sp=" + std::to_string(P), "parallel.shard_update=false"}), true);
+    EXPECT_FALSE(whole.sharded);
+    EXPECT_TRUE(same_bits(whole, serial, "sp=" + std::to_string(P) + " with every rank updating every parameter vs "
+                                             "sp=1 with " + std::to_string(P) + " segments (fp32, 5 steps)"));
+  }
   {
     // And without that deferral (parallel.deferred_head_gradient_mib=0): the same bits too.
     auto serial = train_bits(config({"parallel.segments=" + std::to_string(P)}), false);
