@@ -86,6 +86,7 @@ Tensor Model::hidden(const Tensor& tokens, const ModelContext& ctx,
     TORCH_CHECK(lo >= 0 && hi < V, "model: token ids must lie in [0, vocab_size=", V, "), found [", lo,
                 ", ", hi, "]");
   }
+  if (ctx.before_block) ctx.before_block(-1);
   auto h = at::embedding(embedding_, tokens.to(embedding_.device()));
   if (deferred) h = anchor_deferred_head_gradient(h, head_weight(), deferred);
   // The context is shared by value with each layer's closure: a recomputation in backward runs after
@@ -132,6 +133,7 @@ Tensor Model::hidden(const Tensor& tokens, const ModelContext& ctx,
       const bool values = !recomputing_in_backward();
       return graph_only_add(y, b->mlp.forward(n, /*result_only=*/!values), values);
     };
+    if (ctx.before_block) ctx.before_block(static_cast<int64_t>(i));
     if (!recomputed) {
       h = block(h);
       continue;
@@ -142,6 +144,7 @@ Tensor Model::hidden(const Tensor& tokens, const ModelContext& ctx,
       for (auto& [name, p] : part) params.push_back(p);
     h = recompute_in_backward(block, h, params, ctx.recompute_overlap);
   }
+  if (ctx.before_block) ctx.before_block(static_cast<int64_t>(blocks_.size()));
   return norm_.forward(h);
 }
 

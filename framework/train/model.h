@@ -21,6 +21,7 @@
 #include "layers/norm.h"
 #include "layers/parameters.h"
 
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -59,6 +60,11 @@ struct ModelContext {
   // Tokens per chunk of the chunked head + cross entropy (framework/train/chunked_loss.h); 0: the
   // default for the form that runs (default_loss_chunk_tokens).
   int64_t loss_chunk_tokens = 0;
+  // Called before the forward reads a part of the model's parameters: with -1 before the embedding, with
+  // i before block i, with the block count before the final norm and the head (the trainer's split update
+  // waits there for the parameters other ranks updated, sharded_update.h). Not called again when a block
+  // is recomputed in the backward. Unset: nothing.
+  std::function<void(int64_t)> before_block;
 };
 
 class Model {

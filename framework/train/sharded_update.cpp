@@ -3,8 +3,16 @@
 
 #include "parallel/segments.h"
 
+#ifdef CARRY_WITH_CUDA
+#include <ATen/cuda/CUDAEvent.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#endif
 #include <ATen/core/grad_mode.h>
 #include <c10/util/Exception.h>
+
+#include <cstdlib>
+#include <optional>
 
 #include <algorithm>
 
@@ -55,6 +63,37 @@ void set_gradients(const NamedParameters& params, const at::Tensor& buffer, cons
   }
 }
 
+struct ShardedUpdate::Overlap {
+#ifdef CARRY_WITH_CUDA
+  std::optional<c10::cuda::CUDAStream> side;
+  at::cuda::CUDAEvent updated, gathered;
+#endif
+  bool pending = false;  // a gather not yet waited for
+};
+
+namespace {
+// The block index of a "layers.<i>.*" parameter name (Model::parameters), else -1.
+int64_t layer_of(const std::string& name) {
+  if (name.rfind("layers.", 0) != 0) return -1;
+  const auto dot = name.find('.', 7);
+  if (dot == std::string::npos || dot == 7) return -1;
+  int64_t i = 0;
+  for (size_t k = 7; k < dot; ++k) {
+    if (name[k] < '0' || name[k] > '9') return -1;
+    i = i * 10 + (name[k] - '0');
+  }
+  return i;
+}
+
+// The forward's part that reads a parameter: the embedding -1, block i's i, the rest (the final norm,
+// the head) `blocks`.
+int64_t part_of(const std::string& name, int64_t blocks) {
+  if (name.rfind("embedding.", 0) == 0) return -1;
+  const int64_t i = layer_of(name);
+  return i >= 0 ? i : blocks;
+}
+}  // namespace
+
 std::string ShardedUpdate::unavailable(const NamedParameters& params, const parallel::Communicator* sp) {
   if (!sp || sp->size() < 2) return "one rank a sequence";
   const int P = sp->size();
@@ -88,6 +127,33 @@ ShardedUpdate::ShardedUpdate(NamedParameters params, AdamW& optimizer, parallel:
   exp_avg_sq_flat_ = at::zeros({layout_.numel}, options);
   optimizer.place_state(exp_avg_flat_, exp_avg_sq_flat_, layout_.offset);
   optimizer.update_only(first_, last_);
+  // The first part of the forward that reads another rank's parameter. The block count comes from the
+  // names (the largest layer index + 1); a tied head reads the embedding at the end, after every part.
+  int64_t blocks = 0;
+  for (auto& [name, p] : params_) blocks = std::max(blocks, layer_of(name) + 1);
+  first_foreign_part_ = blocks;
+  for (int i = 0; i < static_cast<int>(params_.size()); ++i)
+    if (i < first_ || i >= last_) first_foreign_part_ = std::min(first_foreign_part_, part_of(params_[i].first, blocks));
+  overlap_ = std::make_shared<Overlap>();
+#ifdef CARRY_WITH_CUDA
+  const char* env = std::getenv("CARRY_GATHER_OVERLAP");
+  const std::string mode = env ? env : "1";
+  TORCH_CHECK(mode == "0" || mode == "1", "CARRY_GATHER_OVERLAP: expected 0 (the step waits for the parameters' ",
+              "gather at its end) or 1 (the next forward waits where it needs them; the default), got '", mode, "'");
+  if (params_flat_.is_cuda() && mode == "1")
+    overlap_->side = c10::cuda::getStreamFromPool(false, params_flat_.device().index());
+#endif
+}
+
+ShardedUpdate::~ShardedUpdate() {
+#ifdef CARRY_WITH_CUDA
+  if (overlap_ && overlap_->pending) {
+    try {
+      overlap_->gathered.synchronize();
+    } catch (const std::exception&) {  // a failed communicator: the error was reported where it happened
+    }
+  }
+#endif
 }
 
 at::Tensor ShardedUpdate::mine(const at::Tensor& flat) const {
@@ -116,11 +182,42 @@ at::Tensor ShardedUpdate::clip(double max_norm) const {
 
 void ShardedUpdate::gather_parameters() {
   at::NoGradGuard no_grad;
+  wait_parameters();  // the previous gather (every step waits in its forward; this is for a step without one)
+#ifdef CARRY_WITH_CUDA
+  if (overlap_->side) {
+    // The side stream starts after the update on the current stream, gathers, and marks the end; the
+    // buffer lives as long as this object, so no stream needs recording for the caching allocator.
+    const auto device = params_flat_.device().index();
+    auto current = c10::cuda::getCurrentCUDAStream(device);
+    overlap_->updated.record(current);
+    overlap_->updated.block(*overlap_->side);
+    {
+      c10::cuda::CUDAStreamGuard on_side(*overlap_->side);
+      parallel::tree_all_gather(params_flat_, sp_);
+      overlap_->gathered.record(*overlap_->side);
+    }
+    overlap_->pending = true;
+    return;
+  }
+#endif
   parallel::tree_all_gather(params_flat_, sp_);
+}
+
+void ShardedUpdate::wait_parameters() const {
+  if (!overlap_->pending) return;
+#ifdef CARRY_WITH_CUDA
+  overlap_->gathered.block(c10::cuda::getCurrentCUDAStream(params_flat_.device().index()));
+#endif
+  overlap_->pending = false;
+}
+
+void ShardedUpdate::before_block(int64_t part) const {
+  if (overlap_->pending && part >= first_foreign_part_) wait_parameters();
 }
 
 void ShardedUpdate::gather_optimizer_state() {
   at::NoGradGuard no_grad;
+  wait_parameters();
   parallel::tree_all_gather(exp_avg_flat_, sp_);
   parallel::tree_all_gather(exp_avg_sq_flat_, sp_);
 }

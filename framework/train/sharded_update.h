@@ -19,6 +19,14 @@
 // with set_data, every moment a view), so that a gather is one collective. Between checkpoints a rank's
 // copies of another rank's moments are stale: gather_optimizer_state() refreshes them before a
 // checkpoint is written.
+//
+// On CUDA the parameters' all-gather runs on a side stream and the next step does not wait for it at
+// once: its forward waits (before_block, ModelContext::before_block) at the first block that reads a
+// parameter of another rank's piece. At sp = 2 the first rank's piece holds the embedding and the first
+// blocks, so the first rank starts its next forward at once, and its first state reaches the last rank
+// sooner; the last rank waits for the gather before its embedding as before. Everything else that reads
+// the parameters (evaluation, checkpoints, the trainer's model()) calls wait_parameters() first.
+// CARRY_GATHER_OVERLAP=0 makes the step wait for the gather at its end instead.
 #pragma once
 
 #include "framework/train/optimizer.h"
@@ -46,6 +54,9 @@ class ShardedUpdate {
   // Moves the parameters and `optimizer`'s moments into the layout's flat buffers and limits `optimizer`
   // to this rank's piece. `sp` must outlive this object.
   ShardedUpdate(NamedParameters params, AdamW& optimizer, parallel::Communicator* sp);
+  ~ShardedUpdate();  // waits for a gather in flight (its buffer goes with this object)
+  ShardedUpdate(const ShardedUpdate&) = delete;
+  ShardedUpdate& operator=(const ShardedUpdate&) = delete;
 
   const parallel::FlatLayout& layout() const { return layout_; }
   // This rank's piece and the parameters [first, last) it updates.
@@ -62,8 +73,16 @@ class ShardedUpdate {
   // Collective over sp: the global gradient norm (clip_grad_norm_on_device's bits, a 0-dim fp64 tensor
   // on the device), this rank's gradients scaled as it scales them.
   at::Tensor clip(double max_norm) const;
-  // Collective over sp, after the update: every rank's parameters from the rank that updated them.
+  // Collective over sp, after the update: every rank's parameters from the rank that updated them (on
+  // CUDA, unless CARRY_GATHER_OVERLAP=0, finished only for what is enqueued after wait_parameters()).
   void gather_parameters();
+  // The current stream waits for the last gather, if it has not yet (const: it only orders streams).
+  void wait_parameters() const;
+  // The forward's hook (ModelContext::before_block): waits at the first part that reads another rank's
+  // parameters. `part`: -1 the embedding, i block i, the block count the final norm and head.
+  void before_block(int64_t part) const;
+  // The first part whose parameters include another rank's (for the log and tests).
+  int64_t first_foreign_part() const { return first_foreign_part_; }
   // Collective over sp: every rank's moments from the rank that updates them (before a checkpoint).
   void gather_optimizer_state();
 
@@ -72,7 +91,10 @@ class ShardedUpdate {
   parallel::Communicator* sp_;
   parallel::FlatLayout layout_;
   int piece_ = 0, first_ = 0, last_ = 0;
+  int64_t first_foreign_part_ = 0;
   at::Tensor params_flat_, exp_avg_flat_, exp_avg_sq_flat_;
+  struct Overlap;  // the side stream and its events (CUDA)
+  std::shared_ptr<Overlap> overlap_;
 };
 
 }  // namespace carry

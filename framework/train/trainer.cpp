@@ -242,6 +242,9 @@ Trainer::Trainer(const RunConfig& config, std::shared_ptr<parallel::ProcessGroup
   }
   if (sharded_) {
     grad_layout_ = sharded_->layout();
+    // The forward waits for the other ranks' updated parameters where it first reads one.
+    ShardedUpdate* sharded = sharded_.get();
+    context_.before_block = [sharded](int64_t part) { sharded->before_block(part); };
   } else {
     std::vector<int64_t> numels;
     for (auto& [name, p] : model_.parameters()) numels.push_back(p.numel());
@@ -547,6 +550,7 @@ at::Tensor Trainer::segmented_forward_backward(const std::vector<Batch>& micro, 
     }
     // One segment and one micro-batch: the gradients' sum goes in buckets while the backward runs.
     const bool overlap = gradient_sum_ && micro.size() == 1;
+    if (sharded_) sharded_->wait_parameters();  // the forward waited already; the backward reads them too
     phase_mark("forward");
     for (int j = k - 1; j >= 0; --j) {  // the state gradients flow right to left
       segments_->set_segment(j);
@@ -702,6 +706,7 @@ StepStats Trainer::train_step() {
 
 EvalStats Trainer::evaluate() {
   at::NoGradGuard no_grad;
+  if (sharded_) sharded_->wait_parameters();
   const int64_t batches = config_.data().eval_batches();
   // Per rank: [Σ ce·mask, Σ mask, correct]; per sequence (summed over sp): [masked, correct].
   auto totals = at::zeros({3}, at::kDouble);

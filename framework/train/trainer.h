@@ -142,7 +142,11 @@ class Trainer {
   // device's stream (CUDA events at train_step's phase boundaries, read here, which waits for them) or
   // by the host clock on the CPU. Empty when the timing is off.
   std::vector<std::pair<std::string, double>> take_phase_seconds();
-  const Model& model() const { return model_; }
+  // The model, its parameters complete (after the split update's gather, when one is in flight).
+  const Model& model() const {
+    if (sharded_) sharded_->wait_parameters();
+    return model_;
+  }
   // The byte budget of this rank's deferred head gradient (parallel.deferred_head_gradient_mib where it
   // applies), 0 where none is deferred.
   int64_t deferred_head_bytes() const { return deferred_head_bytes_; }

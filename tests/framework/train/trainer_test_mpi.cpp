@@ -175,6 +175,7 @@ struct BitRun {
   std::vector<at::Tensor> params;
   int64_t deferred_head_bytes = 0;  // this rank's budget (Trainer::deferred_head_bytes)
   bool sharded = false;             // the update split over the sp ranks (Trainer::sharded_update)
+  int64_t first_foreign_part = -2;  // where its forward first reads another rank's parameters
   std::vector<at::Tensor> state;    // AdamW's moments after the 5 steps (gathered from their ranks first)
 };
 
@@ -188,6 +189,7 @@ BitRun train_bits(const RunConfig& cfg, bool distributed) {
   }
   for (auto& [n, p] : t->model().parameters()) r.params.push_back(p.detach().clone());
   r.sharded = t->sharded_update() != nullptr;
+  if (r.sharded) r.first_foreign_part = t->sharded_update()->first_foreign_part();
   if (r.sharded) t->sharded_update()->gather_optimizer_state();
   for (auto& [n, m] : t->optimizer().state()) r.state.push_back(m.clone());
   return r;
@@ -238,6 +240,10 @@ TEST(Trainer, OrderedSegmentsGiveTheSameBitsOnEveryLayout) {
       // And each rank updated its piece of the parameters (the default, parallel.shard_update).
       EXPECT_TRUE(sp.sharded);
       EXPECT_FALSE(serial.sharded);
+      // The first rank holds the embedding and the first blocks: its forward reads another rank's
+      // parameters only at a later part (a block or the head); every other rank at the embedding.
+      if (parallel::world_info().rank == 0) EXPECT_GE(sp.first_foreign_part, 0);
+      else EXPECT_EQ(sp.first_foreign_part, -1);
     }
   {
     // Every rank updating every parameter (parallel.shard_update=false): the same bits, moments included.
