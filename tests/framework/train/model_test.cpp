@@ -265,6 +265,23 @@ TEST(Model, RecomputationRunsEachLayerAgainWithTheSameGradients) {
   }
 }
 
+// ModelContext::before_block (the split update's wait for other ranks' parameters, sharded_update.h) is
+// called once per forward before each part reads its parameters, in order: -1 (the embedding), each block,
+// then the block count (the final norm and head); not again when a block is recomputed in the backward.
+TEST(Model, BeforeBlockHookSeesEveryPartInOrderOnce) {
+  auto model = build_model(tiny_config({"gated_deltanet", "gla"}), 4, at::TensorOptions().dtype(at::kDouble));
+  auto tokens = random_tokens(2, 16, 16, 5), targets = random_tokens(2, 16, 16, 6);
+  for (bool recompute : {false, true}) {
+    std::vector<int64_t> parts;
+    ModelContext ctx = recompute ? recomputing(0) : ModelContext{};
+    ctx.before_block = [&parts](int64_t part) { parts.push_back(part); };
+    auto with_hook = loss_gradients(model, tokens, targets, ctx);
+    EXPECT_EQ(parts, (std::vector<int64_t>{-1, 0, 1, 2})) << (recompute ? "recomputed" : "kept");
+    expect_same_bits(with_hook, loss_gradients(model, tokens, targets, recompute ? recomputing(0) : ModelContext{}),
+                     recompute ? "recomputed, with the hook" : "kept, with the hook");
+  }
+}
+
 // Recomputation that keeps each layer's mixer core (ModelContext::recompute_keeps_mixer, sp = 1: no
 // run_mixer) gives every parameter the gradient of the run that keeps all its activations, bit for bit
 // (fp64, every mixer kind), also with the last layer kept whole. That the core runs once is
