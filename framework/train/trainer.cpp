@@ -233,9 +233,14 @@ Trainer::Trainer(const RunConfig& config, std::shared_ptr<parallel::ProcessGroup
     if (why.empty()) {
       sharded_ = std::make_unique<ShardedUpdate>(model_.parameters(), *optimizer_, segments_->sp());
       const auto& l = sharded_->layout();
+      const int64_t part = sharded_->first_foreign_part(), blocks = static_cast<int64_t>(model_.blocks().size());
+      const std::string where = part < 0 ? "the embedding"
+                                : part < blocks ? "block " + std::to_string(part) + " of " + std::to_string(blocks)
+                                                : "the final norm";
       log("update: split over the %d sp ranks (parallel.shard_update): %d pieces of %lld elements, rank 0 updates "
-          "parameter tensors %d to %d of %zu\n", sp_, l.pieces, static_cast<long long>(l.piece_numel), sharded_->first(),
-          sharded_->last() - 1, model_.parameters().size());
+          "parameter tensors %d to %d of %zu and waits for the others' at %s\n", sp_, l.pieces,
+          static_cast<long long>(l.piece_numel), sharded_->first(), sharded_->last() - 1, model_.parameters().size(),
+          where.c_str());
     } else {
       log("update: on every sp rank (parallel.shard_update does not apply: %s)\n", why.c_str());
     }
