@@ -11,10 +11,9 @@
 #include <ATen/core/grad_mode.h>
 #include <c10/util/Exception.h>
 
+#include <algorithm>
 #include <cstdlib>
 #include <optional>
-
-#include <algorithm>
 
 namespace carry {
 
@@ -135,11 +134,11 @@ ShardedUpdate::ShardedUpdate(NamedParameters params, AdamW& optimizer, parallel:
   for (int i = 0; i < static_cast<int>(params_.size()); ++i)
     if (i < first_ || i >= last_) first_foreign_part_ = std::min(first_foreign_part_, part_of(params_[i].first, blocks));
   overlap_ = std::make_shared<Overlap>();
-#ifdef CARRY_WITH_CUDA
   const char* env = std::getenv("CARRY_GATHER_OVERLAP");
   const std::string mode = env ? env : "1";
   TORCH_CHECK(mode == "0" || mode == "1", "CARRY_GATHER_OVERLAP: expected 0 (the step waits for the parameters' ",
               "gather at its end) or 1 (the next forward waits where it needs them; the default), got '", mode, "'");
+#ifdef CARRY_WITH_CUDA
   if (params_flat_.is_cuda() && mode == "1")
     overlap_->side = c10::cuda::getStreamFromPool(false, params_flat_.device().index());
 #endif

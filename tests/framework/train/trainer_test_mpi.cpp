@@ -432,6 +432,22 @@ TEST(Trainer, StopSignalOnOneRankStopsEveryRankAtTheSameStep) {
   if (parallel::world_info().rank == 0) remove_tree(dir);
 }
 
+// CARRY_GATHER_OVERLAP takes 0 or 1; anything else stops the trainer with what it expects, on every rank.
+TEST(Trainer, GatherOverlapSettingIsChecked) {
+  const int P = parallel::world_info().size;
+  if (P < 2) GTEST_SKIP() << "needs 2 or more ranks";
+  setenv("CARRY_GATHER_OVERLAP", "yes", 1);
+  std::string message;
+  try {
+    make_trainer(config({"parallel.sp=" + std::to_string(P)}), true, at::kFloat);
+  } catch (const c10::Error& e) {
+    message = e.what_without_backtrace();
+  }
+  unsetenv("CARRY_GATHER_OVERLAP");
+  EXPECT_NE(message.find("CARRY_GATHER_OVERLAP: expected 0"), std::string::npos) << message;
+  EXPECT_NE(message.find("got 'yes'"), std::string::npos) << message;
+}
+
 TEST(Trainer, LayoutMustMatchTheWorld) {
   const int P = parallel::world_info().size;
   auto cfg = config({"parallel.dp=" + std::to_string(P + 1)});
