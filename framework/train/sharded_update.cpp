@@ -182,6 +182,13 @@ at::Tensor ShardedUpdate::clip(double max_norm) const {
 void ShardedUpdate::gather_parameters() {
   at::NoGradGuard no_grad;
   wait_parameters();  // the previous gather (every step waits in its forward; this is for a step without one)
+  // Every parameter must still be its view of the buffer: one replaced instead of copied into (set_data,
+  // an assignment) would train on values the gather no longer reaches. A pointer compare a parameter.
+  const auto* base = static_cast<const char*>(params_flat_.data_ptr());
+  for (size_t i = 0; i < params_.size(); ++i)
+    TORCH_INTERNAL_ASSERT(params_[i].second.data_ptr() == base + layout_.offset[i] * params_flat_.element_size(),
+                          "sharded update: parameter '", params_[i].first, "' no longer lives in the flat buffer "
+                          "(replaced instead of copied into)");
 #ifdef CARRY_WITH_CUDA
   if (overlap_->side) {
     // The side stream starts after the update on the current stream, gathers, and marks the end; the
