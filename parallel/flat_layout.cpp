@@ -4,7 +4,7 @@
 #include <c10/util/Exception.h>
 
 #include <algorithm>
-#include <cstdlib>
+#include <cmath>
 
 namespace carry::parallel {
 

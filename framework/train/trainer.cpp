@@ -555,7 +555,6 @@ at::Tensor Trainer::segmented_forward_backward(const std::vector<Batch>& micro, 
     }
     // One segment and one micro-batch: the gradients' sum goes in buckets while the backward runs.
     const bool overlap = gradient_sum_ && micro.size() == 1;
-    if (sharded_) sharded_->wait_parameters();  // the forward waited already; the backward reads them too
     phase_mark("forward");
     for (int j = k - 1; j >= 0; --j) {  // the state gradients flow right to left
       segments_->set_segment(j);
