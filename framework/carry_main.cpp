@@ -2,6 +2,7 @@
 // the version and whether CUDA is compiled in; each command lives in framework/<name>_command.
 #include "framework/cli/bench_command.h"
 #include "framework/cli/check_command.h"
+#include "framework/cli/env_command.h"
 #include "framework/cli/error_text.h"
 #include "framework/cli/eval_command.h"
 #include "framework/cli/export_command.h"
@@ -23,6 +24,7 @@ const char* const kUsage =
     "commands:\n"
     "  bench       time the kernel forms on the GPU (carry bench kernels --help)\n"
     "  check       check every mixer family's forms and state summaries against each other\n"
+    "  env         every environment variable carry reads: audience, default, value here, what it does\n"
     "  eval        loss, perplexity, bits per byte and the loss by position of a trained model (carry eval --help)\n"
     "  export      write a checkpoint as a flash-linear-attention / Hugging Face folder (carry export --help)\n"
     "  generate    sample text from a trained model, one recurrent step a token (carry generate --help)\n"
@@ -56,6 +58,7 @@ int main(int argc, char** argv) {
   try {
     if (command == "bench") return carry::run_bench_command(argc - 1, argv + 1);
     if (command == "check") return carry::run_check_command(argc - 1, argv + 1);
+    if (command == "env") return carry::run_env_command(argc - 1, argv + 1);
     if (command == "eval") return carry::run_eval_command(argc - 1, argv + 1);
     if (command == "export") return carry::run_export_command(argc - 1, argv + 1);
     if (command == "generate") return carry::run_generate_command(argc - 1, argv + 1);

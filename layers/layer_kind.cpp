@@ -2,7 +2,7 @@
 // family's layer.cpp (layers is linked as object files, so every registration is present).
 #include "layers/layer_kind.h"
 
-#include "layers/common/layout.h"
+#include "layers/layout.h"
 
 #include <c10/util/Exception.h>
 

@@ -4,6 +4,7 @@
 // which kinds exist, which options each reads and which chunk sizes it accepts.
 #pragma once
 
+#include <cstdint>
 #include <string>
 #include <vector>
 
@@ -28,10 +29,14 @@ struct LayerKind {
   bool l2_qk = false;       // L2-normalized q, k
   bool elu_qk = false;      // φ = elu + 1 on q, k
   bool mamba2 = false;      // k = B·dt, scale 1, skip o += D·v
+  bool selective_scan = false;  // Mamba-1 (S6): x, Δ, B, C per channel through mamba1_inputs, one head a channel
   bool gated_norm = false;  // y = o_proj(gated_rms_norm(o, z)); false: y = o_proj(o)
   bool window = false;      // reads the `window` option (sliding-window attention; halo = window)
   bool normalize = false;   // reads the `normalize` option
   bool power_of_two_chunk = false;  // chunk_size must be a power of two (Fenwick levels)
+  // With `levels`: how many level weights a sequence of seq_len tokens needs, and the most a kind accepts.
+  int64_t (*levels_needed)(int64_t seq_len) = nullptr;
+  int64_t max_levels = 0;
 };
 
 bool register_layer_kind(const LayerKind& kind);

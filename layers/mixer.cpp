@@ -1,8 +1,8 @@
 // The mixer registry, the input-bundle helpers and the default input validation of the contract.
 #include "layers/mixer.h"
 
-#include "layers/common/fused_switch.h"
-#include "layers/common/layout.h"
+#include "layers/core/fused_switch.h"
+#include "layers/layout.h"
 
 #include <torch/csrc/autograd/custom_function.h>
 

@@ -50,7 +50,7 @@ struct MixerInputs {
 };
 
 // The forms of a family. `automatic`: the kernel form on CUDA tensors when the family has one (and
-// CARRY_FUSED_OPS=0 does not ask for the ATen forms, layers/common/fused_switch.h), else the chunkwise
+// CARRY_FUSED_OPS=0 does not ask for the ATen forms, layers/core/fused_switch.h), else the chunkwise
 // form.
 enum class Form { automatic, naive, chunkwise, kernel };
 const char* form_name(Form form);
@@ -148,6 +148,9 @@ class Mixer {
 
   // State-summary algebra. Families without a recurrent state (softmax attention) return false.
   virtual bool has_summary() const { return true; }
+  // Whether a summary can restart at a packed document's start (what the tree and allgather scans do
+  // with document starts). False where a summary holds the slice's absolute positions (log-linear).
+  virtual bool summary_resets_at_documents() const { return true; }
   virtual Summary summarize(const MixerInputs& in, const MixerOptions& opt) const;
   // first then second: (A2∘A1, A2·B1 + B2).
   virtual Summary compose(const Summary& first, const Summary& second) const;

@@ -3,7 +3,7 @@
 
 #include "parallel/flat_layout.h"
 
-#include "layers/common/nvtx.h"
+#include "layers/core/nvtx.h"
 #include "parallel/peer_sum.h"
 #include "parallel/segments.h"
 

@@ -25,7 +25,7 @@
 // the other rank. The same bits: each element is still one addition of the two ranks' values.
 #pragma once
 
-#include "layers/parameters.h"
+#include "layers/blocks/parameters.h"
 #include "parallel/process_group.h"
 
 #include <memory>

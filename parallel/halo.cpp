@@ -2,7 +2,7 @@
 // to the left in the backward, so neither direction can deadlock.
 #include "parallel/halo.h"
 
-#include "layers/recompute.h"
+#include "layers/blocks/recompute.h"
 
 #include <torch/csrc/autograd/function.h>
 #include <torch/csrc/autograd/functions/utils.h>
@@ -98,7 +98,7 @@ Tensor halo_exchange(Communicator& sp, const Tensor& x, int64_t halo, bool owned
   auto got = at::zeros(shape, x.options());
   {
     CommContext ctx("halo exchange forward: last tokens to the next rank");
-    // A recomputation takes the halo its forward received (layers/recompute.h).
+    // A recomputation takes the halo its forward received (layers/blocks/recompute.h).
     got = received_once([&] {
       sp.send_recv(tail, r + 1 < P ? r + 1 : -1, got, r > 0 ? r - 1 : -1, kTagHaloForward);
       return std::vector<Tensor>{got};

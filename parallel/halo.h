@@ -14,7 +14,7 @@ namespace carry::parallel {
 // tokens just before this slice. The communicator must outlive the backward.
 //
 // owned_gradient: x's gradient from its other uses arrives as one tensor that nothing else holds (the
-// fused convolution's input gradient, layers/common/kernel_conv_op.h). The gradient of x's last `halo`
+// fused convolution's input gradient, layers/kernels/blocks/conv_op.h). The gradient of x's last `halo`
 // tokens from the next rank is then added into it in place, on those tokens only, before x's grad_fn
 // runs, instead of coming back as a second gradient of x's full size that autograd adds (a fill and
 // an add over all of x each layer: 2 ms a step at 125M on two H100s). Without it (x may share its

@@ -32,7 +32,7 @@
 // thrown by this rank's next call on the communicator (or by synchronize()).
 #include "parallel/process_group.h"
 
-#include "layers/common/nvtx.h"
+#include "layers/core/nvtx.h"
 
 #include <c10/util/Exception.h>
 
@@ -73,7 +73,7 @@ namespace carry::parallel {
 namespace {
 
 // How run() waits for a nonblocking communicator to finish enqueuing: CARRY_NCCL_POLL=yield (the
-// default) or sleep (20 us sleeps from the first poll, as before session 17), for A/B timings. Read once.
+// default) or sleep (20 us sleeps from the first poll), for A/B timings. Read once.
 bool poll_by_yield() {
   static const bool yield = [] {
     const char* e = std::getenv("CARRY_NCCL_POLL");
@@ -851,7 +851,7 @@ class NcclCommunicator final : public Communicator {
   // Held by run() while it enqueues and polls, and by the watchdog while it asks for the async error.
   // NCCL's calls are generally not thread-safe on one communicator (its documentation: threads should use
   // communicators of their own), and the watchdog's ncclCommGetAsyncError beside the caller's enqueue
-  // and polls crashed a run inside ncclCommGetAsyncError (session 17: SIGSEGV on rank 0, 125M Gated
+  // and polls crashed a run inside ncclCommGetAsyncError (SIGSEGV on rank 0, 125M Gated
   // DeltaNet at sp = 2, the caller polling without sleeps). ncclCommAbort takes no lock: it is meant
   // to stop a call in progress from another thread.
   std::mutex api_mutex_;

@@ -1,7 +1,7 @@
 // Two GPUs of one host adding a flat buffer by their copy engines (see the header).
 #include "parallel/peer_sum.h"
 
-#include "layers/common/nvtx.h"
+#include "layers/core/nvtx.h"
 
 #include <c10/util/Exception.h>
 

@@ -5,7 +5,7 @@
 // completes only once its peer takes part (a missing receiver is then caught too).
 #include "parallel/process_group.h"
 
-#include "layers/common/nvtx.h"
+#include "layers/core/nvtx.h"
 
 #include <c10/util/Exception.h>
 

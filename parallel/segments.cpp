@@ -1,7 +1,7 @@
 // Ordered segments (see the header).
 #include "parallel/segments.h"
 
-#include "layers/common/nvtx.h"
+#include "layers/core/nvtx.h"
 
 namespace carry::parallel {
 

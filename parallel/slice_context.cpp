@@ -1,8 +1,8 @@
 // The slice context of a sequence split over an sp group (see the header).
 #include "parallel/slice_context.h"
 
-#include "layers/common/layout.h"
-#include "layers/common/nvtx.h"
+#include "layers/layout.h"
+#include "layers/core/nvtx.h"
 #include "parallel/halo.h"
 
 namespace carry::parallel {

@@ -4,7 +4,7 @@
 // place and no caller wraps closures around closures.
 #pragma once
 
-#include "layers/mixer_layer.h"
+#include "layers/blocks/mixer_layer.h"
 #include "parallel/process_group.h"
 #include "parallel/segments.h"
 #include "parallel/state_scan.h"

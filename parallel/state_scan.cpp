@@ -5,8 +5,8 @@
 // left in the backward. The backward is a custom autograd node holding the rank's local graph.
 #include "parallel/state_scan.h"
 
-#include "layers/common/layout.h"
-#include "layers/recompute.h"
+#include "layers/layout.h"
+#include "layers/blocks/recompute.h"
 
 #include <torch/csrc/autograd/autograd.h>
 #include <torch/csrc/autograd/function.h>
@@ -632,9 +632,8 @@ MixerOutput sp_mixer_forward(const Mixer& mixer, Communicator& sp, const MixerIn
   // state; the state sent on is the last document's); the tree and allgather scans reset their
   // summaries at a start (Algebra). Log-linear summaries hold the slice's positions, which a document
   // start would have to move: there only the ordered chain.
-  const bool log_linear = mixer.name().rfind("loglinear", 0) == 0;
-  TORCH_CHECK(!opt.document_starts.defined() || mode == ScanMode::ordered || !log_linear, what,
-              ": packed documents (document starts) in a log-linear family need the ordered scan (its "
+  TORCH_CHECK(!opt.document_starts.defined() || mode == ScanMode::ordered || mixer.summary_resets_at_documents(),
+              what, ": packed documents (document starts) in ", mixer.name(), " need the ordered scan (its "
               "summaries hold the slice's positions, which do not reset at a document start)");
   TORCH_CHECK(head_groups >= 0 && head_groups <= kMaxHeadGroups, what,
               ": head_groups must be in 0..", kMaxHeadGroups, " (0 = the default), got ",
@@ -752,7 +751,7 @@ MixerOutput sp_mixer_forward(const Mixer& mixer, Communicator& sp, const MixerIn
         at::NoGradGuard no_grad;
         CommContext ctx(what + ": ordered forward, state of head group " + std::to_string(gi) +
                         " from the previous rank");
-        // A recomputation takes the state its forward received (layers/recompute.h).
+        // A recomputation takes the state its forward received (layers/blocks/recompute.h).
         s_in = received_once([&] {
           return recv_tensors(sp, G > 1 ? heads_of(zero, 1, gi, n_heads) : zero, r - 1, ordered_tag(gi, false));
         });

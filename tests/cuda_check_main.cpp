@@ -1,7 +1,7 @@
 // carry_cuda_check: built on machines with nvcc but no GPU, from every CUDA source of carry (kernels,
 // launchers, the NCCL backend) and carry's CPU objects, so that their compile and link errors show in CI.
 // Run as a test, it reports the CUDA devices it sees (none on such a machine) and exits 0.
-#include "layers/common/cuda_device.cuh"
+#include "layers/core/cuda_device.h"
 #include "parallel/process_group.h"
 
 #include <cstdio>

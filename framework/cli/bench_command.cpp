@@ -15,13 +15,9 @@
 
 #include "framework/cli/args.h"
 #include "framework/io/checkpoint.h"
-#include "layers/common/device.h"
+#include "layers/core/device.h"
+#include "layers/kernel_schedule.h"
 #include "layers/mixer.h"
-
-#ifdef CARRY_WITH_CUDA
-#include "layers/common/kernel_decay.cuh"
-#include "layers/delta_rule/kernel.cuh"
-#endif
 
 #include <c10/core/InferenceMode.h>
 #include <torch/csrc/autograd/autograd.h>
@@ -56,7 +52,7 @@ const char* kUsage =
     "  without it: automatic).\n"
     "  --timer: events (default) times each rep on the GPU as the anchors' triton.testing.do_bench does (the\n"
     "  L2 cache flushed before it, CUDA events around it, no host wait between reps); wall: the host's clock\n"
-    "  from launch to a device synchronize after each rep (the timer before session 15). Both take the median.\n"
+    "  from launch to a device synchronize after each rep (an older timer, kept for comparison). Both take the median.\n"
     "  --checksum prints, after each row, FNV-1a hashes of the bytes of o, of every final-state entry and\n"
     "  of the gradients of one forward+backward on the row's fixed-seed inputs: two builds or settings\n"
     "  that print the same hashes computed the same bits.\n";
@@ -75,10 +71,10 @@ struct Args {
   int reps = 20;
   bool wall = false;  // --timer wall: host clock with a synchronize a rep, instead of CUDA events
   bool serial = false;  // MixerOptions::serial_states
-  int pieces = 0;       // the delta rule's walk pieces (carry_gdn::gdn_set_pieces)
+  int pieces = 0;       // the delta rule's walk pieces (KernelSchedule::delta_rule_pieces)
   bool ramp = false;    // and whether forced pieces ramp
-  int decay_segments = 0;  // the decay class's state segments (carry_decay::decay_set_segments)
-  int decay_pieces = 0;    // the decay class's walk pieces (carry_decay::decay_set_pieces)
+  int decay_segments = 0;  // the decay class's state segments (KernelSchedule::decay_segments)
+  int decay_pieces = 0;    // the decay class's walk pieces (KernelSchedule::decay_pieces)
   bool checksum = false;   // print the hashes of one run's outputs and gradients
 };
 
@@ -214,11 +210,7 @@ Floors floors(const Mixer& m, int64_t T, const Shape& s, int64_t window) {
 }
 
 int run(const Args& a) {
-#ifdef CARRY_WITH_CUDA
-  carry_gdn::gdn_set_pieces(a.pieces, a.ramp);
-  carry_decay::decay_set_segments(a.decay_segments);
-  carry_decay::decay_set_pieces(a.decay_pieces);
-#endif
+  set_kernel_schedule({a.pieces, a.ramp, a.decay_segments, a.decay_pieces});
   std::printf("carry bench kernels: %s, bf16, B = 1, median of %d (after 3 warm-ups; %s)%s\n",
               cuda_device_name(0).c_str(), a.reps,
               a.wall ? "host clock, a synchronize a rep" : "CUDA events, L2 flushed before each rep, as do_bench",
@@ -261,7 +253,7 @@ int run(const Args& a) {
           torch::autograd::backward({out.o}, {d_o});
         }, a.reps, a.wall);
         // The memory one forward+backward adds above its inputs and d_o at its peak: saved tensors, the
-        // output and final state, workspaces and the inputs' gradients (launcher/fla_kernel_memory.py
+        // output and final state, workspaces and the inputs' gradients (tools/fla_kernel_memory.py
         // measures FLA's ops the same way).
         for (auto& x : xs) x.mutable_grad().reset();
         cuda_synchronize();

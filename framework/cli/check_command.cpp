@@ -3,7 +3,7 @@
 
 #include "framework/cli/error_text.h"
 #include "framework/cli/mixer_check.h"
-#include "layers/common/device.h"
+#include "layers/core/device.h"
 
 #include <chrono>
 #include <cstdio>

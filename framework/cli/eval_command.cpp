@@ -8,7 +8,7 @@
 #include "framework/eval/evaluator.h"
 #include "framework/io/model_source.h"
 #include "framework/io/safetensors.h"
-#include "layers/common/device.h"
+#include "layers/core/device.h"
 #include "parallel/process_group.h"
 
 #include <c10/util/Exception.h>

@@ -7,8 +7,8 @@
 #include "framework/infer/generate.h"
 #include "framework/io/model_source.h"
 #include "framework/io/safetensors.h"
-#include "layers/common/device.h"
-#include "layers/precision.h"
+#include "layers/core/device.h"
+#include "layers/blocks/precision.h"
 
 #include <c10/util/Exception.h>
 

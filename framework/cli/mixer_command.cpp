@@ -10,7 +10,7 @@
 
 #include "framework/io/safetensors.h"
 #include "framework/version.h"
-#include "layers/common/layout.h"
+#include "layers/layout.h"
 #include "layers/mixer.h"
 #include "layers/mixer_grads.h"
 #include "parallel/process_group.h"

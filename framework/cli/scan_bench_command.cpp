@@ -6,7 +6,7 @@
 
 #include "framework/cli/args.h"
 #include "framework/cli/mixer_check.h"
-#include "layers/common/device.h"
+#include "layers/core/device.h"
 #include "parallel/process_group.h"
 #include "parallel/state_scan.h"
 

@@ -5,7 +5,7 @@
 #include "framework/config/config.h"
 #include "framework/train/memory_estimate.h"
 #include "framework/train/trainer.h"
-#include "layers/common/device.h"
+#include "layers/core/device.h"
 #include "parallel/process_group.h"
 
 #include <mpi.h>

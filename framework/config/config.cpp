@@ -6,9 +6,8 @@
 #include "framework/config/config.h"
 
 #include "framework/printable.h"
-#include "layers/common/layout.h"
+#include "layers/layout.h"
 #include "layers/layer_kind.h"
-#include "layers/log_linear/fenwick.h"
 
 #include <google/protobuf/descriptor.h>
 #include <google/protobuf/io/tokenizer.h>
@@ -617,7 +616,12 @@ constexpr int64_t kMaxHeads = int64_t{1} << 16;
 constexpr int64_t kMaxLayers = 4096;
 constexpr double kMaxMlpRatio = 1024;
 constexpr int64_t kMaxConvSize = 4096;
-constexpr int64_t kMaxLevels = 64;
+// The most level weights any registered kind accepts (log-linear attention's Fenwick levels).
+int64_t max_levels() {
+  int64_t most = 0;
+  for (const auto& k : layer_kind_names()) most = std::max(most, layer_kind(k).max_levels);
+  return most;
+}
 
 // *out = a*b; false when that overflows int64.
 bool mul_ok(int64_t a, int64_t b, int64_t* out) { return !__builtin_mul_overflow(a, b, out); }
@@ -732,8 +736,8 @@ void check_model(const ModelConfig& m, const std::string& p, Errors& e) {
       e.add(q + ".window", "must lie in [0, ", kMaxSeqLen, "] (0 = full causal), got ", o.window());
     if (o.has_conv_size() && (o.conv_size() < 0 || o.conv_size() > kMaxConvSize))
       e.add(q + ".conv_size", "must lie in [0, ", kMaxConvSize, "] (0 = none), got ", o.conv_size());
-    if (o.has_levels() && (o.levels() < 0 || o.levels() > kMaxLevels))
-      e.add(q + ".levels", "must lie in [0, ", kMaxLevels, "] (0 = as needed), got ", o.levels());
+    if (o.has_levels() && (o.levels() < 0 || o.levels() > max_levels()))
+      e.add(q + ".levels", "must lie in [0, ", max_levels(), "] (0 = as needed), got ", o.levels());
     only_for(o.has_window(), "window", kinds_where(&LayerKind::window));
     only_for(o.has_levels(), "levels", kinds_where(&LayerKind::levels));
     only_for(o.has_normalize(), "normalize", kinds_where(&LayerKind::normalize));
@@ -931,9 +935,9 @@ void check_run(const RunConfig& c, Errors& e) {
       if (o.conv_size() > 1 && pieces > 1 && o.conv_size() - 1 > per_rank)
         e.add(path_of_option(m, k, "conv_size"), "conv_size ", o.conv_size(), " needs a halo of ", o.conv_size() - 1,
               " tokens, more than the ", per_rank, segmented ? " each segment holds" : " each sp rank holds");
-      if (layer_kind(k).levels && o.levels() > 0 && o.levels() < bit_width(T) + 1)
-        e.add(path_of_option(m, k, "levels"), k, " over data.seq_len = ", T, " needs levels >= ", bit_width(T) + 1,
-              " (or 0 for as many as needed), got ", o.levels());
+      if (layer_kind(k).levels && o.levels() > 0 && o.levels() < layer_kind(k).levels_needed(T))
+        e.add(path_of_option(m, k, "levels"), k, " over data.seq_len = ", T, " needs levels >= ",
+              layer_kind(k).levels_needed(T), " (or 0 for as many as needed), got ", o.levels());
     }
   }
 

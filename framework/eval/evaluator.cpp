@@ -5,7 +5,7 @@
 
 #include "framework/data/synthetic.h"
 #include "framework/data/token_file.h"
-#include "layers/precision.h"
+#include "layers/blocks/precision.h"
 #include "parallel/slice_context.h"
 
 #include <ATen/core/grad_mode.h>

@@ -17,7 +17,7 @@
 #pragma once
 
 #include "framework/config/config.h"
-#include "framework/train/model.h"
+#include "framework/model/model.h"
 #include "parallel/process_group.h"
 #include "parallel/state_scan.h"
 

@@ -9,7 +9,7 @@
 // set of most likely tokens whose probability reaches top_p); temperature 0 takes the argmax.
 #pragma once
 
-#include "framework/train/model.h"
+#include "framework/model/model.h"
 
 #include <cstdint>
 #include <functional>

@@ -2,7 +2,7 @@
 // per-layer caches handed to MixerLayer through its context hooks.
 #include "framework/infer/recurrent_decoder.h"
 
-#include "layers/norm.h"
+#include "layers/blocks/norm.h"
 
 #include <c10/util/Exception.h>
 

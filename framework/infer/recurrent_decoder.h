@@ -16,7 +16,7 @@
 // logits equal those of a full forward over max_length tokens.
 #pragma once
 
-#include "framework/train/model.h"
+#include "framework/model/model.h"
 
 #include <cstdint>
 #include <vector>
@@ -34,8 +34,6 @@ class RecurrentDecoder {
 
   int64_t position() const { return position_; }  // tokens read so far
   int64_t max_length() const { return max_length_; }
-  // The least common multiple of the layers' chunk sizes: pieces at multiples of it run chunkwise.
-  int64_t chunk_alignment() const { return alignment_; }
 
  private:
   struct LayerCache {

@@ -5,7 +5,7 @@
 #include "framework/io/fla_format.h"
 
 #include "framework/io/safetensors.h"
-#include "framework/train/model.h"
+#include "framework/model/model.h"
 #include "framework/version.h"
 
 #include <google/protobuf/struct.pb.h>

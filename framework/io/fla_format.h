@@ -30,7 +30,7 @@
 #pragma once
 
 #include "framework/config/config.h"
-#include "layers/parameters.h"
+#include "layers/blocks/parameters.h"
 
 #include <map>
 #include <string>

@@ -5,7 +5,7 @@
 #pragma once
 
 #include "framework/config/config.h"
-#include "framework/train/model.h"
+#include "framework/model/model.h"
 
 #include <cstdint>
 #include <string>

@@ -2,7 +2,7 @@
 // text and build mpirun's argv.
 #include "framework/launch/launch_plan.h"
 
-#include "layers/common/layout.h"
+#include "layers/layout.h"
 
 #include <algorithm>
 #include <map>

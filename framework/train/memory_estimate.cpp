@@ -2,10 +2,10 @@
 // layer at three lengths, the parabola through them, the table.
 #include "framework/train/memory_estimate.h"
 
-#include "layers/recompute.h"
+#include "layers/blocks/recompute.h"
 
-#include "framework/train/model.h"
-#include "layers/precision.h"
+#include "framework/model/model.h"
+#include "layers/blocks/precision.h"
 
 #include <ATen/core/grad_mode.h>
 #include <c10/core/CPUAllocator.h>
@@ -215,7 +215,7 @@ MemoryEstimate estimate_memory(const RunConfig& config, std::FILE* progress) {
       auto x = at::randn({m.batch, t, d}, options).requires_grad_(true);
       {
         // Recomputation around the kept core: the forward runs without autograd and keeps the core's
-        // graph in the layer's stash (layers/recompute.h).
+        // graph in the layer's stash (layers/blocks/recompute.h).
         auto stash = std::make_shared<MixerCoreStash>();
         MixerLayerContext with_stash;
         with_stash.core_stash = stash;

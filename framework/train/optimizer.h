@@ -22,7 +22,7 @@
 #pragma once
 
 #include "framework/config/carry.pb.h"
-#include "layers/parameters.h"
+#include "layers/blocks/parameters.h"
 
 #include <cstdint>
 #include <unordered_map>

@@ -30,7 +30,7 @@
 #pragma once
 
 #include "framework/train/optimizer.h"
-#include "layers/parameters.h"
+#include "layers/blocks/parameters.h"
 #include "parallel/flat_layout.h"
 #include "parallel/process_group.h"
 

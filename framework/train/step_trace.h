@@ -2,7 +2,7 @@
 // ("A:B", 1-based and inclusive, or "A"; default "3:4": past the first steps' allocations and autotuning)
 // with PyTorch's Kineto profiler: on GPUs every kernel, copy and memset with its stream (and the CPU's
 // ATen calls with CARRY_TRACE_CPU=1), on CPUs the ATen calls, and writes one Chrome-trace JSON a
-// rank, DIR/trace_rank<r>.json (chrome://tracing, ui.perfetto.dev, or launcher/trace_summary for the
+// rank, DIR/trace_rank<r>.json (chrome://tracing, ui.perfetto.dev, or tools/trace_summary for the
 // busy and idle time of each rank's streams).
 // Nothing is recorded without CARRY_TRACE. Recording slows the traced steps; the other steps do not
 // pay for it.

@@ -12,8 +12,9 @@
 #include "framework/data/synthetic.h"
 #include "framework/data/token_dataset.h"
 #include "framework/data/token_file.h"
-#include "layers/common/device.h"
-#include "layers/precision.h"
+#include "layers/core/device.h"
+#include "layers/core/knobs.h"
+#include "layers/blocks/precision.h"
 #include "parallel/slice_context.h"
 #include "parallel/state_scan.h"
 
@@ -395,26 +396,6 @@ void Trainer::warn(const std::string& text) const {
   if (rank() != 0) return;
   std::fprintf(stderr, "carry: %s\n", text.c_str());
   std::fflush(stderr);
-}
-
-void Trainer::on_rank0(const std::string& what, const std::function<void()>& work) const {
-  std::string error;
-  int64_t failed = 0;
-  if (rank() == 0) {
-    try {
-      work();
-    } catch (const c10::Error& e) {
-      failed = 1, error = e.what_without_backtrace();
-    } catch (const std::exception& e) {
-      failed = 1, error = e.what();
-    }
-  }
-  if (groups_ && groups_->world->size() > 1) {
-    auto flag = at::tensor({failed}, at::TensorOptions().dtype(at::kLong)).to(device_);
-    groups_->world->broadcast(flag, 0);
-    failed = flag.cpu().item<int64_t>();
-  }
-  TORCH_CHECK(!failed, rank() == 0 ? error : what + " failed on world rank 0 (its message says why)");
 }
 
 void Trainer::all_reduce(at::Tensor& t, bool sp_only) const {
@@ -805,6 +786,8 @@ void Trainer::save_checkpoint() {
     d.optimizer = optimizer_->state();
     d.extra["layout"] = layout_text();
     d.extra["global_batch"] = std::to_string(dp_ * grad_accum_steps() * config_.data().batch_size());
+    // The environment variables of layers/core/knobs.h set for this run (`carry env` lists them).
+    if (const std::string env = knobs_set_text(); !env.empty()) d.extra["environment"] = env;
     // Where the metrics file ends at this step: a run resumed from here drops what comes after.
     const std::string& metrics = config_.logging().metrics_file();
     if (!metrics.empty() && file_size(metrics) >= 0) {
@@ -1093,6 +1076,7 @@ int Trainer::run() {
         config_.checkpoint().dir().c_str(), static_cast<long long>(step_), static_cast<long long>(total));
     return 0;
   }
+  if (const std::string env = knobs_set_text(); !env.empty()) log("environment: %s\n", env.c_str());
   log("config (resolved):\n%s", config_to_text(config_).c_str());
   log("%s\n", model_.summary().c_str());
   const std::string segments =

@@ -26,10 +26,10 @@
 #pragma once
 
 #include "framework/config/config.h"
-#include "framework/train/model.h"
+#include "framework/model/model.h"
 #include "framework/train/optimizer.h"
 #include "framework/train/sharded_update.h"
-#include "layers/common/device.h"
+#include "layers/core/device.h"
 #include "parallel/gradient_sum.h"
 #include "parallel/process_group.h"
 #include "parallel/segments.h"
@@ -239,9 +239,6 @@ class Trainer {
   // `resumed_from` (the loaded checkpoint, or null).
   void check_checkpoint_dir() const;
   void prepare_metrics(const CheckpointData* resumed_from) const;
-  // Runs `work` on world rank 0 and shares whether it threw: every rank throws alike (rank 0 its
-  // message, the others naming `what` and rank 0).
-  void on_rank0(const std::string& what, const std::function<void()>& work) const;
   void warn(const std::string& text) const;  // rank 0: "carry: <text>" on stderr
   // Copies init_from's weights into the model (names and shapes must match); returns its description.
   std::string initialize_from(const std::string& path);

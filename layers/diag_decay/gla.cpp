@@ -7,10 +7,10 @@
 // used by this family.
 #include "layers/diag_decay/gla.h"
 
-#include "layers/common/layout.h"
-#include "layers/precision.h"
+#include "layers/layout.h"
+#include "layers/blocks/precision.h"
 #ifdef CARRY_WITH_CUDA
-#include "layers/common/kernel_decay_op.h"
+#include "layers/kernels/decay/op.h"
 #endif
 
 #include <limits>
@@ -142,7 +142,7 @@ class GatedLinearAttention final : public DiagonalDecayMixer {
 
 
 #ifdef CARRY_WITH_CUDA
-  // The kernel form: layers/common/kernel_decay_*.cu through the autograd op of kernel_decay_op.cpp.
+  // The kernel form: layers/kernels/decay/{fwd,bwd}.cu through the autograd op of layers/kernels/decay/op.cpp.
   bool has_kernel() const override { return true; }
   bool kernel_supports(const MixerInputs& in, const MixerOptions& opt) const override {
     return decay_kernel_supports(in, opt);

@@ -14,6 +14,7 @@ LayerKind gla_kind() {
 LayerKind mamba1_kind() {
   LayerKind k{"mamba1", "mamba1", 5, Decay::none};
   k.silu_qkv = true;
+  k.selective_scan = true;
   return k;
 }
 

@@ -5,7 +5,7 @@
 // DiagonalDecayMixer with scale 1 (the same exact per-chunk algorithm, not a copy). MixerOptions::scale and ::normalize are ignored.
 #include "layers/diag_decay/mamba1.h"
 
-#include "layers/common/layout.h"
+#include "layers/layout.h"
 #include "layers/diag_decay/gla.h"
 
 namespace carry {

@@ -1,6 +1,7 @@
 // The layer kinds of this family, registered for MixerLayer and the config validation
 // (layers/layer_kind.h): log-linear Mamba-2 and log-linear Gated DeltaNet (level weights l = softplus(W x); Fenwick levels need a power-of-two chunk size).
 #include "layers/layer_kind.h"
+#include "layers/log_linear/fenwick.h"
 
 namespace carry {
 namespace {
@@ -12,6 +13,8 @@ LayerKind loglinear_mamba2_kind() {
   k.mamba2 = true;
   k.gated_norm = true;
   k.power_of_two_chunk = true;
+  k.levels_needed = fenwick_levels_needed;
+  k.max_levels = 64;
   return k;
 }
 
@@ -23,6 +26,8 @@ LayerKind loglinear_gdn_kind() {
   k.l2_qk = true;
   k.gated_norm = true;
   k.power_of_two_chunk = true;
+  k.levels_needed = fenwick_levels_needed;
+  k.max_levels = 64;
   return k;
 }
 

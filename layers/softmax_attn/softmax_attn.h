@@ -3,7 +3,7 @@
 // false and the state tuple is empty. Forms: naive = the materialized masked T×T softmax; chunkwise =
 // query blocks of chunk_size against only the key blocks the mask reaches, with an online (running max
 // and sum) softmax, never a T×T tensor; kernel (CUDA builds) = the same online softmax fused on blocks of
-// 64 tokens (layers/softmax_attn/kernel.cuh). A slice attends within itself: across sequence-parallel ranks
+// 64 tokens (layers/kernels/softmax_attn/api.h). A slice attends within itself: across sequence-parallel ranks
 // a window needs the previous rank's last keys and values (a halo), which is not this file's business.
 #pragma once
 

@@ -1,4 +1,4 @@
-// Linear attention's fused kernels (layers/linear_attn/kernel_fused.cuh) run on the CPU through the warp
+// Linear attention's fused kernels (layers/kernels/decay/fused.cuh) run on the CPU through the warp
 // emulation (warp_emulation.h), so the kernels' tiling, fragment and segment indexing are checked on
 // every build, GPU or not: o, dq, dk, dv, the final state and the initial state's gradient against the
 // token recurrence in double, with an initial state and a final-state gradient, B = 2 sequences of 256
@@ -8,10 +8,10 @@
 // decays of half-lives from about 1 to 7000 tokens and from a fifth of a token (B = 2 sequences of 192
 // tokens, H = 2, 1 and 3 segments); there the states too are held to 1e-2 (K and Q times their decays are rounded to bf16
 // before the state products). The GPU tests of the same kernels
-// (tests/layers/linear_attn/fused_kernel_test.cpp) check them against the chunkwise forms.
+// (tests/layers/kernels/decay/fused_test.cpp) check them against the chunkwise forms.
 #include "tests/emulation/warp_emulation.h"
 
-#include "layers/linear_attn/kernel_fused.cuh"
+#include "layers/kernels/decay/fused.cuh"
 
 #include <gtest/gtest.h>
 
@@ -22,7 +22,7 @@
 
 namespace {
 
-using carry_la::bf16;
+using carry::kernels::decay::fused::bf16;
 
 struct Data {
   int B, T, H;
@@ -153,11 +153,11 @@ void check_kernels(const Data& x, const Ref& R, int NS, float scale, const char*
       float acc = 0.f;
       for (int t = 0; t < (G ? T : 0); ++t) {
         const size_t i = (size_t)(b * T + t) * H + h;
-        acc = t % carry_la::C == 0 ? x.g[i] : acc + x.g[i];
+        acc = t % carry::kernels::decay::fused::C == 0 ? x.g[i] : acc + x.g[i];
         gb[i] = acc;
       }
     }
-  using namespace carry_la;
+  using namespace carry::kernels::decay::fused;
   const float* g = G ? gb.data() : nullptr;
   float* Gam = G ? gam.data() : nullptr;
   constexpr int gate = kGateBytes;

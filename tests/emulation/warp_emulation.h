@@ -3,9 +3,9 @@
 // (ldmatrix.x4 with and without .trans, mma.sync m16n8k16 bf16 → fp32, __shfl_xor_sync of a float;
 // atomicAdd on a float as an atomic host add) emulated per warp with the
 // fragment layouts PTX documents, cp.async as plain copies. Kernels written for it (the
-// CARRY_LA_EMU path of layers/linear_attn/kernel_fused.cuh) take these in place of the GPU's. The
+// CARRY_LA_EMU path of layers/kernels/decay/fused.cuh) take these in place of the GPU's. The
 // numbers, not the speed: a block of 256 threads runs its warps' collectives through barriers.
-// The names are those of layers/common/kernel_tiles.cuh's helpers. Include before the kernels' header.
+// The names are those of layers/kernels/primitives/tiles.cuh's helpers. Include before the kernels' header.
 // C++20 (std::barrier).
 #pragma once
 

@@ -10,7 +10,7 @@
 #include "framework/data/token_file.h"
 #include "framework/io/checkpoint.h"
 #include "framework/io/safetensors.h"
-#include "framework/train/model.h"
+#include "framework/model/model.h"
 #include "tests/helpers/temp_dir.h"
 #include "tests/paths.h"
 

@@ -1,7 +1,7 @@
 // One intra-op ATen thread for the lifetime of a guard. Tests of tiny models run thousands of tiny ops
 // (a decoding step, a training step of a 16-wide model), which a second thread only slows down: with
 // ctest running two test processes at once on a 2-core machine, spinning threads made such tests 10x
-// slower. Results do not depend on the thread count (layers/common/cpu_determinism.h).
+// slower. Results do not depend on the thread count (layers/core/cpu_determinism.h).
 #pragma once
 
 #include <ATen/Parallel.h>

@@ -1,6 +1,6 @@
 // The ATen chunkwise form of every family on a CUDA device equals the same form on the CPU (fp64,
 // outputs, final state and summaries). Skips itself when no GPU is present.
-#include "layers/common/device.h"
+#include "layers/core/device.h"
 #include "tests/helpers/mixer_testing.h"
 
 #include <gtest/gtest.h>

@@ -7,7 +7,7 @@
 #include "framework/io/fla_format.h"
 
 #include "framework/io/safetensors.h"
-#include "framework/train/model.h"
+#include "framework/model/model.h"
 #include "tests/helpers/temp_dir.h"
 #include "tests/paths.h"
 

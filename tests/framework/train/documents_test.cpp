@@ -4,7 +4,7 @@
 // without per-layer recomputation; and the trainer turns data.token_files.eod_token into document starts
 // (a run with them differs from one without; every step finite).
 #include "framework/data/token_file.h"
-#include "framework/train/model.h"
+#include "framework/model/model.h"
 #include "framework/train/trainer.h"
 #include "tests/helpers/temp_dir.h"
 #include "tests/helpers/one_thread.h"

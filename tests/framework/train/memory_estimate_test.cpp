@@ -4,7 +4,7 @@
 // the length; full causal softmax attention: quadratic); recomputation needs less than keeping.
 #include "framework/train/memory_estimate.h"
 
-#include "framework/train/model.h"
+#include "framework/model/model.h"
 #include "tests/helpers/one_thread.h"
 
 #include <gtest/gtest.h>

@@ -6,7 +6,7 @@
 // halves' parts) against the whole update, bit for bit on the CPU and on a GPU. The GPU tests skip
 // without a GPU.
 #include "framework/train/optimizer.h"
-#include "layers/common/device.h"
+#include "layers/core/device.h"
 #include "parallel/flat_layout.h"
 
 #include <gtest/gtest.h>

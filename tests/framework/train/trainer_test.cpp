@@ -6,7 +6,7 @@
 #include "framework/io/checkpoint.h"
 #include "framework/cli/train_command.h"
 #include "framework/train/trainer.h"
-#include "layers/common/device.h"
+#include "layers/core/device.h"
 #include "tests/helpers/temp_dir.h"
 
 #include <ATen/core/grad_mode.h>

@@ -1,0 +1,48 @@
+// `carry env` (see env_command.h).
+#include "framework/cli/env_command.h"
+
+#include "layers/core/knobs.h"
+
+#include <cstdio>
+#include <cstdlib>
+#include <stdexcept>
+#include <string>
+
+namespace carry {
+
+int run_env_command(int argc, char** argv) {
+  bool names = false;
+  for (int i = 1; i < argc; ++i) {
+    const std::string a = argv[i];
+    if (a == "--names") {
+      names = true;
+    } else if (a == "--help" || a == "-h") {
+      std::printf(
+          "usage: carry env [--names]\n"
+          "  Every environment variable carry and its launcher scripts read: audience, default, the value\n"
+          "  set here (if any) and what it does. --names: the names alone, one a line.\n"
+          "  A config field is the normal way to change what a run computes; docs/environment.md has more.\n");
+      return 0;
+    } else {
+      throw std::invalid_argument("unknown option '" + a + "' (expected --names or --help)");
+    }
+  }
+  if (names) {
+    for (const auto& k : knobs()) std::printf("%s\n", k.name);
+    return 0;
+  }
+  const char* audience = nullptr;
+  for (const auto& k : knobs()) {
+    const char* a = knob_audience_name(k.audience);
+    if (!audience || std::string(audience) != a) {
+      std::printf("%s%s:\n", audience ? "\n" : "", a);
+      audience = a;
+    }
+    const char* v = std::getenv(k.name);
+    std::printf("  %-32s default %-18s %s\n", k.name, k.default_value, v ? ("set: " + std::string(v)).c_str() : "");
+    std::printf("      %s\n", k.doc);
+  }
+  return 0;
+}
+
+}  // namespace carry

@@ -1,0 +1,117 @@
+// The registry of environment variables (see knobs.h).
+#include "layers/core/knobs.h"
+
+#include <cstdlib>
+
+namespace carry {
+
+namespace {
+using A = KnobAudience;
+}  // namespace
+
+const std::vector<Knob>& knobs() {
+  static const std::vector<Knob> all = {
+      // user
+      {"CARRY_COMM_TIMEOUT_S", "300", A::user, "seconds a communicator operation may take before the run stops naming it"},
+      {"CARRY_CPU_MATH", "pinned", A::user, "native: leave MKL's and ATen's CPU code paths to the machine (the bitwise promises need them pinned)"},
+      {"MKL_CBWR", "COMPATIBLE", A::user, "set by carry at start-up (a value in the environment is replaced) unless CARRY_CPU_MATH=native"},
+      {"ATEN_CPU_CAPABILITY", "avx2", A::user, "set by carry at start-up unless CARRY_CPU_MATH=native; a value you set is kept"},
+      {"CARRY_SENTENCEPIECE_LIB", "beside the binary", A::user, "path of libcarry_sentencepiece.so, through which carry tokenize reads SentencePiece models"},
+      {"CARRY_GATHER_OVERLAP", "1", A::user, "with parallel.shard_update: 0 waits for the parameters' all-gather at the step's end instead of beside the next forward"},
+      {"CARRY_GRADIENT_OVERLAP", "0", A::user, "1 or copy: sum the gradients in buckets during the backward (NCCL, or the copy engines of one host); replaces the split update"},
+      {"CARRY_SP_MESSAGES", "nccl", A::user, "copy: the sp group's small messages between neighbours of one host by the copy engines instead of NCCL"},
+      {"CARRY_NCCL_POLL", "yield", A::user, "how a rank waits for NCCL to finish enqueuing: yield the core, or sleep 20 us between polls"},
+      {"CARRY_FUSED_OPS", "1", A::user, "0: every op's ATen form on CUDA too (mixers chunkwise, ATen norms, MLP, convolutions), for comparisons"},
+      // diagnostics
+      {"CARRY_COMM_TIMING", "off", A::diagnostics, "1: each rank prints its phases and sp waits at every log line; order: also the waits one by one (slows sp > 1)"},
+      {"CARRY_TRACE", "off", A::diagnostics, "a directory: record CARRY_TRACE_STEPS with PyTorch's profiler into DIR/trace_rank<r>.json"},
+      {"CARRY_TRACE_STEPS", "3:4", A::diagnostics, "A:B or A: the steps (1-based, inclusive) CARRY_TRACE records"},
+      {"CARRY_TRACE_CPU", "off", A::diagnostics, "1: the trace records ATen's host calls on GPUs too"},
+      {"CARRY_SYNC_DEBUG", "off", A::diagnostics, "error: any synchronizing CUDA call inside a training step raises, except the sanctioned ones"},
+      {"CARRY_CHECK_VALUES", "off", A::diagnostics, "1: check every mixer input's values and every batch's token ids (reads tensors back: slow)"},
+      {"CARRY_GDN_TIMELINE", "off", A::diagnostics, "1: the delta rule's kernels print a [timeline] line a piece launch (read by tools/gdn_timeline.py)"},
+      // kernel A/B
+      {"CARRY_GDN_STATE", "0", A::kernel_ab, "the delta rule's bf16 state-walk tiling: 0 the default, 1-8 or 10 other tilings"},
+      {"CARRY_GDN_WALK", "warpgroup", A::kernel_ab, "the delta rule's bf16 walks at dk = 128: warpgroup (wgmma, TMA) or mma (mma.sync)"},
+      {"CARRY_GDN_WALK_STORE", "bulk", A::kernel_ab, "the warpgroup walks store their states by bulk tensor stores (bulk) or by the threads (threads)"},
+      {"CARRY_GDN_WALK_WARPGROUPS", "auto", A::kernel_ab, "F,B with each 1 or 2: warpgroups a block of the forward and the reverse walk"},
+      {"CARRY_GDN_PIECES", "0", A::kernel_ab, "1 to 4096: force the delta rule's bf16 walk into N pieces (0: automatic)"},
+      {"CARRY_GDN_PIECE_RAMP", "1", A::kernel_ab, "0: automatic walk pieces of one size instead of ramped end pieces"},
+      {"CARRY_GDN_OUT_BUFFERS", "auto", A::kernel_ab, "1 or 2: the delta rule's output kernel's dv-tile buffers"},
+      {"CARRY_GDN_WALK_PRIORITY", "1", A::kernel_ab, "0: the walk in pieces on the caller's stream instead of a high-priority one"},
+      {"CARRY_GDN_DV_AHEAD", "0", A::kernel_ab, "1 to 64: pieces the intra-chunk dV runs ahead of the reverse walk (0: automatic)"},
+      {"CARRY_GDN_DV_PIECES", "1", A::kernel_ab, "0: the intra-chunk dV before the reverse walk instead of in pieces beside it"},
+      {"CARRY_GLA_DQK_WIDE", "1", A::kernel_ab, "0: GLA's bf16 dq/dk kernel in two 64-column blocks instead of one"},
+      {"CARRY_GLA_OUT_FRAG", "1", A::kernel_ab, "0: GLA's bf16 output kernel without the register-fragment diagonal blocks"},
+      {"CARRY_DECAY_AUTO_PIECES", "1", A::kernel_ab, "0: the decay class's walk in one piece unless forced"},
+      {"CARRY_DECAY_GRAD_PERSIST", "1", A::kernel_ab, "0: the decay class's gradient kernel one block an item instead of persistent blocks"},
+      {"CARRY_LA_FUSED", "1", A::kernel_ab, "0: linear attention on the decay class's kernels instead of the fused kernels"},
+      {"CARRY_SD_FUSED", "1", A::kernel_ab, "0: the scalar decay on the decay class's kernels instead of the fused kernels"},
+      // test
+      {"CARRY_CHECKPOINT_TEST_DIE_AFTER", "off", A::test, "n: the process kills itself after writing n files of a checkpoint (the crash test)"},
+      // mpi
+      {"OMPI_COMM_WORLD_RANK", "set by mpirun", A::mpi, "before MPI starts, config errors print on rank 0 only"},
+      {"PMI_RANK", "set by mpirun", A::mpi, "as OMPI_COMM_WORLD_RANK, for other MPI launchers"},
+      {"LD_LIBRARY_PATH", "system", A::mpi, "when set, carry launch forwards it to the ranks"},
+      // launcher
+      {"CARRY_BUILD_DIR", "build", A::launcher, "the build directory of the launcher scripts"},
+      {"CARRY_JOBS", "nproc", A::launcher, "parallel build jobs (launcher/setup)"},
+      {"CARRY_PYTHON", "found", A::launcher, "a python3 with torch 2.11 whose libtorch to build against instead of .venv"},
+      {"CARRY_CUDA", "detected", A::launcher, "ON or OFF: build the CUDA kernels and NCCL backend, overriding the GPU detection"},
+      {"CARRY_SKIP_SETUP", "0", A::launcher, "1: launcher/train uses the build as it is"},
+      {"CARRY_MPIRUN_ARGS", "none", A::launcher, "extra arguments for launcher/train's mpirun"},
+      {"NCCL_NVLS_ENABLE", "0", A::launcher, "exported to every rank by the launcher scripts: NVLink multicast stays off"},
+      {"CARRY_TEST_JOBS", "nproc", A::launcher, "parallel CTest jobs (launcher/test)"},
+      {"CARRY_RESUME_A", "1 1", A::launcher, "launcher/resume_check: the dp sp layout of the straight run"},
+      {"CARRY_RESUME_B", "1 2", A::launcher, "launcher/resume_check: the layout of the first part"},
+      {"CARRY_RESUME_C", "2 1", A::launcher, "launcher/resume_check: the layout of the resumed part"},
+      {"CARRY_RESUME_STEPS", "60", A::launcher, "launcher/resume_check: the run's steps"},
+      {"CARRY_RESUME_SPLIT", "30", A::launcher, "launcher/resume_check: the step it stops at"},
+      {"CARRY_RESUME_TIMEOUT", "300", A::launcher, "launcher/resume_check: seconds each part may take"},
+      {"CARRY_BENCH_SCAN", "1", A::launcher, "0: launcher/bench builds and tests only"},
+      {"CARRY_BENCH_ROWS", "every row", A::launcher, "the rows of launcher/train_bench to run"},
+      {"CARRY_BENCH_STEPS", "6", A::launcher, "launcher/train_bench: steps a row"},
+      {"CARRY_BENCH_SET", "none", A::launcher, "launcher/train_bench: key=value ... added as --set to every row"},
+      {"CARRY_BENCH_TAG", "none", A::launcher, "launcher/train_bench: a suffix for the rows' names and metrics files"},
+      {"CARRY_BENCH_TIMEOUT", "200", A::launcher, "launcher/train_bench: seconds a row may take"},
+      {"CARRY_BENCH_MPIRUN_ARGS", "none", A::launcher, "launcher/train_bench: extra arguments for every row's mpirun"},
+  };
+  return all;
+}
+
+const Knob* find_knob(const std::string& name) {
+  for (const auto& k : knobs())
+    if (name == k.name) return &k;
+  return nullptr;
+}
+
+const char* knob_audience_name(KnobAudience a) {
+  switch (a) {
+    case A::user: return "user";
+    case A::diagnostics: return "diagnostics";
+    case A::kernel_ab: return "kernel A/B";
+    case A::test: return "test";
+    case A::launcher: return "launcher";
+    case A::mpi: return "MPI and system";
+  }
+  return "?";
+}
+
+std::vector<std::pair<std::string, std::string>> knobs_set() {
+  std::vector<std::pair<std::string, std::string>> set;
+  for (const auto& k : knobs()) {
+    if (k.audience == A::launcher || k.audience == A::mpi) continue;
+    // MKL_CBWR and ATEN_CPU_CAPABILITY are set by carry itself: a run records them only with CARRY_CPU_MATH.
+    if (std::string(k.name) == "MKL_CBWR" || std::string(k.name) == "ATEN_CPU_CAPABILITY") continue;
+    if (const char* v = std::getenv(k.name)) set.emplace_back(k.name, v);
+  }
+  return set;
+}
+
+std::string knobs_set_text() {
+  std::string text;
+  for (const auto& [name, value] : knobs_set()) text += (text.empty() ? "" : " ") + name + "=" + value;
+  return text;
+}
+
+}  // namespace carry

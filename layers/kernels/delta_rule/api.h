@@ -1,0 +1,51 @@
+// Host launchers of the delta-rule kernel form (DeltaNet, Gated DeltaNet), FLA conventions:
+//   S_t = exp(g_t) (I − β_t k_t k_tᵀ) S_{t−1} + β_t k_t v_tᵀ,   o_t = scale · S_tᵀ q_t.
+// Inputs q, k [B,T,H,dk], v [B,T,H,dv] (bf16 or fp32, one dtype), g [B,T,H] log decay (undefined:
+// DeltaNet), beta [B,T,H], initial_state [B,H,dk,dv] fp32 (undefined: zeros). T a multiple of 64,
+// dk ∈ {64,128}, dv ∈ {64,128,256}. States and accumulation are fp32.
+//
+// gdn_fwd returns {o, final_state, saved...}; pass the saved tensors unchanged to gdn_bwd.
+// gdn_bwd returns {dq, dk, dv, dg (undefined for DeltaNet), dbeta, d_initial_state}.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <functional>
+#include <vector>
+
+namespace carry::kernels::delta_rule {  // the delta rule's kernels (layers/delta_rule)
+
+// Saved for backward, in order: G (gate cumsums per chunk, fp32 [B,H,T]), Tinv ((I+L)⁻¹ per chunk,
+// fp32 [B,H,N,64,64]), W ([B,H,T,dk], input dtype), H (state entering each chunk, input dtype
+// [B,H,N,dk,dv]), V_new (U − W·S per chunk, input dtype [B,H,T,dv]).
+// on_final_state, when set, is called with the final state (fp32 [B,H,dk,dv]) right after its walk is
+// enqueued, before the output kernel: what it enqueues on the stream (a send) runs beside the output.
+std::vector<at::Tensor> gdn_fwd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                const at::Tensor& g, const at::Tensor& beta, double scale,
+                                const at::Tensor& initial_state, int64_t chunk_size = 64,
+                                const std::function<void(const at::Tensor&)>& on_final_state = {});
+
+std::vector<at::Tensor> gdn_bwd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                const at::Tensor& g, const at::Tensor& beta, double scale,
+                                const at::Tensor& initial_state, const std::vector<at::Tensor>& saved,
+                                const at::Tensor& d_o, const at::Tensor& d_final_state,
+                                int64_t chunk_size = 64,
+                                const std::function<void(const at::Tensor&)>& on_initial_state_grad = {});
+
+// Tests: the pieces the bf16 state walks are cut into (0: automatic, 1: one walk), uniform or, with
+// ramp, the end pieces shorter (carry::kernels::primitives::piece_cuts; the automatic pieces ramp). Pieces give the
+// bits of one walk; they let the chunk-local kernels of finished pieces run beside the walk.
+void gdn_set_pieces(int n, bool ramp = false);
+
+// Tests and A/B timings: which bf16 state walks run at dk = 128. -1 (default): the environment's
+// choice (CARRY_GDN_WALK, CARRY_GDN_WALK_STORE), else 0; 0: the warpgroup walks (wgmma, TMA loads, bulk
+// tensor stores; one or two warpgroups a block, fwd.cu's walk_warpgroups); 1: the mma.sync walks;
+// 2: the warpgroup walks with the threads' own stores; 3, 4: the warpgroup walks with two (64 columns)
+// or one warpgroup a block.
+void gdn_set_walk(int kind);
+
+// Debug: fill every output and intermediate with NaN right after allocation (unwritten
+// elements then show up in tests). Off by default.
+void gdn_set_poison(bool on);
+
+}  // namespace carry::kernels::delta_rule
