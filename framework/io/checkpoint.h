@@ -18,6 +18,7 @@
 #include <ATen/ATen.h>
 
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <optional>
 #include <string>
@@ -51,9 +52,11 @@ std::string new_run_id();
 // step_<step>.kept.<its run id, or "damaged"> (said on stderr) and kept. Tensors may be on any device and non-contiguous; names must
 // be unique within model and within optimizer. Leftover temporary directories of dead writers are
 // removed. Throws c10::Error naming the path on any failure (the previous checkpoints stay intact).
-// Test hook: with CARRY_CHECKPOINT_TEST_DIE_AFTER=n in the environment, the process SIGKILLs itself
-// after writing n files of the checkpoint (1: model, 2: + optimizer, 3: + manifest, before the rename).
 void save_checkpoint(const std::string& dir, const CheckpointData& data, int keep_last);
+// For tests: called with the number of files save_checkpoint has written so far (1: model, 2: + optimizer,
+// 3: + manifest, before the rename), so a test can end the process mid-write. None by default; an empty
+// function removes it.
+void set_checkpoint_write_hook(std::function<void(int files_written)> hook);
 
 // What a look for the checkpoint to resume found.
 struct CheckpointSearch {

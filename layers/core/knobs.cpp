@@ -47,8 +47,6 @@ const std::vector<Knob>& knobs() {
       {"CARRY_DECAY_GRAD_PERSIST", "1", A::kernel_ab, "0: the decay class's gradient kernel one block an item instead of persistent blocks"},
       {"CARRY_LA_FUSED", "1", A::kernel_ab, "0: linear attention on the decay class's kernels instead of the fused kernels"},
       {"CARRY_SD_FUSED", "1", A::kernel_ab, "0: the scalar decay on the decay class's kernels instead of the fused kernels"},
-      // test
-      {"CARRY_CHECKPOINT_TEST_DIE_AFTER", "off", A::test, "n: the process kills itself after writing n files of a checkpoint (the crash test)"},
       // mpi
       {"OMPI_COMM_WORLD_RANK", "set by mpirun", A::mpi, "before MPI starts, config errors print on rank 0 only"},
       {"PMI_RANK", "set by mpirun", A::mpi, "as OMPI_COMM_WORLD_RANK, for other MPI launchers"},

@@ -474,13 +474,16 @@ TEST_F(CheckpointTest, BadInputsAreRefused) {
   EXPECT_THROW(load_checkpoint(dir_ + "/nothing"), c10::Error);
 }
 
-// Forks a child that saves `data` (with CARRY_CHECKPOINT_TEST_DIE_AFTER=die_after when > 0); when
+// Forks a child that saves `data` (SIGKILLing itself after die_after files, through the write hook, when > 0); when
 // die_after is 0 the parent SIGKILLs it as soon as its temporary directory appears. Returns whether the
 // child died by SIGKILL.
 bool save_in_child_and_kill(const std::string& dir, const CheckpointData& data, int die_after) {
-  if (die_after > 0) ::setenv("CARRY_CHECKPOINT_TEST_DIE_AFTER", std::to_string(die_after).c_str(), 1);
   pid_t pid = ::fork();
   if (pid == 0) {
+    if (die_after > 0)
+      set_checkpoint_write_hook([die_after](int files) {
+        if (files == die_after) ::raise(SIGKILL);
+      });
     try {
       save_checkpoint(dir, data, 0);
     } catch (...) {
@@ -488,7 +491,6 @@ bool save_in_child_and_kill(const std::string& dir, const CheckpointData& data, 
     }
     ::_exit(0);
   }
-  if (die_after > 0) ::unsetenv("CARRY_CHECKPOINT_TEST_DIE_AFTER");
   if (pid < 0) return false;
   if (die_after == 0) {
     std::string tmp = dir + "/.tmp_" + checkpoint_dir_name(data.step) + "_" + std::to_string(pid);
