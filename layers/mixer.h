@@ -50,7 +50,7 @@ struct MixerInputs {
 };
 
 // The forms of a family. `automatic`: the kernel form on CUDA tensors when the family has one (and
-// CARRY_FUSED_OPS=0 does not ask for the ATen forms, layers/core/fused_switch.h), else the chunkwise
+// the fused-ops switch does not ask for the ATen forms, layers/core/fused_switch.h), else the chunkwise
 // form.
 enum class Form { automatic, naive, chunkwise, kernel };
 const char* form_name(Form form);

@@ -416,16 +416,6 @@ double default_comm_timeout_s() {
   return 300;
 }
 
-// CARRY_SP_MESSAGES: how the sp group's small messages between neighbours travel on GPUs: "nccl" (the
-// default) or "copy" (the copy engines, CommOptions::copy_engine_neighbours).
-bool sp_messages_by_copy_engines() {
-  const char* e = std::getenv("CARRY_SP_MESSAGES");
-  const std::string v = e ? e : "";
-  TORCH_CHECK(v.empty() || v == "nccl" || v == "copy", "CARRY_SP_MESSAGES: expected 'nccl' (the default) or 'copy', got '",
-              v, "'");
-  return v == "copy";
-}
-
 CommContext::CommContext(std::string what) { t_context.push_back(std::move(what)); }
 CommContext::~CommContext() { t_context.pop_back(); }
 
@@ -721,6 +711,7 @@ ProcessGroups make_process_groups(ParallelLayout layout, Backend backend, CommOp
   // All ranks present before the (blocking) splits: a timed barrier over the world.
   CommOptions wo = opt;
   wo.name = "world";
+  wo.copy_engine_neighbours = false;
   auto mpi_world = make_mpi_communicator(MPI_COMM_WORLD, wo);
   {
     CommContext ctx(
@@ -730,12 +721,14 @@ ProcessGroups make_process_groups(ParallelLayout layout, Backend backend, CommOp
   MPI_Comm sp_comm, dp_comm;
   MPI_Comm_split(MPI_COMM_WORLD, g.dp_rank, g.sp_rank, &sp_comm);
   MPI_Comm_split(MPI_COMM_WORLD, g.sp_rank, g.dp_rank, &dp_comm);
+  // Only the sp group's neighbour messages may go by the copy engines (CommOptions::copy_engine_neighbours).
   CommOptions so = opt, dpo = opt;
   so.name = "sp";
-  so.copy_engine_neighbours = sp_messages_by_copy_engines();
   dpo.name = "dp";
+  dpo.copy_engine_neighbours = false;
   CommOptions go = opt;
   go.name = "sp gradients";
+  go.copy_engine_neighbours = false;
   if (backend == Backend::mpi) {
     g.world = mpi_world;
     g.sp = make_mpi_communicator(sp_comm, so);

@@ -47,9 +47,6 @@ const WorldInfo& world_info();
 
 // The default timeout: CARRY_COMM_TIMEOUT_S if set (seconds, > 0), else 300.
 double default_comm_timeout_s();
-// CARRY_SP_MESSAGES=copy: the sp group's neighbour messages by the copy engines
-// (CommOptions::copy_engine_neighbours); "nccl" or unset: by NCCL. Anything else: one clear error.
-bool sp_messages_by_copy_engines();
 
 struct CommOptions {
   double timeout_s = -1;  // <= 0: default_comm_timeout_s()
@@ -58,8 +55,8 @@ struct CommOptions {
   std::string name = "world";  // shown in error messages: "world", "sp", "dp", ...
   // NCCL backend: small point-to-point messages between neighbouring ranks (r and r ± 1) of one host go
   // by the copy engines into a ring the receiver shares by CUDA IPC, signalled by stream memory
-  // operations (no kernel on an SM, no NCCL call), where both GPUs allow it; NCCL otherwise. The sp
-  // group's option (CARRY_SP_MESSAGES=copy).
+  // operations (no kernel on an SM, no NCCL call), where both GPUs allow it; NCCL otherwise. In
+  // make_process_groups' options it applies to the sp group alone (parallel.sp_messages: COPY).
   bool copy_engine_neighbours = false;
 };
 

@@ -152,6 +152,7 @@ int run_train_command(int argc, char** argv) {
   }
   try {
     parallel::CommOptions opt;
+    opt.copy_engine_neighbours = config.parallel().sp_messages() == config::ParallelConfig::COPY;  // sp group only
     auto groups = std::make_shared<parallel::ProcessGroups>(parallel::make_process_groups(
         {static_cast<int>(config.parallel().dp()), static_cast<int>(config.parallel().sp())},
         gpu ? parallel::Backend::nccl : parallel::Backend::mpi, opt));

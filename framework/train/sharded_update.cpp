@@ -104,7 +104,8 @@ std::string ShardedUpdate::unavailable(const NamedParameters& params, const para
   return "";
 }
 
-ShardedUpdate::ShardedUpdate(NamedParameters params, AdamW& optimizer, parallel::Communicator* sp)
+ShardedUpdate::ShardedUpdate(NamedParameters params, AdamW& optimizer, parallel::Communicator* sp,
+                             bool gather_overlap)
     : params_(std::move(params)), sp_(sp) {
   const std::string why = unavailable(params_, sp_);
   TORCH_CHECK(why.empty(), "sharded update: not available (", why, ")");
@@ -134,12 +135,8 @@ ShardedUpdate::ShardedUpdate(NamedParameters params, AdamW& optimizer, parallel:
   for (int i = 0; i < static_cast<int>(params_.size()); ++i)
     if (i < first_ || i >= last_) first_foreign_part_ = std::min(first_foreign_part_, part_of(params_[i].first, blocks));
   overlap_ = std::make_shared<Overlap>();
-  const char* env = std::getenv("CARRY_GATHER_OVERLAP");
-  const std::string mode = env ? env : "1";
-  TORCH_CHECK(mode == "0" || mode == "1", "CARRY_GATHER_OVERLAP: expected 0 (the step waits for the parameters' ",
-              "gather at its end) or 1 (the next forward waits where it needs them; the default), got '", mode, "'");
 #ifdef CARRY_WITH_CUDA
-  if (params_flat_.is_cuda() && mode == "1")
+  if (params_flat_.is_cuda() && gather_overlap)
     overlap_->side = c10::cuda::getStreamFromPool(false, params_flat_.device().index());
 #endif
 }

@@ -26,7 +26,7 @@
 // blocks, so the first rank starts its next forward at once, and its first state reaches the last rank
 // sooner; the last rank waits for the gather before its embedding as before. Everything else that reads
 // the parameters (evaluation, checkpoints, the trainer's model()) calls wait_parameters() first.
-// CARRY_GATHER_OVERLAP=0 makes the step wait for the gather at its end instead.
+// parallel.gather_overlap: false makes the step wait for the gather at its end instead.
 #pragma once
 
 #include "framework/train/optimizer.h"
@@ -52,8 +52,10 @@ class ShardedUpdate {
   // one dtype and device. "" if so, else why not.
   static std::string unavailable(const NamedParameters& params, const parallel::Communicator* sp);
   // Moves the parameters and `optimizer`'s moments into the layout's flat buffers and limits `optimizer`
-  // to this rank's piece. `sp` must outlive this object.
-  ShardedUpdate(NamedParameters params, AdamW& optimizer, parallel::Communicator* sp);
+  // to this rank's piece. `sp` must outlive this object. gather_overlap: on CUDA, the gather runs on a
+  // side stream and the next forward waits where it needs another rank's parameters (else the step waits
+  // for it at its end).
+  ShardedUpdate(NamedParameters params, AdamW& optimizer, parallel::Communicator* sp, bool gather_overlap = true);
   ~ShardedUpdate();  // waits for a gather in flight (its buffer goes with this object)
   ShardedUpdate(const ShardedUpdate&) = delete;
   ShardedUpdate& operator=(const ShardedUpdate&) = delete;
@@ -74,7 +76,7 @@ class ShardedUpdate {
   // on the device), this rank's gradients scaled as it scales them.
   at::Tensor clip(double max_norm) const;
   // Collective over sp, after the update: every rank's parameters from the rank that updated them (on
-  // CUDA, unless CARRY_GATHER_OVERLAP=0, finished only for what is enqueued after wait_parameters()).
+  // CUDA with gather_overlap, finished only for what is enqueued after wait_parameters()).
   void gather_parameters();
   // The current stream waits for the last gather, if it has not yet (const: it only orders streams).
   void wait_parameters() const;

@@ -13,6 +13,7 @@
 #include "framework/data/token_dataset.h"
 #include "framework/data/token_file.h"
 #include "layers/core/device.h"
+#include "layers/core/fused_switch.h"
 #include "layers/core/knobs.h"
 #include "layers/blocks/precision.h"
 #include "parallel/slice_context.h"
@@ -26,12 +27,14 @@
 
 #include <algorithm>
 #include <array>
+#include <cerrno>
 #include <chrono>
 #include <cmath>
 #include <csignal>
 #include <cstdlib>
 #include <cstdarg>
 #include <cstdio>
+#include <cstring>
 #include <fstream>
 #include <map>
 #include <sstream>
@@ -139,6 +142,7 @@ Trainer::Trainer(const RunConfig& config, std::shared_ptr<parallel::ProcessGroup
                  TrainerOptions options)
     : config_(config), groups_(std::move(groups)), options_(options) {
   const auto& par = config_.parallel();
+  set_fused_ops(config_.fused_ops());  // process-wide: the fused CUDA ops or their ATen forms
   if (groups_) {
     TORCH_CHECK(groups_->layout.dp == par.dp() && groups_->layout.sp == par.sp(),
                 "trainer: the process groups are dp=", groups_->layout.dp, " sp=", groups_->layout.sp,
@@ -205,45 +209,34 @@ Trainer::Trainer(const RunConfig& config, std::shared_ptr<parallel::ProcessGroup
                                                   /*head_groups=*/1, config_.data().seq_len());
   }
   if (par.has_serial_states()) context_.slice.serial_states = par.serial_states();
-  // The gradients' sum during the backward (CARRY_GRADIENT_OVERLAP): "1" sends buckets over NCCL
-  // (slower on two NVLinked H200s: its kernels took SMs from the backward; README, "Two GPUs"); "copy"
-  // sends them by the copy engines (two GPUs of one host), falling back to one sum after the backward
-  // where the GPUs cannot map each other's memory. Unset or "0": one sum after the backward.
-  const char* overlap_env = std::getenv("CARRY_GRADIENT_OVERLAP");
-  const std::string overlap = overlap_env ? overlap_env : "0";
-  TORCH_CHECK(overlap == "0" || overlap == "1" || overlap == "copy",
-              "CARRY_GRADIENT_OVERLAP: expected 0, 1 (buckets over NCCL) or copy (buckets by the copy engines); got '",
-              overlap, "'");
-  if (segments_ && segments_->per_rank() == 1 && sp_ > 1 && groups_->sp_gradients && overlap != "0") {
+  // The gradients' sum during the backward (parallel.gradient_sum): BUCKETS over NCCL (slower on two
+  // NVLinked H200s: its kernels take SMs from the backward; docs/benchmarks.md); COPY_ENGINES by the
+  // copy engines (two GPUs of one host), falling back to one sum after the backward where the GPUs
+  // cannot map each other's memory. AFTER_BACKWARD: one sum after the backward.
+  const auto overlap = par.gradient_sum();
+  if (segments_ && segments_->per_rank() == 1 && sp_ > 1 && groups_->sp_gradients &&
+      overlap != config::ParallelConfig::AFTER_BACKWARD) {
     gradient_sum_ = std::make_unique<parallel::OverlappedGradientSum>(model_.parameters(), groups_->sp_gradients,
                                                                       /*bucket_bytes=*/int64_t{64} << 20);
-    if (overlap == "copy") {
+    if (overlap == config::ParallelConfig::COPY_ENGINES) {
       const std::string why = gradient_sum_->use_copy_engines();
       if (!why.empty()) {
         warn("the gradients' sum by the copy engines is not available (" + why + "); summing after the backward");
         gradient_sum_.reset();
       } else {
-        log("gradients: summed during the backward in buckets by the copy engines (CARRY_GRADIENT_OVERLAP=copy)\n");
+        log("gradients: summed during the backward in buckets by the copy engines (parallel.gradient_sum: COPY_ENGINES)\n");
       }
     }
   }
   // The update split over the sp ranks (parallel.shard_update, sharded_update.h), where the gradients'
-  // sum waits for the backward's end (not with CARRY_GRADIENT_OVERLAP's buckets).
+  // sum waits for the backward's end (not with parallel.gradient_sum's buckets).
   if (segments_ && sp_ > 1 && !gradient_sum_ && par.shard_update()) {
     const std::string why = ShardedUpdate::unavailable(model_.parameters(), segments_->sp());
     if (why.empty()) {
-      sharded_ = std::make_unique<ShardedUpdate>(model_.parameters(), *optimizer_, segments_->sp());
-      const auto& l = sharded_->layout();
-      const int64_t part = sharded_->first_foreign_part(), blocks = static_cast<int64_t>(model_.blocks().size());
-      const std::string where = part < 0 ? "the embedding"
-                                : part < blocks ? "block " + std::to_string(part) + " of " + std::to_string(blocks)
-                                                : "the final norm";
-      log("update: split over the %d sp ranks (parallel.shard_update): %d pieces of %lld elements, rank 0 updates "
-          "parameter tensors %d to %d of %zu and waits for the others' at %s\n", sp_, l.pieces,
-          static_cast<long long>(l.piece_numel), sharded_->first(), sharded_->last() - 1, model_.parameters().size(),
-          where.c_str());
+      sharded_ = std::make_unique<ShardedUpdate>(model_.parameters(), *optimizer_, segments_->sp(), par.gather_overlap());
+      update_line_ = "update: split over the " + std::to_string(sp_) + " sp ranks (parallel.shard_update)";
     } else {
-      log("update: on every sp rank (parallel.shard_update does not apply: %s)\n", why.c_str());
+      update_line_ = "update: on every sp rank (parallel.shard_update does not apply: " + why + ")";
     }
   }
   if (sharded_) {
@@ -260,10 +253,10 @@ Trainer::Trainer(const RunConfig& config, std::shared_ptr<parallel::ProcessGroup
   // waits for, earlier when their head's weight gradient waits until the end of it (DeferredHeadGradient).
   if (segments_ && segments_->per_rank() == 1 && sp_ > 1 && sp_rank_ > 0)
     deferred_head_bytes_ = par.deferred_head_gradient_mib() << 20;
-  const char* timing = std::getenv("CARRY_COMM_TIMING");
-  // "order": also each rank's waits of the window's last step one by one (wait_order_).
-  phase_timing_ = timing && (std::string(timing) == "1" || std::string(timing) == "order");
-  wait_order_ = phase_timing_ && std::string(timing) == "order";
+  // logging.comm_timing ORDER: also each rank's waits of the window's last step one by one (wait_order_).
+  const auto timing = config_.logging().comm_timing();
+  phase_timing_ = timing != config::LoggingConfig::OFF;
+  wait_order_ = timing == config::LoggingConfig::ORDER;
   comm_timing_ = phase_timing_ && groups_;
   if (comm_timing_) {
     groups_->sp->set_wait_timing(true);
@@ -1004,6 +997,51 @@ bool Trainer::start(bool whole_run) {
   return true;
 }
 
+std::string Trainer::data_description() const {
+  const auto& d = config_.data();
+  std::string source;
+  if (d.has_mqar()) {
+    source = "MQAR (" + std::to_string(d.mqar().num_kv_pairs()) + " key-value pairs, " +
+             std::to_string(d.mqar().num_queries()) + " queries)";
+  } else if (d.has_needle()) {
+    source = "needle in a haystack (vocabulary " + std::to_string(d.needle().vocab_size()) + ")";
+  } else if (d.has_token_files()) {
+    const auto& t = d.token_files();
+    source = t.sources_size() > 0 ? std::to_string(t.sources_size()) + " token-file sources blended by weight"
+                                  : std::to_string(t.paths_size()) + (t.paths_size() == 1 ? " token file" : " token files");
+  } else {
+    source = "none";
+  }
+  const int64_t T = d.seq_len(), sequences = dp_ * grad_accum_steps() * d.batch_size();
+  return source + "; " + std::to_string(T) + " tokens a sequence (" + std::to_string(T / std::max(1, sp_)) +
+         " a rank), " + std::to_string(sequences) + " sequences (" + std::to_string(sequences * T) + " tokens) a step";
+}
+
+std::string Trainer::write_resolved_config() const {
+  const auto& ck = config_.checkpoint();
+  const auto& lg = config_.logging();
+  std::string out = "metrics " + (lg.has_metrics_file() && !lg.metrics_file().empty() ? lg.metrics_file() : "not written");
+  if (!ck.has_dir() || ck.dir().empty())
+    return out + "; no checkpoints (checkpoint.dir unset); resolved config not written (carry train --print-config prints it)";
+  out += "; checkpoints " + ck.dir() + " every " + std::to_string(ck.every_steps()) + " steps";
+  // The resolved config (every default and --set override applied), beside the checkpoints: what this
+  // invocation ran with, rewritten at each start (each checkpoint's manifest keeps its own copy).
+  const std::string path = ck.dir() + "/config.textproto";
+  if (rank() == 0) {
+    const std::string tmp = path + ".tmp";
+    const std::string text = config_to_text(config_);
+    {
+      std::ofstream f(tmp, std::ios::binary | std::ios::trunc);
+      f << text;
+      f.close();
+      TORCH_CHECK(f.good(), "checkpoint.dir: cannot write the resolved config to ", tmp, ": ", std::strerror(errno));
+    }
+    TORCH_CHECK(std::rename(tmp.c_str(), path.c_str()) == 0, "checkpoint.dir: cannot rename ", tmp, " to ", path,
+                ": ", std::strerror(errno));
+  }
+  return out + "; resolved config " + path;
+}
+
 void Trainer::check_checkpoint_dir() const {
   const auto& ck = config_.checkpoint();
   // Room for one more checkpoint (the previous ones are deleted only after it is complete).
@@ -1076,8 +1114,6 @@ int Trainer::run() {
         config_.checkpoint().dir().c_str(), static_cast<long long>(step_), static_cast<long long>(total));
     return 0;
   }
-  if (const std::string env = knobs_set_text(); !env.empty()) log("environment: %s\n", env.c_str());
-  log("config (resolved):\n%s", config_to_text(config_).c_str());
   log("%s\n", model_.summary().c_str());
   const std::string segments =
       segments_ ? ", " + std::to_string(segments_->size()) + " segments (" + std::to_string(segments_->per_rank()) +
@@ -1100,6 +1136,10 @@ int Trainer::run() {
       : context_.recompute_overlap  ? "recomputed per layer beside the backward of the layer above"
                                     : "recomputed per layer in backward",
       kept_last.c_str());
+  if (!update_line_.empty()) log("%s\n", update_line_.c_str());
+  log("data: %s\n", data_description().c_str());
+  log("output: %s\n", write_resolved_config().c_str());
+  if (const std::string env = knobs_set_text(); !env.empty()) log("environment: %s\n", env.c_str());
   if (resumed) log("resumed from %s at step %lld\n", config_.checkpoint().dir().c_str(), static_cast<long long>(step_));
 
   // The metrics file and its TensorBoard mirror (rank 0): records past the resumed step go first.

@@ -135,7 +135,7 @@ class Trainer {
 
   int64_t step() const { return step_; }
   int64_t tokens_seen() const { return tokens_seen_; }
-  // With CARRY_COMM_TIMING=1: the time of each phase of the steps since the last call, in seconds,
+  // With logging.comm_timing PHASES: the time of each phase of the steps since the last call, in seconds,
   // in the order the phases came: "forward", "backward", "gradient sum and clip" (the gradients' sums
   // over ranks and segments, the loss sums, the clipping), "update" (the step's host read and the
   // optimizer) and "between steps" (from one step's end to the next one's start). Measured on the
@@ -191,27 +191,28 @@ class Trainer {
   // Ordered segments (parallel.segments, or sp under the ORDERED scan when that is more than one):
   // the virtual ranks the layers talk through; null: no segments.
   std::shared_ptr<parallel::SegmentCommunicator> segments_;
-  // One segment a rank, sp > 1 and CARRY_GRADIENT_OVERLAP=1: the weight gradients' tree sum goes in
+  // One segment a rank, sp > 1 and parallel.gradient_sum BUCKETS: the weight gradients' tree sum goes in
   // buckets during the backward (parallel/gradient_sum.h). Null otherwise.
   std::unique_ptr<parallel::OverlappedGradientSum> gradient_sum_;
   // The update split over the sp ranks (parallel.shard_update), and the flat gradients' layout (its
   // layout when split, else one piece).
   std::unique_ptr<ShardedUpdate> sharded_;
+  std::string update_line_;  // how the update runs over the sp ranks, for the run's header ("" at sp = 1)
   parallel::FlatLayout grad_layout_;
   // Bytes of the loss's last chunks' logit gradients whose head weight gradient waits until the end of
   // the backward (parallel.deferred_head_gradient_mib: ORDERED, sp > 1, one segment a rank, sp ranks
   // after the first); 0: none.
   int64_t deferred_head_bytes_ = 0;
-  // CARRY_COMM_TIMING=1: the GPU time the step's stream waits on the sp group's messages (the state
+  // logging.comm_timing PHASES: the GPU time the step's stream waits on the sp group's messages (the state
   // chain, halos, loss sums; the gradients too when they are summed after the backward) and on the
   // gradient buckets after the backward, summed since the last log line (metrics comm_wait_s,
   // gradient_wait_s: the mean over the ranks).
   bool comm_timing_ = false;
   double comm_wait_s_ = 0, gradient_wait_s_ = 0;
-  bool wait_order_ = false;  // CARRY_COMM_TIMING=order
+  bool wait_order_ = false;  // logging.comm_timing ORDER
   std::vector<std::pair<std::string, double>> last_wait_sequence_;  // the last step's waits one by one (s)
   std::map<std::string, double> waits_by_kind_;  // this rank's, by parallel::message_kind, since the last log line
-  bool phase_timing_ = false;  // CARRY_COMM_TIMING=1 or order, on any layout (take_phase_seconds)
+  bool phase_timing_ = false;  // logging.comm_timing PHASES or order, on any layout (take_phase_seconds)
   struct PhaseSpan {
     std::string phase;
     TimingMark from, to;
@@ -221,7 +222,7 @@ class Trainer {
   void phase_mark(const char* phase_ending_here);
   long host_calls_ = 0;      // sp messages this rank enqueued since the last log line (take_host_calls)
   double host_call_s_ = 0;   // and the host seconds it spent enqueuing them
-  long host_calls_by_copy_ = 0;  // of host_calls_: by the copy engines (CARRY_SP_MESSAGES=copy)
+  long host_calls_by_copy_ = 0;  // of host_calls_: by the copy engines (parallel.sp_messages COPY)
   void take_comm_waits();
   void all_reduce(at::Tensor& t, bool sp_only = false) const;
   void log(const char* fmt, ...) const;
@@ -238,6 +239,10 @@ class Trainer {
   // room for one); logging.metrics_file can be appended to, and without the lines of the steps after
   // `resumed_from` (the loaded checkpoint, or null).
   void check_checkpoint_dir() const;
+  // The run header's data and output lines; the latter writes the resolved config (rank 0) beside the
+  // checkpoints and says where.
+  std::string data_description() const;
+  std::string write_resolved_config() const;
   void prepare_metrics(const CheckpointData* resumed_from) const;
   void warn(const std::string& text) const;  // rank 0: "carry: <text>" on stderr
   // Copies init_from's weights into the model (names and shapes must match); returns its description.

@@ -6,7 +6,7 @@
 // cast pass is gone). The residual stream the norm reads stays in its own dtype (fp32).
 // On CUDA tensors (fp32 or bf16, last dimension ≤ 8192) fused kernels compute both, forward and
 // backward (layers/kernels/blocks/norm_swiglu_op.h), unless fused_ops_enabled() is false
-// (layers/core/fused_switch.h, CARRY_FUSED_OPS=0); the CPU always runs the ATen forms.
+// (layers/core/fused_switch.h, the run config's fused_ops: false); the CPU always runs the ATen forms.
 #pragma once
 
 #include "layers/blocks/parameters.h"

@@ -7,23 +7,14 @@
 
 namespace carry {
 namespace {
-std::atomic<int>& state() {  // -1: not read yet, 0: ATen forms, 1: fused ops
-  static std::atomic<int> s{-1};
+std::atomic<bool>& state() {
+  static std::atomic<bool> s{true};
   return s;
 }
 }  // namespace
 
-bool fused_ops_enabled() {
-  int s = state().load();
-  if (s < 0) {
-    const char* env = std::getenv("CARRY_FUSED_OPS");
-    s = (env && std::strcmp(env, "0") == 0) ? 0 : 1;
-    int expected = -1;
-    if (!state().compare_exchange_strong(expected, s)) s = expected;
-  }
-  return s == 1;
-}
+bool fused_ops_enabled() { return state().load(); }
 
-void set_fused_ops(bool enabled) { state().store(enabled ? 1 : 0); }
+void set_fused_ops(bool enabled) { state().store(enabled); }
 
 }  // namespace carry

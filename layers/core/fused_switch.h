@@ -3,8 +3,7 @@
 
 namespace carry {
 
-// Default true; CARRY_FUSED_OPS=0 in the environment (read once, at the first call) sets false: then
-// every op runs its ATen form on CUDA too (the mixers their chunkwise forms under automatic dispatch;
+// Default true; a training run sets it from its config (`fused_ops`). False: every op runs its ATen form on CUDA too (the mixers their chunkwise forms under automatic dispatch;
 // the norms, the MLP's activation and the convolutions their ATen chains), for comparisons. Only CUDA
 // tensors are affected: on the CPU the ATen forms always run.
 bool fused_ops_enabled();

@@ -17,13 +17,8 @@ const std::vector<Knob>& knobs() {
       {"MKL_CBWR", "COMPATIBLE", A::user, "set by carry at start-up (a value in the environment is replaced) unless CARRY_CPU_MATH=native"},
       {"ATEN_CPU_CAPABILITY", "avx2", A::user, "set by carry at start-up unless CARRY_CPU_MATH=native; a value you set is kept"},
       {"CARRY_SENTENCEPIECE_LIB", "beside the binary", A::user, "path of libcarry_sentencepiece.so, through which carry tokenize reads SentencePiece models"},
-      {"CARRY_GATHER_OVERLAP", "1", A::user, "with parallel.shard_update: 0 waits for the parameters' all-gather at the step's end instead of beside the next forward"},
-      {"CARRY_GRADIENT_OVERLAP", "0", A::user, "1 or copy: sum the gradients in buckets during the backward (NCCL, or the copy engines of one host); replaces the split update"},
-      {"CARRY_SP_MESSAGES", "nccl", A::user, "copy: the sp group's small messages between neighbours of one host by the copy engines instead of NCCL"},
       {"CARRY_NCCL_POLL", "yield", A::user, "how a rank waits for NCCL to finish enqueuing: yield the core, or sleep 20 us between polls"},
-      {"CARRY_FUSED_OPS", "1", A::user, "0: every op's ATen form on CUDA too (mixers chunkwise, ATen norms, MLP, convolutions), for comparisons"},
       // diagnostics
-      {"CARRY_COMM_TIMING", "off", A::diagnostics, "1: each rank prints its phases and sp waits at every log line; order: also the waits one by one (slows sp > 1)"},
       {"CARRY_TRACE", "off", A::diagnostics, "a directory: record CARRY_TRACE_STEPS with PyTorch's profiler into DIR/trace_rank<r>.json"},
       {"CARRY_TRACE_STEPS", "3:4", A::diagnostics, "A:B or A: the steps (1-based, inclusive) CARRY_TRACE records"},
       {"CARRY_TRACE_CPU", "off", A::diagnostics, "1: the trace records ATen's host calls on GPUs too"},

@@ -14,10 +14,12 @@ fail() { echo "readme_demo_test: FAILED: $*" >&2; exit 1; }
 sample=$(sed -n '/<!-- demo-output:begin -->/,/<!-- demo-output:end -->/p' "$root/README.md" | grep -v '^<!--' | grep -v '^```')
 [ -n "$sample" ] || fail "README.md has no demo-output block (the markers <!-- demo-output:begin --> and <!-- demo-output:end -->)"
 
-cd "$tmp" || fail "no temporary directory"
-CARRY_SKIP_SETUP=1 CARRY_BUILD_DIR="$build" "$root/launcher/train" "$root/configs/demo_mqar.textproto" \
-  --set checkpoint.dir="$tmp/checkpoints" --set logging.metrics_file="$tmp/metrics.jsonl" >"$tmp/out.log" 2>&1 \
+# The README's command as it stands, from a fresh directory (the config's runs/demo_mqar/ paths land there).
+mkdir -p "$tmp/run/configs" && cp "$root/configs/demo_mqar.textproto" "$tmp/run/configs/" && cd "$tmp/run" \
+  || fail "no temporary directory"
+CARRY_SKIP_SETUP=1 CARRY_BUILD_DIR="$build" "$root/launcher/train" configs/demo_mqar.textproto >"$tmp/out.log" 2>&1 \
   || { cat "$tmp/out.log" >&2; fail "the demo exited non-zero"; }
+[ -f runs/demo_mqar/checkpoints/config.textproto ] || fail "the resolved config was not written beside the checkpoints"
 
 # Compared line by line, in order: the text with every number taken out must be the same, integers
 # (steps, parameter counts, positions) equal, and fractional figures (losses, gradient norms, learning

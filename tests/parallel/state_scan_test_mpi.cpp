@@ -844,7 +844,7 @@ void check_chain(Communicator& c, at::Device dev) {
   } else {
     EXPECT_EQ(h.count, 0) << "rank " << r;
   }
-  // The waits one by one (CARRY_COMM_TIMING=order): NCCL lists the chain's receives in the order they
+  // The waits one by one (logging.comm_timing ORDER): NCCL lists the chain's receives in the order they
   // were enqueued, under their kinds (the layer as '#'), and their sum is the waits' total.
   const auto sequence = c.take_wait_sequence();
   const double waited = c.take_waited_seconds();
@@ -948,7 +948,7 @@ TEST(Communicator, NcclWatchdogReportsAReceiveNobodySends) {
   MPI_Barrier(MPI_COMM_WORLD);
 }
 
-// CARRY_COMM_TIMING's waits by kind: the scan's messages under their family, numbers as '#'.
+// logging.comm_timing's waits by kind: the scan's messages under their family, numbers as '#'.
 TEST(Communicator, MessageKindDropsTheLayoutAndNumbers) {
   EXPECT_EQ(message_kind("sequence-parallel ordered scan of gated_deltanet over sp=2 ranks: ordered forward, state "
                          "of head group 10 from the previous rank"),

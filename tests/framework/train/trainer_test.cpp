@@ -253,7 +253,7 @@ TEST(GpuTrainer, Fp32Bf16AndRecomputeOnCuda) {
 // fp32 and bf16 steps on CUDA, with gradient accumulation too, run through. The switch is read once a
 // process, so this test runs only when the caller set it (skipped otherwise, and without a GPU):
 //   CARRY_SYNC_DEBUG=error bin/carry_tests --gtest_filter='GpuTrainer.StepsRunWithoutHiddenSyncs'
-// CARRY_COMM_TIMING=1 times the steps' phases: on a CPU by the host clock, so the four phases inside a
+// logging.comm_timing PHASES times the steps' phases: on a CPU by the host clock, so the four phases inside a
 // step cover nearly all of train_step's time (on a GPU by CUDA events); every phase takes time; a second take starts from zero;
 // without the switch nothing is timed. Three steps of each path: one batch, accumulated micro-batches,
 // ordered segments.
@@ -263,9 +263,8 @@ void check_phase_times(bool on_cuda) {
   for (auto extra : std::vector<std::vector<std::string>>{{}, {"optimizer.grad_accum_steps=2"}, {"parallel.segments=2"}}) {
     std::string what;
     for (auto& e : extra) what += e + " ";
-    setenv("CARRY_COMM_TIMING", "1", 1);
+    extra.push_back("logging.comm_timing=PHASES");
     Trainer t(tiny_config(extra), nullptr, o);
-    unsetenv("CARRY_COMM_TIMING");
     double stepped = 0;
     for (int i = 0; i < 3; ++i) stepped += t.train_step().seconds;
     const auto phases = t.take_phase_seconds();

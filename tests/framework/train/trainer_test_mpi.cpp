@@ -265,9 +265,7 @@ TEST(Trainer, OrderedSegmentsGiveTheSameBitsOnEveryLayout) {
     // The weight gradients' sum in buckets during the backward (parallel/gradient_sum.h) keeps the bits.
     const std::string sp = "parallel.sp=" + std::to_string(P);
     auto serial = train_bits(config({"parallel.segments=" + std::to_string(P)}), false);
-    setenv("CARRY_GRADIENT_OVERLAP", "1", 1);
-    auto overlapped = train_bits(config({sp}), true);
-    unsetenv("CARRY_GRADIENT_OVERLAP");
+    auto overlapped = train_bits(config({sp, "parallel.gradient_sum=BUCKETS"}), true);
     EXPECT_TRUE(same_bits(overlapped, serial, sp + ", gradients summed during the backward, vs sp=1 with " +
                                                   std::to_string(P) + " segments (fp32, 5 steps)"));
   }
@@ -432,20 +430,27 @@ TEST(Trainer, StopSignalOnOneRankStopsEveryRankAtTheSameStep) {
   if (parallel::world_info().rank == 0) remove_tree(dir);
 }
 
-// CARRY_GATHER_OVERLAP takes 0 or 1; anything else stops the trainer with what it expects, on every rank.
-TEST(Trainer, GatherOverlapSettingIsChecked) {
+// The behaviour switches are config fields, checked with the config: a value outside a field's enum
+// or type is one error naming the field, and every rank sees the same error; gather_overlap off keeps
+// the split update's bits (on the CPU the gather is not overlapped either way).
+TEST(Trainer, BehaviourSwitchesAreConfigFields) {
   const int P = parallel::world_info().size;
   if (P < 2 || (P & (P - 1)) != 0) GTEST_SKIP() << "needs a power of two of ranks, 2 or more";
-  setenv("CARRY_GATHER_OVERLAP", "yes", 1);
-  std::string message;
-  try {
-    make_trainer(config({"parallel.sp=" + std::to_string(P)}), true, at::kFloat);
-  } catch (const c10::Error& e) {
-    message = e.what_without_backtrace();
+  for (const std::string bad : {"parallel.gather_overlap=yes", "parallel.gradient_sum=SOMETIMES",
+                                "parallel.sp_messages=PIGEONS", "logging.comm_timing=LOUD"}) {
+    std::string message;
+    try {
+      config({bad});
+    } catch (const std::exception& e) {
+      message = e.what();
+    }
+    const std::string field = bad.substr(0, bad.find('='));
+    EXPECT_NE(message.find(field), std::string::npos) << bad << ": " << message;
   }
-  unsetenv("CARRY_GATHER_OVERLAP");
-  EXPECT_NE(message.find("CARRY_GATHER_OVERLAP: expected 0"), std::string::npos) << message;
-  EXPECT_NE(message.find("got 'yes'"), std::string::npos) << message;
+  const std::string sp = "parallel.sp=" + std::to_string(P);
+  auto overlapped = train_bits(config({sp}), true);
+  auto at_the_end = train_bits(config({sp, "parallel.gather_overlap=false"}), true);
+  EXPECT_TRUE(same_bits(at_the_end, overlapped, sp + " with parallel.gather_overlap false vs true (fp32, 5 steps)"));
 }
 
 TEST(Trainer, LayoutMustMatchTheWorld) {
