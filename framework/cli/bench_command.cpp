@@ -13,7 +13,7 @@
 //     backward counts 3.5 forwards (FlashAttention's convention: the backward's five products).
 #include "framework/cli/bench_command.h"
 
-#include "framework/cli/args.h"
+#include "framework/cli/command_args.h"
 #include "framework/io/checkpoint.h"
 #include "layers/core/device.h"
 #include "layers/kernel_schedule.h"
@@ -78,39 +78,37 @@ struct Args {
   bool checksum = false;   // print the hashes of one run's outputs and gradients
 };
 
-Args parse(int argc, char** argv) {
+Args parse(CommandArgs& args) {
   Args a;
-  if (argc < 2 || std::string(argv[1]) != "kernels") throw std::invalid_argument("expected 'kernels'");
   Shape custom{16, 128, 128, {}};
-  bool any_shape = false;
-  for (int i = 2; i < argc; ++i) {
-    std::string f = argv[i];
-    auto value = [&]() -> std::string {
-      if (i + 1 >= argc) throw std::invalid_argument(f + " needs a value");
-      return argv[++i];
-    };
-    if (f == "--families") a.families = split_list(value());
+  bool any_shape = false, kernels = false;
+  for (std::string f; args.next(f);) {
+    if (f == "--families") a.families = args.list(f);
     else if (f == "--T") {
-      for (auto& t : split_list(value())) custom.Ts.push_back(parse_positive_int(f, t));
+      for (int64_t T : args.integers(f, 1)) custom.Ts.push_back(T);
       any_shape = true;
-    } else if (f == "--heads") custom.H = parse_positive_int(f, value()), any_shape = true;
-    else if (f == "--dk") custom.dk = parse_positive_int(f, value()), any_shape = true;
-    else if (f == "--dv") custom.dv = parse_positive_int(f, value()), any_shape = true;
-    else if (f == "--window") a.window = parse_positive_int(f, value());
-    else if (f == "--reps") a.reps = (int)parse_positive_int(f, value());
+    }
+    else if (f == "--heads") custom.H = args.integer(f, 1), any_shape = true;
+    else if (f == "--dk") custom.dk = args.integer(f, 1), any_shape = true;
+    else if (f == "--dv") custom.dv = args.integer(f, 1), any_shape = true;
+    else if (f == "--window") a.window = args.integer(f, 1);
+    else if (f == "--reps") a.reps = (int)args.integer(f, 1);
     else if (f == "--timer") {
-      const std::string t = value();
-      if (t != "events" && t != "wall") throw std::invalid_argument("--timer: expected events or wall, got '" + t + "'");
+      const std::string t = args.value(f);
+      if (t != "events" && t != "wall") throw UsageError("--timer: expected events or wall, got '" + t + "'");
       a.wall = t == "wall";
     }
     else if (f == "--serial") a.serial = true;
-    else if (f == "--pieces") a.pieces = (int)parse_positive_int(f, value());
+    else if (f == "--pieces") a.pieces = (int)args.integer(f, 1);
     else if (f == "--ramp") a.ramp = true;
-    else if (f == "--decay-segments") a.decay_segments = (int)parse_positive_int(f, value());
-    else if (f == "--decay-pieces") a.decay_pieces = (int)parse_positive_int(f, value());
+    else if (f == "--decay-segments") a.decay_segments = (int)args.integer(f, 1);
+    else if (f == "--decay-pieces") a.decay_pieces = (int)args.integer(f, 1);
     else if (f == "--checksum") a.checksum = true;
-    else throw std::invalid_argument("unknown option '" + f + "'");
+    else if (f.rfind("-", 0) == 0) throw UsageError("unknown flag '" + f + "'");
+    else if (f == "kernels" && !kernels) kernels = true;
+    else throw UsageError("unexpected argument '" + f + "' (expected 'kernels' and flags)");
   }
+  if (!kernels) throw UsageError("expected 'kernels'");
   if (a.ramp && a.pieces == 0)
     throw std::invalid_argument("--ramp needs --pieces N (the automatic pieces choose their own ramp)");
   for (auto& name : a.families) get_mixer(name);  // an unknown family fails here, with the list
@@ -290,9 +288,14 @@ int run(const Args& a) {
 }  // namespace
 
 int run_bench_command(int argc, char** argv) {
+  CommandArgs args(argc, argv);
+  if (args.help()) {
+    std::fputs(kUsage, stdout);
+    return 0;
+  }
   Args a;
   try {
-    a = parse(argc, argv);
+    a = parse(args);
     if (cuda_device_count() == 0)
       throw std::invalid_argument("no CUDA device here (the kernel forms need a CUDA build and a GPU)");
   } catch (const c10::Error& e) {  // before std::exception, which it derives from: no backtrace

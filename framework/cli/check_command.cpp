@@ -1,14 +1,13 @@
 // `carry check` (see check_command.h).
 #include "framework/cli/check_command.h"
 
+#include "framework/cli/command_args.h"
 #include "framework/cli/error_text.h"
 #include "framework/cli/mixer_check.h"
 #include "layers/core/device.h"
 
 #include <chrono>
 #include <cstdio>
-#include <cstring>
-#include <sstream>
 #include <string>
 
 namespace carry {
@@ -28,40 +27,26 @@ const char* kUsage =
     "  with the state passed vs the whole, summaries vs the final state; then times the chunkwise\n"
     "  form (fp32 forward+backward, B=1 H=4 dk=dv=64, chunk 64) at length T (default 4096).\n";
 
-bool parse(int argc, char** argv, CheckArgs& a) {
-  for (int i = 1; i < argc; ++i) {
-    std::string f = argv[i];
-    auto value = [&]() -> std::string {
-      if (i + 1 >= argc) throw std::invalid_argument(f + " needs a value");
-      return argv[++i];
-    };
+void parse(CommandArgs& args, CheckArgs& a) {
+  for (std::string f; args.next(f);) {
     if (f == "--family") {
-      std::stringstream ss(value());
-      for (std::string n; std::getline(ss, n, ',');) a.families.push_back(n);
+      for (auto& n : args.list(f)) a.families.push_back(n);
     } else if (f == "--timing-len") {
-      auto v = value();
-      try {
-        a.timing_T = std::stoll(v);
-      } catch (...) {
-        throw std::invalid_argument("--timing-len expects a positive integer, got '" + v + "'");
-      }
-      if (a.timing_T <= 0 || a.timing_T % 64)
-        throw std::invalid_argument("--timing-len must be a positive multiple of 64, got " + v);
+      a.timing_T = args.integer(f, 1);
+      if (a.timing_T % 64)
+        throw UsageError("--timing-len must be a positive multiple of 64, got " + std::to_string(a.timing_T));
     } else if (f == "--no-timing") {
       a.timing = false;
     } else if (f == "--device") {
-      auto v = value();
-      if (v != "cpu" && v != "cuda")
-        throw std::invalid_argument("--device expects cpu or cuda, got '" + v + "'");
+      auto v = args.value(f);
+      if (v != "cpu" && v != "cuda") throw UsageError("--device expects cpu or cuda, got '" + v + "'");
       a.cuda = v == "cuda";
-    } else if (f == "--help" || f == "-h") {
-      std::fputs(kUsage, stdout);
-      std::exit(0);
+    } else if (f.rfind("-", 0) == 0) {
+      throw UsageError("unknown flag '" + f + "'");
     } else {
-      throw std::invalid_argument("unknown flag '" + f + "'");
+      throw UsageError("unexpected argument '" + f + "'");
     }
   }
-  return true;
 }
 
 double seconds_since(std::chrono::steady_clock::time_point t0) {
@@ -71,9 +56,14 @@ double seconds_since(std::chrono::steady_clock::time_point t0) {
 }  // namespace
 
 int run_check_command(int argc, char** argv) {
+  CommandArgs command_args(argc, argv);
+  if (command_args.help()) {
+    std::fputs(kUsage, stdout);
+    return 0;
+  }
   CheckArgs args;
   try {
-    parse(argc, argv, args);
+    parse(command_args, args);
     if (args.families.empty()) args.families = mixer_names();
     for (auto& f : args.families) get_mixer(f);  // unknown names fail here, listing the known ones
     if (args.cuda && cuda_device_count() == 0)

@@ -1,7 +1,8 @@
-// `carry launch` (see launch_command.h): argument parsing, loading the configs, writing the hostfile
-// (POSIX calls, not std::filesystem: libtorch exports conflicting symbols) and exec'ing mpirun.
+// `carry launch` (see launch_command.h): the arguments (CommandArgs), loading the configs, writing the
+// hostfile (POSIX calls, not std::filesystem: libtorch exports conflicting symbols) and exec'ing mpirun.
 #include "framework/cli/launch_command.h"
 
+#include "framework/cli/command_args.h"
 #include "framework/cli/error_text.h"
 #include "framework/config/config.h"
 #include "framework/launch/launch_plan.h"
@@ -72,39 +73,23 @@ int run_launch_command(int argc, char** argv) {
   std::string cluster_path, run_path, hostfile, carry_binary;
   std::vector<std::string> overrides;
   bool dry_run = false;
-  // "--name VALUE" or "--name=VALUE" into `value`; false when it is not that flag.
-  auto take = [&](int& i, const std::string& name, std::string& value) {
-    std::string a = argv[i];
-    if (a.rfind(name + "=", 0) == 0) {
-      value = a.substr(name.size() + 1);
-      return true;
-    }
-    if (a != name) return false;
-    if (i + 1 >= argc) throw std::invalid_argument(name + " needs a value");
-    value = argv[++i];
-    return true;
-  };
+  CommandArgs args(argc, argv);
+  if (args.help()) {
+    std::fputs(kUsage, stdout);
+    return 0;
+  }
   try {
-    for (int i = 1; i < argc; ++i) {
-      std::string a = argv[i], value;
-      if (a == "--help" || a == "-h") {
-        std::fputs(kUsage, stdout);
-        return 0;
-      } else if (take(i, "--set", value)) {
-        overrides.push_back(value);
-      } else if (take(i, "--cluster", cluster_path) || take(i, "--hostfile", hostfile) ||
-                 take(i, "--carry", carry_binary)) {
-      } else if (a == "--dry-run") {
-        dry_run = true;
-      } else if (!a.empty() && a[0] == '-') {
-        return usage_error("unknown flag '" + a + "'");
-      } else if (run_path.empty()) {
-        run_path = a;
-      } else {
-        return usage_error("one run config expected, got '" + run_path + "' and '" + a + "'");
-      }
+    for (std::string a; args.next(a);) {
+      if (a == "--set") overrides.push_back(args.value(a));
+      else if (a == "--cluster") cluster_path = args.value(a);
+      else if (a == "--hostfile") hostfile = args.value(a);
+      else if (a == "--carry") carry_binary = args.value(a);
+      else if (a == "--dry-run") dry_run = true;
+      else if (a.rfind("-", 0) == 0) throw UsageError("unknown flag '" + a + "'");
+      else if (run_path.empty()) run_path = a;
+      else throw UsageError("one run config expected, got '" + run_path + "' and '" + a + "'");
     }
-  } catch (const std::invalid_argument& e) {
+  } catch (const UsageError& e) {
     return usage_error(e.what());
   }
   if (cluster_path.empty()) return usage_error("--cluster CLUSTER.textproto is needed");

@@ -8,6 +8,7 @@
 // in files and tensors exit 1.
 #include "framework/cli/mixer_command.h"
 
+#include "framework/cli/command_args.h"
 #include "framework/io/safetensors.h"
 #include "framework/version.h"
 #include "layers/layout.h"
@@ -20,7 +21,6 @@
 #include <c10/util/Exception.h>
 
 #include <algorithm>
-#include <cerrno>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
@@ -34,11 +34,6 @@
 
 namespace carry {
 namespace {
-
-// Bad flags: exit code 2.
-struct UsageError : std::runtime_error {
-  using std::runtime_error::runtime_error;
-};
 
 // Inputs that cannot be cut into the ranks' slices (T not a multiple of P·chunk_size): exit code 2.
 struct LayoutError : std::runtime_error {
@@ -147,24 +142,6 @@ std::string dtype_name(at::ScalarType t) {
   }
 }
 
-int64_t parse_int(const std::string& flag, const std::string& value, int64_t min) {
-  errno = 0;
-  char* end = nullptr;
-  long long v = std::strtoll(value.c_str(), &end, 10);
-  if (value.empty() || *end != '\0' || errno == ERANGE || v < min)
-    throw UsageError(flag + " must be an integer >= " + std::to_string(min) + ", got '" + value + "'");
-  return v;
-}
-
-double parse_positive(const std::string& flag, const std::string& value) {
-  errno = 0;
-  char* end = nullptr;
-  double v = std::strtod(value.c_str(), &end);
-  if (value.empty() || *end != '\0' || errno == ERANGE || !std::isfinite(v) || v <= 0)
-    throw UsageError(flag + " must be a positive number, got '" + value + "'");
-  return v;
-}
-
 struct Args {
   std::string family, input, output, form = "chunkwise";
   std::optional<at::ScalarType> dtype;
@@ -179,15 +156,9 @@ struct Args {
   }
 };
 
-// Whether argv asks for --sp-mode (looked at before parsing, so that under mpirun even a usage
-// error is agreed on and printed once).
-bool wants_sp(int argc, char** argv) {
-  for (int i = 1; i < argc; ++i) {
-    std::string arg = argv[i];
-    if (arg == "--sp-mode" || arg.rfind("--sp-mode=", 0) == 0) return true;
-  }
-  return false;
-}
+// Whether the arguments ask for --sp-mode (looked at before parsing, so that under mpirun even a
+// usage error is agreed on and printed once).
+bool wants_sp(int argc, char** argv) { return CommandArgs(argc, argv).has("--sp-mode"); }
 
 std::vector<std::string> families_with_summary() {
   std::vector<std::string> names;
@@ -196,60 +167,48 @@ std::vector<std::string> families_with_summary() {
   return names;
 }
 
+// Usage errors are UsageError (exit code 2).
 Args parse_args(int argc, char** argv) {
   Args a;
   std::set<std::string> seen;
-  const std::set<std::string> with_value = {"--family", "--input",  "--output", "--chunk-size",
-                                            "--form",   "--dtype",  "--scale",  "--window",
-                                            "--offset", "--sp-mode"};
-  for (int i = 1; i < argc; ++i) {
-    std::string arg = argv[i];
-    if (arg == "--help" || arg == "-h") {
+  CommandArgs args(argc, argv);
+  for (std::string flag; args.next(flag);) {
+    if (flag == "--help" || flag == "-h") {
       a.help = true;
       continue;
     }
-    if (arg.rfind("--", 0) != 0) throw UsageError("unexpected argument '" + arg + "' (flags start with --)");
-    std::string flag = arg, value;
-    bool inline_value = false;
-    if (auto eq = arg.find('='); eq != std::string::npos) {
-      flag = arg.substr(0, eq);
-      value = arg.substr(eq + 1);
-      inline_value = true;
-    }
-    if (flag != "--normalize" && !with_value.count(flag))
+    if (flag.rfind("--", 0) != 0) throw UsageError("unexpected argument '" + flag + "' (flags start with --)");
+    if (flag != "--normalize" && flag != "--family" && flag != "--input" && flag != "--output" &&
+        flag != "--chunk-size" && flag != "--form" && flag != "--dtype" && flag != "--scale" &&
+        flag != "--window" && flag != "--offset" && flag != "--sp-mode")
       throw UsageError("unknown flag '" + flag + "'");
     if (!seen.insert(flag).second) throw UsageError(flag + " given twice");
-    if (flag == "--normalize") {
-      if (inline_value) throw UsageError("--normalize takes no value, got '" + arg + "'");
-      a.opt.normalize = true;
-      continue;
+    if (flag == "--normalize") a.opt.normalize = true;
+    else if (flag == "--chunk-size") a.opt.chunk_size = args.integer(flag, 1);
+    else if (flag == "--window") a.opt.window = args.integer(flag, 0);
+    else if (flag == "--offset") a.opt.offset = args.integer(flag, 0);
+    else if (flag == "--scale") a.opt.scale = args.positive_number(flag);
+    else {
+      const std::string value = args.value(flag);
+      if (value.empty() && (flag == "--family" || flag == "--input" || flag == "--output"))
+        throw UsageError(flag + " needs a non-empty value");
+      if (flag == "--family") a.family = value;
+      else if (flag == "--input") a.input = value;
+      else if (flag == "--output") a.output = value;
+      else if (flag == "--form") {
+        if (value != "naive" && value != "chunkwise" && value != "kernel")
+          throw UsageError("--form must be naive, chunkwise or kernel, got '" + value + "'");
+        a.form = value;
+      } else if (flag == "--dtype") {
+        if (value == "float64") a.dtype = at::kDouble;
+        else if (value == "float32") a.dtype = at::kFloat;
+        else throw UsageError("--dtype must be float64 or float32, got '" + value + "'");
+      } else if (flag == "--sp-mode") {
+        if (value != "ordered" && value != "tree" && value != "allgather")
+          throw UsageError("--sp-mode must be ordered, tree or allgather, got '" + value + "'");
+        a.sp_mode = parallel::parse_scan_mode(value);
+      }
     }
-    if (!inline_value) {
-      if (i + 1 >= argc) throw UsageError(flag + " needs a value");
-      value = argv[++i];
-    }
-    if (flag == "--family") a.family = value;
-    else if (flag == "--input") a.input = value;
-    else if (flag == "--output") a.output = value;
-    else if (flag == "--chunk-size") a.opt.chunk_size = parse_int(flag, value, 1);
-    else if (flag == "--window") a.opt.window = parse_int(flag, value, 0);
-    else if (flag == "--offset") a.opt.offset = parse_int(flag, value, 0);
-    else if (flag == "--scale") a.opt.scale = parse_positive(flag, value);
-    else if (flag == "--form") {
-      if (value != "naive" && value != "chunkwise" && value != "kernel")
-        throw UsageError("--form must be naive, chunkwise or kernel, got '" + value + "'");
-      a.form = value;
-    } else if (flag == "--dtype") {
-      if (value == "float64") a.dtype = at::kDouble;
-      else if (value == "float32") a.dtype = at::kFloat;
-      else throw UsageError("--dtype must be float64 or float32, got '" + value + "'");
-    } else if (flag == "--sp-mode") {
-      if (value != "ordered" && value != "tree" && value != "allgather")
-        throw UsageError("--sp-mode must be ordered, tree or allgather, got '" + value + "'");
-      a.sp_mode = parallel::parse_scan_mode(value);
-    }
-    if (value.empty() && (flag == "--family" || flag == "--input" || flag == "--output"))
-      throw UsageError(flag + " needs a non-empty value");
   }
   if (a.help) return a;
   const std::pair<const char*, const std::string*> required[] = {

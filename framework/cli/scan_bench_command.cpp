@@ -4,7 +4,7 @@
 // mixer computes in fp32 (fp32 states), as training does with bf16 activations.
 #include "framework/cli/scan_bench_command.h"
 
-#include "framework/cli/args.h"
+#include "framework/cli/command_args.h"
 #include "framework/cli/mixer_check.h"
 #include "layers/core/device.h"
 #include "parallel/process_group.h"
@@ -40,38 +40,30 @@ struct Args {
   std::vector<int64_t> head_groups{1, 4};  // ordered mode only
 };
 
-Args parse(int argc, char** argv) {
+Args parse(CommandArgs& args) {
   Args a;
   a.cuda = cuda_device_count() > 0;
-  for (int i = 1; i < argc; ++i) {
-    std::string f = argv[i];
-    auto value = [&]() -> std::string {
-      if (i + 1 >= argc) throw std::invalid_argument(f + " needs a value");
-      return argv[++i];
-    };
-    if (f == "--family") a.families = split_list(value());
-    else if (f == "--modes") a.modes = split_list(value());
-    else if (f == "--seq-len") a.T = parse_positive_int(f, value());
-    else if (f == "--heads") a.H = parse_positive_int(f, value());
-    else if (f == "--head-dim") a.D = parse_positive_int(f, value());
-    else if (f == "--chunk-size") a.C = parse_positive_int(f, value());
-    else if (f == "--head-groups") {
-      a.head_groups.clear();
-      for (auto& g : split_list(value())) a.head_groups.push_back(parse_positive_int(f, g));
-    } else if (f == "--reps") a.reps = static_cast<int>(parse_positive_int(f, value()));
+  for (std::string f; args.next(f);) {
+    if (f == "--family") a.families = args.list(f);
+    else if (f == "--modes") a.modes = args.list(f);
+    else if (f == "--seq-len") a.T = args.integer(f, 1);
+    else if (f == "--heads") a.H = args.integer(f, 1);
+    else if (f == "--head-dim") a.D = args.integer(f, 1);
+    else if (f == "--chunk-size") a.C = args.integer(f, 1);
+    else if (f == "--head-groups") a.head_groups = args.integers(f, 1);
+    else if (f == "--reps") a.reps = static_cast<int>(args.integer(f, 1));
     else if (f == "--dtype") {
-      a.dtype = value();
+      a.dtype = args.value(f);
       if (a.dtype != "bf16" && a.dtype != "float32" && a.dtype != "float64")
-        throw std::invalid_argument("--dtype expects bf16, float32 or float64, got '" + a.dtype + "'");
+        throw UsageError("--dtype expects bf16, float32 or float64, got '" + a.dtype + "'");
     } else if (f == "--device") {
-      auto v = value();
-      if (v != "cpu" && v != "cuda") throw std::invalid_argument("--device expects cpu or cuda, got '" + v + "'");
+      auto v = args.value(f);
+      if (v != "cpu" && v != "cuda") throw UsageError("--device expects cpu or cuda, got '" + v + "'");
       a.cuda = v == "cuda";
-    } else if (f == "--help" || f == "-h") {
-      std::fputs(kUsage, stdout);
-      std::exit(0);
+    } else if (f.rfind("-", 0) == 0) {
+      throw UsageError("unknown flag '" + f + "'");
     } else {
-      throw std::invalid_argument("unknown flag '" + f + "'");
+      throw UsageError("unexpected argument '" + f + "'");
     }
   }
   for (auto& m : a.modes) parallel::parse_scan_mode(m);
@@ -105,9 +97,14 @@ int run_bench(const Args& args);
 }  // namespace
 
 int run_scan_bench_command(int argc, char** argv) {
+  CommandArgs command_args(argc, argv);
+  if (command_args.help()) {
+    std::fputs(kUsage, stdout);
+    return 0;
+  }
   Args args;
   try {
-    args = parse(argc, argv);
+    args = parse(command_args);
     if (args.cuda && cuda_device_count() == 0)
       throw std::invalid_argument("--device cuda: no CUDA device is available");
   } catch (const std::exception& e) {

@@ -6,6 +6,7 @@
 // end-of-document token before each file's first piece. The output appears (by rename) only once complete.
 #include "framework/cli/tokenize_command.h"
 
+#include "framework/cli/command_args.h"
 #include "framework/cli/error_text.h"
 #include "framework/data/token_file.h"
 #include "framework/data/tokenizer.h"
@@ -56,45 +57,34 @@ struct TokenizeArgs {
   int threads = 0;
 };
 
-int64_t parse_count(const std::string& flag, const char* v, int64_t lo) {
-  char* end = nullptr;
-  errno = 0;
-  long long x = std::strtoll(v, &end, 10);
-  if (!*v || *end || errno || x < lo) throw std::invalid_argument(flag + " needs an integer >= " + std::to_string(lo) + ", got '" + v + "'");
-  return x;
-}
-
-TokenizeArgs parse(int argc, char** argv) {
+TokenizeArgs parse(CommandArgs& args) {
   TokenizeArgs a;
-  auto value = [&](int& i, const std::string& flag) -> const char* {
-    if (i + 1 >= argc) throw std::invalid_argument(flag + " needs a value");
-    return argv[++i];
-  };
-  for (int i = 1; i < argc; ++i) {
-    std::string f = argv[i];
+  for (std::string f; args.next(f);) {
     if (f == "--input") {
-      while (i + 1 < argc && std::strncmp(argv[i + 1], "--", 2) != 0) a.inputs.push_back(argv[++i]);
-      if (a.inputs.empty()) throw std::invalid_argument("--input needs at least one file");
+      for (auto& file : args.values()) a.inputs.push_back(file);
+      if (a.inputs.empty()) throw UsageError("--input needs at least one file");
     } else if (f == "--output") {
-      a.output = value(i, f);
+      a.output = args.value(f);
     } else if (f == "--tokenizer") {
-      a.tokenizer = value(i, f);
+      a.tokenizer = args.value(f);
     } else if (f == "--eod-id") {
-      a.eod_id = parse_count(f, value(i, f), 0);
+      a.eod_id = args.integer(f, 0);
     } else if (f == "--threads") {
-      a.threads = static_cast<int>(std::min<int64_t>(parse_count(f, value(i, f), 1), 1024));
+      a.threads = static_cast<int>(std::min<int64_t>(args.integer(f, 1), 1024));
     } else if (f == "--piece-bytes") {
-      a.piece_bytes = parse_count(f, value(i, f), 1);
+      a.piece_bytes = args.integer(f, 1);
     } else if (f == "--train-sentencepiece") {
-      a.train_prefix = value(i, f);
+      a.train_prefix = args.value(f);
     } else if (f == "--vocab-size") {
-      a.vocab_size = parse_count(f, value(i, f), 1);
+      a.vocab_size = args.integer(f, 1);
     } else if (f == "--model-type") {
-      a.model_type = value(i, f);
+      a.model_type = args.value(f);
       if (a.model_type != "unigram" && a.model_type != "bpe" && a.model_type != "char" && a.model_type != "word")
-        throw std::invalid_argument("--model-type must be unigram, bpe, char or word, got '" + a.model_type + "'");
+        throw UsageError("--model-type must be unigram, bpe, char or word, got '" + a.model_type + "'");
+    } else if (f.rfind("-", 0) == 0) {
+      throw UsageError("unknown flag '" + f + "'");
     } else {
-      throw std::invalid_argument("unknown argument '" + f + "'");
+      throw UsageError("unknown argument '" + f + "' (input files follow --input)");
     }
   }
   if (a.inputs.empty()) throw std::invalid_argument("no --input files");
@@ -153,14 +143,14 @@ int train(const TokenizeArgs& args) {
 }  // namespace
 
 int run_tokenize_command(int argc, char** argv) {
-  for (int i = 1; i < argc; ++i)
-    if (!std::strcmp(argv[i], "--help") || !std::strcmp(argv[i], "-h")) {
-      std::fputs(kUsage, stdout);
-      return 0;
-    }
+  CommandArgs command_args(argc, argv);
+  if (command_args.help()) {
+    std::fputs(kUsage, stdout);
+    return 0;
+  }
   TokenizeArgs args;
   try {
-    args = parse(argc, argv);
+    args = parse(command_args);
   } catch (const std::exception& e) {
     std::fprintf(stderr, "carry tokenize: %s\n%s", e.what(), kUsage);
     return 2;

@@ -1,6 +1,7 @@
 // `carry train` (see train_command.h): argument parsing, MPI start, process groups, Trainer::run.
 #include "framework/cli/train_command.h"
 
+#include "framework/cli/command_args.h"
 #include "framework/cli/error_text.h"
 #include "framework/config/config.h"
 #include "framework/train/memory_estimate.h"
@@ -12,7 +13,6 @@
 
 #include <cstdio>
 #include <cstdlib>
-#include <cstring>
 #include <string>
 #include <vector>
 
@@ -51,50 +51,27 @@ int run_train_command(int argc, char** argv) {
   std::vector<std::string> overrides;
   bool print_world_size = false, print_config = false, dry_run = false;
   TrainerOptions limits;
-  for (int i = 1; i < argc; ++i) {
-    std::string a = argv[i];
-    if (a == "--help" || a == "-h") {
-      std::fputs(kUsage, stdout);
-      return 0;
-    } else if (a == "--set") {
-      if (i + 1 >= argc) {
-        std::fprintf(stderr, "carry train: --set needs a value field.path=value\n%s", kUsage);
-        return 2;
-      }
-      overrides.push_back(argv[++i]);
-    } else if (a.rfind("--set=", 0) == 0) {
-      overrides.push_back(a.substr(6));
-    } else if (a == "--print-world-size") {
-      print_world_size = true;
-    } else if (a == "--print-config") {
-      print_config = true;
-    } else if (a == "--allow-config-change") {
-      limits.allow_config_change = true;
-    } else if (a == "--dry-run") {
-      dry_run = true;
-    } else if (a == "--max-steps" || a == "--max-minutes") {
-      char* end = nullptr;
-      const char* v = i + 1 < argc ? argv[++i] : "";
-      double x = std::strtod(v, &end);
-      if (!*v || *end || !(x > 0) || (a == "--max-steps" && x != static_cast<double>(static_cast<int64_t>(x)))) {
-        std::fprintf(stderr, "carry train: %s needs a positive %s, got '%s'\n", a.c_str(),
-                     a == "--max-steps" ? "integer" : "number", v);
-        return 2;
-      }
-      if (a == "--max-steps") limits.max_steps = static_cast<int64_t>(x);
-      else limits.max_minutes = x;
-    } else if (!a.empty() && a[0] == '-') {
-      std::fprintf(stderr, "carry train: unknown flag '%s'\n%s", a.c_str(), kUsage);
-      return 2;
-    } else if (path.empty()) {
-      path = a;
-    } else {
-      std::fprintf(stderr, "carry train: one run config expected, got '%s' and '%s'\n", path.c_str(), a.c_str());
-      return 2;
-    }
+  CommandArgs args(argc, argv);
+  if (args.help()) {
+    std::fputs(kUsage, stdout);
+    return 0;
   }
-  if (path.empty()) {
-    std::fputs(kUsage, stderr);
+  try {
+    for (std::string a; args.next(a);) {
+      if (a == "--set") overrides.push_back(args.value(a));
+      else if (a == "--print-world-size") print_world_size = true;
+      else if (a == "--print-config") print_config = true;
+      else if (a == "--allow-config-change") limits.allow_config_change = true;
+      else if (a == "--dry-run") dry_run = true;
+      else if (a == "--max-steps") limits.max_steps = args.integer(a, 1);
+      else if (a == "--max-minutes") limits.max_minutes = args.positive_number(a);
+      else if (a.rfind("-", 0) == 0) throw UsageError("unknown flag '" + a + "'");
+      else if (path.empty()) path = a;
+      else throw UsageError("one run config expected, got '" + path + "' and '" + a + "'");
+    }
+    if (path.empty()) throw UsageError("a run config RUN.textproto is needed");
+  } catch (const UsageError& e) {
+    std::fprintf(stderr, "carry train: %s\n%s", e.what(), kUsage);
     return 2;
   }
   RunConfig config;

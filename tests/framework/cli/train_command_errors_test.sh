@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # `carry train` (and `carry bench`) on bad input as a user meets it (CTest runs this; a few seconds): each case must exit 1
 # with one line on stderr that says what is wrong, no C++ backtrace and no raw bytes, before training
-# (or, for a full disk, at the first metrics line). Usage: train_command_errors_test.sh BUILD_DIR
+# (or, for a full disk, at the first metrics line). Then --max-steps in both spellings ends a run after
+# its steps with exit 75. Usage: train_command_errors_test.sh BUILD_DIR
 set -u
 carry=$1/bin/carry
 tmp=$(mktemp -d /tmp/carry_train_errors.XXXXXX)
@@ -75,4 +76,17 @@ check_usage "check unknown family" "carry check: unknown mixer family 'nope'" ch
 # for lack of memory before; an error inside the estimate printed its backtrace).
 check "dry run too large for the host" "the memory estimate measures the model's 1 distinct layer(s) on this CPU" \
   -- "$tmp/run.textproto" --dry-run --set model.d_model=65536 --set model.n_layers=64 --set model.n_heads=64
+# `carry train RUN --max-steps=2` (the flag=value form as well as "--max-steps 2"): two steps, a
+# checkpoint, exit 75.
+for form in "--max-steps=2 --set=checkpoint.dir=$tmp/ck_eq" "--max-steps 2 --set checkpoint.dir=$tmp/ck_sp"; do
+  dir=${form##*=}
+  # shellcheck disable=SC2086  # the form is split into its words on purpose
+  "$carry" train "$tmp/run.textproto" $form >"$tmp/out" 2>"$tmp/err"
+  rc=$?
+  if [ $rc != 75 ] || [ ! -d "$dir/step_00000002" ] || [ -d "$dir/step_00000003" ]; then
+    echo "FAIL train $form: exit $rc, checkpoints: $(ls "$dir" 2>&1)"; cat "$tmp/err"; failed=1
+  else
+    echo "ok   train $form: exit 75, $(ls "$dir" | tr '\n' ' ')"
+  fi
+done
 exit $failed
