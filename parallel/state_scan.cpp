@@ -619,6 +619,250 @@ int default_head_groups(int64_t heads) {
   return 1;
 }
 
+namespace {
+
+// One rank's forward of sp_mixer_forward, once its layout is agreed: the inputs, the options of its
+// slice, the head groups and the scan's context (kept for the backward). The scan modes below run on it.
+struct ForwardRun {
+  const Mixer& mixer;
+  Communicator& sp;
+  const MixerInputs& in;
+  MixerOptions lopt;          // the slice's options (offset r·T)
+  std::string what;           // the scan's name, for messages and communication contexts
+  int r = 0, P = 1;
+  bool wants_grad = false;    // some rank differentiates
+  int G = 1;                  // head groups (ordered only)
+  int64_t n_heads = 0;        // heads a group
+  State zero;                 // the zero state, fp32 at least
+  State init;                 // rank 0's initial state (empty elsewhere or when none)
+  State init_det;             // detached, or the zero state
+  MixerInputs det;            // the inputs, detached
+  std::shared_ptr<ScanContext> c;
+
+  // Leaves that stand for a head group's inputs in its local graph (kept in the group for the backward).
+  MixerInputs leaves_of(const MixerInputs& in_g, HeadGroup& hg) const {
+    MixerInputs leaf_in;
+    for (const auto& n : kInputNames) {
+      const Tensor& t = in_g.get(n);
+      if (!t.defined()) continue;
+      leaf_in.get(n) = t.detach().requires_grad_(t.requires_grad());
+      hg.leaves.push_back(leaf_in.get(n));
+    }
+    return leaf_in;
+  }
+
+  // The local forward of one head group with its S_in: with autograd on leaves that stand for the
+  // group's inputs and S_in when some rank differentiates.
+  // on_final_state, on_initial_state_grad: MixerOptions' hooks for this run (the ordered chain's sends).
+  MixerOutput local_forward(int gi, const State& s_in, std::function<void(const State&)> on_final_state = {},
+                            std::function<void(const State&)> on_initial_state_grad = {}) const {
+    const MixerInputs in_g = G > 1 ? heads_of(in, gi, n_heads) : in;
+    MixerOptions gopt = lopt;
+    gopt.on_final_state = std::move(on_final_state);
+    gopt.on_initial_state_grad = std::move(on_initial_state_grad);
+    if (!wants_grad) {
+      at::NoGradGuard no_grad;
+      return mixer.forward(in_g, s_in, gopt);
+    }
+    at::AutoGradMode grad_on(true);
+    HeadGroup& hg = c->groups[gi];
+    MixerInputs leaf_in = leaves_of(in_g, hg);
+    for (auto& t : s_in) hg.s_in.push_back(t.detach().requires_grad_(true));
+    MixerOutput out = mixer.forward(leaf_in, hg.s_in, gopt);
+    hg.o = out.o;
+    hg.s_out = out.final_state;
+    return out;
+  }
+};
+
+// ORDERED: per head group, S_in from r−1 (rank 0: the initial state), the local forward, S_out to r+1.
+std::vector<MixerOutput> ordered_forward(ForwardRun& f) {
+  const int r = f.r, P = f.P, G = f.G;
+  const std::string& what = f.what;
+  std::vector<MixerOutput> outs;
+  for (int gi = 0; gi < G; ++gi) {
+    State s_in;
+    if (r > 0) {
+      at::NoGradGuard no_grad;
+      CommContext ctx(what + ": ordered forward, state of head group " + std::to_string(gi) +
+                      " from the previous rank");
+      // A recomputation takes the state its forward received (layers/blocks/recompute.h).
+      s_in = received_once([&] {
+        return recv_tensors(f.sp, G > 1 ? heads_of(f.zero, 1, gi, f.n_heads) : f.zero, r - 1, ordered_tag(gi, false));
+      });
+    } else {
+      s_in = G > 1 ? heads_of(f.init_det, 1, gi, f.n_heads) : f.init_det;
+    }
+    // S_out to r+1 as soon as the family has it (Mixer::forward calls on_final_state exactly once: a
+    // kernel form right after its state walk, so the send runs beside the output kernel; every other
+    // form when it returns). The values are the returned final state's.
+    std::function<void(const State&)> send_on;
+    if (r < P - 1) {
+      send_on = [&, gi](const State& s_out) {
+        CommContext ctx(what + ": ordered forward, state of head group " + std::to_string(gi) +
+                        " to the next rank");
+        received_once([&] {
+          send_tensors(f.sp, detached(s_out), r + 1, ordered_tag(gi, false));
+          return std::vector<Tensor>{};
+        });
+      };
+    }
+    // d S_in back to r−1 in the backward, from the kernel form right after its reverse state walk
+    // (ScanBackward sends it itself when the form did not). It runs after sp_mixer_forward returned:
+    // it holds what it needs by value.
+    std::function<void(const State&)> send_back;
+    if (r > 0 && f.wants_grad) {
+      auto sent = std::make_shared<bool>(false);
+      f.c->groups[gi].grad_sent = sent;
+      Communicator* comm = &f.sp;
+      send_back = [sent, comm, gi, r, w = what](const State& d_s_in) {
+        if (*sent) return;
+        CommContext ctx(w + ": ordered backward, state gradient of head group " + std::to_string(gi) +
+                        " to the previous rank");
+        send_tensors(*comm, d_s_in, r - 1, ordered_tag(gi, true));
+        *sent = true;
+      };
+    }
+    outs.push_back(f.local_forward(gi, s_in, send_on, send_back));
+  }
+  return outs;
+}
+
+// TREE: the composition of ranks 0..r−1's summaries by an exclusive Hillis-Steele scan (X covers ranks
+// max(0, r−d+1)..r before round d); none on rank 0.
+std::optional<Summary> tree_prefix(ForwardRun& f, const Summary& mine, const at::TensorOptions& dev) {
+  const Algebra& alg = f.c->algebra;
+  const int r = f.r, P = f.P;
+  std::optional<Summary> prefix;
+  Summary X = mine;
+  int round = 0;
+  for (int d = 1; d < P; d *= 2, ++round) {
+    int dst = r + d < P ? r + d : -1, src = r - d >= 0 ? r - d : -1;
+    std::vector<Tensor> got;
+    {
+      CommContext ctx(f.what + ": tree scan forward, round " + std::to_string(round));
+      got = received_once([&] {
+        return exchange_packed(f.sp, dst >= 0 ? flatten(X) : std::vector<Tensor>{}, dst, src, dev,
+                               kTagTreeForward + round);
+      });
+    }
+    if (src < 0) continue;
+    Summary Y = unflatten_summary(got);  // ranks max(0, r-2d+1)..r-d
+    prefix = prefix ? alg.compose(Y, *prefix) : Y;
+    if (r + 2 * d < P) X = alg.compose(Y, X);  // a later round sends X
+  }
+  return prefix;
+}
+
+// ALLGATHER: every rank's summary gathered (kept in the context for the backward), ranks 0..r−1's
+// composed in order; none on rank 0.
+std::optional<Summary> allgather_prefix(ForwardRun& f, const Summary& mine, const at::TensorOptions& dev) {
+  const Algebra& alg = f.c->algebra;
+  std::vector<std::vector<Tensor>> all;
+  {
+    CommContext ctx(f.what + ": allgather forward");
+    // One list: every rank's summary flattened, with the count of tensors a rank first.
+    std::vector<Tensor> packed = received_once([&] {
+      std::vector<Tensor> flat;
+      for (auto& a : all_gather_packed(f.sp, flatten(mine), dev)) {
+        flat.push_back(at::tensor({static_cast<int64_t>(a.size())}, at::kLong));
+        flat.insert(flat.end(), a.begin(), a.end());
+      }
+      return flat;
+    });
+    for (size_t i = 0; i < packed.size();) {
+      const int64_t n = packed[i].item<int64_t>();
+      all.emplace_back(packed.begin() + i + 1, packed.begin() + i + 1 + n);
+      i += 1 + n;
+    }
+  }
+  std::optional<Summary> prefix;
+  for (auto& a : all) f.c->all_summaries.push_back(unflatten_summary(a));
+  for (int j = 0; j < f.r; ++j)
+    prefix = prefix ? alg.compose(*prefix, f.c->all_summaries[j]) : f.c->all_summaries[j];
+  return prefix;
+}
+
+// TREE and ALLGATHER: this rank's summary, the prefix of the ranks before it (tree_prefix or
+// allgather_prefix), and the local run from the S_in it gives.
+MixerOutput summary_scan_forward(ForwardRun& f, ScanMode mode) {
+  const Mixer& mixer = f.mixer;
+  const int r = f.r, P = f.P;
+  ScanContext& c = *f.c;
+  // With a fixed summary (Mixer::fixed_summary) the two end ranks skip summarizing: rank 0's summary,
+  // its initial state folded in, is its own run's final state under a transport no rank reads (rank 0
+  // is the first of every composition), so that run comes first and is its output; the last rank's
+  // summary is read by no rank (its transport would only act on the zero gradient after the
+  // sequence's end, its state on nothing), so it sends a placeholder of the right shapes and runs once
+  // from its S_in after the scan.
+  const std::optional<Summary> placeholder = P > 1 && (r == 0 || r == P - 1) && !c.algebra.resets
+                                                 ? mixer.fixed_summary(f.det, f.zero)
+                                                 : std::nullopt;
+  const bool end_rank = placeholder.has_value();
+  // Otherwise one pass (families with Mixer::state_output, no document resets): the slice runs from
+  // the zero state, which gives the summary's state, beside whatever else the readout needs (the
+  // delta rule's run from the identity); after the scan, S_in's share of the output and of the final
+  // state (apply with the transport) is added. Otherwise the slice is summarized, then run again
+  // from its S_in.
+  const bool one_pass = !end_rank && !c.algebra.resets && mixer.has_state_output(f.in, f.lopt);
+  std::optional<MixerOutput> early;  // rank 0's local forward, run before the scan
+  std::optional<MixerOutput> from_zero;
+  std::optional<Mixer::StateReadout> readout;  // one pass: the slice's transport and S_in's share
+  MixerInputs src = f.det;                     // one pass: the inputs both parts read (with autograd, their leaves)
+  if (one_pass) {
+    at::AutoGradMode grad_mode(f.wants_grad);
+    if (f.wants_grad) src = f.leaves_of(f.in, c.groups[0]);
+    from_zero = mixer.forward(src, f.zero, f.lopt);
+    readout = mixer.state_readout(src, f.lopt);
+  }
+  // S_in, outside autograd (its gradient is routed by our backward).
+  State s_in;
+  {
+    at::NoGradGuard no_grad;
+    const Algebra& alg = c.algebra;
+    Summary mine;
+    if (one_pass) {
+      mine = Summary{detached(readout->transport), detached(from_zero->final_state)};
+    } else if (end_rank && r == 0) {
+      early = f.local_forward(0, f.init_det);  // with autograd where wanted (local_forward's own mode)
+      mine = *mixer.fixed_summary(f.det, detached(early->final_state));
+    } else if (end_rank) {
+      mine = *placeholder;
+    } else {
+      mine = alg.summarize(f.det, f.lopt, f.zero);
+    }
+    if (r == 0 && !f.init.empty() && !early) mine.state = alg.apply(mine, f.init_det);  // fold S_init in
+    mine = detached(mine);
+    auto dev = at::TensorOptions().device(f.zero.empty() ? at::Device(at::kCPU) : f.zero[0].device());
+    const std::optional<Summary> prefix = mode == ScanMode::tree ? tree_prefix(f, mine, dev)   // ranks 0..r-1
+                                                                 : allgather_prefix(f, mine, dev);
+    // S_in of rank r is the state part of the prefix (the zero state before rank 0, S_init
+    // folded).
+    s_in = r == 0 ? f.init_det : detached(prefix->state);
+    c.summary = mine;
+  }
+  if (early) return *early;
+  if (!one_pass) return f.local_forward(0, s_in);
+  // S_in's share added to the run from zero; with autograd S_in is a leaf of the local graph.
+  at::AutoGradMode grad_mode(f.wants_grad);
+  HeadGroup& hg = c.groups[0];
+  if (f.wants_grad) {
+    for (auto& t : s_in) hg.s_in.push_back(t.detach().requires_grad_(true));
+    s_in = hg.s_in;
+  }
+  MixerOutput out = *from_zero;
+  // In the wider of the two dtypes: a kernel form's bf16 output plus S_in's fp32 share is not
+  // rounded to bf16 a second time here (the layer's output projection rounds it once).
+  Tensor share = readout->share(s_in);
+  const auto dt = at::promote_types(out.o.scalar_type(), share.scalar_type());
+  out.o = out.o.to(dt) + share.to(dt);
+  out.final_state = mixer.apply(Summary{readout->transport, out.final_state}, s_in);
+  if (f.wants_grad) hg.o = out.o, hg.s_out = out.final_state;
+  return out;
+}
+
+}  // namespace
+
 MixerOutput sp_mixer_forward(const Mixer& mixer, Communicator& sp, const MixerInputs& in,
                              const State& initial_state, const MixerOptions& opt, ScanMode mode,
                              int head_groups, bool layout_agreed) {
@@ -708,205 +952,10 @@ MixerOutput sp_mixer_forward(const Mixer& mixer, Communicator& sp, const MixerIn
     if (in.get(n).defined()) det.get(n) = in.get(n).detach();
   State init_det = init.empty() ? zero : detached(init);
 
-  // Leaves that stand for a head group's inputs in its local graph (kept in the group for the backward).
-  auto leaves_of = [&](const MixerInputs& in_g, HeadGroup& hg) {
-    MixerInputs leaf_in;
-    for (const auto& n : kInputNames) {
-      const Tensor& t = in_g.get(n);
-      if (!t.defined()) continue;
-      leaf_in.get(n) = t.detach().requires_grad_(t.requires_grad());
-      hg.leaves.push_back(leaf_in.get(n));
-    }
-    return leaf_in;
-  };
-  // The local forward of one head group with its S_in: with autograd on leaves that stand for the
-  // group's inputs and S_in when some rank differentiates.
-  // on_final_state, on_initial_state_grad: MixerOptions' hooks for this run (the ordered chain's sends).
-  auto local_forward = [&](int gi, const State& s_in, std::function<void(const State&)> on_final_state = {},
-                           std::function<void(const State&)> on_initial_state_grad = {}) {
-    const MixerInputs in_g = G > 1 ? heads_of(in, gi, n_heads) : in;
-    MixerOptions gopt = lopt;
-    gopt.on_final_state = std::move(on_final_state);
-    gopt.on_initial_state_grad = std::move(on_initial_state_grad);
-    if (!wants_grad) {
-      at::NoGradGuard no_grad;
-      return mixer.forward(in_g, s_in, gopt);
-    }
-    at::AutoGradMode grad_on(true);
-    HeadGroup& hg = c->groups[gi];
-    MixerInputs leaf_in = leaves_of(in_g, hg);
-    for (auto& t : s_in) hg.s_in.push_back(t.detach().requires_grad_(true));
-    MixerOutput out = mixer.forward(leaf_in, hg.s_in, gopt);
-    hg.o = out.o;
-    hg.s_out = out.final_state;
-    return out;
-  };
-
+  ForwardRun f{mixer, sp, in, lopt, what, r, P, wants_grad, G, n_heads, zero, init, init_det, det, c};
   std::vector<MixerOutput> outs;
-  if (mode == ScanMode::ordered) {
-    // Per head group: S_in from r−1 (rank 0: the initial state), the local forward, S_out to r+1.
-    for (int gi = 0; gi < G; ++gi) {
-      State s_in;
-      if (r > 0) {
-        at::NoGradGuard no_grad;
-        CommContext ctx(what + ": ordered forward, state of head group " + std::to_string(gi) +
-                        " from the previous rank");
-        // A recomputation takes the state its forward received (layers/blocks/recompute.h).
-        s_in = received_once([&] {
-          return recv_tensors(sp, G > 1 ? heads_of(zero, 1, gi, n_heads) : zero, r - 1, ordered_tag(gi, false));
-        });
-      } else {
-        s_in = G > 1 ? heads_of(init_det, 1, gi, n_heads) : init_det;
-      }
-      // S_out to r+1 as soon as the family has it (Mixer::forward calls on_final_state exactly once: a
-      // kernel form right after its state walk, so the send runs beside the output kernel; every other
-      // form when it returns). The values are the returned final state's.
-      std::function<void(const State&)> send_on;
-      if (r < P - 1) {
-        send_on = [&, gi](const State& s_out) {
-          CommContext ctx(what + ": ordered forward, state of head group " + std::to_string(gi) +
-                          " to the next rank");
-          received_once([&] {
-            send_tensors(sp, detached(s_out), r + 1, ordered_tag(gi, false));
-            return std::vector<Tensor>{};
-          });
-        };
-      }
-      // d S_in back to r−1 in the backward, from the kernel form right after its reverse state walk
-      // (ScanBackward sends it itself when the form did not). It runs after this function returned:
-      // it holds what it needs by value.
-      std::function<void(const State&)> send_back;
-      if (r > 0 && wants_grad) {
-        auto sent = std::make_shared<bool>(false);
-        c->groups[gi].grad_sent = sent;
-        Communicator* comm = &sp;
-        send_back = [sent, comm, gi, r, w = what](const State& d_s_in) {
-          if (*sent) return;
-          CommContext ctx(w + ": ordered backward, state gradient of head group " + std::to_string(gi) +
-                          " to the previous rank");
-          send_tensors(*comm, d_s_in, r - 1, ordered_tag(gi, true));
-          *sent = true;
-        };
-      }
-      outs.push_back(local_forward(gi, s_in, send_on, send_back));
-    }
-  } else {
-    // With a fixed summary (Mixer::fixed_summary) the two end ranks skip summarizing: rank 0's summary,
-    // its initial state folded in, is its own run's final state under a transport no rank reads (rank 0
-    // is the first of every composition), so that run comes first and is its output; the last rank's
-    // summary is read by no rank (its transport would only act on the zero gradient after the
-    // sequence's end, its state on nothing), so it sends a placeholder of the right shapes and runs once
-    // from its S_in after the scan.
-    const std::optional<Summary> placeholder = P > 1 && (r == 0 || r == P - 1) && !c->algebra.resets
-                                                   ? mixer.fixed_summary(det, zero)
-                                                   : std::nullopt;
-    const bool end_rank = placeholder.has_value();
-    // Otherwise one pass (families with Mixer::state_output, no document resets): the slice runs from
-    // the zero state, which gives the summary's state, beside whatever else the readout needs (the
-    // delta rule's run from the identity); after the scan, S_in's share of the output and of the final
-    // state (apply with the transport) is added. Otherwise the slice is summarized, then run again
-    // from its S_in.
-    const bool one_pass = !end_rank && !c->algebra.resets && mixer.has_state_output(in, lopt);
-    std::optional<MixerOutput> early;  // rank 0's local forward, run before the scan
-    std::optional<MixerOutput> from_zero;
-    std::optional<Mixer::StateReadout> readout;  // one pass: the slice's transport and S_in's share
-    MixerInputs src = det;                       // one pass: the inputs both parts read (with autograd, their leaves)
-    if (one_pass) {
-      at::AutoGradMode grad_mode(wants_grad);
-      if (wants_grad) src = leaves_of(in, c->groups[0]);
-      from_zero = mixer.forward(src, zero, lopt);
-      readout = mixer.state_readout(src, lopt);
-    }
-    // S_in, outside autograd (its gradient is routed by our backward).
-    State s_in;
-    {
-      at::NoGradGuard no_grad;
-      const Algebra& alg = c->algebra;
-      Summary mine;
-      if (one_pass) {
-        mine = Summary{detached(readout->transport), detached(from_zero->final_state)};
-      } else if (end_rank && r == 0) {
-        early = local_forward(0, init_det);  // with autograd where wanted (local_forward's own mode)
-        mine = *mixer.fixed_summary(det, detached(early->final_state));
-      } else if (end_rank) {
-        mine = *placeholder;
-      } else {
-        mine = alg.summarize(det, lopt, zero);
-      }
-      if (r == 0 && !init.empty() && !early) mine.state = alg.apply(mine, init_det);  // fold S_init in
-      mine = detached(mine);
-      auto dev = at::TensorOptions().device(zero.empty() ? at::Device(at::kCPU) : zero[0].device());
-      std::optional<Summary> prefix;  // ranks 0..r-1
-      if (mode == ScanMode::tree) {
-        // Exclusive Hillis-Steele scan: X covers ranks max(0, r-d+1)..r before round d.
-        Summary X = mine;
-        int round = 0;
-        for (int d = 1; d < P; d *= 2, ++round) {
-          int dst = r + d < P ? r + d : -1, src = r - d >= 0 ? r - d : -1;
-          std::vector<Tensor> got;
-          {
-            CommContext ctx(what + ": tree scan forward, round " + std::to_string(round));
-            got = received_once([&] {
-              return exchange_packed(sp, dst >= 0 ? flatten(X) : std::vector<Tensor>{}, dst, src, dev,
-                                     kTagTreeForward + round);
-            });
-          }
-          if (src < 0) continue;
-          Summary Y = unflatten_summary(got);  // ranks max(0, r-2d+1)..r-d
-          prefix = prefix ? alg.compose(Y, *prefix) : Y;
-          if (r + 2 * d < P) X = alg.compose(Y, X);  // a later round sends X
-        }
-      } else {
-        std::vector<std::vector<Tensor>> all;
-        {
-          CommContext ctx(what + ": allgather forward");
-          // One list: every rank's summary flattened, with the count of tensors a rank first.
-          std::vector<Tensor> packed = received_once([&] {
-            std::vector<Tensor> flat;
-            for (auto& a : all_gather_packed(sp, flatten(mine), dev)) {
-              flat.push_back(at::tensor({static_cast<int64_t>(a.size())}, at::kLong));
-              flat.insert(flat.end(), a.begin(), a.end());
-            }
-            return flat;
-          });
-          for (size_t i = 0; i < packed.size();) {
-            const int64_t n = packed[i].item<int64_t>();
-            all.emplace_back(packed.begin() + i + 1, packed.begin() + i + 1 + n);
-            i += 1 + n;
-          }
-        }
-        for (auto& a : all) c->all_summaries.push_back(unflatten_summary(a));
-        for (int j = 0; j < r; ++j)
-          prefix = prefix ? alg.compose(*prefix, c->all_summaries[j]) : c->all_summaries[j];
-      }
-      // S_in of rank r is the state part of the prefix (the zero state before rank 0, S_init
-      // folded).
-      s_in = r == 0 ? init_det : detached(prefix->state);
-      c->summary = mine;
-    }
-    if (early) {
-      outs.push_back(*early);
-    } else if (!one_pass) {
-      outs.push_back(local_forward(0, s_in));
-    } else {
-      // S_in's share added to the run from zero; with autograd S_in is a leaf of the local graph.
-      at::AutoGradMode grad_mode(wants_grad);
-      HeadGroup& hg = c->groups[0];
-      if (wants_grad) {
-        for (auto& t : s_in) hg.s_in.push_back(t.detach().requires_grad_(true));
-        s_in = hg.s_in;
-      }
-      MixerOutput out = *from_zero;
-      // In the wider of the two dtypes: a kernel form's bf16 output plus S_in's fp32 share is not
-      // rounded to bf16 a second time here (the layer's output projection rounds it once).
-      Tensor share = readout->share(s_in);
-      const auto dt = at::promote_types(out.o.scalar_type(), share.scalar_type());
-      out.o = out.o.to(dt) + share.to(dt);
-      out.final_state = mixer.apply(Summary{readout->transport, out.final_state}, s_in);
-      if (wants_grad) hg.o = out.o, hg.s_out = out.final_state;
-      outs.push_back(out);
-    }
-  }
+  if (mode == ScanMode::ordered) outs = ordered_forward(f);
+  else outs.push_back(summary_scan_forward(f, mode));
 
   // This rank's outputs: the groups' heads side by side.
   MixerOutput out;

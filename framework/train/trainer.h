@@ -187,6 +187,11 @@ class Trainer {
   // stop signals] (fp64, on the device).
   at::Tensor segmented_forward_backward(const std::vector<Batch>& micro, const at::Tensor& stop,
                                         at::Tensor& gradients);
+  // The two halves every path of a step runs: the forward of one batch or segment under the run's
+  // autocast (Σ ce·mask through the chunked head), and the backward of this rank's share of the mean,
+  // Σ ce·mask / the global token count (a device tensor: no host read).
+  LinearCrossEntropy forward_loss(const Batch& b, const ModelContext& ctx, int64_t defer_head_bytes = 0);
+  static void backward_share(const LinearCrossEntropy& ce, const at::Tensor& token_count);
   ModelContext context_;  // built once (the sp layout is agreed then, not per layer call)
   // Ordered segments (parallel.segments, or sp under the ORDERED scan when that is more than one):
   // the virtual ranks the layers talk through; null: no segments.
