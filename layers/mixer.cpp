@@ -1,5 +1,6 @@
 // The mixer registry, the input-bundle helpers and the default input validation of the contract.
 #include "layers/mixer.h"
+#include "layers/core/knobs.h"
 
 #include "layers/core/fused_switch.h"
 #include "layers/layout.h"
@@ -120,7 +121,7 @@ const char* form_name(Form form) {
 
 bool check_values_requested() {
   static const bool on = [] {
-    const char* v = std::getenv("CARRY_CHECK_VALUES");
+    const char* v = knob_value("CARRY_CHECK_VALUES");
     return v && std::string(v) != "0" && std::string(v) != "";
   }();
   return on;

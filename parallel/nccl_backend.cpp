@@ -31,6 +31,7 @@
 // waits forever on a dead peer) and handles it as CommOptions say: MPI_Abort at once, or a CommError
 // thrown by this rank's next call on the communicator (or by synchronize()).
 #include "parallel/process_group.h"
+#include "layers/core/knobs.h"
 
 #include "layers/core/nvtx.h"
 
@@ -76,7 +77,7 @@ namespace {
 // default) or sleep (20 us sleeps from the first poll), for A/B timings. Read once.
 bool poll_by_yield() {
   static const bool yield = [] {
-    const char* e = std::getenv("CARRY_NCCL_POLL");
+    const char* e = knob_value("CARRY_NCCL_POLL");
     const std::string v = e ? e : "";
     TORCH_CHECK(v.empty() || v == "yield" || v == "sleep", "CARRY_NCCL_POLL: expected 'yield' (the default) or 'sleep', got '",
                 v, "'");

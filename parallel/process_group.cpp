@@ -4,6 +4,7 @@
 // against the communicator's timeout; sends are synchronous-mode so that a send, like a receive,
 // completes only once its peer takes part (a missing receiver is then caught too).
 #include "parallel/process_group.h"
+#include "layers/core/knobs.h"
 
 #include "layers/core/nvtx.h"
 
@@ -406,7 +407,7 @@ const WorldInfo& world_info() {
 }
 
 double default_comm_timeout_s() {
-  if (const char* e = std::getenv("CARRY_COMM_TIMEOUT_S")) {
+  if (const char* e = knob_value("CARRY_COMM_TIMEOUT_S")) {
     char* end = nullptr;
     double v = std::strtod(e, &end);
     TORCH_CHECK(end != e && *end == '\0' && v > 0,

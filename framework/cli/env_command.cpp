@@ -42,7 +42,7 @@ int run_env_command(int argc, char** argv) {
       std::printf("%s%s:\n", audience ? "\n" : "", a);
       audience = a;
     }
-    const char* v = std::getenv(k.name);
+    const char* v = knob_value(k.name);
     std::printf("  %-32s default %-18s %s\n", k.name, k.default_value, v ? ("set: " + std::string(v)).c_str() : "");
     std::printf("      %s\n", k.doc);
   }

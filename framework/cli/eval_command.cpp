@@ -2,6 +2,7 @@
 // evaluator, the printed summary and curve, and the optional files (curve table, plot, JSON,
 // first-batch logits).
 #include "framework/cli/eval_command.h"
+#include "layers/core/knobs.h"
 
 #include "framework/cli/command_args.h"
 #include "framework/cli/tokenize_command.h"
@@ -131,7 +132,7 @@ int run_eval_command(int argc, char** argv, bool finalize_mpi) {
     }
     a = parse(argc, argv);
   } catch (const UsageError& e) {
-    const char* rank = std::getenv("OMPI_COMM_WORLD_RANK");
+    const char* rank = knob_value("OMPI_COMM_WORLD_RANK");
     if (!rank || std::string(rank) == "0") std::fprintf(stderr, "carry eval: %s\n%s", e.what(), kUsage);
     return 2;
   }

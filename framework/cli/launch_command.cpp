@@ -1,6 +1,7 @@
 // `carry launch` (see launch_command.h): the arguments (CommandArgs), loading the configs, writing the
 // hostfile (POSIX calls, not std::filesystem: libtorch exports conflicting symbols) and exec'ing mpirun.
 #include "framework/cli/launch_command.h"
+#include "layers/core/knobs.h"
 
 #include "framework/cli/command_args.h"
 #include "framework/cli/error_text.h"
@@ -101,7 +102,7 @@ int run_launch_command(int argc, char** argv) {
   options.hostfile_path = hostfile.empty() ? default_hostfile_path(run_path) : hostfile;
   options.carry_binary = carry_binary.empty() ? self_executable() : carry_binary;
   options.allow_run_as_root = ::geteuid() == 0;
-  options.forward_ld_library_path = std::getenv("LD_LIBRARY_PATH") != nullptr;
+  options.forward_ld_library_path = knob_value("LD_LIBRARY_PATH") != nullptr;
   try {
     ClusterConfig cluster = load_cluster_config(cluster_path);
     RunConfig run = load_run_config(run_path, overrides);

@@ -1,5 +1,6 @@
 // `carry train` (see train_command.h): argument parsing, MPI start, process groups, Trainer::run.
 #include "framework/cli/train_command.h"
+#include "layers/core/knobs.h"
 
 #include "framework/cli/command_args.h"
 #include "framework/cli/error_text.h"
@@ -80,8 +81,8 @@ int run_train_command(int argc, char** argv) {
   } catch (const std::exception& e) {
     // Before MPI starts: every rank has the same error; the rank mpirun numbers 0 (or a lone
     // process) says it.
-    const char* launched_rank = std::getenv("OMPI_COMM_WORLD_RANK");
-    if (!launched_rank) launched_rank = std::getenv("PMI_RANK");
+    const char* launched_rank = knob_value("OMPI_COMM_WORLD_RANK");
+    if (!launched_rank) launched_rank = knob_value("PMI_RANK");
     if (!launched_rank || std::string(launched_rank) == "0") std::fprintf(stderr, "carry train: %s\n", error_text(e).c_str());
     return 1;
   }

@@ -1,6 +1,7 @@
 // Tokenizers (see tokenizer.h): the byte tokenizer, carry's byte-level BPE (loaded from tokenizer.json
 // or a tiktoken rank file) and the SentencePiece wrapper.
 #include "framework/data/tokenizer.h"
+#include "layers/core/knobs.h"
 
 #include "framework/data/pretokenize.h"
 
@@ -399,7 +400,7 @@ const SentencePieceLibrary& sentencepiece_library() {
   static const SentencePieceLibrary lib = [] {
     SentencePieceLibrary l;
     std::string path;
-    if (const char* env = std::getenv("CARRY_SENTENCEPIECE_LIB")) {
+    if (const char* env = knob_value("CARRY_SENTENCEPIECE_LIB")) {
       path = env;
     } else {
       char exe[4096];

@@ -1,5 +1,6 @@
 // StepTrace: Kineto on for a range of steps (see step_trace.h).
 #include "framework/train/step_trace.h"
+#include "layers/core/knobs.h"
 
 #include <torch/csrc/autograd/profiler_kineto.h>
 
@@ -25,7 +26,7 @@ namespace prof = torch::profiler::impl;
 // to leave the GPU idle (125M, sp = 1: 14.7% of a traced step against 5.4%), which hides the gaps a
 // trace is for.
 std::set<prof::ActivityType> activities(bool cuda) {
-  const char* cpu = std::getenv("CARRY_TRACE_CPU");
+  const char* cpu = knob_value("CARRY_TRACE_CPU");
   if (cuda && !(cpu && std::string(cpu) == "1")) return {prof::ActivityType::CUDA};
   std::set<prof::ActivityType> a{prof::ActivityType::CPU};
   if (cuda) a.insert(prof::ActivityType::CUDA);
@@ -35,10 +36,10 @@ std::set<prof::ActivityType> activities(bool cuda) {
 }  // namespace
 
 StepTrace::StepTrace(int rank, bool cuda) : rank_(rank), cuda_(cuda) {
-  const char* dir = std::getenv("CARRY_TRACE");
+  const char* dir = knob_value("CARRY_TRACE");
   if (!dir || !*dir) return;
   dir_ = dir;
-  if (const char* steps = std::getenv("CARRY_TRACE_STEPS"); steps && *steps) {
+  if (const char* steps = knob_value("CARRY_TRACE_STEPS"); steps && *steps) {
     const std::string s = steps;
     long long a = 0, b = 0;
     char tail = 0;

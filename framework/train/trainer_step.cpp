@@ -69,7 +69,7 @@ class SyncAudit {
  private:
   static bool enabled() {
     static const bool on = [] {
-      const char* v = std::getenv("CARRY_SYNC_DEBUG");
+      const char* v = knob_value("CARRY_SYNC_DEBUG");
       return v && std::string(v) == "error";
     }();
     return on;

@@ -1,5 +1,6 @@
 // Pins MKL's reproducibility mode and ATen's CPU capability before any operation (see the header).
 #include "layers/core/cpu_determinism.h"
+#include "layers/core/knobs.h"
 
 #include <dlfcn.h>
 
@@ -14,7 +15,7 @@ namespace {
 // user set wins (it changes results across machines, not within one).
 struct PinCpuMath {
   PinCpuMath() {
-    const char* choice = std::getenv("CARRY_CPU_MATH");
+    const char* choice = knob_value("CARRY_CPU_MATH");
     if (choice && std::string(choice) == "native") return;  // the user gives up bitwise results
     setenv("MKL_CBWR", "COMPATIBLE", /*overwrite=*/1);
     setenv("ATEN_CPU_CAPABILITY", "avx2", /*overwrite=*/0);
@@ -22,7 +23,7 @@ struct PinCpuMath {
 } pin_cpu_math;
 
 const char* env_or_unset(const char* name) {
-  const char* v = std::getenv(name);
+  const char* v = knob_value(name);
   return v ? v : "unset";
 }
 }  // namespace

@@ -1,6 +1,8 @@
 // The registry of environment variables (see knobs.h).
 #include "layers/core/knobs.h"
 
+#include <c10/util/Exception.h>
+
 #include <cstdlib>
 
 namespace carry {
@@ -76,6 +78,12 @@ const Knob* find_knob(const std::string& name) {
   for (const auto& k : knobs())
     if (name == k.name) return &k;
   return nullptr;
+}
+
+const char* knob_value(const char* name) {
+  TORCH_INTERNAL_ASSERT(find_knob(name) != nullptr, "the environment variable ", name,
+                        " is read but not registered in layers/core/knobs.cpp");
+  return std::getenv(name);
 }
 
 const char* knob_audience_name(KnobAudience a) {

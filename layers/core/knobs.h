@@ -31,6 +31,9 @@ struct Knob {
 const std::vector<Knob>& knobs();
 // The knob of that name, or nullptr.
 const Knob* find_knob(const std::string& name);
+// The one way carry reads its environment: the variable's value, or nullptr when it is unset. `name`
+// must be in the registry (an internal error otherwise), so every variable read is one `carry env` lists.
+const char* knob_value(const char* name);
 const char* knob_audience_name(KnobAudience a);
 // The registered variables of the carry program (not the launcher's or MPI's) set in this process's
 // environment, as (name, value), in registry order: what a run records.

@@ -27,6 +27,7 @@
 //     in tiles of 64): P = scale·(QKᵀ ⊙ Γ ⊙ causal) once, then per dv tile
 //     O = scale·e^G ⊙ (Q·H_c) + P·V_new. Reads q, k [C,dk], H_c [dk,dv], V_new [C,dv].
 #include "layers/kernels/delta_rule/api.h"
+#include "layers/core/knobs.h"
 #include "layers/kernels/primitives/tiles.cuh"
 #include "layers/kernels/delta_rule/launch.h"
 #include "layers/kernels/primitives/mma_frag.cuh"
@@ -74,8 +75,8 @@ std::atomic<int> g_walk{-1};
 // CARRY_GDN_WALK=mma and CARRY_GDN_WALK_STORE=threads pick 1 and 2 for A/B timings (read once).
 int walk_kind() {
   static const int env = [] {
-    const char* w = std::getenv("CARRY_GDN_WALK");
-    const char* st = std::getenv("CARRY_GDN_WALK_STORE");
+    const char* w = knob_value("CARRY_GDN_WALK");
+    const char* st = knob_value("CARRY_GDN_WALK_STORE");
     const std::string ws = w ? w : "", ss = st ? st : "";
     TORCH_CHECK(ws.empty() || ws == "warpgroup" || ws == "mma",
                 "CARRY_GDN_WALK: expected 'warpgroup' (the default) or 'mma' (the delta rule's mma.sync state walks), "
@@ -105,7 +106,7 @@ bool walk_bulk_stores() { return walk_kind() != 1 && walk_kind() != 2; }
 // (each 1 or 2, forward and reverse) overrides it for A/B timings (read once).
 int walk_warpgroups(const Dims& d, bool reverse) {
   static const std::pair<int, int> env = [] {
-    const char* e = std::getenv("CARRY_GDN_WALK_WARPGROUPS");
+    const char* e = knob_value("CARRY_GDN_WALK_WARPGROUPS");
     const std::string s = e ? e : "";
     if (s.empty() || s == "auto") return std::make_pair(0, 0);
     const bool ok = s.size() == 3 && (s[0] == '1' || s[0] == '2') && s[1] == ',' && (s[2] == '1' || s[2] == '2');
@@ -913,7 +914,7 @@ struct OutKernel {
 template <int DK, int DV>
 OutKernel<DK, DV> out_kernel(const Dims& d) {
   static const int forced = [] {
-    const char* e = std::getenv("CARRY_GDN_OUT_BUFFERS");
+    const char* e = knob_value("CARRY_GDN_OUT_BUFFERS");
     return e && (e[0] == '1' || e[0] == '2') ? e[0] - '0' : 0;
   }();
   if (forced ? forced == 1 : wide_state_tiles(d)) return {fwd_o_reg_kernel<DK, DV, 1>, OutRegSmem<DK, 1>::bytes};

@@ -2,6 +2,7 @@
 #pragma once
 
 #include "layers/kernels/primitives/host.h"
+#include "layers/core/knobs.h"
 #include "layers/kernels/primitives/piece_cuts.h"
 
 #include <ATen/ATen.h>
@@ -106,7 +107,7 @@ class Timeline {
  public:
   Timeline(const char* name, cudaStream_t origin_stream) : name_(name) {
     static const bool env = [] {
-      const char* e = std::getenv("CARRY_GDN_TIMELINE");
+      const char* e = knob_value("CARRY_GDN_TIMELINE");
       return e && e[0] == '1';
     }();
     on_ = env;
