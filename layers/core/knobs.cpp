@@ -28,7 +28,6 @@ const std::vector<Knob>& knobs() {
       {"CARRY_CHECK_VALUES", "off", A::diagnostics, "1: check every mixer input's values and every batch's token ids (reads tensors back: slow)"},
       {"CARRY_GDN_TIMELINE", "off", A::diagnostics, "1: the delta rule's kernels print a [timeline] line a piece launch (read by tools/gdn_timeline.py)"},
       // kernel A/B
-      {"CARRY_GDN_STATE", "0", A::kernel_ab, "the delta rule's bf16 state-walk tiling: 0 the default, 1-8 or 10 other tilings"},
       {"CARRY_GDN_WALK", "warpgroup", A::kernel_ab, "the delta rule's bf16 walks at dk = 128: warpgroup (wgmma, TMA) or mma (mma.sync)"},
       {"CARRY_GDN_WALK_STORE", "bulk", A::kernel_ab, "the warpgroup walks store their states by bulk tensor stores (bulk) or by the threads (threads)"},
       {"CARRY_GDN_WALK_WARPGROUPS", "auto", A::kernel_ab, "F,B with each 1 or 2: warpgroups a block of the forward and the reverse walk"},

@@ -1383,7 +1383,6 @@ bool bwd_impl(BwdArgs& a) {
   auto stream = at::cuda::getCurrentCUDAStream();
   const Dims& d = a.d;
   auto P = [](const at::Tensor& t) { return reinterpret_cast<T*>(t.data_ptr()); };
-  const int cfg = sizeof(T) == 2 ? state_cfg() : 0;
   if constexpr (std::is_same<T, bf16>::value) {
     // The intra-chunk dV in pieces beside the walk (bwd_pieces' own_dv; CARRY_GDN_DV_PIECES=0: before
     // it, for A/B): the warpgroup walks with wide state tiles (wide_state_tiles, launch.h) or
@@ -1394,13 +1393,13 @@ bool bwd_impl(BwdArgs& a) {
     // reverted after, against 7.40-7.47 without either.
     static const bool dv_pieces = switch_on("CARRY_GDN_DV_PIECES");
     if constexpr (DK == wg::kDK) {
-      if (cfg == 0 && warpgroup_walk()) {
+      if (warpgroup_walk()) {
         if (dv_pieces) return bwd_pieces<DK, DV, wg::kBV, 4, true>(a, true);
         dv_local_reg<DK, DV>(a, stream, 0, d.N, true);
         return bwd_pieces<DK, DV, wg::kBV, 4, true>(a);
       }
     }
-    if (cfg == 0 && wide_state_tiles(a.d) && dv_pieces) return bwd_pieces<DK, DV, 32, 8>(a, true);
+    if (wide_state_tiles(a.d) && dv_pieces) return bwd_pieces<DK, DV, 32, 8>(a, true);
     dv_local_reg<DK, DV>(a, stream, 0, d.N, false);
   } else {
     auto kern = bwd_dv_local_kernel<T, DK, DV>;
@@ -1421,36 +1420,15 @@ bool bwd_impl(BwdArgs& a) {
                                                             a.dVl.data_ptr<float>(), a.dSfin, P(a.dHs), P(a.dVn),
                                                             a.dS0.data_ptr<float>(), a.scale, d.T, d.H);
     };
-    using I16 = std::integral_constant<int, 16>;
-    using I32 = std::integral_constant<int, 32>;
-    using I4 = std::integral_constant<int, 4>;
-    using I8 = std::integral_constant<int, 8>;
-    auto launch_mma = [&](auto bv, auto nw) {
-      constexpr int BV = decltype(bv)::value, NW = decltype(nw)::value;
-      if constexpr (std::is_same<T, bf16>::value && ((DK / 16) * (BV / 16)) % NW == 0) {
-        auto kern = bwd_state_mma_kernel<DK, DV, BV, NW, kBwdStateStages>;
-        size_t sm = BwdStateMmaSmem<DK, BV, kBwdStateStages>::bytes;
-        carry::kernels::primitives::allow_smem(kern, sm);
-        kern<<<dim3(DV / BV, d.H, d.B), NW * 32, sm, stream>>>(P(a.q), P(a.k), P(a.W), a.Gc.data_ptr<float>(),
-                                                              P(a.dO), a.dVl.data_ptr<float>(), a.dSfin, P(a.dHs),
-                                                              P(a.dVn), a.dS0.data_ptr<float>(), a.scale, d.T, d.H,
-                                                              0, d.N);
-      } else {
-        launch(bv, nw);
-      }
-    };
     if constexpr (std::is_same<T, bf16>::value) {
-      if ((cfg == 0 && !wide_state_tiles(a.d)) || cfg == 10) return bwd_pieces<DK, DV>(a);
-      if (cfg == 0 || cfg == 8) return bwd_pieces<DK, DV, 32, 8>(a);  // launch.h, wide_state_tiles
+      // bf16 always walks in pieces: 16-column state tiles, or 32-column tiles and 8 warps where they are
+      // wide (launch.h, wide_state_tiles).
+      if (!wide_state_tiles(a.d)) return bwd_pieces<DK, DV>(a);
+      return bwd_pieces<DK, DV, 32, 8>(a);
     }
-    if (cfg == 1) launch(I32{}, I8{});
-    else if (cfg == 2) launch(I16{}, I4{});
-    else if (cfg == 3) launch(I16{}, I8{});
-    else if (cfg == 4) launch(I32{}, I4{});
-    else if (cfg == 5) launch_mma(I32{}, I4{});
-    else if (cfg == 6) launch_mma(I32{}, I8{});
-    else if (cfg == 7) launch_mma(I16{}, I8{});
-    else launch_mma(I16{}, I4{});
+    using I16 = std::integral_constant<int, 16>;
+    using I4 = std::integral_constant<int, 4>;
+    launch(I16{}, I4{});  // fp32: the generic state kernel, 16-column tiles, 4 warps
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   }
   if (a.on_s0_grad) a.on_s0_grad(a.dS0);  // before the chunk kernels: a send runs beside them

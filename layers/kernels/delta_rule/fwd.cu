@@ -18,8 +18,7 @@
 //     V_new = U − W·S; then S ← e^{G_C} S + Kᵀ (e^{G_C−G} ⊙ V_new).
 //     Per chunk: 2·C·dk·BV·2 FLOPs; HBM reads 2C(2dk+BV), writes 2(dk·BV + C·BV) bytes (bf16).
 //     For bf16 the launcher uses fwd_state_mma_kernel (2b: state in mma registers, BV = 16 and 4 warps, or
-//     32 and 8 at many heads: wide_state_tiles); fwd_state_kernel (wmma on shared tiles) serves fp32 and the CARRY_GDN_STATE
-//     experiments.
+//     32 and 8 at many heads: wide_state_tiles); fwd_state_kernel (wmma on shared tiles) serves fp32.
 //     With few heads (the walk's tiles on at most half the SMs) the bf16 walk runs in pieces of
 //     chunks, the state handed on in fp32 memory (one walk's bits), and 1. and 3. of other pieces
 //     run beside it on a second stream (fwd_pieces).
@@ -48,22 +47,6 @@ namespace {
 std::atomic<bool> g_poison{false};
 }
 bool poison_enabled() { return g_poison.load(); }
-// State-kernel choice for bf16 (experiments), CARRY_GDN_STATE: 0 (default): mma.sync kernels in
-// pieces, BV 16 and 4 warps or BV 32 and 8 (wide_state_tiles, launch.h); in pieces at every
-// shape: 8: BV 32, 8 warps; 10: BV 16, 4 warps (the default before wide_state_tiles);
-// one walk: 5: mma BV 32, 4 warps; 6: mma BV 32, 8 warps; 7: mma BV 16, 8 warps;
-// generic wmma kernel: 4: BV 32, 4 warps; 1: BV 32, 8 warps; 2: BV 16, 4 warps; 3: BV 16, 8 warps.
-// The measured configuration (0) is the default; CARRY_GDN_STATE=N picks another for an A/B timing
-// (read once).
-int state_cfg() {
-  static const int cfg = [] {
-    const char* what = "one of 0-8 or 10 (the delta rule's state-walk tilings, layers/kernels/delta_rule/fwd.cu)";
-    const long v = env_int("CARRY_GDN_STATE", 0, 10, what);
-    TORCH_CHECK(v != 9, "CARRY_GDN_STATE: expected ", what, ", got '9'");
-    return static_cast<int>(v);
-  }();
-  return cfg;
-}
 void gdn_set_poison(bool on) { g_poison.store(on); }
 namespace {
 std::atomic<int> g_walk{-1};
@@ -1048,21 +1031,16 @@ void fwd_impl(const Dims& d, const at::Tensor& q, const at::Tensor& k, const at:
   {
     if constexpr (std::is_same<T, bf16>::value) {
       if constexpr (DK == wg::kDK)
-        if (state_cfg() == 0 && warpgroup_walk())
+        if (warpgroup_walk())
           return fwd_pieces<DK, DV, wg::kBV, 4, true>(d, kp, vp, g, beta, Gc, Tm, Wp, Up, S0, Hp, Vnp, Sfin, qp, Op,
                                                       scale, on_final_state);
-      if ((state_cfg() == 0 && !wide_state_tiles(d)) || state_cfg() == 10)
+      // bf16 always walks in pieces: 16-column state tiles and 4 warps, or 32-column tiles and 8 warps
+      // where the tiles are wide (wide_state_tiles; with 4 warps they ran slower: 14.43 against 13.86 ms
+      // at H=16, 131k on an H200).
+      if (!wide_state_tiles(d))
         return fwd_pieces<DK, DV>(d, kp, vp, g, beta, Gc, Tm, Wp, Up, S0, Hp, Vnp, Sfin, qp, Op, scale, on_final_state);
-      // 32-column tiles (wide_state_tiles; CARRY_GDN_STATE=8 forces them; with 4 warps they ran slower:
-      // 14.43 against 13.86 ms at H=16, 131k on an H200).
-      if (state_cfg() == 0 || state_cfg() == 8)
-        return fwd_pieces<DK, DV, 32, 8>(d, kp, vp, g, beta, Gc, Tm, Wp, Up, S0, Hp, Vnp, Sfin, qp, Op, scale,
-                                         on_final_state);
-      auto kern = prep_reg_kernel<DK, DV>;
-      constexpr size_t sm = PrepRegSmem<DK>::bytes;
-      carry::kernels::primitives::allow_smem(kern, sm, /*max_carveout=*/true);  // its blocks an SM depend on the carve-out
-      kern<<<gc, 256, sm, stream>>>(kp, vp, g, beta, Gc.data_ptr<float>(), reinterpret_cast<T*>(Tm.data_ptr()), Wp, Up,
-                                    d.T, d.H, 0);
+      return fwd_pieces<DK, DV, 32, 8>(d, kp, vp, g, beta, Gc, Tm, Wp, Up, S0, Hp, Vnp, Sfin, qp, Op, scale,
+                                       on_final_state);
     } else {
       auto kern = prep_kernel<T, DK, DV>;
       size_t sm = PrepSmem<T, DK>::bytes;
@@ -1083,30 +1061,8 @@ void fwd_impl(const Dims& d, const at::Tensor& q, const at::Tensor& k, const at:
                                                             Sfin.data_ptr<float>(), d.T, d.H);
     };
     using I16 = std::integral_constant<int, 16>;
-    using I32 = std::integral_constant<int, 32>;
     using I4 = std::integral_constant<int, 4>;
-    using I8 = std::integral_constant<int, 8>;
-    auto launch_mma = [&](auto bv, auto nw) {
-      constexpr int BV = decltype(bv)::value, NW = decltype(nw)::value;
-      if constexpr (std::is_same<T, bf16>::value && ((DK / 16) * (BV / 16)) % NW == 0) {
-        auto kern = fwd_state_mma_kernel<DK, DV, BV, NW, kStateStages>;
-        size_t sm = StateMmaSmem<DK, BV, kStateStages>::bytes;
-        carry::kernels::primitives::allow_smem(kern, sm);
-        kern<<<dim3(DV / BV, d.H, d.B), NW * 32, sm, stream>>>(kp, Wp, Up, Gc.data_ptr<float>(), S0, Hp, Vnp,
-                                                              Sfin.data_ptr<float>(), d.T, d.H, 0, d.N);
-      } else {
-        launch(bv, nw);
-      }
-    };
-    const int cfg = sizeof(T) == 2 ? state_cfg() : 0;
-    if (cfg == 1) launch(I32{}, I8{});
-    else if (cfg == 2) launch(I16{}, I4{});
-    else if (cfg == 3) launch(I16{}, I8{});
-    else if (cfg == 4) launch(I32{}, I4{});
-    else if (cfg == 5) launch_mma(I32{}, I4{});
-    else if (cfg == 6) launch_mma(I32{}, I8{});
-    else if (cfg == 7) launch_mma(I16{}, I8{});
-    else launch_mma(I16{}, I4{});
+    launch(I16{}, I4{});  // fp32: the generic state kernel, 16-column tiles, 4 warps
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   }
   if (on_final_state) on_final_state(Sfin);  // before the output kernel: a send runs beside it

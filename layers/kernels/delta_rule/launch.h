@@ -19,7 +19,6 @@
 namespace carry::kernels::delta_rule {
 
 bool poison_enabled();
-int state_cfg();
 int forced_pieces();  // gdn_set_pieces' value
 bool ramp_pieces();  // whether the pieces ramp (gdn_set_pieces' flag, or CARRY_GDN_PIECE_RAMP)
 bool warpgroup_walk();  // the bf16 walks at dk = 128 on the warpgroup kernels (walk_wg.cuh)
