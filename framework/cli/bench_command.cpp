@@ -35,6 +35,7 @@ namespace {
 
 const char* kUsage =
     "usage: carry bench kernels [--families gla,scalar_decay,linear_attn,deltanet,gated_deltanet,softmax_attn]\n"
+    "                           (also hla2, ahla)\n"
     "                           [--T 16384,65536] [--heads 16] [--dk 128] [--dv 128] [--window 2048] [--reps 20]\n"
     "                           [--timer events|wall] [--serial] [--pieces N [--ramp]] [--decay-segments N]\n"
     "                           [--decay-pieces N] [--checksum]\n"
@@ -161,7 +162,9 @@ MixerInputs bench_inputs(const Mixer& m, int64_t T, const Shape& s) {
   in.k = rnd({1, T, s.H, s.dk});
   in.k = in.k / in.k.norm(2, -1, true);
   in.v = rnd({1, T, s.H, s.dv});
-  for (const auto& n : m.input_names()) {
+  std::vector<std::string> names = m.input_names();
+  for (const auto& n : m.optional_input_names()) names.push_back(n);  // HLA's decay: timed with it
+  for (const auto& n : names) {
     if (n == "beta") in.beta = at::sigmoid(rnd({1, T, s.H}));
     if (n == "g") in.g = decay({1, T, s.H});
     if (n == "gk") in.gk = decay({1, T, s.H, s.dk});
@@ -204,6 +207,10 @@ Floors floors(const Mixer& m, int64_t T, const Shape& s, int64_t window) {
   }
   double flops = 2 * C * (s.dk + s.dv) + 4.0 * s.dk * s.dv;
   if (m.name() == "deltanet" || m.name() == "gated_deltanet") flops += 2 * C * (2 * s.dk + s.dv);
+  // HLA, per token, the products of its chunkwise form (layers/hla/hla.cpp): hla2 three C-wide products
+  // on dk and on dv, two dk×dk (Q S, the S update) and five dk×dv; ahla one on dk, two on dv, four dk×dv.
+  if (m.name() == "hla2") flops = 2 * (3 * C * s.dk + 3 * C * s.dv + 2.0 * s.dk * s.dk + 5.0 * s.dk * s.dv);
+  if (m.name() == "ahla") flops = 2 * (C * s.dk + 2 * C * s.dv + 4.0 * s.dk * s.dv);
   return {fwd_bytes, fb_bytes, th * flops, 3 * th * flops};
 }
 

@@ -28,7 +28,11 @@
 // Without g every decay factor is exactly 1 (masks only, no exp).
 #include "layers/hla/hla.h"
 
+#include "layers/hla/decay_passes.h"
 #include "layers/layout.h"
+#ifdef CARRY_WITH_CUDA
+#include "layers/kernels/decay/op.h"
+#endif
 
 #include <limits>
 
@@ -124,6 +128,34 @@ class HlaBase : public Mixer {
                 ") and ", state_names().size(), " state tensors; got ", s.transport.size(), " and ",
                 s.state.size());
   }
+#ifdef CARRY_WITH_CUDA
+ public:
+  // The kernel form (decay_passes.h): the decay class's kernels, pass after pass.
+  bool has_kernel() const override { return true; }
+  bool kernel_supports(const MixerInputs& in, const MixerOptions& opt) const override {
+    if (!in.q.defined() || !in.v.defined() || !in.q.is_cuda() || in.q.dim() != 4 || in.v.dim() != 4) return false;
+    const auto dt = in.q.scalar_type();
+    const int64_t dk = in.q.size(3), dv = in.v.size(3);
+    const bool dk_ok = name() == kHla2Family ? (dk == 64 || dk == 128) : (dk == 64 || dk == 96 || dk == 128);
+    return (dt == at::kBFloat16 || dt == at::kFloat) && dk_ok && dv % 64 == 0 && dv + kNormalizerColumns <= 256 &&
+           opt.chunk_size == 64;
+  }
+
+ protected:
+  void check_kernel_supports(const MixerInputs& in, const MixerOptions& opt) const {
+    TORCH_CHECK(kernel_supports(in, opt), name(), ": the kernel form takes CUDA tensors in bf16 or fp32, dk in ",
+                name() == kHla2Family ? "{64, 128}" : "{64, 96, 128}", ", dv in {64, 128, 192} and chunk_size 64; got q ",
+                shape_str(in.q.sizes()), " ", in.q.scalar_type(), " on ", in.q.device(), ", v ",
+                shape_str(in.v.sizes()), ", chunk_size ", opt.chunk_size);
+  }
+  // One pass on the decay class's kernels; serial_states walks the chunks in order.
+  static DecayPass kernel_pass(bool serial_states) {
+    return [serial_states](const Tensor& c, const Tensor& a, const Tensor& b, const Tensor& g, const Tensor& x0) {
+      return decay_kernel_forward(g.defined() ? DecayKernel::scalar : DecayKernel::none, c, a, b, g, x0, 1.0,
+                                  serial_states);
+    };
+  }
+#endif
   void check_state(const State& x) const {
     TORCH_CHECK(x.size() == state_names().size(), name(), ": a state must hold ",
                 state_names().size(), " tensors (", c10::Join(", ", state_names()), "), got ", x.size());
@@ -182,6 +214,14 @@ class Hla2 final : public HlaBase {
     auto r = run(in, initial(in, init), opt, /*outputs=*/true);
     return {r.o, r.state};
   }
+
+#ifdef CARRY_WITH_CUDA
+  MixerOutput kernel(const MixerInputs& in, const State& init, const MixerOptions& opt) const override {
+    check(in, opt, true);
+    check_kernel_supports(in, opt);
+    return hla2_by_decay_passes(in, init, opt, kernel_pass(opt.serial_states));
+  }
+#endif
 
   Summary summarize(const MixerInputs& in, const MixerOptions& opt) const override {
     check(in, opt, true);
@@ -308,6 +348,14 @@ class Ahla final : public HlaBase {
     auto r = run(in, initial(in, init), opt, /*outputs=*/true);
     return {r.o, r.state};
   }
+
+#ifdef CARRY_WITH_CUDA
+  MixerOutput kernel(const MixerInputs& in, const State& init, const MixerOptions& opt) const override {
+    check(in, opt, true);
+    check_kernel_supports(in, opt);
+    return ahla_by_decay_passes(in, init, opt, kernel_pass(opt.serial_states));
+  }
+#endif
 
   Summary summarize(const MixerInputs& in, const MixerOptions& opt) const override {
     check(in, opt, true);

@@ -1,0 +1,55 @@
+// hla2 and ahla as passes of the decay class's recurrence (the kernel form of both families).
+//
+// One pass is the scalar-decay linear recurrence of layers/kernels/decay (scale 1):
+//   X_t = γ_t X_{t−1} + a_t b_tᵀ,   r_t = X_tᵀ c_t         (pass(c, a, b, g, X_0) → (r, X_T))
+// with γ_t = e^{g_t} (no g: γ ≡ 1). Every state of both families follows this recurrence with some key
+// and value, and every product the outputs need is such a read-out, so each family is a few passes
+// whose kernels (forward and hand-written backward) already exist; autograd chains them.
+//
+// hla2 (hla.h), with v' = [v, 1, 0…] and C' = [C, m, 0…], G' = [G, h, 0…]: the ones column carries the
+// normalizer states m and h (part of the state whether or not the output reads them), padded to 64
+// columns, the kernels' step of value widths:
+//   1. (R, S_T)   = pass(q, k, k, g, S_0)                 R_t = q_tᵀ S_t                   [dk]
+//   2. (W, ·)     = pass(k, ←q, ←v', ←g, C'_0)            W_t = k_tᵀ C'_{t−1}               [dv']
+//   3. (SC, C'_T) = pass(R, q, v', g, C'_0)               SC_t = q_tᵀ S_t C'_t
+//   4. (Gq, G'_T) = pass(q, k, W, g, G'_0)                Gq_t = q_tᵀ G'_t  (G'_t = γ_t G'_{t−1} + k_t W_tᵀ)
+//   Y = SC − Gq; o = s·Y[:, :dv] (normalized: divided by s·Y[:, dv] + eps).
+// ←x is x one token later (←x_t = x_{t−1}, ←x_0 = 0, ←g_0 = 0): pass 2 then holds C'_{t−1} at token t,
+// the state before token t's write and decay, which is what G's update reads. Pass 2's state restarts
+// from C'_0 with no token of the slice before it, so its values at a cut between slices are rounded
+// differently from a run through the cut: the ordered scan's bits rest on the segments
+// (parallel.segments), which cut the one-GPU run at the same places.
+//
+// ahla (hla.h), with v' and P' = [P, m_K, 0…], E' = [E, n, 0…] alike:
+//   1. (Y, P'_T) = pass(q, k, v', g, P'_0)     Y_t = q_tᵀ P'_t
+//   2. (Z, E'_T) = pass(q, k, Y, g, E'_0)      Z_t = q_tᵀ E'_t  (E'_t = γ_t E'_{t−1} + k_t Y_tᵀ)
+//   o = s·Z[:, :dv] (normalized: divided by s·Z[:, dv] + eps). Every pass is chunk-local.
+//
+// States go in and come out in fp32 (fp64 for fp64 inputs); the passes' reads (R, W, Y) are in the
+// inputs' dtype, as the kernels return them; Y = SC − Gq is formed in fp32.
+#pragma once
+
+#include "layers/mixer.h"
+
+#include <functional>
+#include <utility>
+
+namespace carry {
+
+// pass(c, a, b, g, X_0) → (r [B,T,H,db], X_T [B,H,da,db]); g [B,T,H] or undefined (no decay).
+using DecayPass = std::function<std::pair<Tensor, Tensor>(const Tensor& c, const Tensor& a, const Tensor& b,
+                                                          const Tensor& g, const Tensor& x0)>;
+
+// The value block's width beside v: the ones column padded to the kernels' 64.
+inline constexpr int64_t kNormalizerColumns = 64;
+
+MixerOutput hla2_by_decay_passes(const MixerInputs& in, const State& initial_state, const MixerOptions& opt,
+                                 const DecayPass& pass);
+MixerOutput ahla_by_decay_passes(const MixerInputs& in, const State& initial_state, const MixerOptions& opt,
+                                 const DecayPass& pass);
+
+// The pass in ATen: the scalar-decay family's chunkwise form (chunk `chunk_size`), for the tests of the
+// composition on any device.
+DecayPass chunkwise_decay_pass(int64_t chunk_size);
+
+}  // namespace carry

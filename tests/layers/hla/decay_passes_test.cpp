@@ -1,0 +1,234 @@
+// Tests of layers/hla/decay_passes.*: hla2 and ahla composed of decay passes.
+//
+// CPU, fp64: the composition with the ATen pass (the scalar-decay chunkwise form) equals each family's
+// own chunkwise form: outputs, every final-state entry, and the gradient of q, k, v, g and of every
+// initial-state entry, with a per-token decay, without one, normalized or not, from a random initial
+// state. This checks the algebra of the passes (the shifted pass, the ones column) on any machine.
+//
+// GPU (skips without one): the kernel form (the decay class's kernels) against the chunkwise form in
+// fp32 on the same values, bf16 and fp32 inputs, gates with half-lives from 2 to 10^5 tokens, outputs
+// poisoned first: ≤ 1e-4 relative for fp32 inputs, ≤ 1e-2 for bf16. Then cuts: ahla's passes are
+// chunk-local, so with serial_states a slice cut at a chunk boundary gives the bits of the whole; hla2's
+// shifted pass restarts at a cut, so there the two agree to the kernel tolerance.
+#include "layers/hla/decay_passes.h"
+#include "layers/hla/hla.h"
+#include "layers/core/device.h"
+#include "tests/helpers/mixer_testing.h"
+
+#ifdef CARRY_WITH_CUDA
+#include "layers/kernels/decay/api.h"
+#endif
+
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstdio>
+
+namespace carry::testing {
+namespace {
+
+// A family whose kernel form is the composition over a given pass; everything else is the family's.
+class Composed final : public Mixer {
+ public:
+  Composed(const Mixer& base, DecayPass pass) : base_(base), pass_(std::move(pass)) {}
+  std::string name() const override { return base_.name(); }
+  std::vector<std::string> input_names() const override { return base_.input_names(); }
+  std::vector<std::string> optional_input_names() const override { return base_.optional_input_names(); }
+  std::vector<std::string> state_names() const override { return base_.state_names(); }
+  State zero_state(const MixerInputs& in, const MixerOptions& o) const override { return base_.zero_state(in, o); }
+  MixerOutput naive(const MixerInputs& in, const State& s, const MixerOptions& o) const override {
+    return base_.naive(in, s, o);
+  }
+  MixerOutput chunkwise(const MixerInputs& in, const State& s, const MixerOptions& o) const override {
+    return base_.chunkwise(in, s, o);
+  }
+  bool has_kernel() const override { return true; }
+  MixerOutput kernel(const MixerInputs& in, const State& s, const MixerOptions& o) const override {
+    base_.check(in, o, true);
+    return name() == kHla2Family ? hla2_by_decay_passes(in, s, o, pass_) : ahla_by_decay_passes(in, s, o, pass_);
+  }
+
+ private:
+  const Mixer& base_;
+  DecayPass pass_;
+};
+
+// L2-normalized q and k (what the HLA layers feed), v random, g with half-lives log-uniform in
+// [min_half_life, max_half_life] tokens, drawn per token and head.
+MixerInputs hla_inputs(const Shape& s, at::ScalarType dt, uint64_t seed, double min_half_life,
+                       double max_half_life, bool gate) {
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(seed);
+  auto o = at::TensorOptions().dtype(at::kDouble);
+  MixerInputs in;
+  auto unit = [&](int64_t d) {
+    auto x = at::randn({s.B, s.T, s.H, d}, gen, o);
+    return x / x.norm(2, -1, true);
+  };
+  in.q = unit(s.dk);
+  in.k = unit(s.dk);
+  in.v = at::randn({s.B, s.T, s.H, s.dv}, gen, o);
+  if (gate) {
+    const double lo = std::log(min_half_life), hi = std::log(max_half_life);
+    auto half_life = at::exp(at::rand({s.B, s.T, s.H}, gen, o) * (hi - lo) + lo);
+    in.g = -std::log(2.0) / half_life;
+  }
+  return inputs_as(in, dt);
+}
+
+std::vector<std::string> result_names(const Mixer& m, const MixerInputs& in) {
+  std::vector<std::string> names{"o"};
+  for (const auto& s : m.state_names()) names.push_back("final_" + s);
+  for (const auto& n : MixerInputs::names())
+    if (in.get(n).defined()) names.push_back("d" + n);
+  for (const auto& s : m.state_names()) names.push_back("d_initial_" + s);
+  return names;
+}
+
+class DecayPasses : public ::testing::TestWithParam<const char*> {};
+
+TEST_P(DecayPasses, ComposedChunkwiseEqualsTheFamilysChunkwiseInFp64) {
+  const Mixer& m = get_mixer(GetParam());
+  const Composed composed(m, chunkwise_decay_pass(16));
+  for (bool gate : {true, false})
+    for (bool normalize : {false, true}) {
+      Shape s;
+      s.B = 2, s.T = 64, s.H = 2, s.dk = 8, s.dv = 6;
+      MixerOptions opt;
+      opt.chunk_size = 16;
+      opt.normalize = normalize;
+      auto in = hla_inputs(s, at::kDouble, 11, 3, 300, gate);
+      if (normalize) {  // positive features keep the normalizer away from zero
+        in.q = in.q.abs();
+        in.k = in.k.abs();
+      }
+      State s0 = random_state(m, in, opt, 3);
+      auto ref = outputs_then_grads(m, Form::chunkwise, in, s0, opt);
+      auto got = outputs_then_grads(composed, Form::kernel, in, s0, opt);
+      auto names = result_names(m, in);
+      ASSERT_EQ(ref.size(), names.size());
+      ASSERT_EQ(got.size(), names.size());
+      for (size_t i = 0; i < ref.size(); ++i)
+        EXPECT_LE(rel_err(got[i], ref[i]), 1e-11)
+            << m.name() << (gate ? " gated" : " no gate") << (normalize ? " normalized" : "") << ": " << names[i];
+    }
+}
+
+// The check can fail: dropping the shift of hla2's second pass (W_t = k_tᵀ C'_t instead of C'_{t−1})
+// gives another output.
+TEST(DecayPasses, Hla2NeedsTheShiftedPass) {
+  const Mixer& m = get_mixer(kHla2Family);
+  Shape s;
+  s.B = 1, s.T = 32, s.H = 1, s.dk = 8, s.dv = 6;
+  MixerOptions opt;
+  opt.chunk_size = 16;
+  auto in = hla_inputs(s, at::kDouble, 5, 3, 300, true);
+  const DecayPass exact = chunkwise_decay_pass(16);
+  int calls = 0;
+  // The second pass is the shifted one; give it the unshifted inputs (its c is k, a and b are ←q, ←v').
+  const DecayPass unshifted = [&](const Tensor& c, const Tensor& a, const Tensor& b, const Tensor& g,
+                                  const Tensor& x0) {
+    if (++calls != 2) return exact(c, a, b, g, x0);
+    Tensor v1 = at::cat({in.v, at::ones({1, s.T, 1, 1}, in.v.options()),
+                         at::zeros({1, s.T, 1, kNormalizerColumns - 1}, in.v.options())}, -1);
+    return exact(c, in.q, v1, in.g, x0);
+  };
+  auto ref = m.chunkwise(in, {}, opt).o;
+  EXPECT_LE(rel_err(hla2_by_decay_passes(in, {}, opt, exact).o, ref), 1e-12);
+  EXPECT_GT(rel_err(hla2_by_decay_passes(in, {}, opt, unshifted).o, ref), 1e-3);
+}
+
+TEST_P(DecayPasses, KernelFormMatchesChunkwiseOnGpu) {
+  if (cuda_device_count() == 0) GTEST_SKIP() << "no CUDA device: GPU tests skipped";
+#ifndef CARRY_WITH_CUDA
+  GTEST_SKIP() << "built without CUDA";
+#else
+  const Mixer& m = get_mixer(GetParam());
+  ASSERT_TRUE(m.has_kernel());
+  carry::kernels::decay::decay_set_poison(true);
+  struct Case {
+    int64_t B, T, H, dk, dv;
+  };
+  std::vector<Case> cases{{1, 256, 2, 64, 64}, {2, 192, 1, 128, 128}, {1, 128, 3, 64, 192}};
+  if (m.name() == kAhlaFamily) cases.push_back({1, 192, 2, 96, 64});
+  for (const Case& c : cases)
+    for (bool normalize : {false, true})
+      for (bool serial : {true, false})
+        for (auto dt : {at::kFloat, at::kBFloat16}) {
+          Shape s;
+          s.B = c.B, s.T = c.T, s.H = c.H, s.dk = c.dk, s.dv = c.dv;
+          MixerOptions opt;
+          opt.normalize = normalize;
+          opt.serial_states = serial;
+          auto in = hla_inputs(s, at::kFloat, 17 + c.T, 2, 1e5, true);
+          if (normalize) in.q = in.q.abs(), in.k = in.k.abs();
+          MixerInputs low = inputs_as(in, dt), up;
+          for (const auto& n : MixerInputs::names())
+            if (low.get(n).defined()) low.get(n) = low.get(n).to(at::kCUDA), up.get(n) = low.get(n).to(at::kFloat);
+          State s0 = random_state(m, up, opt, 7);
+          for (auto& t : s0) t = t * 0.5;
+          ASSERT_TRUE(m.kernel_supports(low, opt));
+          ASSERT_EQ(m.resolve_form(low, opt), Form::kernel);
+          auto ref = outputs_then_grads(m, Form::chunkwise, up, s0, opt);
+          auto ker = outputs_then_grads(m, Form::kernel, low, s0, opt);
+          auto names = result_names(m, low);
+          ASSERT_EQ(ref.size(), names.size());
+          ASSERT_EQ(ker.size(), names.size());
+          std::string line;
+          for (size_t i = 0; i < ref.size(); ++i) {
+            const double e = rel_err(ker[i], ref[i]);
+            EXPECT_TRUE(at::isfinite(ker[i]).all().item<bool>()) << names[i] << " has NaN (unwritten?)";
+            EXPECT_LE(e, dt == at::kFloat ? 1e-4 : 1e-2)
+                << m.name() << (normalize ? " normalized" : "") << (serial ? " serial" : "") << " " << dt
+                << " B=" << c.B << " T=" << c.T << " H=" << c.H << " dk=" << c.dk << " dv=" << c.dv << ": " << names[i];
+            char buf[64];
+            std::snprintf(buf, sizeof buf, " %s %.1e", names[i].c_str(), e);
+            line += buf;
+          }
+          std::cout << "[ errors   ] " << m.name() << (normalize ? "(normalized)" : "") << (serial ? " serial" : "")
+                    << " " << dt << " B=" << c.B << " T=" << c.T << " H=" << c.H << " dk=" << c.dk << " dv=" << c.dv
+                    << ":" << line << "\n";
+        }
+  carry::kernels::decay::decay_set_poison(false);
+#endif
+}
+
+// The whole slice against the slice cut at a chunk boundary, the state passed, serial_states on.
+TEST_P(DecayPasses, KernelFormAcrossACut) {
+  if (cuda_device_count() == 0) GTEST_SKIP() << "no CUDA device: GPU tests skipped";
+#ifndef CARRY_WITH_CUDA
+  GTEST_SKIP() << "built without CUDA";
+#else
+  const Mixer& m = get_mixer(GetParam());
+  Shape s;
+  s.B = 1, s.T = 512, s.H = 4, s.dk = 64, s.dv = 64;
+  MixerOptions opt;
+  opt.serial_states = true;
+  opt.form = Form::kernel;
+  auto in = hla_inputs(s, at::kBFloat16, 23, 2, 1e5, true);
+  for (const auto& n : MixerInputs::names())
+    if (in.get(n).defined()) in.get(n) = in.get(n).to(at::kCUDA);
+  const bool chunk_local = m.name() == kAhlaFamily;
+  for (int64_t cut : {64, 192, 448}) {
+    auto whole = m.forward(in, {}, opt);
+    auto first = m.forward(in.slice(0, cut), {}, opt);
+    auto second = m.forward(in.slice(cut, s.T - cut), first.final_state, opt);
+    Tensor o = at::cat({first.o, second.o}, 1);
+    if (chunk_local) {
+      EXPECT_TRUE(at::equal(o, whole.o)) << m.name() << " cut at " << cut << ": outputs differ";
+      for (size_t i = 0; i < whole.final_state.size(); ++i)
+        EXPECT_TRUE(at::equal(second.final_state[i], whole.final_state[i]))
+            << m.name() << " cut at " << cut << ": final state entry " << i << " differs";
+    } else {
+      EXPECT_LE(rel_err(o.to(at::kFloat), whole.o.to(at::kFloat)), 1e-2) << m.name() << " cut at " << cut;
+      for (size_t i = 0; i < whole.final_state.size(); ++i)
+        EXPECT_LE(rel_err(second.final_state[i], whole.final_state[i]), 1e-2)
+            << m.name() << " cut at " << cut << ": final state entry " << i;
+    }
+  }
+#endif
+}
+
+INSTANTIATE_TEST_SUITE_P(Hla, DecayPasses, ::testing::Values(kHla2Family, kAhlaFamily));
+
+}  // namespace
+}  // namespace carry::testing
