@@ -170,6 +170,25 @@ Tensor decay(const Tensor& gamma, const Tensor& x) {
   return g * x;
 }
 
+// The slices' transports from the inputs in one look (what the kernel path's summaries carry), in fp32
+// (fp64 for fp64 inputs): ρ = exp(Σ g) [B,H]; hla2's S̃ = Σ_t exp(Σ g − g_t) k_t k_tᵀ, ahla's R̄ = Σ_t k_t q_tᵀ.
+at::ScalarType wide(const Tensor& q) { return q.scalar_type() == at::kDouble ? at::kDouble : at::kFloat; }
+std::vector<Tensor> hla2_transport(const MixerInputs& in) {
+  const auto dt = wide(in.q);
+  Tensor k = in.k.to(dt);
+  if (!in.g.defined())
+    return {at::ones({k.size(0), k.size(2)}, k.options()), at::einsum("bthi,bthj->bhij", {k, k})};
+  Tensor g = in.g.to(dt), total = g.sum(1);
+  Tensor w = at::exp(total.unsqueeze(1) - g);
+  return {at::exp(total), at::einsum("bth,bthi,bthj->bhij", {w, k, k})};
+}
+std::vector<Tensor> ahla_transport(const MixerInputs& in) {
+  const auto dt = wide(in.q);
+  Tensor k = in.k.to(dt), q = in.q.to(dt);
+  Tensor rho = in.g.defined() ? at::exp(in.g.to(dt).sum(1)) : at::ones({k.size(0), k.size(2)}, k.options());
+  return {rho, at::einsum("bthi,bthj->bhij", {k, q})};
+}
+
 class Hla2 final : public HlaBase {
  public:
   std::string name() const override { return kHla2Family; }
@@ -225,8 +244,16 @@ class Hla2 final : public HlaBase {
 
   Summary summarize(const MixerInputs& in, const MixerOptions& opt) const override {
     check(in, opt, true);
+    if (resolve_form(in, opt) == Form::kernel) return {hla2_transport(in), kernel(in, {}, opt).final_state};
     auto r = run(in, initial(in, {}), opt, /*outputs=*/false);
     return {{r.rho, r.S_tilde}, r.state};
+  }
+  // transport zero (ρ = 0, S̃ = 0): the map to `s` whatever comes in.
+  std::optional<Summary> fixed_summary(const MixerInputs& in, const State& s) const override {
+    check_state(s);
+    auto [B, T, H, dk, dv] = dims(in);
+    auto o = s[0].options();
+    return Summary{{at::zeros({B, H}, o), at::zeros({B, H, dk, dk}, o)}, s};
   }
 
   // first = A, second = B: the state part is B's map applied to A's state.
@@ -359,8 +386,16 @@ class Ahla final : public HlaBase {
 
   Summary summarize(const MixerInputs& in, const MixerOptions& opt) const override {
     check(in, opt, true);
+    if (resolve_form(in, opt) == Form::kernel) return {ahla_transport(in), kernel(in, {}, opt).final_state};
     auto r = run(in, initial(in, {}), opt, /*outputs=*/false);
     return {{r.rho, r.R_bar}, r.state};
+  }
+  // transport zero (ρ = 0, R̄ = 0): the map to `s` whatever comes in.
+  std::optional<Summary> fixed_summary(const MixerInputs& in, const State& s) const override {
+    check_state(s);
+    auto [B, T, H, dk, dv] = dims(in);
+    auto o = s[0].options();
+    return Summary{{at::zeros({B, H}, o), at::zeros({B, H, dk, dk}, o)}, s};
   }
 
   Summary compose(const Summary& a, const Summary& b) const override {

@@ -452,7 +452,8 @@ TEST_P(SequenceParallel, ScanOverNcclOnGpus) {
 
 // The kernel forms over NCCL, one GPU a rank: bf16 q, k, v with dk = dv = 128 and chunks of 64, where
 // every rank runs linear attention's and the scalar decay's fused kernels (no per-chunk states), GLA's
-// decay-class kernels and the delta rule's (DeltaNet, Gated DeltaNet), each scan mode against the serial
+// decay-class kernels, the delta rule's (DeltaNet, Gated DeltaNet) and HLA's passes of the decay class's
+// kernels (hla2, ahla, with a decay), each scan mode against the serial
 // chunkwise run in fp32 on the same (upcast) inputs: the outputs, the final state and every gradient, the
 // initial state's included, within 1e-2 (the bf16 products' rounding, as the one-GPU kernel tests bound).
 TEST(KernelForms, ScanOverNcclMatchesSerial) {
@@ -460,13 +461,15 @@ TEST(KernelForms, ScanOverNcclMatchesSerial) {
   ProcessGroups& g = nccl_groups(1, world_size());
   const int P = g.layout.sp;
   const at::Device dev(at::kCUDA, world_info().local_rank);
-  for (const char* name : {"linear_attn", "scalar_decay", "gla", "deltanet", "gated_deltanet"}) {
+  for (const char* name : {"linear_attn", "scalar_decay", "gla", "deltanet", "gated_deltanet", "hla2", "ahla"}) {
     const Mixer& m = get_mixer(name);
     Shape s;
     s.B = 1, s.T = 256 * P, s.H = 2, s.dk = 128, s.dv = 128;
     MixerOptions opt;
     opt.chunk_size = 64;
-    const MixerInputs in_cpu = random_inputs(m, s, at::kFloat, 77);
+    MixerInputs in_cpu = random_inputs(m, s, at::kFloat, 77);
+    if (m.optional_input_names() == std::vector<std::string>{"g"})  // HLA: with its decay
+      in_cpu.g = at::log_sigmoid(at::randn({s.B, s.T, s.H}, at::make_generator<at::CPUGeneratorImpl>(76)) + 4);
     MixerInputs up = to_device(in_cpu, dev), low = up;
     for (const char* n : {"q", "k", "v"}) low.get(n) = up.get(n).to(at::kBFloat16), up.get(n) = low.get(n).to(at::kFloat);
     State init;
