@@ -6,7 +6,8 @@
 // state. This checks the algebra of the passes (the shifted pass, the ones column) on any machine.
 //
 // GPU (skips without one): the kernel form (the decay class's kernels) against the chunkwise form in
-// fp32 on the same values, bf16 and fp32 inputs, gates with half-lives from 2 to 10^5 tokens, the
+// fp32 on the same values, bf16 and fp32 inputs, gates with half-lives from 2 to 10^5 tokens (10^3 to
+// 10^5 for normalized hla2, see below), the
 // initial state that 128 earlier tokens leave, outputs poisoned first: ≤ 1e-4 relative for fp32 inputs, ≤ 1e-2 for bf16. Then cuts: ahla's passes are
 // chunk-local, so with serial_states a slice cut at a chunk boundary gives the bits of the whole; hla2's
 // shifted pass restarts at a cut, so there the two agree to the kernel tolerance.
@@ -159,7 +160,11 @@ TEST_P(DecayPasses, KernelFormMatchesChunkwiseOnGpu) {
           MixerOptions opt;
           opt.normalize = normalize;
           opt.serial_states = serial;
-          auto in = hla_inputs(s, at::kFloat, 17 + c.T, 2, 1e5, true);
+          // hla2's normalizer with a decay is a difference of two sums that do not cancel pair by pair
+          // (hla.h): fast decays bring it near zero, where no form is accurate in fp32 or bf16 (the
+          // chunkwise form itself). Normalized hla2 is checked with half-lives from 10^3 tokens up.
+          const double min_half_life = normalize && m.name() == kHla2Family ? 1e3 : 2;
+          auto in = hla_inputs(s, at::kFloat, 17 + c.T, min_half_life, 1e5, true);
           if (normalize) in.q = in.q.abs(), in.k = in.k.abs();
           MixerInputs low = inputs_as(in, dt), up;
           for (const auto& n : MixerInputs::names())
@@ -168,7 +173,7 @@ TEST_P(DecayPasses, KernelFormMatchesChunkwiseOnGpu) {
           // zero, where no form is accurate).
           Shape sp = s;
           sp.T = 128;
-          MixerInputs pre = hla_inputs(sp, at::kFloat, 5 + c.T, 2, 1e5, true);
+          MixerInputs pre = hla_inputs(sp, at::kFloat, 5 + c.T, min_half_life, 1e5, true);
           if (normalize) pre.q = pre.q.abs(), pre.k = pre.k.abs();
           for (const auto& n : MixerInputs::names())
             if (pre.get(n).defined()) pre.get(n) = pre.get(n).to(at::kCUDA);
