@@ -35,7 +35,7 @@ namespace {
 
 const char* kUsage =
     "usage: carry bench kernels [--families gla,scalar_decay,linear_attn,deltanet,gated_deltanet,softmax_attn]\n"
-    "                           (also hla2, ahla)\n"
+    "                           (also hla2, ahla, loglinear_mamba2)\n"
     "                           [--T 16384,65536] [--heads 16] [--dk 128] [--dv 128] [--window 2048] [--reps 20]\n"
     "                           [--timer events|wall] [--serial] [--pieces N [--ramp]] [--decay-segments N]\n"
     "                           [--decay-pieces N] [--checksum]\n"
@@ -149,6 +149,14 @@ double median_ms(const std::function<void()>& f, int reps, bool wall) {
   return ms[ms.size() / 2];
 }
 
+// Log-linear level weights a sequence of T tokens from position 0 needs: levels 0..bit_width(T−1) and
+// the state at T (L = bit_width(T) + 1).
+int64_t levels_for(int64_t T) {
+  int64_t w = 0;
+  for (uint64_t x = static_cast<uint64_t>(T); x; x >>= 1) ++w;
+  return w + 1;
+}
+
 MixerInputs bench_inputs(const Mixer& m, int64_t T, const Shape& s) {
   auto o = at::TensorOptions().dtype(at::kFloat).device(at::kCUDA);
   auto gen = at::make_generator<at::CPUGeneratorImpl>(1234);
@@ -168,6 +176,7 @@ MixerInputs bench_inputs(const Mixer& m, int64_t T, const Shape& s) {
     if (n == "beta") in.beta = at::sigmoid(rnd({1, T, s.H}));
     if (n == "g") in.g = decay({1, T, s.H});
     if (n == "gk") in.gk = decay({1, T, s.H, s.dk});
+    if (n == "l") in.l = at::softplus(rnd({1, T, s.H, levels_for(T)}));  // log-linear's level weights
   }
   for (const auto& n : MixerInputs::names())
     if (in.get(n).defined()) in.get(n) = in.get(n).to(at::kBFloat16);
@@ -196,6 +205,7 @@ Floors floors(const Mixer& m, int64_t T, const Shape& s, int64_t window) {
     if (n == "g") gate += 4;
     if (n == "gk") gate += 4.0 * s.dk;
     if (n == "beta") gate += 2;
+    if (n == "l") gate += 2.0 * levels_for(T);
   }
   const double out = 2.0 * s.dv, th = double(T) * s.H;
   const double fwd_bytes = th * (per + gate + out), fb_bytes = th * (2 * (per + gate) + 2 * out + per + gate);
@@ -211,6 +221,8 @@ Floors floors(const Mixer& m, int64_t T, const Shape& s, int64_t window) {
   // on dk and on dv, two dk×dk (Q S, the S update) and five dk×dv; ahla one on dk, two on dv, four dk×dv.
   if (m.name() == "hla2") flops = 2 * (3 * C * s.dk + 3 * C * s.dv + 2.0 * s.dk * s.dk + 5.0 * s.dk * s.dv);
   if (m.name() == "ahla") flops = 2 * (C * s.dk + 2 * C * s.dv + 4.0 * s.dk * s.dv);
+  // Log-linear Mamba-2: the chunk's pairs, then per level above the chunk a state read and update.
+  if (m.name() == "loglinear_mamba2") flops = 2 * C * (s.dk + s.dv) + (levels_for(T) - 7) * 4.0 * s.dk * s.dv;
   return {fwd_bytes, fb_bytes, th * flops, 3 * th * flops};
 }
 

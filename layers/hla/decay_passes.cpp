@@ -85,20 +85,4 @@ MixerOutput ahla_by_decay_passes(const MixerInputs& in, const State& init, const
   return {readout(Z.to(dt), dv, opt, opt.scale_for(dk), in.q.scalar_type()), {P, mK, E, n}};
 }
 
-DecayPass chunkwise_decay_pass(int64_t chunk_size) {
-  return [chunk_size](const Tensor& c, const Tensor& a, const Tensor& b, const Tensor& g, const Tensor& x0) {
-    MixerInputs in;
-    in.q = c;
-    in.k = a;
-    in.v = b;
-    in.g = g.defined() ? g : at::zeros({c.size(0), c.size(1), c.size(2)}, c.options());
-    MixerOptions opt;
-    opt.scale = 1.0;
-    opt.chunk_size = chunk_size;
-    opt.form = Form::chunkwise;
-    auto r = get_mixer("scalar_decay").forward(in, {x0}, opt);
-    return std::make_pair(r.o, r.final_state.at(0));
-  };
-}
-
 }  // namespace carry

@@ -1,6 +1,6 @@
 // hla2 and ahla as passes of the decay class's recurrence (the kernel form of both families).
 //
-// One pass is the scalar-decay linear recurrence of layers/kernels/decay (scale 1):
+// One pass is the decay class's recurrence (layers/decay_pass.h, scale 1):
 //   X_t = γ_t X_{t−1} + a_t b_tᵀ,   r_t = X_tᵀ c_t         (pass(c, a, b, g, X_0) → (r, X_T))
 // with γ_t = e^{g_t} (no g: γ ≡ 1). Every state of both families follows this recurrence with some key
 // and value, and every product the outputs need is such a read-out, so each family is a few passes
@@ -29,16 +29,9 @@
 // inputs' dtype, as the kernels return them; Y = SC − Gq is formed in fp32.
 #pragma once
 
-#include "layers/mixer.h"
-
-#include <functional>
-#include <utility>
+#include "layers/decay_pass.h"
 
 namespace carry {
-
-// pass(c, a, b, g, X_0) → (r [B,T,H,db], X_T [B,H,da,db]); g [B,T,H] or undefined (no decay).
-using DecayPass = std::function<std::pair<Tensor, Tensor>(const Tensor& c, const Tensor& a, const Tensor& b,
-                                                          const Tensor& g, const Tensor& x0)>;
 
 // The value block's width beside v: the ones column padded to the kernels' 64.
 inline constexpr int64_t kNormalizerColumns = 64;
@@ -47,9 +40,5 @@ MixerOutput hla2_by_decay_passes(const MixerInputs& in, const State& initial_sta
                                  const DecayPass& pass);
 MixerOutput ahla_by_decay_passes(const MixerInputs& in, const State& initial_state, const MixerOptions& opt,
                                  const DecayPass& pass);
-
-// The pass in ATen: the scalar-decay family's chunkwise form (chunk `chunk_size`), for the tests of the
-// composition on any device.
-DecayPass chunkwise_decay_pass(int64_t chunk_size);
 
 }  // namespace carry

@@ -148,13 +148,6 @@ class HlaBase : public Mixer {
                 shape_str(in.q.sizes()), " ", in.q.scalar_type(), " on ", in.q.device(), ", v ",
                 shape_str(in.v.sizes()), ", chunk_size ", opt.chunk_size);
   }
-  // One pass on the decay class's kernels; serial_states walks the chunks in order.
-  static DecayPass kernel_pass(bool serial_states) {
-    return [serial_states](const Tensor& c, const Tensor& a, const Tensor& b, const Tensor& g, const Tensor& x0) {
-      return decay_kernel_forward(g.defined() ? DecayKernel::scalar : DecayKernel::none, c, a, b, g, x0, 1.0,
-                                  serial_states);
-    };
-  }
 #endif
   void check_state(const State& x) const {
     TORCH_CHECK(x.size() == state_names().size(), name(), ": a state must hold ",
@@ -238,7 +231,7 @@ class Hla2 final : public HlaBase {
   MixerOutput kernel(const MixerInputs& in, const State& init, const MixerOptions& opt) const override {
     check(in, opt, true);
     check_kernel_supports(in, opt);
-    return hla2_by_decay_passes(in, init, opt, kernel_pass(opt.serial_states));
+    return hla2_by_decay_passes(in, init, opt, decay_kernel_pass(opt.serial_states));
   }
 #endif
 
@@ -380,7 +373,7 @@ class Ahla final : public HlaBase {
   MixerOutput kernel(const MixerInputs& in, const State& init, const MixerOptions& opt) const override {
     check(in, opt, true);
     check_kernel_supports(in, opt);
-    return ahla_by_decay_passes(in, init, opt, kernel_pass(opt.serial_states));
+    return ahla_by_decay_passes(in, init, opt, decay_kernel_pass(opt.serial_states));
   }
 #endif
 

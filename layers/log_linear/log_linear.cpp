@@ -25,6 +25,10 @@
 #include "layers/layout.h"
 #include "layers/delta_rule/delta_rule.h"
 #include "layers/log_linear/fenwick.h"
+#include "layers/log_linear/level_passes.h"
+#ifdef CARRY_WITH_CUDA
+#include "layers/kernels/decay/op.h"
+#endif
 
 #include <limits>
 
@@ -176,11 +180,39 @@ class LogLinear : public Mixer {
     return run_chunks(in, init, opt, nullptr);
   }
 
+#ifdef CARRY_WITH_CUDA
+  // The kernel form of loglinear_mamba2 (level_passes.h): one pass of the decay class's kernels a level.
+  bool has_kernel() const override { return base_ == Base::mamba2; }
+  bool kernel_supports(const MixerInputs& in, const MixerOptions& opt) const override {
+    if (base_ != Base::mamba2 || !in.q.defined() || !in.v.defined() || !in.q.is_cuda() || in.q.dim() != 4 ||
+        in.v.dim() != 4)
+      return false;
+    const auto dt = in.q.scalar_type();
+    const int64_t dk = in.q.size(3), dv = in.v.size(3);
+    return (dt == at::kBFloat16 || dt == at::kFloat) && (dk == 64 || dk == 96 || dk == 128) && dv % 64 == 0 &&
+           dv >= 64 && dv <= 256 && opt.chunk_size == 64;
+  }
+  MixerOutput kernel(const MixerInputs& in, const State& init, const MixerOptions& opt) const override {
+    check(in, opt, true);
+    TORCH_CHECK(kernel_supports(in, opt), name(), ": the kernel form takes CUDA tensors in bf16 or fp32, dk in "
+                "{64, 96, 128}, dv in {64, 128, 192, 256} and chunk_size 64 (loglinear_mamba2 only); got q ",
+                shape_str(in.q.sizes()), " ", in.q.scalar_type(), " on ", in.q.device(), ", v ",
+                shape_str(in.v.sizes()), ", chunk_size ", opt.chunk_size);
+    return loglinear_mamba2_by_level_passes(in, initial(in, init), opt, decay_kernel_pass(opt.serial_states));
+  }
+#endif
+
   Summary summarize(const MixerInputs& in, const MixerOptions& opt) const override {
+    auto position = [&](int64_t p) { return at::full({1}, p, in.q.options().dtype(at::kLong)); };
+    const auto span = std::make_pair(position(opt.offset), position(opt.offset + in.q.size(1)));
+    if (base_ == Base::mamba2 && resolve_form(in, opt) == Form::kernel) {  // the transport in one look
+      check(in, opt, true);
+      Tensor A = in.g.to(in.q.scalar_type() == at::kDouble ? at::kDouble : at::kFloat).sum(1).exp();
+      return {{A, span.first, span.second}, kernel(in, {}, opt).final_state};
+    }
     Tensor A;
     auto out = run_chunks(in, {}, opt, &A);
-    auto position = [&](int64_t p) { return at::full({1}, p, in.q.options().dtype(at::kLong)); };
-    return {{A, position(opt.offset), position(opt.offset + in.q.size(1))}, out.final_state};
+    return {{A, span.first, span.second}, out.final_state};
   }
 
   Summary compose(const Summary& first, const Summary& second) const override {

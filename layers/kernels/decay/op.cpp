@@ -100,4 +100,11 @@ std::pair<Tensor, Tensor> decay_kernel_forward(DecayKernel kind, const Tensor& q
   return {out[0], out[1]};
 }
 
+DecayPass decay_kernel_pass(bool serial_states) {
+  return [serial_states](const Tensor& c, const Tensor& a, const Tensor& b, const Tensor& g, const Tensor& x0) {
+    return decay_kernel_forward(g.defined() ? DecayKernel::scalar : DecayKernel::none, c, a, b, g, x0, 1.0,
+                                serial_states);
+  };
+}
+
 }  // namespace carry

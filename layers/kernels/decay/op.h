@@ -3,6 +3,7 @@
 // Function, used by the kernel forms of linear_attn, scalar_decay and gla.
 #pragma once
 
+#include "layers/decay_pass.h"
 #include "layers/mixer.h"
 
 namespace carry {
@@ -25,6 +26,10 @@ std::pair<Tensor, Tensor> decay_kernel_forward(DecayKernel kind, const Tensor& q
                                                bool serial_states = false,
                                                const std::function<void(const Tensor&)>& on_final_state = {},
                                                const std::function<void(const Tensor&)>& on_initial_state_grad = {});
+
+// The recurrence as a decay pass (layers/decay_pass.h): scale 1, the scalar gate where g is given (none
+// otherwise); serial_states walks the chunks in order.
+DecayPass decay_kernel_pass(bool serial_states);
 
 // The kernel form of a family of this class with one state S and gate `gate` (undefined for none):
 // the family's checks, the supported-shape check, then decay_kernel_forward.

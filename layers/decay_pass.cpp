@@ -1,0 +1,22 @@
+// The decay pass in ATen (decay_pass.h): the scalar-decay family's chunkwise form with scale 1.
+#include "layers/decay_pass.h"
+
+namespace carry {
+
+DecayPass chunkwise_decay_pass(int64_t chunk_size) {
+  return [chunk_size](const Tensor& c, const Tensor& a, const Tensor& b, const Tensor& g, const Tensor& x0) {
+    MixerInputs in;
+    in.q = c;
+    in.k = a;
+    in.v = b;
+    in.g = g.defined() ? g : at::zeros({c.size(0), c.size(1), c.size(2)}, c.options());
+    MixerOptions opt;
+    opt.scale = 1.0;
+    opt.chunk_size = chunk_size;
+    opt.form = Form::chunkwise;
+    auto r = get_mixer("scalar_decay").forward(in, {x0}, opt);
+    return std::make_pair(r.o, r.final_state.at(0));
+  };
+}
+
+}  // namespace carry

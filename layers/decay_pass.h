@@ -1,0 +1,25 @@
+// One pass of the decay class's recurrence, the building block of the families whose kernel forms are
+// composed of such passes (HLA: layers/hla/decay_passes.h; log-linear Mamba-2:
+// layers/log_linear/level_passes.h):
+//   X_t = γ_t X_{t−1} + a_t b_tᵀ,   r_t = X_tᵀ c_t         (pass(c, a, b, g, X_0) → (r, X_T))
+// with γ_t = e^{g_t} (no g: γ ≡ 1) and no scale. On CUDA it is the decay class's kernels with their
+// hand-written backward (layers/kernels/decay/op.h: decay_kernel_pass); chunkwise_decay_pass is the same
+// pass in ATen (the scalar-decay family's chunkwise form), which the tests run the compositions with.
+#pragma once
+
+#include "layers/mixer.h"
+
+#include <functional>
+#include <utility>
+
+namespace carry {
+
+// pass(c, a, b, g, X_0) → (r [B,T,H,db] in c's dtype, X_T [B,H,da,db]); c, a [B,T,H,da], b [B,T,H,db],
+// g [B,T,H] or undefined (no decay), X_0 [B,H,da,db]. Differentiable in every input.
+using DecayPass = std::function<std::pair<Tensor, Tensor>(const Tensor& c, const Tensor& a, const Tensor& b,
+                                                          const Tensor& g, const Tensor& x0)>;
+
+// The pass in ATen, chunk `chunk_size`, on any device and dtype.
+DecayPass chunkwise_decay_pass(int64_t chunk_size);
+
+}  // namespace carry

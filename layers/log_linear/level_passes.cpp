@@ -1,0 +1,167 @@
+// Log-linear Mamba-2 composed of one decay pass a level (level_passes.h states the plan).
+#include "layers/log_linear/level_passes.h"
+
+#include "layers/layout.h"
+#include "layers/log_linear/fenwick.h"
+
+#include <limits>
+
+namespace carry {
+namespace {
+
+bool bit(int64_t x, int64_t j) { return (x >> j) & 1; }
+
+// [1, T, 1, 1] of the positions [p, p+T) whose bit j is set (or clear), in `o`'s dtype and device.
+Tensor position_mask(int64_t p, int64_t T, int64_t j, bool set, const at::TensorOptions& o) {
+  std::vector<float> m(T);
+  for (int64_t t = 0; t < T; ++t) m[t] = bit(p + t, j) == set ? 1.f : 0.f;
+  return at::tensor(m, at::TensorOptions().dtype(at::kFloat)).to(o).view({1, T, 1, 1});
+}
+
+// [..., L] → [...]: λ at a level fixed by the position t of dim `dim` (levels[t]), as an exact one-hot
+// product (no gather: its backward would add with atomics on a GPU).
+Tensor pick(const Tensor& lam, const std::vector<int64_t>& levels, const at::TensorOptions& o) {
+  const int64_t T = static_cast<int64_t>(levels.size()), L = lam.size(-1);
+  auto idx = at::tensor(levels, at::TensorOptions().dtype(at::kLong));
+  auto hot = at::one_hot(idx, L).to(o).view({1, T, 1, L});
+  return (lam * hot).sum(-1);
+}
+
+}  // namespace
+
+MixerOutput loglinear_mamba2_by_level_passes(const MixerInputs& in, const State& init, const MixerOptions& opt,
+                                             const DecayPass& pass) {
+  const int64_t B = in.q.size(0), T = in.q.size(1), H = in.q.size(2), dk = in.q.size(3), dv = in.v.size(3);
+  const int64_t L = in.l.size(3), J = L - 1, C = opt.chunk_size, N = T / C;
+  const int64_t c = bit_width(static_cast<uint64_t>(C)) - 1;  // C = 2^c
+  const int64_t p = opt.offset, q_end = p + T;
+  const auto dt = in.q.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
+  const auto fo = in.q.options().dtype(dt);
+  std::vector<Tensor> S0;
+  for (int64_t j = 0; j < J; ++j)
+    S0.push_back(state_or_zeros(init, j, {B, H, dk, dv}, fo).to(dt));
+  const Tensor lam = in.l.to(dt);
+
+  // Levels 0..c: pairs inside a chunk, every chunk at once.
+  Tensor o;
+  {
+    auto qc = split_chunks(to_bhtd(in.q.to(dt)), C), kc = split_chunks(to_bhtd(in.k.to(dt)), C);
+    auto vc = split_chunks(to_bhtd(in.v.to(dt)), C);
+    auto G = split_chunks(to_bhtd(in.g.to(dt)), C).cumsum(-1);                        // [B,H,N,C]
+    auto causal = causal_mask(C, false, fo);
+    auto decay = (G.unsqueeze(-1) - G.unsqueeze(-2))
+                     .masked_fill(causal.logical_not(), -std::numeric_limits<double>::infinity())
+                     .exp();
+    auto lc = split_chunks(to_bhtd(lam), C);                                            // [B,H,N,C,L]
+    Tensor weight;
+    for (int64_t level = 0; level <= c; ++level) {
+      std::vector<float> m(C * C, 0.f);
+      for (int64_t t = 0; t < C; ++t)
+        for (int64_t s = 0; s <= t; ++s) m[t * C + s] = fenwick_level(t, s) == level ? 1.f : 0.f;
+      auto mask = at::tensor(m, at::TensorOptions().dtype(at::kFloat)).to(fo).view({C, C});
+      auto w = lc.select(-1, level).unsqueeze(-1) * mask;
+      weight = weight.defined() ? weight + w : w;
+    }
+    o = from_bhtd(merge_chunks(at::matmul(at::matmul(qc, kc.transpose(-1, -2)) * decay * weight, vc)));
+  }
+
+  // The entries with b_j(p) = p, read by the first chunk at its own levels bit_width(t − p) ≤ c.
+  {
+    Tensor Z;
+    for (int64_t j = 0; j < J; ++j)
+      if (fenwick_block_start(p, j) == p) Z = Z.defined() ? Z + S0[j] : S0[j];
+    if (Z.defined()) {
+      std::vector<int64_t> levels(C);
+      for (int64_t t = 0; t < C; ++t) levels[t] = bit_width(static_cast<uint64_t>(t));
+      auto q1 = in.q.narrow(1, 0, C).to(dt), g1 = in.g.narrow(1, 0, C).to(dt).cumsum(1);
+      auto read = at::einsum("bthd,bhde->bthe", {q1 * g1.exp().unsqueeze(-1), Z});
+      auto first = pick(lam.narrow(1, 0, C), levels, fo).unsqueeze(-1) * read;
+      o = T > C ? at::cat({o.narrow(1, 0, C) + first, o.narrow(1, C, T - C)}, 1) : o + first;
+    }
+  }
+
+  // Levels c+1 .. L−1: one pass a level over the slice cut at multiples of 2^level.
+  const Tensor rho = in.g.to(dt).sum(1).exp().unsqueeze(-1).unsqueeze(-1);  // [B,H,1,1]: the slice's decay
+  std::vector<Tensor> from_pass(J);
+  for (int64_t level = c + 1; level < L; ++level) {
+    const int64_t block = int64_t{1} << level, half = block >> 1;
+    const int64_t first_reader = bit(p, level - 1) ? p : ((p >> level) << level) + half;
+    const bool readers = first_reader < q_end, final_entry = level - 1 < J && bit(q_end, level - 1);
+    if (!readers && !final_entry) continue;
+    Tensor k_src = in.k * position_mask(p, T, level - 1, false, in.k.options());
+    // The incoming entries whose source position b_j(p) lies in the first half of p's block.
+    Tensor X0;
+    std::vector<bool> injected(J, false);
+    for (int64_t j = 0; j < J; ++j)
+      if ((fenwick_block_start(p, j) >> (level - 1)) == ((p >> level) << 1)) {
+        injected[j] = true;
+        X0 = X0.defined() ? X0 + S0[j] : S0[j];
+      }
+    if (!X0.defined()) X0 = at::zeros({B, H, dk, dv}, fo);
+    std::vector<Tensor> outs;
+    Tensor last_state;
+    auto run = [&](int64_t a, int64_t len, int64_t pieces, const Tensor& x0) {
+      // `pieces` whole blocks of len / pieces tokens side by side in the batch (each from x0's zeros),
+      // or one piece.
+      auto cut = [&](const Tensor& x) {
+        auto s = x.narrow(1, a - p, len);
+        if (pieces == 1) return s;
+        auto sizes = s.sizes().vec();
+        sizes[0] = B * pieces;
+        sizes[1] = len / pieces;
+        return s.reshape(sizes);
+      };
+      auto r = pass(cut(in.q), cut(k_src), cut(in.v), cut(in.g), x0);
+      auto y = r.first;
+      if (pieces > 1) y = y.reshape({B, len, H, dv});
+      outs.push_back(y);
+      last_state = pieces == 1 ? r.second : r.second.view({B, pieces, H, dk, dv}).select(1, pieces - 1);
+    };
+    const int64_t first_end = std::min(q_end, ((p >> level) + 1) << level);
+    run(p, first_end - p, 1, X0);
+    const int64_t whole = (q_end - first_end) / block;
+    if (whole > 0) run(first_end, whole * block, whole, at::zeros({B * whole, H, dk, dv}, fo));
+    const int64_t rest_start = first_end + whole * block;
+    if (rest_start < q_end) run(rest_start, q_end - rest_start, 1, at::zeros({B, H, dk, dv}, fo));
+    if (readers) {
+      Tensor y = outs.size() == 1 ? outs[0] : at::cat(outs, 1);
+      auto w = lam.select(-1, level).unsqueeze(-1) * position_mask(p, T, level - 1, true, fo);
+      o = o + w * y.to(dt);
+    }
+    if (final_entry) {
+      // The pass's final state is its last block's first half; where that block is p's, it also carries
+      // the injected entries, which the state keeps where fenwick_merge_target puts them (an unset entry
+      // read like a source here can stay in its own entry): move those the bookkeeping puts elsewhere.
+      const int64_t j = level - 1;
+      const bool same_block = first_end == q_end;
+      Tensor fix;
+      for (int64_t i = 0; i < J; ++i) {
+        const bool in_pass = same_block && injected[i], belongs = fenwick_merge_target(p, q_end, i) == j;
+        if (in_pass == belongs) continue;
+        Tensor t = in_pass ? -S0[i] : S0[i];
+        fix = fix.defined() ? fix + t : t;
+      }
+      from_pass[j] = fix.defined() ? last_state.to(dt) + rho * fix : last_state;
+    }
+  }
+
+  // The final state at q: set bits ≥ c from the passes; every other entry the incoming entries that
+  // merge into it, carried by the slice's decay rho.
+  State final_state(J);
+  for (int64_t j = 0; j < J; ++j) {
+    if (bit(q_end, j)) {
+      TORCH_INTERNAL_ASSERT(j >= c && from_pass[j].defined(), "log-linear: entry ", j, " of the state at ", q_end,
+                            " has no pass");
+      final_state[j] = from_pass[j].to(dt);
+      continue;
+    }
+    Tensor s;
+    for (int64_t i = 0; i < J; ++i)
+      if (fenwick_merge_target(p, q_end, i) == j) s = s.defined() ? s + S0[i] : S0[i];
+    final_state[j] = s.defined() ? rho * s : at::zeros({B, H, dk, dv}, fo);
+  }
+  (void)N;
+  return {(o * opt.scale_for(dk)).to(in.q.scalar_type()), final_state};
+}
+
+}  // namespace carry

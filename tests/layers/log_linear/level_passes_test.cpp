@@ -1,0 +1,175 @@
+// Tests of layers/log_linear/level_passes.*: log-linear Mamba-2 composed of one decay pass a level.
+//
+// CPU, fp64: the composition with the ATen pass (the scalar-decay chunkwise form) equals the family's
+// chunkwise form: the output, every entry of the final state, and the gradients of q, k, v, g, l and of
+// every entry of a random initial state (unset bits included), at offsets that put the slice at and
+// across block boundaries of several levels and lengths that span one to many blocks.
+//
+// GPU (skips without one): the kernel form (the decay class's kernels) against the chunkwise form in
+// fp32 on the same values, bf16 and fp32 inputs, half-lives from 2 to 10^5 tokens, the initial state a
+// prefix of the sequence leaves, outputs poisoned first: ≤ 1e-4 relative for fp32 inputs, ≤ 1e-2 for
+// bf16.
+#include "layers/log_linear/level_passes.h"
+#include "layers/log_linear/fenwick.h"
+#include "layers/core/device.h"
+#include "tests/helpers/mixer_testing.h"
+
+#ifdef CARRY_WITH_CUDA
+#include "layers/kernels/decay/api.h"
+#endif
+
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstdio>
+
+namespace carry::testing {
+namespace {
+
+// loglinear_mamba2 whose kernel form is the composition over a given pass.
+class Composed final : public Mixer {
+ public:
+  explicit Composed(DecayPass pass) : base_(get_mixer("loglinear_mamba2")), pass_(std::move(pass)) {}
+  std::string name() const override { return base_.name(); }
+  std::vector<std::string> input_names() const override { return base_.input_names(); }
+  std::vector<std::string> state_names() const override { return base_.state_names(); }
+  State zero_state(const MixerInputs& in, const MixerOptions& o) const override { return base_.zero_state(in, o); }
+  void check(const MixerInputs& in, const MixerOptions& o, bool chunked) const override { base_.check(in, o, chunked); }
+  MixerOutput naive(const MixerInputs& in, const State& s, const MixerOptions& o) const override {
+    return base_.naive(in, s, o);
+  }
+  MixerOutput chunkwise(const MixerInputs& in, const State& s, const MixerOptions& o) const override {
+    return base_.chunkwise(in, s, o);
+  }
+  bool has_kernel() const override { return true; }
+  MixerOutput kernel(const MixerInputs& in, const State& s, const MixerOptions& o) const override {
+    base_.check(in, o, true);
+    return loglinear_mamba2_by_level_passes(in, s.empty() ? base_.zero_state(in, o) : s, o, pass_);
+  }
+
+ private:
+  const Mixer& base_;
+  DecayPass pass_;
+};
+
+// The outputs then the gradients of run_with_grads' random functional, in the run's dtype (fp64 here:
+// outputs_then_grads rounds to fp32, which would hide differences below fp32's rounding).
+std::vector<Tensor> results_in_fp64(const Mixer& m, Form form, const MixerInputs& in, const State& s0,
+                                    const MixerOptions& opt) {
+  auto r = run_with_grads(m, form, in, s0, opt, /*seed=*/5);
+  r.outputs.insert(r.outputs.end(), r.grads.begin(), r.grads.end());
+  return r.outputs;
+}
+
+std::vector<std::string> result_names(const Mixer& m, const MixerInputs& in, size_t entries) {
+  std::vector<std::string> names{"o"};
+  for (size_t j = 0; j < entries; ++j) names.push_back("final_S" + std::to_string(j));
+  for (const auto& n : MixerInputs::names())
+    if (in.get(n).defined()) names.push_back("d" + n);
+  for (size_t j = 0; j < entries; ++j) names.push_back("d_initial_S" + std::to_string(j));
+  return names;
+}
+
+TEST(LevelPasses, ComposedChunkwiseEqualsTheFamilysChunkwiseInFp64) {
+  const Mixer& m = get_mixer("loglinear_mamba2");
+  const int64_t C = 16;
+  const Composed composed(chunkwise_decay_pass(C));
+  struct Case {
+    int64_t offset, T;
+  };
+  // Block boundaries of levels 5 (32 tokens) and up: at 0; at a multiple of 64 but not 128; a slice
+  // crossing a 256-boundary; a long slice spanning many blocks of the low levels; an offset with many
+  // set bits; a slice inside the second half of a large block.
+  for (const Case& c : {Case{0, 64}, Case{64, 96}, Case{224, 80}, Case{0, 512}, Case{368, 160}, Case{1536, 64},
+                        Case{48, 208}}) {
+    Shape s;
+    s.B = 2, s.T = c.T, s.H = 2, s.dk = 8, s.dv = 6, s.offset = c.offset;
+    MixerOptions opt;
+    opt.chunk_size = C;
+    opt.offset = c.offset;
+    auto in = random_inputs(m, s, at::kDouble, 11 + c.offset + c.T);
+    State s0 = random_state(m, in, opt, 3 + c.offset);
+    auto ref = results_in_fp64(m, Form::chunkwise, in, s0, opt);
+    auto got = results_in_fp64(composed, Form::kernel, in, s0, opt);
+    auto names = result_names(m, in, s0.size());
+    ASSERT_EQ(ref.size(), names.size());
+    ASSERT_EQ(got.size(), names.size());
+    double worst = 0;
+    for (size_t i = 0; i < ref.size(); ++i) {
+      const double e = rel_err(got[i], ref[i]);
+      worst = std::max(worst, e);
+      EXPECT_LE(e, 1e-11) << "offset " << c.offset << " T=" << c.T << ": " << names[i];
+    }
+    std::cout << "[ errors   ] loglinear_mamba2 by level passes, offset " << c.offset << " T=" << c.T
+              << ": worst of " << ref.size() << " results " << worst << "\n";
+  }
+}
+
+TEST(LevelPasses, KernelFormMatchesChunkwiseOnGpu) {
+  if (cuda_device_count() == 0) GTEST_SKIP() << "no CUDA device: GPU tests skipped";
+#ifndef CARRY_WITH_CUDA
+  GTEST_SKIP() << "built without CUDA";
+#else
+  const Mixer& m = get_mixer("loglinear_mamba2");
+  ASSERT_TRUE(m.has_kernel());
+  carry::kernels::decay::decay_set_poison(true);
+  struct Case {
+    int64_t B, T, H, dk, dv, offset;
+  };
+  for (const Case& c : {Case{1, 512, 2, 64, 64, 0}, Case{2, 256, 1, 128, 128, 768}, Case{1, 384, 2, 128, 256, 1664},
+                        Case{1, 256, 2, 96, 192, 4096}})
+    for (bool serial : {true, false})
+      for (auto dt : {at::kFloat, at::kBFloat16}) {
+        MixerOptions opt;
+        opt.serial_states = serial;
+        opt.offset = c.offset;
+        // The sequence from 0: its prefix leaves the initial state; the slice is checked.
+        Shape whole;
+        whole.B = c.B, whole.T = c.offset + c.T, whole.H = c.H, whole.dk = c.dk, whole.dv = c.dv;
+        auto all = random_inputs(m, whole, at::kFloat, 31 + c.T);
+        auto gen = at::make_generator<at::CPUGeneratorImpl>(41 + c.T);
+        const double lo = std::log(2.0), hi = std::log(1e5);
+        all.g = -std::log(2.0) / at::exp(at::rand({c.B, whole.T, c.H}, gen, at::kFloat) * (hi - lo) + lo);
+        all.k = all.k / all.k.norm(2, -1, true);
+        for (const auto& n : MixerInputs::names())
+          if (all.get(n).defined()) all.get(n) = all.get(n).to(at::kCUDA);
+        State s0;
+        if (c.offset > 0) {
+          MixerOptions pre;
+          s0 = m.chunkwise(all.slice(0, c.offset), {}, pre).final_state;
+        } else {
+          s0 = m.zero_state(all, opt);
+        }
+        MixerInputs low, up;
+        for (const auto& n : MixerInputs::names())
+          if (all.get(n).defined()) {
+            low.get(n) = all.get(n).narrow(1, c.offset, c.T).to(n == "g" ? at::kFloat : dt).contiguous();
+            up.get(n) = low.get(n).to(at::kFloat);
+          }
+        ASSERT_TRUE(m.kernel_supports(low, opt));
+        ASSERT_EQ(m.resolve_form(low, opt), Form::kernel);
+        auto ref = outputs_then_grads(m, Form::chunkwise, up, s0, opt);
+        auto ker = outputs_then_grads(m, Form::kernel, low, s0, opt);
+        auto names = result_names(m, low, s0.size());
+        ASSERT_EQ(ref.size(), names.size());
+        ASSERT_EQ(ker.size(), names.size());
+        double worst = 0;
+        std::string worst_name;
+        for (size_t i = 0; i < ref.size(); ++i) {
+          const double e = rel_err(ker[i], ref[i]);
+          EXPECT_TRUE(at::isfinite(ker[i]).all().item<bool>()) << names[i] << " has NaN (unwritten?)";
+          EXPECT_LE(e, dt == at::kFloat ? 1e-4 : 1e-2)
+              << (serial ? "serial " : "") << dt << " B=" << c.B << " T=" << c.T << " H=" << c.H << " dk=" << c.dk
+              << " dv=" << c.dv << " offset " << c.offset << ": " << names[i];
+          if (e > worst) worst = e, worst_name = names[i];
+        }
+        std::cout << "[ errors   ] loglinear_mamba2" << (serial ? " serial" : "") << " " << dt << " B=" << c.B
+                  << " T=" << c.T << " H=" << c.H << " dk=" << c.dk << " dv=" << c.dv << " offset " << c.offset
+                  << ": worst " << worst << " (" << worst_name << ")\n";
+      }
+  carry::kernels::decay::decay_set_poison(false);
+#endif
+}
+
+}  // namespace
+}  // namespace carry::testing
