@@ -11,20 +11,29 @@ namespace {
 
 bool bit(int64_t x, int64_t j) { return (x >> j) & 1; }
 
-// [1, T, 1, 1] of the positions [p, p+T) whose bit j is set (or clear), in `o`'s dtype and device.
+// [1, T, 1, 1] of the positions [p, p+T) whose bit j is set (or clear), in `o`'s dtype, made on `o`'s
+// device (no copy from the host, which would wait for the stream).
 Tensor position_mask(int64_t p, int64_t T, int64_t j, bool set, const at::TensorOptions& o) {
-  std::vector<float> m(T);
-  for (int64_t t = 0; t < T; ++t) m[t] = bit(p + t, j) == set ? 1.f : 0.f;
-  return at::tensor(m, at::TensorOptions().dtype(at::kFloat)).to(o).view({1, T, 1, 1});
+  auto pos = at::arange(p, p + T, o.dtype(at::kLong));
+  auto b = at::bitwise_and(at::bitwise_right_shift(pos, j), 1);
+  return (set ? b : 1 - b).to(o).view({1, T, 1, 1});
 }
 
-// [..., L] → [...]: λ at a level fixed by the position t of dim `dim` (levels[t]), as an exact one-hot
-// product (no gather: its backward would add with atomics on a GPU).
-Tensor pick(const Tensor& lam, const std::vector<int64_t>& levels, const at::TensorOptions& o) {
-  const int64_t T = static_cast<int64_t>(levels.size()), L = lam.size(-1);
-  auto idx = at::tensor(levels, at::TensorOptions().dtype(at::kLong));
-  auto hot = at::one_hot(idx, L).to(o).view({1, T, 1, L});
-  return (lam * hot).sum(-1);
+// bit_width(x) of small non-negative integers x (a long tensor), on x's device.
+Tensor bit_widths(const Tensor& x) {
+  auto w = at::zeros_like(x);
+  for (int64_t j = 0; j < 62; ++j) w = w + (at::bitwise_right_shift(x, j) > 0).to(at::kLong);
+  return w;
+}
+
+// One-hot [C, levels, C] of the pair levels inside a chunk: [t, l, s] = 1 where s ≤ t and
+// bit_width(t xor s) = l, on `o`'s device and in its dtype.
+Tensor pair_level_one_hot(int64_t C, int64_t levels, const at::TensorOptions& o) {
+  auto i = at::arange(C, o.dtype(at::kLong));
+  auto t = i.view({C, 1}), s = i.view({1, C});
+  auto level = bit_widths(at::bitwise_xor(t, s));                             // [C, C]
+  auto hot = at::one_hot(level, levels).to(o) * (s <= t).to(o).unsqueeze(-1);  // [C, C, levels]
+  return hot.permute({0, 2, 1}).contiguous();                                  // [C, levels, C]
 }
 
 }  // namespace
@@ -52,16 +61,10 @@ MixerOutput loglinear_mamba2_by_level_passes(const MixerInputs& in, const State&
     auto decay = (G.unsqueeze(-1) - G.unsqueeze(-2))
                      .masked_fill(causal.logical_not(), -std::numeric_limits<double>::infinity())
                      .exp();
-    auto lc = split_chunks(to_bhtd(lam), C);                                            // [B,H,N,C,L]
-    Tensor weight;
-    for (int64_t level = 0; level <= c; ++level) {
-      std::vector<float> m(C * C, 0.f);
-      for (int64_t t = 0; t < C; ++t)
-        for (int64_t s = 0; s <= t; ++s) m[t * C + s] = fenwick_level(t, s) == level ? 1.f : 0.f;
-      auto mask = at::tensor(m, at::TensorOptions().dtype(at::kFloat)).to(fo).view({C, C});
-      auto w = lc.select(-1, level).unsqueeze(-1) * mask;
-      weight = weight.defined() ? weight + w : w;
-    }
+    // weight[t, s] = λ_t[level(t, s)]: for each t a [levels] × [levels, C] product with the one-hot
+    // (exact: one nonzero term; no gather, whose backward adds with atomics on a GPU).
+    auto lc = split_chunks(to_bhtd(lam.narrow(-1, 0, c + 1)), C);                     // [B,H,N,C,c+1]
+    auto weight = at::einsum("bhntl,tls->bhnts", {lc, pair_level_one_hot(C, c + 1, fo)});
     o = from_bhtd(merge_chunks(at::matmul(at::matmul(qc, kc.transpose(-1, -2)) * decay * weight, vc)));
   }
 
@@ -71,11 +74,11 @@ MixerOutput loglinear_mamba2_by_level_passes(const MixerInputs& in, const State&
     for (int64_t j = 0; j < J; ++j)
       if (fenwick_block_start(p, j) == p) Z = Z.defined() ? Z + S0[j] : S0[j];
     if (Z.defined()) {
-      std::vector<int64_t> levels(C);
-      for (int64_t t = 0; t < C; ++t) levels[t] = bit_width(static_cast<uint64_t>(t));
       auto q1 = in.q.narrow(1, 0, C).to(dt), g1 = in.g.narrow(1, 0, C).to(dt).cumsum(1);
       auto read = at::einsum("bthd,bhde->bthe", {q1 * g1.exp().unsqueeze(-1), Z});
-      auto first = pick(lam.narrow(1, 0, C), levels, fo).unsqueeze(-1) * read;
+      // λ_t[bit_width(t − p)], an exact one-hot product.
+      auto hot = at::one_hot(bit_widths(at::arange(C, fo.dtype(at::kLong))), L).to(fo).view({1, C, 1, L});
+      auto first = (lam.narrow(1, 0, C) * hot).sum(-1).unsqueeze(-1) * read;
       o = T > C ? at::cat({o.narrow(1, 0, C) + first, o.narrow(1, C, T - C)}, 1) : o + first;
     }
   }
