@@ -1,14 +1,15 @@
 // Sequence parallelism over MPI ranks (CTest runs this binary under mpirun -np 1, 2 and 4; the main
-// below is the one of every *_test_mpi.cpp suite: the ranks agree on every test's verdict, and a test
-// that fails on any rank stops the job, tests/helpers/mpi_verdicts.h). For every registered family with a state
-// summary, plus a dense-transport family defined here (so that transposes and the order of compose
-// are exercised before such families are registered), and for every scan mode: the outputs, the
-// final state and the gradients of every input and of the initial state, gathered over the sp
-// group, equal one serial chunkwise run (ordered: bit for bit; tree/allgather: 1e-12 in fp64, 1e-5
-// in fp32), also on a dp × sp grid; ordered pipelined over G = 1, 2 and H head groups is bit for
-// bit the serial run too; forms that behave as the kernel forms do (bf16 in and out, fp32 states, the
-// hooks called from inside) against their serial run in every mode. Also: the communicators' operations, the same clear error on every rank
-// for bad layouts and head groups, and a timeout that names the operation instead of hanging.
+// below is the one of every *_test_mpi.cpp suite: the ranks agree on every test's verdict, and a
+// test that fails on any rank stops the job, tests/helpers/mpi_verdicts.h). For every registered
+// family with a state summary, plus a dense-transport family defined here (so that transposes and
+// the order of compose are exercised before such families are registered), and for every scan
+// mode: the outputs, the final state and the gradients of every input and of the initial state,
+// gathered over the sp group, equal one serial chunkwise run (ordered: bit for bit; tree/allgather:
+// 1e-12 in fp64, 1e-5 in fp32), also on a dp × sp grid; ordered pipelined over G = 1, 2 and H head
+// groups is bit for bit the serial run too; forms that behave as the kernel forms do (bf16 in and
+// out, fp32 states, the hooks called from inside) against their serial run in every mode. Also: the
+// communicators' operations, the same clear error on every rank for bad layouts and head groups,
+// and a timeout that names the operation instead of hanging.
 #include "layers/blocks/precision.h"
 #include "layers/mixer_grads.h"
 #include "parallel/process_group.h"
@@ -363,7 +364,8 @@ ScanRun parallel_run(const Mixer& m, Communicator& sp, const MixerInputs& whole,
     same_dtypes = same_dtypes && at::equal(theirs[i], theirs[0]);
     dtypes += (i ? "; " : "") + std::string("sp rank ") + std::to_string(i) + ":";
     auto c = theirs[i].contiguous();
-    for (int64_t j = 0; j < c.numel(); ++j) dtypes += " " + std::string(c10::toString(static_cast<at::ScalarType>(c[j].item<int64_t>())));
+    for (int64_t j = 0; j < c.numel(); ++j)
+      dtypes += " " + std::string(c10::toString(static_cast<at::ScalarType>(c[j].item<int64_t>())));
   }
   EXPECT_TRUE(same_dtypes) << m.name() << " " << scan_mode_name(mode) << " sp=" << P
                            << ": the ranks' outputs (o, final state) differ in dtype: " << dtypes;
