@@ -851,11 +851,14 @@ MixerOutput summary_scan_forward(ForwardRun& f, ScanMode mode) {
     s_in = hg.s_in;
   }
   MixerOutput out = *from_zero;
-  // In the wider of the two dtypes: a kernel form's bf16 output plus S_in's fp32 share is not
-  // rounded to bf16 a second time here (the layer's output projection rounds it once).
+  // The sum in the wider of the two dtypes (a kernel form's bf16 output, S_in's fp32 share), rounded
+  // once to the run's own output dtype: o has on every rank the dtype the local forward gives (the end
+  // ranks', the ordered chain's, the serial run's), so the ranks' outputs are pieces of one tensor: a
+  // gather of them moves equal byte counts from every rank (over NCCL, unequal counts leave the
+  // communicator out of step with the ranks).
   Tensor share = readout->share(s_in);
   const auto dt = at::promote_types(out.o.scalar_type(), share.scalar_type());
-  out.o = out.o.to(dt) + share.to(dt);
+  out.o = (out.o.to(dt) + share.to(dt)).to(out.o.scalar_type());
   out.final_state = mixer.apply(Summary{readout->transport, out.final_state}, s_in);
   if (f.wants_grad) hg.o = out.o, hg.s_out = out.final_state;
   return out;

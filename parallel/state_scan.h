@@ -20,8 +20,8 @@
 //   In both, a family with Mixer::state_output (scalar decay, GLA, Mamba-1, linear attention without its
 //   normalizer; no document starts) runs its slice once, from the zero state: that run's final state
 //   is the summary's state, Mixer::transport its transport, and after the scan S_in's share is added
-//   to the output (state_output) and to the final state (apply). Other families summarize the slice,
-//   then run it again from S_in.
+//   to the output (state_output; summed in the wider dtype, rounded once to the output's) and to
+//   the final state (apply). Other families summarize the slice, then run it again from S_in.
 // Backward mirrors it right to left. With g_r the gradient at S_in of rank r's forward for its own
 // output cotangents (dS_out = its direct final-state gradient), and Λ_r the full gradient at S_in,
 //   Λ_r = g_r + A_rᵀ·Λ_{r+1},  Λ_P = 0,
@@ -54,7 +54,8 @@ MixerInputs sp_slice(const MixerInputs& whole, int sp_rank, int sp_size, int64_t
 // token; rank r runs at opt.offset + r·T/P). `initial_state`: the state before the first token,
 // read on sp rank 0 only (other ranks' is ignored and gets no gradient); {} = zeros. Returns this
 // rank's outputs and the state at the end of its slice (on the last rank the sequence's final
-// state). Differentiable in every input and in rank 0's initial state when autograd is on: the
+// state), on every rank and in every mode in the dtypes the family's form gives for the slice (a
+// kernel form's bf16 o, fp32 states: the serial run's). Differentiable in every input and in rank 0's initial state when autograd is on: the
 // backward is collective too (every rank of `sp` must run it, and in the same order as the
 // forwards; `sp` and `mixer` must outlive it; it runs once: no retain_graph, no double backward).
 // The backward needs the local graph of the forward, kept until then. Layout errors (lengths,

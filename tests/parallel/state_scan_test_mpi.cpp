@@ -1,16 +1,21 @@
-// Sequence parallelism over MPI ranks (CTest runs this binary under mpirun -np 1, 2 and 4; it has
-// its own main, and every rank agrees on the verdict). For every registered family with a state
-// summary, plus a dense-transport family defined here (so that transposes and the order of compose
-// are exercised before such families are registered), and for every scan mode: the outputs, the
-// final state and the gradients of every input and of the initial state, gathered over the sp
-// group, equal one serial chunkwise run (ordered: bit for bit; tree/allgather: 1e-12 in fp64, 1e-5
-// in fp32), also on a dp × sp grid; ordered pipelined over G = 1, 2 and H head groups is bit for
-// bit the serial run too. Also: the communicators' operations, the same clear error on every rank
-// for bad layouts and head groups, and a timeout that names the operation instead of hanging.
+// Sequence parallelism over MPI ranks (CTest runs this binary under mpirun -np 1, 2 and 4; the main
+// below is the one of every *_test_mpi.cpp suite: the ranks agree on every test's verdict, and a
+// test that fails on any rank stops the job, tests/helpers/mpi_verdicts.h). For every registered
+// family with a state summary, plus a dense-transport family defined here (so that transposes and
+// the order of compose are exercised before such families are registered), and for every scan
+// mode: the outputs, the final state and the gradients of every input and of the initial state,
+// gathered over the sp group, equal one serial chunkwise run (ordered: bit for bit; tree/allgather:
+// 1e-12 in fp64, 1e-5 in fp32), also on a dp × sp grid; ordered pipelined over G = 1, 2 and H head
+// groups is bit for bit the serial run too; forms that behave as the kernel forms do (bf16 in and
+// out, fp32 states, the hooks called from inside) against their serial run in every mode. Also: the
+// communicators' operations, the same clear error on every rank for bad layouts and head groups,
+// and a timeout that names the operation instead of hanging.
+#include "layers/blocks/precision.h"
 #include "layers/mixer_grads.h"
 #include "parallel/process_group.h"
 #include "parallel/state_scan.h"
 #include "tests/helpers/mixer_testing.h"
+#include "tests/helpers/mpi_verdicts.h"
 
 #include <gtest/gtest.h>
 #include <torch/csrc/autograd/custom_function.h>
@@ -19,8 +24,10 @@
 #include <ATen/Parallel.h>
 
 #include <chrono>
+#include <cmath>
 #include <cstdlib>
 #include <functional>
+#include <limits>
 #include <map>
 #include <thread>
 
@@ -344,10 +351,30 @@ ScanRun parallel_run(const Mixer& m, Communicator& sp, const MixerInputs& whole,
   auto xs = leaves.all();
   auto gs = leaf_grads({loss}, xs);
 
+  // Every rank's outputs in the same dtypes (o, then the final state's entries), before anything is
+  // gathered: a gather moves each rank's bytes, so pieces in different dtypes would not line up (over
+  // NCCL they leave the communicator out of step). Where they differ the test fails, and the outputs
+  // are gathered in fp64.
+  std::vector<int64_t> mine{static_cast<int64_t>(out.o.scalar_type())};
+  for (auto& t : out.final_state) mine.push_back(static_cast<int64_t>(t.scalar_type()));
+  std::vector<Tensor> theirs = sp.all_gather(at::tensor(mine, at::kLong));
+  bool same_dtypes = true;
+  std::string dtypes;
+  for (int i = 0; i < P; ++i) {
+    same_dtypes = same_dtypes && at::equal(theirs[i], theirs[0]);
+    dtypes += (i ? "; " : "") + std::string("sp rank ") + std::to_string(i) + ":";
+    auto c = theirs[i].contiguous();
+    for (int64_t j = 0; j < c.numel(); ++j)
+      dtypes += " " + std::string(c10::toString(static_cast<at::ScalarType>(c[j].item<int64_t>())));
+  }
+  EXPECT_TRUE(same_dtypes) << m.name() << " " << scan_mode_name(mode) << " sp=" << P
+                           << ": the ranks' outputs (o, final state) differ in dtype: " << dtypes;
+  auto common = [&](const Tensor& t) { return same_dtypes ? t : t.to(at::kDouble); };
   auto gather_T = [&](const Tensor& t) { return at::cat(sp.all_gather(t.contiguous()), 1); };
   ScanRun run;
-  run.outputs.push_back(gather_T(out.o.detach()));
-  for (auto& t : out.final_state) {
+  run.outputs.push_back(gather_T(common(out.o.detach())));
+  for (auto& t0 : out.final_state) {
+    Tensor t = common(t0);
     Tensor x = r == P - 1 ? t.detach().clone() : at::zeros_like(t);
     sp.broadcast(x, P - 1);
     run.outputs.push_back(x);
@@ -364,10 +391,19 @@ ScanRun parallel_run(const Mixer& m, Communicator& sp, const MixerInputs& whole,
   return run;
 }
 
+// The largest rel_err over paired lists, a NaN anywhere counting as an infinite error (a NaN compares
+// false, so a plain maximum would pass over it).
+double max_err(const std::vector<Tensor>& a, const std::vector<Tensor>& b) {
+  double e = carry::testing::max_rel_err(a, b);
+  for (size_t i = 0; i < a.size() && i < b.size(); ++i)
+    if (std::isnan(carry::testing::rel_err(a[i], b[i]))) return std::numeric_limits<double>::infinity();
+  return e;
+}
+
 bool bitwise_equal(const std::vector<Tensor>& a, const std::vector<Tensor>& b) {
   if (a.size() != b.size()) return false;
   for (size_t i = 0; i < a.size(); ++i)
-    if (!at::equal(a[i], b[i])) return false;
+    if (a[i].scalar_type() != b[i].scalar_type() || !at::equal(a[i], b[i])) return false;
   return true;
 }
 
@@ -403,8 +439,8 @@ void check_scan_against_serial(const Mixer& m, ProcessGroups& g, at::Device devi
         double e_out = 0, e_grad = 0, not_bitwise = 0, zero_grad = 0;
         if (g.sp_rank == 0) {
           ScanRun ser = serial_run(m, in, init, opt, w, sp_size);
-          e_out = carry::testing::max_rel_err(par.outputs, ser.outputs);
-          e_grad = carry::testing::max_rel_err(par.grads, ser.grads);
+          e_out = max_err(par.outputs, ser.outputs);
+          e_grad = max_err(par.grads, ser.grads);
           not_bitwise =
               !(bitwise_equal(par.outputs, ser.outputs) && bitwise_equal(par.grads, ser.grads));
           for (auto& t : par.grads) zero_grad += t.abs().max().item<double>() == 0;
@@ -484,8 +520,8 @@ TEST(KernelForms, ScanOverNcclMatchesSerial) {
       double e_out = 0, e_grad = 0;
       if (g.sp_rank == 0) {
         ScanRun ser = serial_run(m, up, init, opt, w, P);
-        e_out = carry::testing::max_rel_err(par.outputs, ser.outputs);
-        e_grad = carry::testing::max_rel_err(par.grads, ser.grads);
+        e_out = max_err(par.outputs, ser.outputs);
+        e_grad = max_err(par.grads, ser.grads);
       }
       e_out = max_over_world(e_out);
       e_grad = max_over_world(e_grad);
@@ -527,8 +563,8 @@ TEST_P(SequenceParallel, OrderedHeadGroupsBitwiseEqualSerial) {
       double e_out = 0, e_grad = 0, not_bitwise = 0, zero_grad = 0;
       if (g.sp_rank == 0) {
         ScanRun ser = serial_run(m, in, init, opt, w, P);
-        e_out = carry::testing::max_rel_err(par.outputs, ser.outputs);
-        e_grad = carry::testing::max_rel_err(par.grads, ser.grads);
+        e_out = max_err(par.outputs, ser.outputs);
+        e_grad = max_err(par.grads, ser.grads);
         not_bitwise =
             !(bitwise_equal(par.outputs, ser.outputs) && bitwise_equal(par.grads, ser.grads));
         for (auto& t : par.grads) zero_grad += t.abs().max().item<double>() == 0;
@@ -649,6 +685,121 @@ TEST(OrderedChain, HooksSendOnceAndTheBitsStay) {
   }
 }
 
+// A family that behaves on the CPU as the kernel forms do on GPUs, around a registered family: q, k, v
+// in bf16 (the gates in fp32), the states in fp32, the work in fp32 on the inputs cast up, o returned
+// in bf16 (the kernels' output dtype) and the final state in fp32; on_final_state called from inside the
+// forward and, in one-state families, on_initial_state_grad from inside the backward. Everything the
+// scan asks of a family besides (summaries, transports, the one-pass readout, the end ranks' fixed
+// summaries) is the wrapped family's on the inputs cast up, so the tree and allgather scans take the
+// same paths as with the kernel forms: the one pass between the end ranks where the family has it.
+class KernelLikeForTests final : public Mixer {
+ public:
+  explicit KernelLikeForTests(const Mixer& inner) : inner_(inner) {}
+  std::string name() const override { return inner_.name(); }
+  std::vector<std::string> input_names() const override { return inner_.input_names(); }
+  std::vector<std::string> optional_input_names() const override { return inner_.optional_input_names(); }
+  std::vector<std::string> state_names() const override { return inner_.state_names(); }
+  State zero_state(const MixerInputs& in, const MixerOptions& opt) const override {
+    return inner_.zero_state(full_precision(in), opt);
+  }
+  void check(const MixerInputs& in, const MixerOptions& opt, bool chunked) const override {
+    inner_.check(full_precision(in), opt, chunked);
+  }
+  MixerOutput naive(const MixerInputs& in, const State& init, const MixerOptions& opt) const override {
+    MixerOutput out = inner_.naive(full_precision(in), init, opt);
+    out.o = out.o.to(in.q.scalar_type());
+    return out;
+  }
+  MixerOutput chunkwise(const MixerInputs& in, const State& init, const MixerOptions& opt) const override {
+    MixerOptions plain = opt;
+    plain.on_final_state = nullptr;
+    plain.on_initial_state_grad = nullptr;
+    State s = init;
+    if (opt.on_initial_state_grad && s.size() == 1 && s[0].requires_grad())
+      s[0] = GradToHook::apply(s[0], opt.on_initial_state_grad);
+    MixerOutput out = inner_.chunkwise(full_precision(in), s, plain);
+    out.o = out.o.to(in.q.scalar_type());
+    if (opt.on_final_state) opt.on_final_state(out.final_state);  // before returning, as a kernel form does
+    return out;
+  }
+  bool summary_resets_at_documents() const override { return inner_.summary_resets_at_documents(); }
+  Summary summarize(const MixerInputs& in, const MixerOptions& opt) const override {
+    return inner_.summarize(full_precision(in), opt);
+  }
+  Summary compose(const Summary& a, const Summary& b) const override { return inner_.compose(a, b); }
+  State apply(const Summary& s, const State& x) const override { return inner_.apply(s, x); }
+  bool has_state_output(const MixerInputs& in, const MixerOptions& opt) const override {
+    return inner_.has_state_output(full_precision(in), opt);
+  }
+  std::optional<Summary> fixed_summary(const MixerInputs& in, const State& s) const override {
+    return inner_.fixed_summary(full_precision(in), s);
+  }
+  Tensor state_output(const MixerInputs& in, const State& s_in, const MixerOptions& opt) const override {
+    return inner_.state_output(full_precision(in), s_in, opt);
+  }
+  std::vector<Tensor> transport(const MixerInputs& in, const MixerOptions& opt) const override {
+    return inner_.transport(full_precision(in), opt);
+  }
+  StateReadout state_readout(const MixerInputs& in, const MixerOptions& opt) const override {
+    return inner_.state_readout(full_precision(in), opt);
+  }
+
+ private:
+  const Mixer& inner_;
+};
+
+// The scan with forms that behave as the kernel forms do (KernelLikeForTests; on GPUs
+// KernelForms.ScanOverNcclMatchesSerial runs the kernels themselves): bf16 q, k, v, an initial state,
+// with and without a loss on the boundary states, every mode against the same form's serial run on the
+// whole sequence. Every rank's o must come in the serial run's dtype (bf16) and its final state in
+// fp32 (parallel_run checks that the ranks agree before it gathers); the outputs and every gradient
+// within 1e-2 (the rounding of o and of the input gradients to bf16), bit for bit in the ordered chain.
+// At 3 ranks and more, the ranks between the ends run the one-pass form of the families that have it.
+TEST_P(SequenceParallel, KernelLikeFormsMatchSerial) {
+  KernelLikeForTests m(family(GetParam()));
+  ProcessGroups& g = groups(1, world_size());
+  const int P = g.layout.sp;
+  for (ScanMode mode : {ScanMode::ordered, ScanMode::tree, ScanMode::allgather}) {
+    for (bool boundaries : {false, true}) {
+      Shape s;
+      s.T = 128;
+      s.offset = 64;
+      MixerOptions opt;
+      opt.chunk_size = 16;
+      opt.offset = s.offset;
+      const uint64_t seed = 401 + 10 * boundaries;
+      MixerInputs in = random_inputs(m, s, at::kFloat, seed);
+      for (const char* n : {"q", "k", "v"})
+        if (in.get(n).defined()) in.get(n) = in.get(n).to(at::kBFloat16);
+      State init = random_state(m, full_precision(in), opt, seed + 1);
+      auto w = random_weights(m, full_precision(in), opt, P, boundaries, seed + 2);
+      ScanRun par = parallel_run(m, *g.sp, in, init, opt, w, mode);
+      double e_out = 0, e_grad = 0, not_bitwise = 0, wrong_dtype = 0;
+      if (g.sp_rank == 0) {
+        ScanRun ser = serial_run(m, in, init, opt, w, P);
+        for (size_t i = 0; i < par.outputs.size(); ++i)
+          wrong_dtype += par.outputs[i].scalar_type() != ser.outputs[i].scalar_type();
+        e_out = max_err(par.outputs, ser.outputs);
+        e_grad = max_err(par.grads, ser.grads);
+        not_bitwise = !(bitwise_equal(par.outputs, ser.outputs) && bitwise_equal(par.grads, ser.grads));
+      }
+      e_out = max_over_world(e_out);
+      e_grad = max_over_world(e_grad);
+      not_bitwise = max_over_world(not_bitwise);
+      wrong_dtype = max_over_world(wrong_dtype);
+      const std::string tag = m.name() + " " + scan_mode_name(mode) + " kernel-like bf16 sp=" + std::to_string(P) +
+                              (boundaries ? " +boundary-loss" : "");
+      if (world_rank() == 0)
+        std::cout << "[ errors   ] " << tag << ": forward " << e_out << " gradients " << e_grad
+                  << (not_bitwise ? "" : " (bitwise equal)") << "\n";
+      EXPECT_EQ(wrong_dtype, 0) << tag << ": the outputs' dtypes are not the serial run's (o bf16, states fp32)";
+      EXPECT_LE(e_out, 1e-2) << tag;
+      EXPECT_LE(e_grad, 1e-2) << tag;
+      if (mode == ScanMode::ordered) EXPECT_EQ(not_bitwise, 0) << tag << ": not bit-identical";
+    }
+  }
+}
+
 // Packed documents in every mode (fp64, B = 2, T = 128, chunk 16): sequence 0 has starts at 40 and
 // at 64 (a rank boundary at 2 and 4 ranks), sequence 1 only at 100, so at 4 ranks its first slices
 // carry a state through (their transport) and its last resets. The outputs, final state and the
@@ -699,8 +850,8 @@ TEST_P(SequenceParallel, DocumentStartsResetInEveryMode) {
       Tensor ser_loss = (ser_out.o * w.o).sum() + weighted(ser_out.final_state, w.final_state);
       std::vector<Tensor> outs{ser_out.o.detach()};
       for (auto& t : ser_out.final_state) outs.push_back(t.detach());
-      e_out = carry::testing::max_rel_err(par.outputs, outs);
-      e_grad = carry::testing::max_rel_err(par.grads, leaf_grads({ser_loss}, whole.all()));
+      e_out = max_err(par.outputs, outs);
+      e_grad = max_err(par.grads, leaf_grads({ser_loss}, whole.all()));
     }
     e_out = max_over_world(e_out);
     e_grad = max_over_world(e_grad);
@@ -1196,6 +1347,8 @@ int main(int argc, char** argv) {
     delete listeners.Release(listeners.default_result_printer());
     listeners.Append(new FailurePrinter(rank));
   }
+  // A test that fails on any rank stops the job with that rank's message (tests/helpers/mpi_verdicts.h).
+  listeners.Append(new carry::testing::RanksAgreeOnEveryTest());
   int rc = RUN_ALL_TESTS(), worst = 0;
   MPI_Allreduce(&rc, &worst, 1, MPI_INT, MPI_MAX, MPI_COMM_WORLD);
   if (rank == 0 && worst != rc)
