@@ -2,8 +2,10 @@
 #include "layers/log_linear/level_passes.h"
 
 #include "layers/layout.h"
+#include "layers/delta_rule/delta_rule.h"
 #include "layers/log_linear/fenwick.h"
 
+#include <functional>
 #include <limits>
 
 namespace carry {
@@ -36,10 +38,17 @@ Tensor pair_level_one_hot(int64_t C, int64_t levels, const at::TensorOptions& o)
   return hot.permute({0, 2, 1}).contiguous();                                  // [C, levels, C]
 }
 
-}  // namespace
+// What differs between the bases: the chunk's own pairs (mixing [B,H,N,C,C], without the level weights,
+// and the first chunk's reader of an incoming state [B,C,H,dk] → read-out), one level's pass over a
+// piece (the keys or values of second halves zeroed), and the slice's transport of an entry.
+struct Base {
+  std::function<Tensor(const Tensor& weight)> own_pairs;  // weight [B,H,N,C,C] → o [B,T,H,dv]
+  std::function<Tensor(const Tensor& Z)> first_chunk_read;  // Z [B,H,dk,dv] → [B,C,H,dv]
+  std::function<std::pair<Tensor, Tensor>(const MixerInputs& piece, const Tensor& source, const Tensor& x0)> pass;
+  std::function<Tensor(const Tensor& S)> transport;  // S [B,H,dk,dv] → the slice's transport applied to S
+};
 
-MixerOutput loglinear_mamba2_by_level_passes(const MixerInputs& in, const State& init, const MixerOptions& opt,
-                                             const DecayPass& pass) {
+MixerOutput by_level_passes(const MixerInputs& in, const State& init, const MixerOptions& opt, const Base& base) {
   const int64_t B = in.q.size(0), T = in.q.size(1), H = in.q.size(2), dk = in.q.size(3), dv = in.v.size(3);
   const int64_t L = in.l.size(3), J = L - 1, C = opt.chunk_size, N = T / C;
   const int64_t c = bit_width(static_cast<uint64_t>(C)) - 1;  // C = 2^c
@@ -51,22 +60,11 @@ MixerOutput loglinear_mamba2_by_level_passes(const MixerInputs& in, const State&
     S0.push_back(state_or_zeros(init, j, {B, H, dk, dv}, fo).to(dt));
   const Tensor lam = in.l.to(dt);
 
-  // Levels 0..c: pairs inside a chunk, every chunk at once.
-  Tensor o;
-  {
-    auto qc = split_chunks(to_bhtd(in.q.to(dt)), C), kc = split_chunks(to_bhtd(in.k.to(dt)), C);
-    auto vc = split_chunks(to_bhtd(in.v.to(dt)), C);
-    auto G = split_chunks(to_bhtd(in.g.to(dt)), C).cumsum(-1);                        // [B,H,N,C]
-    auto causal = causal_mask(C, false, fo);
-    auto decay = (G.unsqueeze(-1) - G.unsqueeze(-2))
-                     .masked_fill(causal.logical_not(), -std::numeric_limits<double>::infinity())
-                     .exp();
-    // weight[t, s] = λ_t[level(t, s)]: for each t a [levels] × [levels, C] product with the one-hot
-    // (exact: one nonzero term; no gather, whose backward adds with atomics on a GPU).
-    auto lc = split_chunks(to_bhtd(lam.narrow(-1, 0, c + 1)), C);                     // [B,H,N,C,c+1]
-    auto weight = at::einsum("bhntl,tls->bhnts", {lc, pair_level_one_hot(C, c + 1, fo)});
-    o = from_bhtd(merge_chunks(at::matmul(at::matmul(qc, kc.transpose(-1, -2)) * decay * weight, vc)));
-  }
+  // Levels 0..c: pairs inside a chunk, every chunk at once; weight[t, s] = λ_t[level(t, s)], for each t a
+  // [levels] × [levels, C] product with the one-hot (exact: one nonzero term; no gather, whose backward
+  // adds with atomics on a GPU).
+  auto lc = split_chunks(to_bhtd(lam.narrow(-1, 0, c + 1)), C);                       // [B,H,N,C,c+1]
+  Tensor o = base.own_pairs(at::einsum("bhntl,tls->bhnts", {lc, pair_level_one_hot(C, c + 1, fo)}));
 
   // The entries with b_j(p) = p, read by the first chunk at its own levels bit_width(t − p) ≤ c.
   {
@@ -74,8 +72,7 @@ MixerOutput loglinear_mamba2_by_level_passes(const MixerInputs& in, const State&
     for (int64_t j = 0; j < J; ++j)
       if (fenwick_block_start(p, j) == p) Z = Z.defined() ? Z + S0[j] : S0[j];
     if (Z.defined()) {
-      auto q1 = in.q.narrow(1, 0, C).to(dt), g1 = in.g.narrow(1, 0, C).to(dt).cumsum(1);
-      auto read = at::einsum("bthd,bhde->bthe", {q1 * g1.exp().unsqueeze(-1), Z});
+      auto read = base.first_chunk_read(Z);
       // λ_t[bit_width(t − p)], an exact one-hot product.
       auto hot = at::one_hot(bit_widths(at::arange(C, fo.dtype(at::kLong))), L).to(fo).view({1, C, 1, L});
       auto first = (lam.narrow(1, 0, C) * hot).sum(-1).unsqueeze(-1) * read;
@@ -84,14 +81,13 @@ MixerOutput loglinear_mamba2_by_level_passes(const MixerInputs& in, const State&
   }
 
   // Levels c+1 .. L−1: one pass a level over the slice cut at multiples of 2^level.
-  const Tensor rho = in.g.to(dt).sum(1).exp().unsqueeze(-1).unsqueeze(-1);  // [B,H,1,1]: the slice's decay
   std::vector<Tensor> from_pass(J);
   for (int64_t level = c + 1; level < L; ++level) {
     const int64_t block = int64_t{1} << level, half = block >> 1;
     const int64_t first_reader = bit(p, level - 1) ? p : ((p >> level) << level) + half;
     const bool readers = first_reader < q_end, final_entry = level - 1 < J && bit(q_end, level - 1);
     if (!readers && !final_entry) continue;
-    Tensor k_src = in.k * position_mask(p, T, level - 1, false, in.k.options());
+    const Tensor source = position_mask(p, T, level - 1, false, in.q.options());
     // The incoming entries whose source position b_j(p) lies in the first half of p's block.
     Tensor X0;
     std::vector<bool> injected(J, false);
@@ -114,7 +110,10 @@ MixerOutput loglinear_mamba2_by_level_passes(const MixerInputs& in, const State&
         sizes[1] = len / pieces;
         return s.reshape(sizes);
       };
-      auto r = pass(cut(in.q), cut(k_src), cut(in.v), cut(in.g), x0);
+      MixerInputs piece;
+      for (const auto& n : MixerInputs::names())
+        if (in.get(n).defined() && n != "l") piece.get(n) = cut(in.get(n));
+      auto r = base.pass(piece, cut(source.expand({B, T, 1, 1})), x0);
       auto y = r.first;
       if (pieces > 1) y = y.reshape({B, len, H, dv});
       outs.push_back(y);
@@ -144,7 +143,7 @@ MixerOutput loglinear_mamba2_by_level_passes(const MixerInputs& in, const State&
         Tensor t = in_pass ? -S0[i] : S0[i];
         fix = fix.defined() ? fix + t : t;
       }
-      from_pass[j] = fix.defined() ? last_state.to(dt) + rho * fix : last_state;
+      from_pass[j] = fix.defined() ? last_state.to(dt) + base.transport(fix) : last_state;
     }
   }
 
@@ -161,10 +160,97 @@ MixerOutput loglinear_mamba2_by_level_passes(const MixerInputs& in, const State&
     Tensor s;
     for (int64_t i = 0; i < J; ++i)
       if (fenwick_merge_target(p, q_end, i) == j) s = s.defined() ? s + S0[i] : S0[i];
-    final_state[j] = s.defined() ? rho * s : at::zeros({B, H, dk, dv}, fo);
+    final_state[j] = s.defined() ? base.transport(s) : at::zeros({B, H, dk, dv}, fo);
   }
-  (void)N;
   return {(o * opt.scale_for(dk)).to(in.q.scalar_type()), final_state};
+}
+
+}  // namespace
+
+MixerOutput loglinear_mamba2_by_level_passes(const MixerInputs& in, const State& init, const MixerOptions& opt,
+                                             const DecayPass& pass) {
+  const int64_t T = in.q.size(1), C = opt.chunk_size;
+  const auto dt = in.q.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
+  Base base;
+  base.own_pairs = [&](const Tensor& weight) {
+    auto qc = split_chunks(to_bhtd(in.q.to(dt)), C), kc = split_chunks(to_bhtd(in.k.to(dt)), C);
+    auto vc = split_chunks(to_bhtd(in.v.to(dt)), C);
+    auto G = split_chunks(to_bhtd(in.g.to(dt)), C).cumsum(-1);  // [B,H,N,C]
+    auto causal = causal_mask(C, false, weight.options());
+    auto decay = (G.unsqueeze(-1) - G.unsqueeze(-2))
+                     .masked_fill(causal.logical_not(), -std::numeric_limits<double>::infinity())
+                     .exp();
+    return from_bhtd(merge_chunks(at::matmul(at::matmul(qc, kc.transpose(-1, -2)) * decay * weight, vc)));
+  };
+  base.first_chunk_read = [&](const Tensor& Z) {
+    auto q1 = in.q.narrow(1, 0, C).to(dt), g1 = in.g.narrow(1, 0, C).to(dt).cumsum(1);
+    return at::einsum("bthd,bhde->bthe", {q1 * g1.exp().unsqueeze(-1), Z});
+  };
+  base.pass = [&](const MixerInputs& piece, const Tensor& source, const Tensor& x0) {
+    return pass(piece.q, piece.k * source.to(piece.k.scalar_type()), piece.v, piece.g, x0);
+  };
+  const Tensor rho = in.g.to(dt).sum(1).exp().unsqueeze(-1).unsqueeze(-1);  // [B,H,1,1]: the slice's decay
+  base.transport = [rho](const Tensor& S) { return rho * S; };
+  (void)T;
+  return by_level_passes(in, init, opt, base);
+}
+
+MixerOutput loglinear_gdn_by_level_passes(const MixerInputs& in, const State& init, const MixerOptions& opt,
+                                          const DeltaPass& pass) {
+  const int64_t B = in.q.size(0), T = in.q.size(1), H = in.q.size(2), dk = in.q.size(3), C = opt.chunk_size,
+                N = T / C;
+  const auto dt = in.q.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
+  // The delta rule's chunk pieces (layers/delta_rule/delta_rule.h), every chunk at once: the chunks
+  // folded into the batch.
+  auto folded = [&](const Tensor& x) {  // [B,T,H,...] → [B·N,H,C,...]
+    auto y = x.to(dt);
+    auto sizes = y.sizes().vec();
+    std::vector<int64_t> to{B, N, C, H};
+    for (size_t i = 3; i < sizes.size(); ++i) to.push_back(sizes[i]);
+    y = y.reshape(to).transpose(2, 3);  // [B,N,H,C,...]
+    to.erase(to.begin());
+    to[0] = B * N;
+    std::swap(to[1], to[2]);
+    return y.reshape(to);
+  };
+  const DeltaChunkPieces pieces =
+      delta_rule_chunk(folded(in.q), folded(in.k), folded(in.v), folded(in.beta), folded(in.g), 1.0);
+  Base base;
+  base.own_pairs = [&](const Tensor& weight) {  // weight [B,H,N,C,C]
+    auto M = pieces.mixing.reshape({B, N, H, C, C}).permute({0, 2, 1, 3, 4}) * weight;  // [B,H,N,C,C]
+    auto vc = split_chunks(to_bhtd(in.v.to(dt)), C);
+    return from_bhtd(merge_chunks(at::matmul(M, vc)));
+  };
+  base.first_chunk_read = [&](const Tensor& Z) {  // the first chunk's query_state [B,H,C,dk] reads Z
+    auto P = pieces.query_state.reshape({B, N, H, C, dk}).select(1, 0);
+    return at::matmul(P, Z).transpose(1, 2);  // [B,C,H,dv]
+  };
+  base.pass = [&](const MixerInputs& piece, const Tensor& source, const Tensor& x0) {
+    return pass(piece.q, piece.k, piece.v * source.to(piece.v.scalar_type()), piece.g, piece.beta, x0);
+  };
+  // The slice's transport A (dk×dk), from a pass that writes nothing, from the identity: only where an
+  // incoming state has entries to carry.
+  Tensor A;
+  if (!init.empty()) {
+    auto eye = at::eye(dk, in.q.options().dtype(dt)).expand({B, H, dk, dk}).contiguous();
+    A = pass(in.q, in.k, at::zeros({B, T, H, dk}, in.v.options()), in.g, in.beta, eye).second.to(dt);
+  }
+  base.transport = [A](const Tensor& S) { return A.defined() ? at::matmul(A, S) : at::zeros_like(S); };
+  return by_level_passes(in, init, opt, base);
+}
+
+DeltaPass chunkwise_delta_pass(int64_t chunk_size) {
+  return [chunk_size](const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& g, const Tensor& beta,
+                      const Tensor& x0) {
+    MixerInputs in;
+    in.q = q, in.k = k, in.v = v, in.g = g, in.beta = beta;
+    MixerOptions opt;
+    opt.scale = 1.0;
+    opt.chunk_size = chunk_size;
+    opt.form = Form::chunkwise;
+    auto r = get_mixer("gated_deltanet").forward(in, {x0}, opt);
+    return std::make_pair(r.o, r.final_state.at(0));
+  };
 }
 
 }  // namespace carry

@@ -1,4 +1,5 @@
-// Log-linear Mamba-2 as passes of the decay class's recurrence, one a level (the family's kernel form).
+// Log-linear Mamba-2 and Gated DeltaNet as passes of their base model's recurrence, one a level (the
+// families' kernel forms).
 //
 // o_t = s·Σ_ℓ λ_t[ℓ] q_tᵀ X^ℓ_t, with X^ℓ_t the decayed sum of what t reads at level ℓ (log_linear.h,
 // fenwick.h). A level ℓ pairs each block of 2^ℓ positions (aligned in absolute position) with itself:
@@ -30,5 +31,21 @@ namespace carry {
 // zeros); opt.offset (a multiple of opt.chunk_size, a power of two) and opt.scale as the family's.
 MixerOutput loglinear_mamba2_by_level_passes(const MixerInputs& in, const State& initial_state,
                                              const MixerOptions& opt, const DecayPass& pass);
+
+// One pass of the delta rule (Gated DeltaNet, scale 1): S_t = γ_t (I − β_t k_t k_tᵀ) S_{t−1} + β_t k_t v_tᵀ,
+// r_t = S_tᵀ q_t; pass(q, k, v, g, beta, S_0) → (r, S_T). A token whose v is zero only carries the state.
+using DeltaPass = std::function<std::pair<Tensor, Tensor>(const Tensor& q, const Tensor& k, const Tensor& v,
+                                                          const Tensor& g, const Tensor& beta, const Tensor& s0)>;
+
+// log-linear Gated DeltaNet the same way (in also has beta [B,T,H]): the levels inside a chunk from the
+// delta rule's chunk pieces (every chunk at once), each level above it one delta-rule pass with the values
+// of second halves zeroed (those tokens carry the state through their transition and write nothing),
+// and the slice's transport of the incoming entries from one more pass, from the identity, when an
+// initial state is given.
+MixerOutput loglinear_gdn_by_level_passes(const MixerInputs& in, const State& initial_state,
+                                          const MixerOptions& opt, const DeltaPass& pass);
+
+// The delta-rule pass in ATen: the Gated DeltaNet family's chunkwise form (chunk `chunk_size`), for tests.
+DeltaPass chunkwise_delta_pass(int64_t chunk_size);
 
 }  // namespace carry

@@ -28,6 +28,7 @@
 #include "layers/log_linear/level_passes.h"
 #ifdef CARRY_WITH_CUDA
 #include "layers/kernels/decay/op.h"
+#include "layers/kernels/delta_rule/op.h"
 #endif
 
 #include <limits>
@@ -181,24 +182,39 @@ class LogLinear : public Mixer {
   }
 
 #ifdef CARRY_WITH_CUDA
-  // The kernel form of loglinear_mamba2 (level_passes.h): one pass of the decay class's kernels a level.
-  bool has_kernel() const override { return base_ == Base::mamba2; }
+  // The kernel forms (level_passes.h): one pass a level of the decay class's kernels (Mamba-2) or the
+  // delta rule's (Gated DeltaNet).
+  bool has_kernel() const override { return true; }
   bool kernel_supports(const MixerInputs& in, const MixerOptions& opt) const override {
-    if (base_ != Base::mamba2 || !in.q.defined() || !in.v.defined() || !in.q.is_cuda() || in.q.dim() != 4 ||
-        in.v.dim() != 4)
-      return false;
+    if (!in.q.defined() || !in.v.defined() || !in.q.is_cuda() || in.q.dim() != 4 || in.v.dim() != 4) return false;
     const auto dt = in.q.scalar_type();
     const int64_t dk = in.q.size(3), dv = in.v.size(3);
-    return (dt == at::kBFloat16 || dt == at::kFloat) && (dk == 64 || dk == 96 || dk == 128) && dv % 64 == 0 &&
-           dv >= 64 && dv <= 256 && opt.chunk_size == 64;
+    const bool dk_ok = base_ == Base::mamba2 ? (dk == 64 || dk == 96 || dk == 128) : (dk == 64 || dk == 128);
+    const bool dv_ok = base_ == Base::mamba2 ? (dv % 64 == 0 && dv >= 64 && dv <= 256)
+                                             : (dv == 64 || dv == 128 || dv == 256);
+    return (dt == at::kBFloat16 || dt == at::kFloat) && dk_ok && dv_ok && opt.chunk_size == 64;
   }
   MixerOutput kernel(const MixerInputs& in, const State& init, const MixerOptions& opt) const override {
     check(in, opt, true);
-    TORCH_CHECK(kernel_supports(in, opt), name(), ": the kernel form takes CUDA tensors in bf16 or fp32, dk in "
-                "{64, 96, 128}, dv in {64, 128, 192, 256} and chunk_size 64 (loglinear_mamba2 only); got q ",
-                shape_str(in.q.sizes()), " ", in.q.scalar_type(), " on ", in.q.device(), ", v ",
-                shape_str(in.v.sizes()), ", chunk_size ", opt.chunk_size);
-    return loglinear_mamba2_by_level_passes(in, initial(in, init), opt, decay_kernel_pass(opt.serial_states));
+    TORCH_CHECK(kernel_supports(in, opt), name(), ": the kernel form takes CUDA tensors in bf16 or fp32, dk in ",
+                base_ == Base::mamba2 ? "{64, 96, 128}, dv in {64, 128, 192, 256}" : "{64, 128}, dv in {64, 128, 256}",
+                " and chunk_size 64; got q ", shape_str(in.q.sizes()), " ", in.q.scalar_type(), " on ",
+                in.q.device(), ", v ", shape_str(in.v.sizes()), ", chunk_size ", opt.chunk_size);
+    if (base_ == Base::mamba2)
+      return loglinear_mamba2_by_level_passes(in, init.empty() ? State{} : initial(in, init), opt,
+                                              decay_kernel_pass(opt.serial_states));
+    const bool serial = opt.serial_states;
+    const DeltaPass pass = [serial](const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& g,
+                                    const Tensor& beta, const Tensor& s0) {
+      MixerInputs x;
+      x.q = q, x.k = k, x.v = v, x.g = g, x.beta = beta;
+      MixerOptions o;
+      o.scale = 1.0;
+      o.serial_states = serial;
+      auto r = delta_rule_kernel_forward(x, s0, o);
+      return std::make_pair(r.o, r.final_state.at(0));
+    };
+    return loglinear_gdn_by_level_passes(in, init.empty() ? State{} : initial(in, init), opt, pass);
   }
 #endif
 
@@ -206,6 +222,7 @@ class LogLinear : public Mixer {
     auto position = [&](int64_t p) { return at::full({1}, p, in.q.options().dtype(at::kLong)); };
     const auto span = std::make_pair(position(opt.offset), position(opt.offset + in.q.size(1)));
     if (base_ == Base::mamba2 && resolve_form(in, opt) == Form::kernel) {  // the transport in one look
+      // (Gated DeltaNet's dense transport needs the chunk products: the chunkwise form below)
       check(in, opt, true);
       Tensor A = in.g.to(in.q.scalar_type() == at::kDouble ? at::kDouble : at::kFloat).sum(1).exp();
       return {{A, span.first, span.second}, kernel(in, {}, opt).final_state};

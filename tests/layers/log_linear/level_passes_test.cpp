@@ -1,6 +1,8 @@
-// Tests of layers/log_linear/level_passes.*: log-linear Mamba-2 composed of one decay pass a level.
+// Tests of layers/log_linear/level_passes.*: log-linear Mamba-2 and Gated DeltaNet composed of one pass of
+// their base model a level.
 //
-// CPU, fp64: the composition with the ATen pass (the scalar-decay chunkwise form) equals the family's
+// CPU, fp64: the composition with the ATen pass (the scalar-decay or Gated DeltaNet chunkwise form) equals
+// the family's
 // chunkwise form: the output, every entry of the final state, and the gradients of q, k, v, g, l and of
 // every entry of a random initial state (unset bits included), at offsets that put the slice at and
 // across block boundaries of several levels and lengths that span one to many blocks.
@@ -26,10 +28,10 @@
 namespace carry::testing {
 namespace {
 
-// loglinear_mamba2 whose kernel form is the composition over a given pass.
+// A log-linear family whose kernel form is the composition over the ATen pass of its base.
 class Composed final : public Mixer {
  public:
-  explicit Composed(DecayPass pass) : base_(get_mixer("loglinear_mamba2")), pass_(std::move(pass)) {}
+  Composed(const std::string& family, int64_t chunk) : base_(get_mixer(family)), chunk_(chunk) {}
   std::string name() const override { return base_.name(); }
   std::vector<std::string> input_names() const override { return base_.input_names(); }
   std::vector<std::string> state_names() const override { return base_.state_names(); }
@@ -44,12 +46,13 @@ class Composed final : public Mixer {
   bool has_kernel() const override { return true; }
   MixerOutput kernel(const MixerInputs& in, const State& s, const MixerOptions& o) const override {
     base_.check(in, o, true);
-    return loglinear_mamba2_by_level_passes(in, s.empty() ? base_.zero_state(in, o) : s, o, pass_);
+    if (base_.name() == "loglinear_mamba2") return loglinear_mamba2_by_level_passes(in, s, o, chunkwise_decay_pass(chunk_));
+    return loglinear_gdn_by_level_passes(in, s, o, chunkwise_delta_pass(chunk_));
   }
 
  private:
   const Mixer& base_;
-  DecayPass pass_;
+  int64_t chunk_;
 };
 
 // The outputs then the gradients of run_with_grads' random functional, in the run's dtype (fp64 here:
@@ -70,10 +73,12 @@ std::vector<std::string> result_names(const Mixer& m, const MixerInputs& in, siz
   return names;
 }
 
-TEST(LevelPasses, ComposedChunkwiseEqualsTheFamilysChunkwiseInFp64) {
-  const Mixer& m = get_mixer("loglinear_mamba2");
+class LevelPassFamilies : public ::testing::TestWithParam<const char*> {};
+
+TEST_P(LevelPassFamilies, ComposedChunkwiseEqualsTheFamilysChunkwiseInFp64) {
+  const Mixer& m = get_mixer(GetParam());
   const int64_t C = 16;
-  const Composed composed(chunkwise_decay_pass(C));
+  const Composed composed(GetParam(), C);
   struct Case {
     int64_t offset, T;
   };
@@ -100,24 +105,25 @@ TEST(LevelPasses, ComposedChunkwiseEqualsTheFamilysChunkwiseInFp64) {
       worst = std::max(worst, e);
       EXPECT_LE(e, 1e-11) << "offset " << c.offset << " T=" << c.T << ": " << names[i];
     }
-    std::cout << "[ errors   ] loglinear_mamba2 by level passes, offset " << c.offset << " T=" << c.T
+    std::cout << "[ errors   ] " << m.name() << " by level passes, offset " << c.offset << " T=" << c.T
               << ": worst of " << ref.size() << " results " << worst << "\n";
   }
 }
 
-TEST(LevelPasses, KernelFormMatchesChunkwiseOnGpu) {
+TEST_P(LevelPassFamilies, KernelFormMatchesChunkwiseOnGpu) {
   if (cuda_device_count() == 0) GTEST_SKIP() << "no CUDA device: GPU tests skipped";
 #ifndef CARRY_WITH_CUDA
   GTEST_SKIP() << "built without CUDA";
 #else
-  const Mixer& m = get_mixer("loglinear_mamba2");
+  const Mixer& m = get_mixer(GetParam());
   ASSERT_TRUE(m.has_kernel());
   carry::kernels::decay::decay_set_poison(true);
   struct Case {
     int64_t B, T, H, dk, dv, offset;
   };
-  for (const Case& c : {Case{1, 512, 2, 64, 64, 0}, Case{2, 256, 1, 128, 128, 768}, Case{1, 384, 2, 128, 256, 1664},
-                        Case{1, 256, 2, 96, 192, 4096}})
+  std::vector<Case> cases{{1, 512, 2, 64, 64, 0}, {2, 256, 1, 128, 128, 768}, {1, 384, 2, 128, 256, 1664}};
+  if (m.name() == "loglinear_mamba2") cases.push_back({1, 256, 2, 96, 192, 4096});
+  for (const Case& c : cases)
     for (bool serial : {true, false})
       for (auto dt : {at::kFloat, at::kBFloat16}) {
         MixerOptions opt;
@@ -163,13 +169,15 @@ TEST(LevelPasses, KernelFormMatchesChunkwiseOnGpu) {
               << " dv=" << c.dv << " offset " << c.offset << ": " << names[i];
           if (e > worst) worst = e, worst_name = names[i];
         }
-        std::cout << "[ errors   ] loglinear_mamba2" << (serial ? " serial" : "") << " " << dt << " B=" << c.B
+        std::cout << "[ errors   ] " << m.name() << (serial ? " serial" : "") << " " << dt << " B=" << c.B
                   << " T=" << c.T << " H=" << c.H << " dk=" << c.dk << " dv=" << c.dv << " offset " << c.offset
                   << ": worst " << worst << " (" << worst_name << ")\n";
       }
   carry::kernels::decay::decay_set_poison(false);
 #endif
 }
+
+INSTANTIATE_TEST_SUITE_P(LogLinear, LevelPassFamilies, ::testing::Values("loglinear_mamba2", "loglinear_gdn"));
 
 }  // namespace
 }  // namespace carry::testing
