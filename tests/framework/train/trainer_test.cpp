@@ -512,6 +512,23 @@ TEST(TrainCommand, MoreRanksThanGpusOnAHostIsRefused) {
   EXPECT_NE(gpu_rank_layout_error("a", 2, 1).find("has 1 GPU:"), std::string::npos);
 }
 
+// Under a plain Open MPI mpirun a SIGTERM or SIGINT kills the ranks odls_base_sigkill_timeout seconds
+// after they receive it: rank 0 warns when that setting is missing or short, and not under the
+// launchers (which forward a stop as SIGUSR1) or without mpirun.
+TEST(TrainCommand, PlainMpirunWithoutALongSigkillTimeoutWarns) {
+  auto m = mpirun_stop_warning(nullptr, "0", nullptr);
+  EXPECT_NE(m.find("carry train: warning: mpirun runs with odls_base_sigkill_timeout 1 (the default): a SIGTERM"),
+            std::string::npos) << m;
+  EXPECT_NE(m.find("--mca odls_base_sigkill_timeout 300"), std::string::npos) << m;
+  EXPECT_EQ(m.find('\n'), std::string::npos) << m;
+  EXPECT_NE(mpirun_stop_warning(nullptr, "0", "5").find("odls_base_sigkill_timeout 5:"), std::string::npos);
+  EXPECT_NE(mpirun_stop_warning(nullptr, "0", "lots").find("odls_base_sigkill_timeout lots:"), std::string::npos);
+  EXPECT_EQ(mpirun_stop_warning(nullptr, "0", "300"), "");
+  EXPECT_EQ(mpirun_stop_warning(nullptr, "0", std::to_string(kMinSigkillTimeoutS).c_str()), "");
+  EXPECT_EQ(mpirun_stop_warning("launcher/train", "0", nullptr), "");
+  EXPECT_EQ(mpirun_stop_warning(nullptr, nullptr, nullptr), "");
+}
+
 TEST(Optimizer, ScheduleWarmupThenCosine) {
   config::OptimizerConfig o;
   o.set_lr(1.0), o.set_warmup_steps(4), o.set_total_steps(14), o.set_min_lr_ratio(0.1);
