@@ -298,6 +298,7 @@ std::unique_ptr<Tokenizer> load_tokenizer_json(const std::string& path, int64_t 
 
   if (eod_override >= 0) {
     bpe->eod = static_cast<uint32_t>(eod_override);
+    bpe->vocab = std::max<int64_t>(bpe->vocab, eod_override + 1);  // an id past the merges' tokens
   } else {
     bool found = false;
     for (const char* name : {"<|endoftext|>", "<|end_of_text|>", "</s>"})

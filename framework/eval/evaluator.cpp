@@ -82,7 +82,8 @@ EvalResult evaluate_model(const Model& model, const EvalSpec& spec, parallel::Pr
   const int dp = groups ? groups->layout.dp : 1, sp = groups ? groups->layout.sp : 1;
   const int dp_rank = groups ? groups->dp_rank : 0, sp_rank = groups ? groups->sp_rank : 0;
   const bool rank0 = !groups || groups->world_info.rank == 0;
-  const int64_t T = spec.seq_len, B = spec.batch_size, V = model.config().vocab_size();
+  const int64_t T = spec.seq_len, V = model.config().vocab_size();
+  int64_t B = spec.batch_size;
   if (T <= 0) throw ConfigError("eval: the sequence length must be positive, got " + std::to_string(T));
   if (B <= 0) throw ConfigError("eval: the batch size must be positive, got " + std::to_string(B));
   if (T % sp != 0)
@@ -108,6 +109,9 @@ EvalResult evaluate_model(const Model& model, const EvalSpec& spec, parallel::Pr
       throw ConfigError("eval: the token files hold " + std::to_string(stream->total) +
                         " tokens, fewer than one sequence of " + std::to_string(T) + " + 1");
     N = spec.max_sequences > 0 ? std::min(windows, spec.max_sequences) : windows;
+    // Batches sized to the data: a batch larger than a rank's share of the sequences would only hold
+    // padding (and could ask for more memory than the host has).
+    B = std::min(B, (N + dp - 1) / dp);
     batches = (N + dp * B - 1) / (dp * B);
   } else {
     if (!spec.data.has_mqar() && !spec.data.has_needle())

@@ -110,6 +110,15 @@ TEST(Evaluator, EqualsADirectComputationOverTheWindows) {
   }
   spec.max_sequences = 2;
   EXPECT_EQ(evaluate_model(model, spec, nullptr).sequences, 2);
+  spec.max_sequences = 0;
+
+  // A batch size far past the data (5,000,000 sequences of 16 tokens would need gigabytes) is sized to
+  // the 5 windows: the same scores, at once.
+  spec.batch_size = 5000000;
+  EvalResult huge = evaluate_model(model, spec, nullptr);
+  EXPECT_EQ(huge.sequences, windows);
+  EXPECT_NEAR(huge.loss_sum, total, 1e-10 * total);
+  spec.batch_size = 3;
 
   // The curve covers every position once; table and plot are written.
   for (int64_t buckets : {0, 3, 24}) {
