@@ -428,16 +428,6 @@ TEST_F(CheckpointTest, DirectoryLockRefusesASecondHolder) {
   CheckpointDirLock again(dir_);
 }
 
-std::string file_text(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  return std::string(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
-}
-
-void write_text(const std::string& path, const std::string& text) {
-  std::ofstream out(path, std::ios::binary | std::ios::trunc);
-  out << text;
-}
-
 // A `.lock` that is a symbolic link (to a file of the user's, here `victim`) is refused, naming it;
 // the victim keeps its bytes. The same for a link planted where `latest`'s temporary file goes.
 TEST_F(CheckpointTest, SymbolicLinksInPlaceOfWrittenFilesAreRefused) {
@@ -453,7 +443,7 @@ TEST_F(CheckpointTest, SymbolicLinksInPlaceOfWrittenFilesAreRefused) {
     EXPECT_CONTAINS(e.what_without_backtrace(), "checkpoint.dir " + dir_ + ": the lock file: " + dir_ +
                                                     "/.lock is a symbolic link; carry writes no file through a link");
   }
-  EXPECT_EQ(file_text(victim), "precious\n");
+  EXPECT_EQ(read_text(victim), "precious\n");
   ASSERT_EQ(::unlink((dir_ + "/.lock").c_str()), 0);
 
   const std::string planted = dir_ + "/.latest.tmp." + std::to_string(::getpid());
@@ -464,7 +454,7 @@ TEST_F(CheckpointTest, SymbolicLinksInPlaceOfWrittenFilesAreRefused) {
   } catch (const c10::Error& e) {
     EXPECT_CONTAINS(e.what_without_backtrace(), planted + " is a symbolic link");
   }
-  EXPECT_EQ(file_text(victim), "precious\n");
+  EXPECT_EQ(read_text(victim), "precious\n");
   ASSERT_EQ(::unlink(planted.c_str()), 0);
   save_checkpoint(dir_, make_data(2), 0);
   EXPECT_EQ(load_latest_checkpoint(dir_)->step, 2);
