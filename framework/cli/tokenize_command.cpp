@@ -12,6 +12,7 @@
 #include "framework/data/tokenizer.h"
 #include "framework/io/output_file.h"
 
+#include <pthread.h>
 #include <signal.h>
 #include <sys/stat.h>
 #include <unistd.h>
@@ -27,6 +28,7 @@
 #include <deque>
 #include <exception>
 #include <mutex>
+#include <optional>
 #include <stdexcept>
 #include <string>
 #include <thread>
@@ -188,6 +190,24 @@ class RemoveOnStop {
   struct sigaction previous_[3] {};
 };
 
+// Blocks SIGTERM, SIGINT and SIGHUP in this thread for its lifetime (a signal that comes meanwhile is
+// delivered when it ends).
+class BlockStops {
+ public:
+  BlockStops() {
+    sigset_t stops;
+    sigemptyset(&stops);
+    for (int s : {SIGTERM, SIGINT, SIGHUP}) sigaddset(&stops, s);
+    ::pthread_sigmask(SIG_BLOCK, &stops, &previous_);
+  }
+  ~BlockStops() { ::pthread_sigmask(SIG_SETMASK, &previous_, nullptr); }
+  BlockStops(const BlockStops&) = delete;
+  BlockStops& operator=(const BlockStops&) = delete;
+
+ private:
+  sigset_t previous_;
+};
+
 }  // namespace
 
 int run_tokenize_command(int argc, char** argv) {
@@ -211,8 +231,16 @@ int run_tokenize_command(int argc, char** argv) {
     const int threads = args.threads > 0 ? args.threads : static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
     const uint32_t eod = tokenizer->end_of_document();
     const int width = std::max<int64_t>(tokenizer->vocab_size(), int64_t{eod} + 1) <= 65536 ? 2 : 4;
-    TokenFileWriter writer(args.output, width);
-    RemoveOnStop remove_on_stop(writer.temp_path());
+    // The temporary file and the handler that removes it on a stop signal come into being together:
+    // a signal in between waits (blocked) until the handler is in place.
+    std::optional<TokenFileWriter> output;
+    std::optional<RemoveOnStop> remove_on_stop;
+    {
+      BlockStops block;
+      output.emplace(args.output, width);
+      remove_on_stop.emplace(output->temp_path());
+    }
+    TokenFileWriter& writer = *output;
 
     // The pipeline: pieces in input order; the reader adds, the workers encode, this thread writes.
     std::mutex mu;

@@ -68,7 +68,7 @@ const char* file_kind(unsigned mode) {
   return "not a regular file";
 }
 
-int open_for_writing(const std::string& path, int flags, const std::string& what) {
+int open_for_writing(const std::string& path, int flags, const std::string& what, bool allow_char_device) {
   int fd = ::open(path.c_str(), flags | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC, 0644);
   if (fd < 0) {
     const int err = errno;
@@ -76,13 +76,14 @@ int open_for_writing(const std::string& path, int flags, const std::string& what
     const bool have = ::lstat(path.c_str(), &st) == 0;
     TORCH_CHECK(!(have && S_ISLNK(st.st_mode)), what, ": ", path, " is a symbolic link; carry writes no file "
                 "through a link (remove the link, or name the file it points to)");
-    TORCH_CHECK(!(have && !S_ISREG(st.st_mode)), what, ": ", path, " is ", file_kind(st.st_mode),
+    TORCH_CHECK(!(have && !S_ISREG(st.st_mode) && !(allow_char_device && S_ISCHR(st.st_mode))), what, ": ", path, " is ",
+                file_kind(st.st_mode),
                 ", not a regular file; remove it or choose another path");
     TORCH_CHECK(false, what, ": cannot open ", path, (flags & O_APPEND) ? " for appending: " : " for writing: ",
                 errno_text(err));
   }
   struct stat st;
-  if (::fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) {
+  if (::fstat(fd, &st) != 0 || !(S_ISREG(st.st_mode) || (allow_char_device && S_ISCHR(st.st_mode)))) {
     const unsigned mode = st.st_mode;
     ::close(fd);
     TORCH_CHECK(false, what, ": ", path, " is ", file_kind(mode), ", not a regular file; remove it or choose "
@@ -142,11 +143,11 @@ void check_output_file(const std::string& path, const std::string& field) {
   struct stat st;
   TORCH_CHECK(::stat(path.c_str(), &st) != 0 || !S_ISDIR(st.st_mode), field, ": ", path,
               " is a directory; expected a file name");
-  ::close(open_for_writing(path, O_WRONLY | O_APPEND | O_CREAT, field));
+  ::close(open_for_writing(path, O_WRONLY | O_APPEND | O_CREAT, field, /*allow_char_device=*/true));
 }
 
 void append_to_file(const std::string& path, const std::string& text, const std::string& field) {
-  int fd = open_for_writing(path, O_WRONLY | O_APPEND | O_CREAT, field);
+  int fd = open_for_writing(path, O_WRONLY | O_APPEND | O_CREAT, field, /*allow_char_device=*/true);
   int err = write_all(fd, text.data(), text.size());
   if (::close(fd) != 0 && err == 0) err = errno;
   TORCH_CHECK(err == 0, field, ": cannot write to ", path, ": ", errno_text(err));

@@ -262,8 +262,15 @@ TEST_F(TokenizerFiles, ErrorsSayWhatIsSupported) {
   EXPECT_NE(msg.find("garbage.tiktoken:1: expected \"<base64 bytes> <rank>\", got '"), std::string::npos) << msg;
   for (char c : msg) EXPECT_TRUE(c >= 0x20 || c == '\n') << "a control byte " << int(c) << " in: " << msg;
   EXPECT_EQ(msg.find('\n'), std::string::npos) << msg;
-  // An --eod-id past the BPE's tokens widens its vocabulary to hold it.
+  // An --eod-id past the BPE's tokens widens its vocabulary to hold it, and the token file to 4 bytes.
   EXPECT_EQ(load_tokenizer("bpe:" + dir_ + "/noeod.json", 70000)->vocab_size(), 70001);
+  ASSERT_EQ(tokenize({"--tokenizer", "bpe:" + dir_ + "/noeod.json", "--eod-id", "70000", "--input",
+                      write("doc.txt", "hello world\n"), "--output", dir_ + "/wide.tok"}),
+            0);
+  TokenFile wide(dir_ + "/wide.tok");
+  EXPECT_EQ(wide.width(), 4);
+  ASSERT_GT(wide.size(), 1);
+  EXPECT_EQ(wide.at(0), 70000u);
 }
 
 // Many files of repeated lines, tokenized with 1 thread and whole pieces, and with 3 threads and
