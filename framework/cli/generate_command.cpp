@@ -100,7 +100,7 @@ std::vector<int64_t> parse_ids(const std::string& text, const std::string& flag)
     errno = 0;
     long long x = std::strtoll(p.c_str(), &end, 10);
     if (p.empty() || *end || x < 0 || errno == ERANGE || x > 0xFFFFFFFFLL)
-      throw UsageError(flag + ": '" + printable(p.substr(0, 40)) + "' is not a token id (ids are integers in [0, " +
+      throw UsageError(flag + ": '" + printable(p.substr(0, 40), false) + "' is not a token id (ids are integers in [0, " +
                        "4294967295]" + (flag == "--prompt-ids" ? ", comma-separated)" : ", or 'none')"));
     ids.push_back(x);
   }

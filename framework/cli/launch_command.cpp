@@ -90,14 +90,21 @@ int run_forwarding_stops(const std::vector<std::string>& argv) {
   sa.sa_handler = forward_stop;
   sigemptyset(&sa.sa_mask);
   for (int s : kStops) ::sigaction(s, &sa, nullptr);
+  // The stop signals wait (blocked) until the handler knows mpirun's pid: one signal, one SIGUSR1.
+  sigset_t stops, previous;
+  sigemptyset(&stops);
+  for (int s : kStops) sigaddset(&stops, s);
+  ::sigprocmask(SIG_BLOCK, &stops, &previous);
   const pid_t parent = ::getpid();
   const pid_t pid = ::fork();
   if (pid < 0) {
+    ::sigprocmask(SIG_SETMASK, &previous, nullptr);
     std::fprintf(stderr, "carry launch: cannot start %s: %s\n", exec_argv[0], std::strerror(errno));
     return 127;
   }
   if (pid == 0) {
     for (int s : kStops) std::signal(s, SIG_DFL);
+    ::sigprocmask(SIG_SETMASK, &previous, nullptr);
     ::setsid();  // a Ctrl-C at the terminal reaches carry launch only
     ::prctl(PR_SET_PDEATHSIG, SIGTERM);  // carry launch killed outright: mpirun ends the ranks
     if (::getppid() != parent) ::_exit(1);
@@ -106,7 +113,7 @@ int run_forwarding_stops(const std::vector<std::string>& argv) {
     ::_exit(127);
   }
   g_mpirun_pid = pid;
-  if (g_stop_requests > 0) ::kill(pid, SIGUSR1);  // a signal that came before the pid was known
+  ::sigprocmask(SIG_SETMASK, &previous, nullptr);
   int said = 0, status = 0;
   for (;;) {
     const pid_t r = ::waitpid(pid, &status, 0);

@@ -56,7 +56,7 @@ std::string mpirun_stop_warning(const char* launcher, const char* omp_rank, cons
     if (end != sigkill_timeout && *end == 0 && seconds >= kMinSigkillTimeoutS) return "";
   }
   return std::string("carry train: warning: mpirun runs with odls_base_sigkill_timeout ") +
-         (sigkill_timeout ? printable(sigkill_timeout) : std::string("1 (the default)")) +
+         (sigkill_timeout ? printable(sigkill_timeout, false) : std::string("1 (the default)")) +
          ": a SIGTERM or SIGINT to mpirun kills the ranks before they can write a checkpoint. Stop this run with "
          "SIGUSR1 to mpirun, start it with launcher/train or carry launch, or give mpirun --mca "
          "odls_base_sigkill_timeout 300 (at least " + std::to_string(kMinSigkillTimeoutS) +

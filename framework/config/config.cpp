@@ -252,7 +252,7 @@ RunConfig stored_run_config_from_text(const std::string& text, const std::string
   parse_into(source, raw);
   if (!raw.model_preset().empty())
     throw ConfigError(source_name + ": model_preset: a checkpoint stores its resolved config, which names no preset "
-                      "file, but this one names '" + printable(raw.model_preset().substr(0, 200)) +
+                      "file, but this one names '" + printable(raw.model_preset().substr(0, 200), false) +
                       "' (not written by carry train, or changed since); carry reads no file a checkpoint names");
   return resolve_run(source, overrides);
 }

@@ -360,7 +360,7 @@ std::unique_ptr<Tokenizer> load_tiktoken(const std::string& path, SplitPattern p
     std::string b64;
     int64_t rank = -1;
     if (!(fields >> b64 >> rank) || rank < 0 || !base64_decode(b64, &bytes) || bytes.empty())
-      throw error(path + ":" + std::to_string(line_no), "expected \"<base64 bytes> <rank>\", got '" + printable(line.substr(0, 80)) + "'");
+      throw error(path + ":" + std::to_string(line_no), "expected \"<base64 bytes> <rank>\", got '" + printable(line.substr(0, 80), false) + "'");
     if (bpe->token_bytes.size() <= static_cast<size_t>(rank)) bpe->token_bytes.resize(rank + 1);
     bpe->token_bytes[rank] = bytes;
     bpe->id_of[bytes] = static_cast<uint32_t>(rank);
@@ -460,7 +460,7 @@ std::string sentencepiece_reason(const std::string& raw, const std::string& fall
     s = end == std::string::npos ? std::string() : s.substr(end + 2);
   }
   while (!s.empty() && (s.back() == ' ' || s.back() == '\n')) s.pop_back();
-  return s.empty() ? fallback : printable(s.substr(0, 300));
+  return s.empty() ? fallback : printable(s.substr(0, 300), false);
 }
 
 class SentencePieceTokenizer final : public Tokenizer {

@@ -5,6 +5,7 @@
 
 #include "framework/data/synthetic.h"
 #include "framework/data/token_file.h"
+#include "framework/train/memory_estimate.h"
 #include "layers/blocks/precision.h"
 #include "parallel/slice_context.h"
 
@@ -120,6 +121,20 @@ EvalResult evaluate_model(const Model& model, const EvalSpec& spec, parallel::Pr
     N = batches * dp * B;
   }
   const auto device = model.options().device();
+  if (device.is_cpu()) {
+    // A floor on what one batch needs on the CPU (one block's activations: the residual stream, the
+    // mixer's projections and the SwiGLU hidden layer, fp32), against the host's available memory:
+    // an impossible --batch-size is refused before anything is allocated.
+    const auto& mc = model.config();
+    const double floor_bytes = static_cast<double>(B) * static_cast<double>(Tp) * static_cast<double>(mc.d_model()) *
+                               4.0 * (6.0 + 2.0 * mc.mlp_ratio());
+    const double available = available_memory_bytes();
+    if (available > 0 && floor_bytes > available)
+      throw ConfigError("eval: a batch of " + std::to_string(B) + " sequences of " + std::to_string(Tp) +
+                        " tokens needs at least " + std::to_string(static_cast<long long>(floor_bytes / (1 << 20))) +
+                        " MiB on this host, which has " + std::to_string(static_cast<long long>(available / (1 << 20))) +
+                        " MiB available; give a smaller --batch-size");
+  }
   parallel::ScanMode mode = spec.scan_mode;
   MixerLayerContext slice;
   if (sp > 1) slice = parallel::make_slice_context(groups->sp, mode, /*head_groups=*/1, T);

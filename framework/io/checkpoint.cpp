@@ -315,7 +315,7 @@ config::CheckpointManifest read_manifest(const std::string& step_dir) {
   parser.RecordErrorsTo(&collector);
   config::CheckpointManifest manifest;
   TORCH_CHECK(parser.ParseFromString(*text, &manifest), "checkpoint ", manifest_path,
-              ": bad manifest: ", printable(collector.errors));
+              ": bad manifest: ", printable(collector.errors, /*keep_newlines=*/false));
   TORCH_CHECK(manifest.has_format_version() && manifest.has_step(), "checkpoint ", manifest_path,
               ": bad manifest: format_version and step are required");
   TORCH_CHECK(manifest.format_version() >= kOldestFormatVersion && manifest.format_version() <= kFormatVersion,
@@ -556,7 +556,7 @@ CheckpointSearch find_latest_checkpoint(const std::string& dir) {
       latest_name.pop_back();
     if (parse_step_name(latest_name) < 0) {
       out.notes.push_back("checkpoint " + latest_path + ": does not name a step directory (holds '" +
-                          printable(latest_name.substr(0, 200)) + "'); taking the newest valid checkpoint");
+                          printable(latest_name.substr(0, 200), /*keep_newlines=*/false) + "'); taking the newest valid checkpoint");
       latest_name.clear();
     } else if (!(run = run_id_of(path_join(dir, latest_name)))) {
       out.notes.push_back("checkpoint " + latest_path + ": names " + path_join(dir, latest_name) +

@@ -573,9 +573,9 @@ std::vector<std::string> weight_files(const std::string& dir) {
                        file.string_value() != "." && file.string_value() != ".." &&
                        file.string_value().find('/') == std::string::npos;
     if (!named)
-      throw ConfigError(index + ": \"weight_map\": tensor '" + printable(name.substr(0, 200)) +
+      throw ConfigError(index + ": \"weight_map\": tensor '" + printable(name.substr(0, 200), false) +
                         "' must name a file of the folder (a name without '/', not '.' or '..'), got " +
-                        (file.kind_case() == Value::kStringValue ? "'" + printable(file.string_value().substr(0, 200)) + "'"
+                        (file.kind_case() == Value::kStringValue ? "'" + printable(file.string_value().substr(0, 200), false) + "'"
                                                                  : std::string("a non-string")));
     files.insert(file.string_value());
   }

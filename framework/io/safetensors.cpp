@@ -452,7 +452,7 @@ void save_safetensors(const std::string& path, const std::map<std::string, at::T
     TORCH_CHECK(false, path, ": ", what, ": ", err);
   };
   {
-    const int fd = open_for_writing(tmp, O_WRONLY | O_CREAT | O_TRUNC, path);
+    const int fd = open_for_writing(tmp, O_WRONLY | O_CREAT | O_TRUNC, path + ": cannot create the temporary file");
     File f(::fdopen(fd, "wb"));
     if (!f) {
       ::close(fd);

@@ -179,6 +179,17 @@ TEST(Evaluator, MqarMatchesTheTrainersEvaluation) {
   EXPECT_NEAR(r.accuracy(), expected.accuracy, 1e-15);
   EXPECT_NEAR(static_cast<double>(r.sequences_all_right) / r.sequences, expected.sequence_accuracy, 1e-15);
   EXPECT_EQ(r.sequences, 6);
+  // A task batch no host could hold (10^12 sequences) is refused before anything is allocated.
+  spec.batch_size = 1000000000000;
+  try {
+    evaluate_model(t.model(), spec, nullptr);
+    ADD_FAILURE() << "a batch of 10^12 sequences was accepted";
+  } catch (const ConfigError& e) {
+    EXPECT_NE(std::string(e.what()).find("eval: a batch of 1000000000000 sequences of 32 tokens needs at least "),
+              std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("MiB available; give a smaller --batch-size"), std::string::npos) << e.what();
+  }
+  spec.batch_size = 3;
 
   // The needle task the same way: value_len scored targets a sequence.
   spec.data.mutable_needle()->set_vocab_size(24);

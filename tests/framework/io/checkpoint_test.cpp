@@ -513,6 +513,19 @@ TEST_F(CheckpointTest, OversizedControlFilesAreRefusedUnread) {
   EXPECT_CONTAINS(notes, "cannot read manifest.textproto: 2147483648 bytes, more than the 67108864");
 }
 
+// A binary `latest` is quoted on one line, its newlines and control bytes escaped.
+TEST_F(CheckpointTest, BinaryLatestIsQuotedOnOneLine) {
+  save_checkpoint(dir_, make_data(1), 0);
+  write_text(dir_ + "/latest", std::string("\x7f" "ELF\n\x01\x02\x1b[2J\nstep_1\n\n"));
+  CheckpointSearch found = find_latest_checkpoint(dir_);
+  ASSERT_TRUE(found.loaded);
+  EXPECT_EQ(found.loaded->step, 1);
+  ASSERT_FALSE(found.notes.empty());
+  const std::string& note = found.notes[0];
+  EXPECT_CONTAINS(note, "latest: does not name a step directory (holds '\\x7fELF\\x0a\\x01\\x02\\x1b[2J\\x0astep_1')");
+  EXPECT_EQ(note.find('\n'), std::string::npos) << note;
+}
+
 // A write that fails part way (here the file size limit, as a full disk would: the write returns an
 // error) throws naming the file and the system's reason, leaves no temporary directory, and the
 // previous checkpoint stays the one that loads.
