@@ -162,7 +162,7 @@ int run_eval_command(int argc, char** argv, bool finalize_mpi) {
       spec.token_files = a.data;
       spec.seq_len = a.seq_len;
       if (!source.run_config_text.empty()) {
-        RunConfig run = run_config_from_text(source.run_config_text, source.path + "/manifest.textproto", a.overrides);
+        RunConfig run = stored_run_config_from_text(source.run_config_text, source.path + "/manifest.textproto", a.overrides);
         spec.data = run.data();
         spec.seed = run.seed();
         if (spec.seq_len == 0) spec.seq_len = run.data().seq_len();

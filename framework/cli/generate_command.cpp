@@ -6,20 +6,29 @@
 #include "framework/cli/tokenize_command.h"
 #include "framework/infer/generate.h"
 #include "framework/io/model_source.h"
+#include "framework/io/output_file.h"
 #include "framework/io/safetensors.h"
+#include "framework/printable.h"
 #include "layers/core/device.h"
 #include "layers/blocks/precision.h"
 
 #include <c10/util/Exception.h>
 
+#include <cerrno>
 #include <cstdio>
+#include <cstring>
 #include <fstream>
 #include <sstream>
 #include <string>
 #include <vector>
 
+#include <sys/stat.h>
+
 namespace carry {
 namespace {
+
+// The most tokens one generate call draws (2^31): the prompt plus them stays far from int64's end.
+constexpr int64_t kMaxNewTokens = int64_t{1} << 31;
 
 const char* kUsage =
     "usage: carry generate MODEL (--prompt TEXT | --prompt-file FILE | --prompt-ids ID,ID,...)\n"
@@ -52,7 +61,12 @@ GenerateArgs parse(int argc, char** argv) {
     if (f == "--prompt") a.prompt_text = args.value(f), ++prompts;
     else if (f == "--prompt-file") a.prompt_file = args.value(f), ++prompts;
     else if (f == "--prompt-ids") a.prompt_ids = args.value(f), ++prompts;
-    else if (f == "--max-new-tokens") a.gen.max_new_tokens = args.integer(f, 0);
+    else if (f == "--max-new-tokens") {
+      a.gen.max_new_tokens = args.integer(f, 0);
+      if (a.gen.max_new_tokens > kMaxNewTokens)
+        throw UsageError("--max-new-tokens must be at most " + std::to_string(kMaxNewTokens) + ", got " +
+                         std::to_string(a.gen.max_new_tokens));
+    }
     else if (f == "--temperature") a.gen.sampling.temperature = args.number(f);
     else if (f == "--top-k") a.gen.sampling.top_k = args.integer(f, 0);
     else if (f == "--top-p") a.gen.sampling.top_p = args.number(f);
@@ -76,16 +90,21 @@ GenerateArgs parse(int argc, char** argv) {
   return a;
 }
 
-std::vector<int64_t> parse_ids(const std::string& text) {
+// The ids of a comma-separated list given to `flag` (--prompt-ids, --stop-token); an id past 32 bits
+// (token ids are 32-bit) or one that does not parse is named with the flag.
+std::vector<int64_t> parse_ids(const std::string& text, const std::string& flag) {
   std::vector<int64_t> ids;
   std::stringstream ss(text);
   for (std::string p; std::getline(ss, p, ',');) {
     char* end = nullptr;
+    errno = 0;
     long long x = std::strtoll(p.c_str(), &end, 10);
-    if (p.empty() || *end || x < 0) throw UsageError("--prompt-ids: '" + p + "' is not a token id (ids are >= 0, comma-separated)");
+    if (p.empty() || *end || x < 0 || errno == ERANGE || x > 0xFFFFFFFFLL)
+      throw UsageError(flag + ": '" + printable(p.substr(0, 40), false) + "' is not a token id (ids are integers in [0, " +
+                       "4294967295]" + (flag == "--prompt-ids" ? ", comma-separated)" : ", or 'none')"));
     ids.push_back(x);
   }
-  if (ids.empty()) throw UsageError("--prompt-ids needs at least one id");
+  if (ids.empty()) throw UsageError(flag + " needs at least one id");
   return ids;
 }
 
@@ -117,27 +136,33 @@ int run_generate_command(int argc, char** argv) {
       throw ConfigError("--tokenizer byte needs a vocabulary of at least 256 tokens; " + source.describe() + " has " + std::to_string(V));
     std::vector<int64_t> prompt;
     if (!a.prompt_ids.empty()) {
-      prompt = parse_ids(a.prompt_ids);
+      prompt = parse_ids(a.prompt_ids, "--prompt-ids");
     } else {
       if (!byte_level)
         throw UsageError("--prompt and --prompt-file need the byte tokenizer (vocabulary 257, or --tokenizer byte); this "
                          "model's vocabulary is " + std::to_string(V) + ": give --prompt-ids");
       std::string text = a.prompt_text;
       if (!a.prompt_file.empty()) {
+        struct stat st;
+        if (::stat(a.prompt_file.c_str(), &st) != 0)
+          throw ConfigError("--prompt-file " + a.prompt_file + ": cannot open: " + std::strerror(errno));
+        if (!S_ISREG(st.st_mode))
+          throw ConfigError("--prompt-file " + a.prompt_file + ": is " + file_kind(st.st_mode) + "; expected a text file");
         std::ifstream f(a.prompt_file, std::ios::binary);
-        if (!f) throw ConfigError("cannot read " + a.prompt_file);
+        if (!f) throw ConfigError("--prompt-file " + a.prompt_file + ": cannot read it: " + std::strerror(errno));
         std::ostringstream s;
         s << f.rdbuf();
         text = s.str();
       }
-      if (text.empty()) throw UsageError("the prompt is empty");
+      if (text.empty())
+        throw UsageError(a.prompt_file.empty() ? std::string("--prompt is empty") : "--prompt-file " + a.prompt_file + " is empty");
       for (unsigned char c : text) prompt.push_back(c);
     }
     for (int64_t t : prompt)
       if (t >= V) throw ConfigError("prompt token " + std::to_string(t) + " is outside the vocabulary of " + std::to_string(V));
     if (a.stop == "default") a.gen.stop_token = byte_level ? static_cast<int64_t>(kByteEndOfDocument) : -1;
     else if (a.stop == "none") a.gen.stop_token = -1;
-    else a.gen.stop_token = parse_ids(a.stop).at(0);
+    else a.gen.stop_token = parse_ids(a.stop, "--stop-token").at(0);
 
     const bool gpu = !a.cpu && cuda_device_count() > 0;
     at::Device device = gpu ? at::Device(at::kCUDA, 0) : at::Device(at::kCPU);

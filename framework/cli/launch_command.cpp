@@ -1,5 +1,9 @@
 // `carry launch` (see launch_command.h): the arguments (CommandArgs), loading the configs, writing the
-// hostfile (POSIX calls, not std::filesystem: libtorch exports conflicting symbols) and exec'ing mpirun.
+// hostfile (POSIX calls, not std::filesystem: libtorch exports conflicting symbols), and running mpirun
+// as a child in its own session: a stop signal to carry launch (SIGTERM, SIGINT, SIGHUP, SIGUSR1)
+// becomes SIGUSR1 to mpirun, which forwards it to every rank (SIGTERM or SIGINT to mpirun itself kills
+// the ranks a second later, with nothing saved); carry launch exits with mpirun's status (75 after a
+// stop with a checkpoint).
 #include "framework/cli/launch_command.h"
 #include "layers/core/knobs.h"
 
@@ -8,8 +12,11 @@
 #include "framework/config/config.h"
 #include "framework/launch/launch_plan.h"
 
+#include <csignal>
 #include <cstdlib>
+#include <sys/prctl.h>
 #include <sys/stat.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include <cerrno>
@@ -28,7 +35,8 @@ const char* kUsage =
     "                    [--hostfile PATH] [--carry PATH] [--dry-run]\n"
     "  Starts `carry train RUN` on the cluster's hosts with mpirun, one rank a GPU (dp*sp ranks of the\n"
     "  resolved run config, filled host by host so that an sp group stays on one host). Writes the\n"
-    "  hostfile (default runs/launch/<run name>.hostfile), prints the mpirun command line and runs it.\n"
+    "  hostfile (default runs/launch/<run name>.hostfile), prints the mpirun command line and runs it;\n"
+    "  SIGTERM, SIGINT, SIGHUP or SIGUSR1 to carry launch stops the run with a checkpoint (exit 75).\n"
     "  --set       overrides a run config field (repeatable; also passed on to carry train)\n"
     "  --hostfile  where to write the hostfile\n"
     "  --carry     the carry binary the ranks run (default: this one)\n"
@@ -61,6 +69,71 @@ void write_file(const std::string& path, const std::string& text) {
   out << text;
   out.close();
   if (!out) throw ConfigError("cannot write the hostfile " + path + ": " + std::strerror(errno));
+}
+
+volatile std::sig_atomic_t g_stop_requests = 0;
+volatile std::sig_atomic_t g_mpirun_pid = 0;
+
+extern "C" void forward_stop(int) {
+  g_stop_requests = g_stop_requests + 1;
+  if (g_mpirun_pid > 0) ::kill(static_cast<pid_t>(g_mpirun_pid), SIGUSR1);
+}
+
+// Runs argv (mpirun) in its own session and waits for it, turning each stop signal into SIGUSR1 to it.
+// Returns its exit status (128 + n when a signal ended it), or 127 when it cannot be started.
+int run_forwarding_stops(const std::vector<std::string>& argv) {
+  std::vector<char*> exec_argv;
+  for (auto& a : argv) exec_argv.push_back(const_cast<char*>(a.c_str()));
+  exec_argv.push_back(nullptr);
+  const int kStops[] = {SIGTERM, SIGINT, SIGHUP, SIGUSR1};
+  struct sigaction sa {};
+  sa.sa_handler = forward_stop;
+  sigemptyset(&sa.sa_mask);
+  for (int s : kStops) ::sigaction(s, &sa, nullptr);
+  // The stop signals wait (blocked) until the handler knows mpirun's pid: one signal, one SIGUSR1.
+  sigset_t stops, previous;
+  sigemptyset(&stops);
+  for (int s : kStops) sigaddset(&stops, s);
+  ::sigprocmask(SIG_BLOCK, &stops, &previous);
+  const pid_t parent = ::getpid();
+  const pid_t pid = ::fork();
+  if (pid < 0) {
+    ::sigprocmask(SIG_SETMASK, &previous, nullptr);
+    std::fprintf(stderr, "carry launch: cannot start %s: %s\n", exec_argv[0], std::strerror(errno));
+    return 127;
+  }
+  if (pid == 0) {
+    for (int s : kStops) std::signal(s, SIG_DFL);
+    ::sigprocmask(SIG_SETMASK, &previous, nullptr);
+    ::setsid();  // a Ctrl-C at the terminal reaches carry launch only
+    ::prctl(PR_SET_PDEATHSIG, SIGTERM);  // carry launch killed outright: mpirun ends the ranks
+    if (::getppid() != parent) ::_exit(1);
+    ::execvp(exec_argv[0], exec_argv.data());
+    std::fprintf(stderr, "carry launch: cannot run %s: %s\n", exec_argv[0], std::strerror(errno));
+    ::_exit(127);
+  }
+  g_mpirun_pid = pid;
+  ::sigprocmask(SIG_SETMASK, &previous, nullptr);
+  int said = 0, status = 0;
+  for (;;) {
+    const pid_t r = ::waitpid(pid, &status, 0);
+    if (g_stop_requests > said) {
+      std::fprintf(stderr, said == 0 ? "carry launch: stop requested: every rank finishes its step and writes a "
+                                       "checkpoint (exit 75; a second signal ends at once)\n"
+                                     : "carry launch: second stop signal: ending at once\n");
+      said = g_stop_requests;
+    }
+    if (r == pid) break;
+    if (r < 0 && errno != EINTR) {
+      std::fprintf(stderr, "carry launch: cannot wait for %s: %s\n", exec_argv[0], std::strerror(errno));
+      return 1;
+    }
+  }
+  const int rc = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+  if (rc == 75) std::fprintf(stderr, "carry launch: stopped with a checkpoint (exit 75); the same command resumes\n");
+  else if (rc > 128) std::fprintf(stderr, "carry launch: mpirun ended on signal %d\n", rc - 128);
+  else if (rc != 0) std::fprintf(stderr, "carry launch: a rank failed (mpirun exit %d); its message is above\n", rc);
+  return rc;
 }
 
 int usage_error(const std::string& message) {
@@ -121,12 +194,7 @@ int run_launch_command(int argc, char** argv) {
   std::printf("%s\n", shell_join(plan.argv).c_str());
   std::fflush(stdout);
   std::fflush(stderr);
-  std::vector<char*> exec_argv;
-  for (auto& a : plan.argv) exec_argv.push_back(const_cast<char*>(a.c_str()));
-  exec_argv.push_back(nullptr);
-  ::execvp(exec_argv[0], exec_argv.data());
-  std::fprintf(stderr, "carry launch: cannot run %s: %s\n", exec_argv[0], std::strerror(errno));
-  return 127;
+  return run_forwarding_stops(plan.argv);
 }
 
 }  // namespace carry

@@ -10,19 +10,25 @@
 #include "framework/cli/error_text.h"
 #include "framework/data/token_file.h"
 #include "framework/data/tokenizer.h"
+#include "framework/io/output_file.h"
 
+#include <pthread.h>
+#include <signal.h>
 #include <sys/stat.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <atomic>
 #include <cerrno>
 #include <chrono>
 #include <condition_variable>
+#include <csignal>
 #include <cstdio>
 #include <cstring>
 #include <deque>
 #include <exception>
 #include <mutex>
+#include <optional>
 #include <stdexcept>
 #include <string>
 #include <thread>
@@ -69,6 +75,8 @@ TokenizeArgs parse(CommandArgs& args) {
       a.tokenizer = args.value(f);
     } else if (f == "--eod-id") {
       a.eod_id = args.integer(f, 0);
+      if (a.eod_id > int64_t{0xFFFFFFFE})
+        throw UsageError("--eod-id must be below 4294967295 (token ids are 32-bit), got " + std::to_string(a.eod_id));
     } else if (f == "--threads") {
       a.threads = static_cast<int>(std::min<int64_t>(args.integer(f, 1), 1024));
     } else if (f == "--piece-bytes") {
@@ -113,6 +121,16 @@ size_t safe_cut(const std::string& text) {
   return 0;
 }
 
+// Every input is a readable regular file (a directory or a FIFO is named before any work starts).
+void check_inputs(const std::vector<std::string>& inputs) {
+  for (const auto& f : inputs) {
+    struct stat st;
+    if (::stat(f.c_str(), &st) != 0) throw std::runtime_error("--input " + f + ": cannot open: " + std::strerror(errno));
+    if (!S_ISREG(st.st_mode))
+      throw std::runtime_error("--input " + f + ": is " + file_kind(st.st_mode) + "; expected a text file");
+  }
+}
+
 struct Piece {
   bool document_start = false;
   std::string text;
@@ -121,12 +139,9 @@ struct Piece {
 };
 
 int train(const TokenizeArgs& args) {
+  check_inputs(args.inputs);
   std::string inputs;
-  for (auto& f : args.inputs) {
-    struct stat st;
-    if (::stat(f.c_str(), &st) != 0) throw std::runtime_error(f + ": cannot open: " + std::strerror(errno));
-    inputs += (inputs.empty() ? "" : ",") + f;
-  }
+  for (auto& f : args.inputs) inputs += (inputs.empty() ? "" : ",") + f;
   const auto t0 = std::chrono::steady_clock::now();
   std::fprintf(stderr, "carry tokenize: training a SentencePiece %s model of %lld pieces on %zu file%s...\n",
                args.model_type.c_str(), static_cast<long long>(args.vocab_size), args.inputs.size(),
@@ -139,6 +154,59 @@ int train(const TokenizeArgs& args) {
               std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count(), args.train_prefix.c_str());
   return 0;
 }
+
+}  // namespace
+
+namespace {
+
+// Removes the output's temporary file when a stop signal (SIGTERM, SIGINT, SIGHUP) ends the command,
+// then ends it as the signal would; the previous handlers come back at the end of its scope.
+char g_temp_to_remove[4096] = {};
+
+extern "C" void remove_temp_and_die(int signo) {
+  if (g_temp_to_remove[0]) ::unlink(g_temp_to_remove);
+  std::signal(signo, SIG_DFL);
+  std::raise(signo);
+}
+
+class RemoveOnStop {
+ public:
+  explicit RemoveOnStop(const std::string& path) {
+    std::snprintf(g_temp_to_remove, sizeof g_temp_to_remove, "%s", path.c_str());
+    struct sigaction sa {};
+    sa.sa_handler = remove_temp_and_die;
+    sigemptyset(&sa.sa_mask);
+    for (size_t i = 0; i < 3; ++i) ::sigaction(kSignals[i], &sa, &previous_[i]);
+  }
+  ~RemoveOnStop() {
+    for (size_t i = 0; i < 3; ++i) ::sigaction(kSignals[i], &previous_[i], nullptr);
+    g_temp_to_remove[0] = 0;
+  }
+  RemoveOnStop(const RemoveOnStop&) = delete;
+  RemoveOnStop& operator=(const RemoveOnStop&) = delete;
+
+ private:
+  static constexpr int kSignals[3] = {SIGTERM, SIGINT, SIGHUP};
+  struct sigaction previous_[3] {};
+};
+
+// Blocks SIGTERM, SIGINT and SIGHUP in this thread for its lifetime (a signal that comes meanwhile is
+// delivered when it ends).
+class BlockStops {
+ public:
+  BlockStops() {
+    sigset_t stops;
+    sigemptyset(&stops);
+    for (int s : {SIGTERM, SIGINT, SIGHUP}) sigaddset(&stops, s);
+    ::pthread_sigmask(SIG_BLOCK, &stops, &previous_);
+  }
+  ~BlockStops() { ::pthread_sigmask(SIG_SETMASK, &previous_, nullptr); }
+  BlockStops(const BlockStops&) = delete;
+  BlockStops& operator=(const BlockStops&) = delete;
+
+ private:
+  sigset_t previous_;
+};
 
 }  // namespace
 
@@ -157,12 +225,22 @@ int run_tokenize_command(int argc, char** argv) {
   }
   try {
     if (!args.train_prefix.empty()) return train(args);
+    check_inputs(args.inputs);
     auto tokenizer = load_tokenizer(args.tokenizer, args.eod_id);
     const bool whole_files = args.tokenizer.rfind("sentencepiece:", 0) == 0;
     const int threads = args.threads > 0 ? args.threads : static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
-    const int width = tokenizer->vocab_size() <= 65536 ? 2 : 4;
-    TokenFileWriter writer(args.output, width);
     const uint32_t eod = tokenizer->end_of_document();
+    const int width = std::max<int64_t>(tokenizer->vocab_size(), int64_t{eod} + 1) <= 65536 ? 2 : 4;
+    // The temporary file and the handler that removes it on a stop signal come into being together:
+    // a signal in between waits (blocked) until the handler is in place.
+    std::optional<TokenFileWriter> output;
+    std::optional<RemoveOnStop> remove_on_stop;
+    {
+      BlockStops block;
+      output.emplace(args.output, width);
+      remove_on_stop.emplace(output->temp_path());
+    }
+    TokenFileWriter& writer = *output;
 
     // The pipeline: pieces in input order; the reader adds, the workers encode, this thread writes.
     std::mutex mu;
@@ -259,40 +337,45 @@ int run_tokenize_command(int argc, char** argv) {
           fail(std::current_exception());
         }
       });
-    // Write in order, with a progress line every 5 s.
+    // Write in order, with a progress line every 5 s. A failed write (a full disk) stops the reader and
+    // the workers before it is reported: they are joined, never left running.
     const auto t0 = std::chrono::steady_clock::now();
-    auto last = t0;
     int64_t documents = 0;
-    while (true) {
-      Piece p;
-      {
-        std::unique_lock<std::mutex> lock(mu);
-        changed.wait_for(lock, std::chrono::milliseconds(500), [&] {
-          return failed || (!window.empty() && window.front().done) || (reading_done && window.empty());
-        });
-        if (failed) break;
-        if (window.empty() && reading_done) break;
-        if (window.empty() || !window.front().done) {
-          lock.unlock();
-          auto now = std::chrono::steady_clock::now();
-          if (now - last > std::chrono::seconds(5)) {
-            last = now;
-            const double s = std::chrono::duration<double>(now - t0).count();
-            std::fprintf(stderr, "carry tokenize: %s read, %lld tokens written, %.0f s\n", megabytes(bytes_read).c_str(),
-                         static_cast<long long>(writer.count()), s);
+    try {
+      auto last = t0;
+      while (true) {
+        Piece p;
+        {
+          std::unique_lock<std::mutex> lock(mu);
+          changed.wait_for(lock, std::chrono::milliseconds(500), [&] {
+            return failed || (!window.empty() && window.front().done) || (reading_done && window.empty());
+          });
+          if (failed) break;
+          if (window.empty() && reading_done) break;
+          if (window.empty() || !window.front().done) {
+            lock.unlock();
+            auto now = std::chrono::steady_clock::now();
+            if (now - last > std::chrono::seconds(5)) {
+              last = now;
+              const double s = std::chrono::duration<double>(now - t0).count();
+              std::fprintf(stderr, "carry tokenize: %s read, %lld tokens written, %.0f s\n", megabytes(bytes_read).c_str(),
+                           static_cast<long long>(writer.count()), s);
+            }
+            continue;
           }
-          continue;
+          p = std::move(window.front());
+          window.pop_front();
+          ++first_index;
+          changed.notify_all();
         }
-        p = std::move(window.front());
-        window.pop_front();
-        ++first_index;
-        changed.notify_all();
+        if (p.document_start) {
+          writer.append(eod);
+          ++documents;
+        }
+        if (!p.ids.empty()) writer.append(p.ids.data(), p.ids.size());
       }
-      if (p.document_start) {
-        writer.append(eod);
-        ++documents;
-      }
-      if (!p.ids.empty()) writer.append(p.ids.data(), p.ids.size());
+    } catch (...) {
+      fail(std::current_exception());
     }
     reader.join();
     for (auto& w : workers) w.join();

@@ -5,6 +5,7 @@
 #include "framework/cli/command_args.h"
 #include "framework/cli/error_text.h"
 #include "framework/config/config.h"
+#include "framework/printable.h"
 #include "framework/train/memory_estimate.h"
 #include "framework/train/trainer.h"
 #include "layers/core/device.h"
@@ -31,7 +32,7 @@ const char* kUsage =
     "  memory one rank needs (parameters, gradients, optimizer state, activations per layer with and\n"
     "  without recomputation; measured on this CPU) and exits. --max-steps N / --max-minutes M\n"
     "  end this invocation after N steps / the first step past M minutes with a checkpoint and exit\n"
-    "  status 75, as SIGTERM, SIGINT or SIGUSR1 do; the same command continues the run.\n"
+    "  status 75, as SIGTERM, SIGINT, SIGHUP or SIGUSR1 do; the same command continues the run.\n"
     "  A run resumes from checkpoint.dir as checkpoint.resume says (AUTO, REQUIRED, NEVER); a checkpoint\n"
     "  whose config differs in the seed, model, data, optimizer or global batch is refused, listing the\n"
     "  differences, unless --allow-config-change is given.\n";
@@ -45,6 +46,21 @@ std::string gpu_rank_layout_error(const std::string& host, int ranks_on_host, in
          ": carry gives each rank its own GPU. Start at most " + std::to_string(gpus_on_host) +
          " ranks on it (launcher/launch places ranks by the GPU counts of a cluster config), lower "
          "parallel.dp * parallel.sp, or hide the GPUs (CUDA_VISIBLE_DEVICES=) to train on the CPU";
+}
+
+std::string mpirun_stop_warning(const char* launcher, const char* omp_rank, const char* sigkill_timeout) {
+  if (launcher || !omp_rank) return "";  // a carry launcher forwards stops as SIGUSR1; or not Open MPI's mpirun
+  if (sigkill_timeout) {
+    char* end = nullptr;
+    const long seconds = std::strtol(sigkill_timeout, &end, 10);
+    if (end != sigkill_timeout && *end == 0 && seconds >= kMinSigkillTimeoutS) return "";
+  }
+  return std::string("carry train: warning: mpirun runs with odls_base_sigkill_timeout ") +
+         (sigkill_timeout ? printable(sigkill_timeout, false) : std::string("1 (the default)")) +
+         ": a SIGTERM or SIGINT to mpirun kills the ranks before they can write a checkpoint. Stop this run with "
+         "SIGUSR1 to mpirun, start it with launcher/train or carry launch, or give mpirun --mca "
+         "odls_base_sigkill_timeout 300 (at least " + std::to_string(kMinSigkillTimeoutS) +
+         "; see docs/reliability.md)";
 }
 
 int run_train_command(int argc, char** argv) {
@@ -113,6 +129,11 @@ int run_train_command(int argc, char** argv) {
     if (parallel::world_info().rank == 0) std::fprintf(stderr, "carry train: %s\n", error_text(e).c_str());
     parallel::finalize_mpi();
     return 1;
+  }
+  if (parallel::world_info().rank == 0) {
+    const std::string warning = mpirun_stop_warning(knob_value("CARRY_LAUNCHER"), knob_value("OMPI_COMM_WORLD_RANK"),
+                                                    knob_value("OMPI_MCA_odls_base_sigkill_timeout"));
+    if (!warning.empty()) std::fprintf(stderr, "%s\n", warning.c_str());
   }
   const bool gpu = cuda_device_count() > 0 && parallel::nccl_available();
   {

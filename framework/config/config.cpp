@@ -6,6 +6,7 @@
 // textproto with located errors), overrides.h (`--set`), defaults.h (declared defaults) and
 // validation.h (the checks).
 #include "framework/config/config.h"
+#include "framework/printable.h"
 
 #include "framework/config/defaults.h"
 #include "framework/config/overrides.h"
@@ -239,6 +240,20 @@ RunConfig run_config_from_text(const std::string& text, const std::string& sourc
   Source source;
   source.name = source_name;
   source.text = text;
+  return resolve_run(source, overrides);
+}
+
+RunConfig stored_run_config_from_text(const std::string& text, const std::string& source_name,
+                                      const std::vector<std::string>& overrides) {
+  Source source;
+  source.name = source_name;
+  source.text = text;
+  RunConfig raw;
+  parse_into(source, raw);
+  if (!raw.model_preset().empty())
+    throw ConfigError(source_name + ": model_preset: a checkpoint stores its resolved config, which names no preset "
+                      "file, but this one names '" + printable(raw.model_preset().substr(0, 200), false) +
+                      "' (not written by carry train, or changed since); carry reads no file a checkpoint names");
   return resolve_run(source, overrides);
 }
 

@@ -45,6 +45,11 @@ RunConfig load_run_config(const std::string& path, const std::vector<std::string
 // (e.g. a config stored in a checkpoint manifest).
 RunConfig run_config_from_text(const std::string& text, const std::string& source_name,
                                const std::vector<std::string>& overrides = {});
+// The same for the config a checkpoint stores (its resolved config): a model_preset in it is refused
+// (ConfigError naming source_name and the preset), so a crafted manifest cannot make carry read, and
+// echo in an error, a file it names.
+RunConfig stored_run_config_from_text(const std::string& text, const std::string& source_name,
+                                      const std::vector<std::string>& overrides = {});
 // A model preset file on its own (defaults filled, validated as a model).
 ModelConfig load_model_config(const std::string& path);
 ClusterConfig load_cluster_config(const std::string& path);

@@ -431,12 +431,16 @@ void check_model(const ModelConfig& m, const std::string& p, Errors& e) {
     std::string kind = o.kind();
     if (o.has_kind() && std::find(kinds.begin(), kinds.end(), kind) == kinds.end())
       e.add(q + ".kind", "'", kind, "' is not one of the model's mixers (", join(kinds, ", "), ")");
-    if (seen.count(kind))
+    if (seen.count(kind)) {
+      // The first repeat is the error; the entries after it are not walked (a file of many repeats
+      // stays one line and linear time).
+      const int rest = m.mixer_options_size() - i - 1;
       e.add(q + (o.has_kind() ? ".kind" : ""), "a second entry for ",
             o.has_kind() ? "'" + kind + "'" : std::string("all layers (no kind)"), " (the first is mixer_options[",
-            seen[kind], "])");
-    else
-      seen[kind] = i;
+            seen[kind], "])", rest > 0 ? "; " + std::to_string(rest) + " more entries follow it, not checked" : "");
+      break;
+    }
+    seen[kind] = i;
     std::vector<std::string> applies = o.has_kind() ? std::vector<std::string>{kind} : kinds;
     auto only_for = [&](bool set, const char* name, const std::set<std::string>& ok) {
       if (!set) return;

@@ -78,6 +78,9 @@ class TokenFileWriter {
   void append(const uint32_t* tokens, size_t n);
   void append(uint32_t token) { append(&token, 1); }
   int64_t count() const { return count_; }
+  // The temporary file the tokens go to until commit() renames it to the path (removed by the
+  // destructor when commit() was not reached).
+  const std::string& temp_path() const { return temp_path_; }
   void commit();
 
  private:

@@ -1,6 +1,7 @@
 // Tokenizers (see tokenizer.h): the byte tokenizer, carry's byte-level BPE (loaded from tokenizer.json
 // or a tiktoken rank file) and the SentencePiece wrapper.
 #include "framework/data/tokenizer.h"
+#include "framework/printable.h"
 #include "layers/core/knobs.h"
 
 #include "framework/data/pretokenize.h"
@@ -9,10 +10,13 @@
 #include <google/protobuf/util/json_util.h>
 
 #include <dlfcn.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
+#include <cerrno>
 #include <cstdlib>
+#include <cstring>
 #include <array>
 #include <fstream>
 #include <limits>
@@ -298,6 +302,7 @@ std::unique_ptr<Tokenizer> load_tokenizer_json(const std::string& path, int64_t 
 
   if (eod_override >= 0) {
     bpe->eod = static_cast<uint32_t>(eod_override);
+    bpe->vocab = std::max<int64_t>(bpe->vocab, eod_override + 1);  // an id past the merges' tokens
   } else {
     bool found = false;
     for (const char* name : {"<|endoftext|>", "<|end_of_text|>", "</s>"})
@@ -355,7 +360,7 @@ std::unique_ptr<Tokenizer> load_tiktoken(const std::string& path, SplitPattern p
     std::string b64;
     int64_t rank = -1;
     if (!(fields >> b64 >> rank) || rank < 0 || !base64_decode(b64, &bytes) || bytes.empty())
-      throw error(path + ":" + std::to_string(line_no), "expected \"<base64 bytes> <rank>\", got '" + line.substr(0, 80) + "'");
+      throw error(path + ":" + std::to_string(line_no), "expected \"<base64 bytes> <rank>\", got '" + printable(line.substr(0, 80), false) + "'");
     if (bpe->token_bytes.size() <= static_cast<size_t>(rank)) bpe->token_bytes.resize(rank + 1);
     bpe->token_bytes[rank] = bytes;
     bpe->id_of[bytes] = static_cast<uint32_t>(rank);
@@ -438,12 +443,39 @@ const SentencePieceLibrary& sentencepiece_library() {
   return lib;
 }
 
+// SentencePiece's status text without the library's source location and condition ("Internal:
+// ./src/x.cc(1101) [cond] what" -> "what"), printable; `fallback` when nothing else is left.
+std::string sentencepiece_reason(const std::string& raw, const std::string& fallback) {
+  std::string s = raw;
+  const auto colon = s.find(": ");
+  if (colon != std::string::npos && colon < 24) s = s.substr(colon + 2);  // the status code's name
+  const auto cc = s.find(".cc(");
+  if (cc != std::string::npos) {
+    const auto close = s.find(')', cc);
+    s = close == std::string::npos ? std::string() : s.substr(close + 1);
+  }
+  while (!s.empty() && s.front() == ' ') s.erase(0, 1);
+  if (!s.empty() && s.front() == '[') {
+    const auto end = s.find("] ");
+    s = end == std::string::npos ? std::string() : s.substr(end + 2);
+  }
+  while (!s.empty() && (s.back() == ' ' || s.back() == '\n')) s.pop_back();
+  return s.empty() ? fallback : printable(s.substr(0, 300), false);
+}
+
 class SentencePieceTokenizer final : public Tokenizer {
  public:
   SentencePieceTokenizer(const std::string& path, int64_t eod) : lib_(sentencepiece_library()), path_(path) {
     char message[1024] = "";
     model_ = lib_.load(path.c_str(), message, sizeof message);
-    if (!model_) throw error(path, std::string("cannot load the SentencePiece model: ") + message);
+    if (!model_) {
+      struct stat st;
+      const bool there = ::stat(path.c_str(), &st) == 0;
+      throw error(path, std::string("cannot load the SentencePiece model: ") +
+                            (there ? sentencepiece_reason(message, "not a SentencePiece model file (a serialized "
+                                                                   "ModelProto, as spm_train writes)")
+                                   : std::strerror(errno)));
+    }
     pieces_ = lib_.piece_size(model_);
     if (eod >= 0) {
       eod_ = static_cast<uint32_t>(eod);
@@ -499,7 +531,9 @@ void train_sentencepiece(const std::string& flags) {
   const auto& lib = sentencepiece_library();
   char message[1024] = "";
   if (lib.train(flags.c_str(), message, sizeof message) != 0)
-    throw std::runtime_error(std::string("SentencePiece training failed: ") + message);
+    throw std::runtime_error(std::string("SentencePiece training failed: ") +
+                             sentencepiece_reason(message, "the library gave no reason") +
+                             (std::strstr(message, "Vocabulary size") ? " (give a smaller --vocab-size, or more text)" : ""));
 }
 
 std::unique_ptr<Tokenizer> load_tokenizer(const std::string& spec, int64_t end_of_document) {

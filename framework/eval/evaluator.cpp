@@ -5,6 +5,7 @@
 
 #include "framework/data/synthetic.h"
 #include "framework/data/token_file.h"
+#include "framework/train/memory_estimate.h"
 #include "layers/blocks/precision.h"
 #include "parallel/slice_context.h"
 
@@ -82,7 +83,8 @@ EvalResult evaluate_model(const Model& model, const EvalSpec& spec, parallel::Pr
   const int dp = groups ? groups->layout.dp : 1, sp = groups ? groups->layout.sp : 1;
   const int dp_rank = groups ? groups->dp_rank : 0, sp_rank = groups ? groups->sp_rank : 0;
   const bool rank0 = !groups || groups->world_info.rank == 0;
-  const int64_t T = spec.seq_len, B = spec.batch_size, V = model.config().vocab_size();
+  const int64_t T = spec.seq_len, V = model.config().vocab_size();
+  int64_t B = spec.batch_size;
   if (T <= 0) throw ConfigError("eval: the sequence length must be positive, got " + std::to_string(T));
   if (B <= 0) throw ConfigError("eval: the batch size must be positive, got " + std::to_string(B));
   if (T % sp != 0)
@@ -108,6 +110,9 @@ EvalResult evaluate_model(const Model& model, const EvalSpec& spec, parallel::Pr
       throw ConfigError("eval: the token files hold " + std::to_string(stream->total) +
                         " tokens, fewer than one sequence of " + std::to_string(T) + " + 1");
     N = spec.max_sequences > 0 ? std::min(windows, spec.max_sequences) : windows;
+    // Batches sized to the data: a batch larger than a rank's share of the sequences would only hold
+    // padding (and could ask for more memory than the host has).
+    B = std::min(B, (N + dp - 1) / dp);
     batches = (N + dp * B - 1) / (dp * B);
   } else {
     if (!spec.data.has_mqar() && !spec.data.has_needle())
@@ -116,6 +121,20 @@ EvalResult evaluate_model(const Model& model, const EvalSpec& spec, parallel::Pr
     N = batches * dp * B;
   }
   const auto device = model.options().device();
+  if (device.is_cpu()) {
+    // A floor on what one batch needs on the CPU (one block's activations: the residual stream, the
+    // mixer's projections and the SwiGLU hidden layer, fp32), against the host's available memory:
+    // an impossible --batch-size is refused before anything is allocated.
+    const auto& mc = model.config();
+    const double floor_bytes = static_cast<double>(B) * static_cast<double>(Tp) * static_cast<double>(mc.d_model()) *
+                               4.0 * (6.0 + 2.0 * mc.mlp_ratio());
+    const double available = available_memory_bytes();
+    if (available > 0 && floor_bytes > available)
+      throw ConfigError("eval: a batch of " + std::to_string(B) + " sequences of " + std::to_string(Tp) +
+                        " tokens needs at least " + std::to_string(static_cast<long long>(floor_bytes / (1 << 20))) +
+                        " MiB on this host, which has " + std::to_string(static_cast<long long>(available / (1 << 20))) +
+                        " MiB available; give a smaller --batch-size");
+  }
   parallel::ScanMode mode = spec.scan_mode;
   MixerLayerContext slice;
   if (sp > 1) slice = parallel::make_slice_context(groups->sp, mode, /*head_groups=*/1, T);

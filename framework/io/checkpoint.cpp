@@ -5,6 +5,7 @@
 #include "framework/io/checkpoint.h"
 
 #include "framework/config/carry.pb.h"
+#include "framework/io/output_file.h"
 #include "framework/io/safetensors.h"
 #include "framework/printable.h"
 #include "framework/version.h"
@@ -45,6 +46,10 @@ const char* const kLatestFile = "latest";
 const char* const kTmpPrefix = ".tmp_step_";
 const char* const kDeletingPrefix = ".deleting_step_";
 const char* const kLockFile = ".lock";
+// The most a control file may hold; a larger one is refused before it is read. A manifest lists every
+// tensor (about 200 bytes each) and the resolved config; `latest` holds one directory name.
+constexpr int64_t kMaxManifestBytes = int64_t{64} << 20;
+constexpr int64_t kMaxLatestBytes = 4096;
 
 std::string path_join(const std::string& dir, const std::string& name) {
   return dir.empty() || dir.back() == '/' ? dir + name : dir + "/" + name;
@@ -107,8 +112,7 @@ bool remove_tree(const std::string& path) {
 
 // Writes a whole small file and fsyncs it (not atomic by itself: callers write to a temporary name).
 void write_file(const std::string& path, const std::string& text) {
-  int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
-  TORCH_CHECK(fd >= 0, "checkpoint: cannot create ", path, ": ", errno_text());
+  int fd = open_for_writing(path, O_WRONLY | O_CREAT | O_TRUNC, "checkpoint");
   size_t done = 0;
   while (done < text.size()) {
     ssize_t n = ::write(fd, text.data() + done, text.size() - done);
@@ -126,17 +130,38 @@ void write_file(const std::string& path, const std::string& text) {
   TORCH_CHECK(rc == 0, "checkpoint: cannot fsync ", path, ": ", std::strerror(err));
 }
 
-// The file's bytes, or nullopt if it cannot be opened.
-std::optional<std::string> read_file(const std::string& path) {
-  FILE* f = std::fopen(path.c_str(), "rb");
-  if (!f) return std::nullopt;
+// The bytes of a small control file (a manifest, `latest`), or nullopt with *why set: it cannot be
+// opened, is not a regular file (a FIFO in its place never blocks), or holds more than max_bytes
+// (refused from its size, before anything is read).
+std::optional<std::string> read_file(const std::string& path, int64_t max_bytes, std::string* why) {
+  int fd = open_for_reading(path, why);
+  if (fd < 0) return std::nullopt;
+  struct stat st;
+  if (::fstat(fd, &st) != 0 || st.st_size > max_bytes) {
+    *why = std::to_string(static_cast<long long>(st.st_size)) + " bytes, more than the " +
+           std::to_string(static_cast<long long>(max_bytes)) + " such a file may hold";
+    ::close(fd);
+    return std::nullopt;
+  }
   std::string text;
   char buf[65536];
-  size_t n;
-  while ((n = std::fread(buf, 1, sizeof buf, f)) > 0) text.append(buf, n);
-  bool bad = std::ferror(f);
-  std::fclose(f);
-  if (bad) return std::nullopt;
+  for (;;) {
+    ssize_t n = ::read(fd, buf, sizeof buf);
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0) {
+      *why = errno_text();
+      ::close(fd);
+      return std::nullopt;
+    }
+    if (n == 0) break;
+    text.append(buf, static_cast<size_t>(n));
+    if (static_cast<int64_t>(text.size()) > max_bytes) {  // grew while being read
+      *why = "more than the " + std::to_string(static_cast<long long>(max_bytes)) + " bytes such a file may hold";
+      ::close(fd);
+      return std::nullopt;
+    }
+  }
+  ::close(fd);
   return text;
 }
 
@@ -272,8 +297,9 @@ std::string base_name(std::string path) {
 config::CheckpointManifest read_manifest(const std::string& step_dir) {
   TORCH_CHECK(is_dir(step_dir), "checkpoint ", step_dir, ": not a directory");
   const std::string manifest_path = path_join(step_dir, kManifestFile);
-  std::optional<std::string> text = read_file(manifest_path);
-  TORCH_CHECK(text, "checkpoint ", step_dir, ": cannot read ", kManifestFile, ": ", errno_text(),
+  std::string why;
+  std::optional<std::string> text = read_file(manifest_path, kMaxManifestBytes, &why);
+  TORCH_CHECK(text, "checkpoint ", step_dir, ": cannot read ", kManifestFile, ": ", why,
               " (an incomplete or damaged checkpoint)");
 
   // The parser's errors (line:column) are collected for the message.
@@ -289,7 +315,7 @@ config::CheckpointManifest read_manifest(const std::string& step_dir) {
   parser.RecordErrorsTo(&collector);
   config::CheckpointManifest manifest;
   TORCH_CHECK(parser.ParseFromString(*text, &manifest), "checkpoint ", manifest_path,
-              ": bad manifest: ", printable(collector.errors));
+              ": bad manifest: ", printable(collector.errors, /*keep_newlines=*/false));
   TORCH_CHECK(manifest.has_format_version() && manifest.has_step(), "checkpoint ", manifest_path,
               ": bad manifest: format_version and step are required");
   TORCH_CHECK(manifest.format_version() >= kOldestFormatVersion && manifest.format_version() <= kFormatVersion,
@@ -519,13 +545,18 @@ CheckpointSearch find_latest_checkpoint(const std::string& dir) {
   std::string latest_name;
   std::optional<std::string> run;
   const std::string latest_path = path_join(dir, kLatestFile);
-  if (std::optional<std::string> latest = read_file(latest_path)) {
+  std::string latest_why;
+  std::optional<std::string> latest = read_file(latest_path, kMaxLatestBytes, &latest_why);
+  if (!latest && exists(latest_path))
+    out.notes.push_back("checkpoint " + latest_path + ": cannot read it: " + latest_why +
+                        "; taking the newest valid checkpoint");
+  if (latest) {
     latest_name = *latest;
     while (!latest_name.empty() && (latest_name.back() == '\n' || latest_name.back() == ' ' || latest_name.back() == '\r'))
       latest_name.pop_back();
     if (parse_step_name(latest_name) < 0) {
       out.notes.push_back("checkpoint " + latest_path + ": does not name a step directory (holds '" +
-                          printable(latest_name.substr(0, 200)) + "'); taking the newest valid checkpoint");
+                          printable(latest_name.substr(0, 200), /*keep_newlines=*/false) + "'); taking the newest valid checkpoint");
       latest_name.clear();
     } else if (!(run = run_id_of(path_join(dir, latest_name)))) {
       out.notes.push_back("checkpoint " + latest_path + ": names " + path_join(dir, latest_name) +
@@ -572,8 +603,7 @@ CheckpointDirLock::CheckpointDirLock(const std::string& dir) {
   TORCH_CHECK(!dir.empty(), "checkpoint: the checkpoint directory is empty");
   make_dirs(dir);
   const std::string path = path_join(dir, kLockFile);
-  fd_ = ::open(path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644);
-  TORCH_CHECK(fd_ >= 0, "checkpoint.dir ", dir, ": cannot create the lock file ", path, ": ", errno_text());
+  fd_ = open_for_writing(path, O_RDWR | O_CREAT, "checkpoint.dir " + dir + ": the lock file");
   if (::flock(fd_, LOCK_EX | LOCK_NB) != 0) {
     int err = errno;
     char holder[512] = {};

@@ -3,6 +3,7 @@
 // strict tensor matching on import. The carry model's parameter names and shapes come from a model
 // built on the meta device (no values drawn), so the map always follows Model::parameters().
 #include "framework/io/fla_format.h"
+#include "framework/printable.h"
 
 #include "framework/io/safetensors.h"
 #include "framework/model/model.h"
@@ -568,8 +569,14 @@ std::vector<std::string> weight_files(const std::string& dir) {
     throw ConfigError(index + ": \"weight_map\" (an object of tensor name -> file) is required");
   std::set<std::string> files;
   for (const auto& [name, file] : it->second.struct_value().fields()) {
-    if (file.kind_case() != Value::kStringValue || file.string_value().find('/') != std::string::npos)
-      throw ConfigError(index + ": \"weight_map\": tensor '" + name + "' must name a file of the folder");
+    const bool named = file.kind_case() == Value::kStringValue && !file.string_value().empty() &&
+                       file.string_value() != "." && file.string_value() != ".." &&
+                       file.string_value().find('/') == std::string::npos;
+    if (!named)
+      throw ConfigError(index + ": \"weight_map\": tensor '" + printable(name.substr(0, 200), false) +
+                        "' must name a file of the folder (a name without '/', not '.' or '..'), got " +
+                        (file.kind_case() == Value::kStringValue ? "'" + printable(file.string_value().substr(0, 200), false) + "'"
+                                                                 : std::string("a non-string")));
     files.insert(file.string_value());
   }
   std::vector<std::string> out;

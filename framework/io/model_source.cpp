@@ -42,7 +42,7 @@ ModelSource from_checkpoint(const CheckpointData& data, const std::string& path)
   s.tokens_seen = data.tokens_seen;
   s.run_config_text = data.config_text;
   try {
-    s.model = run_config_from_text(data.config_text, join_path(path, "manifest.textproto")).model();
+    s.model = stored_run_config_from_text(data.config_text, join_path(path, "manifest.textproto")).model();
   } catch (const ConfigError& e) {
     throw ConfigError("checkpoint " + path + ": its stored run config does not load: " + e.what());
   }

@@ -57,6 +57,58 @@ int write_all(int fd, const char* data, size_t size) {
 
 }  // namespace
 
+const char* file_kind(unsigned mode) {
+  if (S_ISREG(mode)) return "a regular file";
+  if (S_ISDIR(mode)) return "a directory";
+  if (S_ISFIFO(mode)) return "a FIFO";
+  if (S_ISSOCK(mode)) return "a socket";
+  if (S_ISCHR(mode)) return "a character device";
+  if (S_ISBLK(mode)) return "a block device";
+  if (S_ISLNK(mode)) return "a symbolic link";
+  return "not a regular file";
+}
+
+int open_for_writing(const std::string& path, int flags, const std::string& what, bool allow_char_device) {
+  int fd = ::open(path.c_str(), flags | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC, 0644);
+  if (fd < 0) {
+    const int err = errno;
+    struct stat st;
+    const bool have = ::lstat(path.c_str(), &st) == 0;
+    TORCH_CHECK(!(have && S_ISLNK(st.st_mode)), what, ": ", path, " is a symbolic link; carry writes no file "
+                "through a link (remove the link, or name the file it points to)");
+    TORCH_CHECK(!(have && !S_ISREG(st.st_mode) && !(allow_char_device && S_ISCHR(st.st_mode))), what, ": ", path, " is ",
+                file_kind(st.st_mode),
+                ", not a regular file; remove it or choose another path");
+    TORCH_CHECK(false, what, ": cannot open ", path, (flags & O_APPEND) ? " for appending: " : " for writing: ",
+                errno_text(err));
+  }
+  struct stat st;
+  if (::fstat(fd, &st) != 0 || !(S_ISREG(st.st_mode) || (allow_char_device && S_ISCHR(st.st_mode)))) {
+    const unsigned mode = st.st_mode;
+    ::close(fd);
+    TORCH_CHECK(false, what, ": ", path, " is ", file_kind(mode), ", not a regular file; remove it or choose "
+                "another path");
+  }
+  ::fcntl(fd, F_SETFL, ::fcntl(fd, F_GETFL) & ~O_NONBLOCK);
+  return fd;
+}
+
+int open_for_reading(const std::string& path, std::string* why) {
+  int fd = ::open(path.c_str(), O_RDONLY | O_NONBLOCK | O_CLOEXEC);
+  if (fd < 0) {
+    if (why) *why = errno_text(errno);
+    return -1;
+  }
+  struct stat st;
+  if (::fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) {
+    if (why) *why = std::string("is ") + file_kind(st.st_mode) + ", not a regular file";
+    ::close(fd);
+    return -1;
+  }
+  ::fcntl(fd, F_SETFL, ::fcntl(fd, F_GETFL) & ~O_NONBLOCK);
+  return fd;
+}
+
 int64_t free_bytes(const std::string& path) {
   struct statvfs vfs;
   if (::statvfs(path.c_str(), &vfs) != 0) return -1;
@@ -72,8 +124,7 @@ int64_t file_size(const std::string& path) {
 void check_output_dir(const std::string& dir, uint64_t bytes_needed, const std::string& field) {
   make_dirs(dir, field);
   const std::string probe = (dir.back() == '/' ? dir : dir + "/") + ".carry_write_test." + std::to_string(::getpid());
-  int fd = ::open(probe.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
-  TORCH_CHECK(fd >= 0, field, ": cannot create a file in ", dir, ": ", errno_text(errno));
+  int fd = open_for_writing(probe, O_WRONLY | O_CREAT | O_TRUNC, field + ": cannot create a file in " + dir);
   const std::vector<char> block(4096, 'x');
   int err = write_all(fd, block.data(), block.size());
   if (err == 0 && ::fsync(fd) != 0) err = errno;
@@ -92,14 +143,11 @@ void check_output_file(const std::string& path, const std::string& field) {
   struct stat st;
   TORCH_CHECK(::stat(path.c_str(), &st) != 0 || !S_ISDIR(st.st_mode), field, ": ", path,
               " is a directory; expected a file name");
-  int fd = ::open(path.c_str(), O_WRONLY | O_APPEND | O_CREAT | O_CLOEXEC, 0644);
-  TORCH_CHECK(fd >= 0, field, ": cannot open ", path, " for appending: ", errno_text(errno));
-  ::close(fd);
+  ::close(open_for_writing(path, O_WRONLY | O_APPEND | O_CREAT, field, /*allow_char_device=*/true));
 }
 
 void append_to_file(const std::string& path, const std::string& text, const std::string& field) {
-  int fd = ::open(path.c_str(), O_WRONLY | O_APPEND | O_CREAT | O_CLOEXEC, 0644);
-  TORCH_CHECK(fd >= 0, field, ": cannot open ", path, " for appending: ", errno_text(errno));
+  int fd = open_for_writing(path, O_WRONLY | O_APPEND | O_CREAT, field, /*allow_char_device=*/true);
   int err = write_all(fd, text.data(), text.size());
   if (::close(fd) != 0 && err == 0) err = errno;
   TORCH_CHECK(err == 0, field, ": cannot write to ", path, ": ", errno_text(err));

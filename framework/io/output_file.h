@@ -19,7 +19,8 @@ int64_t free_bytes(const std::string& path);
 void check_output_dir(const std::string& dir, uint64_t bytes_needed, const std::string& field);
 
 // `path` can be appended to (its directory created if missing; the file is created if missing and
-// never truncated). Throws c10::Error naming `field`, the path and what is wrong.
+// never truncated; a symbolic link, a FIFO or a directory in its place is refused, a character device
+// such as /dev/null taken). Throws c10::Error naming `field`, the path and what is wrong.
 void check_output_file(const std::string& path, const std::string& field);
 
 // Appends `text` to `path` (created if missing) with one write, then closes it, checking each call:
@@ -29,5 +30,24 @@ void append_to_file(const std::string& path, const std::string& text, const std:
 
 // The size of a file in bytes, or -1 if it does not exist or is not a regular file.
 int64_t file_size(const std::string& path);
+
+// Opens a file carry writes: `flags` (O_WRONLY or O_RDWR with O_CREAT, O_TRUNC, O_APPEND, O_EXCL) plus
+// O_NOFOLLOW, O_NONBLOCK and O_CLOEXEC, so a symbolic link in the file's place is refused, not
+// followed (it would let anyone who can write the directory redirect the write to any file the run can
+// reach), and a FIFO or a device never blocks the open; then anything but a regular file is refused.
+// Returns the descriptor (O_NONBLOCK cleared), or throws c10::Error: "<what>: <path> is a symbolic
+// link ...", "<what>: <path> is a FIFO, not a regular file ...", or "<what>: cannot open <path> for
+// writing (appending): <the system's reason>". With allow_char_device a character device (/dev/null,
+// /dev/full) is taken too: a metrics file may be one.
+int open_for_writing(const std::string& path, int flags, const std::string& what, bool allow_char_device = false);
+
+// Opens a file carry reads: O_RDONLY, O_NONBLOCK and O_CLOEXEC (a FIFO never blocks the open), then
+// refuses anything but a regular file. Returns the descriptor (O_NONBLOCK cleared), or -1 with
+// *why set ("is a FIFO, not a regular file", or the system's reason).
+int open_for_reading(const std::string& path, std::string* why);
+
+// What a file of this mode is, for messages: "a directory", "a FIFO", "a socket", "a character
+// device", "a block device", "a symbolic link", "a regular file".
+const char* file_kind(unsigned mode);
 
 }  // namespace carry

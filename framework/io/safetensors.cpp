@@ -5,6 +5,7 @@
 // refused as absurd (the header itself is limited to 100 MB).
 #include "framework/io/safetensors.h"
 
+#include "framework/io/output_file.h"
 #include "framework/printable.h"
 
 #include <google/protobuf/struct.pb.h>
@@ -19,6 +20,7 @@
 #include <sstream>
 #include <vector>
 
+#include <fcntl.h>
 #include <unistd.h>
 
 static_assert(__BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__,
@@ -272,7 +274,11 @@ void write_json_string(std::string& out, const std::string& s) {
 // The reader; load_safetensors makes its messages printable.
 std::map<std::string, at::Tensor> read_safetensors(const std::string& path,
                                                    std::map<std::string, std::string>* metadata) {
-  File f(std::fopen(path.c_str(), "rb"));
+  std::string why;
+  const int fd = open_for_reading(path, &why);  // a FIFO in its place is refused, never waited on
+  TORCH_CHECK(fd >= 0, path, ": cannot open: ", why);
+  File f(::fdopen(fd, "rb"));
+  if (!f) ::close(fd);
   TORCH_CHECK(f, path, ": cannot open: ", std::strerror(errno));
   TORCH_CHECK(fseeko(f.get(), 0, SEEK_END) == 0, path, ": cannot seek: ", std::strerror(errno));
   off_t file_size = ftello(f.get());
@@ -446,8 +452,12 @@ void save_safetensors(const std::string& path, const std::map<std::string, at::T
     TORCH_CHECK(false, path, ": ", what, ": ", err);
   };
   {
-    File f(std::fopen(tmp.c_str(), "wb"));
-    if (!f) fail("cannot create the temporary file " + tmp);
+    const int fd = open_for_writing(tmp, O_WRONLY | O_CREAT | O_TRUNC, path + ": cannot create the temporary file");
+    File f(::fdopen(fd, "wb"));
+    if (!f) {
+      ::close(fd);
+      fail("cannot create the temporary file " + tmp);
+    }
     unsigned char len_bytes[8];
     uint64_t n = header.size();
     for (int i = 0; i < 8; ++i) len_bytes[i] = static_cast<unsigned char>(n >> (8 * i));

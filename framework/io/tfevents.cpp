@@ -2,12 +2,17 @@
 // one at a time.
 #include "framework/io/tfevents.h"
 
+#include "framework/io/output_file.h"
+
 #include "framework/io/tfevents.pb.h"
 
 #include <array>
 #include <cerrno>
 #include <cstring>
 #include <stdexcept>
+
+#include <fcntl.h>
+#include <unistd.h>
 
 namespace carry {
 
@@ -42,7 +47,9 @@ uint32_t masked_crc32c(const void* data, size_t n) {
 }
 
 EventFileWriter::EventFileWriter(const std::string& path, double wall_time) : path_(path) {
-  file_ = std::fopen(path.c_str(), "wb");
+  const int fd = open_for_writing(path, O_WRONLY | O_CREAT | O_TRUNC, "the TensorBoard event file");
+  file_ = ::fdopen(fd, "wb");
+  if (!file_) ::close(fd);
   if (!file_) throw std::runtime_error(path + ": cannot create the TensorBoard event file: " + std::strerror(errno));
   tfevents::Event e;
   e.set_wall_time(wall_time);

@@ -135,6 +135,9 @@ LaunchPlan make_launch_plan(const ClusterConfig& cluster, const RunConfig& run, 
   // NVLink multicast (NVLS) stays off unless the cluster says otherwise.
   if (!env.count("NCCL_NVLS_ENABLE")) a.insert(a.end(), {"-x", "NCCL_NVLS_ENABLE=0"});
   if (options.forward_ld_library_path) a.insert(a.end(), {"-x", "LD_LIBRARY_PATH"});
+  // The ranks learn that a stop signal reaches them as SIGUSR1 (carry launch forwards it), so they do
+  // not warn about mpirun's odls_base_sigkill_timeout.
+  a.insert(a.end(), {"-x", "CARRY_LAUNCHER=carry_launch"});
   std::map<std::string, std::string> sorted_env(env.begin(), env.end());
   for (auto& kv : sorted_env) a.insert(a.end(), {"-x", kv.first + "=" + kv.second});
   a.insert(a.end(), cluster.mpirun_args().begin(), cluster.mpirun_args().end());

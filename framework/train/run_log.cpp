@@ -5,6 +5,7 @@
 #include "framework/io/output_file.h"
 
 #include <dirent.h>
+#include <fcntl.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -171,10 +172,14 @@ RunLog::Start RunLog::start(int64_t step, bool resumed, double wall_time) {
   if (rewrite) {
     const std::string temp = path_ + ".tmp." + std::to_string(::getpid());
     {
-      std::ofstream out(temp, std::ios::trunc);
-      for (auto& l : kept_lines) out << l << '\n';
-      out.flush();
-      if (!out) throw std::runtime_error("logging.metrics_file: cannot write '" + temp + "'");
+      std::string text;
+      for (auto& l : kept_lines) text += l + '\n';
+      const int fd = open_for_writing(temp, O_WRONLY | O_CREAT | O_TRUNC, "logging.metrics_file");
+      std::FILE* out = ::fdopen(fd, "w");
+      const bool ok = out && std::fwrite(text.data(), 1, text.size(), out) == text.size();
+      if (!out) ::close(fd);
+      if (!(out && std::fclose(out) == 0 && ok))
+        throw std::runtime_error("logging.metrics_file: cannot write '" + temp + "'");
     }
     if (std::rename(temp.c_str(), path_.c_str()) != 0)
       throw std::runtime_error("logging.metrics_file: cannot replace '" + path_ + "': " + std::strerror(errno));

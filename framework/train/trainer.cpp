@@ -279,8 +279,13 @@ void Trainer::open_token_data() {
 
 std::string Trainer::divergence_hint() const {
   const auto& ck = config_.checkpoint();
-  std::string where = ck.has_dir() && !ck.dir().empty() ? "The newest checkpoint is in " + ck.dir() + "; "
-                                                         : "There is no checkpoint.dir; ";
+  std::string where = "There is no checkpoint.dir; ";
+  if (ck.has_dir() && !ck.dir().empty()) {
+    const std::vector<int64_t> steps = list_checkpoint_steps(ck.dir());
+    where = steps.empty() ? "checkpoint.dir " + ck.dir() + " holds no checkpoint yet; "
+                          : "The newest checkpoint is " + ck.dir() + "/" + checkpoint_dir_name(steps.back()) +
+                                " (step " + std::to_string(steps.back()) + "); ";
+  }
   return where + "try a lower optimizer.lr, a longer optimizer.warmup_steps or optimizer.grad_clip.";
 }
 

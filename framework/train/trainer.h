@@ -86,7 +86,7 @@ struct StepStats {
   double lr = 0;
   int64_t tokens = 0;         // tokens of the step's global batch
   double seconds = 0;
-  // Some rank had received a stop signal (SIGTERM, SIGINT, SIGUSR1) when the step's loss was summed
+  // Some rank had received a stop signal (SIGTERM, SIGINT, SIGHUP, SIGUSR1) when the step's loss was summed
   // over the ranks: the same on every rank, so all of them stop after the same step.
   bool stop_requested = false;
 };
@@ -127,7 +127,7 @@ class Trainer {
   // logging.metrics_file can be appended to, drops the metrics lines of steps after the checkpoint
   // (a resumed run logs them again), prints the resolved config and the model, trains to
   // optimizer.total_steps with logging, evaluation and checkpoints. Returns 0. While it runs,
-  // SIGTERM, SIGINT and SIGUSR1 (which mpirun forwards to the ranks) ask for a stop: every rank
+  // SIGTERM, SIGINT, SIGHUP and SIGUSR1 (mpirun forwards SIGUSR1 to the ranks) ask for a stop: every rank
   // finishes the step, a checkpoint is written and run() returns kExitStoppedBySignal; a second
   // signal ends the process at once. A non-finite loss or gradient norm throws before the update
   // (the parameters stay those of the last step).

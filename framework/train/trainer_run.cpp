@@ -62,7 +62,8 @@ extern "C" void on_stop_signal(int signo) {
   g_stop_signal = signo;
 }
 
-// Installs on_stop_signal for SIGTERM, SIGINT and SIGUSR1 for its lifetime, then restores the
+// Installs on_stop_signal for SIGTERM, SIGINT, SIGHUP (a closed terminal or ssh session) and SIGUSR1
+// for its lifetime, then restores the
 // previous handlers.
 class StopSignals {
  public:
@@ -81,8 +82,8 @@ class StopSignals {
   StopSignals& operator=(const StopSignals&) = delete;
 
  private:
-  static constexpr std::array<int, 3> kSignals{SIGTERM, SIGINT, SIGUSR1};
-  std::array<struct sigaction, 3> previous_{};
+  static constexpr std::array<int, 4> kSignals{SIGTERM, SIGINT, SIGHUP, SIGUSR1};
+  std::array<struct sigaction, 4> previous_{};
 };
 
 }  // namespace
@@ -329,7 +330,7 @@ int Trainer::run() {
       const auto& ck = config_.checkpoint();
       const bool saved = ck.has_dir() && !ck.dir().empty();
       const std::string why = step_limit ? "after the " + std::to_string(options_.max_steps) + " steps of --max-steps"
-                                         : "on a stop signal (SIGTERM, SIGINT or SIGUSR1) or --max-minutes";
+                                         : "on a stop signal (SIGTERM, SIGINT, SIGHUP or SIGUSR1) or --max-minutes";
       log("stopped at step %lld/%lld %s: %s\n", static_cast<long long>(s.step), static_cast<long long>(total),
           why.c_str(), saved ? ("checkpoint written to " + ck.dir() + "; run the same command again to continue").c_str()
                              : "no checkpoint.dir, so this run's progress is not saved");

@@ -69,7 +69,7 @@ inline std::string duration_text(double seconds) {
   return buf;
 }
 
-// The stop signal received while Trainer::run's handlers are installed (SIGTERM, SIGINT, SIGUSR1), or 0.
+// The stop signal received while Trainer::run's handlers are installed (SIGTERM, SIGINT, SIGHUP, SIGUSR1), or 0.
 int stop_signal();
 
 }  // namespace carry::trainer_util

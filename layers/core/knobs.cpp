@@ -47,6 +47,8 @@ const std::vector<Knob>& knobs() {
       {"OMPI_COMM_WORLD_RANK", "set by mpirun", A::mpi, "before MPI starts, config errors print on rank 0 only"},
       {"PMI_RANK", "set by mpirun", A::mpi, "as OMPI_COMM_WORLD_RANK, for other MPI launchers"},
       {"LD_LIBRARY_PATH", "system", A::mpi, "when set, carry launch forwards it to the ranks"},
+      {"OMPI_MCA_odls_base_sigkill_timeout", "1", A::mpi, "set by mpirun --mca odls_base_sigkill_timeout N: seconds mpirun waits before it signals, then kills, the ranks; carry train warns under a plain mpirun without it"},
+      {"CARRY_LAUNCHER", "unset", A::mpi, "set by launcher/train and carry launch for the ranks: a stop signal reaches them as SIGUSR1, so carry train does not warn about odls_base_sigkill_timeout"},
       // launcher
       {"CARRY_BUILD_DIR", "build", A::launcher, "the build directory of the launcher scripts"},
       {"CARRY_JOBS", "nproc", A::launcher, "parallel build jobs (launcher/setup)"},

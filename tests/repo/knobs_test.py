@@ -19,7 +19,7 @@ def read_names(root):
     names = {}
     getenv_calls = []
     lit = re.compile(r'"((?:CARRY|MKL|ATEN)_[A-Z0-9_]+)"')
-    get = re.compile(r'(?:getenv|knob_value)\("([A-Z0-9_]+)"\)')
+    get = re.compile(r'(?:getenv|knob_value)\("([A-Za-z0-9_]+)"\)')
     for top in ('layers', 'parallel', 'framework'):
         for dirpath, _, files in os.walk(os.path.join(root, top)):
             for f in files:

@@ -91,6 +91,65 @@ TEST(ModelCommands, ExportAndImport) {
   testing::remove_tree(dir);
 }
 
+// A checkpoint whose stored config names a model preset (here a file with a secret first line) is
+// refused by eval and generate, naming the field, without reading or echoing that file.
+TEST(ModelCommands, ACheckpointsStoredConfigNamesNoFileToRead) {
+  auto dir = testing::make_temp_dir("carry_cmd_preset");
+  {
+    std::ofstream secret(dir + "/secret.txt");
+    secret << "SECRET-FIRST-LINE: model { d_model: 16 }\n";
+  }
+  RunConfig config = run_config_from_text(kRun, "model_commands_test.textproto");
+  Model model = build_model(config.model(), 3);
+  CheckpointData d;
+  d.step = 4;
+  d.config_text = "model_preset: \"" + dir + "/secret.txt\"\n" + config_to_text(config);
+  for (auto& [name, p] : model.parameters()) d.model.emplace_back(name, p.detach());
+  save_checkpoint(dir + "/ck", d, 0);
+  for (auto command : {"eval", "generate"}) {
+    ::testing::internal::CaptureStderr();
+    ::testing::internal::CaptureStdout();
+    int rc = std::string(command) == "eval"
+                 ? eval({"eval", dir + "/ck", "--batch-size", "1"})
+                 : run(run_generate_command, {"generate", dir + "/ck", "--prompt", "Hi", "--max-new-tokens", "2"});
+    std::string err = ::testing::internal::GetCapturedStderr() + ::testing::internal::GetCapturedStdout();
+    EXPECT_EQ(rc, 1) << command << ": " << err;
+    EXPECT_NE(err.find("manifest.textproto: model_preset: a checkpoint stores its resolved config, which names no "
+                       "preset file, but this one names '" + dir + "/secret.txt'"), std::string::npos) << command << ": " << err;
+    EXPECT_EQ(err.find("SECRET-FIRST-LINE"), std::string::npos) << command << ": " << err;
+    EXPECT_EQ(std::count(err.begin(), err.end(), '\n'), 1) << command << ": " << err;
+  }
+  testing::remove_tree(dir);
+}
+
+// Each bad generate flag is one line naming that flag and what it takes (exit 2), or the file and what it is.
+TEST(ModelCommands, GenerateFlagsNameThemselves) {
+  auto dir = testing::make_temp_dir("carry_cmd_generate_flags");
+  std::string ck = checkpoint(dir + "/ck", kRun);
+  auto error_of = [&](std::vector<std::string> args, int want) {
+    args.insert(args.begin(), {"generate", ck});
+    ::testing::internal::CaptureStderr();
+    ::testing::internal::CaptureStdout();
+    int rc = run(run_generate_command, args);
+    std::string err = ::testing::internal::GetCapturedStderr();
+    ::testing::internal::GetCapturedStdout();
+    EXPECT_EQ(rc, want) << err;
+    return err.substr(0, err.find('\n'));
+  };
+  EXPECT_EQ(error_of({"--prompt", "a", "--max-new-tokens", "9223372036854775807"}, 2),
+            "carry generate: --max-new-tokens must be at most 2147483648, got 9223372036854775807");
+  EXPECT_EQ(error_of({"--prompt-ids", "99999999999999999999999"}, 2),
+            "carry generate: --prompt-ids: '99999999999999999999999' is not a token id (ids are integers in [0, "
+            "4294967295], comma-separated)");
+  EXPECT_EQ(error_of({"--prompt", "a", "--stop-token", "abc"}, 2),
+            "carry generate: --stop-token: 'abc' is not a token id (ids are integers in [0, 4294967295], or 'none')");
+  EXPECT_EQ(error_of({"--prompt-file", dir}, 1),
+            "carry generate: --prompt-file " + dir + ": is a directory; expected a text file");
+  { std::ofstream empty(dir + "/empty.txt"); }
+  EXPECT_EQ(error_of({"--prompt-file", dir + "/empty.txt"}, 2), "carry generate: --prompt-file " + dir + "/empty.txt is empty");
+  testing::remove_tree(dir);
+}
+
 TEST(ModelCommands, GenerateIsReproducible) {
   testing::OneThread one_thread;
   auto dir = testing::make_temp_dir("carry_cmd_generate");

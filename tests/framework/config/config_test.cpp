@@ -18,6 +18,7 @@
 #include <algorithm>
 #include <cstring>
 #include <functional>
+#include <chrono>
 #include <fstream>
 #include <stdexcept>
 #include <string>
@@ -472,6 +473,22 @@ TEST(RecomputeOverlap, UnsetAppliesAtSp1SetAppliesAnywhere) {
   c.mutable_parallel()->set_recompute_keeps_mixer(false);
   c.mutable_parallel()->set_recompute_overlap(false);
   EXPECT_FALSE(recompute_overlap_applies(c)) << "switched off";
+}
+
+// 30,000 repeated mixer_options entries: the first repeat is reported (with how many follow), the rest
+// are not walked, and the whole load stays linear in the file (well under a second here).
+TEST_F(ConfigTest, RepeatedEntriesAreReportedOnceAndQuickly) {
+  std::string text = kValid;
+  std::string entries;
+  for (int i = 0; i < 30000; ++i) entries += "  mixer_options { chunk_size: 16 }\n";
+  text.replace(text.find("  mixers: \"gla\"\n"), 0, entries);
+  const auto start = std::chrono::steady_clock::now();
+  const std::string m = load_error(text);
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  EXPECT_LT(seconds, 3.0) << m.substr(0, 400);
+  EXPECT_NE(m.find("model.mixer_options[1]: a second entry for all layers (no kind) (the first is mixer_options[0]); "
+                   "29998 more entries follow it, not checked"), std::string::npos) << m.substr(0, 400);
+  EXPECT_LT(m.size(), 2000u) << m.substr(0, 400);
 }
 
 TEST_F(ConfigTest, ValidationErrorFromAnOverrideSaysSo) {

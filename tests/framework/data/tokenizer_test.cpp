@@ -257,6 +257,20 @@ TEST_F(TokenizerFiles, ErrorsSayWhatIsSupported) {
   json.replace(json.find("\"use_regex\":true"), 16, "\"use_regex\":false");
   msg = error_of("bpe:" + write("noregex.json", json));
   EXPECT_NE(msg.find("pre_tokenizer: ByteLevel without its regex"), std::string::npos) << msg;
+  // A garbage tiktoken file: its line is quoted with control bytes escaped, on one line.
+  msg = error_of("tiktoken:" + write("garbage.tiktoken", std::string("\x1b[31m\x07" "bad\rline 3\n")), 5);
+  EXPECT_NE(msg.find("garbage.tiktoken:1: expected \"<base64 bytes> <rank>\", got '"), std::string::npos) << msg;
+  for (char c : msg) EXPECT_TRUE(c >= 0x20 || c == '\n') << "a control byte " << int(c) << " in: " << msg;
+  EXPECT_EQ(msg.find('\n'), std::string::npos) << msg;
+  // An --eod-id past the BPE's tokens widens its vocabulary to hold it, and the token file to 4 bytes.
+  EXPECT_EQ(load_tokenizer("bpe:" + dir_ + "/noeod.json", 70000)->vocab_size(), 70001);
+  ASSERT_EQ(tokenize({"--tokenizer", "bpe:" + dir_ + "/noeod.json", "--eod-id", "70000", "--input",
+                      write("doc.txt", "hello world\n"), "--output", dir_ + "/wide.tok"}),
+            0);
+  TokenFile wide(dir_ + "/wide.tok");
+  EXPECT_EQ(wide.width(), 4);
+  ASSERT_GT(wide.size(), 1);
+  EXPECT_EQ(wide.at(0), 70000u);
 }
 
 // Many files of repeated lines, tokenized with 1 thread and whole pieces, and with 3 threads and
@@ -326,7 +340,22 @@ TEST_F(TokenizerFiles, SentencePieceTrainsAndTokenizes) {
   EXPECT_EQ(docs[2], docs[0]);
   EXPECT_LT(docs[0].size(), 17u) << "subword tokens, not bytes";
   auto msg = error_of("sentencepiece:" + dir_ + "/missing.model");
-  EXPECT_NE(msg.find("missing.model: cannot load the SentencePiece model"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("missing.model: cannot load the SentencePiece model: No such file or directory"), std::string::npos)
+      << msg;
+  // A garbage model and a vocabulary too large for the text: the reason, without the library's source
+  // location ("Internal: ./src/....cc(N) [...]").
+  auto garbage = write("garbage.model", std::string("\x01\x02not a model\xff\n"));
+  msg = error_of("sentencepiece:" + garbage);
+  EXPECT_NE(msg.find("garbage.model: cannot load the SentencePiece model: not a SentencePiece model file"),
+            std::string::npos) << msg;
+  EXPECT_EQ(msg.find(".cc("), std::string::npos) << msg;
+  ::testing::internal::CaptureStderr();
+  EXPECT_EQ(tokenize({"--train-sentencepiece", dir_ + "/big", "--vocab-size", "5000", "--input", input}), 1);
+  msg = ::testing::internal::GetCapturedStderr();
+  EXPECT_NE(msg.find("carry tokenize: SentencePiece training failed: Vocabulary size too high (5000)"), std::string::npos)
+      << msg;
+  EXPECT_NE(msg.find("(give a smaller --vocab-size, or more text)"), std::string::npos) << msg;
+  EXPECT_EQ(msg.find(".cc("), std::string::npos) << msg;
 }
 
 }  // namespace

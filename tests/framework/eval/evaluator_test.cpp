@@ -110,6 +110,15 @@ TEST(Evaluator, EqualsADirectComputationOverTheWindows) {
   }
   spec.max_sequences = 2;
   EXPECT_EQ(evaluate_model(model, spec, nullptr).sequences, 2);
+  spec.max_sequences = 0;
+
+  // A batch size far past the data (5,000,000 sequences of 16 tokens would need gigabytes) is sized to
+  // the 5 windows: the same scores, at once.
+  spec.batch_size = 5000000;
+  EvalResult huge = evaluate_model(model, spec, nullptr);
+  EXPECT_EQ(huge.sequences, windows);
+  EXPECT_NEAR(huge.loss_sum, total, 1e-10 * total);
+  spec.batch_size = 3;
 
   // The curve covers every position once; table and plot are written.
   for (int64_t buckets : {0, 3, 24}) {
@@ -170,6 +179,17 @@ TEST(Evaluator, MqarMatchesTheTrainersEvaluation) {
   EXPECT_NEAR(r.accuracy(), expected.accuracy, 1e-15);
   EXPECT_NEAR(static_cast<double>(r.sequences_all_right) / r.sequences, expected.sequence_accuracy, 1e-15);
   EXPECT_EQ(r.sequences, 6);
+  // A task batch no host could hold (10^12 sequences) is refused before anything is allocated.
+  spec.batch_size = 1000000000000;
+  try {
+    evaluate_model(t.model(), spec, nullptr);
+    ADD_FAILURE() << "a batch of 10^12 sequences was accepted";
+  } catch (const ConfigError& e) {
+    EXPECT_NE(std::string(e.what()).find("eval: a batch of 1000000000000 sequences of 32 tokens needs at least "),
+              std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("MiB available; give a smaller --batch-size"), std::string::npos) << e.what();
+  }
+  spec.batch_size = 3;
 
   // The needle task the same way: value_len scored targets a sequence.
   spec.data.mutable_needle()->set_vocab_size(24);

@@ -5,7 +5,9 @@
 // manifest field, a truncated file, a missing manifest, a missing file, an interrupted write's
 // temporary directory) are reported with their path and skipped in favour of the previous good one;
 // format_version 1 still loads; a process SIGKILLed in the middle of writing a 200 MB checkpoint
-// leaves the previous one loadable bitwise; the directory lock refuses a second holder.
+// leaves the previous one loadable bitwise; the directory lock refuses a second holder; a symbolic link
+// in place of a file carry writes is refused and its target left alone; a FIFO in place of a file
+// carry reads is skipped at once; an oversized `latest` or manifest is refused by its size, unread.
 #include "framework/io/checkpoint.h"
 
 #include "framework/config/carry.pb.h"
@@ -30,7 +32,9 @@
 #include <thread>
 
 #include <dirent.h>
+#include <fcntl.h>
 #include <sys/resource.h>
+#include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -422,6 +426,104 @@ TEST_F(CheckpointTest, DirectoryLockRefusesASecondHolder) {
     EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 3) << "another process got the lock";
   }
   CheckpointDirLock again(dir_);
+}
+
+// A `.lock` that is a symbolic link (to a file of the user's, here `victim`) is refused, naming it;
+// the victim keeps its bytes. The same for a link planted where `latest`'s temporary file goes.
+TEST_F(CheckpointTest, SymbolicLinksInPlaceOfWrittenFilesAreRefused) {
+  save_checkpoint(dir_, make_data(1), 0);
+  const std::string parent = dir_.substr(0, dir_.rfind('/'));
+  const std::string victim = parent + "/victim";
+  write_text(victim, "precious\n");
+  ASSERT_EQ(::symlink(victim.c_str(), (dir_ + "/.lock").c_str()), 0);
+  try {
+    CheckpointDirLock lock(dir_);
+    ADD_FAILURE() << "a lock through a symbolic link was granted";
+  } catch (const c10::Error& e) {
+    EXPECT_CONTAINS(e.what_without_backtrace(), "checkpoint.dir " + dir_ + ": the lock file: " + dir_ +
+                                                    "/.lock is a symbolic link; carry writes no file through a link");
+  }
+  EXPECT_EQ(read_text(victim), "precious\n");
+  ASSERT_EQ(::unlink((dir_ + "/.lock").c_str()), 0);
+
+  const std::string planted = dir_ + "/.latest.tmp." + std::to_string(::getpid());
+  ASSERT_EQ(::symlink(victim.c_str(), planted.c_str()), 0);
+  try {
+    save_checkpoint(dir_, make_data(2), 0);
+    ADD_FAILURE() << "a checkpoint was written through a planted link";
+  } catch (const c10::Error& e) {
+    EXPECT_CONTAINS(e.what_without_backtrace(), planted + " is a symbolic link");
+  }
+  EXPECT_EQ(read_text(victim), "precious\n");
+  ASSERT_EQ(::unlink(planted.c_str()), 0);
+  save_checkpoint(dir_, make_data(2), 0);
+  EXPECT_EQ(load_latest_checkpoint(dir_)->step, 2);
+  // A FIFO as the lock file: refused without blocking.
+  ASSERT_EQ(::mkfifo((dir_ + "/.lock").c_str(), 0644), 0);
+  try {
+    CheckpointDirLock lock(dir_);
+    ADD_FAILURE() << "a FIFO was taken as the lock file";
+  } catch (const c10::Error& e) {
+    EXPECT_CONTAINS(e.what_without_backtrace(), "/.lock is a FIFO, not a regular file");
+  }
+}
+
+// A FIFO in place of a checkpoint's manifest or tensor file, or of `latest`, is reported and skipped at
+// once (a plain open would wait for a writer forever): the previous checkpoint loads.
+TEST_F(CheckpointTest, FifoInACheckpointIsSkippedWithoutBlocking) {
+  save_checkpoint(dir_, make_data(1), 0);
+  save_checkpoint(dir_, make_data(2), 0);
+  save_checkpoint(dir_, make_data(3), 0);
+  for (const char* file : {"manifest.textproto", "model.safetensors"}) {
+    const int64_t step = std::string(file) == "manifest.textproto" ? 3 : 2;
+    const std::string path = step_path(step) + "/" + file;
+    ASSERT_EQ(::unlink(path.c_str()), 0);
+    ASSERT_EQ(::mkfifo(path.c_str(), 0644), 0);
+  }
+  const std::string latest = dir_ + "/latest";
+  ASSERT_EQ(::unlink(latest.c_str()), 0);
+  ASSERT_EQ(::mkfifo(latest.c_str(), 0644), 0);
+  const auto start = std::chrono::steady_clock::now();
+  CheckpointSearch found = find_latest_checkpoint(dir_);
+  EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(5));
+  ASSERT_TRUE(found.loaded);
+  EXPECT_EQ(found.loaded->step, 1);
+  std::string notes;
+  for (auto& n : found.notes) notes += n + "\n";
+  EXPECT_CONTAINS(notes, "checkpoint " + latest + ": cannot read it: is a FIFO, not a regular file");
+  EXPECT_CONTAINS(notes, "cannot read manifest.textproto: is a FIFO, not a regular file");
+  EXPECT_CONTAINS(notes, step_path(2) + "/model.safetensors: cannot open: is a FIFO, not a regular file");
+}
+
+// `latest` and a manifest larger than such a file can be are refused from their size, before a byte is
+// read (sparse files of 1 GiB and 2 GiB: reading them would take seconds and gigabytes).
+TEST_F(CheckpointTest, OversizedControlFilesAreRefusedUnread) {
+  save_checkpoint(dir_, make_data(1), 0);
+  save_checkpoint(dir_, make_data(2), 0);
+  ASSERT_EQ(::truncate((dir_ + "/latest").c_str(), int64_t{1} << 30), 0);
+  ASSERT_EQ(::truncate((step_path(2) + "/manifest.textproto").c_str(), int64_t{2} << 30), 0);
+  const auto start = std::chrono::steady_clock::now();
+  CheckpointSearch found = find_latest_checkpoint(dir_);
+  EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(2));
+  ASSERT_TRUE(found.loaded);
+  EXPECT_EQ(found.loaded->step, 1);
+  std::string notes;
+  for (auto& n : found.notes) notes += n + "\n";
+  EXPECT_CONTAINS(notes, "latest: cannot read it: 1073741824 bytes, more than the 4096 such a file may hold");
+  EXPECT_CONTAINS(notes, "cannot read manifest.textproto: 2147483648 bytes, more than the 67108864");
+}
+
+// A binary `latest` is quoted on one line, its newlines and control bytes escaped.
+TEST_F(CheckpointTest, BinaryLatestIsQuotedOnOneLine) {
+  save_checkpoint(dir_, make_data(1), 0);
+  write_text(dir_ + "/latest", std::string("\x7f" "ELF\n\x01\x02\x1b[2J\nstep_1\n\n"));
+  CheckpointSearch found = find_latest_checkpoint(dir_);
+  ASSERT_TRUE(found.loaded);
+  EXPECT_EQ(found.loaded->step, 1);
+  ASSERT_FALSE(found.notes.empty());
+  const std::string& note = found.notes[0];
+  EXPECT_CONTAINS(note, "latest: does not name a step directory (holds '\\x7fELF\\x0a\\x01\\x02\\x1b[2J\\x0astep_1')");
+  EXPECT_EQ(note.find('\n'), std::string::npos) << note;
 }
 
 // A write that fails part way (here the file size limit, as a full disk would: the write returns an

@@ -184,6 +184,15 @@ TEST(FlaFormat, ShardedFolders) {
   ImportedModel back = import_fla_folder(dir);
   auto params = model.parameters();
   for (size_t i = 0; i < params.size(); ++i) EXPECT_TRUE(at::equal(back.weights[i].second, params[i].second.detach()));
+  // A weight-map entry that is not a file of the folder ('..', '.', a path) is named as such.
+  for (const char* bad : {"..", ".", "../a.safetensors"}) {
+    write(dir + "/model.safetensors.index.json",
+          "{\"weight_map\": {\"tok_embeddings.weight\": \"" + std::string(bad) + "\"}}");
+    std::string m = message_of([&] { import_fla_folder(dir); });
+    EXPECT_NE(m.find("model.safetensors.index.json: \"weight_map\": tensor 'tok_embeddings.weight' must name a file of "
+                     "the folder (a name without '/', not '.' or '..'), got '" + std::string(bad) + "'"),
+              std::string::npos) << m;
+  }
   remove_tree(dir);
 }
 

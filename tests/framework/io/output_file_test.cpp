@@ -10,6 +10,9 @@
 #include <gtest/gtest.h>
 
 #include <fstream>
+
+#include <sys/stat.h>
+#include <unistd.h>
 #include <iterator>
 
 namespace carry {
@@ -76,6 +79,23 @@ TEST_F(OutputFileTest, AppendsAreCheckedOnAFullDisk) {
   EXPECT_CONTAINS(m, "is a directory; expected a file name");
   m = error_of([&] { check_output_file("/proc/carry_metrics.jsonl", "logging.metrics_file"); });
   EXPECT_CONTAINS(m, "logging.metrics_file: cannot open /proc/carry_metrics.jsonl for appending");
+}
+
+// A symbolic link or a FIFO in place of the metrics file is refused before anything is written (the
+// link's target keeps its bytes; the FIFO never blocks the open).
+TEST_F(OutputFileTest, LinksAndFifosAreRefused) {
+  const std::string victim = dir_ + "/victim", link = dir_ + "/metrics.jsonl", fifo = dir_ + "/fifo.jsonl";
+  std::ofstream(victim) << "precious\n";
+  ASSERT_EQ(::symlink(victim.c_str(), link.c_str()), 0);
+  auto m = error_of([&] { check_output_file(link, "logging.metrics_file"); });
+  EXPECT_CONTAINS(m, "logging.metrics_file: " + link + " is a symbolic link; carry writes no file through a link");
+  m = error_of([&] { append_to_file(link, "{\"step\":1}\n", "logging.metrics_file"); });
+  EXPECT_CONTAINS(m, " is a symbolic link");
+  std::ifstream in(victim);
+  EXPECT_EQ(std::string(std::istreambuf_iterator<char>(in), {}), "precious\n");
+  ASSERT_EQ(::mkfifo(fifo.c_str(), 0644), 0);
+  m = error_of([&] { check_output_file(fifo, "logging.metrics_file"); });
+  EXPECT_CONTAINS(m, "logging.metrics_file: " + fifo + " is a FIFO, not a regular file");
 }
 
 }  // namespace

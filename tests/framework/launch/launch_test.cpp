@@ -59,7 +59,7 @@ TEST(LaunchPlan, OneHostDemoRun) {
   EXPECT_EQ(plan.hostfile, "localhost slots=2\n");
   // The cluster's own "--bind-to none" replaces carry's.
   EXPECT_EQ(plan.argv, (Args{"mpirun", "-np", "2", "--hostfile", "runs/launch/x.hostfile", "--map-by", "ppr:2:node",
-                             "-x", "NCCL_NVLS_ENABLE=0", "-x", "LD_LIBRARY_PATH", "-x", "NCCL_DEBUG=WARN",
+                             "-x", "NCCL_NVLS_ENABLE=0", "-x", "LD_LIBRARY_PATH", "-x", "CARRY_LAUNCHER=carry_launch", "-x", "NCCL_DEBUG=WARN",
                              "--bind-to", "none", "/opt/carry/bin/carry", "train", run_path}));
   ASSERT_EQ(plan.notes.size(), 1u);
   EXPECT_EQ(plan.notes[0], "the run uses 2 of the 4 GPU slots: localhost 2");
@@ -76,7 +76,7 @@ TEST(LaunchPlan, OneHostFullWithOverridesAndRoot) {
   EXPECT_EQ(plan.hostfile, "localhost slots=4\n");
   EXPECT_TRUE(plan.notes.empty());
   EXPECT_EQ(plan.argv, (Args{"mpirun", "--allow-run-as-root", "-np", "4", "--hostfile", "runs/launch/x.hostfile",
-                             "--map-by", "ppr:4:node", "-x", "NCCL_NVLS_ENABLE=0", "-x", "LD_LIBRARY_PATH", "-x",
+                             "--map-by", "ppr:4:node", "-x", "NCCL_NVLS_ENABLE=0", "-x", "LD_LIBRARY_PATH", "-x", "CARRY_LAUNCHER=carry_launch", "-x",
                              "NCCL_DEBUG=WARN", "--bind-to", "none", "/opt/carry/bin/carry", "train", run_path,
                              "--set", "optimizer.lr=1e-3", "--set", "logging.metrics_file=runs/a b/m.jsonl"}));
   const std::string line = shell_join(plan.argv);
@@ -93,7 +93,7 @@ TEST(LaunchPlan, TwoHostsOneHostUsed) {
   // The cluster's --map-by and --bind-to replace carry's; eth0 for MPI's TCP and NCCL's bootstrap.
   EXPECT_EQ(plan.argv, (Args{"mpirun", "-np", "8", "--hostfile", "runs/launch/x.hostfile", "--mca",
                              "btl_tcp_if_include", "eth0", "--mca", "oob_tcp_if_include", "eth0", "-x",
-                             "NCCL_SOCKET_IFNAME=eth0", "-x", "NCCL_NVLS_ENABLE=0", "-x", "LD_LIBRARY_PATH", "-x",
+                             "NCCL_SOCKET_IFNAME=eth0", "-x", "NCCL_NVLS_ENABLE=0", "-x", "LD_LIBRARY_PATH", "-x", "CARRY_LAUNCHER=carry_launch", "-x",
                              "NCCL_DEBUG=WARN", "-x", "NCCL_IB_DISABLE=0", "--bind-to", "none", "--map-by",
                              "ppr:8:node", "/opt/carry/bin/carry", "train", run_path}));
   ASSERT_EQ(plan.notes.size(), 1u);
@@ -199,7 +199,7 @@ TEST(LaunchPlan, EnvSortedAndNvlsOverridable) {
   Args xs;
   for (size_t i = 0; i + 1 < plan.argv.size(); ++i)
     if (plan.argv[i] == "-x") xs.push_back(plan.argv[i + 1]);
-  EXPECT_EQ(xs, (Args{"LD_LIBRARY_PATH", "ALPHA=x y", "MID=3", "NCCL_NVLS_ENABLE=1", "ZED=1"}));
+  EXPECT_EQ(xs, (Args{"LD_LIBRARY_PATH", "CARRY_LAUNCHER=carry_launch", "ALPHA=x y", "MID=3", "NCCL_NVLS_ENABLE=1", "ZED=1"}));
   EXPECT_NE(shell_join(plan.argv).find(" -x 'ALPHA=x y' "), std::string::npos) << shell_join(plan.argv);
   // Without LD_LIBRARY_PATH in the environment it is not forwarded (mpirun would warn).
   auto opts = options_for("c.textproto");
@@ -208,7 +208,7 @@ TEST(LaunchPlan, EnvSortedAndNvlsOverridable) {
   xs.clear();
   for (size_t i = 0; i + 1 < quiet.argv.size(); ++i)
     if (quiet.argv[i] == "-x") xs.push_back(quiet.argv[i + 1]);
-  EXPECT_EQ(xs, (Args{"ALPHA=x y", "MID=3", "NCCL_NVLS_ENABLE=1", "ZED=1"}));
+  EXPECT_EQ(xs, (Args{"CARRY_LAUNCHER=carry_launch", "ALPHA=x y", "MID=3", "NCCL_NVLS_ENABLE=1", "ZED=1"}));
 }
 
 TEST(LaunchPlan, ShellQuoteAndHostfilePath) {

@@ -448,6 +448,56 @@ TEST(Trainer, NonFiniteLossThrowsBeforeTheUpdate) {
     EXPECT_TRUE(at::allclose(params[i].second, before[i], 0, 0, /*equal_nan=*/true)) << params[i].first;
 }
 
+// A loss that turns NaN mid-run (a parameter poisoned after step 3, checkpoints every 2 steps) ends
+// Trainer::run with an error naming step 4 and the newest checkpoint, step 2; nothing newer is written,
+// `latest` still names step 2, which loads with finite parameters.
+TEST(Trainer, NonFiniteLossMidRunStopsTheRunAndKeepsTheLastGoodCheckpoint) {
+  auto dir = make_temp_dir("carry_trainer_nan_mid_run");
+  const std::string ck = dir + "/ck";
+  TrainerOptions o = quiet();
+  Trainer* self = nullptr;
+  o.on_step = [&](const StepStats& s) {
+    if (s.step != 3) return;
+    at::NoGradGuard no_grad;
+    for (auto& [n, p] : self->model().parameters())
+      if (n == "norm.weight") p.view({-1})[0].fill_(std::nan(""));
+  };
+  Trainer t(tiny_config({"checkpoint.dir=" + ck, "checkpoint.every_steps=2"}), nullptr, o);
+  self = &t;
+  try {
+    t.run();
+    ADD_FAILURE() << "the run went on past a NaN loss";
+  } catch (const c10::Error& e) {
+    std::string m = e.what_without_backtrace();
+    EXPECT_NE(m.find("trainer: step 4: the loss is NaN; the parameters were not updated. The newest checkpoint is " +
+                     ck + "/step_00000002 (step 2); try a lower optimizer.lr"), std::string::npos) << m;
+  }
+  EXPECT_EQ(t.step(), 3);
+  EXPECT_EQ(list_checkpoint_steps(ck), (std::vector<int64_t>{2}));
+  std::ifstream latest(ck + "/latest");
+  EXPECT_EQ(std::string(std::istreambuf_iterator<char>(latest), std::istreambuf_iterator<char>()), "step_00000002\n");
+  auto loaded = load_latest_checkpoint(ck);
+  ASSERT_TRUE(loaded);
+  for (auto& [n, w] : loaded->model) EXPECT_TRUE(at::isfinite(w).all().item<bool>()) << n;
+  remove_tree(dir);
+}
+
+// Without a checkpoint yet, the divergence message says so instead of pointing at one.
+TEST(Trainer, DivergenceBeforeAnyCheckpointSaysThereIsNone) {
+  auto dir = make_temp_dir("carry_trainer_nan_first");
+  Trainer t(tiny_config({"checkpoint.dir=" + dir + "/ck", "optimizer.lr=1e308", "optimizer.warmup_steps=0"}), nullptr,
+            quiet());
+  try {
+    for (int i = 0; i < 3; ++i) t.train_step();
+    ADD_FAILURE() << "lr 1e308 did not diverge in 3 steps";
+  } catch (const c10::Error& e) {
+    std::string m = e.what_without_backtrace();
+    EXPECT_NE(m.find("checkpoint.dir " + dir + "/ck holds no checkpoint yet; try a lower optimizer.lr"),
+              std::string::npos) << m;
+  }
+  remove_tree(dir);
+}
+
 // A checkpoint is never written with a non-finite parameter: the trainer refuses, naming the step and
 // the first such tensor, writes nothing and leaves `latest` on the previous checkpoint.
 TEST(Trainer, NonFiniteParameterIsNeverCheckpointed) {
@@ -510,6 +560,23 @@ TEST(TrainCommand, MoreRanksThanGpusOnAHostIsRefused) {
   EXPECT_NE(m.find("host node0 runs 8 ranks but has 4 GPUs"), std::string::npos) << m;
   EXPECT_NE(m.find("CUDA_VISIBLE_DEVICES"), std::string::npos) << m;
   EXPECT_NE(gpu_rank_layout_error("a", 2, 1).find("has 1 GPU:"), std::string::npos);
+}
+
+// Under a plain Open MPI mpirun a SIGTERM or SIGINT kills the ranks odls_base_sigkill_timeout seconds
+// after they receive it: rank 0 warns when that setting is missing or short, and not under the
+// launchers (which forward a stop as SIGUSR1) or without mpirun.
+TEST(TrainCommand, PlainMpirunWithoutALongSigkillTimeoutWarns) {
+  auto m = mpirun_stop_warning(nullptr, "0", nullptr);
+  EXPECT_NE(m.find("carry train: warning: mpirun runs with odls_base_sigkill_timeout 1 (the default): a SIGTERM"),
+            std::string::npos) << m;
+  EXPECT_NE(m.find("--mca odls_base_sigkill_timeout 300"), std::string::npos) << m;
+  EXPECT_EQ(m.find('\n'), std::string::npos) << m;
+  EXPECT_NE(mpirun_stop_warning(nullptr, "0", "5").find("odls_base_sigkill_timeout 5:"), std::string::npos);
+  EXPECT_NE(mpirun_stop_warning(nullptr, "0", "lots").find("odls_base_sigkill_timeout lots:"), std::string::npos);
+  EXPECT_EQ(mpirun_stop_warning(nullptr, "0", "300"), "");
+  EXPECT_EQ(mpirun_stop_warning(nullptr, "0", std::to_string(kMinSigkillTimeoutS).c_str()), "");
+  EXPECT_EQ(mpirun_stop_warning("launcher/train", "0", nullptr), "");
+  EXPECT_EQ(mpirun_stop_warning(nullptr, nullptr, nullptr), "");
 }
 
 TEST(Optimizer, ScheduleWarmupThenCosine) {
