@@ -42,8 +42,8 @@ struct Dims {
 // tiles are narrow (not wide_state_tiles: H=4, dv=256) and the end pieces keep 32 chunks (from 1216
 // chunks, 77824 tokens, in 12 pieces): the two at each end a quarter and a half of the others, so what
 // waits before the first walk and after the last is a quarter of a piece's chunk-local work; the
-// forced ones are uniform unless gdn_set_pieces asks for the ramp (ramp_pieces). Measured on an H200 (with the reverse walk's dV
-// beside it, bwd_pieces): H=4, dv=256, 131072 tokens, DeltaNet 6.432 / 6.298 → 5.973 / 5.943 ms
+// forced ones are uniform unless gdn_set_pieces asks for the ramp (ramp_pieces). Measured on an H200
+// (with the reverse walk's dV beside it, bwd_pieces): H=4, dv=256, 131072 tokens, DeltaNet 6.432 / 6.298 → 5.973 / 5.943 ms
 // forward+backward, Gated DeltaNet 6.483 / 6.269 → 5.951 / 5.940; at H=16, dk=dv=128 (wide tiles) level
 // (9.179 / 9.214 → 9.300 / 9.264), hence narrow tiles only. idle: whether the walk leaves at least half
 // the SMs to the other kernels (else they would share its SMs); ramped: whether the pieces ramp.
