@@ -1,11 +1,8 @@
 // Chunked linear + cross entropy as a torch autograd Function (see chunked_loss.h).
 #include "framework/model/chunked_loss.h"
 
+#include "layers/blocks/cross_entropy.h"
 #include "layers/core/fused_switch.h"
-
-#ifdef CARRY_WITH_CUDA
-#include "layers/kernels/blocks/loss.h"
-#endif
 
 #include <ATen/autocast_mode.h>
 #include <ATen/core/grad_mode.h>
@@ -45,15 +42,11 @@ at::ScalarType matmul_type(const Tensor& hidden, const Tensor& weight) {
   return at::promote_types(hidden.scalar_type(), weight.scalar_type());
 }
 
-// Whether the chunks' cross-entropy runs as one CUDA kernel per chunk (layers/kernels/blocks/loss.h):
-// CUDA logits in bf16 or fp32 (the loss then in fp32), the fused ops on.
+// Whether the chunks' cross-entropy runs as one CUDA kernel per chunk (layers/blocks/cross_entropy.h):
+// a build with the kernels, CUDA logits in bf16 or fp32 (the loss then in fp32), the fused ops on.
 bool fused_loss(const Tensor& hidden, at::ScalarType ct) {
-#ifdef CARRY_WITH_CUDA
-  return hidden.is_cuda() && fused_ops_enabled() && (ct == at::kBFloat16 || ct == at::kFloat);
-#else
-  (void)hidden, (void)ct;
-  return false;
-#endif
+  return fused_cross_entropy_built() && hidden.is_cuda() && fused_ops_enabled() &&
+         (ct == at::kBFloat16 || ct == at::kFloat);
 }
 
 // One chunk's share of the head weight's gradient, dlogitsᵀ·h, added into the fp32 (or wider) sum: by
@@ -180,12 +173,10 @@ Pass chunked_pass(const Tensor& hidden, const Tensor& weight, const Tensor& targ
     Tensor logits = at::mm(h, wc.t());  // [n,V] in ct
     Tensor dlogits;
     if (fused) {
-#ifdef CARRY_WITH_CUDA
       // The loss of each row, the predictions, and the gradient written over the logits, in one kernel.
-      carry::kernels::blocks::cross_entropy_rows(logits, t, weights.narrow(0, start, n), out.ce.narrow(0, start, n),
-                                     predictions ? out.predictions.narrow(0, start, n) : Tensor(), grads);
+      fused_cross_entropy_rows(logits, t, weights.narrow(0, start, n), out.ce.narrow(0, start, n),
+                               predictions ? out.predictions.narrow(0, start, n) : Tensor(), grads);
       dlogits = logits;
-#endif
     } else {
       if (predictions) out.predictions.narrow(0, start, n).copy_(logits.argmax(-1));
       // The log-softmax row by row, as the full form computes it: the same per-token losses.

@@ -27,22 +27,6 @@ const std::vector<Knob>& knobs() {
       {"CARRY_SYNC_DEBUG", "off", A::diagnostics, "error: any synchronizing CUDA call inside a training step raises, except the sanctioned ones"},
       {"CARRY_CHECK_VALUES", "off", A::diagnostics, "1: check every mixer input's values and every batch's token ids (reads tensors back: slow)"},
       {"CARRY_GDN_TIMELINE", "off", A::diagnostics, "1: the delta rule's kernels print a [timeline] line a piece launch (read by tools/gdn_timeline.py)"},
-      // kernel A/B
-      {"CARRY_GDN_WALK", "warpgroup", A::kernel_ab, "the delta rule's bf16 walks at dk = 128: warpgroup (wgmma, TMA) or mma (mma.sync)"},
-      {"CARRY_GDN_WALK_STORE", "bulk", A::kernel_ab, "the warpgroup walks store their states by bulk tensor stores (bulk) or by the threads (threads)"},
-      {"CARRY_GDN_WALK_WARPGROUPS", "auto", A::kernel_ab, "F,B with each 1 or 2: warpgroups a block of the forward and the reverse walk"},
-      {"CARRY_GDN_PIECES", "0", A::kernel_ab, "1 to 4096: force the delta rule's bf16 walk into N pieces (0: automatic)"},
-      {"CARRY_GDN_PIECE_RAMP", "1", A::kernel_ab, "0: automatic walk pieces of one size instead of ramped end pieces"},
-      {"CARRY_GDN_OUT_BUFFERS", "auto", A::kernel_ab, "1 or 2: the delta rule's output kernel's dv-tile buffers"},
-      {"CARRY_GDN_WALK_PRIORITY", "1", A::kernel_ab, "0: the walk in pieces on the caller's stream instead of a high-priority one"},
-      {"CARRY_GDN_DV_AHEAD", "0", A::kernel_ab, "1 to 64: pieces the intra-chunk dV runs ahead of the reverse walk (0: automatic)"},
-      {"CARRY_GDN_DV_PIECES", "1", A::kernel_ab, "0: the intra-chunk dV before the reverse walk instead of in pieces beside it"},
-      {"CARRY_GLA_DQK_WIDE", "1", A::kernel_ab, "0: GLA's bf16 dq/dk kernel in two 64-column blocks instead of one"},
-      {"CARRY_GLA_OUT_FRAG", "1", A::kernel_ab, "0: GLA's bf16 output kernel without the register-fragment diagonal blocks"},
-      {"CARRY_DECAY_AUTO_PIECES", "1", A::kernel_ab, "0: the decay class's walk in one piece unless forced"},
-      {"CARRY_DECAY_GRAD_PERSIST", "1", A::kernel_ab, "0: the decay class's gradient kernel one block an item instead of persistent blocks"},
-      {"CARRY_LA_FUSED", "1", A::kernel_ab, "0: linear attention on the decay class's kernels instead of the fused kernels"},
-      {"CARRY_SD_FUSED", "1", A::kernel_ab, "0: the scalar decay on the decay class's kernels instead of the fused kernels"},
       // mpi
       {"OMPI_COMM_WORLD_RANK", "set by mpirun", A::mpi, "before MPI starts, config errors print on rank 0 only"},
       {"PMI_RANK", "set by mpirun", A::mpi, "as OMPI_COMM_WORLD_RANK, for other MPI launchers"},
@@ -91,8 +75,6 @@ const char* knob_audience_name(KnobAudience a) {
   switch (a) {
     case A::user: return "user";
     case A::diagnostics: return "diagnostics";
-    case A::kernel_ab: return "kernel A/B";
-    case A::test: return "test";
     case A::launcher: return "launcher";
     case A::mpi: return "MPI and system";
   }

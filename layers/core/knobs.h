@@ -2,7 +2,7 @@
 // doc. `carry env` prints it (docs/environment.md mirrors it), a training run lists the ones set in its
 // first log lines and its checkpoints' manifests, and tests/repo/knobs_test.py fails when the sources
 // read a variable that is not here (or this lists one nothing reads). The normal way to change what a
-// run computes is its config; these change how it runs, what it prints, or pick a kernel variant.
+// run computes is its config; these change how it runs or what it prints.
 #pragma once
 
 #include <string>
@@ -14,8 +14,6 @@ namespace carry {
 enum class KnobAudience {
   user,         // settings of normal runs
   diagnostics,  // extra output: timings, traces, checks
-  kernel_ab,    // another kernel variant, for timing comparisons
-  test,         // hooks of the test suite
   launcher,     // read by the launcher scripts, not by the carry program
   mpi,          // set by mpirun or the system, read by carry
 };

@@ -86,7 +86,7 @@ class LinearAttention final : public Mixer {
     // Normalized, the gradient of q is a difference of two near-equal terms: bf16 rounding of the
     // numerator or of o's gradient would show in it, so the kernels then read fp32 copies and o is fp32.
     const auto kdt = opt.normalize ? at::kFloat : in.q.scalar_type();
-    // Without per-chunk states where the fused kernels take the inputs (fused_op.h; CARRY_LA_FUSED=0: off).
+    // Without per-chunk states where the fused kernels take the inputs (fused_op.h; linear_attn_fused_set(0): off).
     auto [num, S] = linear_attn_fused_supports(in, opt)
                         ? linear_attn_fused_forward(in.q, in.k, in.v, S0, scale)
                         : decay_kernel_forward(DecayKernel::none, in.q.to(kdt), in.k.to(kdt), in.v.to(kdt), Tensor(),

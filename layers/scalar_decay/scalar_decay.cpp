@@ -69,7 +69,7 @@ class ScalarDecay final : public Mixer {
     return decay_kernel_supports(in, opt);
   }
   MixerOutput kernel(const MixerInputs& in, const State& init, const MixerOptions& opt) const override {
-    // Without per-chunk states where those kernels take the inputs (fused_op.h; CARRY_SD_FUSED=0: off).
+    // Without per-chunk states where those kernels take the inputs (fused_op.h; scalar_decay_fused_set(0): off).
     if (scalar_decay_fused_supports(in, opt)) return scalar_decay_fused_form(*this, in, init, opt);
     return decay_kernel_form(*this, DecayKernel::scalar, in.g, in, init, opt);
   }

@@ -24,22 +24,9 @@
 namespace carry::kernels::decay {
 namespace {
 
-// grad_frag_kernel one block an SM, each walking items with the next one's loads ahead (A/B:
-// CARRY_DECAY_GRAD_PERSIST=0 gives one block an item).
-bool grad_persist() {
-  static const bool on = switch_on("CARRY_DECAY_GRAD_PERSIST");
-  return on;
-}
-
-
 // GLA in bf16 at dk = 128: dqk_kernel with every key column in one 16-warp block, so dP = dO Vᵀ and the
-// chunk's loads happen once, not once for each of two 64-column blocks (A/B: CARRY_GLA_DQK_WIDE=0 gives
-// the two blocks). H200, H=16, dk=dv=128, forward+backward: 2.52 → 2.44 ms at 16384 tokens, 19.17 → 18.39
-// ms at 131072.
-bool gla_dqk_wide() {
-  static const bool on = switch_on("CARRY_GLA_DQK_WIDE");
-  return on;
-}
+// chunk's loads happen once, not once for each of two 64-column blocks (H200, H=16, dk=dv=128,
+// forward+backward, two blocks → one: 2.52 → 2.44 ms at 16384 tokens, 19.17 → 18.39 ms at 131072).
 
 // ---- dV -------------------------------------------------------------------------------------
 template <typename T, int KIND, int DK, int TV>
@@ -608,7 +595,7 @@ std::vector<at::Tensor> bwd_impl(const Dims& d, const at::Tensor& q, const at::T
   // (GLA only: the scalar decay sums its gate gradient over d in a [C, C+4] scratch, so TK ≤ 64 there.)
   constexpr bool kWide = sizeof(T) == 2 && KIND == kDiag;
   const int TKq = kWide && d.DK == 96    ? 96
-                  : kWide && d.DK == 128 && gla_dqk_wide() ? 128
+                  : kWide && d.DK == 128 ? 128
                   : (d.DK % 64 == 0 ? 64 : 32),
             nkt = d.DK / TKq;
   // bf16 scalar decay and linear attention with dk 64 or 128: grad_frag_kernel (P recomputed: the forward
@@ -672,7 +659,7 @@ std::vector<at::Tensor> bwd_impl(const Dims& d, const at::Tensor& q, const at::T
           auto kern = grad_frag_kernel<KIND, DK>;
           carry::kernels::primitives::allow_smem(kern, GradFragSmem<DK>::bytes);
           const int items = (c1 - c0) * d.H * d.B;
-          const int blocks = grad_persist() && !beside ? std::min(items, sm_count()) : items;
+          const int blocks = beside ? items : std::min(items, sm_count());
           kern<<<blocks, 256, GradFragSmem<DK>::bytes, st>>>(
               reinterpret_cast<const bf16*>(q.data_ptr()), reinterpret_cast<const bf16*>(k.data_ptr()),
               reinterpret_cast<const bf16*>(v.data_ptr()), KIND == kNone ? nullptr : G.data_ptr<float>(),

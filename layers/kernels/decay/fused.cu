@@ -41,17 +41,9 @@ float* F(const at::Tensor& t) { return t.data_ptr<float>(); }
 
 }  // namespace
 
-bool fused_enabled() {
-  static const bool env = carry::kernels::primitives::switch_on("CARRY_LA_FUSED");
-  const int m = g_mode.load();
-  return m < 0 ? env : m == 1;
-}
+bool fused_enabled() { return g_mode.load() != 0; }
 int fused_forced_segments() { return g_segments.load(); }
-bool decay_fused_enabled() {
-  static const bool env = carry::kernels::primitives::switch_on("CARRY_SD_FUSED");
-  const int m = g_decay_mode.load();
-  return m < 0 ? env : m == 1;
-}
+bool decay_fused_enabled() { return g_decay_mode.load() != 0; }
 
 std::vector<at::Tensor> launch_fwd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& s0,
                                    float scale, int ns, const at::Tensor& gb) {

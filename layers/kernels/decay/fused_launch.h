@@ -8,8 +8,8 @@
 
 namespace carry::kernels::decay::fused {
 
-// Whether the fused kernels are on (linear_attn_fused_set, else unless CARRY_LA_FUSED=0) and the forced segments;
-// for the scalar decay (scalar_decay_fused_set, else CARRY_SD_FUSED: on unless 0).
+// Whether the fused kernels are on (unless linear_attn_fused_set(0)) and the forced segments; for the
+// scalar decay (unless scalar_decay_fused_set(0)).
 bool fused_enabled();
 int fused_forced_segments();
 bool decay_fused_enabled();

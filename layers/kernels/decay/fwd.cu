@@ -12,7 +12,8 @@
 //     tensor-core products of Q and K rescaled against the gate just before the row block (every
 //     factor ≤ 1, no overflow for any decay), its diagonal blocks are summed elementwise, exactly.
 //     P is saved (input dtype) for the backward. bf16 GLA takes 3. from out_diag_frag_kernel (below),
-//     its diagonal blocks on tensor cores too; out_kernel serves fp32 (and CARRY_GLA_OUT_FRAG=0).
+//     its diagonal blocks on tensor cores too; out_kernel serves fp32, and bf16 at dk = 96 without the
+//     diagonal decay.
 // In bf16 the walk is state_mma_kernel (state_walk.cuh: 16 x 32 state pieces in mma.sync
 // registers, four warps a block sharing the chunk's K tile), and the scalar decay and linear attention
 // with dk 64 or 128 take 3. from out_frag_kernel (eight warps a chunk, P and the output's accumulators
@@ -75,11 +76,6 @@ struct OutSmem {
   static constexpr int C = kChunk, P = pad_of<T>();
   static constexpr int LQ = DK + P, LG = DK + 4, LH = TV + P, LA = C + 4, LAb = C + P, LO = TV + 4;
   static constexpr bool kAlias = sizeof(T) == 4;  // fp32: P is written over the fp32 A
-  // bf16 GLA (its [64][dk] fp32 gate tile makes it the largest): no scratch region of its own. The
-  // state rows and values (H, V) load after the intra-chunk matrix, so Qh and Kh of its rescaled
-  // blocks use their region first, and the output tile O goes where the fp32 A was: with TV = 32,
-  // 112 KB at dk = 128, two blocks an SM.
-  static constexpr bool kCompact = sizeof(T) == 2 && KIND == kDiag;
   static constexpr size_t oQ = 0;
   static constexpr size_t oK = al128(oQ + C * LQ * sizeof(T));
   static constexpr size_t oG = al128(oK + C * LQ * sizeof(T));
@@ -89,26 +85,8 @@ struct OutSmem {
   static constexpr size_t oAb = kAlias ? oA : al128(oA + C * LA * 4);
   static constexpr size_t oScr = al128(oAb + C * LAb * sizeof(T));
   static constexpr size_t kScr = C * LO * 4 > C * LQ * sizeof(T) ? C * LO * 4 : C * LQ * sizeof(T);
-  static constexpr size_t bytesWide = al128(oScr + kScr);
-  // kCompact: Q, K, G, A (then O), Ab, then the region of H and V (Qh and Kh before them).
-  static constexpr size_t cA = oH;
-  static constexpr size_t cAb = al128(cA + C * LA * 4);
-  static constexpr size_t cR = al128(cAb + C * LAb * sizeof(T));
-  static constexpr size_t cV = al128(cR + DK * LH * sizeof(T));
-  static constexpr size_t cHV = al128(cV + C * LH * sizeof(T)) - cR;
-  static constexpr size_t cQK = (size_t)C * LQ * sizeof(T);  // Qh [16] + Kh [48] rows
-  static constexpr size_t bytesCompact = cR + (cHV > cQK ? cHV : cQK);
-  static_assert(!kCompact || C * LO * 4 <= C * LA * 4, "O fits where A was");
-  static constexpr size_t bytes = kCompact ? bytesCompact : bytesWide;
-  static constexpr size_t offH = kCompact ? cR : oH;
-  static constexpr size_t offV = kCompact ? cV : oV;
-  static constexpr size_t offA = kCompact ? cA : oA;
-  static constexpr size_t offAb = kCompact ? cAb : oAb;
-  static constexpr size_t offScr = kCompact ? cR : oScr;  // Qh, Kh
-  static constexpr size_t offO = kCompact ? cA : oScr;
+  static constexpr size_t bytes = al128(oScr + kScr);
   static_assert(bytes <= 227 * 1024, "out_kernel shared memory");
-  // two blocks an SM: 2 · (bytes + 1 KB reserved) ≤ 228 KB
-  static_assert(!kCompact || bytes <= 113 * 1024, "compact out_kernel: two blocks an SM");
 };
 
 // P's off-diagonal row block I (rows 16I..16I+15, columns 0..16I-1) for the diagonal decay:
@@ -185,12 +163,12 @@ __global__ void __launch_bounds__(NW * 32) out_kernel(const T* __restrict__ q, c
   T* Qs = reinterpret_cast<T*>(smem + L::oQ);
   T* Ks = reinterpret_cast<T*>(smem + L::oK);
   float* Gs = reinterpret_cast<float*>(smem + L::oG);
-  T* Hs = reinterpret_cast<T*>(smem + L::offH);
-  T* Vs = reinterpret_cast<T*>(smem + L::offV);
-  float* As = reinterpret_cast<float*>(smem + L::offA);
-  T* Ab = reinterpret_cast<T*>(smem + L::offAb);
-  T* scratch = reinterpret_cast<T*>(smem + L::offScr);
-  float* Os = reinterpret_cast<float*>(smem + L::offO);
+  T* Hs = reinterpret_cast<T*>(smem + L::oH);
+  T* Vs = reinterpret_cast<T*>(smem + L::oV);
+  float* As = reinterpret_cast<float*>(smem + L::oA);
+  T* Ab = reinterpret_cast<T*>(smem + L::oAb);
+  T* scratch = reinterpret_cast<T*>(smem + L::oScr);  // Qh, Kh of the diagonal decay's rescaled blocks
+  float* Os = reinterpret_cast<float*>(smem + L::oScr);
 
   const int n = c0 + blockIdx.x, bh = blockIdx.z, b = bh / H, h = bh % H, N = Tn / C;
   const long tok = (long)b * Tn + (long)n * C, qs = (long)H * DK, vs = (long)H * DV;
@@ -200,7 +178,7 @@ __global__ void __launch_bounds__(NW * 32) out_kernel(const T* __restrict__ q, c
   };
   load_tile_async<T, C, DK, NT>(Qs, L::LQ, q + tok * qs + (long)h * DK, qs);
   load_tile_async<T, C, DK, NT>(Ks, L::LQ, k + tok * qs + (long)h * DK, qs);
-  if constexpr (!L::kCompact) load_hv(0);  // compact: after the intra-chunk matrix (its scratch is there)
+  load_hv(0);
   if constexpr (KIND == kDiag) load_tile_async<float, C, DK, NT>(Gs, L::LG, G + tok * qs + (long)h * DK, qs);
   cp_async_commit();
   if constexpr (KIND == kScalar) {
@@ -219,7 +197,7 @@ __global__ void __launch_bounds__(NW * 32) out_kernel(const T* __restrict__ q, c
   __syncthreads();
   copy_tile_out<T, C, C, NT>(Psave + ((long)bh * N + n) * C * C, C, Ab, L::LAb);
   for (int iv = 0; iv < DV / TV; ++iv) {
-    if (iv > 0 || L::kCompact) {  // the previous tile's H, V and O are done with
+    if (iv > 0) {  // the previous tile's H, V and O are done with
       load_hv(iv);
       cp_async_commit();
       cp_async_wait<0>();
@@ -463,12 +441,6 @@ __global__ void __launch_bounds__(256) out_diag_frag_kernel(const bf16* __restri
                                              m0, n0, 1.f, 1.f);
 }
 
-// bf16 GLA's output kernel: out_diag_frag_kernel (A/B: CARRY_GLA_OUT_FRAG=0 gives out_kernel).
-bool gla_out_frag() {
-  static const bool on = switch_on("CARRY_GLA_OUT_FRAG");
-  return on;
-}
-
 template <typename T, int KIND, int DK>
 void launch_out(const Dims& d, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                 const at::Tensor& G, const at::Tensor& Hsave, at::Tensor& o, at::Tensor& P, float scale,
@@ -486,30 +458,28 @@ void launch_out(const Dims& d, const at::Tensor& q, const at::Tensor& k, const a
     return;
   }
   if constexpr (sizeof(T) == 2 && KIND == kDiag) {
-    if (gla_out_frag()) {
-      using L = OutDiagFragSmem<DK>;
-      auto kern = out_diag_frag_kernel<DK>;
-      carry::kernels::primitives::allow_smem(kern, L::bytes);
-      kern<<<dim3(c1 - c0, d.H, d.B), 256, L::bytes, stream>>>(
-          reinterpret_cast<const bf16*>(q.data_ptr()), reinterpret_cast<const bf16*>(k.data_ptr()),
-          reinterpret_cast<const bf16*>(v.data_ptr()), G.data_ptr<float>(),
-          reinterpret_cast<const bf16*>(Hsave.data_ptr()), reinterpret_cast<bf16*>(o.data_ptr()),
-          reinterpret_cast<bf16*>(P.data_ptr()), d.T, d.H, d.DV, scale, c0);
-      C10_CUDA_KERNEL_LAUNCH_CHECK();
-      return;
-    }
+    using L = OutDiagFragSmem<DK>;
+    auto kern = out_diag_frag_kernel<DK>;
+    carry::kernels::primitives::allow_smem(kern, L::bytes);
+    kern<<<dim3(c1 - c0, d.H, d.B), 256, L::bytes, stream>>>(
+        reinterpret_cast<const bf16*>(q.data_ptr()), reinterpret_cast<const bf16*>(k.data_ptr()),
+        reinterpret_cast<const bf16*>(v.data_ptr()), G.data_ptr<float>(),
+        reinterpret_cast<const bf16*>(Hsave.data_ptr()), reinterpret_cast<bf16*>(o.data_ptr()),
+        reinterpret_cast<bf16*>(P.data_ptr()), d.T, d.H, d.DV, scale, c0);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  } else {
+    constexpr int TV = sizeof(T) == 2 ? 64 : 32, NW = 8;
+    using L = OutSmem<T, KIND, DK, TV>;
+    auto kern = out_kernel<T, KIND, DK, TV, NW>;
+    carry::kernels::primitives::allow_smem(kern, L::bytes);
+    dim3 grid(c1 - c0, 1, d.B * d.H);
+    kern<<<grid, NW * 32, L::bytes, stream>>>(
+        reinterpret_cast<const T*>(q.data_ptr()), reinterpret_cast<const T*>(k.data_ptr()),
+        reinterpret_cast<const T*>(v.data_ptr()), KIND == kNone ? nullptr : G.data_ptr<float>(),
+        reinterpret_cast<const T*>(Hsave.data_ptr()), reinterpret_cast<T*>(o.data_ptr()),
+        reinterpret_cast<T*>(P.data_ptr()), d.T, d.H, d.DV, scale, c0);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
   }
-  constexpr int TV = sizeof(T) == 2 && KIND != kDiag ? 64 : 32, NW = 8;  // bf16 GLA: see OutSmem
-  using L = OutSmem<T, KIND, DK, TV>;
-  auto kern = out_kernel<T, KIND, DK, TV, NW>;
-  carry::kernels::primitives::allow_smem(kern, L::bytes);
-  dim3 grid(c1 - c0, 1, d.B * d.H);
-  kern<<<grid, NW * 32, L::bytes, stream>>>(
-      reinterpret_cast<const T*>(q.data_ptr()), reinterpret_cast<const T*>(k.data_ptr()),
-      reinterpret_cast<const T*>(v.data_ptr()), KIND == kNone ? nullptr : G.data_ptr<float>(),
-      reinterpret_cast<const T*>(Hsave.data_ptr()), reinterpret_cast<T*>(o.data_ptr()),
-      reinterpret_cast<T*>(P.data_ptr()), d.T, d.H, d.DV, scale, c0);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
 template <typename T, int KIND>

@@ -22,7 +22,6 @@ int forced_segments();  // decay_set_segments' value
 int forced_pieces();    // decay_set_pieces' value
 
 using carry::kernels::primitives::join;
-using carry::kernels::primitives::switch_on;
 
 // at::empty, filled with NaN when the debug poison is on.
 inline at::Tensor alloc(at::IntArrayRef sizes, const at::TensorOptions& opt) {
@@ -56,14 +55,12 @@ inline int segments_of(const Dims& d) { return d.segments > 0 ? d.segments : for
 // / 6.151 → 6.395 / 6.423, simple GLA 6.283 / 6.286 → 6.523 / 6.434, GLA 14.726 / 14.790 → 14.592 /
 // 14.632).
 // Depends on B, H, dk, dv, the family and the GPU, and on T only through the number of pieces, which
-// moves no bit (the pieces give the one walk's bits). CARRY_DECAY_AUTO_PIECES=0: one walk unless forced
-// (A/B; read once).
+// moves no bit (the pieces give the one walk's bits).
 inline int pieces_for(const Dims& d, bool bf16, int segments_used, int kind, bool reverse) {
   if (!bf16 || segments_used != 1) return 1;
   const int n = forced_pieces();
   if (n >= 1) return std::min(n, d.N);
-  static const bool automatic = switch_on("CARRY_DECAY_AUTO_PIECES");
-  if (!automatic || d.N < 1024 || (reverse && kind == kNone)) return 1;
+  if (d.N < 1024 || (reverse && kind == kNone)) return 1;
   if (2 * piece_walk_blocks(d.B, d.H, d.DK, d.DV) > sm_count()) return 1;
   return 12;
 }

@@ -37,12 +37,10 @@ std::vector<at::Tensor> gdn_bwd(const at::Tensor& q, const at::Tensor& k, const 
 // bits of one walk; they let the chunk-local kernels of finished pieces run beside the walk.
 void gdn_set_pieces(int n, bool ramp = false);
 
-// Tests and A/B timings: which bf16 state walks run at dk = 128. -1 (default): the environment's
-// choice (CARRY_GDN_WALK, CARRY_GDN_WALK_STORE), else 0; 0: the warpgroup walks (wgmma, TMA loads, bulk
-// tensor stores; one or two warpgroups a block, fwd.cu's walk_warpgroups); 1: the mma.sync walks;
-// 2: the warpgroup walks with the threads' own stores; 3, 4: the warpgroup walks with two (64 columns)
-// or one warpgroup a block.
-void gdn_set_walk(int kind);
+// Tests: the warpgroups a block of the bf16 state walks at dk = 128 (walk_wg.cuh) holds, forward and
+// reverse: 0 (default) as fwd.cu's walk_warpgroups decides, 1, or 2 (64 columns a block). One or two
+// give the same bits.
+void gdn_set_walk_warpgroups(int n);
 
 // Debug: fill every output and intermediate with NaN right after allocation (unwritten
 // elements then show up in tests). Off by default.

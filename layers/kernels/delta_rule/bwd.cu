@@ -109,18 +109,16 @@ bool bwd_pieces(BwdArgs& a, bool own_dv = false) {
   const Dims& d = a.d;
   auto P = [](const at::Tensor& t) { return reinterpret_cast<bf16*>(t.data_ptr()); };
   // two warpgroups a block buffer two chunks (three would not fit in shared memory)
-  const int nwg = WG ? walk_warpgroups(d, true) : 1;
+  const int nwg = WG ? walk_warpgroups(d) : 1;
   const size_t ssm = !WG ? BwdStateMmaSmem<DK, BV, kBwdStateStages>::bytes
                      : nwg == 2 ? size_t(wg::BwdSmem<2, 2>::bytes)
                                 : size_t(wg::BwdSmem<1, wg::kWalkStages>::bytes);
   CUtensorMap tmQ{}, tmK{}, tmW{}, tmdO{}, tmdVl{}, tmG{}, tmH{}, tmV{};
-  const bool bulk = walk_bulk_stores();
   // DeltaNet (no gate, dg undefined) walks without the gate's reads and unit factors (the same bits)
   constexpr int S = wg::kWalkStages;
   const bool gate = a.dg.defined();
-  auto wkern = nwg == 2 ? (gate ? wg::bwd_walk_wg<DV, true, 2, 2, true> : wg::bwd_walk_wg<DV, true, 2, 2, false>)
-               : bulk   ? (gate ? wg::bwd_walk_wg<DV, true, 1, S, true> : wg::bwd_walk_wg<DV, true, 1, S, false>)
-                        : wg::bwd_walk_wg<DV, false>;
+  auto wkern = nwg == 2 ? (gate ? wg::bwd_walk_wg<DV, 2, 2, true> : wg::bwd_walk_wg<DV, 2, 2, false>)
+                        : (gate ? wg::bwd_walk_wg<DV, 1, S, true> : wg::bwd_walk_wg<DV, 1, S, false>);
   if constexpr (WG) {
     const long rows = (long)d.B * d.H * d.T;
     wg::check_coords(rows);
@@ -187,10 +185,7 @@ bool bwd_pieces(BwdArgs& a, bool own_dv = false) {
   // piece ahead the next walk could wait for its dV). Wide tiles: every piece's dV queued at once (it
   // then held the first piece's walk back 90 µs at H=16, 16384 tokens, but throttled two ahead the
   // layer ran no faster: 9.179 / 9.214 → 9.300 / 9.264 ms at 131072 tokens, with the ramp).
-  // CARRY_GDN_DV_AHEAD=n: n pieces ahead on every shape (A/B; read once; 64: all at once).
-  static const int dv_ahead = static_cast<int>(env_int(
-      "CARRY_GDN_DV_AHEAD", 0, 64, "the pieces from 1 to 64 the intra-chunk dV runs ahead of the reverse walk"));
-  const int kDvAhead = dv_ahead > 0 ? dv_ahead : wide_state_tiles(d) ? pc.n : 2;
+  const int kDvAhead = wide_state_tiles(d) ? pc.n : 2;
   if (own_dv) {
     // the walk on a high-priority stream: it then takes the SMs ahead of the pieces' dV blocks
     wst = walk_stream(stream);
@@ -229,71 +224,48 @@ bool bwd_pieces(BwdArgs& a, bool own_dv = false) {
 // shared memory fits (returns false otherwise: the caller uses chunk_grads in ATen).
 template <typename T, int DK, int DV>
 bool bwd_impl(BwdArgs& a) {
-  auto stream = at::cuda::getCurrentCUDAStream();
   const Dims& d = a.d;
-  auto P = [](const at::Tensor& t) { return reinterpret_cast<T*>(t.data_ptr()); };
   if constexpr (std::is_same<T, bf16>::value) {
-    // The intra-chunk dV in pieces beside the walk (bwd_pieces' own_dv; CARRY_GDN_DV_PIECES=0: before
-    // it, for A/B): the warpgroup walks with wide state tiles (wide_state_tiles, launch.h) or
-    // ramped pieces (bwd_pieces decides: at H=4, dv=256 the dV kernel, 0.11 ms at 32768 tokens, ran
-    // ahead of the whole walk); the mma.sync walks in 32-column tiles (wide_state_tiles). Measured
-    // on an H200: see README, "Kernel forms". At H=4, dv=256 with the mma.sync walks (16-column tiles)
-    // pieces gave 7.74-8.63 ms at 131072 tokens, in a build that also held a reverse-walk change
-    // reverted after, against 7.40-7.47 without either.
-    static const bool dv_pieces = switch_on("CARRY_GDN_DV_PIECES");
+    // bf16 always walks in pieces (bwd_pieces; one piece where the walk's tiles fill the GPU). The
+    // intra-chunk dV runs in pieces beside the walk (bwd_pieces' own_dv) with the warpgroup walks
+    // (dk = 128) where the state tiles are wide (wide_state_tiles, launch.h) or the pieces ramp
+    // (bwd_pieces decides: at H=4, dv=256 the dV kernel, 0.11 ms at 32768 tokens, ran ahead of the whole
+    // walk), and with the mma.sync walks (dk = 64) in 32-column tiles (wide_state_tiles); before the walk
+    // otherwise. Measured on an H200 (docs/benchmarks/log/2026-11-26.md): at H=16, dk=dv=128, 131072
+    // tokens, dV before the walk → in pieces, Gated DeltaNet 12.879 / 13.069 → 12.677 / 12.598 ms
+    // forward+backward, DeltaNet 12.921 / 12.984 → 12.550 / 12.471.
     if constexpr (DK == wg::kDK) {
-      if (warpgroup_walk()) {
-        if (dv_pieces) return bwd_pieces<DK, DV, wg::kBV, 4, true>(a, true);
-        dv_local_reg<DK, DV>(a, stream, 0, d.N, true);
-        return bwd_pieces<DK, DV, wg::kBV, 4, true>(a);
-      }
+      return bwd_pieces<DK, DV, wg::kBV, 4, true>(a, true);
+    } else {
+      if (wide_state_tiles(d)) return bwd_pieces<DK, DV, 32, 8>(a, true);
+      dv_local_reg<DK, DV>(a, at::cuda::getCurrentCUDAStream(), 0, d.N, false);
+      return bwd_pieces<DK, DV>(a);
     }
-    if (wide_state_tiles(a.d) && dv_pieces) return bwd_pieces<DK, DV, 32, 8>(a, true);
-    dv_local_reg<DK, DV>(a, stream, 0, d.N, false);
   } else {
-    auto kern = bwd_dv_local_kernel<T, DK, DV>;
-    size_t sm = DvSmem<T, DK>::bytes;
-    carry::kernels::primitives::allow_smem(kern, sm);
-    kern<<<dim3(d.N, d.H, d.B), 256, sm, stream>>>(P(a.q), P(a.k), a.Gc.data_ptr<float>(), P(a.dO),
-                                                    a.dVl.data_ptr<float>(), a.scale, d.T, d.H);
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
-  }
-  {
-    auto launch = [&](auto bv, auto nw) {
-      constexpr int BV = decltype(bv)::value, NW = decltype(nw)::value;
-      constexpr int NBUF = sizeof(T) == 2 ? 2 : 1;
+    // fp32: the generic kernels on shared tiles, one walk (16-column tiles, 4 warps); the chunk gradients
+    // in ATen (chunk_grads) where the chunk kernel's shared memory does not fit (dk = 128).
+    auto stream = at::cuda::getCurrentCUDAStream();
+    auto P = [](const at::Tensor& t) { return reinterpret_cast<T*>(t.data_ptr()); };
+    {
+      auto kern = bwd_dv_local_kernel<T, DK, DV>;
+      size_t sm = DvSmem<T, DK>::bytes;
+      carry::kernels::primitives::allow_smem(kern, sm);
+      kern<<<dim3(d.N, d.H, d.B), 256, sm, stream>>>(P(a.q), P(a.k), a.Gc.data_ptr<float>(), P(a.dO),
+                                                      a.dVl.data_ptr<float>(), a.scale, d.T, d.H);
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+    }
+    {
+      constexpr int BV = 16, NW = 4, NBUF = 1;
       auto kern = bwd_state_kernel<T, DK, DV, BV, NBUF, NW>;
       size_t sm = BwdStateSmem<T, DK, BV, NBUF>::bytes;
       carry::kernels::primitives::allow_smem(kern, sm);
       kern<<<dim3(DV / BV, d.H, d.B), NW * 32, sm, stream>>>(P(a.q), P(a.k), P(a.W), a.Gc.data_ptr<float>(), P(a.dO),
                                                             a.dVl.data_ptr<float>(), a.dSfin, P(a.dHs), P(a.dVn),
                                                             a.dS0.data_ptr<float>(), a.scale, d.T, d.H);
-    };
-    if constexpr (std::is_same<T, bf16>::value) {
-      // bf16 always walks in pieces: 16-column state tiles, or 32-column tiles and 8 warps where they are
-      // wide (launch.h, wide_state_tiles).
-      if (!wide_state_tiles(a.d)) return bwd_pieces<DK, DV>(a);
-      return bwd_pieces<DK, DV, 32, 8>(a);
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
     }
-    using I16 = std::integral_constant<int, 16>;
-    using I4 = std::integral_constant<int, 4>;
-    launch(I16{}, I4{});  // fp32: the generic state kernel, 16-column tiles, 4 warps
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
-  }
-  if (a.on_s0_grad) a.on_s0_grad(a.dS0);  // before the chunk kernels: a send runs beside them
-  if constexpr (std::is_same<T, bf16>::value) {
-    auto kern = bwd_chunk_reg_kernel<DK, DV>;
-    constexpr size_t sm = ChunkRegSmem<DK, 64>::bytes;
-    static_assert(sm <= kMaxSmem, "bf16 chunk kernel must fit");
-    carry::kernels::primitives::allow_smem(kern, sm);
-    kern<<<dim3(d.N, d.H, d.B), 512, sm, stream>>>(
-        P(a.q), P(a.k), P(a.v), a.Gc.data_ptr<float>(), a.beta.data_ptr<float>(), P(a.Tm), P(a.Hs),
-        P(a.dHs), P(a.Vn), P(a.dVn), P(a.dO), P(a.dq), P(a.dk), P(a.dv),
-        a.dg.defined() ? a.dg.data_ptr<float>() : nullptr, a.dbeta.data_ptr<float>(), a.scale, d.T, d.H, 0);
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
-    return true;
-  } else {
-    constexpr int BVt = 16, NWC = 8;  // fp32: FMA products on shared tiles
+    if (a.on_s0_grad) a.on_s0_grad(a.dS0);  // before the chunk kernels: a send runs beside them
+    constexpr int BVt = 16, NWC = 8;  // FMA products on shared tiles
     if constexpr (ChunkSmem<T, DK, BVt>::bytes <= kMaxSmem) {
       auto kern = bwd_chunk_kernel<T, DK, DV, BVt, NWC>;
       size_t sm = ChunkSmem<T, DK, BVt>::bytes;

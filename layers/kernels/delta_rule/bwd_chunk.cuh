@@ -183,7 +183,7 @@ __global__ void __launch_bounds__(NW * 32) bwd_chunk_kernel(
     }
   }
   __syncthreads();
-  if (stop == 1) return;  // timing experiments (CARRY_GDN_CHUNK_STOP)
+  if (stop == 1) return;  // timing one phase (chunk_stop, bwd.cu: 0, all phases)
   // (b) F3 <- Q Kᵀ (scratch C×C)
   gemm<T, C, C, DK, false, true, NW>(sQ, L::LK, sK, L::LK, F3, L::LF, false);
   __syncthreads();
@@ -217,7 +217,7 @@ __global__ void __launch_bounds__(NW * 32) bwd_chunk_kernel(
   gemm<T, C, DK, C, false, false, NW>(Mb1, L::LTb, sK, L::LK, F1, L::LF, true);
   gemm<T, C, DK, C, true, false, NW>(Mb1, L::LTb, sQ, L::LK, F2, L::LF, true);
   __syncthreads();
-  if (stop == 2) return;  // timing experiments (CARRY_GDN_CHUNK_STOP)
+  if (stop == 2) return;  // timing one phase (chunk_stop, bwd.cu: 0, all phases)
   // (e) write dq; F3 <- X = Tᵀ dW; F1 <- dW Kᵀ (scratch C×C)
   store_tile<T, C, DK, NT>(dq + ((long)b * T_ + t0) * rowk + (long)h * DK, rowk, F1, L::LF);
   __syncthreads();
@@ -245,7 +245,7 @@ __global__ void __launch_bounds__(NW * 32) bwd_chunk_kernel(
     }
   }
   __syncthreads();
-  if (stop == 3) return;  // timing experiments (CARRY_GDN_CHUNK_STOP)
+  if (stop == 3) return;  // timing one phase (chunk_stop, bwd.cu: 0, all phases)
   // (g) Z = Tᵀ dT; dA = −Z Tᵀ (strictly lower); KK = K Kᵀ
   gemm<T, C, C, C, true, false, NW>(Tb, L::LTb, Mb1, L::LTb, F1, L::LF, false);
   __syncthreads();
@@ -290,7 +290,7 @@ __global__ void __launch_bounds__(NW * 32) bwd_chunk_kernel(
   gemm<T, C, DK, C, false, false, NW>(Mb1, L::LTb, sK, L::LK, F2, L::LF, true);
   gemm<T, C, DK, C, true, false, NW>(Mb1, L::LTb, sK, L::LK, F2, L::LF, true);
   __syncthreads();
-  if (stop == 4) return;  // timing experiments (CARRY_GDN_CHUNK_STOP)
+  if (stop == 4) return;  // timing one phase (chunk_stop, bwd.cu: 0, all phases)
   // (j) write dk, dβ; dG at the chunk's last token gets Σ kd + e^{G_C}<dH', H>; dg = reverse cumsum
   store_tile<T, C, DK, NT>(dk + ((long)b * T_ + t0) * rowk + (long)h * DK, rowk, F2, L::LF);
   if (tid < C) dbeta[((long)b * T_ + t0 + tid) * H + h] = sDB[tid];

@@ -17,8 +17,10 @@
 //     (double-buffered with cp.async for bf16) and streams out H_c = S (input dtype, saved) and
 //     V_new = U − W·S; then S ← e^{G_C} S + Kᵀ (e^{G_C−G} ⊙ V_new).
 //     Per chunk: 2·C·dk·BV·2 FLOPs; HBM reads 2C(2dk+BV), writes 2(dk·BV + C·BV) bytes (bf16).
-//     For bf16 the launcher uses fwd_state_mma_kernel (2b: state in mma registers, BV = 16 and 4 warps, or
-//     32 and 8 at many heads: wide_state_tiles); fwd_state_kernel (wmma on shared tiles) serves fp32.
+//     For bf16 the launcher uses, at dk = 128, the warpgroup walk (walk_wg.cuh: wgmma, TMA loads, bulk
+//     stores, 32-column tiles), at dk = 64 fwd_state_mma_kernel (2b: state in mma registers, BV = 16 and
+//     4 warps, or 32 and 8 at many heads: wide_state_tiles); fwd_state_kernel (wmma on shared tiles)
+//     serves fp32.
 //     With few heads (the walk's tiles on at most half the SMs) the bf16 walk runs in pieces of
 //     chunks, the state handed on in fp32 memory (one walk's bits), and 1. and 3. of other pieces
 //     run beside it on a second stream (fwd_pieces).
@@ -26,7 +28,6 @@
 //     in tiles of 64): P = scale·(QKᵀ ⊙ Γ ⊙ causal) once, then per dv tile
 //     O = scale·e^G ⊙ (Q·H_c) + P·V_new. Reads q, k [C,dk], H_c [dk,dv], V_new [C,dv].
 #include "layers/kernels/delta_rule/api.h"
-#include "layers/core/knobs.h"
 #include "layers/kernels/primitives/tiles.cuh"
 #include "layers/kernels/delta_rule/launch.h"
 #include "layers/kernels/primitives/mma_frag.cuh"
@@ -49,31 +50,8 @@ std::atomic<bool> g_poison{false};
 bool poison_enabled() { return g_poison.load(); }
 void gdn_set_poison(bool on) { g_poison.store(on); }
 namespace {
-std::atomic<int> g_walk{-1};
+std::atomic<int> g_walk_warpgroups{0};
 }
-// The bf16 walks at dk = 128 (gdn_set_walk's kinds): 0 the warpgroup kernels (walk_wg.cuh) with bulk
-// tensor stores of H_c and V_new, one or two warpgroups a block as walk_warpgroups decides (the
-// default), 1 the mma.sync kernels, 2 the warpgroup kernels with the threads' own stores, 3 and 4 the
-// warpgroup kernels with bulk stores and two or one warpgroups a block. Without a test's gdn_set_walk,
-// CARRY_GDN_WALK=mma and CARRY_GDN_WALK_STORE=threads pick 1 and 2 for A/B timings (read once).
-int walk_kind() {
-  static const int env = [] {
-    const char* w = knob_value("CARRY_GDN_WALK");
-    const char* st = knob_value("CARRY_GDN_WALK_STORE");
-    const std::string ws = w ? w : "", ss = st ? st : "";
-    TORCH_CHECK(ws.empty() || ws == "warpgroup" || ws == "mma",
-                "CARRY_GDN_WALK: expected 'warpgroup' (the default) or 'mma' (the delta rule's mma.sync state walks), "
-                "got '", ws, "'");
-    TORCH_CHECK(ss.empty() || ss == "bulk" || ss == "threads",
-                "CARRY_GDN_WALK_STORE: expected 'bulk' (the default) or 'threads' (the warpgroup walks' H_c and V_new "
-                "stored by the threads), got '", ss, "'");
-    return ws == "mma" ? 1 : ss == "threads" ? 2 : 0;
-  }();
-  const int k = g_walk.load();
-  return k < 0 ? env : k;
-}
-bool warpgroup_walk() { return walk_kind() != 1; }
-bool walk_bulk_stores() { return walk_kind() != 1 && walk_kind() != 2; }
 // Warpgroups a warpgroup walk block (each its own 32 columns; the chunk's W, K, Q tiles loaded once for
 // the block). Two take half the SMs a walk holds, each walk a little slower (ncu, H=16, dk=dv=128,
 // 131072 tokens, a piece of 12: forward 0.184 → 0.258 ms, reverse 0.265 → 0.395 on an H200), and leave
@@ -85,47 +63,27 @@ bool walk_bulk_stores() { return walk_kind() != 1 && walk_kind() != 2; }
 // one. At 256 chunks (16384 tokens, four pieces of 64) one warpgroup a block both ways ran faster (H=16,
 // dk=dv=128, one H200, two runs each, forward+backward ms: DeltaNet 1.326 / 1.324 →
 // 1.299 / 1.306, Gated DeltaNet 1.448 / 1.460 → 1.424 / 1.423), at 512 chunks level (DeltaNet 2.485 /
-// 2.494 → 2.502 / 2.503) and at 1024 slower (4.672 / 4.675 → 4.787 / 4.784). CARRY_GDN_WALK_WARPGROUPS=F,B
-// (each 1 or 2, forward and reverse) overrides it for A/B timings (read once).
-int walk_warpgroups(const Dims& d, bool reverse) {
-  static const std::pair<int, int> env = [] {
-    const char* e = knob_value("CARRY_GDN_WALK_WARPGROUPS");
-    const std::string s = e ? e : "";
-    if (s.empty() || s == "auto") return std::make_pair(0, 0);
-    const bool ok = s.size() == 3 && (s[0] == '1' || s[0] == '2') && s[1] == ',' && (s[2] == '1' || s[2] == '2');
-    TORCH_CHECK(ok, "CARRY_GDN_WALK_WARPGROUPS: expected 'auto' or F,B with each 1 or 2 (warpgroups a forward and a "
-                "reverse walk block, e.g. 1,2), got '", s, "'");
-    return std::make_pair(s[0] - '0', s[2] - '0');
-  }();
-  const int k = walk_kind();
-  if (k == 3) return 2;
-  if (k != 0) return 1;
-  const int forced = reverse ? env.second : env.first;
+// 2.494 → 2.502 / 2.503) and at 1024 slower (4.672 / 4.675 → 4.787 / 4.784). gdn_set_walk_warpgroups
+// forces one or two (tests).
+int walk_warpgroups(const Dims& d) {
+  const int forced = g_walk_warpgroups.load();
   if (forced) return forced;
   const int tiles = (d.DV / 32) * d.H * d.B, sms = sm_count();
   return d.N > 256 && 8 * tiles >= 3 * sms && 2 * tiles <= sms ? 2 : 1;
 }
-void gdn_set_walk(int kind) {
-  TORCH_CHECK(kind >= -1 && kind <= 4, "gdn_set_walk: expected -1, 0, 1, 2, 3 or 4, got ", kind);
-  g_walk.store(kind);
+void gdn_set_walk_warpgroups(int n) {
+  TORCH_CHECK(n >= 0 && n <= 2, "gdn_set_walk_warpgroups: expected 0 (automatic), 1 or 2, got ", n);
+  g_walk_warpgroups.store(n);
 }
 namespace {
 std::atomic<int> g_pieces{0};
 std::atomic<bool> g_ramp_forced{false};
 }
-// gdn_set_pieces' value, else CARRY_GDN_PIECES (A/B timings; read once), else 0 (automatic).
-int forced_pieces() {
-  static const int env = static_cast<int>(
-      env_int("CARRY_GDN_PIECES", 0, 4096, "a count from 0 (automatic) to 4096 of the delta rule's bf16 walk pieces"));
-  const int n = g_pieces.load();
-  return n > 0 ? n : env;
-}
-// Whether the pieces ramp (carry::kernels::primitives::piece_cuts): gdn_set_pieces' ramp for forced pieces; for the
-// automatic ones on unless CARRY_GDN_PIECE_RAMP=0 (uniform pieces, for A/B timings; read once).
-bool ramp_pieces() {
-  static const bool env = switch_on("CARRY_GDN_PIECE_RAMP");
-  return forced_pieces() > 0 ? g_ramp_forced.load() : env;
-}
+// gdn_set_pieces' value, else 0 (automatic).
+int forced_pieces() { return g_pieces.load(); }
+// Whether the pieces ramp (carry::kernels::primitives::piece_cuts): gdn_set_pieces' ramp for forced pieces;
+// the automatic ones may (plan_pieces, launch.h, decides where).
+bool ramp_pieces() { return forced_pieces() > 0 ? g_ramp_forced.load() : true; }
 void gdn_set_pieces(int n, bool ramp) {
   g_pieces.store(n < 0 ? 0 : n);
   g_ramp_forced.store(ramp);
@@ -888,7 +846,6 @@ __global__ void __launch_bounds__(256) fwd_o_reg_kernel(const bf16* __restrict__
 // H=16, dk=dv=128, 131072 tokens, Gated DeltaNet 12.724 / 12.766 → 12.672 / 12.633, DeltaNet 12.674 /
 // 12.593 → 12.523 / 12.410 (the output kernel's piece 0.175 → 0.152 ms in the timeline); at H=4,
 // dv=256 one buffer ran slower (2.137 / 2.114 → 2.175 / 2.158 ms at 32768), so there two.
-// CARRY_GDN_OUT_BUFFERS=1 or 2 forces one (A/B; read once).
 template <int DK, int DV>
 struct OutKernel {
   decltype(&fwd_o_reg_kernel<DK, DV, 2>) kern;
@@ -896,11 +853,7 @@ struct OutKernel {
 };
 template <int DK, int DV>
 OutKernel<DK, DV> out_kernel(const Dims& d) {
-  static const int forced = [] {
-    const char* e = knob_value("CARRY_GDN_OUT_BUFFERS");
-    return e && (e[0] == '1' || e[0] == '2') ? e[0] - '0' : 0;
-  }();
-  if (forced ? forced == 1 : wide_state_tiles(d)) return {fwd_o_reg_kernel<DK, DV, 1>, OutRegSmem<DK, 1>::bytes};
+  if (wide_state_tiles(d)) return {fwd_o_reg_kernel<DK, DV, 1>, OutRegSmem<DK, 1>::bytes};
   return {fwd_o_reg_kernel<DK, DV, 2>, OutRegSmem<DK, 2>::bytes};
 }
 
@@ -927,7 +880,7 @@ void fwd_pieces(const Dims& d, const bf16* kp, const bf16* vp, const float* g, c
   constexpr size_t psm = PrepRegSmem<DK>::bytes;
   carry::kernels::primitives::allow_smem(okern, osm);
   carry::kernels::primitives::allow_smem(pkern, psm, /*max_carveout=*/true);  // three blocks of 73 KB an SM need the carve-out
-  const int nwg = WG ? walk_warpgroups(d, false) : 1;  // warpgroups (32-column tiles) a walk block
+  const int nwg = WG ? walk_warpgroups(d) : 1;  // warpgroups (32-column tiles) a walk block
   const Pieces pc = plan_pieces(d, (DV / (BV * nwg)) * d.H * d.B);
   // one walk: its own size; pieces: also more than an SM has left beside an output or a prep block
   const size_t walk_bytes = !WG ? StateMmaSmem<DK, BV, kStateStages>::bytes
@@ -936,12 +889,10 @@ void fwd_pieces(const Dims& d, const bf16* kp, const bf16* vp, const float* g, c
   const size_t ssm =
       std::max(walk_bytes, pc.n == 1 || !pc.idle ? size_t(0) : size_t(kMaxSmemSM) - std::min(osm, psm) + 1024);
   CUtensorMap tmW{}, tmK{}, tmU{}, tmG{}, tmH{}, tmV{};
-  const bool bulk = walk_bulk_stores();
   // DeltaNet (no gate) walks without the gate's reads and unit factors (GATE = false, the same bits)
   constexpr int S = wg::kWalkStages;
-  auto wkern = nwg == 2 ? (g ? wg::fwd_walk_wg<DV, true, 2, S, true> : wg::fwd_walk_wg<DV, true, 2, S, false>)
-               : bulk   ? (g ? wg::fwd_walk_wg<DV, true, 1, S, true> : wg::fwd_walk_wg<DV, true, 1, S, false>)
-                        : wg::fwd_walk_wg<DV, false>;
+  auto wkern = nwg == 2 ? (g ? wg::fwd_walk_wg<DV, 2, S, true> : wg::fwd_walk_wg<DV, 2, S, false>)
+                        : (g ? wg::fwd_walk_wg<DV, 1, S, true> : wg::fwd_walk_wg<DV, 1, S, false>);
   if constexpr (WG) {
     const long rows = (long)d.B * d.H * d.T;
     wg::check_coords(rows);
@@ -1018,7 +969,6 @@ void fwd_impl(const Dims& d, const at::Tensor& q, const at::Tensor& k, const at:
               const float* beta, float scale, const float* S0, at::Tensor& Gc, at::Tensor& Tm, at::Tensor& W,
               at::Tensor& U, at::Tensor& Hs, at::Tensor& Vn, at::Tensor& Sfin, at::Tensor& O,
               const std::function<void(const at::Tensor&)>& on_final_state) {
-  auto stream = at::cuda::getCurrentCUDAStream();
   const T* qp = reinterpret_cast<const T*>(q.data_ptr());
   const T* kp = reinterpret_cast<const T*>(k.data_ptr());
   const T* vp = reinterpret_cast<const T*>(v.data_ptr());
@@ -1027,56 +977,48 @@ void fwd_impl(const Dims& d, const at::Tensor& q, const at::Tensor& k, const at:
   T* Hp = reinterpret_cast<T*>(Hs.data_ptr());
   T* Vnp = reinterpret_cast<T*>(Vn.data_ptr());
   T* Op = reinterpret_cast<T*>(O.data_ptr());
-  dim3 gc(d.N, d.H, d.B);
-  {
-    if constexpr (std::is_same<T, bf16>::value) {
-      if constexpr (DK == wg::kDK)
-        if (warpgroup_walk())
-          return fwd_pieces<DK, DV, wg::kBV, 4, true>(d, kp, vp, g, beta, Gc, Tm, Wp, Up, S0, Hp, Vnp, Sfin, qp, Op,
-                                                      scale, on_final_state);
-      // bf16 always walks in pieces: 16-column state tiles and 4 warps, or 32-column tiles and 8 warps
-      // where the tiles are wide (wide_state_tiles; with 4 warps they ran slower: 14.43 against 13.86 ms
-      // at H=16, 131k on an H200).
-      if (!wide_state_tiles(d))
-        return fwd_pieces<DK, DV>(d, kp, vp, g, beta, Gc, Tm, Wp, Up, S0, Hp, Vnp, Sfin, qp, Op, scale, on_final_state);
+  if constexpr (std::is_same<T, bf16>::value) {
+    // bf16 always walks in pieces (fwd_pieces; one piece where the walk's tiles fill the GPU): at dk = 128
+    // on the warpgroup walks, at dk = 64 on the mma.sync walks in 16-column state tiles and 4 warps, or
+    // 32-column tiles and 8 warps where the tiles are wide (wide_state_tiles; measured with these walks
+    // at dk = 128, H=16, 131k tokens on an H200: 14.43 ms with 4 warps against 13.86).
+    if constexpr (DK == wg::kDK)
+      return fwd_pieces<DK, DV, wg::kBV, 4, true>(d, kp, vp, g, beta, Gc, Tm, Wp, Up, S0, Hp, Vnp, Sfin, qp, Op, scale,
+                                                  on_final_state);
+    else if (!wide_state_tiles(d))
+      return fwd_pieces<DK, DV>(d, kp, vp, g, beta, Gc, Tm, Wp, Up, S0, Hp, Vnp, Sfin, qp, Op, scale, on_final_state);
+    else
       return fwd_pieces<DK, DV, 32, 8>(d, kp, vp, g, beta, Gc, Tm, Wp, Up, S0, Hp, Vnp, Sfin, qp, Op, scale,
                                        on_final_state);
-    } else {
+  } else {
+    // fp32: the generic kernels on shared tiles, one walk (16-column tiles, 4 warps).
+    auto stream = at::cuda::getCurrentCUDAStream();
+    dim3 gc(d.N, d.H, d.B);
+    {
       auto kern = prep_kernel<T, DK, DV>;
       size_t sm = PrepSmem<T, DK>::bytes;
       carry::kernels::primitives::allow_smem(kern, sm);
       kern<<<gc, 256, sm, stream>>>(kp, vp, g, beta, Gc.data_ptr<float>(), reinterpret_cast<T*>(Tm.data_ptr()), Wp, Up,
                                     d.T, d.H);
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
     }
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
-  }
-  {
-    auto launch = [&](auto bv, auto nw) {
-      constexpr int BV = decltype(bv)::value, NW = decltype(nw)::value;
-      constexpr int NBUF = sizeof(T) == 2 ? 2 : 1;
+    {
+      constexpr int BV = 16, NW = 4, NBUF = 1;
       auto kern = fwd_state_kernel<T, DK, DV, BV, NBUF, NW>;
       size_t sm = StateSmem<T, DK, BV, NBUF>::bytes;
       carry::kernels::primitives::allow_smem(kern, sm);
       kern<<<dim3(DV / BV, d.H, d.B), NW * 32, sm, stream>>>(kp, Wp, Up, Gc.data_ptr<float>(), S0, Hp, Vnp,
                                                             Sfin.data_ptr<float>(), d.T, d.H);
-    };
-    using I16 = std::integral_constant<int, 16>;
-    using I4 = std::integral_constant<int, 4>;
-    launch(I16{}, I4{});  // fp32: the generic state kernel, 16-column tiles, 4 warps
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
-  }
-  if (on_final_state) on_final_state(Sfin);  // before the output kernel: a send runs beside it
-  if constexpr (std::is_same<T, bf16>::value) {
-    const OutKernel<DK, DV> ok = out_kernel<DK, DV>(d);
-    carry::kernels::primitives::allow_smem(ok.kern, ok.smem);
-    ok.kern<<<gc, 256, ok.smem, stream>>>(qp, kp, Gc.data_ptr<float>(), Hp, Vnp, Op, scale, d.T, d.H, 0);
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
-  } else {
-    auto kern = fwd_o_kernel<T, DK, DV>;
-    size_t sm = OutSmem<T, DK>::bytes;
-    carry::kernels::primitives::allow_smem(kern, sm);
-    kern<<<gc, 256, sm, stream>>>(qp, kp, Gc.data_ptr<float>(), Hp, Vnp, Op, scale, d.T, d.H);
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+    }
+    if (on_final_state) on_final_state(Sfin);  // before the output kernel: a send runs beside it
+    {
+      auto kern = fwd_o_kernel<T, DK, DV>;
+      size_t sm = OutSmem<T, DK>::bytes;
+      carry::kernels::primitives::allow_smem(kern, sm);
+      kern<<<gc, 256, sm, stream>>>(qp, kp, Gc.data_ptr<float>(), Hp, Vnp, Op, scale, d.T, d.H);
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+    }
   }
 }
 

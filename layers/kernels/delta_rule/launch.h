@@ -20,9 +20,7 @@ namespace carry::kernels::delta_rule {
 
 bool poison_enabled();
 int forced_pieces();  // gdn_set_pieces' value
-bool ramp_pieces();  // whether the pieces ramp (gdn_set_pieces' flag, or CARRY_GDN_PIECE_RAMP)
-bool warpgroup_walk();  // the bf16 walks at dk = 128 on the warpgroup kernels (walk_wg.cuh)
-bool walk_bulk_stores();  // and those store H_c and V_new by bulk tensor stores
+bool ramp_pieces();  // whether the pieces may ramp (gdn_set_pieces' flag for forced pieces)
 
 // at::empty, filled with NaN when the debug poison is on.
 inline at::Tensor alloc(at::IntArrayRef sizes, const at::TensorOptions& opt) {
@@ -43,10 +41,9 @@ struct Dims {
 // one walk otherwise. The automatic pieces ramp where the state
 // tiles are narrow (not wide_state_tiles: H=4, dv=256) and the end pieces keep 32 chunks (from 1216
 // chunks, 77824 tokens, in 12 pieces): the two at each end a quarter and a half of the others, so what
-// waits before the first walk and after the last is a quarter of a piece's chunk-local work
-// (CARRY_GDN_PIECE_RAMP=0: uniform, for A/B); the forced ones are uniform unless gdn_set_pieces asks
-// for the ramp (ramp_pieces). Measured on an H200 (with the reverse walk's dV
-// beside it, bwd_pieces): H=4, dv=256, 131072 tokens, DeltaNet 6.432 / 6.298 → 5.973 / 5.943 ms
+// waits before the first walk and after the last is a quarter of a piece's chunk-local work; the
+// forced ones are uniform unless gdn_set_pieces asks for the ramp (ramp_pieces). Measured on an H200
+// (with the reverse walk's dV beside it, bwd_pieces): H=4, dv=256, 131072 tokens, DeltaNet 6.432 / 6.298 → 5.973 / 5.943 ms
 // forward+backward, Gated DeltaNet 6.483 / 6.269 → 5.951 / 5.940; at H=16, dk=dv=128 (wide tiles) level
 // (9.179 / 9.214 → 9.300 / 9.264), hence narrow tiles only. idle: whether the walk leaves at least half
 // the SMs to the other kernels (else they would share its SMs); ramped: whether the pieces ramp.
@@ -80,8 +77,8 @@ inline Pieces plan_pieces(const Dims& d, int value_blocks) {
   return {pieces, std::move(cut), idle, ramped};
 }
 
-// Warpgroups (32-column tiles) a warpgroup walk block, forward or reverse: 1 or 2 (fwd.cu).
-int walk_warpgroups(const Dims& d, bool reverse);
+// Warpgroups (32-column tiles) a warpgroup walk block, forward and reverse: 1 or 2 (fwd.cu).
+int walk_warpgroups(const Dims& d);
 
 
 // The stream a bf16 state walk in pieces runs on (the forward's; the reverse walk's where the
@@ -90,10 +87,8 @@ int walk_warpgroups(const Dims& d, bool reverse);
 // on an H200 (forward ms, caller's stream → high priority): H=16, dk=dv=128, 131072 tokens, Gated
 // DeltaNet 5.083 / 5.026 → 4.904 / 4.917, DeltaNet 5.083 / 5.042 → 4.890 / 4.889; at H=4, dv=256
 // 2.976 / 3.111 → 2.895 / 2.882. (The reverse walk alone on such a stream ran no faster.)
-// CARRY_GDN_WALK_PRIORITY=0: the caller's stream (A/B; read once).
 inline at::cuda::CUDAStream walk_stream(const at::cuda::CUDAStream& caller) {
-  static const bool high = carry::kernels::primitives::switch_on("CARRY_GDN_WALK_PRIORITY");
-  return high ? at::cuda::getStreamFromPool(true, caller.device_index()) : caller;
+  return at::cuda::getStreamFromPool(true, caller.device_index());
 }
 using carry::kernels::primitives::join;
 

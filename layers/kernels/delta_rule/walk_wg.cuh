@@ -10,20 +10,19 @@
 //    wgmma A operand straight from shared memory, K-major (W·S, K·dS) or MN-major (Kᵀ·Ṽ, Q̃ᵀ·dO, Wᵀ·dV);
 //  - U [64][32] bf16 dense rows, dV_local [64][32] fp32 128-byte swizzled, G [64] fp32 (not for
 //    DeltaNet: GATE = false), dO [64][32] in 8 × 8 core matrices (the B operand of Q̃ᵀ·dO).
-// With bulk stores (TS) the state and V_new (dH_c, dV_new) go to shared memory once, by stmatrix, in
-// TMA's 64-byte swizzle: the tiles the bulk tensor stores send out (a warpgroup's first thread issues and
-// waits for its own) are the products' B operands too. Without (the threads' own global stores) they go
-// to B tiles in 8 × 8 core matrices. One block barrier and one warpgroup barrier a chunk. A warp spends about 265
+// The state and V_new (dH_c, dV_new) go to shared memory once, by stmatrix, in TMA's 64-byte swizzle: the
+// tiles the bulk tensor stores send out (a warpgroup's first thread issues and waits for its own) are the
+// products' B operands too. One block barrier and one warpgroup barrier a chunk. A warp spends about 265
 // instructions on a chunk forward and 320 in reverse (ncu at H=16, 16384 tokens: a piece of 64 chunks
 // 75 µs forward, 94 µs reverse): Q̃ comes from the intra-chunk dV kernel, the tiles are not copied twice,
 // DeltaNet does no gate work, and each descriptor is one add from a base (Desc). What a chunk
-// does is fwd_state_mma_kernel's (fwd.cu) and bwd_state_mma_kernel's (bwd.cu), with the
-// same roundings to bf16; the products' fp32 sums run in the tensor cores' order, so the bits differ
-// from those kernels' (both are tested against the chunkwise form).
+// does is fwd_state_mma_kernel's (fwd.cu) and bwd_state_mma_kernel's (bwd_state.cuh), the walks at
+// dk = 64, with the same roundings to bf16; the products' fp32 sums run in the tensor cores' order, so
+// the bits differ from those kernels'.
 //
 // Floor and cost (one H200, H=16, dk=dv=128, 131072 tokens, ncu, 12 pieces a walk): forward 2.19 ms and
-// reverse 2.97 ms with bulk stores (2.34 and 3.20 with the threads' stores), against 3.65 and 5.16 ms for
-// the mma.sync walk and 2.06 and 2.70 ms for FLA's. The 128-byte TMA boxes are what makes it fast.
+// reverse 2.97 ms with bulk stores (2.34 and 3.20 with the threads' own global stores), against 3.65 and
+// 5.16 ms for the mma.sync walk and 2.06 and 2.70 ms for FLA's. The 128-byte TMA boxes are what makes it fast.
 #pragma once
 
 #include <cuda.h>
@@ -98,33 +97,14 @@ __device__ __forceinline__ void state_io(float (&s)[2][16], float* p, long ld, i
         }
       }
 }
-// The state, rounded to bf16, into the B-operand tile sSb [128][32].
-__device__ __forceinline__ void state_to_b(const float (&s)[2][16], unsigned char* sSb) {
-  const int warp = (threadIdx.x >> 5) & 3, lane = threadIdx.x & 31, g = lane >> 2, t4 = lane & 3;
-#pragma unroll
-  for (int hh = 0; hh < 2; ++hh)
-#pragma unroll
-    for (int j = 0; j < 4; ++j)
-#pragma unroll
-      for (int hf = 0; hf < 2; ++hf)
-        *reinterpret_cast<unsigned*>(sSb + bmn_off(64 * hh + 16 * warp + g + 8 * hf, 8 * j + 2 * t4)) =
-            pk(s[hh][4 * j + 2 * hf], s[hh][4 * j + 2 * hf + 1]);
-}
-// sSb (bf16 [128][32]) to global rows of stride ld (16-byte stores): H_c or dH_c.
-__device__ __forceinline__ void b_to_global(const unsigned char* sSb, bf16* p, long ld) {
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    const int u = (threadIdx.x & 127) + i * 128, r = u >> 2, ng = u & 3;
-    *reinterpret_cast<uint4*>(p + (long)r * ld + ng * 8) = *reinterpret_cast<const uint4*>(sSb + bmn_off(r, ng * 8));
-  }
-}
 
 // Shared-memory offsets rounded up to the swizzle atoms' 1024 bytes (TMA swizzles by absolute address bits).
 constexpr int al1k(int x) { return (x + 1023) & ~1023; }
 // The thread of a warpgroup that issues and waits for its bulk stores (bulk groups are per thread).
 __device__ __forceinline__ bool wg_leader() { return (threadIdx.x & 127) == 0; }
-// Each warpgroup's own tiles: H_c's store tile [128][32] (sw64), V_new's [64][32] (sw64), then the B
-// operands Sb [128][32] and Vb [64][32] (bmn_off); 1024-byte multiples, so the swizzled tiles stay aligned.
+// Each warpgroup's own tiles: H_c's store tile [128][32] (sw64), V_new's [64][32] (sw64), an 8 KB tile no
+// walk uses (kPrivSb; it keeps the block's shared memory, hence its blocks an SM, as measured), and the
+// forward's Vb = e^{G_C−G} V_new [64][32] (sw64); 1024-byte multiples, so the swizzled tiles stay aligned.
 constexpr int kPrivHt = 0, kPrivVt = 8192, kPrivSb = 12288, kPrivVb = 20480, kPrivBytes = 24576;
 
 
@@ -148,33 +128,24 @@ __device__ __forceinline__ void load_tokens(unsigned char* dst, const CUtensorMa
   tma3(dst, m, 0, h, trow, bar);
   tma3(dst + 8192, m, 64, h, trow, bar);
 }
-// A chunk's start: the state into the B operand of the chunk's first product: TS, the sw64 tile its
-// bulk store reads (stmatrix), else Sb (bmn_off); made visible to the tensor cores and TMA; thread 0 of
-// each warpgroup first waits until its previous bulk stores have read their tiles; then one block
-// barrier (every warp is past the previous chunk: the shared buffers are free).
-template <bool TS>
-__device__ __forceinline__ void chunk_start(const float (&s)[2][16], unsigned char* sSb, unsigned char* sHt) {
-  if constexpr (TS) state_to_sw64(s, sHt);
-  else state_to_b(s, sSb);
+// A chunk's start: the state into the B operand of the chunk's first product, the sw64 tile its bulk
+// store reads (stmatrix); made visible to the tensor cores and TMA; thread 0 of each warpgroup first
+// waits until its previous bulk stores have read their tiles; then one block barrier (every warp is past
+// the previous chunk: the shared buffers are free).
+__device__ __forceinline__ void chunk_start(const float (&s)[2][16], unsigned char* sHt) {
+  state_to_sw64(s, sHt);
   fence_async();
-  if (TS && wg_leader()) store_wait_read();
+  if (wg_leader()) store_wait_read();
   __syncthreads();
 }
-// The state's B descriptor (the tile chunk_start wrote).
-template <bool TS>
-__device__ __forceinline__ Desc state_desc(const unsigned char* sSb, const unsigned char* sHt) {
-  return TS ? desc_sw64(sHt) : desc_bmn(sSb);
-}
 // The barrier before the state update, over the warpgroup alone (its tiles are its own; a block of two
-// warpgroups syncs both only at chunk_start): Vb (and, TS, the V tile) written and visible; thread 0
-// waits for the state's bulk store to have read its tile, then, after the barrier, sends the V tile to
-// row vrow.
-template <bool TS>
+// warpgroups syncs both only at chunk_start): the V tiles written and visible; thread 0 waits for the
+// state's bulk store to have read its tile, then, after the barrier, sends the V tile to row vrow.
 __device__ __forceinline__ void chunk_middle(const CUtensorMap* tmV, int v0, int vrow, const unsigned char* sVt) {
   fence_async();
-  if (TS && wg_leader()) store_wait_read();
+  if (wg_leader()) store_wait_read();
   asm volatile("bar.sync %0, 128;\n" ::"r"(1 + (int)(threadIdx.x >> 7)) : "memory");
-  if (TS && wg_leader()) tma_store2(tmV, v0, vrow, sVt);
+  if (wg_leader()) tma_store2(tmV, v0, vrow, sVt);
 }
 // d (m64n32) = A·S over dk = 128, A [64 tokens][128] in a swizzled tile (W·S, K·dS), S the B operand at
 // descriptor db; issued, not waited for.
@@ -201,9 +172,8 @@ __device__ __forceinline__ void update_state(float (&s)[2][16], const unsigned c
   wg_wait<0>();
 }
 // The end of a walk: thread 0 waits for its bulk stores to land; the state to fp32 memory.
-template <bool TS>
 __device__ __forceinline__ void walk_end(float (&s)[2][16], float* out, int dv, int v0) {
-  if (TS && wg_leader()) store_wait_all();
+  if (wg_leader()) store_wait_all();
   state_io<true>(s, out, dv, v0);
 }
 
@@ -221,12 +191,12 @@ struct FwdSmem {
 // writes H_c (bf16 [B,H,N,dk,DV]) and V_new (bf16 [B,H,T,DV]), and the state after
 // c_end − 1 to Sfin (fp32). Maps: W [B·H·T][dk], k [B·T][H][dk] (boxes of 64 × 64, swizzled), U
 // [B·H·T][DV] (boxes of 32 × 64), G (fp32 [B·H·T/64][64]).
-// TS: H_c and V_new leave by bulk tensor stores (tmH: Hs as [B·H·N·dk][DV], tmV: Vn as [B·H·T][DV],
-// boxes of 32 columns, 64-byte swizzle) from shared copies, instead of the threads' global stores.
+// H_c and V_new leave by bulk tensor stores (tmH: Hs as [B·H·N·dk][DV], tmV: Vn as [B·H·T][DV], boxes of
+// 32 columns, 64-byte swizzle) from shared copies; the kernel writes Hs and Vn only through those maps.
 // A warpgroup's operations on its columns are the same whatever NWG: the same bits.
 // GATE = false (DeltaNet: G is zero): no gate is read and no factor e^0 = 1 applied (the same bits);
-// with TS the V_new tile the bulk store reads is then the update's B operand as it is.
-template <int DV, bool TS = false, int NWG = 1, int S = kWalkStages, bool GATE = true>
+// the V_new tile the bulk store reads is then the update's B operand as it is.
+template <int DV, int NWG, int S, bool GATE>
 __global__ void __launch_bounds__(128 * NWG)
     fwd_walk_wg(const __grid_constant__ CUtensorMap tmW, const __grid_constant__ CUtensorMap tmK,
                 const __grid_constant__ CUtensorMap tmU, const __grid_constant__ CUtensorMap tmG,
@@ -247,7 +217,6 @@ __global__ void __launch_bounds__(128 * NWG)
   unsigned char* sU = sm + L::oU;
   float* sG = reinterpret_cast<float*>(sm + L::oG);
   unsigned char* priv = sm + L::oPriv + wgi * kPrivBytes;
-  unsigned char* sSb = priv + kPrivSb;
   unsigned char* sVb = priv + kPrivVb;
   unsigned char* sHt = priv + kPrivHt;
   unsigned char* sVt = priv + kPrivVt;
@@ -268,9 +237,9 @@ __global__ void __launch_bounds__(128 * NWG)
     for (int i = 0; i < S - 1 && c_begin + i < c_end; ++i) issue(c_begin + i, i);
   for (int c = c_begin; c < c_end; ++c) {
     const int it = c - c_begin, buf = it % S;
-    chunk_start<TS>(s, sSb, sHt);
+    chunk_start(s, sHt);
     if (tid == 0 && c + S - 1 < c_end) issue(c + S - 1, (it + S - 1) % S);
-    if (TS && wg_leader()) tma_store2(&tmH, v0, (int)((bh * N + c) * kDK), sHt);
+    if (wg_leader()) tma_store2(&tmH, v0, (int)((bh * N + c) * kDK), sHt);
     mbar_wait(bar + buf, (it / S) & 1);
     const unsigned char* cW = sW + buf * 16384;
     const unsigned char* cK = sK + buf * 16384;
@@ -278,8 +247,7 @@ __global__ void __launch_bounds__(128 * NWG)
     const float* G = sG + buf * 64;
     // V_new = U − W·S
     float d[16];
-    tokens_times_state(d, cW, state_desc<TS>(sSb, sHt));
-    if constexpr (!TS) b_to_global(sSb, Hs + ((bh * N + c) * kDK) * DV + v0, DV);  // H_c = S, beside the product
+    tokens_times_state(d, cW, desc_sw64(sHt));
     const float gl = GATE ? G[kC - 1] : 0.f;
     float e[2] = {1.f, 1.f};
     unsigned uu[2][4];
@@ -305,24 +273,10 @@ __global__ void __launch_bounds__(128 * NWG)
           xb[hf][j] = x[hf][j];
         }
       }
-    Desc vdesc;  // Vb's B descriptor
-    if constexpr (TS) {
-      frag_to_sw64(x, 16 * warp, sVt);
-      if constexpr (GATE) frag_to_sw64(xb, 16 * warp, sVb);
-      vdesc = desc_sw64(GATE ? sVb : sVt);
-    } else {
-      bf16* vn = Vn + (bh * T_ + (long)c * kC) * DV + v0;
-#pragma unroll
-      for (int hf = 0; hf < 2; ++hf)
-#pragma unroll
-        for (int j = 0; j < 4; ++j) {
-          const int r = 16 * warp + g + 8 * hf, col = 8 * j + 2 * t4;
-          *reinterpret_cast<unsigned*>(vn + (long)r * DV + col) = x[hf][j];
-          *reinterpret_cast<unsigned*>(sVb + bmn_off(r, col)) = xb[hf][j];
-        }
-      vdesc = desc_bmn(sVb);
-    }
-    chunk_middle<TS>(&tmV, v0, (int)(bh * T_ + (long)c * kC), sVt);
+    frag_to_sw64(x, 16 * warp, sVt);
+    if constexpr (GATE) frag_to_sw64(xb, 16 * warp, sVb);
+    const Desc vdesc = desc_sw64(GATE ? sVb : sVt);  // Vb's B descriptor
+    chunk_middle(&tmV, v0, (int)(bh * T_ + (long)c * kC), sVt);
     // S ← e^{G_C} S + Kᵀ·(e^{G_C−G} V_new)
     if constexpr (GATE) {
       const float egl = __expf(gl);
@@ -333,7 +287,7 @@ __global__ void __launch_bounds__(128 * NWG)
     }
     update_state(s, cK, vdesc);
   }
-  walk_end<TS>(s, Sfin + bh * kDK * DV, DV, v0);
+  walk_end(s, Sfin + bh * kDK * DV, DV, v0);
 }
 
 // ---- reverse walk ----------------------------------------------------------------------------
@@ -355,9 +309,10 @@ struct BwdSmem {
 // its 869 instructions a chunk).
 // Maps: Q̃, k [B·T][H][dk] and W [B·H·T][dk] (64 × 64, swizzled), dO [B·T][H][DV] (8 × 64 × 4 core
 // matrices), dV_local fp32 [B·H·T][DV] (32 × 64, swizzled), G.
-// TS: dH_c and dV_new leave by bulk tensor stores (tmH, tmV as in fwd_walk_wg), and their tiles are
-// the products' B operands (dV_new's negated by the product). GATE = false: as in fwd_walk_wg.
-template <int DV, bool TS = false, int NWG = 1, int S = kWalkStages, bool GATE = true>
+// dH_c and dV_new leave by bulk tensor stores (tmH, tmV as in fwd_walk_wg: dHs and dVn are written only
+// through them), and their tiles are the products' B operands (dV_new's negated by the product).
+// GATE = false: as in fwd_walk_wg.
+template <int DV, int NWG, int S, bool GATE>
 __global__ void __launch_bounds__(128 * NWG) bwd_walk_wg(
     const __grid_constant__ CUtensorMap tmQ, const __grid_constant__ CUtensorMap tmK,
     const __grid_constant__ CUtensorMap tmW, const __grid_constant__ CUtensorMap tmdO,
@@ -381,8 +336,6 @@ __global__ void __launch_bounds__(128 * NWG) bwd_walk_wg(
   unsigned char* sdVl = sm + L::odVl;
   float* sG = reinterpret_cast<float*>(sm + L::oG);
   unsigned char* priv = sm + L::oPriv + wgi * kPrivBytes;
-  unsigned char* sSb = priv + kPrivSb;
-  unsigned char* sVb = priv + kPrivVb;
   unsigned char* sHt = priv + kPrivHt;
   unsigned char* sVt = priv + kPrivVt;
   uint64_t* bar = reinterpret_cast<uint64_t*>(sm + L::oBar);
@@ -407,9 +360,9 @@ __global__ void __launch_bounds__(128 * NWG) bwd_walk_wg(
     for (int i = 0; i < S - 1 && i < count; ++i) issue(c_end - 1 - i, i);
   for (int it = 0; it < count; ++it) {
     const int c = c_end - 1 - it, buf = it % S;
-    chunk_start<TS>(s, sSb, sHt);
+    chunk_start(s, sHt);
     if (tid == 0 && it + S - 1 < count) issue(c - (S - 1), (it + S - 1) % S);
-    if (TS && wg_leader()) tma_store2(&tmH, v0, (int)((bh * N + c) * kDK), sHt);
+    if (wg_leader()) tma_store2(&tmH, v0, (int)((bh * N + c) * kDK), sHt);
     mbar_wait(bar + buf, (it / S) & 1);
     const unsigned char* cQ = sQ + buf * 16384;
     const unsigned char* cK = sK + buf * 16384;
@@ -426,7 +379,7 @@ __global__ void __launch_bounds__(128 * NWG) bwd_walk_wg(
         for (int i = 0; i < 16; ++i) s[hh][i] *= egl;
     }
     float d[16];
-    tokens_times_state(d, cK, state_desc<TS>(sSb, sHt));  // K·dS
+    tokens_times_state(d, cK, desc_sw64(sHt));  // K·dS
     // Q̃ᵀ (rows d = 64·hh.., k = tokens: MN-major from the swizzled tile, as Wᵀ in update_state) times dO
     const Desc dq = desc_sw128(cQ), ddo = desc(cdO, 128, 1024);
 #pragma unroll
@@ -434,7 +387,6 @@ __global__ void __launch_bounds__(128 * NWG) bwd_walk_wg(
 #pragma unroll
       for (int ks = 0; ks < 4; ++ks) mma_ss<1, 1>(s[hh], dq.at(hh * 8192 + ks * 2048), ddo.at(ks * 256));
     wg_commit();  // e^{G_C} dS + Q̃ᵀ dO
-    if constexpr (!TS) b_to_global(sSb, dHs + ((bh * N + c) * kDK) * DV + v0, DV);  // dH_c = dS
     float e[2] = {1.f, 1.f};
     float2 l[2][4];
 #pragma unroll
@@ -455,26 +407,12 @@ __global__ void __launch_bounds__(128 * NWG) bwd_walk_wg(
       for (int j = 0; j < 4; ++j)
         x[hf][j] = GATE ? pk(d[4 * j + 2 * hf] * e[hf] + l[hf][j].x, d[4 * j + 2 * hf + 1] * e[hf] + l[hf][j].y)
                         : pk(d[4 * j + 2 * hf] + l[hf][j].x, d[4 * j + 2 * hf + 1] + l[hf][j].y);
-    if constexpr (TS) {
-      frag_to_sw64(x, 16 * warp, sVt);  // dV_new, the bulk store's tile and (negated) the update's B
-    } else {
-      bf16* dvn = dVn + (bh * T_ + (long)c * kC) * DV + v0;
-#pragma unroll
-      for (int hf = 0; hf < 2; ++hf)
-#pragma unroll
-        for (int j = 0; j < 4; ++j) {
-          const int r = 16 * warp + g + 8 * hf, col = 8 * j + 2 * t4;
-          *reinterpret_cast<unsigned*>(dvn + (long)r * DV + col) = x[hf][j];
-          const float2 xf = upk(x[hf][j]);
-          *reinterpret_cast<unsigned*>(sVb + bmn_off(r, col)) = pk(-xf.x, -xf.y);  // Vb = −dV_new
-        }
-    }
+    frag_to_sw64(x, 16 * warp, sVt);  // dV_new, the bulk store's tile and (negated) the update's B
     wg_wait<0>();
-    chunk_middle<TS>(&tmV, v0, (int)(bh * T_ + (long)c * kC), sVt);
-    if constexpr (TS) update_state<-1>(s, cW, desc_sw64(sVt));  // − Wᵀ dV_new
-    else update_state(s, cW, desc_bmn(sVb));
+    chunk_middle(&tmV, v0, (int)(bh * T_ + (long)c * kC), sVt);
+    update_state<-1>(s, cW, desc_sw64(sVt));  // − Wᵀ dV_new
   }
-  walk_end<TS>(s, dS0 + bh * kDK * DV, DV, v0);
+  walk_end(s, dS0 + bh * kDK * DV, DV, v0);
 }
 
 

@@ -35,10 +35,6 @@ __device__ __forceinline__ Desc desc(const void* p, int lbo, int sbo, unsigned s
 // A 64-row operand in a 128-byte-swizzled half tile: 8-row groups 1024 bytes apart (the other offset
 // is unused: 64 elements, one swizzle atom, along the contiguous dimension).
 __device__ __forceinline__ Desc desc_sw128(const void* p) { return desc(p, 1024, 1024, 1); }
-// The B operands written by the threads, [k][32 n] MN-major in 8 × 8 core matrices:
-// offset(k, n) = (n/8)·128 + (k/8)·512 + (k%8)·16 + (n%8)·2 (K direction 512 bytes, N direction 128).
-__device__ __forceinline__ int bmn_off(int k, int n) { return (n >> 3) * 128 + (k >> 3) * 512 + (k & 7) * 16 + (n & 7) * 2; }
-__device__ __forceinline__ Desc desc_bmn(const void* p) { return desc(p, 512, 128); }
 // A B operand [k][32 n] MN-major in TMA's 64-byte swizzle (sw64_off: 64-byte rows, 8-row groups 512 bytes
 // apart): the tiles the bulk stores read (H_c, V_new) serve as the products' B operands too. 32 columns
 // are one swizzle atom wide, so only the K-direction offset (512) is read; it is given for both offsets,

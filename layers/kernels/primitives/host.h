@@ -1,8 +1,6 @@
 // Host-side helpers shared by every family's kernel launchers (delta rule, scalar/diagonal decay).
 #pragma once
 
-#include "layers/core/knobs.h"
-
 #include <ATen/ATen.h>
 #include <ATen/cuda/CUDAContext.h>
 #include <ATen/cuda/CUDAEvent.h>
@@ -15,24 +13,6 @@
 #include <unordered_map>
 
 namespace carry::kernels::primitives {
-
-// An A/B switch of the kernels (an environment variable, read once by its caller): on unless it is set
-// to something starting with '0'.
-inline bool switch_on(const char* name) {
-  const char* e = knob_value(name);
-  return !(e && e[0] == '0');
-}
-
-// An integer A/B setting of the kernels (an environment variable, read once by its caller): 0 when
-// unset or empty, else its value, which must lie in [lo, hi] (`what` says what is expected).
-inline long env_int(const char* name, long lo, long hi, const char* what) {
-  const char* e = knob_value(name);
-  if (!e || !*e) return 0;
-  char* end = nullptr;
-  const long v = std::strtol(e, &end, 10);
-  TORCH_CHECK(*end == '\0' && v >= lo && v <= hi, name, ": expected ", what, ", got '", e, "'");
-  return v;
-}
 
 // The current device's SM count (CUDA runtime; asked once a launch, which costs no synchronisation).
 inline int sm_count() {

@@ -25,7 +25,7 @@ struct Case {
   int64_t B, T, H;
 };
 
-// Both fused paths' switches back to the environment's choice (the segments automatic) when a test ends,
+// Both fused paths' switches back to their defaults (on, the segments automatic) when a test ends,
 // also when an assertion returns early.
 struct FusedModeReset {
   ~FusedModeReset() { linear_attn_fused_set(-1, 0), scalar_decay_fused_set(-1); }
@@ -110,7 +110,7 @@ TEST(LinearAttnFused, AppliesOnlyWhereItShould) {
                     narrow = fused_inputs(c, 64, at::kBFloat16, 7);
   MixerOptions plain, normalized;
   normalized.normalize = true;
-  if (!std::getenv("CARRY_LA_FUSED")) EXPECT_TRUE(linear_attn_fused_supports(bf, plain)) << "on by default";
+  EXPECT_TRUE(linear_attn_fused_supports(bf, plain)) << "on by default";
   expect_shared_refusals(linear_attn_fused_supports, [](int m) { linear_attn_fused_set(m); }, bf, f32, narrow);
   EXPECT_FALSE(linear_attn_fused_supports(bf, normalized)) << "normalized";
 #endif
@@ -197,7 +197,7 @@ TEST(ScalarDecayFused, AppliesOnlyWhereItShould) {
               narrow = fused_inputs(c, 64, at::kBFloat16, 7), ungated = bf;
   for (MixerInputs* in : {&bf, &f32, &narrow}) in->g = at::full({c.B, c.T, c.H}, -0.01, at::kFloat).to(at::kCUDA);
   MixerOptions plain;
-  if (!std::getenv("CARRY_SD_FUSED")) EXPECT_TRUE(scalar_decay_fused_supports(bf, plain)) << "on by default";
+  EXPECT_TRUE(scalar_decay_fused_supports(bf, plain)) << "on by default";
   expect_shared_refusals(scalar_decay_fused_supports, scalar_decay_fused_set, bf, f32, narrow);
   EXPECT_FALSE(scalar_decay_fused_supports(ungated, plain)) << "no decay";
 #endif

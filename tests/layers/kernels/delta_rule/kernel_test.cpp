@@ -42,15 +42,6 @@ MixerInputs gdn_inputs(const Case& c, bool gated, uint64_t seed) {
   return in;
 }
 
-// (walk, gated): walk 0 runs the bf16 state walks at dk = 128 on one warpgroup (wgmma, TMA loads and
-// stores, one or two a block as walk_warpgroups decides; the default), walk 1 on mma.sync, walk 2 on one
-// warpgroup with the threads' own stores, walk 3 on two warpgroups a block (dk = 64 always runs the
-// mma.sync walks: its cases run with walk 0 only).
-#ifdef CARRY_WITH_CUDA
-const std::pair<int, bool> kWalksAndGates[] = {{0, true}, {0, false}, {1, true}, {1, false},
-                                               {2, true}, {2, false}, {3, true}, {3, false}};
-#endif
-
 // o, S, then d(q, k, v, [g], beta, S0), in fp32.
 std::vector<Tensor> run(const Mixer& m, Form form, const MixerInputs& in, const Tensor& s0) {
   MixerOptions opt;
@@ -67,14 +58,12 @@ TEST(DeltaRuleKernel, MatchesChunkwise) {
 #else
   carry::kernels::delta_rule::gdn_set_poison(true);
   const char* names[] = {"o", "final_state", "dq", "dk", "dv", "dg", "dbeta", "dinitial_state"};
-  for (const auto& [walk, gated] : kWalksAndGates) {
-    carry::kernels::delta_rule::gdn_set_walk(walk);
+  for (bool gated : {true, false}) {
     const Mixer& m = get_mixer(gated ? "gated_deltanet" : "deltanet");
-    // mma.sync walks: H=16, dk=dv=128 in 32-column tiles (wide_state_tiles, on any GPU of fewer than
-    // 256 SMs), the other shapes in 16-column tiles; the warpgroup walks: 32-column tiles.
-    for (const Case& c : {Case{1, 256, 2, 64, 64}, Case{2, 192, 1, 128, 256}, Case{1, 128, 3, 128, 128},
-                          Case{1, 128, 16, 128, 128}}) {
-      if (walk != 0 && c.dk != 128) continue;
+    // dk = 128: the warpgroup walks (32-column tiles); dk = 64: the mma.sync walks, at H=16, dv=128 in
+    // 32-column tiles (wide_state_tiles, on any GPU of fewer than 256 SMs), the other shapes in 16.
+    for (const Case& c : {Case{1, 256, 2, 64, 64}, Case{1, 128, 16, 64, 128}, Case{2, 192, 1, 128, 256},
+                          Case{1, 128, 3, 128, 128}, Case{1, 128, 16, 128, 128}}) {
       auto in = gdn_inputs(c, gated, 17 + c.T);
       auto s0 = at::randn({c.B, c.H, c.dk, c.dv}, at::kFloat).to(at::kCUDA) * 0.5;
       for (auto dt : {at::kFloat, at::kBFloat16}) {
@@ -95,12 +84,11 @@ TEST(DeltaRuleKernel, MatchesChunkwise) {
                               << " dk=" << c.dk << " dv=" << c.dv << ": " << names[label];
           line += std::string(" ") + names[label] + " " + std::to_string(e);
         }
-        std::cout << "[ errors   ] " << m.name() << " " << dt << " walk " << walk << " B=" << c.B << " T=" << c.T << " H=" << c.H
+        std::cout << "[ errors   ] " << m.name() << " " << dt << " B=" << c.B << " T=" << c.T << " H=" << c.H
                   << " dk=" << c.dk << " dv=" << c.dv << ":" << line << "\n";
       }
     }
   }
-  carry::kernels::delta_rule::gdn_set_walk(-1);
   carry::kernels::delta_rule::gdn_set_poison(false);
 #endif
 }
@@ -109,19 +97,18 @@ TEST(DeltaRuleKernel, MatchesChunkwise) {
 // stream) give the bits of one walk: outputs, final state and every gradient, with a nonzero initial
 // state and final-state gradient; 7 chunks in pieces of 3 (three pieces, the last shorter) and of 1,
 // 40 chunks in five ramped pieces (4, 8, 16, 8, 4 chunks: carry::kernels::primitives::piece_cuts, as the automatic
-// pieces are cut); 16- and (H=16) 32-column tiles; the warpgroup and the mma.sync walks.
+// pieces are cut); the warpgroup walks (dk = 128) and the mma.sync walks (dk = 64) in 16- and (H=16)
+// 32-column tiles.
 TEST(DeltaRuleKernel, PiecesGiveTheBitsOfOneWalk) {
   if (cuda_device_count() == 0) GTEST_SKIP() << "no CUDA device: GPU tests skipped";
 #ifndef CARRY_WITH_CUDA
   GTEST_SKIP() << "built without CUDA";
 #else
   carry::kernels::delta_rule::gdn_set_poison(true);
-  for (const auto& [walk, gated] : kWalksAndGates) {
-    carry::kernels::delta_rule::gdn_set_walk(walk);
+  for (bool gated : {true, false}) {
     const Mixer& m = get_mixer(gated ? "gated_deltanet" : "deltanet");
-    for (const Case& c : {Case{1, 448, 2, 128, 256}, Case{2, 448, 1, 64, 128}, Case{1, 448, 16, 128, 128},
-                          Case{1, 2560, 2, 128, 256}}) {
-      if (walk != 0 && c.dk != 128) continue;
+    for (const Case& c : {Case{1, 448, 2, 128, 256}, Case{2, 448, 1, 64, 128}, Case{1, 448, 16, 64, 128},
+                          Case{1, 448, 16, 128, 128}, Case{1, 2560, 2, 128, 256}}) {
       auto in = gdn_inputs(c, gated, 91 + c.dv);
       const MixerInputs low = inputs_as(in, at::kBFloat16);
       auto s0 = at::randn({c.B, c.H, c.dk, c.dv}, at::kFloat).to(at::kCUDA) * 0.5;
@@ -134,20 +121,19 @@ TEST(DeltaRuleKernel, PiecesGiveTheBitsOfOneWalk) {
         ASSERT_EQ(whole.size(), cut.size());
         for (size_t i = 0; i < whole.size(); ++i)
           EXPECT_TRUE(at::equal(whole[i], cut[i]))
-              << m.name() << " walk " << walk << " dk=" << c.dk << " dv=" << c.dv << " pieces " << pieces
+              << m.name() << " H=" << c.H << " dk=" << c.dk << " dv=" << c.dv << " pieces " << pieces
               << (ramped ? " ramped" : "") << ": output " << i
               << " differs, max |diff| " << (whole[i] - cut[i]).abs().max().item<double>();
       }
     }
   }
   carry::kernels::delta_rule::gdn_set_pieces(0);
-  carry::kernels::delta_rule::gdn_set_walk(-1);
   carry::kernels::delta_rule::gdn_set_poison(false);
 #endif
 }
 
-// Two warpgroups a walk block (walk 3: each its own 32 columns, the chunk's shared tiles loaded once for
-// both) run each column's operations of one warpgroup a block (walk 4): the same bits of every output,
+// Two warpgroups a walk block (each its own 32 columns, the chunk's shared tiles loaded once for both)
+// run each column's operations of one warpgroup a block: the same bits of every output,
 // final state and gradient, in one walk and in pieces, dv = 64, 128 and 256.
 TEST(DeltaRuleKernel, TwoWarpgroupsGiveTheBitsOfOne) {
   if (cuda_device_count() == 0) GTEST_SKIP() << "no CUDA device: GPU tests skipped";
@@ -163,9 +149,9 @@ TEST(DeltaRuleKernel, TwoWarpgroupsGiveTheBitsOfOne) {
       auto s0 = at::randn({c.B, c.H, c.dk, c.dv}, at::kFloat).to(at::kCUDA) * 0.5;
       for (int pieces : {1, 3}) {
         carry::kernels::delta_rule::gdn_set_pieces(pieces);
-        carry::kernels::delta_rule::gdn_set_walk(4);
+        carry::kernels::delta_rule::gdn_set_walk_warpgroups(1);
         auto one = run(m, Form::kernel, low, s0);
-        carry::kernels::delta_rule::gdn_set_walk(3);
+        carry::kernels::delta_rule::gdn_set_walk_warpgroups(2);
         auto two = run(m, Form::kernel, low, s0);
         ASSERT_EQ(one.size(), two.size());
         for (size_t i = 0; i < one.size(); ++i)
@@ -176,7 +162,7 @@ TEST(DeltaRuleKernel, TwoWarpgroupsGiveTheBitsOfOne) {
     }
   }
   carry::kernels::delta_rule::gdn_set_pieces(0);
-  carry::kernels::delta_rule::gdn_set_walk(-1);
+  carry::kernels::delta_rule::gdn_set_walk_warpgroups(0);
   carry::kernels::delta_rule::gdn_set_poison(false);
 #endif
 }
@@ -184,7 +170,7 @@ TEST(DeltaRuleKernel, TwoWarpgroupsGiveTheBitsOfOne) {
 // DeltaNet's warpgroup walks take no gate (GATE = false in walk_wg.cuh: no gate read, no unit factors
 // e^0 applied, the V_new tile as the update's operand): they give the bits of Gated DeltaNet's with a
 // zero log decay, in every output, the final state and every gradient but dg (bf16, an initial state,
-// one walk and three pieces, one and two warpgroups a block, bulk and the threads' stores).
+// one walk and three pieces, one and two warpgroups a block and the automatic choice).
 TEST(DeltaRuleKernel, UngatedWalksGiveTheBitsOfAZeroGate) {
   if (cuda_device_count() == 0) GTEST_SKIP() << "no CUDA device: GPU tests skipped";
 #ifndef CARRY_WITH_CUDA
@@ -193,8 +179,8 @@ TEST(DeltaRuleKernel, UngatedWalksGiveTheBitsOfAZeroGate) {
   carry::kernels::delta_rule::gdn_set_poison(true);
   const Mixer& dn = get_mixer("deltanet");
   const Mixer& gdn = get_mixer("gated_deltanet");
-  for (int walk : {0, 2, 3, 4}) {
-    carry::kernels::delta_rule::gdn_set_walk(walk);
+  for (int warpgroups : {0, 1, 2}) {
+    carry::kernels::delta_rule::gdn_set_walk_warpgroups(warpgroups);
     for (const Case& c : {Case{1, 448, 3, 128, 64}, Case{2, 320, 2, 128, 256}, Case{1, 448, 16, 128, 128}}) {
       const MixerInputs plain = inputs_as(gdn_inputs(c, false, 29 + c.dv), at::kBFloat16);
       MixerInputs zero = plain;
@@ -209,13 +195,13 @@ TEST(DeltaRuleKernel, UngatedWalksGiveTheBitsOfAZeroGate) {
         const char* names[] = {"o", "final_state", "dq", "dk", "dv", "dbeta", "dinitial_state"};
         for (size_t i = 0; i < u.size(); ++i)
           EXPECT_TRUE(at::equal(u[i], z[i]))
-              << "walk " << walk << " dv=" << c.dv << " H=" << c.H << " pieces " << pieces << ": " << names[i]
+              << "warpgroups " << warpgroups << " dv=" << c.dv << " H=" << c.H << " pieces " << pieces << ": " << names[i]
               << " differs, max |diff| " << (u[i] - z[i]).abs().max().item<double>();
       }
     }
   }
   carry::kernels::delta_rule::gdn_set_pieces(0);
-  carry::kernels::delta_rule::gdn_set_walk(-1);
+  carry::kernels::delta_rule::gdn_set_walk_warpgroups(0);
   carry::kernels::delta_rule::gdn_set_poison(false);
 #endif
 }
