@@ -4,6 +4,8 @@
 #include "layers/mixer_grads.h"
 
 #include <algorithm>
+#include <cmath>
+#include <limits>
 
 namespace carry {
 
@@ -49,6 +51,9 @@ double rel_err(const Tensor& a, const Tensor& b) {
   if (b.numel() == 0) return 0;
   double den = b.abs().max().item<double>();
   double num = (a - b).abs().max().item<double>();
+  // A NaN anywhere is an infinite error (max() over a tensor with a NaN is NaN, and a NaN would pass
+  // every `e <= bound` check as false and every std::max as the other operand).
+  if (std::isnan(num) || std::isnan(den)) return std::numeric_limits<double>::infinity();
   return den > 0 ? num / den : num;
 }
 

@@ -26,7 +26,7 @@ MixerInputs random_inputs(const Mixer& m, const Shape& s, at::ScalarType dtype, 
                           at::Device device = at::kCPU);
 State random_state(const Mixer& m, const MixerInputs& in, const MixerOptions& opt, uint64_t seed);
 
-// max|a-b| / max|b| (max-norm relative error); 0 for empty tensors.
+// max|a-b| / max|b| (max-norm relative error); 0 for empty tensors, infinite where either holds a NaN.
 double rel_err(const Tensor& a, const Tensor& b);
 // The largest rel_err over paired lists (which must have equal lengths).
 double max_rel_err(const std::vector<Tensor>& a, const std::vector<Tensor>& b);
