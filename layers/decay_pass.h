@@ -22,4 +22,9 @@ using DecayPass = std::function<std::pair<Tensor, Tensor>(const Tensor& c, const
 // The pass in ATen, chunk `chunk_size`, on any device and dtype.
 DecayPass chunkwise_decay_pass(int64_t chunk_size);
 
+// A one-state family's chunkwise form with scale 1 from the state x0: (o, final state). The ATen passes
+// of the compositions are this with "scalar_decay" or "gated_deltanet".
+std::pair<Tensor, Tensor> chunkwise_scale_one(const std::string& family, const MixerInputs& in, const Tensor& x0,
+                                              int64_t chunk_size);
+
 }  // namespace carry

@@ -244,12 +244,7 @@ DeltaPass chunkwise_delta_pass(int64_t chunk_size) {
                       const Tensor& x0) {
     MixerInputs in;
     in.q = q, in.k = k, in.v = v, in.g = g, in.beta = beta;
-    MixerOptions opt;
-    opt.scale = 1.0;
-    opt.chunk_size = chunk_size;
-    opt.form = Form::chunkwise;
-    auto r = get_mixer("gated_deltanet").forward(in, {x0}, opt);
-    return std::make_pair(r.o, r.final_state.at(0));
+    return chunkwise_scale_one("gated_deltanet", in, x0, chunk_size);
   };
 }
 

@@ -7,6 +7,7 @@
 #include <gtest/gtest.h>
 #include <torch/csrc/autograd/autograd.h>
 
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -39,6 +40,44 @@ inline std::vector<Tensor> outputs_then_grads(const Mixer& m, Form form, const M
   for (auto& t : r.outputs) t = t.to(at::kFloat);
   return r.outputs;
 }
+
+// The outputs then the gradients of run_with_grads' random functional in the run's own dtype (fp64 for
+// fp64 inputs: outputs_then_grads rounds to fp32, which hides differences below fp32's rounding).
+inline std::vector<Tensor> outputs_then_grads_as_run(const Mixer& m, Form form, const MixerInputs& in,
+                                                     const State& s0, const MixerOptions& opt) {
+  auto r = run_with_grads(m, form, in, s0, opt, /*seed=*/5);
+  r.outputs.insert(r.outputs.end(), r.grads.begin(), r.grads.end());
+  return r.outputs;
+}
+
+// A family whose kernel form is `kernel_form` (a composition under test, e.g. over an ATen pass), everything
+// else `base`'s: run it with Form::kernel on any device.
+class WithKernelForm final : public Mixer {
+ public:
+  using KernelForm = std::function<MixerOutput(const MixerInputs&, const State&, const MixerOptions&)>;
+  WithKernelForm(const Mixer& base, KernelForm kernel_form) : base_(base), kernel_form_(std::move(kernel_form)) {}
+  std::string name() const override { return base_.name(); }
+  std::vector<std::string> input_names() const override { return base_.input_names(); }
+  std::vector<std::string> optional_input_names() const override { return base_.optional_input_names(); }
+  std::vector<std::string> state_names() const override { return base_.state_names(); }
+  State zero_state(const MixerInputs& in, const MixerOptions& o) const override { return base_.zero_state(in, o); }
+  void check(const MixerInputs& in, const MixerOptions& o, bool chunked) const override { base_.check(in, o, chunked); }
+  MixerOutput naive(const MixerInputs& in, const State& s, const MixerOptions& o) const override {
+    return base_.naive(in, s, o);
+  }
+  MixerOutput chunkwise(const MixerInputs& in, const State& s, const MixerOptions& o) const override {
+    return base_.chunkwise(in, s, o);
+  }
+  bool has_kernel() const override { return true; }
+  MixerOutput kernel(const MixerInputs& in, const State& s, const MixerOptions& o) const override {
+    base_.check(in, o, true);
+    return kernel_form_(in, s, o);
+  }
+
+ private:
+  const Mixer& base_;
+  KernelForm kernel_form_;
+};
 
 // Expects `f` to throw a c10::Error whose message contains `needle`.
 template <class F>

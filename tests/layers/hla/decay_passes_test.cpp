@@ -28,32 +28,6 @@
 namespace carry::testing {
 namespace {
 
-// A family whose kernel form is the composition over a given pass; everything else is the family's.
-class Composed final : public Mixer {
- public:
-  Composed(const Mixer& base, DecayPass pass) : base_(base), pass_(std::move(pass)) {}
-  std::string name() const override { return base_.name(); }
-  std::vector<std::string> input_names() const override { return base_.input_names(); }
-  std::vector<std::string> optional_input_names() const override { return base_.optional_input_names(); }
-  std::vector<std::string> state_names() const override { return base_.state_names(); }
-  State zero_state(const MixerInputs& in, const MixerOptions& o) const override { return base_.zero_state(in, o); }
-  MixerOutput naive(const MixerInputs& in, const State& s, const MixerOptions& o) const override {
-    return base_.naive(in, s, o);
-  }
-  MixerOutput chunkwise(const MixerInputs& in, const State& s, const MixerOptions& o) const override {
-    return base_.chunkwise(in, s, o);
-  }
-  bool has_kernel() const override { return true; }
-  MixerOutput kernel(const MixerInputs& in, const State& s, const MixerOptions& o) const override {
-    base_.check(in, o, true);
-    return name() == kHla2Family ? hla2_by_decay_passes(in, s, o, pass_) : ahla_by_decay_passes(in, s, o, pass_);
-  }
-
- private:
-  const Mixer& base_;
-  DecayPass pass_;
-};
-
 // L2-normalized q and k (what the HLA layers feed), v random, g with half-lives log-uniform in
 // [min_half_life, max_half_life] tokens, drawn per token and head.
 MixerInputs hla_inputs(const Shape& s, at::ScalarType dt, uint64_t seed, double min_half_life,
@@ -76,15 +50,6 @@ MixerInputs hla_inputs(const Shape& s, at::ScalarType dt, uint64_t seed, double 
   return inputs_as(in, dt);
 }
 
-// The outputs then the gradients of run_with_grads' random functional, in the run's dtype (fp64 here:
-// outputs_then_grads rounds to fp32, which would hide differences below fp32's rounding).
-std::vector<Tensor> results_in_fp64(const Mixer& m, Form form, const MixerInputs& in, const State& s0,
-                                    const MixerOptions& opt) {
-  auto r = run_with_grads(m, form, in, s0, opt, /*seed=*/5);
-  r.outputs.insert(r.outputs.end(), r.grads.begin(), r.grads.end());
-  return r.outputs;
-}
-
 std::vector<std::string> result_names(const Mixer& m, const MixerInputs& in) {
   std::vector<std::string> names{"o"};
   for (const auto& s : m.state_names()) names.push_back("final_" + s);
@@ -98,7 +63,10 @@ class DecayPasses : public ::testing::TestWithParam<const char*> {};
 
 TEST_P(DecayPasses, ComposedChunkwiseEqualsTheFamilysChunkwiseInFp64) {
   const Mixer& m = get_mixer(GetParam());
-  const Composed composed(m, chunkwise_decay_pass(16));
+  const DecayPass pass = chunkwise_decay_pass(16);
+  const WithKernelForm composed(m, [&](const MixerInputs& in, const State& s, const MixerOptions& o) {
+    return m.name() == kHla2Family ? hla2_by_decay_passes(in, s, o, pass) : ahla_by_decay_passes(in, s, o, pass);
+  });
   for (bool gate : {true, false})
     for (bool normalize : {false, true}) {
       Shape s;
@@ -112,8 +80,8 @@ TEST_P(DecayPasses, ComposedChunkwiseEqualsTheFamilysChunkwiseInFp64) {
         in.k = in.k.abs();
       }
       State s0 = random_state(m, in, opt, 3);
-      auto ref = results_in_fp64(m, Form::chunkwise, in, s0, opt);
-      auto got = results_in_fp64(composed, Form::kernel, in, s0, opt);
+      auto ref = outputs_then_grads_as_run(m, Form::chunkwise, in, s0, opt);
+      auto got = outputs_then_grads_as_run(composed, Form::kernel, in, s0, opt);
       auto names = result_names(m, in);
       ASSERT_EQ(ref.size(), names.size());
       ASSERT_EQ(got.size(), names.size());

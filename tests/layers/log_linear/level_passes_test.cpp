@@ -28,42 +28,6 @@
 namespace carry::testing {
 namespace {
 
-// A log-linear family whose kernel form is the composition over the ATen pass of its base.
-class Composed final : public Mixer {
- public:
-  Composed(const std::string& family, int64_t chunk) : base_(get_mixer(family)), chunk_(chunk) {}
-  std::string name() const override { return base_.name(); }
-  std::vector<std::string> input_names() const override { return base_.input_names(); }
-  std::vector<std::string> state_names() const override { return base_.state_names(); }
-  State zero_state(const MixerInputs& in, const MixerOptions& o) const override { return base_.zero_state(in, o); }
-  void check(const MixerInputs& in, const MixerOptions& o, bool chunked) const override { base_.check(in, o, chunked); }
-  MixerOutput naive(const MixerInputs& in, const State& s, const MixerOptions& o) const override {
-    return base_.naive(in, s, o);
-  }
-  MixerOutput chunkwise(const MixerInputs& in, const State& s, const MixerOptions& o) const override {
-    return base_.chunkwise(in, s, o);
-  }
-  bool has_kernel() const override { return true; }
-  MixerOutput kernel(const MixerInputs& in, const State& s, const MixerOptions& o) const override {
-    base_.check(in, o, true);
-    if (base_.name() == "loglinear_mamba2") return loglinear_mamba2_by_level_passes(in, s, o, chunkwise_decay_pass(chunk_));
-    return loglinear_gdn_by_level_passes(in, s, o, chunkwise_delta_pass(chunk_));
-  }
-
- private:
-  const Mixer& base_;
-  int64_t chunk_;
-};
-
-// The outputs then the gradients of run_with_grads' random functional, in the run's dtype (fp64 here:
-// outputs_then_grads rounds to fp32, which would hide differences below fp32's rounding).
-std::vector<Tensor> results_in_fp64(const Mixer& m, Form form, const MixerInputs& in, const State& s0,
-                                    const MixerOptions& opt) {
-  auto r = run_with_grads(m, form, in, s0, opt, /*seed=*/5);
-  r.outputs.insert(r.outputs.end(), r.grads.begin(), r.grads.end());
-  return r.outputs;
-}
-
 std::vector<std::string> result_names(const Mixer& m, const MixerInputs& in, size_t entries) {
   std::vector<std::string> names{"o"};
   for (size_t j = 0; j < entries; ++j) names.push_back("final_S" + std::to_string(j));
@@ -78,7 +42,10 @@ class LevelPassFamilies : public ::testing::TestWithParam<const char*> {};
 TEST_P(LevelPassFamilies, ComposedChunkwiseEqualsTheFamilysChunkwiseInFp64) {
   const Mixer& m = get_mixer(GetParam());
   const int64_t C = 16;
-  const Composed composed(GetParam(), C);
+  const WithKernelForm composed(m, [&](const MixerInputs& in, const State& s, const MixerOptions& o) {
+    if (m.name() == "loglinear_mamba2") return loglinear_mamba2_by_level_passes(in, s, o, chunkwise_decay_pass(C));
+    return loglinear_gdn_by_level_passes(in, s, o, chunkwise_delta_pass(C));
+  });
   struct Case {
     int64_t offset, T;
   };
@@ -94,8 +61,8 @@ TEST_P(LevelPassFamilies, ComposedChunkwiseEqualsTheFamilysChunkwiseInFp64) {
     opt.offset = c.offset;
     auto in = random_inputs(m, s, at::kDouble, 11 + c.offset + c.T);
     State s0 = random_state(m, in, opt, 3 + c.offset);
-    auto ref = results_in_fp64(m, Form::chunkwise, in, s0, opt);
-    auto got = results_in_fp64(composed, Form::kernel, in, s0, opt);
+    auto ref = outputs_then_grads_as_run(m, Form::chunkwise, in, s0, opt);
+    auto got = outputs_then_grads_as_run(composed, Form::kernel, in, s0, opt);
     auto names = result_names(m, in, s0.size());
     ASSERT_EQ(ref.size(), names.size());
     ASSERT_EQ(got.size(), names.size());
