@@ -43,9 +43,6 @@ Tensor readout(const Tensor& y, int64_t dv, const MixerOptions& opt, double scal
   return o.to(out);
 }
 
-Tensor entry_or_zeros(const State& s, size_t i, at::IntArrayRef shape, const at::TensorOptions& o) {
-  return state_or_zeros(s, i, shape, o);
-}
 
 }  // namespace
 
@@ -54,9 +51,9 @@ MixerOutput hla2_by_decay_passes(const MixerInputs& in, const State& init, const
   const int64_t B = in.q.size(0), H = in.q.size(2), dk = in.q.size(3), dv = in.v.size(3);
   const auto dt = state_dtype(in.q);
   const auto so = in.q.options().dtype(dt);
-  Tensor S0 = entry_or_zeros(init, 0, {B, H, dk, dk}, so).to(dt);
-  Tensor C0 = state_block(entry_or_zeros(init, 1, {B, H, dk, dv}, so), entry_or_zeros(init, 2, {B, H, dk}, so), dt);
-  Tensor G0 = state_block(entry_or_zeros(init, 3, {B, H, dk, dv}, so), entry_or_zeros(init, 4, {B, H, dk}, so), dt);
+  Tensor S0 = state_or_zeros(init, 0, {B, H, dk, dk}, so).to(dt);
+  Tensor C0 = state_block(state_or_zeros(init, 1, {B, H, dk, dv}, so), state_or_zeros(init, 2, {B, H, dk}, so), dt);
+  Tensor G0 = state_block(state_or_zeros(init, 3, {B, H, dk, dv}, so), state_or_zeros(init, 4, {B, H, dk}, so), dt);
   const Tensor &q = in.q, &k = in.k, &g = in.g;
   Tensor v = value_block(in.v);
   auto [R, S_T] = pass(q, k, k, g, S0);
@@ -74,8 +71,8 @@ MixerOutput ahla_by_decay_passes(const MixerInputs& in, const State& init, const
   const int64_t B = in.q.size(0), H = in.q.size(2), dk = in.q.size(3), dv = in.v.size(3);
   const auto dt = state_dtype(in.q);
   const auto so = in.q.options().dtype(dt);
-  Tensor P0 = state_block(entry_or_zeros(init, 0, {B, H, dk, dv}, so), entry_or_zeros(init, 1, {B, H, dk}, so), dt);
-  Tensor E0 = state_block(entry_or_zeros(init, 2, {B, H, dk, dv}, so), entry_or_zeros(init, 3, {B, H, dk}, so), dt);
+  Tensor P0 = state_block(state_or_zeros(init, 0, {B, H, dk, dv}, so), state_or_zeros(init, 1, {B, H, dk}, so), dt);
+  Tensor E0 = state_block(state_or_zeros(init, 2, {B, H, dk, dv}, so), state_or_zeros(init, 3, {B, H, dk}, so), dt);
   const Tensor &q = in.q, &k = in.k, &g = in.g;
   Tensor v = value_block(in.v);
   auto [Y, P_T] = pass(q, k, v, g, P0);

@@ -21,11 +21,11 @@ Tensor position_mask(int64_t p, int64_t T, int64_t j, bool set, const at::Tensor
   return (set ? b : 1 - b).to(o).view({1, T, 1, 1});
 }
 
-// bit_width(x) of small non-negative integers x (a long tensor), on x's device.
+// bit_width(x) of non-negative integers x below 2^52 (a long tensor), on x's device: floor(log2 x) + 1,
+// exact in double; 0 for x = 0.
 Tensor bit_widths(const Tensor& x) {
-  auto w = at::zeros_like(x);
-  for (int64_t j = 0; j < 62; ++j) w = w + (at::bitwise_right_shift(x, j) > 0).to(at::kLong);
-  return w;
+  auto d = x.to(at::kDouble);
+  return at::where(x > 0, at::floor(at::log2(d.clamp_min(1))) + 1, at::zeros_like(d)).to(at::kLong);
 }
 
 // One-hot [C, levels, C] of the pair levels inside a chunk: [t, l, s] = 1 where s ≤ t and

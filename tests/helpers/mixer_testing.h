@@ -50,6 +50,17 @@ inline std::vector<Tensor> outputs_then_grads_as_run(const Mixer& m, Form form, 
   return r.outputs;
 }
 
+// The names of outputs_then_grads' list: o, final_<entry> for each state entry, d<input> for each defined
+// input, d_initial_<entry>.
+inline std::vector<std::string> result_names(const std::vector<std::string>& state_entries, const MixerInputs& in) {
+  std::vector<std::string> names{"o"};
+  for (const auto& s : state_entries) names.push_back("final_" + s);
+  for (const auto& n : MixerInputs::names())
+    if (in.get(n).defined()) names.push_back("d" + n);
+  for (const auto& s : state_entries) names.push_back("d_initial_" + s);
+  return names;
+}
+
 // A family whose kernel form is `kernel_form` (a composition under test, e.g. over an ATen pass), everything
 // else `base`'s: run it with Form::kernel on any device.
 class WithKernelForm final : public Mixer {

@@ -50,15 +50,6 @@ MixerInputs hla_inputs(const Shape& s, at::ScalarType dt, uint64_t seed, double 
   return inputs_as(in, dt);
 }
 
-std::vector<std::string> result_names(const Mixer& m, const MixerInputs& in) {
-  std::vector<std::string> names{"o"};
-  for (const auto& s : m.state_names()) names.push_back("final_" + s);
-  for (const auto& n : MixerInputs::names())
-    if (in.get(n).defined()) names.push_back("d" + n);
-  for (const auto& s : m.state_names()) names.push_back("d_initial_" + s);
-  return names;
-}
-
 class DecayPasses : public ::testing::TestWithParam<const char*> {};
 
 TEST_P(DecayPasses, ComposedChunkwiseEqualsTheFamilysChunkwiseInFp64) {
@@ -82,7 +73,7 @@ TEST_P(DecayPasses, ComposedChunkwiseEqualsTheFamilysChunkwiseInFp64) {
       State s0 = random_state(m, in, opt, 3);
       auto ref = outputs_then_grads_as_run(m, Form::chunkwise, in, s0, opt);
       auto got = outputs_then_grads_as_run(composed, Form::kernel, in, s0, opt);
-      auto names = result_names(m, in);
+      auto names = result_names(m.state_names(), in);
       ASSERT_EQ(ref.size(), names.size());
       ASSERT_EQ(got.size(), names.size());
       for (size_t i = 0; i < ref.size(); ++i)
@@ -161,7 +152,7 @@ TEST_P(DecayPasses, KernelFormMatchesChunkwiseOnGpu) {
           ASSERT_EQ(m.resolve_form(low, opt), Form::kernel);
           auto ref = outputs_then_grads(m, Form::chunkwise, up, s0, opt);
           auto ker = outputs_then_grads(m, Form::kernel, low, s0, opt);
-          auto names = result_names(m, low);
+          auto names = result_names(m.state_names(), low);
           ASSERT_EQ(ref.size(), names.size());
           ASSERT_EQ(ker.size(), names.size());
           std::string line;
