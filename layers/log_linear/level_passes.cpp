@@ -1,15 +1,22 @@
-// Log-linear Mamba-2 composed of one decay pass a level (level_passes.h states the plan).
+// Log-linear Mamba-2 and Gated DeltaNet composed of their base model's passes or products, one a level
+// (level_passes.h states the plan).
 #include "layers/log_linear/level_passes.h"
 
 #include "layers/layout.h"
 #include "layers/delta_rule/delta_rule.h"
 #include "layers/log_linear/fenwick.h"
 
+#include <torch/csrc/autograd/custom_function.h>
+
 #include <functional>
 #include <limits>
+#include <tuple>
 
 namespace carry {
 namespace {
+
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
 
 bool bit(int64_t x, int64_t j) { return (x >> j) & 1; }
 
@@ -21,12 +28,10 @@ Tensor position_mask(int64_t p, int64_t T, int64_t j, bool set, const at::Tensor
   return (set ? b : 1 - b).to(o).view({1, T, 1, 1});
 }
 
-// bit_width(x) of non-negative integers x below 2^52 (a long tensor), on x's device: floor(log2 x) + 1,
-// exact in double; 0 for x = 0.
-Tensor bit_widths(const Tensor& x) {
-  auto d = x.to(at::kDouble);
-  return at::where(x > 0, at::floor(at::log2(d.clamp_min(1))) + 1, at::zeros_like(d)).to(at::kLong);
-}
+// bit_width(x) of non-negative integers x below 2^53 (a long tensor), on x's device: the binary exponent
+// frexp gives (x = m·2^e, m in [0.5, 1)), exact on every device (a GPU's log2 is not, at powers of two); 0
+// for x = 0.
+Tensor bit_widths(const Tensor& x) { return std::get<1>(at::frexp(x.to(at::kDouble))).to(at::kLong); }
 
 // One-hot [C, levels, C] of the pair levels inside a chunk: [t, l, s] = 1 where s ≤ t and
 // bit_width(t xor s) = l, on `o`'s device and in its dtype.
@@ -46,6 +51,135 @@ struct Base {
   std::function<Tensor(const Tensor& Z)> first_chunk_read;  // Z [B,H,dk,dv] → [B,C,H,dv]
   std::function<std::pair<Tensor, Tensor>(const MixerInputs& piece, const Tensor& source, const Tensor& x0)> pass;
   std::function<Tensor(const Tensor& S)> transport;  // S [B,H,dk,dv] → the slice's transport applied to S
+  // Mamba-2: the levels above the chunk as products (level_passes.h), with no `pass`: each level's whole
+  // blocks in WholeBlockLevels, the partial blocks at the slice's ends as LevelProducts regions.
+  bool products = false;
+};
+
+// A partial block of a level above the chunk of log-linear Mamba-2 as products: the block's first half
+// written into one state by a matrix product, its second half reading that state by another (scalar
+// decay: a token carries a state by a factor, so no pass over the second half is needed). cum [B,T+1,H] (fp64) holds the
+// slice's cumulative log decay, cum[i] = Σ_{u<i} g_u; positions are absolute, the slice starting at p.
+struct LevelProducts {
+  const MixerInputs& in;
+  Tensor cum;
+  int64_t p;
+  at::ScalarType dt;  // the accumulation dtype (fp32, or fp64 for fp64 inputs)
+
+  Tensor at_(int64_t x) const { return cum.select(1, x - p); }  // [B,H]: cum at absolute boundary x
+  Tensor factor(const Tensor& log) const { return log.exp().to(dt); }
+
+  // One region [a, e) of a single block whose second half starts at m (m may lie outside the region),
+  // starting from x0 at a (undefined: zeros): the read-out of the tokens [max(a, m), e) weighted by λ
+  // at `level` ([B, e − max(a, m), H, dv], undefined when there are none) and the state at e.
+  std::pair<Tensor, Tensor> region(int64_t a, int64_t m, int64_t e, const Tensor& x0, int64_t level) const {
+    const int64_t B = in.q.size(0), H = in.q.size(2), dk = in.q.size(3), dv = in.v.size(3);
+    const int64_t we = std::max(a, std::min(m, e));  // tokens [a, we) write; the state at we is Y
+    Tensor Y;
+    if (x0.defined()) Y = x0.to(dt) * factor(at_(we) - at_(a)).view({B, H, 1, 1});
+    if (a < we) {
+      auto f = factor(at_(we).unsqueeze(1) - cum.narrow(1, a - p + 1, we - a));  // [B,n,H]
+      auto kt = (in.k.narrow(1, a - p, we - a) * f.unsqueeze(-1)).to(in.k.scalar_type());
+      auto W = at::matmul(kt.permute({0, 2, 3, 1}), in.v.narrow(1, a - p, we - a).transpose(1, 2)).to(dt);
+      Y = Y.defined() ? Y + W : W;
+    }
+    if (!Y.defined()) Y = at::zeros({B, H, dk, dv}, in.q.options().dtype(dt));
+    Tensor read;
+    if (we < e && we >= m) {
+      auto f = factor(cum.narrow(1, we - p + 1, e - we) - at_(we).unsqueeze(1)) *
+               in.l.narrow(1, we - p, e - we).select(-1, level).to(dt);  // [B,n,H]
+      auto qt = (in.q.narrow(1, we - p, e - we) * f.unsqueeze(-1)).to(in.q.scalar_type());
+      read = at::matmul(qt.transpose(1, 2), Y.to(in.q.scalar_type())).transpose(1, 2).to(dt);
+    }
+    return {read, Y * factor(at_(e) - at_(we)).view({B, H, 1, 1})};
+  }
+};
+
+// The whole blocks of every level at once, with a hand-written backward (autograd's would re-read the
+// activations for each view's gradient). Tensors in [B,H,T,·] layout: q, k [B,H,T,dk] and v [B,H,T,dv] in the
+// products' dtype, cum [B,H,T+1] (fp64), lam [B,H,L,T] (the accumulation dtype); `blocks` lists
+// (level, start in the slice, number of blocks M, half) for each level. Returns the read-outs
+// [B,H,T,dv] in the accumulation dtype, zero outside the listed second halves. For one level and block
+// b with middle m_b: Y_b = Σ_{s in the first half} a_s k_s v_sᵀ, a_s = e^{cum[m_b] − cum[s+1]}; r_t =
+// w_t Y_bᵀ q_t for t in the second half, w_t = λ_t[level]·e_t, e_t = e^{cum[t+1] − cum[m_b]}.
+struct WholeBlockLevels : public torch::autograd::Function<WholeBlockLevels> {
+  struct View {  // one level's blocks
+    int64_t level, start, M, half;
+    // x [B,H,T(+1),d…] → [B,H,M,half,d…]: half i (0 first, 1 second) of each block, from `shift`.
+    Tensor half_of(const Tensor& x, int64_t i, int64_t shift = 0) const {
+      auto sizes = x.sizes().vec();
+      std::vector<int64_t> to{sizes[0], sizes[1], M, 2, half};
+      to.insert(to.end(), sizes.begin() + 3, sizes.end());
+      return x.narrow(2, start + shift, 2 * M * half).view(to).select(3, i);
+    }
+    Tensor mid(const Tensor& cum) const { return half_of(cum, 1).select(3, 0).unsqueeze(-1); }  // [B,H,M,1]
+    Tensor flat(const Tensor& x) const {  // [B,H,M,half,d] → [B·H·M, half, d]
+      return x.reshape({-1, half, x.size(-1)});
+    }
+  };
+
+  static std::vector<View> views(const std::vector<int64_t>& blocks) {
+    std::vector<View> out;
+    for (size_t i = 0; i + 3 < blocks.size(); i += 4) out.push_back({blocks[i], blocks[i + 1], blocks[i + 2], blocks[i + 3]});
+    return out;
+  }
+
+  // The factors of one level: a [B,H,M,half] (first halves), e and w (second halves), accumulation dtype.
+  static std::tuple<Tensor, Tensor, Tensor> factors(const View& b, const Tensor& cum, const Tensor& lam,
+                                                    at::ScalarType dt) {
+    auto m = b.mid(cum);
+    auto a = (m - b.half_of(cum, 0, 1)).exp().to(dt);
+    auto e = (b.half_of(cum, 1, 1) - m).exp().to(dt);
+    return {a, e, b.half_of(lam.select(2, b.level), 1) * e};
+  }
+
+  static Tensor forward(AutogradContext* ctx, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& cum,
+                        const Tensor& lam, const std::vector<int64_t>& blocks) {
+    const auto io = q.scalar_type(), dt = lam.scalar_type();
+    Tensor o = at::zeros({q.size(0), q.size(1), q.size(2), v.size(3)}, v.options().dtype(dt));
+    for (const View& b : views(blocks)) {
+      auto [a, e, w] = factors(b, cum, lam, dt);
+      auto kt = b.flat((b.half_of(k, 0) * a.unsqueeze(-1)).to(io));
+      auto Y = at::bmm(kt.transpose(1, 2), b.flat(b.half_of(v, 0)));             // [BHM, dk, dv]
+      auto qt = b.flat((b.half_of(q, 1) * w.unsqueeze(-1)).to(io));
+      b.half_of(o, 1).add_(at::bmm(qt, Y).view(b.half_of(o, 1).sizes()));
+    }
+    ctx->save_for_backward({q, k, v, cum, lam});
+    ctx->saved_data["blocks"] = blocks;
+    return o;
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    auto s = ctx->get_saved_variables();
+    const Tensor &q = s[0], &k = s[1], &v = s[2], &cum = s[3], &lam = s[4];
+    const auto io = q.scalar_type(), dt = lam.scalar_type();
+    const auto blocks = ctx->saved_data["blocks"].toIntVector();
+    const Tensor d_o = grads[0].to(io).contiguous();
+    Tensor dq = at::zeros(q.sizes(), q.options().dtype(dt)), dk = at::zeros(k.sizes(), k.options().dtype(dt));
+    Tensor dv = at::zeros(v.sizes(), v.options().dtype(dt)), dcum = at::zeros_like(cum), dlam = at::zeros_like(lam);
+    for (const View& b : views(blocks)) {
+      auto [a, e, w] = factors(b, cum, lam, dt);
+      auto k1 = b.half_of(k, 0), q2 = b.half_of(q, 1);
+      auto kt = b.flat((k1 * a.unsqueeze(-1)).to(io)), vf = b.flat(b.half_of(v, 0));
+      auto qt = b.flat((q2 * w.unsqueeze(-1)).to(io));
+      auto Y = at::bmm(kt.transpose(1, 2), vf);
+      auto dr = b.flat(b.half_of(d_o, 1));
+      auto dY = at::bmm(qt.transpose(1, 2), dr);                                      // [BHM, dk, dv]
+      auto dqt = at::bmm(dr, Y.transpose(1, 2)).view(q2.sizes()).to(dt);               // ∂/∂(w q)
+      b.half_of(dq, 1).add_(dqt * w.unsqueeze(-1));
+      auto dw = (dqt * q2).sum(-1);                                                    // [B,H,M,half]
+      auto dkt = at::bmm(vf, dY.transpose(1, 2)).view(k1.sizes()).to(dt);              // ∂/∂(a k)
+      b.half_of(dk, 0).add_(dkt * a.unsqueeze(-1));
+      auto da = (dkt * k1).sum(-1);
+      b.half_of(dv, 0).add_(at::bmm(kt, dY).view(b.half_of(dv, 0).sizes()));
+      b.half_of(dlam.select(2, b.level), 1).add_(dw * e);
+      auto dlog_w = (dw * w).to(cum.scalar_type()), dlog_a = (da * a).to(cum.scalar_type());
+      b.half_of(dcum, 1, 1).add_(dlog_w);
+      b.half_of(dcum, 0, 1).sub_(dlog_a);
+      b.mid(dcum).add_((dlog_a.sum(-1) - dlog_w.sum(-1)).unsqueeze(-1));
+    }
+    return {dq.to(io), dk.to(io), dv.to(io), dcum, dlam, Tensor()};
+  }
 };
 
 MixerOutput by_level_passes(const MixerInputs& in, const State& init, const MixerOptions& opt, const Base& base) {
@@ -59,6 +193,12 @@ MixerOutput by_level_passes(const MixerInputs& in, const State& init, const Mixe
   for (int64_t j = 0; j < J; ++j)
     S0.push_back(state_or_zeros(init, j, {B, H, dk, dv}, fo).to(dt));
   const Tensor lam = in.l.to(dt);
+  // The products' cumulative log decay, in fp64 (differences of long sums keep their digits).
+  // Scanned along its innermost dimension ([B,H,T]: a scan along T of [B,T,H] runs one thread a column on
+  // a GPU), then viewed as [B,T+1,H].
+  const Tensor cum = base.products
+                         ? at::pad(in.g.to(at::kDouble).transpose(1, 2).contiguous().cumsum(-1), {1, 0}).transpose(1, 2)
+                         : Tensor();
 
   // Levels 0..c: pairs inside a chunk, every chunk at once; weight[t, s] = λ_t[level(t, s)], for each t a
   // [levels] × [levels, C] product with the one-hot (exact: one nonzero term; no gather, whose backward
@@ -82,12 +222,12 @@ MixerOutput by_level_passes(const MixerInputs& in, const State& init, const Mixe
 
   // Levels c+1 .. L−1: one pass a level over the slice cut at multiples of 2^level.
   std::vector<Tensor> from_pass(J);
+  std::vector<int64_t> whole_blocks;  // products: (level, start, count, half) of the levels' whole blocks
   for (int64_t level = c + 1; level < L; ++level) {
     const int64_t block = int64_t{1} << level, half = block >> 1;
     const int64_t first_reader = bit(p, level - 1) ? p : ((p >> level) << level) + half;
     const bool readers = first_reader < q_end, final_entry = level - 1 < J && bit(q_end, level - 1);
     if (!readers && !final_entry) continue;
-    const Tensor source = position_mask(p, T, level - 1, false, in.q.options());
     // The incoming entries whose source position b_j(p) lies in the first half of p's block.
     Tensor X0;
     std::vector<bool> injected(J, false);
@@ -96,9 +236,34 @@ MixerOutput by_level_passes(const MixerInputs& in, const State& init, const Mixe
         injected[j] = true;
         X0 = X0.defined() ? X0 + S0[j] : S0[j];
       }
-    if (!X0.defined()) X0 = at::zeros({B, H, dk, dv}, fo);
     std::vector<Tensor> outs;
     Tensor last_state;
+    const int64_t first_end = std::min(q_end, ((p >> level) + 1) << level);
+    const int64_t whole = (q_end - first_end) / block;
+    const int64_t rest_start = first_end + whole * block;
+    if (base.products) {
+      // Whole blocks (p's own when p starts it and no incoming entry joins it) go to WholeBlockLevels; the
+      // partial blocks at the ends are regions here.
+      const bool first_whole = first_end - p == block && !X0.defined();
+      const int64_t whole_start = first_whole ? p : first_end, count = whole + (first_whole ? 1 : 0);
+      if (count > 0) whole_blocks.insert(whole_blocks.end(), {level, whole_start - p, count, half});
+      const LevelProducts lp{in, cum, p, dt};
+      bool read = false;
+      auto piece = [&](int64_t a, int64_t e, const Tensor& x0) {  // a region inside one block
+        const int64_t m = ((a >> level) << level) + half;
+        auto [r, state] = lp.region(a, m, e, x0, level);
+        last_state = state;
+        const int64_t rs = std::max(a, m);
+        read = read || r.defined();
+        if (!r.defined()) outs.push_back(at::zeros({B, e - a, H, dv}, fo));
+        else outs.push_back(rs > a ? at::cat({at::zeros({B, rs - a, H, dv}, fo), r}, 1) : r);
+      };
+      if (!first_whole) piece(p, first_end, X0);
+      if (count > 0) outs.push_back(at::zeros({B, count * block, H, dv}, fo));
+      if (rest_start < q_end) piece(rest_start, q_end, Tensor());
+      if (read) o = o + (outs.size() == 1 ? outs[0] : at::cat(outs, 1));
+    }
+    const Tensor source = base.products ? Tensor() : position_mask(p, T, level - 1, false, in.q.options());
     auto run = [&](int64_t a, int64_t len, int64_t pieces, const Tensor& x0) {
       // `pieces` whole blocks of len / pieces tokens side by side in the batch (each from x0's zeros),
       // or one piece.
@@ -119,13 +284,12 @@ MixerOutput by_level_passes(const MixerInputs& in, const State& init, const Mixe
       outs.push_back(y);
       last_state = pieces == 1 ? r.second : r.second.view({B, pieces, H, dk, dv}).select(1, pieces - 1);
     };
-    const int64_t first_end = std::min(q_end, ((p >> level) + 1) << level);
-    run(p, first_end - p, 1, X0);
-    const int64_t whole = (q_end - first_end) / block;
-    if (whole > 0) run(first_end, whole * block, whole, at::zeros({B * whole, H, dk, dv}, fo));
-    const int64_t rest_start = first_end + whole * block;
-    if (rest_start < q_end) run(rest_start, q_end - rest_start, 1, at::zeros({B, H, dk, dv}, fo));
-    if (readers) {
+    if (!base.products) {
+      run(p, first_end - p, 1, X0.defined() ? X0 : at::zeros({B, H, dk, dv}, fo));
+      if (whole > 0) run(first_end, whole * block, whole, at::zeros({B * whole, H, dk, dv}, fo));
+      if (rest_start < q_end) run(rest_start, q_end - rest_start, 1, at::zeros({B, H, dk, dv}, fo));
+    }
+    if (readers && !base.products) {
       Tensor y = outs.size() == 1 ? outs[0] : at::cat(outs, 1);
       auto w = lam.select(-1, level).unsqueeze(-1) * position_mask(p, T, level - 1, true, fo);
       o = o + w * y.to(dt);
@@ -145,6 +309,13 @@ MixerOutput by_level_passes(const MixerInputs& in, const State& init, const Mixe
       }
       from_pass[j] = fix.defined() ? last_state.to(dt) + base.transport(fix) : last_state;
     }
+  }
+
+  if (!whole_blocks.empty()) {
+    auto bhtd = [](const Tensor& x) { return x.transpose(1, 2).contiguous(); };
+    auto lam_h = lam.permute({0, 2, 3, 1}).contiguous();  // [B,H,L,T]
+    o = o + WholeBlockLevels::apply(bhtd(in.q), bhtd(in.k), bhtd(in.v), cum.transpose(1, 2), lam_h, whole_blocks)
+                .transpose(1, 2);
   }
 
   // The final state at q: set bits ≥ c from the passes; every other entry the incoming entries that
@@ -167,31 +338,29 @@ MixerOutput by_level_passes(const MixerInputs& in, const State& init, const Mixe
 
 }  // namespace
 
-MixerOutput loglinear_mamba2_by_level_passes(const MixerInputs& in, const State& init, const MixerOptions& opt,
-                                             const DecayPass& pass) {
-  const int64_t T = in.q.size(1), C = opt.chunk_size;
+MixerOutput loglinear_mamba2_by_level_products(const MixerInputs& in, const State& init, const MixerOptions& opt) {
+  const int64_t C = opt.chunk_size;
   const auto dt = in.q.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
+  const auto io = in.q.scalar_type();  // the products' operands
   Base base;
+  base.products = true;
   base.own_pairs = [&](const Tensor& weight) {
-    auto qc = split_chunks(to_bhtd(in.q.to(dt)), C), kc = split_chunks(to_bhtd(in.k.to(dt)), C);
-    auto vc = split_chunks(to_bhtd(in.v.to(dt)), C);
+    auto qc = split_chunks(to_bhtd(in.q), C), kc = split_chunks(to_bhtd(in.k), C);
+    auto vc = split_chunks(to_bhtd(in.v.to(io)), C);
     auto G = split_chunks(to_bhtd(in.g.to(dt)), C).cumsum(-1);  // [B,H,N,C]
     auto causal = causal_mask(C, false, weight.options());
     auto decay = (G.unsqueeze(-1) - G.unsqueeze(-2))
                      .masked_fill(causal.logical_not(), -std::numeric_limits<double>::infinity())
                      .exp();
-    return from_bhtd(merge_chunks(at::matmul(at::matmul(qc, kc.transpose(-1, -2)) * decay * weight, vc)));
+    auto A = (at::matmul(qc, kc.transpose(-1, -2)).to(dt) * decay * weight).to(io);
+    return from_bhtd(merge_chunks(at::matmul(A, vc).to(dt)));
   };
   base.first_chunk_read = [&](const Tensor& Z) {
     auto q1 = in.q.narrow(1, 0, C).to(dt), g1 = in.g.narrow(1, 0, C).to(dt).cumsum(1);
     return at::einsum("bthd,bhde->bthe", {q1 * g1.exp().unsqueeze(-1), Z});
   };
-  base.pass = [&](const MixerInputs& piece, const Tensor& source, const Tensor& x0) {
-    return pass(piece.q, piece.k * source.to(piece.k.scalar_type()), piece.v, piece.g, x0);
-  };
   const Tensor rho = in.g.to(dt).sum(1).exp().unsqueeze(-1).unsqueeze(-1);  // [B,H,1,1]: the slice's decay
   base.transport = [rho](const Tensor& S) { return rho * S; };
-  (void)T;
   return by_level_passes(in, init, opt, base);
 }
 

@@ -27,7 +27,6 @@
 #include "layers/log_linear/fenwick.h"
 #include "layers/log_linear/level_passes.h"
 #ifdef CARRY_WITH_CUDA
-#include "layers/kernels/decay/op.h"
 #include "layers/kernels/delta_rule/op.h"
 #endif
 
@@ -182,27 +181,25 @@ class LogLinear : public Mixer {
   }
 
 #ifdef CARRY_WITH_CUDA
-  // The kernel forms (level_passes.h): one pass a level of the decay class's kernels (Mamba-2) or the
-  // delta rule's (Gated DeltaNet).
+  // The kernel forms (level_passes.h): Mamba-2's levels above the chunk as matrix products (cuBLAS);
+  // Gated DeltaNet one pass a level of the delta rule's kernels.
   bool has_kernel() const override { return true; }
   bool kernel_supports(const MixerInputs& in, const MixerOptions& opt) const override {
     if (!in.q.defined() || !in.v.defined() || !in.q.is_cuda() || in.q.dim() != 4 || in.v.dim() != 4) return false;
     const auto dt = in.q.scalar_type();
     const int64_t dk = in.q.size(3), dv = in.v.size(3);
-    const bool dk_ok = base_ == Base::mamba2 ? (dk == 64 || dk == 96 || dk == 128) : (dk == 64 || dk == 128);
-    const bool dv_ok = base_ == Base::mamba2 ? (dv % 64 == 0 && dv >= 64 && dv <= 256)
-                                             : (dv == 64 || dv == 128 || dv == 256);
-    return (dt == at::kBFloat16 || dt == at::kFloat) && dk_ok && dv_ok && opt.chunk_size == 64;
+    if (dt != at::kBFloat16 && dt != at::kFloat) return false;
+    if (base_ == Base::mamba2) return true;  // matrix products: any width, any chunk
+    return (dk == 64 || dk == 128) && (dv == 64 || dv == 128 || dv == 256) && opt.chunk_size == 64;
   }
   MixerOutput kernel(const MixerInputs& in, const State& init, const MixerOptions& opt) const override {
     check(in, opt, true);
-    TORCH_CHECK(kernel_supports(in, opt), name(), ": the kernel form takes CUDA tensors in bf16 or fp32, dk in ",
-                base_ == Base::mamba2 ? "{64, 96, 128}, dv in {64, 128, 192, 256}" : "{64, 128}, dv in {64, 128, 256}",
-                " and chunk_size 64; got q ", shape_str(in.q.sizes()), " ", in.q.scalar_type(), " on ",
-                in.q.device(), ", v ", shape_str(in.v.sizes()), ", chunk_size ", opt.chunk_size);
+    TORCH_CHECK(kernel_supports(in, opt), name(), ": the kernel form takes CUDA tensors in bf16 or fp32",
+                base_ == Base::mamba2 ? "" : ", dk in {64, 128}, dv in {64, 128, 256} and chunk_size 64",
+                "; got q ", shape_str(in.q.sizes()), " ", in.q.scalar_type(), " on ", in.q.device(), ", v ",
+                shape_str(in.v.sizes()), ", chunk_size ", opt.chunk_size);
     if (base_ == Base::mamba2)
-      return loglinear_mamba2_by_level_passes(in, init.empty() ? State{} : initial(in, init), opt,
-                                              decay_kernel_pass(opt.serial_states));
+      return loglinear_mamba2_by_level_products(in, init.empty() ? State{} : initial(in, init), opt);
     const bool serial = opt.serial_states;
     const DeltaPass pass = [serial](const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& g,
                                     const Tensor& beta, const Tensor& s0) {

@@ -1,13 +1,12 @@
 // Tests of layers/log_linear/level_passes.*: log-linear Mamba-2 and Gated DeltaNet composed of one pass of
 // their base model a level.
 //
-// CPU, fp64: the composition with the ATen pass (the scalar-decay or Gated DeltaNet chunkwise form) equals
-// the family's
-// chunkwise form: the output, every entry of the final state, and the gradients of q, k, v, g, l and of
+// CPU, fp64: log-linear Mamba-2's products, and Gated DeltaNet composed with the ATen pass (its
+// chunkwise form), equal the family's chunkwise form: the output, every entry of the final state, and the gradients of q, k, v, g, l and of
 // every entry of a random initial state (unset bits included), at offsets that put the slice at and
 // across block boundaries of several levels and lengths that span one to many blocks.
 //
-// GPU (skips without one): the kernel form (the decay class's kernels) against the chunkwise form in
+// GPU (skips without one): the kernel form against the chunkwise form in
 // fp32 on the same values, bf16 and fp32 inputs, half-lives from 2 to 10^5 tokens, the initial state a
 // prefix of the sequence leaves, outputs poisoned first: ≤ 1e-4 relative for fp32 inputs, ≤ 1e-2 for
 // bf16.
@@ -40,10 +39,12 @@ class LevelPassFamilies : public ::testing::TestWithParam<const char*> {};
 TEST_P(LevelPassFamilies, ComposedChunkwiseEqualsTheFamilysChunkwiseInFp64) {
   const Mixer& m = get_mixer(GetParam());
   const int64_t C = 16;
+  const bool mamba2 = m.name() == "loglinear_mamba2";
   const WithKernelForm composed(m, [&](const MixerInputs& in, const State& s, const MixerOptions& o) {
-    if (m.name() == "loglinear_mamba2") return loglinear_mamba2_by_level_passes(in, s, o, chunkwise_decay_pass(C));
+    if (mamba2) return loglinear_mamba2_by_level_products(in, s, o);
     return loglinear_gdn_by_level_passes(in, s, o, chunkwise_delta_pass(C));
   });
+  const std::string how = mamba2 ? " by level products" : " by level passes";
   struct Case {
     int64_t offset, T;
   };
@@ -68,9 +69,9 @@ TEST_P(LevelPassFamilies, ComposedChunkwiseEqualsTheFamilysChunkwiseInFp64) {
     for (size_t i = 0; i < ref.size(); ++i) {
       const double e = rel_err(got[i], ref[i]);
       worst = std::max(worst, e);
-      EXPECT_LE(e, 1e-11) << "offset " << c.offset << " T=" << c.T << ": " << names[i];
+      EXPECT_LE(e, 1e-11) << how << ", offset " << c.offset << " T=" << c.T << ": " << names[i];
     }
-    std::cout << "[ errors   ] " << m.name() << " by level passes, offset " << c.offset << " T=" << c.T
+    std::cout << "[ errors   ] " << m.name() << how << ", offset " << c.offset << " T=" << c.T
               << ": worst of " << ref.size() << " results " << worst << "\n";
   }
 }
