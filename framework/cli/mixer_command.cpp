@@ -11,6 +11,7 @@
 #include "framework/cli/command_args.h"
 #include "framework/io/safetensors.h"
 #include "framework/version.h"
+#include "layers/core/device.h"
 #include "layers/layout.h"
 #include "layers/mixer.h"
 #include "layers/mixer_grads.h"
@@ -98,9 +99,13 @@ std::string usage() {
        "  --output PATH     written: o, final_state.<entry>; with gradients also d<input> for every\n"
        "                    input read and dinitial_state.<entry>: autograd of\n"
        "                    sum(o*do) + sum(final_state*dfinal_state)\n"
-       "  --form F          chunkwise (default), naive, or kernel (CUDA tensors)\n"
+       "  --form F          chunkwise (default), naive, or kernel (on the GPU: implies --device cuda)\n"
+       "  --device D        cpu (default) or cuda: where the tensors live and the form runs; OUT is\n"
+       "                    written from the host either way\n"
        "  --chunk-size C    chunk size of the chunkwise form (default 64)\n"
-       "  --dtype D         compute dtype: float64 or float32 (default: the dtype of q)\n"
+       "  --dtype D         compute dtype: float64, float32 or, with --device cuda, bfloat16: then\n"
+       "                    the gates (g, gk) and every state entry are float32 and the other\n"
+       "                    tensors bfloat16, as the kernels take them (default: the dtype of q)\n"
        "  --scale S         query scale, > 0 (default 1/sqrt(dk))\n"
        "  --normalize       divide by the normalizer (families that have one)\n"
        "  --window W        sliding window, >= 0 (default 0: full causal)\n"
@@ -143,7 +148,7 @@ std::string dtype_name(at::ScalarType t) {
 }
 
 struct Args {
-  std::string family, input, output, form = "chunkwise";
+  std::string family, input, output, form = "chunkwise", device;
   std::optional<at::ScalarType> dtype;
   std::optional<parallel::ScanMode> sp_mode;
   MixerOptions opt = values_checked();
@@ -180,7 +185,7 @@ Args parse_args(int argc, char** argv) {
     if (flag.rfind("--", 0) != 0) throw UsageError("unexpected argument '" + flag + "' (flags start with --)");
     if (flag != "--normalize" && flag != "--family" && flag != "--input" && flag != "--output" &&
         flag != "--chunk-size" && flag != "--form" && flag != "--dtype" && flag != "--scale" &&
-        flag != "--window" && flag != "--offset" && flag != "--sp-mode")
+        flag != "--window" && flag != "--offset" && flag != "--sp-mode" && flag != "--device")
       throw UsageError("unknown flag '" + flag + "'");
     if (!seen.insert(flag).second) throw UsageError(flag + " given twice");
     if (flag == "--normalize") a.opt.normalize = true;
@@ -202,7 +207,11 @@ Args parse_args(int argc, char** argv) {
       } else if (flag == "--dtype") {
         if (value == "float64") a.dtype = at::kDouble;
         else if (value == "float32") a.dtype = at::kFloat;
-        else throw UsageError("--dtype must be float64 or float32, got '" + value + "'");
+        else if (value == "bfloat16") a.dtype = at::kBFloat16;
+        else throw UsageError("--dtype must be float64, float32 or bfloat16, got '" + value + "'");
+      } else if (flag == "--device") {
+        if (value != "cpu" && value != "cuda") throw UsageError("--device must be cpu or cuda, got '" + value + "'");
+        a.device = value;
       } else if (flag == "--sp-mode") {
         if (value != "ordered" && value != "tree" && value != "allgather")
           throw UsageError("--sp-mode must be ordered, tree or allgather, got '" + value + "'");
@@ -215,6 +224,14 @@ Args parse_args(int argc, char** argv) {
       {"--family", &a.family}, {"--input", &a.input}, {"--output", &a.output}};
   for (auto& [flag, value] : required)
     if (value->empty()) throw UsageError(std::string(flag) + " is required");
+  if (a.device.empty()) a.device = a.form == "kernel" ? "cuda" : "cpu";
+  if (a.form == "kernel" && a.device != "cuda")
+    throw UsageError("--form kernel runs on the GPU: it cannot be used with --device cpu");
+  if (a.dtype == at::kBFloat16 && a.device != "cuda")
+    throw UsageError("--dtype bfloat16 computes on the GPU: add --device cuda (the CPU forms compute in "
+                     "float64 or float32)");
+  if (a.sp_mode && a.device != "cpu")
+    throw UsageError("--sp-mode runs the ranks on the CPU (MPI): it cannot be used with --device " + a.device);
   auto names = mixer_names();
   if (std::find(names.begin(), names.end(), a.family) == names.end())
     throw UsageError("unknown family '" + a.family + "'; known families: " + join(names));
@@ -289,11 +306,25 @@ Job prepare(const Args& a, int sp_size) {
                 dtype_name(t.scalar_type()),
                 "; expected a floating-point tensor (float64, float32, float16 or bfloat16)");
   const Tensor& q0 = file.at(m.input_names()[0]);
+  const bool cuda = a.device == "cuda";
   j.dtype = a.dtype.value_or(q0.scalar_type());
-  TORCH_CHECK(j.dtype == at::kDouble || j.dtype == at::kFloat, path, ": '", m.input_names()[0],
-              "' has dtype ", dtype_name(q0.scalar_type()),
-              " but the mixer computes in float64 or float32; pass --dtype float64 or --dtype float32");
-  for (auto& [name, t] : file) t = t.to(j.dtype);
+  TORCH_CHECK(j.dtype == at::kDouble || j.dtype == at::kFloat || (cuda && j.dtype == at::kBFloat16), path, ": '",
+              m.input_names()[0], "' has dtype ", dtype_name(q0.scalar_type()), " but the mixer computes in ",
+              cuda ? "float64, float32 or bfloat16" : "float64 or float32", "; pass --dtype ",
+              cuda ? "float64, float32 or bfloat16" : "float64 or float32");
+  if (cuda) {
+    TORCH_CHECK(cuda_device_count() > 0, "--device cuda: ",
+                built_with_cuda() ? "no CUDA device is visible (nvidia-smi lists none, or CUDA_VISIBLE_DEVICES hides them)"
+                             : "this carry was built without CUDA (launcher/setup builds it with CUDA where a GPU is visible)");
+    cuda_make_current(0);
+  }
+  // bf16: the gates and the states in fp32 (the kernels' inputs); everything on the chosen device.
+  for (auto& [name, t] : file) {
+    const bool fp32 = j.dtype == at::kBFloat16 && (name == "g" || name == "gk" || name.rfind("initial_state", 0) == 0 ||
+                                                   name.rfind("dfinal_state", 0) == 0);
+    t = t.to(fp32 ? at::kFloat : j.dtype);
+    if (cuda) t = t.to(at::kCUDA);
+  }
 
   // The inputs, in MixerInputs order.
   auto required = m.input_names(), optional = m.optional_input_names();
@@ -419,6 +450,7 @@ std::map<std::string, std::string> metadata(const Args& a, const Job& j, int sp_
       {"carry_version", version()},
       {"family", m.name()},
       {"form", a.form},
+      {"device", a.device},
       {"dtype", dtype_name(j.dtype)},
       {"scale", scale.str()},
       {"normalize", a.opt.normalize ? "true" : "false"},
@@ -436,6 +468,7 @@ std::map<std::string, std::string> metadata(const Args& a, const Job& j, int sp_
 int run(const Args& a) {
   Job j = prepare(a, /*sp_size=*/0);
   auto result = run_serial(a, j);
+  for (auto& [name, t] : result) t = t.to(at::kCPU);
   save_safetensors(a.output, result, metadata(a, j, 0));
   return 0;
 }

@@ -5,6 +5,7 @@
 #include "framework/io/safetensors.h"
 #include "tests/helpers/temp_dir.h"
 #include "tests/helpers/mixer_testing.h"
+#include "layers/core/device.h"
 
 #include <torch/csrc/autograd/autograd.h>
 
@@ -236,7 +237,11 @@ TEST(MixerCommand, ErrorsGiveMessageAndExitCode) {
       {"negative window", with({"--window", "-3"}), good, 2, {"--window needs an integer >= 0, got '-3'"}},
       {"bad scale", with({"--scale", "-1"}), good, 2, {"--scale needs a positive number, got '-1'"}},
       {"bad form", with({"--form", "fast"}), good, 2, {"--form must be naive, chunkwise or kernel, got 'fast'"}},
-      {"bad dtype", with({"--dtype", "int8"}), good, 2, {"--dtype must be float64 or float32, got 'int8'"}},
+      {"bad dtype", with({"--dtype", "int8"}), good, 2, {"--dtype must be float64, float32 or bfloat16, got 'int8'"}},
+      {"bad device", with({"--device", "tpu"}), good, 2, {"--device must be cpu or cuda, got 'tpu'"}},
+      {"kernel on the cpu", with({"--form", "kernel", "--device", "cpu"}), good, 2,
+       {"--form kernel runs on the GPU: it cannot be used with --device cpu"}},
+      {"bf16 on the cpu", with({"--dtype", "bfloat16"}), good, 2, {"--dtype bfloat16 computes on the GPU: add --device cuda"}},
       {"normalize with value", with({"--normalize=yes"}), good, 2, {"--normalize takes no value"}},
       {"flag twice", with({"--family", "linear_attn"}), good, 2, {"--family given twice"}},
       {"no output", {"--family", "linear_attn", "--input", input}, good, 2, {"--output is required"}},
@@ -284,6 +289,57 @@ TEST(MixerCommand, ErrorsGiveMessageAndExitCode) {
     EXPECT_EQ(std::count(err.begin(), err.end(), '\n'), 1) << "one line: " << err;
     for (auto& part : c.message) EXPECT_CONTAINS(err, part);
     EXPECT_FALSE(exists(output)) << "an output was written despite the error";
+  }
+}
+
+// Without a GPU, --device cuda is one clear line; with one, the kernel form from a file (bf16 q, k, v, fp32
+// gates and states) matches the chunkwise form run by the same command in fp32 on the GPU, outputs,
+// final state and gradients, within the kernels' bf16 tolerance.
+TEST(MixerCommand, KernelFormOnTheGpuFromAFile) {
+  const std::string input = temp_path("gpu_in.safetensors"), out_kernel = temp_path("gpu_kernel.safetensors"),
+                    out_ref = temp_path("gpu_ref.safetensors");
+  for (const std::string family : {"gated_deltanet", "scalar_decay"}) {
+    SCOPED_TRACE(family);
+    const Mixer& m = get_mixer(family);
+    Shape s;
+    s.B = 1, s.T = 256, s.H = 2, s.dk = 64, s.dv = 64;
+    auto in = random_inputs(m, s, at::kFloat, 5);
+    std::map<std::string, Tensor> file;
+    for (const auto& n : MixerInputs::names())
+      if (in.get(n).defined()) file[n] = in.get(n);
+    file["do"] = at::randn_like(in.v);
+    auto zero = m.zero_state(in, MixerOptions());
+    const auto entries = state_entry_names(m, zero.size());
+    for (size_t i = 0; i < entries.size(); ++i) {
+      file["initial_state." + entries[i]] = at::randn_like(zero[i]) * 0.1;
+      file["dfinal_state." + entries[i]] = at::randn_like(zero[i]);
+    }
+    save_safetensors(input, file);
+    std::string err;
+    const std::vector<std::string> common = {"--family", family, "--input", input};
+    auto args = [&](std::vector<std::string> extra, const std::string& out) {
+      auto a = common;
+      a.insert(a.end(), {"--output", out});
+      a.insert(a.end(), extra.begin(), extra.end());
+      return a;
+    };
+    if (cuda_device_count() == 0) {
+      EXPECT_EQ(run_command(args({"--form", "kernel"}, out_kernel), &err), 1) << err;
+      EXPECT_CONTAINS(err, "--device cuda: ");
+      EXPECT_EQ(std::count(err.begin(), err.end(), '\n'), 1) << "one line: " << err;
+      continue;
+    }
+    ASSERT_EQ(run_command(args({"--form", "kernel", "--dtype", "bfloat16"}, out_kernel), &err), 0) << err;
+    ASSERT_EQ(run_command(args({"--device", "cuda", "--dtype", "float32"}, out_ref), &err), 0) << err;
+    auto got = load_safetensors(out_kernel), ref = load_safetensors(out_ref);
+    ASSERT_EQ(got.size(), ref.size());
+    EXPECT_EQ(got.at("o").scalar_type(), at::kBFloat16);
+    for (auto& [name, r] : ref) {
+      ASSERT_TRUE(got.count(name)) << name;
+      const double e = rel_err(got.at(name).to(at::kDouble), r.to(at::kDouble));
+      EXPECT_LE(e, 1e-2) << name;
+      std::cout << "[ errors   ] carry mixer " << family << " kernel bf16 vs chunkwise fp32: " << name << " " << e << "\n";
+    }
   }
 }
 
