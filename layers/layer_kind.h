@@ -16,6 +16,7 @@ enum class Decay {
   retnet,  // a fixed per-head decay γ_h = 1 − 2^(−5−h)
   mamba,   // g = −exp(A_log)·softplus(W x + dt_bias) per token and head
   gla,     // gk = log σ(low-rank W x) / 16 per key dimension
+  kda,     // gk = −exp(A_log)·softplus(low-rank W x + dt_bias) per key dimension (KDA; rank dv, A_log a head)
 };
 
 struct LayerKind {

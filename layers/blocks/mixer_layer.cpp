@@ -196,6 +196,11 @@ MixerLayer::MixerLayer(const MixerLayerSpec& spec, ParameterInit& init) : spec_(
     gk_proj0_ = add("gk_proj.0.weight", init.normal({kGlaGateRank, d}, std));
     gk_proj1_ = add("gk_proj.1.weight", init.normal({H * dk, kGlaGateRank}, std));
     gk_bias_ = add("gk_proj.1.bias", init.full({H * dk}, 0.0));
+  } else if (tr.decay == Decay::kda) {
+    gk_proj0_ = add("f_proj.0.weight", init.normal({dv, d}, std));
+    gk_proj1_ = add("f_proj.1.weight", init.normal({H * dk, dv}, std));
+    dt_bias_ = add("dt_bias", dt_bias(H * dk));
+    A_log_ = add("A_log", init.leaf(at::log(init.uniform_cpu({H}, 1.0, 16.0))));
   }
   if (tr.beta) b_proj_ = add("b_proj.weight", init.normal({H, d}, std));
   if (tr.levels) {
@@ -347,6 +352,12 @@ MixerLayer::Projected MixerLayer::project(const Tensor& x, const MixerLayerConte
       auto dt = at::softplus(at::linear(x, a_proj_) + dt_bias_);  // [B,T,H]
       in.g = -at::exp(A_log_) * dt;                               // dt·A, A = −exp(A_log)
       if (tr.mamba2) k = k * dt.unsqueeze(-1);                    // B·dt
+      break;
+    }
+    case Decay::kda: {  // in fp32 at least: the chunk sums gk
+      const auto dt = at::promote_types(x.scalar_type(), at::kFloat);
+      auto f = at::linear(at::linear(x, gk_proj0_), gk_proj1_).to(dt) + dt_bias_.to(dt);  // [B,T,H·dk]
+      in.gk = (-at::exp(A_log_.to(dt)).repeat_interleave(dk) * at::softplus(f)).view({B, T, H, dk});
       break;
     }
     case Decay::gla:

@@ -164,7 +164,7 @@ class MixerLayer {
   Tensor q_proj_, k_proj_, v_proj_, o_proj_, z_proj_;
   Tensor q_conv_, k_conv_, v_conv_;
   Tensor a_proj_, dt_bias_, A_log_, D_;   // Mamba-style decays, Mamba-2/1 skip
-  Tensor gk_proj0_, gk_proj1_, gk_bias_;  // GLA low-rank gate
+  Tensor gk_proj0_, gk_proj1_, gk_bias_;  // GLA's low-rank gate (KDA's f_proj: no bias)
   Tensor dt_proj0_, dt_proj1_;            // Mamba-1 low-rank Δ
   Tensor b_proj_, l_proj_;                // beta, log-linear levels
   RMSNorm o_norm_;

@@ -1,6 +1,7 @@
-// DeltaNet ("deltanet") and Gated DeltaNet ("gated_deltanet"):
+// DeltaNet ("deltanet"), Gated DeltaNet ("gated_deltanet") and Kimi Delta Attention ("kda", its chunk in
+// layers/kda/kda.h):
 //   S_t = γ_t (I − β_t k_t k_tᵀ) S_{t−1} + β_t k_t v_tᵀ,  o_t = scale · S_tᵀ q_t,  γ_t = exp(g_t) (≡ 1
-// for DeltaNet). State {S} [B,H,dk,dv]; transport {A} [B,H,dk,dk], A = Π_t γ_t (I − β_t k_t k_tᵀ) (later
+// for DeltaNet); KDA decays each key dimension: S_t = (I − β_t k_t k_tᵀ) Diag(e^{gk_t}) S_{t−1} + β_t k_t v_tᵀ. State {S} [B,H,dk,dv]; transport {A} [B,H,dk,dk], A = Π_t γ_t (I − β_t k_t k_tᵀ) (later
 // token on the left), dense. Forms: naive = the token recurrence; chunkwise = the WY/UT form of
 // Yang et al. (DeltaNet) with the gated extension of Gated DeltaNet: per chunk the pieces of
 // delta_rule_chunk (gate cumulative sums restart at every chunk), o = M·V + P·S_in and
@@ -9,6 +10,7 @@
 // transport chains and states are never formed below fp32.
 #include "layers/delta_rule/delta_rule.h"
 
+#include "layers/kda/kda.h"
 #include "layers/layout.h"
 #ifdef CARRY_WITH_CUDA
 #include "layers/kernels/delta_rule/op.h"
@@ -86,13 +88,19 @@ DeltaChunkPieces delta_rule_chunk(const MixerInputs& in, int64_t chunk, const Mi
 
 namespace {
 
-// The two families differ only in reading g; `gated` says which one this is.
+// The three families differ in their gate: none (DeltaNet), g a scalar a head (Gated DeltaNet), gk a decay
+// a key dimension (KDA).
+enum class Gate { none, scalar, diag };
+
 class DeltaRule : public Mixer {
  public:
-  explicit DeltaRule(bool gated) : gated_(gated) {}
+  explicit DeltaRule(Gate gate) : gate_(gate), gated_(gate == Gate::scalar) {}
 
-  std::string name() const override { return gated_ ? "gated_deltanet" : "deltanet"; }
+  std::string name() const override {
+    return gate_ == Gate::diag ? "kda" : gated_ ? "gated_deltanet" : "deltanet";
+  }
   std::vector<std::string> input_names() const override {
+    if (gate_ == Gate::diag) return {"q", "k", "v", "gk", "beta"};
     if (gated_) return {"q", "k", "v", "g", "beta"};
     return {"q", "k", "v", "beta"};
   }
@@ -119,10 +127,12 @@ class DeltaRule : public Mixer {
     auto q = to_bhtd(in.q).to(dt) * opt.scale_for(in.q.size(3));
     auto k = to_bhtd(in.k).to(dt), v = to_bhtd(in.v).to(dt), beta = to_bhtd(in.beta).to(dt);
     Tensor gamma = gated_ ? to_bhtd(in.g).to(dt).exp() : Tensor();
+    Tensor alpha = gate_ == Gate::diag ? to_bhtd(in.gk).to(dt).exp() : Tensor();  // [B,H,T,dk]
     std::vector<Tensor> outs;
     for (int64_t t = 0; t < q.size(2); ++t) {
       auto kt = k.select(2, t).unsqueeze(-1), vt = v.select(2, t).unsqueeze(-2);  // [B,H,dk,1], [B,H,1,dv]
       auto bt = beta.select(2, t).unsqueeze(-1).unsqueeze(-1);
+      if (alpha.defined()) S = alpha.select(2, t).unsqueeze(-1) * S;  // KDA: Diag(α_t) first
       // (I − β k kᵀ) S = S − β k (kᵀ S)
       S = S - bt * kt * at::matmul(kt.transpose(-1, -2), S);
       if (gated_) S = gamma.select(2, t).unsqueeze(-1).unsqueeze(-1) * S;
@@ -133,10 +143,11 @@ class DeltaRule : public Mixer {
   }
 
 #ifdef CARRY_WITH_CUDA
-  // The kernel form: layers/kernels/delta_rule/{fwd,bwd}.cu through the autograd op of layers/kernels/delta_rule/op.cpp.
-  bool has_kernel() const override { return true; }
+  // The kernel form: layers/kernels/delta_rule/{fwd,bwd}.cu through the autograd op of layers/kernels/delta_rule/op.cpp
+  // (DeltaNet and Gated DeltaNet; KDA has none yet).
+  bool has_kernel() const override { return gate_ != Gate::diag; }
   bool kernel_supports(const MixerInputs& in, const MixerOptions& opt) const override {
-    return delta_rule_kernel_supports(in, opt);
+    return gate_ != Gate::diag && delta_rule_kernel_supports(in, opt);
   }
   MixerOutput kernel(const MixerInputs& in, const State& init, const MixerOptions& opt) const override {
     check(in, opt, /*chunked=*/true);
@@ -222,7 +233,8 @@ class DeltaRule : public Mixer {
   }
 
  private:
-  bool gated_;
+  Gate gate_;
+  bool gated_;  // the scalar gate g
 
   // The options of a run that is not the caller's forward: the slice as one piece (document starts are
   // the scan's), no hooks, values checked once by the caller.
@@ -245,7 +257,7 @@ class DeltaRule : public Mixer {
     return forward(writes_nothing, {eye}, plain);
   }
 
-  // Chunked [B,H,N,C,·] views of the inputs in the compute dtype; g undefined for DeltaNet.
+  // Chunked [B,H,N,C,·] views of the inputs in the compute dtype; g undefined for DeltaNet, KDA's gk in g.
   struct Chunks {
     Tensor q, k, v, beta, g;
   };
@@ -253,9 +265,13 @@ class DeltaRule : public Mixer {
     auto dt = compute_dtype(in.q);
     int64_t C = opt.chunk_size;
     auto split = [&](const Tensor& x) { return split_chunks(to_bhtd(x).to(dt), C); };
-    return {split(in.q), split(in.k), split(in.v), split(in.beta), gated_ ? split(in.g) : Tensor()};
+    return {split(in.q), split(in.k), split(in.v), split(in.beta),
+            gated_ ? split(in.g) : gate_ == Gate::diag ? split(in.gk) : Tensor()};
   }
   DeltaChunkPieces piece(const Chunks& c, int64_t n, const MixerOptions& opt) const {
+    if (gate_ == Gate::diag)
+      return kda_chunk(c.q.select(2, n), c.k.select(2, n), c.v.select(2, n), c.beta.select(2, n), c.g.select(2, n),
+                       opt.scale_for(c.q.size(-1)));
     return delta_rule_chunk(c.q.select(2, n), c.k.select(2, n), c.v.select(2, n),
                             c.beta.select(2, n), c.g.defined() ? c.g.select(2, n) : Tensor(),
                             opt.scale_for(c.q.size(-1)));
@@ -282,14 +298,18 @@ class DeltaRule : public Mixer {
 };
 
 struct DeltaNet final : DeltaRule {
-  DeltaNet() : DeltaRule(false) {}
+  DeltaNet() : DeltaRule(Gate::none) {}
 };
 struct GatedDeltaNet final : DeltaRule {
-  GatedDeltaNet() : DeltaRule(true) {}
+  GatedDeltaNet() : DeltaRule(Gate::scalar) {}
+};
+struct Kda final : DeltaRule {
+  Kda() : DeltaRule(Gate::diag) {}
 };
 
 CARRY_REGISTER_MIXER(DeltaNet);
 CARRY_REGISTER_MIXER(GatedDeltaNet);
+CARRY_REGISTER_MIXER(Kda);
 
 }  // namespace
 }  // namespace carry
