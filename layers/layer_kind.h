@@ -29,6 +29,7 @@ struct LayerKind {
   bool silu_qkv = false;    // short causal convolutions (kernel 4, a halo of 3 tokens across ranks) + silu on q, k, v
   bool l2_qk = false;       // L2-normalized q, k
   bool elu_qk = false;      // φ = elu + 1 on q, k
+  bool feature_map = false; // reads feature_map, num_features, feature_seed (φ: elu + 1 or Performer's features)
   bool mamba2 = false;      // k = B·dt, scale 1, skip o += D·v
   bool selective_scan = false;  // Mamba-1 (S6): x, Δ, B, C per channel through mamba1_inputs, one head a channel
   bool gated_norm = false;  // y = o_proj(gated_rms_norm(o, z)); false: y = o_proj(o)

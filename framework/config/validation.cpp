@@ -40,6 +40,7 @@ constexpr int64_t kMaxHeads = int64_t{1} << 16;
 constexpr int64_t kMaxLayers = 4096;
 constexpr double kMaxMlpRatio = 1024;
 constexpr int64_t kMaxConvSize = 4096;
+constexpr int64_t kMaxNumFeatures = 65536;  // Performer's random features (the family's dk)
 // The most level weights any registered kind accepts (log-linear attention's Fenwick levels).
 int64_t max_levels() {
   int64_t most = 0;
@@ -463,6 +464,15 @@ void check_model(const ModelConfig& m, const std::string& p, Errors& e) {
     only_for(o.has_window(), "window", kinds_where(&LayerKind::window));
     only_for(o.has_levels(), "levels", kinds_where(&LayerKind::levels));
     only_for(o.has_normalize(), "normalize", kinds_where(&LayerKind::normalize));
+    if (o.has_feature_map() && o.feature_map() != "elu" && o.feature_map() != "performer")
+      e.add(q + ".feature_map", "must be \"elu\" or \"performer\", got \"", o.feature_map(), "\"");
+    if (o.has_num_features() && (o.num_features() <= 0 || o.num_features() > kMaxNumFeatures))
+      e.add(q + ".num_features", "must lie in [1, ", kMaxNumFeatures, "], got ", o.num_features());
+    if (o.has_feature_seed() && o.feature_seed() < 0)
+      e.add(q + ".feature_seed", "must be >= 0, got ", o.feature_seed());
+    only_for(o.has_feature_map(), "feature_map", kinds_where(&LayerKind::feature_map));
+    only_for(o.has_num_features(), "num_features", kinds_where(&LayerKind::feature_map));
+    only_for(o.has_feature_seed(), "feature_seed", kinds_where(&LayerKind::feature_map));
   }
   for (auto& k : kinds) {
     if (!is_known_kind(k) || !layer_kind(k).power_of_two_chunk) continue;

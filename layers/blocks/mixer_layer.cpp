@@ -11,6 +11,7 @@
 #include "layers/layout.h"
 #include "layers/log_linear/fenwick.h"
 #include "layers/linear_attn/linear_attn.h"
+#include "layers/linear_attn/performer.h"
 #include "layers/diag_decay/mamba1.h"
 #include "layers/blocks/precision.h"
 
@@ -150,6 +151,20 @@ MixerLayer::MixerLayer(const MixerLayerSpec& spec, ParameterInit& init) : spec_(
               spec.conv_size);
   TORCH_CHECK(spec.levels >= 0 && spec.levels <= kMaxLogLinearLevels, "mixer layer '", spec.kind,
               "': levels must lie in [0, ", kMaxLogLinearLevels, "], got ", spec.levels);
+  TORCH_CHECK(spec.feature_map == "elu" || spec.feature_map == "performer", "mixer layer '", spec.kind,
+              "': feature_map must be \"elu\" or \"performer\", got \"", spec.feature_map, "\"");
+  TORCH_CHECK(spec.feature_map == "elu" || tr.feature_map, "mixer layer '", spec.kind, "': feature_map \"",
+              spec.feature_map, "\" applies to linear_attn layers only");
+  if (spec.feature_map == "performer") {
+    TORCH_CHECK(spec.num_features > 0, "mixer layer '", spec.kind, "': num_features must be positive, got ",
+                spec.num_features);
+    // Generated, not stored: the features are a function of the config (seed, layer, widths), which every
+    // rank reads and every checkpoint holds, so all ranks, a resumed run and a decoder rebuild the same bits.
+    Tensor omega = performer_random_features(spec.num_features, dk, performer_layer_seed(spec.feature_seed, spec.layer));
+    performer_key_shift_ = performer_key_shift(omega);
+    performer_features_ = init.meta() ? at::empty({spec.num_features, dk}, init.options())
+                                      : omega.to(init.options()).detach();
+  }
   const double std = spec.init_std;
   const double out_std = std / std::sqrt(2.0 * static_cast<double>(std::max<int64_t>(spec.n_layers, 1)));
   const int64_t K = spec.conv_size;
@@ -239,6 +254,11 @@ MixerOptions MixerLayer::mixer_options(int64_t, const MixerLayerContext& ctx) co
   opt.check_values = check_values_requested();
   opt.serial_states = ctx.serial_states;
   if (tr.mamba2) opt.scale = 1.0;  // Mamba-2 reads C·h unscaled
+  if (performer_features_.defined()) {
+    opt.scale = 1.0;  // φ(q)ᵀφ(k) is already the estimate of exp(qᵀk/√d)
+    // The keys' features carry the factor exp(−c) (performer.h): the normalizer's guard with it.
+    opt.eps *= std::exp(-performer_key_shift_);
+  }
   return opt;
 }
 
@@ -332,7 +352,13 @@ MixerLayer::Projected MixerLayer::project(const Tensor& x, const MixerLayerConte
   auto qkv = project_convolve({q_proj_, k_proj_, v_proj_}, {q_conv_, k_conv_, v_conv_}, tr.silu_qkv);
   auto q = qkv[0], k = qkv[1], v = qkv[2];
   q = q.view({B, T, H, dk}), k = k.view({B, T, H, dk}), v = v.view({B, T, H, dv});
-  if (tr.elu_qk) q = elu_feature_map(q), k = elu_feature_map(k);
+  if (performer_features_.defined()) {
+    const double s = std::pow(static_cast<double>(dk), -0.25);
+    q = performer_feature_map(q * s, performer_features_, /*is_query=*/true, 0);
+    k = performer_feature_map(k * s, performer_features_, /*is_query=*/false, performer_key_shift_);
+  } else if (tr.elu_qk) {
+    q = elu_feature_map(q), k = elu_feature_map(k);
+  }
   if (tr.l2_qk) q = l2_normalize_any(q), k = l2_normalize_any(k);
 
   MixerInputs& in = p.in;

@@ -8,7 +8,10 @@
 //   y = o_proj(gated_rms_norm(o, z = g_proj(x)))   (softmax attention: y = o_proj(o))
 //
 // Per kind (mixer_layer_kinds() lists them; "family" is the registered mixer run):
-//   linear_attn       family linear_attn; φ(q), φ(k) with φ = elu+1; normalize from the options
+//   linear_attn       family linear_attn; φ(q), φ(k) with φ = elu+1, or with feature_map "performer"
+//                     Performer's FAVOR+ features of q·d^(−1/4), k·d^(−1/4) (layers/linear_attn/performer.h:
+//                     φ(q)ᵀφ(k) estimates exp(qᵀk/√d), the family runs with dk = num_features and scale 1);
+//                     normalize from the options
 //   retnet            family scalar_decay; fixed decay γ_h = 1 − 2^(−5−h) per head (no parameter)
 //   gla               family gla; gk = logsigmoid(W_b W_a x + b) / 16 (low rank 16)
 //   deltanet          family deltanet; silu on q,k,v; q, k L2-normalized; beta = sigmoid(W x)
@@ -66,6 +69,10 @@ struct MixerLayerSpec {
   int64_t conv_size = 0;  // short convolution width (0 = none)
   bool normalize = false;
   int64_t levels = 0;     // log-linear: level weights (0 = as many as the sequence needs)
+  std::string feature_map = "elu";  // linear_attn: "elu" (elu + 1) or "performer"
+  int64_t num_features = 128;       // performer: random features m (the family's dk)
+  uint64_t feature_seed = 0;        // performer: with `layer`, the seed of the random features
+  int64_t layer = 0;                // the layer's index in the model (each layer draws its own features)
   double norm_eps = 1e-6;
   double init_std = 0.02;
   int64_t n_layers = 1;   // of the model: scales o_proj's initialization
@@ -167,6 +174,10 @@ class MixerLayer {
   Tensor gk_proj0_, gk_proj1_, gk_bias_;  // GLA's low-rank gate (KDA's f_proj: no bias)
   Tensor dt_proj0_, dt_proj1_;            // Mamba-1 low-rank Δ
   Tensor b_proj_, l_proj_;                // beta, log-linear levels
+  // Performer: the random features ω [num_features, head_dim_k], not a parameter (regenerated from the
+  // spec's seed and layer), and the keys' stabilizer (performer.h).
+  Tensor performer_features_;
+  double performer_key_shift_ = 0;
   RMSNorm o_norm_;
   bool has_o_norm_ = false;
 };

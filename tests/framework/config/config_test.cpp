@@ -228,6 +228,35 @@ TEST_F(ConfigTest, BadValuesOfManyKinds) {
   EXPECT_TRUE(has("checkpoint.dir: is needed when checkpoint.every_steps > 0 (10)")) << all;
 }
 
+// Linear attention's feature map options: the names it knows, the ranges, and only on linear_attn layers.
+TEST_F(ConfigTest, FeatureMapOptions) {
+  RunConfig c;
+  ASSERT_TRUE(google::protobuf::TextFormat::ParseFromString(kValid, &c));
+  c.mutable_model()->clear_mixers();
+  c.mutable_model()->add_mixers("linear_attn");
+  c.mutable_model()->add_mixers("gla");
+  auto* o = c.mutable_model()->add_mixer_options();
+  o->set_kind("linear_attn");
+  o->set_feature_map("performer");
+  o->set_num_features(64);
+  o->set_feature_seed(3);
+  EXPECT_TRUE(run_config_errors(c).empty()) << run_config_errors(c)[0];
+  o->set_feature_map("relu");
+  o->set_num_features(0);
+  o->set_feature_seed(-1);
+  auto* all_layers = c.mutable_model()->add_mixer_options();
+  all_layers->set_feature_map("performer");
+  auto errors = run_config_errors(c);
+  std::string all;
+  for (auto& e : errors) all += e + "\n";
+  for (const char* want : {"model.mixer_options[0].feature_map: must be \"elu\" or \"performer\", got \"relu\"",
+                           "model.mixer_options[0].num_features: must lie in [1, 65536], got 0",
+                           "model.mixer_options[0].feature_seed: must be >= 0, got -1",
+                           "model.mixer_options[1].feature_map: only linear_attn uses 'feature_map', but this entry "
+                           "applies to gla layers (give the entry a kind)"})
+    EXPECT_NE(all.find(want), std::string::npos) << "missing: " << want << "\nerrors:\n" << all;
+}
+
 TEST_F(ConfigTest, SequenceParallelConstraints) {
   RunConfig c;
   ASSERT_TRUE(google::protobuf::TextFormat::ParseFromString(kValid, &c));

@@ -102,6 +102,11 @@ TEST(RecurrentDecoder, SlidingWindowHybridAndVariants) {
   ModelConfig levels = tiny({"loglinear_gdn"});
   levels.mutable_mixer_options(0)->set_levels(8);
   expect_recurrent_equals_full(levels, "loglinear_gdn levels 8");
+  ModelConfig performer = tiny({"linear_attn"});
+  performer.mutable_mixer_options(0)->set_normalize(true);
+  performer.mutable_mixer_options(0)->set_feature_map("performer");
+  performer.mutable_mixer_options(0)->set_num_features(12);
+  expect_recurrent_equals_full(performer, "performer features");
   ModelConfig untied = tiny({"gla"});
   untied.set_tie_embeddings(false);
   expect_recurrent_equals_full(untied, "gla, own head");

@@ -211,6 +211,32 @@ bool same_bits(const BitRun& a, const BitRun& b, const std::string& what) {
   return all == 1;
 }
 
+// Performer (linear attention over random features, regenerated on every rank from the config) under
+// every scan mode: the serial run's steps to rounding, and with ordered segments its bits.
+TEST(Trainer, PerformerUnderSpEqualsSerial) {
+  const int P = parallel::world_info().size;
+  if (P < 2) GTEST_SKIP() << "needs 2 or more ranks";
+  const std::vector<std::string> performer{
+      "model.mixers=linear_attn",
+      "model.mixer_options[0]={chunk_size: 16 normalize: true feature_map: \"performer\" num_features: 24}"};
+  auto serial = train(config(performer), false);
+  for (const char* mode : {"ordered", "tree", "allgather"}) {
+    auto o = performer;
+    o.push_back("parallel.sp=" + std::to_string(P));
+    o.push_back(std::string("parallel.scan_mode=") + mode);
+    double err = compare(train(config(o), true), serial);
+    if (parallel::world_info().rank == 0)
+      std::printf("[ errors   ] trainer performer sp=%d %s vs sp=1 (fp64, 5 steps): %.3e\n", P, mode, err);
+    EXPECT_LE(err, 1e-10) << mode;
+  }
+  auto segmented = performer, sp = performer;
+  segmented.push_back("parallel.segments=" + std::to_string(P));
+  sp.push_back("parallel.sp=" + std::to_string(P));
+  EXPECT_TRUE(same_bits(train_bits(config(sp), true), train_bits(config(segmented), false),
+                        "performer sp=" + std::to_string(P) + " vs sp=1 with " + std::to_string(P) +
+                            " segments (fp32, 5 steps)"));
+}
+
 TEST(Trainer, OrderedSegmentsGiveTheSameBitsOnEveryLayout) {
   const int P = parallel::world_info().size;
   if (P < 2) GTEST_SKIP() << "needs 2 or more ranks";

@@ -1,8 +1,8 @@
-// Tests of layers/blocks/mixer_layer.*: for every kind, the layer with the family's chunkwise form equals it
-// with the naive form (fp64, outputs and input gradients); the short convolution and the whole layer
-// are causal; a sequence cut in two slices, the second given the first's final state, its halo and its
-// offset, gives the whole sequence's outputs (what sequence parallelism will rely on); bad kinds and
-// inputs are refused with clear messages.
+// Tests of layers/blocks/mixer_layer.*: for every kind (linear attention with both of its feature maps),
+// the layer with the family's chunkwise form equals it with the naive form (fp64, outputs and input
+// gradients); the short convolution and the whole layer are causal; a sequence cut in two slices, the
+// second given the first's final state, its halo and its offset, gives the whole sequence's outputs (what
+// sequence parallelism will rely on); bad kinds, feature maps and inputs are refused with clear messages.
 #include "layers/blocks/mixer_layer.h"
 
 #include "layers/core/device.h"
@@ -12,6 +12,7 @@
 #include <gtest/gtest.h>
 
 #include <iostream>
+#include <tuple>
 
 #include <torch/csrc/autograd/autograd.h>
 
@@ -20,7 +21,8 @@ namespace {
 
 constexpr int64_t kD = 16, kT = 32, kB = 2;
 
-MixerLayerSpec small_spec(const std::string& kind, int64_t conv_size, int64_t window = 0) {
+MixerLayerSpec small_spec(const std::string& kind, int64_t conv_size, int64_t window = 0,
+                          const std::string& feature_map = "elu") {
   MixerLayerSpec s;
   s.kind = kind;
   s.d_model = kD;
@@ -31,6 +33,8 @@ MixerLayerSpec small_spec(const std::string& kind, int64_t conv_size, int64_t wi
   s.conv_size = conv_size;
   s.window = window;
   s.normalize = kind == "linear_attn";
+  s.feature_map = feature_map;
+  s.num_features = 12;  // Performer: a block of 8 orthogonal features and 4 of a second
   s.n_layers = 2;
   s.init_std = 0.3;  // larger than a model's 0.02, so that every term matters in the comparisons
   return s;
@@ -40,7 +44,10 @@ struct Case {
   std::string kind;
   int64_t conv_size;
   int64_t window;
+  std::string feature_map = "elu";
 };
+
+MixerLayerSpec small_spec(const Case& c) { return small_spec(c.kind, c.conv_size, c.window, c.feature_map); }
 
 std::vector<Case> all_cases() {
   std::vector<Case> cases;
@@ -53,11 +60,13 @@ std::vector<Case> all_cases() {
     }
   }
   cases.push_back({"gla", 0, 0});
+  cases.push_back({"linear_attn", 4, 0, "performer"});
   return cases;
 }
 
 std::string case_name(const Case& c) {
-  return c.kind + " conv " + std::to_string(c.conv_size) + " window " + std::to_string(c.window);
+  return c.kind + " conv " + std::to_string(c.conv_size) + " window " + std::to_string(c.window) +
+         (c.feature_map == "elu" ? "" : " " + c.feature_map);
 }
 
 Tensor random_x(uint64_t seed, int64_t T = kT) {
@@ -90,7 +99,7 @@ TEST(MixerLayer, EveryConfigKindHasARegisteredFamily) {
 TEST(MixerLayer, ChunkwiseEqualsNaiveForEveryKind) {
   for (auto& c : all_cases()) {
     ParameterInit init(3, at::TensorOptions().dtype(at::kDouble));
-    MixerLayer layer(small_spec(c.kind, c.conv_size, c.window), init);
+    MixerLayer layer(small_spec(c), init);
     auto x = random_x(5).set_requires_grad(true);
     auto w = random_x(6);
     auto y_chunk = layer.forward(x).y;
@@ -111,7 +120,7 @@ TEST(MixerLayer, ChunkwiseEqualsNaiveForEveryKind) {
 TEST(MixerLayer, AutocastRunsTheCoreInFp32) {
   for (auto& c : all_cases()) {
     ParameterInit init(3, at::TensorOptions().dtype(at::kFloat));
-    MixerLayer layer(small_spec(c.kind, c.conv_size, c.window), init);
+    MixerLayer layer(small_spec(c), init);
     auto x = random_x(5).to(at::kFloat);
     std::vector<at::ScalarType> core_dtypes;
     MixerLayerContext ctx;
@@ -254,7 +263,7 @@ TEST(MixerLayer, ConvolutionIsCausalAndTakesItsHaloExactly) {
 TEST(MixerLayer, LayerIsCausalForEveryKind) {
   for (auto& c : all_cases()) {
     ParameterInit init(4, at::TensorOptions().dtype(at::kDouble));
-    MixerLayer layer(small_spec(c.kind, c.conv_size, c.window), init);
+    MixerLayer layer(small_spec(c), init);
     auto x = random_x(7);
     auto y = layer.forward(x).y;
     for (int64_t t0 : {3, 8, 20}) {
@@ -276,7 +285,7 @@ TEST(MixerLayer, TwoSlicesWithStateHaloAndOffsetEqualTheWholeSequence) {
   for (auto& c : all_cases()) {
     if (c.kind == "softmax_attn" && c.window == 0) continue;
     ParameterInit init(8, at::TensorOptions().dtype(at::kDouble));
-    MixerLayer layer(small_spec(c.kind, c.conv_size, c.window), init);
+    MixerLayer layer(small_spec(c), init);
     auto x = random_x(9);
     auto whole = layer.forward(x).y;
     const int64_t T1 = kT / 2;
@@ -357,6 +366,17 @@ TEST(MixerLayer, RefusesUnknownKindsAndBadInputs) {
   } catch (const c10::Error& e) {
     EXPECT_NE(std::string(e.what_without_backtrace()).find("multiple of chunk_size=8"), std::string::npos)
         << e.what_without_backtrace();
+  }
+  // Feature maps: a name that is none, and one on a kind that applies none.
+  for (auto [kind, map, needle] : {std::tuple<const char*, const char*, const char*>{
+                                       "linear_attn", "relu", "feature_map must be \"elu\" or \"performer\", got \"relu\""},
+                                   {"gla", "performer", "applies to linear_attn layers only"}}) {
+    try {
+      MixerLayer bad(small_spec(kind, 0, 0, map), init);
+      ADD_FAILURE() << kind << " with feature map " << map << " accepted";
+    } catch (const c10::Error& e) {
+      EXPECT_NE(std::string(e.what_without_backtrace()).find(needle), std::string::npos) << e.what_without_backtrace();
+    }
   }
 }
 
