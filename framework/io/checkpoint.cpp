@@ -439,6 +439,8 @@ void save_checkpoint(const std::string& dir, const CheckpointData& data, int kee
   manifest.set_rng_seed(data.rng_seed);
   manifest.set_config_text(data.config_text);
   manifest.set_run_id(data.run_id);
+  manifest.set_carry_version(version());
+  manifest.set_carry_commit(git_commit());
   for (const auto& [k, v] : data.extra) (*manifest.mutable_extra())[k] = v;
   Prepared model = prepare(data.model, kModelFile, manifest);
   Prepared optimizer = prepare(data.optimizer, kOptimizerFile, manifest);
@@ -454,7 +456,7 @@ void save_checkpoint(const std::string& dir, const CheckpointData& data, int kee
     // the config without the manifest).
     std::map<std::string, std::string> metadata = {
         {"format", "pt"},           {"carry_file", "checkpoint model"},
-        {"carry_version", version()}, {"step", std::to_string(data.step)},
+        {"carry_version", version()}, {"carry_commit", git_commit()}, {"step", std::to_string(data.step)},
         {"tokens_seen", std::to_string(data.tokens_seen)}, {"config", data.config_text}};
     save_safetensors(path_join(tmp_dir, kModelFile), model.tensors, metadata);
     maybe_die_for_test(++files);
@@ -534,6 +536,8 @@ CheckpointData load_checkpoint(const std::string& step_dir) {
   out.config_text = manifest.config_text();
   out.run_id = manifest.run_id();
   out.format_version = manifest.format_version();
+  out.carry_version = manifest.carry_version();
+  out.carry_commit = manifest.carry_commit();
   for (const auto& [k, v] : manifest.extra()) out.extra[k] = v;
 
   std::map<std::string, size_t> listed;  // tensors per file in the manifest

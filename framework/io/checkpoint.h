@@ -5,7 +5,7 @@
 // checksums are XXH64 (framework/io/xxh64.h, format_version 3, named in checksum_algorithm); the
 // FNV-1a 64 checksums of format_version 1 and 2 checkpoints are still verified.
 // model.safetensors also carries, in its safetensors metadata, format = "pt", carry_file =
-// "checkpoint model", carry_version, step, tokens_seen and config (the resolved run config as
+// "checkpoint model", carry_version, carry_commit, step, tokens_seen and config (the resolved run config as
 // textproto). The design decision: a checkpoint becomes visible only by one rename. It is written under
 // dir/.tmp_step_<step>_<pid>/, every file and the directory fsynced, then renamed to step_<step>;
 // then dir/latest (the step directory's name) is replaced by temp+rename. A crash at any moment
@@ -40,6 +40,9 @@ struct CheckpointData {
   std::map<std::string, std::string> extra;                  // anything else (metrics), string values
   std::string run_id;          // the run that wrote it (see new_run_id); "" in format_version 1
   int format_version = 0;      // set by the loaders: 3 now, 2 (FNV-1a 64), 1 (no manifest checksum)
+  // Set by the loaders: the version and git commit of the carry that wrote it (save_checkpoint writes
+  // this build's, framework/version.h); "" in checkpoints written before the manifest held them.
+  std::string carry_version, carry_commit;
 };
 
 // A fresh run id: 16 hex digits from the clock, the pid and std::random_device.

@@ -353,6 +353,7 @@ void export_fla_folder(const std::string& dir, const ModelConfig& model, const N
   std::map<std::string, std::string> metadata = opt.metadata;
   metadata["format"] = "pt";
   metadata["carry_version"] = version();
+  metadata["carry_commit"] = git_commit();
   metadata["carry_model_config"] = config_to_text(model);
   make_dirs(dir);
   write_text(join_path(dir, "config.json"), config);

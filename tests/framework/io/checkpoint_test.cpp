@@ -1,19 +1,21 @@
 // Checkpoints: a round trip gives every tensor back bitwise (several dtypes, NaN and -0.0, a
-// non-contiguous input, the saved order) and every field equal; keep_last prunes the oldest of the
-// writer's own run only; the newest valid step of `latest`'s run wins over a stale `latest`, another
-// run's checkpoints are not resumed; corrupt or partial checkpoints (a flipped tensor byte, a changed
-// manifest field, a truncated file, a missing manifest, a missing file, an interrupted write's
-// temporary directory) are reported with their path and skipped in favour of the previous good one;
-// format_version 1 and 2 (FNV-1a 64 checksums) still load and are still checked, an unknown checksum
-// algorithm is refused; a process SIGKILLed in the middle of writing a 200 MB checkpoint
-// leaves the previous one loadable bitwise; the directory lock refuses a second holder; a symbolic link
-// in place of a file carry writes is refused and its target left alone; a FIFO in place of a file
-// carry reads is skipped at once; an oversized `latest` or manifest is refused by its size, unread.
+// non-contiguous input, the saved order) and every field equal, the writer's version and commit
+// recorded; keep_last prunes the oldest of the writer's own run only; the newest valid step of
+// `latest`'s run wins over a stale `latest`, another run's checkpoints are not resumed; corrupt or
+// partial checkpoints (a flipped tensor byte, a changed manifest field, a truncated file, a missing
+// manifest, a missing file, an interrupted write's temporary directory) are reported with their path
+// and skipped in favour of the previous good one; format_version 1 and 2 (FNV-1a 64 checksums) still
+// load and are still checked, an unknown checksum algorithm is refused; a process SIGKILLed in the
+// middle of writing a 200 MB checkpoint leaves the previous one loadable bitwise; the directory lock
+// refuses a second holder; a symbolic link in place of a file carry writes is refused and its target
+// left alone; a FIFO in place of a file carry reads is skipped at once; an oversized `latest` or
+// manifest is refused by its size, unread.
 #include "framework/io/checkpoint.h"
 
 #include "framework/config/carry.pb.h"
 #include "framework/io/safetensors.h"
 #include "framework/io/xxh64.h"
+#include "framework/version.h"
 #include "tests/helpers/temp_dir.h"
 
 #include <google/protobuf/io/coded_stream.h>
@@ -170,6 +172,14 @@ TEST_F(CheckpointTest, RoundTripIsBitwise) {
     ++checked;
   }
   EXPECT_EQ(checked, 4);
+  // The carry that wrote it: this build's version and commit, in the manifest and in the model file.
+  EXPECT_EQ(m.carry_version(), version());
+  EXPECT_EQ(m.carry_commit(), git_commit());
+  EXPECT_FALSE(m.carry_commit().empty());
+  EXPECT_EQ(load_checkpoint(step_path(42)).carry_commit, git_commit());
+  std::map<std::string, std::string> metadata;
+  load_safetensors(step_path(42) + "/model.safetensors", &metadata);
+  EXPECT_EQ(metadata["carry_commit"], git_commit());
 }
 
 TEST_F(CheckpointTest, EmptyOptimizerAndExtra) {
