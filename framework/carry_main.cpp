@@ -50,7 +50,7 @@ int main(int argc, char** argv) {
     return 0;
   }
   if (command == "--version") {
-    std::printf("carry %s (CUDA %s)\n", carry::version(),
+    std::printf("carry %s (commit %s; CUDA %s)\n", carry::version(), carry::git_commit(),
                 carry::built_with_cuda() ? "compiled in" : "not compiled in");
     return 0;
   }

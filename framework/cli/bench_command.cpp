@@ -183,7 +183,7 @@ MixerInputs bench_inputs(const Mixer& m, int64_t T, const Shape& s) {
   return in;
 }
 
-// FNV-1a 64 (the checkpoints' checksum) of the tensors' bytes, one hash a tensor, then of those hashes in
+// FNV-1a 64 (framework/io/checkpoint.h) of the tensors' bytes, one hash a tensor, then of those hashes in
 // order; undefined tensors are skipped. Equal hashes, equal bits.
 uint64_t bytes_hash(const std::vector<Tensor>& ts) {
   std::vector<uint64_t> each;

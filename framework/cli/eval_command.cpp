@@ -7,6 +7,7 @@
 #include "framework/cli/command_args.h"
 #include "framework/cli/tokenize_command.h"
 #include "framework/eval/evaluator.h"
+#include "framework/io/json.h"
 #include "framework/io/model_source.h"
 #include "framework/io/safetensors.h"
 #include "layers/core/device.h"
@@ -236,15 +237,18 @@ int run_eval_command(int argc, char** argv, bool finalize_mpi) {
         if (!a.plot.empty())
           write_curve_svg(a.plot, rows, "loss by position: " + source.describe()), std::printf("wrote %s\n", a.plot.c_str());
         if (!a.json.empty()) {
+          JsonWriter j(2);
+          j.begin_object().member("model", source.path).member("step", source.step).member("seq_len", spec.seq_len);
+          j.member("sequences", r.sequences).member("positions", r.positions).member("loss", r.loss());
+          j.member("perplexity", r.perplexity()).member("bits_per_token", r.bits_per_token());
+          if (byte_level) j.member("bits_per_byte", r.bits_per_byte());
+          j.member("accuracy", r.accuracy());
+          if (r.task) j.member("sequence_accuracy", r.sequences ? double(r.sequences_all_right) / r.sequences : 0.0);
+          j.member("dp", static_cast<int64_t>(world.size / a.sp)).member("sp", static_cast<int64_t>(a.sp));
+          j.key("seconds").fixed_value(r.seconds, 3);
+          j.end_object();
           std::ofstream f(a.json);
-          f << "{\"model\": \"" << source.path << "\", \"step\": " << source.step << ", \"seq_len\": " << spec.seq_len
-            << ", \"sequences\": " << r.sequences << ", \"positions\": " << r.positions << ", \"loss\": "
-            << fmt("%.9g", r.loss()) << ", \"perplexity\": " << fmt("%.9g", r.perplexity())
-            << ", \"bits_per_token\": " << fmt("%.9g", r.bits_per_token());
-          if (byte_level) f << ", \"bits_per_byte\": " << fmt("%.9g", r.bits_per_byte());
-          f << ", \"accuracy\": " << fmt("%.9g", r.accuracy());
-          if (r.task) f << ", \"sequence_accuracy\": " << fmt("%.9g", r.sequences ? double(r.sequences_all_right) / r.sequences : 0);
-          f << ", \"dp\": " << world.size / a.sp << ", \"sp\": " << a.sp << ", \"seconds\": " << fmt("%.3f", r.seconds) << "}\n";
+          f << j.str() << "\n";
           if (!f) throw ConfigError("cannot write " + a.json);
           std::printf("wrote %s\n", a.json.c_str());
         }

@@ -448,6 +448,7 @@ std::map<std::string, std::string> metadata(const Args& a, const Job& j, int sp_
   scale << a.opt.scale_for(j.in.get(m.input_names()[0]).size(3));
   std::map<std::string, std::string> meta = {
       {"carry_version", version()},
+      {"carry_commit", git_commit()},
       {"family", m.name()},
       {"form", a.form},
       {"device", a.device},

@@ -378,6 +378,20 @@ void check_optimizer(const config::OptimizerConfig& o, Errors& e) {
     e.add("optimizer.warmup_steps", "must not exceed total_steps (", o.total_steps(), "), got ", o.warmup_steps());
   if (!finite_and(o.min_lr_ratio(), o.min_lr_ratio() >= 0 && o.min_lr_ratio() <= 1))
     e.add("optimizer.min_lr_ratio", "must lie in [0, 1], got ", o.min_lr_ratio());
+  if (!finite_and(o.decay_fraction(), o.decay_fraction() > 0 && o.decay_fraction() <= 1))
+    e.add("optimizer.decay_fraction", "must lie in (0, 1] (the share of total_steps the WSD decay takes), got ",
+          o.decay_fraction());
+  else if (o.schedule() == config::OptimizerConfig::WSD && std::isfinite(o.decay_fraction()) && o.total_steps() > 0 &&
+           o.warmup_steps() >= 0 && o.warmup_steps() <= o.total_steps()) {
+    const int64_t decay = std::llround(o.decay_fraction() * static_cast<double>(o.total_steps()));
+    if (decay < 1)
+      e.add("optimizer.decay_fraction", "leaves the WSD decay no step: round(", o.decay_fraction(), " x total_steps ",
+            o.total_steps(), ") = 0; give at least 1 / total_steps");
+    else if (o.warmup_steps() + decay > o.total_steps())
+      e.add("optimizer.decay_fraction", "makes a WSD decay of ", decay, " steps (round(", o.decay_fraction(),
+            " x total_steps ", o.total_steps(), ")), which overlaps the ", o.warmup_steps(),
+            " warmup steps: warmup_steps + decay steps must not exceed total_steps");
+  }
 }
 
 void check_checkpoint(const config::CheckpointConfig& k, Errors& e) {

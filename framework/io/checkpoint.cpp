@@ -1,11 +1,12 @@
 // Checkpoint directories (see checkpoint.h): written under a temporary name with every file and
 // directory fsynced, made visible by one rename, then `latest` replaced by temp+rename and the run's
 // own old steps pruned; read back only after the manifest's checksum, every tensor's dtype, shape and
-// FNV-1a 64 checksum agree. POSIX calls only (no std::filesystem: see tests/helpers/temp_dir.h).
+// checksum agree (XXH64; FNV-1a 64 in format_version 1 and 2 manifests). POSIX calls only (no std::filesystem: see tests/helpers/temp_dir.h).
 #include "framework/io/checkpoint.h"
 
 #include "framework/config/carry.pb.h"
 #include "framework/io/output_file.h"
+#include "framework/io/xxh64.h"
 #include "framework/io/safetensors.h"
 #include "framework/printable.h"
 #include "framework/version.h"
@@ -37,8 +38,8 @@
 namespace carry {
 namespace {
 
-constexpr int kFormatVersion = 2;      // written
-constexpr int kOldestFormatVersion = 1;  // read: no run_id, no manifest checksum
+constexpr int kFormatVersion = 3;      // written: XXH64 checksums
+constexpr int kOldestFormatVersion = 1;  // read: 2 (FNV-1a 64 checksums), 1 (no run_id, no manifest checksum)
 const char* const kModelFile = "model.safetensors";
 const char* const kOptimizerFile = "optimizer.safetensors";
 const char* const kManifestFile = "manifest.textproto";
@@ -244,7 +245,7 @@ Prepared prepare(const Named& named, const char* file, config::CheckpointManifes
     for (int64_t s : cpu.sizes()) e->add_shape(s);
     int64_t bytes = static_cast<int64_t>(cpu.nbytes());
     e->set_num_bytes(bytes);
-    e->set_fnv1a64(hex64(fnv1a64(cpu.data_ptr(), static_cast<size_t>(bytes))));
+    e->set_checksum(hex64(xxh64(cpu.data_ptr(), static_cast<size_t>(bytes))));
   }
   return out;
 }
@@ -273,9 +274,39 @@ void delete_step_dir(const std::string& dir, const std::string& name) {
     std::cerr << "carry: checkpoint: could not delete all of " << doomed << "\n";
 }
 
-// FNV-1a 64 of the manifest's deterministic binary serialization with manifest_fnv1a64 cleared.
-std::string manifest_checksum(config::CheckpointManifest manifest) {
-  manifest.clear_manifest_fnv1a64();
+// A checksum of the manifests: its name there, its name in messages, the hash.
+struct Checksum {
+  const char* name;
+  const char* title;
+  uint64_t (*hash)(const void*, size_t);
+};
+uint64_t xxh64_seed0(const void* data, size_t size) { return xxh64(data, size, 0); }
+const Checksum kXxh64{"xxh64", "XXH64", xxh64_seed0};
+const Checksum kFnv1a64{"fnv1a64", "FNV-1a 64", fnv1a64};
+
+// The algorithm of a manifest's checksums: format_version 3 names it, 1 and 2 use FNV-1a 64.
+const Checksum& checksum_of(const config::CheckpointManifest& manifest, const std::string& manifest_path) {
+  if (manifest.format_version() < 3) return kFnv1a64;
+  TORCH_CHECK(manifest.has_checksum_algorithm(), "checkpoint ", manifest_path,
+              ": bad manifest: checksum_algorithm is missing (format_version 3 names it)");
+  for (const Checksum* c : {&kXxh64, &kFnv1a64})
+    if (manifest.checksum_algorithm() == c->name) return *c;
+  TORCH_CHECK(false, "checkpoint ", manifest_path, ": checksum_algorithm '",
+              printable(manifest.checksum_algorithm().substr(0, 100), /*keep_newlines=*/false),
+              "' is not one this build reads (xxh64, fnv1a64)");
+}
+
+// A tensor entry's checksum as the manifest states it.
+const std::string& stated_checksum(const config::CheckpointManifest& manifest,
+                                   const config::CheckpointManifest::Tensor& e) {
+  return manifest.format_version() >= 3 ? e.checksum() : e.fnv1a64();
+}
+
+// `algo` of the manifest's deterministic binary serialization with its own checksum field cleared
+// (manifest_checksum in format_version 3, manifest_fnv1a64 before).
+std::string manifest_checksum(config::CheckpointManifest manifest, const Checksum& algo) {
+  if (manifest.format_version() >= 3) manifest.clear_manifest_checksum();
+  else manifest.clear_manifest_fnv1a64();
   std::string bytes;
   {
     google::protobuf::io::StringOutputStream raw(&bytes);
@@ -283,7 +314,7 @@ std::string manifest_checksum(config::CheckpointManifest manifest) {
     out.SetSerializationDeterministic(true);
     TORCH_INTERNAL_ASSERT(manifest.SerializeToCodedStream(&out), "checkpoint: cannot serialize a manifest");
   }
-  return hex64(fnv1a64(bytes.data(), bytes.size()));
+  return hex64(algo.hash(bytes.data(), bytes.size()));
 }
 
 // The base name of a path ("step_00000042" of "dir/step_00000042/").
@@ -322,11 +353,15 @@ config::CheckpointManifest read_manifest(const std::string& step_dir) {
               "checkpoint ", manifest_path, ": manifest format_version ", manifest.format_version(),
               ", this build reads ", kOldestFormatVersion, " to ", kFormatVersion);
   if (manifest.format_version() >= 2) {
-    TORCH_CHECK(manifest.has_manifest_fnv1a64(), "checkpoint ", manifest_path,
-                ": bad manifest: manifest_fnv1a64 (its checksum) is missing");
-    std::string sum = manifest_checksum(manifest);
-    TORCH_CHECK(sum == manifest.manifest_fnv1a64(), "checkpoint ", manifest_path, ": the manifest's checksum "
-                "(FNV-1a 64 of its fields) is ", sum, " but it says ", manifest.manifest_fnv1a64(),
+    const Checksum& algo = checksum_of(manifest, manifest_path);
+    const bool v3 = manifest.format_version() >= 3;
+    const char* field = v3 ? "manifest_checksum" : "manifest_fnv1a64";
+    TORCH_CHECK(v3 ? manifest.has_manifest_checksum() : manifest.has_manifest_fnv1a64(), "checkpoint ",
+                manifest_path, ": bad manifest: ", field, " (its checksum) is missing");
+    const std::string& stated = v3 ? manifest.manifest_checksum() : manifest.manifest_fnv1a64();
+    std::string sum = manifest_checksum(manifest, algo);
+    TORCH_CHECK(sum == stated, "checkpoint ", manifest_path, ": the manifest's checksum (", algo.title,
+                " of its fields) is ", sum, " but it says ", printable(stated.substr(0, 100), false),
                 " (the manifest was changed or is corrupt)");
   }
   const std::string base = base_name(step_dir);
@@ -404,10 +439,13 @@ void save_checkpoint(const std::string& dir, const CheckpointData& data, int kee
   manifest.set_rng_seed(data.rng_seed);
   manifest.set_config_text(data.config_text);
   manifest.set_run_id(data.run_id);
+  manifest.set_carry_version(version());
+  manifest.set_carry_commit(git_commit());
   for (const auto& [k, v] : data.extra) (*manifest.mutable_extra())[k] = v;
   Prepared model = prepare(data.model, kModelFile, manifest);
   Prepared optimizer = prepare(data.optimizer, kOptimizerFile, manifest);
-  manifest.set_manifest_fnv1a64(manifest_checksum(manifest));
+  manifest.set_checksum_algorithm(kXxh64.name);
+  manifest.set_manifest_checksum(manifest_checksum(manifest, kXxh64));
 
   remove_tree(tmp_dir);
   TORCH_CHECK(::mkdir(tmp_dir.c_str(), 0755) == 0, "save_checkpoint: cannot create ", tmp_dir, ": ",
@@ -418,7 +456,7 @@ void save_checkpoint(const std::string& dir, const CheckpointData& data, int kee
     // the config without the manifest).
     std::map<std::string, std::string> metadata = {
         {"format", "pt"},           {"carry_file", "checkpoint model"},
-        {"carry_version", version()}, {"step", std::to_string(data.step)},
+        {"carry_version", version()}, {"carry_commit", git_commit()}, {"step", std::to_string(data.step)},
         {"tokens_seen", std::to_string(data.tokens_seen)}, {"config", data.config_text}};
     save_safetensors(path_join(tmp_dir, kModelFile), model.tensors, metadata);
     maybe_die_for_test(++files);
@@ -477,6 +515,7 @@ void save_checkpoint(const std::string& dir, const CheckpointData& data, int kee
 CheckpointData load_checkpoint(const std::string& step_dir) {
   const config::CheckpointManifest manifest = read_manifest(step_dir);
   const std::string manifest_path = path_join(step_dir, kManifestFile);
+  const Checksum& algo = checksum_of(manifest, manifest_path);
 
   std::map<std::string, std::map<std::string, at::Tensor>> files;
   for (const char* file : {kModelFile, kOptimizerFile}) {
@@ -497,6 +536,8 @@ CheckpointData load_checkpoint(const std::string& step_dir) {
   out.config_text = manifest.config_text();
   out.run_id = manifest.run_id();
   out.format_version = manifest.format_version();
+  out.carry_version = manifest.carry_version();
+  out.carry_commit = manifest.carry_commit();
   for (const auto& [k, v] : manifest.extra()) out.extra[k] = v;
 
   std::map<std::string, size_t> listed;  // tensors per file in the manifest
@@ -519,9 +560,10 @@ CheckpointData load_checkpoint(const std::string& step_dir) {
                 shape_string(t.sizes()), " but the manifest says ", shape_string(shape));
     TORCH_CHECK(static_cast<int64_t>(t.nbytes()) == e.num_bytes(), "checkpoint ", where, ": ",
                 t.nbytes(), " bytes but the manifest says ", e.num_bytes());
-    std::string sum = hex64(fnv1a64(t.data_ptr(), t.nbytes()));
-    TORCH_CHECK(sum == e.fnv1a64(), "checkpoint ", where, ": checksum (FNV-1a 64) of its bytes is ",
-                sum, " but the manifest says ", e.fnv1a64(), " (the file is corrupt)");
+    std::string sum = hex64(algo.hash(t.data_ptr(), t.nbytes()));
+    const std::string& stated = stated_checksum(manifest, e);
+    TORCH_CHECK(sum == stated, "checkpoint ", where, ": checksum (", algo.title, ") of its bytes is ", sum,
+                " but the manifest says ", printable(stated.substr(0, 100), false), " (the file is corrupt)");
     ++listed[e.file()];
     (e.file() == kModelFile ? out.model : out.optimizer).emplace_back(e.name(), t);
   }
@@ -578,7 +620,7 @@ CheckpointSearch find_latest_checkpoint(const std::string& dir) {
                             " is newer and valid (a write that ended before `latest` was updated); using " + path);
       else if (skipped)
         out.notes.push_back("checkpoint: using " + path + " instead");
-      if (data.format_version < kFormatVersion)
+      if (data.format_version < 2)
         out.notes.push_back("checkpoint " + path + ": written in format_version " + std::to_string(data.format_version) +
                             " (no manifest checksum; the tensors' checksums were checked)");
       out.loaded = std::move(data);

@@ -1,9 +1,11 @@
 // Training checkpoints: one directory per step, dir/step_<8-digit step>/ holding model.safetensors,
 // optimizer.safetensors and manifest.textproto (a CheckpointManifest: step, tokens_seen, data_cursor,
 // rng_seed, the resolved config, the run id, every tensor's file, name, dtype, shape, byte count and
-// FNV-1a 64 checksum of its bytes, free-form string entries, and a checksum of the manifest itself).
+// checksum of its bytes, free-form string entries, and a checksum of the manifest itself). The
+// checksums are XXH64 (framework/io/xxh64.h, format_version 3, named in checksum_algorithm); the
+// FNV-1a 64 checksums of format_version 1 and 2 checkpoints are still verified.
 // model.safetensors also carries, in its safetensors metadata, format = "pt", carry_file =
-// "checkpoint model", carry_version, step, tokens_seen and config (the resolved run config as
+// "checkpoint model", carry_version, carry_commit, step, tokens_seen and config (the resolved run config as
 // textproto). The design decision: a checkpoint becomes visible only by one rename. It is written under
 // dir/.tmp_step_<step>_<pid>/, every file and the directory fsynced, then renamed to step_<step>;
 // then dir/latest (the step directory's name) is replaced by temp+rename. A crash at any moment
@@ -37,7 +39,10 @@ struct CheckpointData {
   std::vector<std::pair<std::string, at::Tensor>> optimizer;  // named optimizer state (e.g. "exp_avg.<param>")
   std::map<std::string, std::string> extra;                  // anything else (metrics), string values
   std::string run_id;          // the run that wrote it (see new_run_id); "" in format_version 1
-  int format_version = 0;      // set by the loaders: 2 now, 1 for checkpoints without manifest checksums
+  int format_version = 0;      // set by the loaders: 3 now, 2 (FNV-1a 64), 1 (no manifest checksum)
+  // Set by the loaders: the version and git commit of the carry that wrote it (save_checkpoint writes
+  // this build's, framework/version.h); "" in checkpoints written before the manifest held them.
+  std::string carry_version, carry_commit;
 };
 
 // A fresh run id: 16 hex digits from the clock, the pid and std::random_device.
@@ -88,7 +93,7 @@ std::string checkpoint_dir_name(int64_t step);
 // The steps of the step_* directories in dir (complete or not; not validated), ascending.
 std::vector<int64_t> list_checkpoint_steps(const std::string& dir);
 
-// FNV-1a 64 of a byte range (the manifest's per-tensor checksum).
+// FNV-1a 64 of a byte range (the checksum of format_version 1 and 2 manifests).
 uint64_t fnv1a64(const void* data, size_t size);
 
 // An exclusive lock on a checkpoint directory for one run: flock() on dir/.lock (the directory is

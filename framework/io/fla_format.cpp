@@ -5,6 +5,7 @@
 #include "framework/io/fla_format.h"
 #include "framework/printable.h"
 
+#include "framework/io/json.h"
 #include "framework/io/safetensors.h"
 #include "framework/model/model.h"
 #include "framework/version.h"
@@ -104,23 +105,6 @@ void write_text(const std::string& path, const std::string& text) {
   }
   if (std::rename(tmp.c_str(), path.c_str()) != 0)
     throw ConfigError("cannot rename " + tmp + " to " + path + ": " + std::strerror(errno));
-}
-
-// The shortest decimal that reads back as x (JSON has no inf/nan; configs are validated finite).
-std::string json_number(double x) {
-  char buf[40];
-  for (int digits = 1; digits <= 17; ++digits) {
-    std::snprintf(buf, sizeof buf, "%.*g", digits, x);
-    if (std::strtod(buf, nullptr) == x) break;
-  }
-  return buf;
-}
-
-// A float that stays a float in Python (2.0, not 2).
-std::string json_float(double x) {
-  std::string s = json_number(x);
-  if (s.find_first_of(".eE") == std::string::npos) s += ".0";
-  return s;
 }
 
 // ---- the checks of one model config ----
@@ -227,65 +211,62 @@ std::string fla_config_json(const ModelConfig& model) {
   const auto lm = layer_mixer(model, 0);
   const int64_t d = model.d_model(), H = model.n_heads(), dk = head_dim_k(model), dv = head_dim_v(model);
   const int64_t K = lm.options.conv_size();
-  std::vector<std::pair<std::string, std::string>> kv;  // key, JSON value
-  auto add = [&](const std::string& k, const std::string& v) { kv.emplace_back(k, v); };
-  auto str = [](const std::string& s) { return "\"" + s + "\""; };
-  auto boolean = [](bool b) { return std::string(b ? "true" : "false"); };
-  add("architectures", "[" + str(fk.architecture) + "]");
-  add("model_type", str(fk.model_type));
-  add("hidden_size", std::to_string(d));
-  add("num_hidden_layers", std::to_string(model.n_layers()));
-  add("num_heads", std::to_string(H));
+  // As Hugging Face writes config.json: two spaces a level; ratios and epsilons as floats (2.0, not 2).
+  JsonWriter j(2);
+  j.begin_object();
+  j.key("architectures").begin_array().value(fk.architecture).end_array();
+  j.member("model_type", fk.model_type);
+  j.member("hidden_size", d);
+  j.member("num_hidden_layers", model.n_layers());
+  j.member("num_heads", H);
   if (kind == "gated_deltanet") {
-    add("head_dim", std::to_string(dk));
-    add("expand_v", json_float(static_cast<double>(dv) / static_cast<double>(dk)));
-    add("num_v_heads", "null");
-    add("use_gate", "true");
-    add("output_gate_activation", str("swish"));
-    add("allow_neg_eigval", "false");
+    j.member("head_dim", dk);
+    j.key("expand_v").float_value(static_cast<double>(dv) / static_cast<double>(dk));
+    j.key("num_v_heads").null();
+    j.member("use_gate", true);
+    j.member("output_gate_activation", "swish");
+    j.member("allow_neg_eigval", false);
   } else {
-    add("expand_k", json_float(static_cast<double>(H * dk) / static_cast<double>(d)));
-    add("expand_v", json_float(static_cast<double>(H * dv) / static_cast<double>(d)));
+    j.key("expand_k").float_value(static_cast<double>(H * dk) / static_cast<double>(d));
+    j.key("expand_v").float_value(static_cast<double>(H * dv) / static_cast<double>(d));
   }
   if (kind == "deltanet") {
-    add("use_gate", "true");
-    add("use_beta", "true");
-    add("use_output_norm", "true");
-    add("qk_norm", str("l2"));
-    add("qk_activation", str("silu"));
-    add("allow_neg_eigval", "false");
+    j.member("use_gate", true);
+    j.member("use_beta", true);
+    j.member("use_output_norm", true);
+    j.member("qk_norm", "l2");
+    j.member("qk_activation", "silu");
+    j.member("allow_neg_eigval", false);
   }
   if (kind == "gla") {
-    add("num_kv_heads", "null");
-    add("feature_map", "null");
-    add("use_output_gate", "true");
-    add("clamp_min", "null");
-    add("elementwise_affine", "true");
-    add("use_gk", "true");
-    add("use_gv", "false");
+    j.key("num_kv_heads").null();
+    j.key("feature_map").null();
+    j.member("use_output_gate", true);
+    j.key("clamp_min").null();
+    j.member("elementwise_affine", true);
+    j.member("use_gk", true);
+    j.member("use_gv", false);
   }
-  add("use_short_conv", boolean(K > 0));
-  add("conv_size", std::to_string(K > 0 ? K : 4));
-  add("attn_mode", str("chunk"));
-  add("attn", "null");
-  add("intermediate_size", std::to_string(mlp_hidden_size(model)));
-  add("hidden_act", str("swish"));
-  add("norm_eps", json_float(model.norm_eps()));
-  add("vocab_size", std::to_string(model.vocab_size()));
-  add("tie_word_embeddings", boolean(model.tie_embeddings()));
-  add("initializer_range", json_float(model.init_std()));
-  add("fuse_norm", "true");
-  add("fuse_swiglu", "true");
-  add("fuse_cross_entropy", "true");
-  add("bos_token_id", "null");
-  add("eos_token_id", "null");
-  add("pad_token_id", "null");
-  add("use_cache", "true");
-  add("torch_dtype", str("float32"));
-  std::string out = "{\n";
-  for (size_t i = 0; i < kv.size(); ++i)
-    out += "  \"" + kv[i].first + "\": " + kv[i].second + (i + 1 < kv.size() ? ",\n" : "\n");
-  return out + "}\n";
+  j.member("use_short_conv", K > 0);
+  j.member("conv_size", K > 0 ? K : 4);
+  j.member("attn_mode", "chunk");
+  j.key("attn").null();
+  j.member("intermediate_size", mlp_hidden_size(model));
+  j.member("hidden_act", "swish");
+  j.key("norm_eps").float_value(model.norm_eps());
+  j.member("vocab_size", model.vocab_size());
+  j.member("tie_word_embeddings", model.tie_embeddings());
+  j.key("initializer_range").float_value(model.init_std());
+  j.member("fuse_norm", true);
+  j.member("fuse_swiglu", true);
+  j.member("fuse_cross_entropy", true);
+  j.key("bos_token_id").null();
+  j.key("eos_token_id").null();
+  j.key("pad_token_id").null();
+  j.member("use_cache", true);
+  j.member("torch_dtype", "float32");
+  j.end_object();
+  return j.str() + "\n";
 }
 
 namespace {
@@ -372,6 +353,7 @@ void export_fla_folder(const std::string& dir, const ModelConfig& model, const N
   std::map<std::string, std::string> metadata = opt.metadata;
   metadata["format"] = "pt";
   metadata["carry_version"] = version();
+  metadata["carry_commit"] = git_commit();
   metadata["carry_model_config"] = config_to_text(model);
   make_dirs(dir);
   write_text(join_path(dir, "config.json"), config);

@@ -5,6 +5,7 @@
 // refused as absurd (the header itself is limited to 100 MB).
 #include "framework/io/safetensors.h"
 
+#include "framework/io/json.h"
 #include "framework/io/output_file.h"
 #include "framework/printable.h"
 
@@ -244,33 +245,6 @@ struct FileCloser {
 };
 using File = std::unique_ptr<FILE, FileCloser>;
 
-void write_json_string(std::string& out, const std::string& s) {
-  // As serde_json writes strings: escape '"', '\\' and control characters; UTF-8 passes through.
-  static const char* hex = "0123456789abcdef";
-  out += '"';
-  for (char ch : s) {
-    auto c = static_cast<unsigned char>(ch);
-    switch (c) {
-      case '"': out += "\\\""; break;
-      case '\\': out += "\\\\"; break;
-      case '\b': out += "\\b"; break;
-      case '\f': out += "\\f"; break;
-      case '\n': out += "\\n"; break;
-      case '\r': out += "\\r"; break;
-      case '\t': out += "\\t"; break;
-      default:
-        if (c < 0x20) {
-          out += "\\u00";
-          out += hex[c >> 4];
-          out += hex[c & 0xF];
-        } else {
-          out += ch;
-        }
-    }
-  }
-  out += '"';
-}
-
 // The reader; load_safetensors makes its messages printable.
 std::map<std::string, at::Tensor> read_safetensors(const std::string& path,
                                                    std::map<std::string, std::string>* metadata) {
@@ -409,40 +383,33 @@ void save_safetensors(const std::string& path, const std::map<std::string, at::T
   for (const auto& [key, value] : metadata)
     TORCH_CHECK(invalid_utf8_at(key) == std::string::npos &&
                     invalid_utf8_at(value) == std::string::npos,
-                path, ": metadata entry '", key, "' is not valid UTF-8");
+                path, ": metadata entry '", printable(key), "' is not valid UTF-8");
+  for (const auto& it : items)
+    TORCH_CHECK(invalid_utf8_at(it.name) == std::string::npos, path, ": tensor name '", printable(it.name),
+                "' is not valid UTF-8");
   // The reference writer's order: descending dtype (largest alignment first), then name.
   std::stable_sort(items.begin(), items.end(), [](const Item& a, const Item& b) {
     return a.dtype->order != b.dtype->order ? a.dtype->order > b.dtype->order : a.name < b.name;
   });
 
-  std::string header = "{";
+  // As the reference writer (serde_json) writes it: one line, no spaces.
+  JsonWriter json;
+  json.begin_object();
   if (!metadata.empty()) {
-    header += "\"__metadata__\":{";
-    bool first = true;
-    for (const auto& [key, value] : metadata) {
-      if (!first) header += ',';
-      first = false;
-      write_json_string(header, key);
-      header += ':';
-      write_json_string(header, value);
-    }
-    header += '}';
-    if (!items.empty()) header += ',';
+    json.key("__metadata__").begin_object();
+    for (const auto& [key, value] : metadata) json.member(key, value);
+    json.end_object();
   }
   uint64_t offset = 0;
-  for (size_t i = 0; i < items.size(); ++i) {
-    const auto& it = items[i];
-    if (i) header += ',';
-    write_json_string(header, it.name);
-    header += ":{\"dtype\":\"" + std::string(it.dtype->name) + "\",\"shape\":[";
-    for (int64_t k = 0; k < it.data.dim(); ++k)
-      header += (k ? "," : "") + std::to_string(it.data.size(k));
-    uint64_t bytes = it.data.numel() * it.dtype->size;
-    header += "],\"data_offsets\":[" + std::to_string(offset) + "," +
-              std::to_string(offset + bytes) + "]}";
+  for (const auto& it : items) {
+    const uint64_t bytes = it.data.numel() * it.dtype->size;
+    json.key(it.name).begin_object().member("dtype", it.dtype->name).key("shape").begin_array();
+    for (int64_t k = 0; k < it.data.dim(); ++k) json.value(it.data.size(k));
+    json.end_array().key("data_offsets").begin_array().value(offset).value(offset + bytes).end_array().end_object();
     offset += bytes;
   }
-  header += '}';
+  json.end_object();
+  std::string header = json.str();
   header.append((8 - header.size() % 8) % 8, ' ');
 
   std::string tmp = path + ".tmp." + std::to_string(::getpid());

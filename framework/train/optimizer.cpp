@@ -1,4 +1,4 @@
-// AdamW, the warmup + cosine schedule and gradient clipping (see optimizer.h).
+// AdamW, the learning-rate schedules and gradient clipping (see optimizer.h).
 #include "framework/train/optimizer.h"
 
 #include <ATen/ATen.h>
@@ -11,14 +11,36 @@
 
 namespace carry {
 
+int64_t wsd_decay_steps(const config::OptimizerConfig& opt) {
+  return std::llround(opt.decay_fraction() * static_cast<double>(opt.total_steps()));
+}
+
 double learning_rate(const config::OptimizerConfig& opt, int64_t step) {
+  using config::OptimizerConfig;
   const double lr = opt.lr();
   const int64_t warmup = opt.warmup_steps(), total = opt.total_steps();
   if (warmup > 0 && step < warmup) return lr * static_cast<double>(step + 1) / static_cast<double>(warmup);
-  const int64_t span = total - warmup;
-  double progress = span > 0 ? static_cast<double>(step - warmup) / static_cast<double>(span) : 1.0;
-  progress = std::min(1.0, std::max(0.0, progress));
   const double ratio = opt.min_lr_ratio();
+  // The decay's start and length, and its shape.
+  int64_t start = warmup;
+  config::LrDecay::Shape shape = config::LrDecay::COSINE;
+  switch (opt.schedule()) {
+    case OptimizerConfig::CONSTANT: return lr;
+    case OptimizerConfig::COSINE: break;
+    case OptimizerConfig::LINEAR: shape = config::LrDecay::LINEAR; break;
+    case OptimizerConfig::WSD:
+      start = std::max(warmup, total - wsd_decay_steps(opt));
+      shape = opt.decay_shape();
+      break;
+  }
+  const int64_t span = total - start;
+  double progress = span > 0 ? static_cast<double>(step - start) / static_cast<double>(span) : 1.0;
+  progress = std::min(1.0, std::max(0.0, progress));
+  switch (shape) {
+    case config::LrDecay::LINEAR: return lr * (ratio + (1.0 - ratio) * (1.0 - progress));
+    case config::LrDecay::ONE_MINUS_SQRT: return lr * (ratio + (1.0 - ratio) * (1.0 - std::sqrt(progress)));
+    case config::LrDecay::COSINE: break;
+  }
   return lr * (ratio + (1.0 - ratio) * 0.5 * (1.0 + std::cos(M_PI * progress)));
 }
 

@@ -1,6 +1,6 @@
-// AdamW (Loshchilov & Hutter) with decoupled weight decay, a linear warmup then cosine learning-rate
-// schedule, and global gradient-norm clipping. For every parameter p with gradient g at step t
-// (1-based), learning rate η and weight decay λ:
+// AdamW (Loshchilov & Hutter) with decoupled weight decay, a linear warmup then a learning-rate schedule
+// (cosine, linear, constant or warmup-stable-decay), and global gradient-norm clipping. For every
+// parameter p with gradient g at step t (1-based), learning rate η and weight decay λ:
 //   p ← p·(1 − η·λ)                       (only parameters with 2+ dims: matrices, embeddings,
 //                                          convolutions; norms, biases and per-head scalars are not
 //                                          decayed)
@@ -32,9 +32,18 @@
 
 namespace carry {
 
-// The learning rate of step `step` (0-based: the step about to be taken): lr·(step+1)/warmup_steps
-// during the warmup, then a cosine from lr down to min_lr_ratio·lr at total_steps, constant after.
+// The learning rate of step `step` (0-based: the step about to be taken), a function of the step and
+// the config only (a resumed run continues the same rates). During the warmup lr·(step+1)/warmup_steps;
+// then, by optimizer.schedule, with r = min_lr_ratio and p the progress through the decay (0 at its
+// first step, 1 at total_steps and after):
+//   COSINE    lr·(r + (1−r)·(1 + cos πp)/2), p = (step − warmup_steps)/(total_steps − warmup_steps)
+//   LINEAR    lr·(r + (1−r)·(1 − p)), the same p
+//   CONSTANT  lr
+//   WSD       lr until the last D = round(decay_fraction·total_steps) steps, then lr·(r + (1−r)·f(p))
+//             with p = (step − (total_steps − D))/D and f of decay_shape: 1 − p, (1 + cos πp)/2 or 1 − √p.
 double learning_rate(const config::OptimizerConfig& opt, int64_t step);
+// WSD's decay steps D (above).
+int64_t wsd_decay_steps(const config::OptimizerConfig& opt);
 
 // Scales every defined gradient so that the global L2 norm (over all of them, accumulated in fp64)
 // is at most max_norm (max_norm <= 0: no clipping). Returns the norm before clipping.

@@ -2,6 +2,7 @@
 // TensorBoard mirror.
 #include "framework/train/run_log.h"
 
+#include "framework/io/json.h"
 #include "framework/io/output_file.h"
 
 #include <dirent.h>
@@ -15,7 +16,6 @@
 #include <cstdlib>
 #include <cstring>
 #include <fstream>
-#include <sstream>
 #include <stdexcept>
 
 namespace carry {
@@ -30,35 +30,6 @@ void make_parent_dirs(const std::string& path) {
 std::string directory_of(const std::string& path) {
   auto slash = path.rfind('/');
   return slash == std::string::npos ? "." : (slash == 0 ? "/" : path.substr(0, slash));
-}
-
-// The shortest of %.9g .. %.17g that reads back as the same double: two runs' losses compare bit for
-// bit from their metrics files.
-std::string json_number(double x) {
-  if (!std::isfinite(x)) return "null";
-  char buf[64];
-  for (int digits = 9; digits <= 17; ++digits) {
-    std::snprintf(buf, sizeof buf, "%.*g", digits, x);
-    if (std::strtod(buf, nullptr) == x) break;
-  }
-  return buf;
-}
-
-// Unix time to the millisecond (%.9g would keep only tens of seconds).
-std::string json_time(double t) {
-  if (!std::isfinite(t)) return "null";
-  char buf[64];
-  std::snprintf(buf, sizeof buf, "%.3f", t);
-  return buf;
-}
-
-std::string json_string(const std::string& s) {
-  std::string out = "\"";
-  for (char c : s) {
-    if (c == '"' || c == '\\') out += '\\';
-    out += c;
-  }
-  return out + "\"";
 }
 
 const RunLogField* find(const RunLogRecord& r, const std::string& key) {
@@ -82,18 +53,7 @@ bool parse_run_log_line(const std::string& line, RunLogRecord* out) {
   auto skip = [&] {
     while (i < line.size() && (line[i] == ' ' || line[i] == '\t' || line[i] == '\r')) ++i;
   };
-  auto string_at = [&](std::string* s) {
-    if (i >= line.size() || line[i] != '"') return false;
-    ++i;
-    s->clear();
-    while (i < line.size() && line[i] != '"') {
-      if (line[i] == '\\' && i + 1 < line.size()) ++i;
-      *s += line[i++];
-    }
-    if (i >= line.size()) return false;
-    ++i;
-    return true;
-  };
+  auto string_at = [&](std::string* s) { return json_parse_string(line, &i, s); };
   skip();
   if (i >= line.size() || line[i] != '{') return false;
   ++i;
@@ -207,28 +167,29 @@ RunLog::Start RunLog::start(int64_t step, bool resumed, double wall_time) {
     }
   }
   // 3. The marker.
-  std::ostringstream m;
-  m << "{\"event\":" << json_string(resumed ? "resume" : "start") << ",\"step\":" << step
-    << ",\"time\":" << json_time(wall_time);
-  if (result.dropped > 0) m << ",\"dropped_records\":" << result.dropped;
-  m << "}";
+  JsonWriter m;
+  m.begin_object().member("event", resumed ? "resume" : "start").member("step", step);
+  m.key("time").fixed_value(wall_time, 3);  // unix time to the millisecond
+  if (result.dropped > 0) m.member("dropped_records", result.dropped);
+  m.end_object();
   append_line(m.str());
   return result;
 }
 
 void RunLog::record(int64_t step, double wall_time, const std::vector<std::pair<std::string, double>>& fields) {
   if (!active_) return;
-  std::ostringstream js;
-  js << "{\"step\":" << step << ",\"time\":" << json_time(wall_time);
+  JsonWriter js;
+  js.begin_object().member("step", step);
+  js.key("time").fixed_value(wall_time, 3);
   RunLogRecord r;
   for (auto& [key, value] : fields) {
-    js << "," << json_string(key) << ":" << json_number(value);
+    js.member(key, value);  // the shortest decimal that reads back as the value; null when not finite
     RunLogField f;
     f.key = key;
     f.number = value;
     r.push_back(f);
   }
-  js << "}";
+  js.end_object();
   append_line(js.str());
   to_tensorboard(step, wall_time, r);
 }

@@ -3,7 +3,8 @@
 //
 // JSONL: one object a line. A step record {"step":S,"time":unix seconds,"elapsed_s":...,"loss":...};
 // an eval record {"step":S,"time":...,"eval_loss":...}; a marker {"event":"start"|"resume","step":S,
-// "time":...} at the start of every invocation. Non-finite numbers are written as null.
+// "time":...} at the start of every invocation. Written by framework/io/json.h: numbers read back as
+// the same doubles, non-finite ones are written as null, strings are escaped as RFC 8259 says.
 //
 // A resumed run continues from its newest checkpoint, which may be older than the last records
 // written (the previous invocation went on after it and then died): start(S) first drops every record
@@ -32,8 +33,8 @@ struct RunLogField {
 };
 using RunLogRecord = std::vector<RunLogField>;
 
-// Parses one line written by RunLog (a flat JSON object of numbers, null and strings). Returns false
-// on anything else.
+// Parses one line written by RunLog (a flat JSON object of numbers, null and strings, their escapes
+// decoded). Returns false on anything else.
 bool parse_run_log_line(const std::string& line, RunLogRecord* out);
 
 class RunLog {

@@ -13,7 +13,7 @@
 //             state gradients between the sp ranks), so the gradients summed over all ranks are
 //             those of the global loss;
 //   update    all-reduce (sum) of the flattened gradients over the world, clip to grad_clip, AdamW
-//             with the warmup + cosine learning rate.
+//             with the learning rate of optimizer.schedule (a function of the step).
 // Checkpoints (framework/io/checkpoint.h): rank 0 writes model + optimizer every checkpoint.every_steps
 // and at the end; a run starts from the newest valid checkpoint of checkpoint.dir as
 // checkpoint.resume says (AUTO, REQUIRED, NEVER) and continues bit-identically (the batches depend

@@ -21,8 +21,9 @@ SCANNED_DIRS = TOP
 SCANNED_FILES = ('README.md', 'CMakeLists.txt')
 EXEMPT_DIRS = ('docs/benchmarks/log',)
 TEXT_EXT = ('.h', '.cpp', '.cu', '.cuh', '.py', '.sh', '.md', '.txt', '.proto', '.textproto', '.in', '.inc', '')
-# Files the build makes (protoc, configure_file), named by the sources that include them.
-GENERATED = re.compile(r'\.pb\.(h|cc)$|^tests' r'/paths\.h$')
+# Files the build makes (protoc, configure_file, framework/version_commit.cmake), named by the sources
+# that include them.
+GENERATED = re.compile(r'\.pb\.(h|cc)$|^tests' r'/paths\.h$|^framework' r'/version_commit\.h$')
 PATH_RE = re.compile(r'(?<![\w./-])(?:' + '|'.join(re.escape(t) for t in TOP) + r')/[\w.*{},/-]*[\w*}/]')
 # Built from pieces so that this file does not match itself.
 HISTORY_RE = re.compile(r'\b[Ss]ess' r'ion [0-9]|\bcall [0-9]|\.kd' r'ev\b|\.\./sh' r'ared|nvidia-h' r'[0-9]+-x[0-9]')

@@ -2,8 +2,8 @@
 // `carry export` (the folder, the refusal of a model that does not map, usage errors), `carry import`
 // (the printed model config loads as a preset), `carry generate` (byte-level text and ids; the same
 // seed writes the same tokens and logits) and `carry eval` (the summary JSON against the evaluator,
-// the curve table, the plot, the first batch's logits against a forward). Exit codes: 0, 1 for what
-// the files say, 2 for the command line.
+// valid JSON for a model path with a quote, a backslash and a tab; the curve table, the plot, the first
+// batch's logits against a forward). Exit codes: 0, 1 for what the files say, 2 for the command line.
 #include "framework/cli/eval_command.h"
 #include "framework/cli/export_command.h"
 #include "framework/cli/generate_command.h"
@@ -15,6 +15,8 @@
 #include "tests/helpers/one_thread.h"
 #include "tests/helpers/temp_dir.h"
 
+#include <google/protobuf/struct.pb.h>
+#include <google/protobuf/util/json_util.h>
 #include <gtest/gtest.h>
 
 #include <ATen/core/grad_mode.h>
@@ -182,7 +184,8 @@ TEST(ModelCommands, GenerateIsReproducible) {
 TEST(ModelCommands, EvalWritesTheSummaryCurvePlotAndLogits) {
   testing::OneThread one_thread;
   auto dir = testing::make_temp_dir("carry_cmd_eval");
-  std::string ck = checkpoint(dir + "/ck", kRun);
+  // A path with a quote, a backslash and a tab: the summary JSON stays valid and names it exactly.
+  std::string ck = checkpoint(dir + "/ck \"q\" \\\t", kRun);
   std::vector<uint32_t> tokens;
   for (int i = 0; i < 16 * 3 + 1; ++i) tokens.push_back(static_cast<uint32_t>((i * 37) % 257));
   write_token_file(dir + "/d.tok", tokens);
@@ -199,11 +202,15 @@ TEST(ModelCommands, EvalWritesTheSummaryCurvePlotAndLogits) {
   spec.seq_len = 16;
   spec.batch_size = 2;
   EvalResult r = evaluate_model(model, spec, nullptr);
-  char expected[64];
-  std::snprintf(expected, sizeof expected, "\"loss\": %.9g", r.loss());
   std::string json = read(dir + "/e.json");
-  EXPECT_NE(json.find(expected), std::string::npos) << json;
-  EXPECT_NE(json.find("\"sequences\": 3"), std::string::npos) << json;
+  google::protobuf::Value summary;
+  ASSERT_TRUE(google::protobuf::util::JsonStringToMessage(json, &summary).ok()) << json;
+  const auto& fields = summary.struct_value().fields();
+  EXPECT_EQ(fields.at("model").string_value(), source.path) << json;
+  EXPECT_EQ(fields.at("step").number_value(), 12) << json;
+  EXPECT_EQ(fields.at("loss").number_value(), r.loss()) << json;  // the same double
+  EXPECT_EQ(fields.at("sequences").number_value(), 3) << json;
+  EXPECT_EQ(fields.at("bits_per_byte").number_value(), r.bits_per_byte()) << json;
   EXPECT_NE(read(dir + "/c.tsv").find("first_position"), std::string::npos);
   EXPECT_NE(read(dir + "/c.svg").find("<svg"), std::string::npos);
   auto dumped = load_safetensors(dir + "/l.safetensors");

@@ -200,6 +200,42 @@ TEST_F(ConfigTest, ValidationErrorsNameFieldPathAndLocation) {
   EXPECT_EQ(msg, path + ": data.mqar.vocab_size: 8192 exceeds model.vocab_size (256)");
 }
 
+// The learning-rate schedule: an unset one is the cosine; WSD's fields are checked against the run's
+// length, with the field's location.
+TEST_F(ConfigTest, LearningRateScheduleFieldsAreChecked) {
+  const std::string path = dir_ + "/run.textproto";
+  auto cfg = load_run_config(write("run.textproto", kValid));
+  EXPECT_EQ(cfg.optimizer().schedule(), config::OptimizerConfig::COSINE);
+  EXPECT_EQ(cfg.optimizer().decay_fraction(), 0.2);
+  EXPECT_EQ(cfg.optimizer().decay_shape(), config::LrDecay::ONE_MINUS_SQRT);
+  cfg = load_run_config(write("run.textproto", std::string(kValid) +
+                                                   "optimizer { schedule: WSD decay_fraction: 0.1 decay_shape: COSINE }\n"));
+  EXPECT_EQ(cfg.optimizer().schedule(), config::OptimizerConfig::WSD);
+  EXPECT_EQ(cfg.optimizer().decay_shape(), config::LrDecay::COSINE);
+  cfg = load_run_config(write("run.textproto", kValid), {"optimizer.schedule=linear", "optimizer.decay_shape=linear"});
+  EXPECT_EQ(cfg.optimizer().schedule(), config::OptimizerConfig::LINEAR);
+  EXPECT_EQ(cfg.optimizer().decay_shape(), config::LrDecay::LINEAR);
+
+  auto msg = load_error(std::string(kValid) + "optimizer { schedule: STEP }\n");
+  EXPECT_EQ(msg.rfind(path + ":15:23: ", 0), 0u) << msg;
+  EXPECT_NE(msg.find("(valid values: CONSTANT, COSINE, LINEAR, WSD)"), std::string::npos) << msg;
+  msg = load_error(std::string(kValid) + "optimizer { decay_shape: SQRT }\n");
+  EXPECT_NE(msg.find("(valid values: COSINE, LINEAR, ONE_MINUS_SQRT)"), std::string::npos) << msg;
+  msg = load_error(std::string(kValid) + "optimizer { schedule: WSD decay_fraction: 1.5 }\n");
+  EXPECT_EQ(msg, path + ":15:27: optimizer.decay_fraction: must lie in (0, 1] (the share of total_steps the WSD "
+                        "decay takes), got 1.5");
+  msg = load_error(std::string(kValid) + "optimizer { schedule: LINEAR decay_fraction: 0 }\n");
+  EXPECT_NE(msg.find("optimizer.decay_fraction: must lie in (0, 1]"), std::string::npos) << msg;
+  msg = load_error(std::string(kValid) + "optimizer { schedule: WSD total_steps: 100 warmup_steps: 90 }\n");
+  EXPECT_EQ(msg, path + ": optimizer.decay_fraction: makes a WSD decay of 20 steps (round(0.2 x total_steps 100)), "
+                        "which overlaps the 90 warmup steps: warmup_steps + decay steps must not exceed total_steps");
+  msg = load_error(std::string(kValid) + "optimizer { schedule: WSD total_steps: 4 decay_fraction: 0.1 }\n");
+  EXPECT_EQ(msg, path + ":15:42: optimizer.decay_fraction: leaves the WSD decay no step: round(0.1 x total_steps 4) "
+                        "= 0; give at least 1 / total_steps");
+  // The same fractions are fine for schedules without a WSD decay stage.
+  load_run_config(write("run.textproto", std::string(kValid) + "optimizer { total_steps: 100 warmup_steps: 90 }\n"));
+}
+
 TEST_F(ConfigTest, BadValuesOfManyKinds) {
   RunConfig c;
   ASSERT_TRUE(google::protobuf::TextFormat::ParseFromString(kValid, &c));

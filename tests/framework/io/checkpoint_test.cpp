@@ -1,16 +1,21 @@
 // Checkpoints: a round trip gives every tensor back bitwise (several dtypes, NaN and -0.0, a
-// non-contiguous input, the saved order) and every field equal; keep_last prunes the oldest of the
-// writer's own run only; the newest valid step of `latest`'s run wins over a stale `latest`, another
-// run's checkpoints are not resumed; corrupt or partial checkpoints (a flipped tensor byte, a changed
-// manifest field, a truncated file, a missing manifest, a missing file, an interrupted write's
-// temporary directory) are reported with their path and skipped in favour of the previous good one;
-// format_version 1 still loads; a process SIGKILLed in the middle of writing a 200 MB checkpoint
-// leaves the previous one loadable bitwise; the directory lock refuses a second holder; a symbolic link
-// in place of a file carry writes is refused and its target left alone; a FIFO in place of a file
-// carry reads is skipped at once; an oversized `latest` or manifest is refused by its size, unread.
+// non-contiguous input, the saved order) and every field equal, the writer's version and commit
+// recorded; keep_last prunes the oldest of the writer's own run only; the newest valid step of
+// `latest`'s run wins over a stale `latest`, another run's checkpoints are not resumed; corrupt or
+// partial checkpoints (a flipped tensor byte, a changed manifest field, a truncated file, a missing
+// manifest, a missing file, an interrupted write's temporary directory) are reported with their path
+// and skipped in favour of the previous good one; format_version 1 and 2 (FNV-1a 64 checksums) still
+// load and are still checked, an unknown checksum algorithm is refused; a process SIGKILLed in the
+// middle of writing a 200 MB checkpoint leaves the previous one loadable bitwise; the directory lock
+// refuses a second holder; a symbolic link in place of a file carry writes is refused and its target
+// left alone; a FIFO in place of a file carry reads is skipped at once; an oversized `latest` or
+// manifest is refused by its size, unread.
 #include "framework/io/checkpoint.h"
 
 #include "framework/config/carry.pb.h"
+#include "framework/io/safetensors.h"
+#include "framework/io/xxh64.h"
+#include "framework/version.h"
 #include "tests/helpers/temp_dir.h"
 
 #include <google/protobuf/io/coded_stream.h>
@@ -148,8 +153,33 @@ TEST_F(CheckpointTest, RoundTripIsBitwise) {
   // The manifest is readable text with the fields and checksums.
   std::string manifest = read_text(step_path(42) + "/manifest.textproto");
   EXPECT_CONTAINS(manifest, "step: 42");
-  EXPECT_CONTAINS(manifest, "fnv1a64: ");
+  EXPECT_CONTAINS(manifest, "format_version: 3");
+  EXPECT_CONTAINS(manifest, "checksum_algorithm: \"xxh64\"");
+  EXPECT_CONTAINS(manifest, "manifest_checksum: ");
   EXPECT_CONTAINS(manifest, "tok_embed.weight");
+  EXPECT_EQ(manifest.find("fnv1a64"), std::string::npos) << manifest;
+  // Each tensor's checksum is XXH64 of its bytes as the file holds them.
+  config::CheckpointManifest m;
+  ASSERT_TRUE(google::protobuf::TextFormat::ParseFromString(manifest, &m));
+  auto tensors = load_safetensors(step_path(42) + "/model.safetensors");
+  int checked = 0;
+  for (const auto& e : m.tensors()) {
+    if (e.file() != "model.safetensors") continue;
+    const at::Tensor& t = tensors.at(e.name());
+    char hex[17];
+    std::snprintf(hex, sizeof hex, "%016llx", static_cast<unsigned long long>(xxh64(t.data_ptr(), t.nbytes())));
+    EXPECT_EQ(e.checksum(), hex) << e.name();
+    ++checked;
+  }
+  EXPECT_EQ(checked, 4);
+  // The carry that wrote it: this build's version and commit, in the manifest and in the model file.
+  EXPECT_EQ(m.carry_version(), version());
+  EXPECT_EQ(m.carry_commit(), git_commit());
+  EXPECT_FALSE(m.carry_commit().empty());
+  EXPECT_EQ(load_checkpoint(step_path(42)).carry_commit, git_commit());
+  std::map<std::string, std::string> metadata;
+  load_safetensors(step_path(42) + "/model.safetensors", &metadata);
+  EXPECT_EQ(metadata["carry_commit"], git_commit());
 }
 
 TEST_F(CheckpointTest, EmptyOptimizerAndExtra) {
@@ -223,13 +253,20 @@ TEST_F(CheckpointTest, AnotherRunsCheckpointsAreNeitherResumedNorPruned) {
   EXPECT_EQ(got->run_id, "aaaa");
 }
 
-// Rewrites a manifest's checksum after a test changed its fields, as the writer would have: FNV-1a 64
-// of the deterministic binary serialization with manifest_fnv1a64 cleared (an implementation of the
-// documented rule independent of checkpoint.cpp's).
-void reseal_manifest(const std::string& path) {
-  config::CheckpointManifest m;
-  ASSERT_TRUE(google::protobuf::TextFormat::ParseFromString(read_text(path), &m)) << path;
-  m.clear_manifest_fnv1a64();
+std::string hex64_of(uint64_t v) {
+  char hex[17];
+  std::snprintf(hex, sizeof hex, "%016llx", static_cast<unsigned long long>(v));
+  return hex;
+}
+
+// The manifest's own checksum as the writer computes it: of the deterministic binary serialization
+// with the checksum field cleared, XXH64 into manifest_checksum (format_version 3) or FNV-1a 64 into
+// manifest_fnv1a64 (format_version 2) (an implementation of the documented rule independent of
+// checkpoint.cpp's).
+void seal(config::CheckpointManifest& m) {
+  const bool v3 = m.format_version() >= 3;
+  if (v3) m.clear_manifest_checksum();
+  else m.clear_manifest_fnv1a64();
   std::string bytes;
   {
     google::protobuf::io::StringOutputStream raw(&bytes);
@@ -237,12 +274,42 @@ void reseal_manifest(const std::string& path) {
     out.SetSerializationDeterministic(true);
     ASSERT_TRUE(m.SerializeToCodedStream(&out));
   }
-  char hex[17];
-  std::snprintf(hex, sizeof hex, "%016llx", static_cast<unsigned long long>(fnv1a64(bytes.data(), bytes.size())));
-  m.set_manifest_fnv1a64(hex);
+  if (v3) m.set_manifest_checksum(hex64_of(xxh64(bytes.data(), bytes.size())));
+  else m.set_manifest_fnv1a64(hex64_of(fnv1a64(bytes.data(), bytes.size())));
+}
+
+// Rewrites a manifest's checksum after a test changed its fields, as the writer would have.
+void reseal_manifest(const std::string& path) {
+  config::CheckpointManifest m;
+  ASSERT_TRUE(google::protobuf::TextFormat::ParseFromString(read_text(path), &m)) << path;
+  seal(m);
   std::string text;
   ASSERT_TRUE(google::protobuf::TextFormat::PrintToString(m, &text));
   write_text(path, text);
+}
+
+// Rewrites the manifest of the checkpoint in step_dir as a format_version 2 writer wrote it: FNV-1a 64
+// of every tensor's bytes (from the files) in fnv1a64, the manifest's in manifest_fnv1a64, no
+// checksum_algorithm. Returns the manifest.
+config::CheckpointManifest as_format_version_2(const std::string& step_dir) {
+  const std::string path = step_dir + "/manifest.textproto";
+  config::CheckpointManifest m;
+  EXPECT_TRUE(google::protobuf::TextFormat::ParseFromString(read_text(path), &m)) << path;
+  std::map<std::string, std::map<std::string, at::Tensor>> files;
+  for (const char* f : {"model.safetensors", "optimizer.safetensors"}) files[f] = load_safetensors(step_dir + "/" + f);
+  m.set_format_version(2);
+  m.clear_checksum_algorithm();
+  m.clear_manifest_checksum();
+  for (auto& e : *m.mutable_tensors()) {
+    const at::Tensor& t = files.at(e.file()).at(e.name());
+    e.clear_checksum();
+    e.set_fnv1a64(hex64_of(fnv1a64(t.data_ptr(), t.nbytes())));
+  }
+  seal(m);
+  std::string text;
+  EXPECT_TRUE(google::protobuf::TextFormat::PrintToString(m, &text));
+  write_text(path, text);
+  return m;
 }
 
 TEST_F(CheckpointTest, NothingToLoad) {
@@ -337,13 +404,78 @@ TEST_F(CheckpointTest, ChangedManifestFieldIsSkipped) {
   }
 }
 
+// A checkpoint of format_version 2 (FNV-1a 64 checksums) still loads, silently, and its checksums are
+// still checked: a flipped tensor byte and a changed field are caught, naming FNV-1a 64.
+TEST_F(CheckpointTest, FormatVersionTwoStillLoadsAndIsChecked) {
+  CheckpointData d = make_data(3);
+  save_checkpoint(dir_, d, 0);
+  as_format_version_2(step_path(3));
+  std::string manifest = read_text(step_path(3) + "/manifest.textproto");
+  EXPECT_CONTAINS(manifest, "format_version: 2");
+  EXPECT_CONTAINS(manifest, "manifest_fnv1a64: ");
+  EXPECT_EQ(manifest.find("xxh64"), std::string::npos) << manifest;
+  std::string err;
+  auto got = load_latest_capturing(dir_, &err);
+  ASSERT_TRUE(got.has_value());
+  expect_same(*got, d);
+  EXPECT_EQ(got->format_version, 2);
+  EXPECT_EQ(err, "");
+  // A later save of the same run writes format_version 3 next to it.
+  save_checkpoint(dir_, make_data(4), 0);
+  EXPECT_CONTAINS(read_text(step_path(4) + "/manifest.textproto"), "format_version: 3");
+  EXPECT_EQ(load_checkpoint(step_path(4)).format_version, 3);
+  testing::remove_tree(dir_);
+
+  check_fallback(dir_, [](const std::string& bad) {
+    as_format_version_2(bad);
+    std::string path = bad + "/model.safetensors";
+    std::string bytes = read_text(path);
+    bytes[bytes.size() - 3] ^= 0x10;
+    write_text(path, bytes);
+  }, {"model.safetensors", "checksum (FNV-1a 64) of its bytes", "corrupt"});
+  testing::remove_tree(dir_);
+  check_fallback(dir_, [](const std::string& bad) {
+    as_format_version_2(bad);
+    std::string path = bad + "/manifest.textproto";
+    std::string text = read_text(path);
+    size_t at = text.find("seed: 7");
+    ASSERT_NE(at, std::string::npos) << text;
+    text.replace(at, 7, "seed: 8");
+    write_text(path, text);
+  }, {"manifest's checksum (FNV-1a 64 of its fields)", "the manifest was changed or is corrupt"});
+}
+
+// A format_version 3 manifest must name its algorithm, one this build knows.
+TEST_F(CheckpointTest, UnknownChecksumAlgorithmIsRefused) {
+  check_fallback(dir_, [](const std::string& bad) {
+    std::string path = bad + "/manifest.textproto";
+    config::CheckpointManifest m;
+    ASSERT_TRUE(google::protobuf::TextFormat::ParseFromString(read_text(path), &m));
+    m.set_checksum_algorithm("sha3");
+    seal(m);
+    std::string text;
+    ASSERT_TRUE(google::protobuf::TextFormat::PrintToString(m, &text));
+    write_text(path, text);
+  }, {"checksum_algorithm 'sha3' is not one this build reads (xxh64, fnv1a64)"});
+  testing::remove_tree(dir_);
+  check_fallback(dir_, [](const std::string& bad) {
+    std::string path = bad + "/manifest.textproto";
+    config::CheckpointManifest m;
+    ASSERT_TRUE(google::protobuf::TextFormat::ParseFromString(read_text(path), &m));
+    m.clear_checksum_algorithm();
+    seal(m);
+    std::string text;
+    ASSERT_TRUE(google::protobuf::TextFormat::PrintToString(m, &text));
+    write_text(path, text);
+  }, {"checksum_algorithm is missing"});
+}
+
 // A checkpoint of format_version 1 (before run ids and manifest checksums) still loads, with a note.
 TEST_F(CheckpointTest, FormatVersionOneStillLoads) {
   CheckpointData d = make_data(3);
   save_checkpoint(dir_, d, 0);
   std::string path = step_path(3) + "/manifest.textproto";
-  config::CheckpointManifest m;
-  ASSERT_TRUE(google::protobuf::TextFormat::ParseFromString(read_text(path), &m));
+  config::CheckpointManifest m = as_format_version_2(step_path(3));
   m.set_format_version(1);
   m.clear_run_id();
   m.clear_manifest_fnv1a64();

@@ -4,7 +4,8 @@
 // without a gradient and one whose gradient is laid out unlike it; and the update split in two (each half
 // of the parameters updated by its own optimizer over views of flat buffers, the gradient norm from the
 // halves' parts) against the whole update, bit for bit on the CPU and on a GPU. The GPU tests skip
-// without a GPU.
+// without a GPU. The learning-rate schedules against their closed forms at the warmup, stable and decay
+// boundaries, and the default (cosine) against the formula it has always had, bit for bit.
 #include "framework/train/optimizer.h"
 #include "layers/core/device.h"
 #include "parallel/flat_layout.h"
@@ -15,7 +16,10 @@
 #include <ATen/CPUGeneratorImpl.h>
 #include <ATen/core/grad_mode.h>
 
+#include <algorithm>
+#include <cmath>
 #include <cstdio>
+#include <cstring>
 #include <string>
 #include <vector>
 
@@ -77,6 +81,116 @@ double compare(AdamW& a, NamedParameters& pa, AdamW& b, NamedParameters& pb, int
     worst = std::max(worst, rel_err(sa[i].second, sb[i].second));
   }
   return worst;
+}
+
+// lr 1, warmup 4, total 14 (a decay of 10 steps after the warmup), min_lr_ratio 0.1.
+config::OptimizerConfig schedule_config(config::OptimizerConfig::Schedule schedule) {
+  config::OptimizerConfig o;
+  o.set_lr(1.0), o.set_warmup_steps(4), o.set_total_steps(14), o.set_min_lr_ratio(0.1);
+  o.set_schedule(schedule);
+  return o;
+}
+
+TEST(Optimizer, ScheduleWarmupThenCosine) {
+  auto o = schedule_config(config::OptimizerConfig::COSINE);
+  EXPECT_DOUBLE_EQ(learning_rate(o, 0), 0.25);
+  EXPECT_DOUBLE_EQ(learning_rate(o, 3), 1.0);
+  EXPECT_DOUBLE_EQ(learning_rate(o, 4), 1.0);
+  EXPECT_NEAR(learning_rate(o, 9), 0.55, 1e-15);  // halfway: 0.1 + 0.9·0.5
+  EXPECT_NEAR(learning_rate(o, 14), 0.1, 1e-15);
+  EXPECT_NEAR(learning_rate(o, 100), 0.1, 1e-15);
+}
+
+// An unset schedule is the cosine, computed as it always was: the same bits for every step, so existing
+// configs and checkpoints continue the same rates.
+TEST(Optimizer, DefaultScheduleIsTheCosineBitForBit) {
+  config::OptimizerConfig o;
+  o.set_lr(3e-4), o.set_warmup_steps(7), o.set_total_steps(101), o.set_min_lr_ratio(0.1);
+  EXPECT_EQ(o.schedule(), config::OptimizerConfig::COSINE);
+  for (int64_t s = 0; s <= 110; ++s) {
+    const double lr = 3e-4, ratio = 0.1;
+    double expected;
+    if (s < 7) {
+      expected = lr * static_cast<double>(s + 1) / 7.0;
+    } else {
+      const double p = std::min(1.0, std::max(0.0, static_cast<double>(s - 7) / 94.0));
+      expected = lr * (ratio + (1.0 - ratio) * 0.5 * (1.0 + std::cos(M_PI * p)));
+    }
+    const double got = learning_rate(o, s);
+    EXPECT_EQ(std::memcmp(&got, &expected, sizeof got), 0) << "step " << s << ": " << got << " vs " << expected;
+  }
+}
+
+TEST(Optimizer, ScheduleWarmupThenLinear) {
+  auto o = schedule_config(config::OptimizerConfig::LINEAR);
+  EXPECT_DOUBLE_EQ(learning_rate(o, 0), 0.25);
+  EXPECT_DOUBLE_EQ(learning_rate(o, 3), 1.0);
+  EXPECT_DOUBLE_EQ(learning_rate(o, 4), 1.0);
+  EXPECT_NEAR(learning_rate(o, 6), 0.82, 1e-15);   // p = 0.2: 0.1 + 0.9·0.8
+  EXPECT_NEAR(learning_rate(o, 9), 0.55, 1e-15);   // p = 0.5
+  EXPECT_NEAR(learning_rate(o, 13), 0.19, 1e-15);  // p = 0.9: the last step of the run
+  EXPECT_NEAR(learning_rate(o, 14), 0.1, 1e-15);
+  EXPECT_NEAR(learning_rate(o, 100), 0.1, 1e-15);
+}
+
+TEST(Optimizer, ScheduleWarmupThenConstant) {
+  auto o = schedule_config(config::OptimizerConfig::CONSTANT);
+  EXPECT_DOUBLE_EQ(learning_rate(o, 0), 0.25);
+  EXPECT_DOUBLE_EQ(learning_rate(o, 2), 0.75);
+  for (int64_t s : {3, 4, 9, 13, 14, 100}) EXPECT_EQ(learning_rate(o, s), 1.0) << "step " << s;
+  o.set_warmup_steps(0);
+  EXPECT_EQ(learning_rate(o, 0), 1.0);
+}
+
+// WSD over 20 steps: warmup 4 (steps 0..3), stable at lr (4..15), a decay of round(0.2·20) = 4 steps
+// (16..19, p = 0, 0.25, 0.5, 0.75), min_lr_ratio·lr from step 20 on.
+TEST(Optimizer, ScheduleWarmupStableDecayForEveryShape) {
+  auto o = schedule_config(config::OptimizerConfig::WSD);
+  o.set_total_steps(20), o.set_decay_fraction(0.2);
+  EXPECT_EQ(wsd_decay_steps(o), 4);
+  const double r = 0.1;
+  struct Case {
+    config::LrDecay::Shape shape;
+    double f25, f50, f75;  // the shape at p = 0.25, 0.5, 0.75
+  };
+  for (const Case& c : {Case{config::LrDecay::LINEAR, 0.75, 0.5, 0.25},
+                        Case{config::LrDecay::COSINE, (1 + std::sqrt(0.5)) / 2, 0.5, (1 - std::sqrt(0.5)) / 2},
+                        Case{config::LrDecay::ONE_MINUS_SQRT, 0.5, 1 - std::sqrt(0.5), 1 - std::sqrt(0.75)}}) {
+    o.set_decay_shape(c.shape);
+    SCOPED_TRACE(config::LrDecay::Shape_Name(c.shape));
+    EXPECT_DOUBLE_EQ(learning_rate(o, 0), 0.25);
+    EXPECT_DOUBLE_EQ(learning_rate(o, 3), 1.0);
+    for (int64_t s = 4; s <= 16; ++s) EXPECT_EQ(learning_rate(o, s), 1.0) << "step " << s;  // stable, then p = 0
+    EXPECT_NEAR(learning_rate(o, 17), r + (1 - r) * c.f25, 1e-15);
+    EXPECT_NEAR(learning_rate(o, 18), r + (1 - r) * c.f50, 1e-15);
+    EXPECT_NEAR(learning_rate(o, 19), r + (1 - r) * c.f75, 1e-15);
+    EXPECT_NEAR(learning_rate(o, 20), r, 1e-15);
+    EXPECT_NEAR(learning_rate(o, 1000), r, 1e-15);
+  }
+  // To zero: the decay ends at 0.
+  o.set_min_lr_ratio(0.0), o.set_decay_shape(config::LrDecay::ONE_MINUS_SQRT);
+  EXPECT_NEAR(learning_rate(o, 17), 0.5, 1e-15);
+  EXPECT_EQ(learning_rate(o, 20), 0.0);
+}
+
+// The decay's length rounds to the nearest step (halves away from zero); a decay that fills all the
+// steps after the warmup starts right after it.
+TEST(Optimizer, WsdDecayStepsRoundAndMayFollowTheWarmup) {
+  auto o = schedule_config(config::OptimizerConfig::WSD);
+  o.set_total_steps(10);
+  o.set_decay_fraction(0.15);
+  EXPECT_EQ(wsd_decay_steps(o), 2);  // 1.5
+  o.set_decay_fraction(0.14);
+  EXPECT_EQ(wsd_decay_steps(o), 1);
+  o.set_decay_fraction(0.6), o.set_warmup_steps(4), o.set_decay_shape(config::LrDecay::LINEAR);
+  EXPECT_EQ(wsd_decay_steps(o), 6);
+  EXPECT_DOUBLE_EQ(learning_rate(o, 3), 1.0);  // the warmup's last step
+  EXPECT_EQ(learning_rate(o, 4), 1.0);         // p = 0
+  EXPECT_NEAR(learning_rate(o, 7), 0.1 + 0.9 * 0.5, 1e-15);
+  o.set_decay_fraction(1.0), o.set_warmup_steps(0);  // the whole run decays: the linear schedule
+  auto linear = schedule_config(config::OptimizerConfig::LINEAR);
+  linear.set_total_steps(10), linear.set_warmup_steps(0);
+  for (int64_t s = 0; s <= 10; ++s) EXPECT_EQ(learning_rate(o, s), learning_rate(linear, s)) << "step " << s;
 }
 
 TEST(Optimizer, CpuParametersTakeTheLoopWhateverFusedSays) {

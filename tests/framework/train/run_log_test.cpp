@@ -1,13 +1,16 @@
 // Tests for framework/train/run_log.h and framework/io/tfevents.h: CRC-32C against the standard check
-// value, event records read back with both CRCs and a flipped byte caught, the JSON lines parser, and
-// RunLog's resume clean-up (records past the start step and a cut line dropped, the TensorBoard file
-// replaced by one that replays exactly the kept records).
+// value, event records read back with both CRCs and a flipped byte caught, the JSON lines parser, lines
+// that stay valid JSON (escaped keys, non-finite values as null), and RunLog's resume clean-up (records
+// past the start step and a cut line dropped, the TensorBoard file replaced by one that replays
+// exactly the kept records).
 #include "framework/train/run_log.h"
 
 #include "framework/io/tfevents.h"
 #include "framework/io/tfevents.pb.h"
 #include "tests/helpers/temp_dir.h"
 
+#include <google/protobuf/struct.pb.h>
+#include <google/protobuf/util/json_util.h>
 #include <gtest/gtest.h>
 
 #include <dirent.h>
@@ -106,6 +109,35 @@ TEST(RunLogLines, ParseWhatIsWrittenAndRefuseTheRest) {
   EXPECT_FALSE(parse_run_log_line(R"({"step":12,"loss":3.)", &r));  // cut short
   EXPECT_FALSE(parse_run_log_line(R"({"step":12,"loss":})", &r));
   EXPECT_FALSE(parse_run_log_line("", &r));
+}
+
+// A key with a quote, a backslash and control characters, and non-finite values: the line is valid
+// JSON (protobuf's parser reads it), the parser gets the key back, and NaN/inf are null.
+TEST(RunLog, LinesAreValidJsonWhateverTheKeysHold) {
+  auto dir = make_temp_dir("carry_run_log_json");
+  const std::string path = dir + "/metrics.jsonl";
+  const std::string key = "odd \"key\"\\\n\t\x01";
+  {
+    RunLog log(path, false, true);
+    log.start(0, false, 100);
+    log.record(1, 101.25, {{key, 0.1}, {"nan", std::nan("")}, {"inf", HUGE_VAL}, {"exact", 2.5533263185844586e-3}});
+  }
+  auto lines = lines_of(path);
+  ASSERT_EQ(lines.size(), 2u);
+  EXPECT_EQ(lines[1], "{\"step\":1,\"time\":101.250,\"odd \\\"key\\\"\\\\\\n\\t\\u0001\":0.1,\"nan\":null,\"inf\":null,"
+                      "\"exact\":0.0025533263185844586}");
+  for (auto& l : lines) {
+    google::protobuf::Value v;
+    EXPECT_TRUE(google::protobuf::util::JsonStringToMessage(l, &v).ok()) << l;
+  }
+  RunLogRecord r;
+  ASSERT_TRUE(parse_run_log_line(lines[1], &r)) << lines[1];
+  ASSERT_EQ(r.size(), 6u);
+  EXPECT_EQ(r[2].key, key);
+  EXPECT_EQ(r[2].number, 0.1);
+  EXPECT_TRUE(std::isnan(r[3].number) && std::isnan(r[4].number));
+  EXPECT_EQ(r[5].number, 2.5533263185844586e-3);
+  remove_tree(dir);
 }
 
 TEST(RunLog, ResumeDropsRecordsPastTheStartAndTensorBoardAgrees) {

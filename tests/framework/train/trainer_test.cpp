@@ -1,7 +1,7 @@
 // The trainer on one process (CPU, fp32): 10 steps straight equal 5 steps + checkpoint + resume + 5
-// steps bit for bit (losses and parameters); the loss falls on MQAR; AdamW against a hand-computed
-// update (decay only on 2+-dim parameters); the warmup + cosine schedule; gradient clipping; layout
-// errors. Multi-rank equality (sp, dp) is in trainer_test_mpi.cpp.
+// steps bit for bit (losses, learning rates and parameters; cosine and WSD schedules); the loss falls on
+// MQAR; AdamW against a hand-computed update (decay only on 2+-dim parameters); gradient clipping;
+// layout errors. Multi-rank equality (sp, dp) is in trainer_test_mpi.cpp.
 #include "framework/train/optimizer.h"
 #include "framework/io/checkpoint.h"
 #include "framework/cli/train_command.h"
@@ -49,33 +49,63 @@ TrainerOptions quiet() {
   return o;
 }
 
-TEST(Trainer, ResumeContinuesBitIdentically) {
+// first + rest steps straight against `first`, a checkpoint, a resume and `rest` more, under
+// `overrides`: the same losses and learning rates bit for bit, then the same parameters and optimizer
+// state.
+void check_resume_continues_bit_identically(const std::vector<std::string>& overrides, int first, int rest) {
   auto dir = make_temp_dir("carry_trainer_resume");
-  std::vector<double> straight, resumed;
-  Trainer a(tiny_config(), nullptr, quiet());
-  for (int i = 0; i < 10; ++i) straight.push_back(a.train_step().loss);
-  auto cfg = tiny_config({"checkpoint.dir=" + dir});
+  std::vector<double> straight, resumed, straight_lr, resumed_lr;
+  auto with = [&](std::vector<std::string> more) {
+    more.insert(more.end(), overrides.begin(), overrides.end());
+    return tiny_config(more);
+  };
+  Trainer a(with({}), nullptr, quiet());
+  for (int i = 0; i < first + rest; ++i) {
+    auto s = a.train_step();
+    straight.push_back(s.loss), straight_lr.push_back(s.lr);
+  }
+  auto cfg = with({"checkpoint.dir=" + dir});
   {
     Trainer b(cfg, nullptr, quiet());
     EXPECT_FALSE(b.resume());
-    for (int i = 0; i < 5; ++i) resumed.push_back(b.train_step().loss);
+    for (int i = 0; i < first; ++i) {
+      auto s = b.train_step();
+      resumed.push_back(s.loss), resumed_lr.push_back(s.lr);
+    }
     b.save_checkpoint();
   }
   Trainer c(cfg, nullptr, quiet());
   ASSERT_TRUE(c.resume());
-  EXPECT_EQ(c.step(), 5);
-  EXPECT_EQ(c.tokens_seen(), 5 * 4 * 64);
-  for (int i = 0; i < 5; ++i) resumed.push_back(c.train_step().loss);
+  EXPECT_EQ(c.step(), first);
+  EXPECT_EQ(c.tokens_seen(), first * 4 * 64);
+  for (int i = 0; i < rest; ++i) {
+    auto s = c.train_step();
+    resumed.push_back(s.loss), resumed_lr.push_back(s.lr);
+  }
   ASSERT_EQ(straight.size(), resumed.size());
-  for (size_t i = 0; i < straight.size(); ++i)
+  for (size_t i = 0; i < straight.size(); ++i) {
     EXPECT_EQ(std::memcmp(&straight[i], &resumed[i], sizeof(double)), 0)
         << "step " << i + 1 << ": " << straight[i] << " vs " << resumed[i];
+    EXPECT_EQ(std::memcmp(&straight_lr[i], &resumed_lr[i], sizeof(double)), 0)
+        << "step " << i + 1 << ": lr " << straight_lr[i] << " vs " << resumed_lr[i];
+    EXPECT_EQ(straight_lr[i], learning_rate(cfg.optimizer(), static_cast<int64_t>(i))) << "step " << i + 1;
+  }
   auto pa = a.model().parameters(), pc = c.model().parameters();
   for (size_t i = 0; i < pa.size(); ++i) EXPECT_TRUE(at::equal(pa[i].second, pc[i].second)) << pa[i].first;
   auto sa = a.optimizer().state(), sc = c.optimizer().state();
   for (size_t i = 0; i < sa.size(); ++i) EXPECT_TRUE(at::equal(sa[i].second, sc[i].second)) << sa[i].first;
   EXPECT_NE(straight.front(), straight.back());
   remove_tree(dir);
+}
+
+TEST(Trainer, ResumeContinuesBitIdentically) { check_resume_continues_bit_identically({}, 5, 5); }
+
+// WSD over 6 steps: warmup 1 (step 0), stable (1..2), decay (3..5); the resume after step 4 falls in the
+// decay.
+TEST(Trainer, ResumeContinuesBitIdenticallyUnderWsd) {
+  check_resume_continues_bit_identically({"optimizer.schedule=WSD", "optimizer.total_steps=6", "optimizer.warmup_steps=1",
+                                          "optimizer.decay_fraction=0.5", "optimizer.decay_shape=ONE_MINUS_SQRT"},
+                                         4, 2);
 }
 
 TEST(Trainer, LossFallsOnMqar) {
@@ -577,17 +607,6 @@ TEST(TrainCommand, PlainMpirunWithoutALongSigkillTimeoutWarns) {
   EXPECT_EQ(mpirun_stop_warning(nullptr, "0", std::to_string(kMinSigkillTimeoutS).c_str()), "");
   EXPECT_EQ(mpirun_stop_warning("launcher/train", "0", nullptr), "");
   EXPECT_EQ(mpirun_stop_warning(nullptr, nullptr, nullptr), "");
-}
-
-TEST(Optimizer, ScheduleWarmupThenCosine) {
-  config::OptimizerConfig o;
-  o.set_lr(1.0), o.set_warmup_steps(4), o.set_total_steps(14), o.set_min_lr_ratio(0.1);
-  EXPECT_DOUBLE_EQ(learning_rate(o, 0), 0.25);
-  EXPECT_DOUBLE_EQ(learning_rate(o, 3), 1.0);
-  EXPECT_DOUBLE_EQ(learning_rate(o, 4), 1.0);
-  EXPECT_NEAR(learning_rate(o, 9), 0.55, 1e-15);  // halfway: 0.1 + 0.9·0.5
-  EXPECT_NEAR(learning_rate(o, 14), 0.1, 1e-15);
-  EXPECT_NEAR(learning_rate(o, 100), 0.1, 1e-15);
 }
 
 TEST(Optimizer, AdamWMatchesHandComputedSteps) {
