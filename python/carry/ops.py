@@ -1,0 +1,350 @@
+"""carry's mixers with flash-linear-attention's arguments, so that an FLA user swaps one import.
+
+    from carry.ops import chunk_gated_delta_rule   # instead of: from fla.ops.gated_delta_rule import ...
+    o, final_state = chunk_gated_delta_rule(q, k, v, g, beta, initial_state=h0, output_final_state=True)
+
+Every function takes FLA 0.6.0's layout and conventions: inputs [B, T, H, D], gates `g` in log space,
+`scale` defaulting to 1/sqrt(K), an initial state [N, H, K, V], and returns `(o, final_state)` with o in
+q's dtype and the final state in fp32 (fp64 for fp64 inputs), or None without `output_final_state`.
+Each runs one of carry's mixer families through its dispatch (layers/mixer.h): the CUDA kernel form
+on CUDA tensors the kernels take (a library built with CARRY_CUDA), the chunkwise ATen form otherwise,
+on any device; bf16 and fp16 inputs of the chunkwise form are computed in fp32. Any T works: the
+chunked forms run on T rounded up to a multiple of the chunk size, the tail padded with tokens that
+leave the state unchanged (k = v = 0, no decay), and the padding is cut off the output.
+
+Everything is differentiable in every input and in the initial state (autograd through the ATen ops
+and the kernels' hand-written backwards). `cu_seqlens` (packed sequences, B = 1) runs each sequence
+on its own, from its own initial state, and returns one final state a sequence.
+
+Beyond FLA's arguments, every function takes `form` ("kernel", "chunkwise" or "naive"; default: the
+dispatch's choice) and `chunk_size` (default 64). FLA options that have no counterpart here (context
+parallelism's `cp_context`, `head_first`) raise an error that says so.
+"""
+import torch
+import torch.nn.functional as F
+
+from carry import _library
+
+_library.load()
+_ops = torch.ops.carry
+
+_FORMS = (None, "automatic", "kernel", "chunkwise", "naive")
+_L2NORM_EPS = 1e-6  # FLA's l2norm: x / sqrt(sum(x^2) + eps)
+_LINEAR_ATTN_EPS = 1e-10  # FLA's normalizer: o / (q·z + eps)
+
+
+def _fail(fn, message, kind=ValueError):
+    raise kind(f"carry.ops.{fn}: {message}")
+
+
+def _check_kwargs(fn, kwargs, allowed=()):
+    if "head_first" in kwargs:
+        _fail(fn, "head_first is not supported: inputs are [B, T, H, ...] (as in FLA 0.6.0, which removed it)")
+    if "cp_context" in kwargs and kwargs["cp_context"] is not None:
+        _fail(fn, "cp_context (FLA's context parallelism) is not supported; carry's sequence parallelism runs "
+                  "in `carry train` (parallel.sp), and carry.scan gives the state summaries to split a sequence "
+                  "yourself", NotImplementedError)
+    unknown = sorted(set(kwargs) - set(allowed) - {"cp_context"})
+    if unknown:
+        _fail(fn, f"unexpected keyword argument(s) {', '.join(unknown)}", TypeError)
+
+
+def _check_4d(fn, name, x):
+    if not isinstance(x, torch.Tensor) or x.dim() != 4:
+        shape = list(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
+        _fail(fn, f"{name} must be a [B, T, H, D] tensor, got {shape}")
+
+
+def _wide(x):  # fp32 for bf16 and fp16, the dtype itself otherwise
+    return x.float() if x.dtype in (torch.bfloat16, torch.float16) else x
+
+
+def _l2norm(x):
+    xf = _wide(x)
+    return (xf * torch.rsqrt((xf * xf).sum(-1, keepdim=True) + _L2NORM_EPS)).to(x.dtype)
+
+
+def _pad_tokens(x, pad):
+    if x is None or pad == 0:
+        return x
+    return F.pad(x, (0, 0) * (x.dim() - 2) + (0, pad))
+
+
+def _state_dtype(dtype):
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _run(fn, family, q, k, v, *, g=None, gk=None, beta=None, initial_state=(), scale, normalize=False,
+         eps=1e-6, chunk_size=64, form=None):
+    """One family on [B, T, H, D] inputs of any T; returns (o in q's dtype, final state as a list)."""
+    if form not in _FORMS:
+        _fail(fn, f"form must be 'kernel', 'chunkwise' or 'naive' (or None for the dispatch's choice), got {form!r}")
+    if not isinstance(chunk_size, int) or chunk_size <= 0:
+        _fail(fn, f"chunk_size must be a positive int, got {chunk_size!r}")
+    for name, x in (("k", k), ("v", v)):
+        if x.dtype != q.dtype:
+            _fail(fn, f"q, k and v must share one dtype, got q {q.dtype} and {name} {x.dtype}")
+    out_dtype, T = q.dtype, q.shape[1]
+    form = form or "automatic"
+    pad = 0 if form == "naive" else (-T) % chunk_size
+    q, k, v, g, gk, beta = (_pad_tokens(x, pad) for x in (q, k, v, g, gk, beta))
+    if form == "automatic":
+        form = _ops.mixer_form(family, q, k, v, g, gk, beta, None, scale, normalize, eps, chunk_size, 0)
+    if form == "kernel":
+        # The kernels read q, k, v in their dtype and the gates in theirs or fp32; the state in fp32.
+        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+        g, gk, beta = (None if x is None else x.contiguous() if x.dtype in (q.dtype, torch.float32)
+                       else x.float().contiguous() for x in (g, gk, beta))
+        sdt = torch.float32
+    else:
+        cdt = _state_dtype(q.dtype)
+        q, k, v, g, gk, beta = (None if x is None else x.to(cdt) for x in (q, k, v, g, gk, beta))
+        sdt = cdt
+    state = [s.to(sdt).contiguous() for s in initial_state]
+    o, final = _ops.mixer_forward(family, q, k, v, g, gk, beta, None, state, scale, normalize, eps,
+                                  chunk_size, 0, form)
+    if pad:
+        o = o[:, :T]
+    return o.to(out_dtype), [s.to(_state_dtype(s.dtype)) for s in final]
+
+
+def _varlen(fn, run, per_token, cu_seqlens, initial_state, zero_state):
+    """Packed sequences: per_token maps names to [1, T, ...] tensors; run(pieces, state list) -> (o, final).
+    initial_state: a list of [N, ...] tensors or None; zero_state(): a list of [1, ...] zero tensors."""
+    any_t = next(iter(per_token.values()))
+    if any_t.shape[0] != 1:
+        _fail(fn, f"the batch size is expected to be 1 rather than {any_t.shape[0]} when using cu_seqlens; "
+                  "flatten the sequences into one row first")
+    if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2 \
+            or cu_seqlens.dtype.is_floating_point:
+        _fail(fn, "cu_seqlens must be a 1-D integer tensor of N+1 offsets [0, ..., T]")
+    bounds = [int(x) for x in cu_seqlens.cpu().tolist()]
+    T = any_t.shape[1]
+    if bounds[0] != 0 or bounds[-1] != T or any(b < a for a, b in zip(bounds, bounds[1:])):
+        _fail(fn, f"cu_seqlens must rise from 0 to T={T}, got {bounds}")
+    n = len(bounds) - 1
+    if initial_state is not None and initial_state[0].shape[0] != n:
+        _fail(fn, f"the number of initial states is expected to be equal to the number of input sequences, "
+                  f"i.e., {n} rather than {initial_state[0].shape[0]}")
+    outs, finals = [], []
+    for i, (bos, eos) in enumerate(zip(bounds, bounds[1:])):
+        init = [s[i:i + 1] for s in initial_state] if initial_state is not None else []
+        if eos == bos:
+            final = init if init else zero_state()
+            finals.append([s.to(_state_dtype(s.dtype)) for s in final])
+            continue
+        o, final = run({name: x[:, bos:eos] for name, x in per_token.items()}, init)
+        outs.append(o)
+        finals.append(final)
+    o = torch.cat(outs, 1) if outs else torch.zeros_like(per_token["v"])
+    return o, [torch.cat(parts, 0) for parts in zip(*finals)]
+
+
+def _decay_family(fn, family, q, k, v, *, g=None, gk=None, beta=None, scale, initial_state, output_final_state,
+                  state_v_first, cu_seqlens, chunk_size, form):
+    """The one-state families (S [N, H, K, V]): gated/ungated delta rule, GLA, simple GLA."""
+    B, _, H, K = q.shape
+    V = v.shape[-1]
+    if initial_state is not None:
+        if not isinstance(initial_state, torch.Tensor) or initial_state.dim() != 4:
+            _fail(fn, "initial_state must be a [N, H, K, V] tensor")
+        if state_v_first:
+            initial_state = initial_state.transpose(-1, -2)
+        want = (initial_state.shape[0], H, K, V)
+        if tuple(initial_state.shape) != want:
+            _fail(fn, f"initial_state must be [N, H={H}, K={K}, V={V}]"
+                      f"{' (V-first: [N, H, V, K])' if state_v_first else ''}, got {list(initial_state.shape)}")
+    per_token = {"q": q, "k": k, "v": v, "g": g, "gk": gk, "beta": beta}
+    per_token = {n: x for n, x in per_token.items() if x is not None}
+
+    def run(t, state):
+        o, final = _run(fn, family, t["q"], t["k"], t["v"], g=t.get("g"), gk=t.get("gk"), beta=t.get("beta"),
+                        initial_state=state, scale=scale, chunk_size=chunk_size, form=form)
+        return o, final
+
+    if cu_seqlens is not None:
+        zero = lambda: [q.new_zeros((1, H, K, V), dtype=_state_dtype(q.dtype))]  # noqa: E731
+        o, final = _varlen(fn, run, per_token, cu_seqlens,
+                           None if initial_state is None else [initial_state], zero)
+    else:
+        if initial_state is not None and initial_state.shape[0] != B:
+            _fail(fn, f"initial_state has {initial_state.shape[0]} states for a batch of {B}")
+        o, final = run(per_token, [] if initial_state is None else [initial_state])
+    if not output_final_state:
+        return o, None
+    S = final[0]
+    return o, S.transpose(-1, -2) if state_v_first else S
+
+
+def _scale(scale, k):
+    return k.shape[-1] ** -0.5 if scale is None else float(scale)
+
+
+def _gdn_gate(g, A_log, dt_bias):
+    x = _wide(g)
+    if dt_bias is not None:
+        x = x + _wide(dt_bias)
+    return -_wide(A_log).exp() * F.softplus(x)
+
+
+@torch.compiler.disable
+def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
+                           use_qk_l2norm_in_kernel=False, use_beta_sigmoid_in_kernel=False,
+                           allow_neg_eigval=False, state_v_first=False, cu_seqlens=None, cu_seqlens_cpu=None,
+                           chunk_indices=None, cp_context=None, *, form=None, **kwargs):
+    """Gated DeltaNet: S_t = exp(g_t)·(I − β_t k_t k_tᵀ)·S_{t−1} + β_t k_t v_tᵀ, o_t = scale·S_tᵀ q_t.
+
+    q, k [B, T, H, K]; v [B, T, HV, V] (HV a multiple of H: grouped value heads, each query/key head
+    serving HV/H value heads); g, beta [B, T, HV]; initial_state [N, HV, K, V]. As FLA: optional
+    l2-normalized q and k (`use_qk_l2norm_in_kernel`), beta as logits (`use_beta_sigmoid_in_kernel`,
+    doubled with `allow_neg_eigval`), and the gate computed from raw `g` (`use_gate_in_kernel=True` with
+    `A_log` [HV] and optional `dt_bias` [HV]: g = −exp(A_log)·softplus(g + dt_bias)).
+    """
+    fn = "chunk_gated_delta_rule"
+    if "transpose_state_layout" in kwargs:
+        if state_v_first:
+            _fail(fn, "pass state_v_first or the deprecated transpose_state_layout, not both")
+        state_v_first = bool(kwargs.pop("transpose_state_layout"))
+    _check_kwargs(fn, dict(kwargs, cp_context=cp_context), ("chunk_size", "use_gate_in_kernel", "A_log", "dt_bias"))
+    chunk_size = kwargs.get("chunk_size", 64)
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        _check_4d(fn, name, x)
+    if q.shape[2] != k.shape[2]:
+        _fail(fn, f"q and k must have the same number of heads, got q.shape[2]={q.shape[2]} and k.shape[2]={k.shape[2]}")
+    H, HV = q.shape[2], v.shape[2]
+    if HV % H != 0:
+        _fail(fn, f"num_v_heads (HV={HV}) must be a multiple of num_heads (H={H})")
+    if allow_neg_eigval and not use_beta_sigmoid_in_kernel:
+        _fail(fn, "allow_neg_eigval=True requires use_beta_sigmoid_in_kernel=True")
+    if kwargs.get("use_gate_in_kernel", False):
+        if kwargs.get("A_log") is None:
+            _fail(fn, "A_log must be provided when use_gate_in_kernel=True")
+        g = _gdn_gate(g, kwargs["A_log"], kwargs.get("dt_bias"))
+    scale = _scale(scale, k)
+    if use_qk_l2norm_in_kernel:
+        q, k = _l2norm(q), _l2norm(k)
+    if use_beta_sigmoid_in_kernel:
+        beta = _wide(beta).sigmoid() * (2.0 if allow_neg_eigval else 1.0)
+    if HV != H:
+        q, k = q.repeat_interleave(HV // H, dim=2), k.repeat_interleave(HV // H, dim=2)
+    return _decay_family(fn, "gated_deltanet", q, k, v, g=g, beta=beta, scale=scale, initial_state=initial_state,
+                         output_final_state=output_final_state, state_v_first=state_v_first,
+                         cu_seqlens=cu_seqlens, chunk_size=chunk_size, form=form)
+
+
+@torch.compiler.disable
+def chunk_delta_rule(q, k, v, beta, scale=None, initial_state=None, output_final_state=False,
+                     use_qk_l2norm_in_kernel=False, cu_seqlens=None, cu_seqlens_cpu=None, *, form=None, **kwargs):
+    """DeltaNet: S_t = (I − β_t k_t k_tᵀ)·S_{t−1} + β_t k_t v_tᵀ, o_t = scale·S_tᵀ q_t.
+
+    q, k [B, T, H, K]; v [B, T, H, V]; beta [B, T, H]; initial_state [N, H, K, V].
+    """
+    fn = "chunk_delta_rule"
+    _check_kwargs(fn, kwargs, ("chunk_size",))
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        _check_4d(fn, name, x)
+    if beta.dim() != 3:
+        _fail(fn, f"beta must be [B, T, H], got {list(beta.shape)}")
+    scale = _scale(scale, k)
+    if use_qk_l2norm_in_kernel:
+        q, k = _l2norm(q), _l2norm(k)
+    return _decay_family(fn, "deltanet", q, k, v, beta=beta, scale=scale, initial_state=initial_state,
+                         output_final_state=output_final_state, state_v_first=False, cu_seqlens=cu_seqlens,
+                         chunk_size=kwargs.get("chunk_size", 64), form=form)
+
+
+@torch.compiler.disable
+def chunk_gla(q, k, v, g, scale=None, initial_state=None, output_final_state=False, state_v_first=False,
+              cu_seqlens=None, cu_seqlens_cpu=None, *, form=None, chunk_size=64):
+    """Gated linear attention: S_t = diag(exp(g_t))·S_{t−1} + k_t v_tᵀ, o_t = scale·S_tᵀ q_t.
+
+    q, k, g [B, T, H, K] (g a log decay per key dimension); v [B, T, H, V]; initial_state [N, H, K, V].
+    """
+    fn = "chunk_gla"
+    for name, x in (("q", q), ("k", k), ("v", v), ("g", g)):
+        _check_4d(fn, name, x)
+    if q.shape != k.shape or q.shape != g.shape:
+        _fail(fn, f"q, k and g must have the same shape, got {list(q.shape)}, {list(k.shape)}, {list(g.shape)}")
+    return _decay_family(fn, "gla", q, k, v, gk=g, scale=_scale(scale, q), initial_state=initial_state,
+                         output_final_state=output_final_state, state_v_first=state_v_first,
+                         cu_seqlens=cu_seqlens, chunk_size=chunk_size, form=form)
+
+
+@torch.compiler.disable
+def chunk_simple_gla(q, k, v, g=None, g_gamma=None, scale=None, initial_state=None, output_final_state=False,
+                     state_v_first=False, cu_seqlens=None, cu_seqlens_cpu=None, *, form=None, **kwargs):
+    """Simple GLA (a scalar decay per head and token): S_t = exp(g_t)·S_{t−1} + k_t v_tᵀ, o_t = scale·S_tᵀ q_t.
+
+    g [B, T, H] (log decay per token), or g_gamma [H] (a fixed log decay per head), or neither (no decay).
+    """
+    fn = "chunk_simple_gla"
+    _check_kwargs(fn, kwargs, ("chunk_size",))
+    chunk_size = kwargs.get("chunk_size") or 64
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        _check_4d(fn, name, x)
+    B, T, H, _ = q.shape
+    if g is not None and g_gamma is not None:
+        _fail(fn, "give g or g_gamma, not both")
+    if g_gamma is not None:
+        if g_gamma.shape != (H,):
+            _fail(fn, f"g_gamma must be [H={H}], got {list(g_gamma.shape)}")
+        g = g_gamma.view(1, 1, H).expand(B, T, H)
+    elif g is None:
+        g = q.new_zeros((B, T, H), dtype=torch.float32)
+    return _decay_family(fn, "scalar_decay", q, k, v, g=g, scale=_scale(scale, k), initial_state=initial_state,
+                         output_final_state=output_final_state, state_v_first=state_v_first,
+                         cu_seqlens=cu_seqlens, chunk_size=chunk_size, form=form)
+
+
+@torch.compiler.disable
+def chunk_linear_attn(q, k, v, scale=None, initial_state=None, output_final_state=False, normalize=True,
+                      cu_seqlens=None, *, form=None, chunk_size=64):
+    """Linear attention: S_t = S_{t−1} + k_t v_tᵀ, o_t = scale·S_tᵀ q_t; with `normalize` (FLA's default)
+    divided by scale·q_tᵀ z_t + 1e-10, z_t = z_{t−1} + k_t. No feature map is applied (apply yours to q, k).
+
+    Without `normalize`, the state is S [N, H, K, V]. With it, as FLA: initial_state (S, z) with z
+    [N, 1, H, K] (or S alone: z starts at zero), and the second result is (S or None, z).
+    """
+    fn = "chunk_linear_attn"
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        _check_4d(fn, name, x)
+    B, _, H, K = q.shape
+    V = v.shape[-1]
+    scale = _scale(scale, k)
+    S0, z0 = initial_state, None
+    if isinstance(initial_state, (tuple, list)):
+        if not normalize:
+            _fail(fn, "initial_state is a (S, z) pair only with normalize=True; without, it is S [N, H, K, V]")
+        S0, z0 = initial_state
+    n = B if cu_seqlens is None else cu_seqlens.numel() - 1
+    sdt = _state_dtype(q.dtype)
+    if S0 is not None and (S0.dim() != 4 or tuple(S0.shape[1:]) != (H, K, V)):
+        _fail(fn, f"the initial state S must be [N, H={H}, K={K}, V={V}], got {list(S0.shape)}")
+    if z0 is not None and (z0.dim() != 4 or tuple(z0.shape[1:]) != (1, H, K)):
+        _fail(fn, f"the initial state z must be [N, 1, H={H}, K={K}], got {list(z0.shape)}")
+    state = None
+    if S0 is not None or z0 is not None:
+        rows = (S0 if S0 is not None else z0).shape[0]
+        S0 = S0 if S0 is not None else q.new_zeros((rows, H, K, V), dtype=sdt)
+        z0 = z0.squeeze(1) if z0 is not None else q.new_zeros((rows, H, K), dtype=sdt)
+        state = [S0, z0]
+
+    def run(t, st):
+        return _run(fn, "linear_attn", t["q"], t["k"], t["v"], initial_state=st, scale=scale, normalize=normalize,
+                    eps=_LINEAR_ATTN_EPS, chunk_size=chunk_size, form=form)
+
+    per_token = {"q": q, "k": k, "v": v}
+    if cu_seqlens is not None:
+        zero = lambda: [q.new_zeros((1, H, K, V), dtype=sdt), q.new_zeros((1, H, K), dtype=sdt)]  # noqa: E731
+        o, final = _varlen(fn, run, per_token, cu_seqlens, state, zero)
+    else:
+        if state is not None and state[0].shape[0] != n:
+            _fail(fn, f"initial_state has {state[0].shape[0]} states for a batch of {B}")
+        o, final = run(per_token, state or [])
+    S, z = final
+    if normalize:
+        return o, (S if output_final_state else None, z.unsqueeze(1))
+    return o, S if output_final_state else None
+
+
+__all__ = ["chunk_gated_delta_rule", "chunk_delta_rule", "chunk_gla", "chunk_simple_gla", "chunk_linear_attn"]

@@ -1,0 +1,414 @@
+"""carry.ops (python/carry/ops.py) against the fp64 token recurrences of reference.py: outputs, final
+states and the gradients of every input and of the initial state, for every function and the FLA
+options it maps; torch.autograd.gradcheck of each function on tiny shapes; the errors it raises for
+what it does not take; and one run compared with the C++ program's `carry mixer` on the same tensors.
+On a CUDA machine with a kernel build, the kernel forms against the same references (skipped elsewhere).
+"""
+import json
+import os
+import struct
+import subprocess
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import carry
+import carry.ops as ops
+import reference as ref
+
+F64 = torch.float64
+
+
+def leaf(x):
+    return x.detach().clone().requires_grad_(True)
+
+
+def randn(*shape, seed, device="cpu", dtype=F64):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(*shape, generator=g, dtype=F64).to(device=device, dtype=dtype)
+
+
+def unit_keys(*shape, seed):
+    return ref.l2norm(randn(*shape, seed=seed))
+
+
+def flat(x):
+    if x is None:
+        return []
+    if isinstance(x, (tuple, list)):
+        return [t for y in x for t in flat(y)]
+    return [x]
+
+
+def loss_and_grads(outputs, inputs, seed=7):
+    """Σ outputs·w for fixed random w, and its gradient for each input."""
+    outs = flat(outputs)
+    loss = sum((o.double() * randn(*o.shape, seed=seed + i, device=o.device)).sum() for i, o in enumerate(outs))
+    return outs, torch.autograd.grad(loss, inputs, allow_unused=True)
+
+
+def assert_close(got, want, tol, what):
+    assert got is not None and want is not None, f"{what}: missing"
+    assert got.shape == want.shape, f"{what}: shape {list(got.shape)} against {list(want.shape)}"
+    err = (got.double().cpu() - want.double().cpu()).abs().max().item()
+    scale = max(want.double().abs().max().item(), 1e-30)
+    assert err <= tol * scale, f"{what}: max abs error {err:.3e} against max |reference| {scale:.3e}"
+
+
+def compare(run_carry, run_ref, inputs, tol=1e-11, names=None):
+    """run_carry(*leaves) and run_ref(*leaves) -> the same nested outputs; outputs and gradients close."""
+    a = [leaf(x) for x in inputs]
+    b = [leaf(x) for x in inputs]
+    got, got_grads = loss_and_grads(run_carry(*a), a)
+    want, want_grads = loss_and_grads(run_ref(*b), b)
+    assert len(got) == len(want)
+    for i, (x, y) in enumerate(zip(got, want)):
+        assert_close(x, y, tol, f"output {i}")
+    names = names or [f"input {i}" for i in range(len(inputs))]
+    for n, x, y in zip(names, got_grads, want_grads):
+        if y is None:
+            continue
+        assert_close(x, y, tol, f"gradient of {n}")
+
+
+# Shapes: T = 10 with chunk_size 4 runs three chunks, the last one padded.
+B, T, H, K, V = 2, 10, 2, 4, 3
+CHUNK = 4
+
+
+def gdn_inputs(seed=0, hv=H):
+    return [randn(B, T, H, K, seed=seed), unit_keys(B, T, H, K, seed=seed + 1), randn(B, T, hv, V, seed=seed + 2),
+            F.logsigmoid(randn(B, T, hv, seed=seed + 3)), torch.sigmoid(randn(B, T, hv, seed=seed + 4)),
+            randn(B, hv, K, V, seed=seed + 5)]
+
+
+@pytest.mark.parametrize("form", ["chunkwise", "naive", None])
+def test_gated_delta_rule(form):
+    compare(lambda q, k, v, g, beta, h0: ops.chunk_gated_delta_rule(
+                q, k, v, g, beta, initial_state=h0, output_final_state=True, chunk_size=CHUNK, form=form),
+            lambda q, k, v, g, beta, h0: ref.delta_rule(q, k, v, beta, g=g, initial_state=h0),
+            gdn_inputs(), names=["q", "k", "v", "g", "beta", "initial_state"])
+
+
+def test_gated_delta_rule_fla_options():
+    """l2-normalized q and k, beta as logits with negative eigenvalues, the gate from raw g with A_log
+    and dt_bias, grouped value heads (H = 2 query/key heads, each for 2 of 4 value heads), a V-first
+    state, a scale."""
+    q, k, v, graw, braw, h0 = gdn_inputs(seed=10, hv=4)
+    q, k = q * 3, randn(B, T, H, K, seed=20) * 2
+    A_log, dt_bias = randn(4, seed=21), randn(4, seed=22)
+
+    def run(q, k, v, graw, braw, h0, A_log, dt_bias):
+        return ops.chunk_gated_delta_rule(
+            q, k, v, graw, braw, scale=0.3, initial_state=h0.transpose(-1, -2), output_final_state=True,
+            use_qk_l2norm_in_kernel=True, use_beta_sigmoid_in_kernel=True, allow_neg_eigval=True,
+            state_v_first=True, use_gate_in_kernel=True, A_log=A_log, dt_bias=dt_bias, chunk_size=CHUNK)
+
+    def want(q, k, v, graw, braw, h0, A_log, dt_bias):
+        g = -A_log.exp() * F.softplus(graw + dt_bias)
+        qn, kn = ref.l2norm(q).repeat_interleave(2, 2), ref.l2norm(k).repeat_interleave(2, 2)
+        o, S = ref.delta_rule(qn, kn, v, 2 * torch.sigmoid(braw), g=g, scale=0.3, initial_state=h0)
+        return o, S.transpose(-1, -2)
+
+    compare(run, want, [q, k, v, graw, braw, h0, A_log, dt_bias],
+            names=["q", "k", "v", "g", "beta", "initial_state", "A_log", "dt_bias"])
+
+
+def test_gated_delta_rule_varlen():
+    """Packed sequences (lengths 3, 0, 5, 2): each from its own initial state, one final state each."""
+    q, k, v, g, beta, _ = [x[:1] for x in gdn_inputs(seed=30)]
+    cu = torch.tensor([0, 3, 3, 8, 10])
+    h0 = randn(4, H, K, V, seed=36)
+
+    def want(q, k, v, g, beta, h0):
+        outs, finals = [], []
+        for i, (s, e) in enumerate(zip(cu[:-1].tolist(), cu[1:].tolist())):
+            if e == s:
+                finals.append(h0[i:i + 1])
+                continue
+            o, S = ref.delta_rule(q[:, s:e], k[:, s:e], v[:, s:e], beta[:, s:e], g=g[:, s:e], initial_state=h0[i:i + 1])
+            outs.append(o)
+            finals.append(S)
+        return torch.cat(outs, 1), torch.cat(finals, 0)
+
+    compare(lambda q, k, v, g, beta, h0: ops.chunk_gated_delta_rule(
+                q, k, v, g, beta, initial_state=h0, output_final_state=True, cu_seqlens=cu, chunk_size=CHUNK),
+            want, [q, k, v, g, beta, h0])
+
+
+def test_delta_rule():
+    q, k, v, _, beta, h0 = gdn_inputs(seed=40)
+    compare(lambda q, k, v, beta, h0: ops.chunk_delta_rule(q, k, v, beta, initial_state=h0, output_final_state=True,
+                                                           chunk_size=CHUNK),
+            lambda q, k, v, beta, h0: ref.delta_rule(q, k, v, beta, initial_state=h0),
+            [q, k, v, beta, h0])
+    # l2-normalized in the op, from keys that are not
+    k2 = randn(B, T, H, K, seed=47) * 3
+    compare(lambda q, k, v, beta: ops.chunk_delta_rule(q, k, v, beta, use_qk_l2norm_in_kernel=True, chunk_size=CHUNK),
+            lambda q, k, v, beta: (ref.delta_rule(ref.l2norm(q), ref.l2norm(k), v, beta)[0], None),
+            [q, k2, v, beta])
+
+
+def test_gla():
+    q, k, v = randn(B, T, H, K, seed=50), randn(B, T, H, K, seed=51), randn(B, T, H, V, seed=52)
+    gk, h0 = F.logsigmoid(randn(B, T, H, K, seed=53)), randn(B, H, K, V, seed=54)
+    compare(lambda q, k, v, gk, h0: ops.chunk_gla(q, k, v, gk, scale=0.7, initial_state=h0, output_final_state=True,
+                                                  chunk_size=CHUNK),
+            lambda q, k, v, gk, h0: ref.decay(q, k, v, gk=gk, scale=0.7, initial_state=h0),
+            [q, k, v, gk, h0])
+
+
+@pytest.mark.parametrize("gate", ["g", "g_gamma", "none"])
+def test_simple_gla(gate):
+    q, k, v = randn(B, T, H, K, seed=60), randn(B, T, H, K, seed=61), randn(B, T, H, V, seed=62)
+    h0 = randn(B, H, K, V, seed=63)
+    g = F.logsigmoid(randn(B, T, H, seed=64))
+    gamma = F.logsigmoid(randn(H, seed=65))
+    if gate == "g":
+        run = lambda q, k, v, h0, g: ops.chunk_simple_gla(q, k, v, g, initial_state=h0, output_final_state=True,  # noqa: E731
+                                                          chunk_size=CHUNK)
+        want = lambda q, k, v, h0, g: ref.decay(q, k, v, g=g, initial_state=h0)  # noqa: E731
+        inputs = [q, k, v, h0, g]
+    elif gate == "g_gamma":
+        run = lambda q, k, v, h0, gm: ops.chunk_simple_gla(q, k, v, g_gamma=gm, initial_state=h0,  # noqa: E731
+                                                           output_final_state=True, chunk_size=CHUNK)
+        want = lambda q, k, v, h0, gm: ref.decay(q, k, v, g=gm.expand(B, T, H), initial_state=h0)  # noqa: E731
+        inputs = [q, k, v, h0, gamma]
+    else:
+        run = lambda q, k, v, h0: ops.chunk_simple_gla(q, k, v, initial_state=h0, output_final_state=True,  # noqa: E731
+                                                       chunk_size=CHUNK)
+        want = lambda q, k, v, h0: ref.decay(q, k, v, initial_state=h0)  # noqa: E731
+        inputs = [q, k, v, h0]
+    compare(run, want, inputs)
+
+
+@pytest.mark.parametrize("normalize", [True, False])
+def test_linear_attn(normalize):
+    # Positive features, as a feature map gives them, so that the normalizer stays away from zero.
+    q, k = F.elu(randn(B, T, H, K, seed=70)) + 1, F.elu(randn(B, T, H, K, seed=71)) + 1
+    v, S0 = randn(B, T, H, V, seed=72), randn(B, H, K, V, seed=73)
+    if normalize:
+        z0 = (F.elu(randn(B, 1, H, K, seed=74)) + 1) * 3
+        compare(lambda q, k, v, S0, z0: ops.chunk_linear_attn(q, k, v, initial_state=(S0, z0), output_final_state=True,
+                                                              normalize=True, chunk_size=CHUNK),
+                lambda q, k, v, S0, z0: ref.linear_attn(q, k, v, initial_state=(S0, z0), normalize=True),
+                [q, k, v, S0, z0])
+    else:
+        compare(lambda q, k, v, S0: ops.chunk_linear_attn(q, k, v, initial_state=S0, output_final_state=True,
+                                                          normalize=False, chunk_size=CHUNK),
+                lambda q, k, v, S0: (lambda o, s: (o, s[0]))(*ref.linear_attn(q, k, v, initial_state=(S0, torch.zeros(B, 1, H, K, dtype=F64)))),
+                [q, k, v, S0])
+
+
+def test_gradcheck():
+    """Backward against finite differences (gradcheck's fast mode: random directions), every function once,
+    tiny fp64 shapes (T = 5, chunk 4)."""
+    b, t, h, kd, vd = 1, 5, 1, 3, 2
+
+    def o_and_state(res):
+        return tuple(flat(res))
+
+    q, k, v = (leaf(randn(b, t, h, d, seed=i) * 0.5) for i, d in enumerate((kd, kd, vd)))
+    gd = leaf(F.logsigmoid(randn(b, t, h, seed=3)))
+    gk = leaf(F.logsigmoid(randn(b, t, h, kd, seed=4)))
+    beta = leaf(torch.sigmoid(randn(b, t, h, seed=5)))
+    h0 = leaf(randn(b, h, kd, vd, seed=6))
+    assert torch.autograd.gradcheck(lambda q, k, v, g, be, h0: o_and_state(ops.chunk_gated_delta_rule(
+        q, k, v, g, be, initial_state=h0, output_final_state=True, chunk_size=4)), (q, k, v, gd, beta, h0), fast_mode=True)
+    assert torch.autograd.gradcheck(lambda q, k, v, be, h0: o_and_state(ops.chunk_delta_rule(
+        q, k, v, be, initial_state=h0, output_final_state=True, chunk_size=4)), (q, k, v, beta, h0), fast_mode=True)
+    assert torch.autograd.gradcheck(lambda q, k, v, gk, h0: o_and_state(ops.chunk_gla(
+        q, k, v, gk, initial_state=h0, output_final_state=True, chunk_size=4)), (q, k, v, gk, h0), fast_mode=True)
+    assert torch.autograd.gradcheck(lambda q, k, v, gs, h0: o_and_state(ops.chunk_simple_gla(
+        q, k, v, gs, initial_state=h0, output_final_state=True, chunk_size=4)), (q, k, v, gd, h0), fast_mode=True)
+    qp, kp = leaf(F.elu(q) + 1), leaf(F.elu(k) + 1)
+    z0 = leaf(F.elu(randn(b, 1, h, kd, seed=30)) + 2)
+    assert torch.autograd.gradcheck(lambda q, k, v, S0, z0: o_and_state(ops.chunk_linear_attn(
+        q, k, v, initial_state=(S0, z0), output_final_state=True, chunk_size=4)), (qp, kp, v, h0, z0), fast_mode=True)
+
+
+def test_low_precision_on_cpu():
+    """bf16 inputs: o comes back in bf16 and the final state in fp32, computed in fp32 (chunkwise form)."""
+    q, k, v, g, beta, h0 = gdn_inputs(seed=80)
+    o, S = ops.chunk_gated_delta_rule(q.bfloat16(), k.bfloat16(), v.bfloat16(), g.float(), beta.bfloat16(),
+                                      initial_state=h0.float(), output_final_state=True)
+    assert o.dtype == torch.bfloat16 and S.dtype == torch.float32
+    want_o, want_S = ref.delta_rule(q.bfloat16(), k.bfloat16(), v.bfloat16(), beta.bfloat16(), g=g.float(),
+                                    initial_state=h0.float())
+    assert_close(o, want_o, 2e-2, "bf16 o")
+    assert_close(S, want_S, 1e-5, "bf16 final state")
+
+
+def test_errors():
+    q, k, v, g, beta, h0 = gdn_inputs()
+    with pytest.raises(NotImplementedError, match="cp_context"):
+        ops.chunk_gated_delta_rule(q, k, v, g, beta, cp_context=object())
+    with pytest.raises(ValueError, match="head_first"):
+        ops.chunk_delta_rule(q, k, v, beta, head_first=True)
+    with pytest.raises(TypeError, match="unexpected keyword argument"):
+        ops.chunk_gated_delta_rule(q, k, v, g, beta, use_fancy_mode=True)
+    with pytest.raises(ValueError, match="multiple of num_heads"):
+        ops.chunk_gated_delta_rule(q, k, randn(B, T, 3, V, seed=1), g, beta)
+    with pytest.raises(ValueError, match="share one dtype"):
+        ops.chunk_delta_rule(q, k.float(), v, beta)
+    with pytest.raises(ValueError, match="form must be"):
+        ops.chunk_gla(q, k, v, k, form="fast")
+    with pytest.raises(ValueError, match="initial_state must be"):
+        ops.chunk_gated_delta_rule(q, k, v, g, beta, initial_state=h0[:, :, :2])
+    with pytest.raises(ValueError, match="g or g_gamma"):
+        ops.chunk_simple_gla(q, k, v, g, g_gamma=torch.zeros(H))
+    with pytest.raises(ValueError, match="cu_seqlens"):
+        ops.chunk_gla(q, k, v, k, cu_seqlens=torch.tensor([0, 4]))
+    with pytest.raises(RuntimeError, match="unknown mixer family"):
+        torch.ops.carry.family_info("no_such_family")
+
+
+def test_families():
+    names = carry.families()
+    for n in ("gated_deltanet", "deltanet", "gla", "scalar_decay", "linear_attn"):
+        assert n in names
+    inputs, optional, state, _ = torch.ops.carry.family_info("gated_deltanet")
+    assert list(inputs) == ["q", "k", "v", "g", "beta"] and list(state) == ["S"]
+
+
+# ---- against the C++ program: `carry mixer` on the same tensors (framework/cli/mixer_command.h) ----
+
+_ST_DTYPES = {torch.float64: "F64", torch.float32: "F32"}
+
+
+def write_safetensors(path, tensors):
+    header, blobs, offset = {}, [], 0
+    for name, t in tensors.items():
+        data = bytes(t.detach().cpu().clone(memory_format=torch.contiguous_format).untyped_storage())
+        header[name] = {"dtype": _ST_DTYPES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + len(data)]}
+        blobs.append(data)
+        offset += len(data)
+    h = json.dumps(header).encode()
+    h += b" " * ((8 - len(h) % 8) % 8)
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(h)) + h + b"".join(blobs))
+
+
+def read_safetensors(path):
+    raw = open(path, "rb").read()
+    n = struct.unpack("<Q", raw[:8])[0]
+    header = json.loads(raw[8:8 + n])
+    out = {}
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        assert info["dtype"] == "F64", f"{name}: {info['dtype']}"
+        b, e = info["data_offsets"]
+        buf = bytearray(raw[8 + n + b:8 + n + e])
+        out[name] = torch.frombuffer(buf, dtype=F64).reshape(info["shape"]).clone()
+    return out
+
+
+def test_against_carry_mixer(carry_binary, tmp_path):
+    """chunk_gated_delta_rule and `carry mixer --family gated_deltanet` on the same fp64 tensors: o, the
+    final state and every gradient agree to rounding (the two share the C++ mixer; this checks the
+    package's argument mapping and its autograd path against the program's)."""
+    t = 8
+    q, k, v, g, beta = (x[:, :t] for x in gdn_inputs(seed=90)[:5])
+    h0 = randn(B, H, K, V, seed=95)
+    do, dS = randn(B, t, H, V, seed=96), randn(B, H, K, V, seed=97)
+    write_safetensors(tmp_path / "in.safetensors", {"q": q, "k": k, "v": v, "g": g, "beta": beta,
+                                                    "initial_state": h0, "do": do, "dfinal_state": dS})
+    out = tmp_path / "out.safetensors"
+    subprocess.run([carry_binary, "mixer", "--family", "gated_deltanet", "--input", str(tmp_path / "in.safetensors"),
+                    "--output", str(out), "--chunk-size", "4"], check=True, capture_output=True, text=True)
+    theirs = read_safetensors(out)
+    leaves = [leaf(x) for x in (q, k, v, g, beta, h0)]
+    o, S = ops.chunk_gated_delta_rule(*leaves[:5], initial_state=leaves[5], output_final_state=True, chunk_size=4)
+    grads = torch.autograd.grad((o * do).sum() + (S * dS).sum(), leaves)
+    assert_close(o, theirs["o"], 1e-13, "o")
+    assert_close(S, theirs["final_state.S"] if "final_state.S" in theirs else theirs["final_state"], 1e-13, "final state")
+    for name, gr in zip(["dq", "dk", "dv", "dg", "dbeta"], grads[:5]):
+        assert_close(gr, theirs[name], 1e-12, name)
+    ds0 = theirs.get("dinitial_state.S", theirs.get("dinitial_state"))
+    assert_close(grads[5], ds0, 1e-12, "dinitial_state")
+
+
+# ---- the kernel forms (a CUDA machine with a library built with CARRY_CUDA) ----
+
+needs_kernels = pytest.mark.skipif(not (torch.cuda.is_available() and carry.cuda_kernels()),
+                                   reason="needs a CUDA GPU and carry built with its kernels")
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype,tol", [(torch.bfloat16, 2e-2), (torch.float32, 1e-4)])
+def test_kernels(dtype, tol):
+    b, t, h, d = 2, 200, 4, 64
+    dev = "cuda"
+    q = randn(b, t, h, d, seed=100)
+    k = ref.l2norm(randn(b, t, h, d, seed=101))
+    v = randn(b, t, h, d, seed=102)
+    g = F.logsigmoid(randn(b, t, h, seed=103)) * 0.1
+    beta = torch.sigmoid(randn(b, t, h, seed=104))
+    gk = F.logsigmoid(randn(b, t, h, d, seed=105)) * 0.1
+    h0 = randn(b, h, d, d, seed=106)
+    cast = lambda *xs: [x.to(dev, dtype) for x in xs]  # noqa: E731
+    qc, kc, vc = cast(q, k, v)
+    gc, betac, gkc = g.to(dev, torch.float32), beta.to(dev, torch.float32), gk.to(dev, torch.float32)
+    h0c = h0.to(dev, torch.float32)
+    lo = lambda x: x.to(dtype).double()  # noqa: E731  (the reference reads the rounded inputs)
+    form = torch.ops.carry.mixer_form("gated_deltanet", qc, kc, vc, gc, None, betac, None, 0.0, False, 1e-6, 64, 0)
+    assert form == "kernel"
+    cases = [
+        (lambda: ops.chunk_gated_delta_rule(qc, kc, vc, gc, betac, initial_state=h0c, output_final_state=True),
+         ref.delta_rule(lo(q), lo(k), lo(v), beta, g=g, initial_state=h0)),
+        (lambda: ops.chunk_delta_rule(qc, kc, vc, betac, initial_state=h0c, output_final_state=True),
+         ref.delta_rule(lo(q), lo(k), lo(v), beta, initial_state=h0)),
+        (lambda: ops.chunk_gla(qc, kc, vc, gkc, initial_state=h0c, output_final_state=True),
+         ref.decay(lo(q), lo(k), lo(v), gk=gk, initial_state=h0)),
+        (lambda: ops.chunk_simple_gla(qc, kc, vc, gc, initial_state=h0c, output_final_state=True),
+         ref.decay(lo(q), lo(k), lo(v), g=g, initial_state=h0)),
+        (lambda: ops.chunk_linear_attn(qc, kc, vc, initial_state=h0c, output_final_state=True, normalize=False),
+         (lambda o, s: (o, s[0]))(*ref.linear_attn(lo(q), lo(k), lo(v), initial_state=(h0, torch.zeros(b, 1, h, d, dtype=F64))))),
+    ]
+    for i, (run, (want_o, want_S)) in enumerate(cases):
+        o, S = run()
+        assert o.dtype == dtype and S.dtype == torch.float32
+        assert_close(o, want_o, tol, f"case {i}: o")
+        assert_close(S, want_S, tol, f"case {i}: final state")
+    # Gradients of the kernel form against the chunkwise form on the same GPU, in fp32.
+    leaves = [leaf(x.to(dev, torch.float32)) for x in (q, k, v, g, beta, h0)]
+    leaves2 = [leaf(x) for x in leaves]
+    o1, S1 = ops.chunk_gated_delta_rule(*leaves[:5], initial_state=leaves[5], output_final_state=True)
+    o2, S2 = ops.chunk_gated_delta_rule(*leaves2[:5], initial_state=leaves2[5], output_final_state=True,
+                                        form="chunkwise")
+    _, g1 = loss_and_grads((o1, S1), leaves)
+    _, g2 = loss_and_grads((o2, S2), leaves2)
+    for n, a, c in zip(["q", "k", "v", "g", "beta", "initial_state"], g1, g2):
+        assert_close(a, c, 1e-3, f"kernel gradient of {n}")
+
+
+# ---- carry.scan: a sequence split in two, stitched by its summaries ----
+
+@pytest.mark.parametrize("family", ["gated_deltanet", "gla", "linear_attn"])
+def test_scan_summaries(family):
+    """Slices [0, 6) and [6, 10): summarize both, compose, apply to h0: the final state of the whole;
+    the second slice run from apply(summary of the first, h0): the whole's output there."""
+    q, k, v, g, beta, h0 = gdn_inputs(seed=110)
+    gk = F.logsigmoid(randn(B, T, H, K, seed=111))
+    kw = {"gated_deltanet": dict(g=g, beta=beta), "gla": dict(gk=gk), "linear_attn": {}}[family]
+    state0 = [h0] if family != "linear_attn" else [h0, randn(B, H, K, seed=112)]
+    cut = 6
+    part = lambda x, a, b: None if x is None else x[:, a:b]  # noqa: E731
+    s1 = carry.scan.summarize(family, q[:, :cut], k[:, :cut], v[:, :cut], chunk_size=CHUNK,
+                              **{n: part(x, 0, cut) for n, x in kw.items()})
+    s2 = carry.scan.summarize(family, q[:, cut:], k[:, cut:], v[:, cut:], chunk_size=CHUNK,
+                              **{n: part(x, cut, T) for n, x in kw.items()})
+    final = carry.scan.apply(family, carry.scan.compose(family, s1, s2), state0)
+    if family == "gated_deltanet":
+        o_ref, S_ref = ref.delta_rule(q, k, v, beta, g=g, initial_state=h0)
+        o2, _ = ops.chunk_gated_delta_rule(q[:, cut:], k[:, cut:], v[:, cut:], g[:, cut:], beta[:, cut:],
+                                           initial_state=carry.scan.apply(family, s1, state0)[0], chunk_size=CHUNK)
+        assert_close(o2, o_ref[:, cut:], 1e-11, "second slice's output")
+    elif family == "gla":
+        _, S_ref = ref.decay(q, k, v, gk=gk, initial_state=h0)
+    else:
+        _, (S_ref, z_ref) = ref.linear_attn(q, k, v, initial_state=(h0, state0[1].unsqueeze(1)))
+        assert_close(final[1], z_ref.squeeze(1), 1e-11, "final z")
+    assert_close(final[0], S_ref, 1e-11, "final state")
