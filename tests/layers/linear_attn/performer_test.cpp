@@ -128,7 +128,7 @@ TEST(Performer, TheSeedFixesTheFeatures) {
 
 // In fp64: the query's per-token and the keys' shared stabilizer leave the normalized causal output as the
 // plain formula gives it; a per-token key stabilizer (each key's features divided by their own largest)
-// does not. The features are token-local: a slice's are the whole sequence's, bit for bit.
+// does not. The features are token-local: a slice's are the whole sequence's (to rounding).
 TEST(Performer, StabilizersCancelInTheNormalizedCausalForm) {
   const int64_t B = 2, T = 64, H = 2, d = 16, m = 64, dv = 8;
   auto w = performer_random_features(m, d, 11);
@@ -146,9 +146,12 @@ TEST(Performer, StabilizersCancelInTheNormalizedCausalForm) {
     EXPECT_LE(e, 1e-12);
     EXPECT_GT(e_wrong, 1e-3);
     EXPECT_LE(fq.max().item<double>(), 1 / std::sqrt(double(m)) * (1 + 1e-15));
-    auto q2 = q.narrow(1, 40, 24).contiguous(), k2 = k.narrow(1, 40, 24).contiguous();  // another rank's slice
-    EXPECT_TRUE(at::equal(performer_feature_map(q2, w, true, 0), fq.narrow(1, 40, 24)));
-    EXPECT_TRUE(at::equal(performer_feature_map(k2, w, false, shift), fk.narrow(1, 40, 24)));
+    // Another rank's slice: its features depend on its own tokens only (the stabilizers are per token or
+    // constant). To rounding, not to the bit: a matrix product's blocking may depend on the number of rows
+    // (MKL on AVX-512 machines); the ordered scan's bits rest on segments, which cut the one-rank run alike.
+    auto q2 = q.narrow(1, 40, 24).contiguous(), k2 = k.narrow(1, 40, 24).contiguous();
+    EXPECT_LE(rel(performer_feature_map(q2, w, true, 0), fq.narrow(1, 40, 24)), 1e-14);
+    EXPECT_LE(rel(performer_feature_map(k2, w, false, shift), fk.narrow(1, 40, 24)), 1e-14);
   }
   // The key shift: max_j ‖ω_j‖²/2 less the headroom, never negative.
   auto wide = performer_random_features(128, 128, 12);
