@@ -256,7 +256,7 @@ TEST_F(ConfigTest, BadValuesOfManyKinds) {
   EXPECT_TRUE(has("name: must be non-empty and use only letters, digits, '.', '_' and '-' (it names directories), "
                   "got 'a b'")) << all;
   EXPECT_TRUE(has("model.mixers[1]: unknown mixer kind 'glaa'; known kinds: linear_attn, retnet, gla, deltanet, "
-                  "gated_deltanet, mamba1, mamba2, hla2, ahla, loglinear_mamba2, loglinear_gdn, softmax_attn")) << all;
+                  "gated_deltanet, mamba1, mamba2, hla2, ahla, loglinear_mamba2, loglinear_gdn, softmax_attn, kda")) << all;
   EXPECT_TRUE(has("model.mixer_options[0].window: only softmax_attn uses 'window', but this entry applies to gla "
                   "layers (give the entry a kind)")) << all;
   EXPECT_TRUE(has("data.mqar: 2*(num_kv_pairs + num_queries) = 208 tokens do not fit in data.seq_len (128)")) << all;
