@@ -248,6 +248,9 @@ MixerOutput by_level_passes(const MixerInputs& in, const State& init, const Mixe
       const int64_t whole_start = first_whole ? p : first_end, count = whole + (first_whole ? 1 : 0);
       if (count > 0) whole_blocks.insert(whole_blocks.end(), {level, whole_start - p, count, half});
       const LevelProducts lp{in, cum, p, dt};
+      // The read-outs along the slice: (length, tensor or undefined where nothing reads); zeros are made
+      // only when a partial block reads.
+      std::vector<std::pair<int64_t, Tensor>> spans;
       bool read = false;
       auto piece = [&](int64_t a, int64_t e, const Tensor& x0) {  // a region inside one block
         const int64_t m = ((a >> level) << level) + half;
@@ -255,13 +258,16 @@ MixerOutput by_level_passes(const MixerInputs& in, const State& init, const Mixe
         last_state = state;
         const int64_t rs = std::max(a, m);
         read = read || r.defined();
-        if (!r.defined()) outs.push_back(at::zeros({B, e - a, H, dv}, fo));
-        else outs.push_back(rs > a ? at::cat({at::zeros({B, rs - a, H, dv}, fo), r}, 1) : r);
+        if (rs > a || !r.defined()) spans.emplace_back(std::min(rs, e) - a, Tensor());
+        if (r.defined()) spans.emplace_back(e - rs, r);
       };
       if (!first_whole) piece(p, first_end, X0);
-      if (count > 0) outs.push_back(at::zeros({B, count * block, H, dv}, fo));
+      if (count > 0) spans.emplace_back(count * block, Tensor());
       if (rest_start < q_end) piece(rest_start, q_end, Tensor());
-      if (read) o = o + (outs.size() == 1 ? outs[0] : at::cat(outs, 1));
+      if (read) {
+        for (auto& [len, t] : spans) outs.push_back(t.defined() ? t : at::zeros({B, len, H, dv}, fo));
+        o = o + (outs.size() == 1 ? outs[0] : at::cat(outs, 1));
+      }
     }
     const Tensor source = base.products ? Tensor() : position_mask(p, T, level - 1, false, in.q.options());
     auto run = [&](int64_t a, int64_t len, int64_t pieces, const Tensor& x0) {
