@@ -8,6 +8,11 @@
 
 #include <torch/csrc/autograd/custom_function.h>
 
+#ifdef CARRY_WITH_CUDA
+#include "layers/kernels/log_linear/api.h"
+#include "layers/kernels/primitives/host.h"
+#endif
+
 #include <functional>
 #include <limits>
 #include <tuple>
@@ -133,9 +138,44 @@ struct WholeBlockLevels : public torch::autograd::Function<WholeBlockLevels> {
     return {a, e, b.half_of(lam.select(2, b.level), 1) * e};
   }
 
+#ifdef CARRY_WITH_CUDA
+  // The level kernels (layers/kernels/log_linear/api.h) take bf16 CUDA inputs, dk in {64, 128}, dv in {64, 128,
+  // 256} and levels whose halves are whole 64-token chunks.
+  static bool kernels_take(const Tensor& q, const Tensor& v, const std::vector<View>& vs) {
+    if (!q.is_cuda() || q.scalar_type() != at::kBFloat16 || q.size(2) % 64 != 0) return false;
+    const int64_t dk = q.size(3), dv = v.size(3);
+    if ((dk != 64 && dk != 128) || (dv != 64 && dv != 128 && dv != 256)) return false;
+    for (const View& b : vs)
+      if (b.half < 64 || b.start % 64 != 0) return false;
+    return !vs.empty();
+  }
+  static std::vector<kernels::log_linear::LevelBlocks> level_blocks(const std::vector<View>& vs) {
+    std::vector<kernels::log_linear::LevelBlocks> out;
+    for (const View& b : vs) out.push_back({b.level, b.start, b.M});
+    return out;
+  }
+  // [B,H,T,d] → [B·H, T, d], contiguous and 16-byte aligned.
+  static Tensor rows(const Tensor& x) {
+    return kernels::primitives::dense16(x.reshape({x.size(0) * x.size(1), x.size(2), x.size(3)}));
+  }
+#endif
+
   static Tensor forward(AutogradContext* ctx, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& cum,
                         const Tensor& lam, const std::vector<int64_t>& blocks) {
     const auto io = q.scalar_type(), dt = lam.scalar_type();
+#ifdef CARRY_WITH_CUDA
+    if (kernels_take(q, v, views(blocks))) {
+      namespace ll = kernels::log_linear;
+      const auto levels = level_blocks(views(blocks));
+      const int64_t B = q.size(0), H = q.size(1), T = q.size(2), L = lam.size(2);
+      auto we = ll::level_weights(cum.reshape({B * H, T + 1}).contiguous(), lam.reshape({B * H, L, T}).contiguous(), levels);
+      auto Y = ll::level_sum(rows(k), rows(v), we[0], levels, 0);
+      auto o = ll::level_read(rows(q), Y, we[0], levels, 1, false)[0].view({B, H, T, v.size(3)});
+      ctx->save_for_backward({q, k, v, cum, lam, we[0], we[1]});
+      ctx->saved_data["blocks"] = blocks;
+      return o;
+    }
+#endif
     Tensor o = at::zeros({q.size(0), q.size(1), q.size(2), v.size(3)}, v.options().dtype(dt));
     for (const View& b : views(blocks)) {
       auto [a, e, w] = factors(b, cum, lam, dt);
@@ -155,6 +195,35 @@ struct WholeBlockLevels : public torch::autograd::Function<WholeBlockLevels> {
     const auto io = q.scalar_type(), dt = lam.scalar_type();
     const auto blocks = ctx->saved_data["blocks"].toIntVector();
     const Tensor d_o = grads[0].to(io).contiguous();
+#ifdef CARRY_WITH_CUDA
+    if (s.size() == 7) {  // the level kernels' forward
+      namespace ll = kernels::log_linear;
+      const auto levels = level_blocks(views(blocks));
+      const Tensor &wt = s[5], &e = s[6];
+      const int64_t B = q.size(0), H = q.size(1), T = q.size(2), L = lam.size(2), BH = B * H;
+      const auto qr = rows(q), kr = rows(k), vr = rows(v), dor = rows(d_o);
+      auto Y = ll::level_sum(kr, vr, wt, levels, 0);
+      auto dY = ll::level_sum(qr, dor, wt, levels, 1);
+      auto dq_dw = ll::level_read(dor, Y, wt, levels, 1, true, qr);    // dq = Σ w·(dO Yᵀ), dw = (dO Yᵀ)·q
+      auto dk_da = ll::level_read(vr, dY, wt, levels, 0, true, kr);    // dk = Σ a·(v dYᵀ), da = (v dYᵀ)·k
+      auto dv = ll::level_read(kr, dY, wt, levels, 0, false)[0];       // dv = Σ a·(k dY)
+      // d log w_t = dw·w at t+1 (second halves), d log a_s = da·a at s+1 with a minus (first halves); each
+      // block's middle takes the opposite of its block's sum.
+      auto X = (dq_dw[1] - dk_da[1]) * wt;  // [BH, n, T]: the two sides do not overlap
+      Tensor dcum = at::zeros({BH, T + 1}, cum.options());
+      dcum.narrow(1, 1, T).add_(X.sum(1).to(at::kDouble));
+      Tensor dlam = at::zeros({BH, L, T}, lam.options());
+      for (size_t i = 0; i < levels.size(); ++i) {
+        const auto& b = levels[i];
+        const int64_t len = b.M << b.level;
+        auto block_sum = X.select(1, (int64_t)i).narrow(1, b.start, len).view({BH, b.M, len / b.M}).sum(-1);
+        dcum.narrow(1, b.start, len).view({BH, b.M, len / b.M}).select(2, len / b.M / 2).sub_(block_sum.to(at::kDouble));
+        dlam.select(1, b.level).add_(dq_dw[1].select(1, (int64_t)i) * e.select(1, (int64_t)i));
+      }
+      return {dq_dw[0].view(q.sizes()).to(io), dk_da[0].view(k.sizes()).to(io), dv.view(v.sizes()).to(io),
+              dcum.view({B, H, T + 1}), dlam.view(lam.sizes()), Tensor()};
+    }
+#endif
     Tensor dq = at::zeros(q.sizes(), q.options().dtype(dt)), dk = at::zeros(k.sizes(), k.options().dtype(dt));
     Tensor dv = at::zeros(v.sizes(), v.options().dtype(dt)), dcum = at::zeros_like(cum), dlam = at::zeros_like(lam);
     for (const View& b : views(blocks)) {
