@@ -260,7 +260,8 @@ MixerOutput by_level_passes(const MixerInputs& in, const State& init, const Mixe
   const auto fo = in.q.options().dtype(dt);
   std::vector<Tensor> S0;
   for (int64_t j = 0; j < J; ++j)
-    S0.push_back(state_or_zeros(init, j, {B, H, dk, dv}, fo).to(dt));
+    // No incoming state: undefined entries (zeros that are never added, copied or read).
+    S0.push_back(init.empty() ? Tensor() : state_or_zeros(init, j, {B, H, dk, dv}, fo).to(dt));
   const Tensor lam = in.l.to(dt);
   // The products' cumulative log decay, in fp64 (differences of long sums keep their digits).
   // Scanned along its innermost dimension ([B,H,T]: a scan along T of [B,T,H] runs one thread a column on
@@ -279,7 +280,7 @@ MixerOutput by_level_passes(const MixerInputs& in, const State& init, const Mixe
   {
     Tensor Z;
     for (int64_t j = 0; j < J; ++j)
-      if (fenwick_block_start(p, j) == p) Z = Z.defined() ? Z + S0[j] : S0[j];
+      if (S0[j].defined() && fenwick_block_start(p, j) == p) Z = Z.defined() ? Z + S0[j] : S0[j];
     if (Z.defined()) {
       auto read = base.first_chunk_read(Z);
       // λ_t[bit_width(t − p)], an exact one-hot product.
@@ -303,7 +304,7 @@ MixerOutput by_level_passes(const MixerInputs& in, const State& init, const Mixe
     for (int64_t j = 0; j < J; ++j)
       if ((fenwick_block_start(p, j) >> (level - 1)) == ((p >> level) << 1)) {
         injected[j] = true;
-        X0 = X0.defined() ? X0 + S0[j] : S0[j];
+        if (S0[j].defined()) X0 = X0.defined() ? X0 + S0[j] : S0[j];
       }
     std::vector<Tensor> outs;
     Tensor last_state;
@@ -378,7 +379,7 @@ MixerOutput by_level_passes(const MixerInputs& in, const State& init, const Mixe
       Tensor fix;
       for (int64_t i = 0; i < J; ++i) {
         const bool in_pass = same_block && injected[i], belongs = fenwick_merge_target(p, q_end, i) == j;
-        if (in_pass == belongs) continue;
+        if (in_pass == belongs || !S0[i].defined()) continue;
         Tensor t = in_pass ? -S0[i] : S0[i];
         fix = fix.defined() ? fix + t : t;
       }
@@ -405,7 +406,7 @@ MixerOutput by_level_passes(const MixerInputs& in, const State& init, const Mixe
     }
     Tensor s;
     for (int64_t i = 0; i < J; ++i)
-      if (fenwick_merge_target(p, q_end, i) == j) s = s.defined() ? s + S0[i] : S0[i];
+      if (S0[i].defined() && fenwick_merge_target(p, q_end, i) == j) s = s.defined() ? s + S0[i] : S0[i];
     final_state[j] = s.defined() ? base.transport(s) : at::zeros({B, H, dk, dv}, fo);
   }
   return {(o * opt.scale_for(dk)).to(in.q.scalar_type()), final_state};
