@@ -53,6 +53,8 @@ Tensor pair_level_one_hot(int64_t C, int64_t levels, const at::TensorOptions& o)
 // piece (the keys or values of second halves zeroed), and the slice's transport of an entry.
 struct Base {
   std::function<Tensor(const Tensor& weight)> own_pairs;  // weight [B,H,N,C,C] → o [B,T,H,dv]
+  // Or the levels 0..c computed whole by the base (kernels): lam [B,T,H,L] (accumulation dtype) → o [B,T,H,dv].
+  std::function<Tensor(const Tensor& lam)> own_levels;
   std::function<Tensor(const Tensor& Z)> first_chunk_read;  // Z [B,H,dk,dv] → [B,C,H,dv]
   std::function<std::pair<Tensor, Tensor>(const MixerInputs& piece, const Tensor& source, const Tensor& x0)> pass;
   std::function<Tensor(const Tensor& S)> transport;  // S [B,H,dk,dv] → the slice's transport applied to S
@@ -251,6 +253,33 @@ struct WholeBlockLevels : public torch::autograd::Function<WholeBlockLevels> {
   }
 };
 
+#ifdef CARRY_WITH_CUDA
+// Log-linear Mamba-2's levels inside a 64-token chunk on their kernels (layers/kernels/log_linear/api.h):
+// q, k, v [B,H,T,·] bf16, g [B,H,T] fp32, lam [B,H,L,T] fp32 → o [B,H,T,dv] fp32, unscaled.
+struct ChunkLevels : public torch::autograd::Function<ChunkLevels> {
+  static Tensor rows(const Tensor& x) {  // [B,H,T(,d)] → [B·H, T(, d)], contiguous and 16-byte aligned
+    auto s = x.sizes().vec();
+    s.erase(s.begin());
+    s[0] *= x.size(0);
+    return kernels::primitives::dense16(x.reshape(s));
+  }
+  static Tensor forward(AutogradContext* ctx, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& g,
+                        const Tensor& lam) {
+    ctx->save_for_backward({q, k, v, g, lam});
+    auto o = kernels::log_linear::chunk_levels_fwd(rows(q), rows(k), rows(v), rows(g), rows(lam));
+    return o.view({q.size(0), q.size(1), q.size(2), v.size(3)});
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    auto s = ctx->get_saved_variables();
+    const Tensor &q = s[0], &k = s[1], &v = s[2], &g = s[3], &lam = s[4];
+    auto r = kernels::log_linear::chunk_levels_bwd(rows(q), rows(k), rows(v), rows(g), rows(lam),
+                                                   rows(grads[0].to(q.scalar_type())));
+    return {r[0].view(q.sizes()).to(q.scalar_type()), r[1].view(k.sizes()).to(k.scalar_type()),
+            r[2].view(v.sizes()).to(v.scalar_type()), r[3].view(g.sizes()), r[4].view(lam.sizes())};
+  }
+};
+#endif
+
 MixerOutput by_level_passes(const MixerInputs& in, const State& init, const MixerOptions& opt, const Base& base) {
   const int64_t B = in.q.size(0), T = in.q.size(1), H = in.q.size(2), dk = in.q.size(3), dv = in.v.size(3);
   const int64_t L = in.l.size(3), J = L - 1, C = opt.chunk_size, N = T / C;
@@ -273,8 +302,13 @@ MixerOutput by_level_passes(const MixerInputs& in, const State& init, const Mixe
   // Levels 0..c: pairs inside a chunk, every chunk at once; weight[t, s] = λ_t[level(t, s)], for each t a
   // [levels] × [levels, C] product with the one-hot (exact: one nonzero term; no gather, whose backward
   // adds with atomics on a GPU).
-  auto lc = split_chunks(to_bhtd(lam.narrow(-1, 0, c + 1)), C);                       // [B,H,N,C,c+1]
-  Tensor o = base.own_pairs(at::einsum("bhntl,tls->bhnts", {lc, pair_level_one_hot(C, c + 1, fo)}));
+  Tensor o;
+  if (base.own_levels) {
+    o = base.own_levels(lam);
+  } else {
+    auto lc = split_chunks(to_bhtd(lam.narrow(-1, 0, c + 1)), C);                     // [B,H,N,C,c+1]
+    o = base.own_pairs(at::einsum("bhntl,tls->bhnts", {lc, pair_level_one_hot(C, c + 1, fo)}));
+  }
 
   // The entries with b_j(p) = p, read by the first chunk at its own levels bit_width(t − p) ≤ c.
   {
@@ -368,7 +402,7 @@ MixerOutput by_level_passes(const MixerInputs& in, const State& init, const Mixe
     if (readers && !base.products) {
       Tensor y = outs.size() == 1 ? outs[0] : at::cat(outs, 1);
       auto w = lam.select(-1, level).unsqueeze(-1) * position_mask(p, T, level - 1, true, fo);
-      o = o + w * y.to(dt);
+      o = at::addcmul(o, w, y);  // y in the pass's dtype, summed in o's
     }
     if (final_entry) {
       // The pass's final state is its last block's first half; where that block is p's, it also carries
@@ -420,6 +454,18 @@ MixerOutput loglinear_mamba2_by_level_products(const MixerInputs& in, const Stat
   const auto io = in.q.scalar_type();  // the products' operands
   Base base;
   base.products = true;
+#ifdef CARRY_WITH_CUDA
+  const int64_t dk = in.q.size(3), dv = in.v.size(3);
+  if (in.q.is_cuda() && io == at::kBFloat16 && in.v.scalar_type() == io && C == 64 && (dk == 64 || dk == 128) &&
+      (dv == 64 || dv == 128 || dv == 256)) {
+    base.own_levels = [&](const Tensor& lam) {
+      auto bhtd = [](const Tensor& x) { return x.transpose(1, 2).contiguous(); };
+      return ChunkLevels::apply(bhtd(in.q), bhtd(in.k), bhtd(in.v), bhtd(in.g.to(at::kFloat)),
+                                lam.permute({0, 2, 3, 1}).contiguous())
+          .transpose(1, 2);
+    };
+  }
+#endif
   base.own_pairs = [&](const Tensor& weight) {
     auto qc = split_chunks(to_bhtd(in.q), C), kc = split_chunks(to_bhtd(in.k), C);
     auto vc = split_chunks(to_bhtd(in.v.to(io)), C);
@@ -459,7 +505,8 @@ MixerOutput loglinear_gdn_by_level_passes(const MixerInputs& in, const State& in
     return y.reshape(to);
   };
   const DeltaChunkPieces pieces =
-      delta_rule_chunk(folded(in.q), folded(in.k), folded(in.v), folded(in.beta), folded(in.g), 1.0);
+      delta_rule_chunk(folded(in.q), folded(in.k), Tensor(), folded(in.beta), folded(in.g), 1.0,
+                       init.empty() ? ChunkParts::mixing : ChunkParts::reads);
   Base base;
   base.own_pairs = [&](const Tensor& weight) {  // weight [B,H,N,C,C]
     auto M = pieces.mixing.reshape({B, N, H, C, C}).permute({0, 2, 1, 3, 4}) * weight;  // [B,H,N,C,C]

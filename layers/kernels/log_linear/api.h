@@ -1,5 +1,5 @@
-// The levels above the chunk of log-linear Mamba-2 (layers/log_linear/level_passes.h) on three kernels
-// (levels.cu). A level ℓ pairs each block of 2^ℓ tokens with itself: its first half (side 0) writes one
+// Log-linear Mamba-2's kernels (layers/log_linear/level_passes.h): the levels above the chunk on three
+// kernels (levels.cu), the levels inside a chunk on two (chunk_levels.cu). A level ℓ pairs each block of 2^ℓ tokens with itself: its first half (side 0) writes one
 // state, Y = Σ_s a_s k_s v_sᵀ, which its second half (side 1) reads, o_t += w_t Yᵀ q_t; a and w are
 // per-token factors (decay to and from the block's middle, times λ_t[ℓ] for w). Every product of the
 // forward and the backward is one of two shapes, over all levels at once:
@@ -41,5 +41,15 @@ at::Tensor level_sum(const at::Tensor& x, const at::Tensor& y, const at::Tensor&
 std::vector<at::Tensor> level_read(const at::Tensor& x, const at::Tensor& mats, const at::Tensor& wt,
                                    const std::vector<LevelBlocks>& levels, int side, bool transposed,
                                    const at::Tensor& d = {});
+
+// The levels inside a 64-token chunk (0..6, chunk_levels.cu): o_t = Σ_{s ≤ t in t's chunk} λ_t[bit_width(t xor s)]
+// e^{G_t − G_s} (q_t·k_s) v_s, G the chunk's cumulative sum of g (unscaled), fp32 [BH, T, dv]. q, k [BH,T,dk]
+// (dk ∈ {64, 128}), v [BH,T,dv] (dv ∈ {64, 128, 256}) bf16, g [BH,T] fp32, lam [BH,L,T] fp32 (L ≥ 7).
+at::Tensor chunk_levels_fwd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& g,
+                            const at::Tensor& lam);
+// Its gradients from d_o (bf16 [BH,T,dv]): {dq, dk, dv (fp32, the inputs' shapes), dg [BH,T], dlam [BH,L,T]
+// (rows 7.. zero)}.
+std::vector<at::Tensor> chunk_levels_bwd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                         const at::Tensor& g, const at::Tensor& lam, const at::Tensor& d_o);
 
 }  // namespace carry::kernels::log_linear
