@@ -41,6 +41,15 @@ const char* device_name(int index) {
   return buf;
 }
 
+int compute_capability(int index) {
+  cudaDeviceProp p{};
+  if (cudaGetDeviceProperties(&p, index) != cudaSuccess) {
+    cudaGetLastError();
+    return 0;
+  }
+  return p.major * 10 + p.minor;
+}
+
 long long peak_allocated_bytes(int index) {
   auto stats = c10::cuda::CUDACachingAllocator::getDeviceStats(static_cast<c10::DeviceIndex>(index));
   return stats.allocated_bytes[static_cast<size_t>(c10::CachingAllocator::StatType::AGGREGATE)].peak;

@@ -11,6 +11,8 @@ namespace carry::cuda {
 int device_count();
 // A one-line description of device `index` ("NVIDIA H100 80GB HBM3, sm_90, 79.1 GiB").
 const char* device_name(int index);
+// Device `index`'s compute capability as major·10 + minor (90 for Hopper); 0 when it cannot be read.
+int compute_capability(int index);
 // PyTorch's caching allocator on device `index`: the peak of allocated bytes, and its reset.
 long long peak_allocated_bytes(int index);
 void reset_peak_allocated(int index);

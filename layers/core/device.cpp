@@ -24,6 +24,14 @@ std::string cuda_device_name(int index) {
   return "no CUDA in this build (index " + std::to_string(index) + ")";
 #endif
 }
+int cuda_compute_capability(int index) {
+#ifdef CARRY_WITH_CUDA
+  return cuda::compute_capability(index);
+#else
+  (void)index;
+  return 0;
+#endif
+}
 int64_t cuda_peak_allocated_bytes(int index) {
 #ifdef CARRY_WITH_CUDA
   return cuda::peak_allocated_bytes(index);

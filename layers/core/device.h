@@ -11,6 +11,8 @@
 namespace carry {
 int cuda_device_count();        // 0 on CPU-only builds or machines
 std::string cuda_device_name(int index);
+// Device `index`'s compute capability as major·10 + minor (90 for Hopper); 0 without CUDA.
+int cuda_compute_capability(int index);
 // The caching allocator's peak of allocated bytes on a device since the last reset (0 without CUDA).
 int64_t cuda_peak_allocated_bytes(int index);
 void cuda_reset_peak_allocated(int index);

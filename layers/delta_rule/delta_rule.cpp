@@ -30,11 +30,12 @@ at::ScalarType compute_dtype(const Tensor& x) {
 }  // namespace
 
 DeltaChunkPieces delta_rule_chunk(const Tensor& q, const Tensor& k, const Tensor& v,
-                                  const Tensor& beta, const Tensor& g, double scale) {
+                                  const Tensor& beta, const Tensor& g, double scale, ChunkParts parts) {
   TORCH_CHECK(q.dim() == 4 && k.sizes() == q.sizes(), "delta_rule_chunk: q and k must be [B,H,C,dk] "
               "of one shape, got ", shape_str(q.sizes()), " and ", shape_str(k.sizes()));
   int64_t B = q.size(0), H = q.size(1), C = q.size(2), dk = q.size(3);
-  TORCH_CHECK(v.dim() == 4 && v.size(0) == B && v.size(1) == H && v.size(2) == C,
+  TORCH_CHECK((parts != ChunkParts::all && !v.defined()) ||
+                  (v.dim() == 4 && v.size(0) == B && v.size(1) == H && v.size(2) == C),
               "delta_rule_chunk: v must be [", B, ", ", H, ", ", C, ", dv], got ", shape_str(v.sizes()));
   TORCH_CHECK(beta.sizes() == at::IntArrayRef({B, H, C}), "delta_rule_chunk: beta must be [", B, ", ",
               H, ", ", C, "], got ", shape_str(beta.sizes()));
@@ -60,13 +61,15 @@ DeltaChunkPieces delta_rule_chunk(const Tensor& q, const Tensor& k, const Tensor
   auto T = at::linalg_solve_triangular(eye_c + L, eye_c.expand_as(L), /*upper=*/false,
                                        /*left=*/true, /*unitriangular=*/true);
   auto T_beta = T * beta.unsqueeze(-2);                                             // T·diag(β)
-  auto W = at::matmul(T, beta_k * gate_in);                                         // [B,H,C,dk]
-  auto k_out = k * gate_out;                                                        // K̃ [B,H,C,dk]
   auto qk = at::matmul(q, k.transpose(-1, -2)) * decay * scale;                     // causal, [C,C]
 
   DeltaChunkPieces p;
   p.mixing = at::matmul(qk, T_beta);
+  if (parts == ChunkParts::mixing) return p;
+  auto W = at::matmul(T, beta_k * gate_in);                                         // [B,H,C,dk]
   p.query_state = q * gate_in * scale - at::matmul(qk, W);
+  if (parts == ChunkParts::reads) return p;
+  auto k_out = k * gate_out;                                                        // K̃ [B,H,C,dk]
   p.transport = at::exp(G_last).unsqueeze(-1).unsqueeze(-1) * at::eye(dk, opt) -
                 at::matmul(k_out.transpose(-1, -2), W);
   p.value_state = at::matmul(k_out.transpose(-1, -2), T_beta);

@@ -43,11 +43,17 @@ struct DeltaChunkPieces {
   Tensor value_state;  // R [B,H,dk,C]
 };
 
+// Which pieces delta_rule_chunk computes: all of them, the read side only (mixing and query_state), or
+// the mixing only (v may be undefined but for all).
+enum class ChunkParts { all, reads, mixing };
+
 // The pieces of one chunk from chunk-local tensors in [B,H,C,·] layout: q, k [B,H,C,dk], v [B,H,C,dv],
 // beta [B,H,C] and g [B,H,C] (log decays; undefined = no decay, DeltaNet). Computed in the tensors'
-// dtype; no value checks (the callers' check() does them), only shapes.
+// dtype; no value checks (the callers' check() does them), only shapes. The pieces not asked for are
+// undefined.
 DeltaChunkPieces delta_rule_chunk(const Tensor& q, const Tensor& k, const Tensor& v,
-                                  const Tensor& beta, const Tensor& g, double scale);
+                                  const Tensor& beta, const Tensor& g, double scale,
+                                  ChunkParts parts = ChunkParts::all);
 
 // The pieces of chunk `chunk` (tokens [chunk·C, (chunk+1)·C), C = opt.chunk_size) of inputs in the
 // mixer layout [B,T,H,·]; reads g when it is defined. Computes in the input dtype promoted to fp32 at

@@ -8,6 +8,11 @@
 
 #include <torch/csrc/autograd/custom_function.h>
 
+#ifdef CARRY_WITH_CUDA
+#include "layers/kernels/log_linear/api.h"
+#include "layers/kernels/primitives/host.h"
+#endif
+
 #include <functional>
 #include <limits>
 #include <tuple>
@@ -48,6 +53,8 @@ Tensor pair_level_one_hot(int64_t C, int64_t levels, const at::TensorOptions& o)
 // piece (the keys or values of second halves zeroed), and the slice's transport of an entry.
 struct Base {
   std::function<Tensor(const Tensor& weight)> own_pairs;  // weight [B,H,N,C,C] → o [B,T,H,dv]
+  // Or the levels 0..c computed whole by the base (kernels): lam [B,T,H,L] (accumulation dtype) → o [B,T,H,dv].
+  std::function<Tensor(const Tensor& lam)> own_levels;
   std::function<Tensor(const Tensor& Z)> first_chunk_read;  // Z [B,H,dk,dv] → [B,C,H,dv]
   std::function<std::pair<Tensor, Tensor>(const MixerInputs& piece, const Tensor& source, const Tensor& x0)> pass;
   std::function<Tensor(const Tensor& S)> transport;  // S [B,H,dk,dv] → the slice's transport applied to S
@@ -133,9 +140,44 @@ struct WholeBlockLevels : public torch::autograd::Function<WholeBlockLevels> {
     return {a, e, b.half_of(lam.select(2, b.level), 1) * e};
   }
 
+#ifdef CARRY_WITH_CUDA
+  // The level kernels (layers/kernels/log_linear/api.h) take bf16 CUDA inputs, dk in {64, 128}, dv in {64, 128,
+  // 256} and levels whose halves are whole 64-token chunks.
+  static bool kernels_take(const Tensor& q, const Tensor& v, const std::vector<View>& vs) {
+    if (!q.is_cuda() || q.scalar_type() != at::kBFloat16 || q.size(2) % 64 != 0) return false;
+    const int64_t dk = q.size(3), dv = v.size(3);
+    if ((dk != 64 && dk != 128) || (dv != 64 && dv != 128 && dv != 256)) return false;
+    for (const View& b : vs)
+      if (b.half < 64 || b.start % 64 != 0) return false;
+    return !vs.empty();
+  }
+  static std::vector<kernels::log_linear::LevelBlocks> level_blocks(const std::vector<View>& vs) {
+    std::vector<kernels::log_linear::LevelBlocks> out;
+    for (const View& b : vs) out.push_back({b.level, b.start, b.M});
+    return out;
+  }
+  // [B,H,T,d] → [B·H, T, d], contiguous and 16-byte aligned.
+  static Tensor rows(const Tensor& x) {
+    return kernels::primitives::dense16(x.reshape({x.size(0) * x.size(1), x.size(2), x.size(3)}));
+  }
+#endif
+
   static Tensor forward(AutogradContext* ctx, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& cum,
                         const Tensor& lam, const std::vector<int64_t>& blocks) {
     const auto io = q.scalar_type(), dt = lam.scalar_type();
+#ifdef CARRY_WITH_CUDA
+    if (kernels_take(q, v, views(blocks))) {
+      namespace ll = kernels::log_linear;
+      const auto levels = level_blocks(views(blocks));
+      const int64_t B = q.size(0), H = q.size(1), T = q.size(2), L = lam.size(2);
+      auto we = ll::level_weights(cum.reshape({B * H, T + 1}).contiguous(), lam.reshape({B * H, L, T}).contiguous(), levels);
+      auto Y = ll::level_sum(rows(k), rows(v), we[0], levels, 0);
+      auto o = ll::level_read(rows(q), Y, we[0], levels, 1, false)[0].view({B, H, T, v.size(3)});
+      ctx->save_for_backward({q, k, v, cum, lam, we[0], we[1]});
+      ctx->saved_data["blocks"] = blocks;
+      return o;
+    }
+#endif
     Tensor o = at::zeros({q.size(0), q.size(1), q.size(2), v.size(3)}, v.options().dtype(dt));
     for (const View& b : views(blocks)) {
       auto [a, e, w] = factors(b, cum, lam, dt);
@@ -155,6 +197,35 @@ struct WholeBlockLevels : public torch::autograd::Function<WholeBlockLevels> {
     const auto io = q.scalar_type(), dt = lam.scalar_type();
     const auto blocks = ctx->saved_data["blocks"].toIntVector();
     const Tensor d_o = grads[0].to(io).contiguous();
+#ifdef CARRY_WITH_CUDA
+    if (s.size() == 7) {  // the level kernels' forward
+      namespace ll = kernels::log_linear;
+      const auto levels = level_blocks(views(blocks));
+      const Tensor &wt = s[5], &e = s[6];
+      const int64_t B = q.size(0), H = q.size(1), T = q.size(2), L = lam.size(2), BH = B * H;
+      const auto qr = rows(q), kr = rows(k), vr = rows(v), dor = rows(d_o);
+      auto Y = ll::level_sum(kr, vr, wt, levels, 0);
+      auto dY = ll::level_sum(qr, dor, wt, levels, 1);
+      auto dq_dw = ll::level_read(dor, Y, wt, levels, 1, true, qr);    // dq = Σ w·(dO Yᵀ), dw = (dO Yᵀ)·q
+      auto dk_da = ll::level_read(vr, dY, wt, levels, 0, true, kr);    // dk = Σ a·(v dYᵀ), da = (v dYᵀ)·k
+      auto dv = ll::level_read(kr, dY, wt, levels, 0, false)[0];       // dv = Σ a·(k dY)
+      // d log w_t = dw·w at t+1 (second halves), d log a_s = da·a at s+1 with a minus (first halves); each
+      // block's middle takes the opposite of its block's sum.
+      auto X = (dq_dw[1] - dk_da[1]) * wt;  // [BH, n, T]: the two sides do not overlap
+      Tensor dcum = at::zeros({BH, T + 1}, cum.options());
+      dcum.narrow(1, 1, T).add_(X.sum(1).to(at::kDouble));
+      Tensor dlam = at::zeros({BH, L, T}, lam.options());
+      for (size_t i = 0; i < levels.size(); ++i) {
+        const auto& b = levels[i];
+        const int64_t len = b.M << b.level;
+        auto block_sum = X.select(1, (int64_t)i).narrow(1, b.start, len).view({BH, b.M, len / b.M}).sum(-1);
+        dcum.narrow(1, b.start, len).view({BH, b.M, len / b.M}).select(2, len / b.M / 2).sub_(block_sum.to(at::kDouble));
+        dlam.select(1, b.level).add_(dq_dw[1].select(1, (int64_t)i) * e.select(1, (int64_t)i));
+      }
+      return {dq_dw[0].view(q.sizes()).to(io), dk_da[0].view(k.sizes()).to(io), dv.view(v.sizes()).to(io),
+              dcum.view({B, H, T + 1}), dlam.view(lam.sizes()), Tensor()};
+    }
+#endif
     Tensor dq = at::zeros(q.sizes(), q.options().dtype(dt)), dk = at::zeros(k.sizes(), k.options().dtype(dt));
     Tensor dv = at::zeros(v.sizes(), v.options().dtype(dt)), dcum = at::zeros_like(cum), dlam = at::zeros_like(lam);
     for (const View& b : views(blocks)) {
@@ -182,6 +253,33 @@ struct WholeBlockLevels : public torch::autograd::Function<WholeBlockLevels> {
   }
 };
 
+#ifdef CARRY_WITH_CUDA
+// Log-linear Mamba-2's levels inside a 64-token chunk on their kernels (layers/kernels/log_linear/api.h):
+// q, k, v [B,H,T,·] bf16, g [B,H,T] fp32, lam [B,H,L,T] fp32 → o [B,H,T,dv] fp32, unscaled.
+struct ChunkLevels : public torch::autograd::Function<ChunkLevels> {
+  static Tensor rows(const Tensor& x) {  // [B,H,T(,d)] → [B·H, T(, d)], contiguous and 16-byte aligned
+    auto s = x.sizes().vec();
+    s.erase(s.begin());
+    s[0] *= x.size(0);
+    return kernels::primitives::dense16(x.reshape(s));
+  }
+  static Tensor forward(AutogradContext* ctx, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& g,
+                        const Tensor& lam) {
+    ctx->save_for_backward({q, k, v, g, lam});
+    auto o = kernels::log_linear::chunk_levels_fwd(rows(q), rows(k), rows(v), rows(g), rows(lam));
+    return o.view({q.size(0), q.size(1), q.size(2), v.size(3)});
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    auto s = ctx->get_saved_variables();
+    const Tensor &q = s[0], &k = s[1], &v = s[2], &g = s[3], &lam = s[4];
+    auto r = kernels::log_linear::chunk_levels_bwd(rows(q), rows(k), rows(v), rows(g), rows(lam),
+                                                   rows(grads[0].to(q.scalar_type())));
+    return {r[0].view(q.sizes()).to(q.scalar_type()), r[1].view(k.sizes()).to(k.scalar_type()),
+            r[2].view(v.sizes()).to(v.scalar_type()), r[3].view(g.sizes()), r[4].view(lam.sizes())};
+  }
+};
+#endif
+
 MixerOutput by_level_passes(const MixerInputs& in, const State& init, const MixerOptions& opt, const Base& base) {
   const int64_t B = in.q.size(0), T = in.q.size(1), H = in.q.size(2), dk = in.q.size(3), dv = in.v.size(3);
   const int64_t L = in.l.size(3), J = L - 1, C = opt.chunk_size, N = T / C;
@@ -191,7 +289,8 @@ MixerOutput by_level_passes(const MixerInputs& in, const State& init, const Mixe
   const auto fo = in.q.options().dtype(dt);
   std::vector<Tensor> S0;
   for (int64_t j = 0; j < J; ++j)
-    S0.push_back(state_or_zeros(init, j, {B, H, dk, dv}, fo).to(dt));
+    // No incoming state: undefined entries (zeros that are never added, copied or read).
+    S0.push_back(init.empty() ? Tensor() : state_or_zeros(init, j, {B, H, dk, dv}, fo).to(dt));
   const Tensor lam = in.l.to(dt);
   // The products' cumulative log decay, in fp64 (differences of long sums keep their digits).
   // Scanned along its innermost dimension ([B,H,T]: a scan along T of [B,T,H] runs one thread a column on
@@ -203,14 +302,19 @@ MixerOutput by_level_passes(const MixerInputs& in, const State& init, const Mixe
   // Levels 0..c: pairs inside a chunk, every chunk at once; weight[t, s] = λ_t[level(t, s)], for each t a
   // [levels] × [levels, C] product with the one-hot (exact: one nonzero term; no gather, whose backward
   // adds with atomics on a GPU).
-  auto lc = split_chunks(to_bhtd(lam.narrow(-1, 0, c + 1)), C);                       // [B,H,N,C,c+1]
-  Tensor o = base.own_pairs(at::einsum("bhntl,tls->bhnts", {lc, pair_level_one_hot(C, c + 1, fo)}));
+  Tensor o;
+  if (base.own_levels) {
+    o = base.own_levels(lam);
+  } else {
+    auto lc = split_chunks(to_bhtd(lam.narrow(-1, 0, c + 1)), C);                     // [B,H,N,C,c+1]
+    o = base.own_pairs(at::einsum("bhntl,tls->bhnts", {lc, pair_level_one_hot(C, c + 1, fo)}));
+  }
 
   // The entries with b_j(p) = p, read by the first chunk at its own levels bit_width(t − p) ≤ c.
   {
     Tensor Z;
     for (int64_t j = 0; j < J; ++j)
-      if (fenwick_block_start(p, j) == p) Z = Z.defined() ? Z + S0[j] : S0[j];
+      if (S0[j].defined() && fenwick_block_start(p, j) == p) Z = Z.defined() ? Z + S0[j] : S0[j];
     if (Z.defined()) {
       auto read = base.first_chunk_read(Z);
       // λ_t[bit_width(t − p)], an exact one-hot product.
@@ -234,7 +338,7 @@ MixerOutput by_level_passes(const MixerInputs& in, const State& init, const Mixe
     for (int64_t j = 0; j < J; ++j)
       if ((fenwick_block_start(p, j) >> (level - 1)) == ((p >> level) << 1)) {
         injected[j] = true;
-        X0 = X0.defined() ? X0 + S0[j] : S0[j];
+        if (S0[j].defined()) X0 = X0.defined() ? X0 + S0[j] : S0[j];
       }
     std::vector<Tensor> outs;
     Tensor last_state;
@@ -298,7 +402,7 @@ MixerOutput by_level_passes(const MixerInputs& in, const State& init, const Mixe
     if (readers && !base.products) {
       Tensor y = outs.size() == 1 ? outs[0] : at::cat(outs, 1);
       auto w = lam.select(-1, level).unsqueeze(-1) * position_mask(p, T, level - 1, true, fo);
-      o = o + w * y.to(dt);
+      o = at::addcmul(o, w, y);  // y in the pass's dtype, summed in o's
     }
     if (final_entry) {
       // The pass's final state is its last block's first half; where that block is p's, it also carries
@@ -309,7 +413,7 @@ MixerOutput by_level_passes(const MixerInputs& in, const State& init, const Mixe
       Tensor fix;
       for (int64_t i = 0; i < J; ++i) {
         const bool in_pass = same_block && injected[i], belongs = fenwick_merge_target(p, q_end, i) == j;
-        if (in_pass == belongs) continue;
+        if (in_pass == belongs || !S0[i].defined()) continue;
         Tensor t = in_pass ? -S0[i] : S0[i];
         fix = fix.defined() ? fix + t : t;
       }
@@ -336,7 +440,7 @@ MixerOutput by_level_passes(const MixerInputs& in, const State& init, const Mixe
     }
     Tensor s;
     for (int64_t i = 0; i < J; ++i)
-      if (fenwick_merge_target(p, q_end, i) == j) s = s.defined() ? s + S0[i] : S0[i];
+      if (S0[i].defined() && fenwick_merge_target(p, q_end, i) == j) s = s.defined() ? s + S0[i] : S0[i];
     final_state[j] = s.defined() ? base.transport(s) : at::zeros({B, H, dk, dv}, fo);
   }
   return {(o * opt.scale_for(dk)).to(in.q.scalar_type()), final_state};
@@ -350,6 +454,18 @@ MixerOutput loglinear_mamba2_by_level_products(const MixerInputs& in, const Stat
   const auto io = in.q.scalar_type();  // the products' operands
   Base base;
   base.products = true;
+#ifdef CARRY_WITH_CUDA
+  const int64_t dk = in.q.size(3), dv = in.v.size(3);
+  if (in.q.is_cuda() && io == at::kBFloat16 && in.v.scalar_type() == io && C == 64 && (dk == 64 || dk == 128) &&
+      (dv == 64 || dv == 128 || dv == 256)) {
+    base.own_levels = [&](const Tensor& lam) {
+      auto bhtd = [](const Tensor& x) { return x.transpose(1, 2).contiguous(); };
+      return ChunkLevels::apply(bhtd(in.q), bhtd(in.k), bhtd(in.v), bhtd(in.g.to(at::kFloat)),
+                                lam.permute({0, 2, 3, 1}).contiguous())
+          .transpose(1, 2);
+    };
+  }
+#endif
   base.own_pairs = [&](const Tensor& weight) {
     auto qc = split_chunks(to_bhtd(in.q), C), kc = split_chunks(to_bhtd(in.k), C);
     auto vc = split_chunks(to_bhtd(in.v.to(io)), C);
@@ -389,7 +505,8 @@ MixerOutput loglinear_gdn_by_level_passes(const MixerInputs& in, const State& in
     return y.reshape(to);
   };
   const DeltaChunkPieces pieces =
-      delta_rule_chunk(folded(in.q), folded(in.k), folded(in.v), folded(in.beta), folded(in.g), 1.0);
+      delta_rule_chunk(folded(in.q), folded(in.k), Tensor(), folded(in.beta), folded(in.g), 1.0,
+                       init.empty() ? ChunkParts::mixing : ChunkParts::reads);
   Base base;
   base.own_pairs = [&](const Tensor& weight) {  // weight [B,H,N,C,C]
     auto M = pieces.mixing.reshape({B, N, H, C, C}).permute({0, 2, 1, 3, 4}) * weight;  // [B,H,N,C,C]

@@ -88,7 +88,11 @@ TEST_P(LevelPassFamilies, KernelFormMatchesChunkwiseOnGpu) {
     int64_t B, T, H, dk, dv, offset;
   };
   std::vector<Case> cases{{1, 512, 2, 64, 64, 0}, {2, 256, 1, 128, 128, 768}, {1, 384, 2, 128, 256, 1664}};
-  if (m.name() == "loglinear_mamba2") cases.push_back({1, 256, 2, 96, 192, 4096});
+  if (m.name() == "loglinear_mamba2") {
+    cases.push_back({1, 256, 2, 96, 192, 4096});
+    cases.push_back({1, 4096, 2, 128, 128, 0});  // halves of more than one segment of the level kernels
+    cases.push_back({2, 2048, 1, 64, 256, 2048});
+  }
   for (const Case& c : cases)
     for (bool serial : {true, false})
       for (auto dt : {at::kFloat, at::kBFloat16}) {

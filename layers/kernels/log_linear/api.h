@@ -1,0 +1,55 @@
+// Log-linear Mamba-2's kernels (layers/log_linear/level_passes.h): the levels above the chunk on three
+// kernels (levels.cu), the levels inside a chunk on two (chunk_levels.cu). A level ℓ pairs each block of 2^ℓ tokens with itself: its first half (side 0) writes one
+// state, Y = Σ_s a_s k_s v_sᵀ, which its second half (side 1) reads, o_t += w_t Yᵀ q_t; a and w are
+// per-token factors (decay to and from the block's middle, times λ_t[ℓ] for w). Every product of the
+// forward and the backward is one of two shapes, over all levels at once:
+//   level_sum:  for each block, Σ_{t in one side} wt_t · x_t y_tᵀ         (Y from k, v; dY from q, dO)
+//   level_read: out_t = Σ_{levels where t is on one side} wt_t · x_tᵀ Mat  (o, dq, dk, dv)
+// with the level's factor row wt picked by the level. Inputs in [BH, T, d] layout (contiguous), bf16;
+// sums and read-outs in fp32; the matrices between them in bf16 (the products' operand type).
+// Deterministic: every sum runs in a fixed order (segments of a half summed by at::sum).
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <vector>
+
+namespace carry::kernels::log_linear {
+
+// One level's whole blocks in the slice: M blocks of 2^level tokens from token `start` (relative to the
+// slice, a multiple of 64), level ≥ 7 (each half whole 64-token chunks).
+struct LevelBlocks {
+  int64_t level, start, M;
+};
+
+// The factors of every listed level, wt [BH, n, T] fp32 (n = levels.size()) and e [BH, n, T] fp32, zero
+// outside the level's blocks: side 0 wt = a_t = e^{cum[mid] − cum[t+1]}; side 1 wt = λ_t[level]·e_t,
+// e_t = e^{cum[t+1] − cum[mid]} (e is zero on side 0). cum [BH, T+1] fp64 (contiguous), lam [BH, L, T] fp32.
+std::vector<at::Tensor> level_weights(const at::Tensor& cum, const at::Tensor& lam, const std::vector<LevelBlocks>& levels);
+
+// For each level i and block m: Σ_{t in side `side` of the block} wt[:, i, t] · x_t y_tᵀ, summed in fp32,
+// returned bf16 [BH, ΣM, dx, dy] (level i's blocks from Σ_{j<i} M_j). x [BH,T,dx] with dx ∈ {64, 128},
+// y [BH,T,dy] with dy ∈ {64, 128, 256}, bf16 contiguous.
+at::Tensor level_sum(const at::Tensor& x, const at::Tensor& y, const at::Tensor& wt, const std::vector<LevelBlocks>& levels,
+                     int side);
+
+// out_t = Σ_{levels i where t is on side `side` of its block m} wt[:, i, t] · x_tᵀ Mat_i,m, fp32 [BH, T, ·];
+// Mat from `mats` [BH, ΣM, r, c] (level_sum's layout), used as is (x has r columns, out c) or, with
+// `transposed`, as its transpose (x has c columns, out r). With `d` ([BH, T, out's width ≤ 128] bf16),
+// also rowdot [BH, n, T] fp32: (x_tᵀ Mat)·d_t, zero where t does not read. x's width ∈ {64, 128, 256}
+// (64 or 128 unless transposed), out's width ∈ {64, 128, 256}.
+std::vector<at::Tensor> level_read(const at::Tensor& x, const at::Tensor& mats, const at::Tensor& wt,
+                                   const std::vector<LevelBlocks>& levels, int side, bool transposed,
+                                   const at::Tensor& d = {});
+
+// The levels inside a 64-token chunk (0..6, chunk_levels.cu): o_t = Σ_{s ≤ t in t's chunk} λ_t[bit_width(t xor s)]
+// e^{G_t − G_s} (q_t·k_s) v_s, G the chunk's cumulative sum of g (unscaled), fp32 [BH, T, dv]. q, k [BH,T,dk]
+// (dk ∈ {64, 128}), v [BH,T,dv] (dv ∈ {64, 128, 256}) bf16, g [BH,T] fp32, lam [BH,L,T] fp32 (L ≥ 7).
+at::Tensor chunk_levels_fwd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& g,
+                            const at::Tensor& lam);
+// Its gradients from d_o (bf16 [BH,T,dv]): {dq, dk, dv (fp32, the inputs' shapes), dg [BH,T], dlam [BH,L,T]
+// (rows 7.. zero)}.
+std::vector<at::Tensor> chunk_levels_bwd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                         const at::Tensor& g, const at::Tensor& lam, const at::Tensor& d_o);
+
+}  // namespace carry::kernels::log_linear
