@@ -871,6 +871,13 @@ class NcclCommunicator final : public Communicator {
 bool nccl_available() { return true; }
 
 std::shared_ptr<Communicator> make_nccl_communicator(MPI_Comm comm, int device, CommOptions opt) {
+  CommOptions bo = opt;
+  bo.name = opt.name + " (NCCL bootstrap over MPI)";
+  bo.copy_engine_neighbours = false;
+  return make_nccl_communicator(make_mpi_communicator(comm, bo), device, std::move(opt));
+}
+
+std::shared_ptr<Communicator> make_nccl_communicator(std::shared_ptr<Communicator> boot, int device, CommOptions opt) {
   // NVLink multicast (NVLS) can take a host's GPUs out of service on the machines we run on; keep
   // it off unless the user asks for it explicitly.
   setenv("NCCL_NVLS_ENABLE", "0", /*overwrite=*/0);
@@ -883,9 +890,6 @@ std::shared_ptr<Communicator> make_nccl_communicator(MPI_Comm comm, int device, 
               "': the NCCL backend needs ", "CUDA device ", device,
               " (one GPU a rank, by local rank) but this process sees ", devices,
               " CUDA device(s); start at most as many ranks a host as it has GPUs");
-  CommOptions bo = opt;
-  bo.name = opt.name + " (NCCL bootstrap over MPI)";
-  auto boot = make_mpi_communicator(comm, bo);
   ncclUniqueId id;
   Tensor idt = at::zeros({static_cast<int64_t>(sizeof(id))}, at::kByte);
   if (boot->rank() == 0) {
@@ -949,6 +953,13 @@ namespace carry::parallel {
 bool nccl_available() { return false; }
 
 std::shared_ptr<Communicator> make_nccl_communicator(MPI_Comm, int, CommOptions opt) {
+  TORCH_CHECK(
+      false, "communicator '", opt.name,
+      "': the NCCL backend is not in this build of carry (it needs CUDA and nccl.h at build "
+      "time); use the MPI backend");
+}
+
+std::shared_ptr<Communicator> make_nccl_communicator(std::shared_ptr<Communicator>, int, CommOptions opt) {
   TORCH_CHECK(
       false, "communicator '", opt.name,
       "': the NCCL backend is not in this build of carry (it needs CUDA and nccl.h at build "

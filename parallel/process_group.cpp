@@ -5,6 +5,8 @@
 // completes only once its peer takes part (a missing receiver is then caught too).
 #include "parallel/process_group.h"
 #include "layers/core/knobs.h"
+#include "parallel/launch_env.h"
+#include "parallel/tcp_store.h"
 
 #include "layers/core/nvtx.h"
 
@@ -17,6 +19,8 @@
 #include <cstdlib>
 #include <sstream>
 #include <thread>
+
+#include <unistd.h>
 
 namespace carry::parallel {
 
@@ -365,7 +369,42 @@ class MpiCommunicator final : public Communicator {
 
 // ---- bootstrap ----
 
+bool store_world() {
+  static const bool without_mpi = [] {
+    const auto kind = read_launch_env().kind;
+    return kind == LaunchEnv::Kind::torchrun || kind == LaunchEnv::Kind::slurm;
+  }();
+  return without_mpi;
+}
+
+namespace {
+// The world over the TCP store, for the setup's own collectives (world_max, the final barrier).
+std::shared_ptr<Communicator> store_world_comm() {
+  static std::shared_ptr<Communicator> comm;
+  if (!comm) {
+    std::vector<int> all(static_cast<size_t>(world_info().size));
+    for (size_t i = 0; i < all.size(); ++i) all[i] = static_cast<int>(i);
+    CommOptions o;
+    o.name = "world setup";
+    comm = make_store_communicator(launch_store(), all, world_info().rank, o);
+  }
+  return comm;
+}
+}  // namespace
+
 void init_mpi(int* argc, char*** argv) {
+  if (store_world()) {  // torchrun or srun without MPI: the launcher's variables, no MPI at all
+    if (!g_world_ready) {
+      const LaunchEnv e = read_launch_env();
+      g_world.rank = e.rank, g_world.size = e.size, g_world.local_rank = e.local_rank, g_world.local_size = e.local_size;
+      char name[256] = {};
+      ::gethostname(name, sizeof name - 1);
+      g_world.host = name;
+      g_world_ready = true;
+      if (g_world.size > 1) launch_store();  // rank 0 starts listening; everyone connects (or fails here)
+    }
+    return;
+  }
   int initialized = 0;
   MPI_Initialized(&initialized);
   if (!initialized) {
@@ -395,6 +434,32 @@ void init_mpi(int* argc, char*** argv) {
 }
 
 void finalize_mpi() {
+  if (store_world()) {
+    // Rank 0 serves the store: it stays until every other rank has made its last request (an add whose
+    // answer it has read, or missed because rank 0 was already gone, which is then harmless).
+    static bool done = false;
+    if (!done && g_world_ready && g_world.size > 1) {
+      done = true;
+      try {
+        auto store = launch_store();
+        if (g_world.rank != 0) {
+          try {
+            store->add("carry/finished", 1);
+          } catch (const std::exception&) {
+          }
+        } else {
+          const auto start = std::chrono::steady_clock::now();
+          while (store->add("carry/finished", 0) < g_world.size - 1 &&
+                 std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count() < default_comm_timeout_s())
+            std::this_thread::sleep_for(std::chrono::milliseconds(10));
+          std::this_thread::sleep_for(std::chrono::milliseconds(100));  // the last answers leave the socket
+        }
+      } catch (const std::exception& e) {
+        std::fprintf(stderr, "carry: rank %d: the last exchange over the TCP store failed: %s\n", g_world.rank, e.what());
+      }
+    }
+    return;
+  }
   int initialized = 0, finalized = 0;
   MPI_Initialized(&initialized);
   MPI_Finalized(&finalized);
@@ -404,6 +469,28 @@ void finalize_mpi() {
 const WorldInfo& world_info() {
   init_mpi();
   return g_world;
+}
+
+int world_max(int v) {
+  if (world_info().size == 1) return v;
+  if (store_world()) {
+    auto t = at::full({1}, v, at::kInt);
+    int out = v;
+    for (auto& x : store_world_comm()->all_gather(t)) out = std::max(out, x.item<int>());
+    return out;
+  }
+  int out = v;
+  MPI_Allreduce(&v, &out, 1, MPI_INT, MPI_MAX, MPI_COMM_WORLD);
+  return out;
+}
+
+int world_min(int v) { return -world_max(-v); }
+
+void abort_world(int code) {
+  std::fflush(stdout);
+  std::fflush(stderr);
+  if (!store_world()) MPI_Abort(MPI_COMM_WORLD, code);
+  std::_Exit(code);
 }
 
 double default_comm_timeout_s() {
@@ -472,11 +559,9 @@ std::string comm_error_message(const Communicator& comm, const std::string& op,
 
 void comm_fail(const Communicator& comm, const std::string& message) {
   if (comm.options().on_timeout == CommOptions::OnTimeout::throw_error) throw CommError(message);
-  std::fprintf(stderr, "%s\n  Aborting the job (MPI_Abort) so that no rank hangs.\n",
-               message.c_str());
-  std::fflush(stderr);
-  MPI_Abort(MPI_COMM_WORLD, 3);
-  std::abort();
+  std::fprintf(stderr, "%s\n  Aborting the job (%s) so that no rank hangs.\n", message.c_str(),
+               store_world() ? "this rank exits; the others' waits on it fail" : "MPI_Abort");
+  abort_world(3);
 }
 
 }  // namespace detail
@@ -484,6 +569,9 @@ void comm_fail(const Communicator& comm, const std::string& message) {
 // ---- communicators ----
 
 std::shared_ptr<Communicator> make_mpi_communicator(MPI_Comm comm, CommOptions opt) {
+  TORCH_CHECK(!store_world(), "communicator '", opt.name, "': this process was started by ",
+              launch_kind_name(read_launch_env().kind), " without MPI, so it has no MPI world (start it with mpirun "
+              "for MPI communicators; carry's own commands build theirs over the TCP store)");
   init_mpi();
   // Before the duplication starts: a bad CARRY_COMM_TIMEOUT_S throws here, not while an MPI_Comm_idup
   // is in flight (MPI_Finalize then crashed freeing the half-made communicator, now and then).
@@ -694,6 +782,48 @@ std::vector<std::vector<Tensor>> all_gather_packed(Communicator& comm,
 
 // ---- the grid ----
 
+namespace {
+
+// make_process_groups without an MPI world: the same groups over the TCP store (the MPI backend's
+// place on CPU), or NCCL communicators bootstrapped through it.
+ProcessGroups make_store_process_groups(ProcessGroups g, Backend backend, const CommOptions& opt) {
+  const WorldInfo& w = g.world_info;
+  const int sp = g.layout.sp, dp = g.layout.dp;
+  auto store = launch_store();
+  if (!store) {  // one process: a store of its own on a free port
+    store = std::make_shared<TcpStore>("127.0.0.1", 0, true, default_comm_timeout_s(), "a single process");
+  }
+  std::vector<int> all(w.size), sp_ranks(sp), dp_ranks(dp);
+  for (int i = 0; i < w.size; ++i) all[i] = i;
+  for (int i = 0; i < sp; ++i) sp_ranks[i] = g.dp_rank * sp + i;
+  for (int i = 0; i < dp; ++i) dp_ranks[i] = i * sp + g.sp_rank;
+  auto named = [&](const char* name, bool copy_engines) {
+    CommOptions o = opt;
+    o.name = name;
+    o.copy_engine_neighbours = copy_engines && opt.copy_engine_neighbours;
+    return o;
+  };
+  auto over_store = [&](const std::vector<int>& ranks, int rank, CommOptions o) {
+    if (backend == Backend::mpi) return make_store_communicator(store, ranks, rank, o);
+    CommOptions bo = o;
+    bo.name = o.name + " (NCCL bootstrap over the TCP store)";
+    bo.copy_engine_neighbours = false;
+    return make_nccl_communicator(make_store_communicator(store, ranks, rank, bo), w.local_rank, o);
+  };
+  {
+    auto setup = make_store_communicator(store, all, w.rank, named("world", false));
+    CommContext ctx("building the dp × sp process groups (all ranks must call make_process_groups)");
+    setup->barrier();
+  }
+  g.world = over_store(all, w.rank, named("world", false));
+  g.sp = over_store(sp_ranks, g.sp_rank, named("sp", true));
+  g.dp = over_store(dp_ranks, g.dp_rank, named("dp", false));
+  if (sp > 1) g.sp_gradients = over_store(sp_ranks, g.sp_rank, named("sp gradients", false));
+  return g;
+}
+
+}  // namespace
+
 ProcessGroups make_process_groups(ParallelLayout layout, Backend backend, CommOptions opt) {
   const WorldInfo& w = world_info();
   TORCH_CHECK(layout.dp >= 1 && layout.sp >= 1,
@@ -708,6 +838,7 @@ ProcessGroups make_process_groups(ParallelLayout layout, Backend backend, CommOp
   g.layout = layout;
   g.sp_rank = w.rank % layout.sp;
   g.dp_rank = w.rank / layout.sp;
+  if (store_world()) return make_store_process_groups(g, backend, opt);
 
   // All ranks present before the (blocking) splits: a timed barrier over the world.
   CommOptions wo = opt;

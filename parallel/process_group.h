@@ -40,8 +40,20 @@ struct WorldInfo {
   int local_rank = 0, local_size = 1;  // among the ranks on this host (MPI_COMM_TYPE_SHARED)
   std::string host;
 };
-// Calls init_mpi() first; computed once.
+// Calls init_mpi() first; computed once. Without an MPI world, from the launcher's variables.
 const WorldInfo& world_info();
+
+// Whether this process was started without MPI, by torchrun or srun (parallel/launch_env.h): then
+// init_mpi() reads the rank, world size and local rank from their variables and starts no MPI, the
+// ranks meet through the TCP store on MASTER_ADDR:MASTER_PORT (parallel/tcp_store.h), and
+// make_process_groups builds its communicators over it (CPU) or bootstraps NCCL through it (GPU).
+bool store_world();
+// The maximum and minimum of `v` over the world's ranks (collective: every rank calls it).
+int world_max(int v);
+int world_min(int v);
+// Ends the whole job after a failure on this rank: MPI_Abort, or without MPI this process exits (the
+// other ranks' waits on it then fail with a message naming it).
+[[noreturn]] void abort_world(int code);
 
 // ---- Communicators ----
 
@@ -152,6 +164,10 @@ std::shared_ptr<Communicator> make_mpi_communicator(MPI_Comm comm, CommOptions o
 // An NCCL communicator over the ranks of `comm` on CUDA device `device` (one GPU a rank): rank 0
 // creates the NCCL id and broadcasts it over MPI. Throws on builds without CUDA or nccl.h.
 std::shared_ptr<Communicator> make_nccl_communicator(MPI_Comm comm, int device,
+                                                     CommOptions opt = {});
+// The same over the ranks of `boot` (any communicator: the TCP store's when there is no MPI world),
+// which keeps carrying the host tensors' messages.
+std::shared_ptr<Communicator> make_nccl_communicator(std::shared_ptr<Communicator> boot, int device,
                                                      CommOptions opt = {});
 bool nccl_available();  // compiled in (says nothing about GPUs being present)
 

@@ -113,8 +113,8 @@ std::string fmt(const char* f, double x) {
 
 // Whether any rank failed; the lowest failing rank prints its message.
 bool any_failed(const std::string& error, int rank, int size) {
-  int bad = error.empty() ? size : rank, first = size;
-  MPI_Allreduce(&bad, &first, 1, MPI_INT, MPI_MIN, MPI_COMM_WORLD);
+  const int bad = error.empty() ? size : rank;
+  const int first = parallel::world_min(bad);
   if (first < size && rank == first) std::fprintf(stderr, "carry eval%s: %s\n",
                                                   size > 1 ? (" (rank " + std::to_string(rank) + ")").c_str() : "",
                                                   error.c_str());
@@ -258,7 +258,7 @@ int run_eval_command(int argc, char** argv, bool finalize_mpi) {
       std::fprintf(stderr, "carry eval%s: %s\n", world.size > 1 ? (" (rank " + std::to_string(world.rank) + ")").c_str() : "",
                    message_of(e).c_str());
       std::fflush(stderr);
-      if (world.size > 1) MPI_Abort(MPI_COMM_WORLD, 1);
+      if (world.size > 1) parallel::abort_world(1);
       rc = 1;
     }
   }

@@ -33,6 +33,7 @@ namespace {
 const char* kUsage =
     "usage: carry launch --cluster CLUSTER.textproto RUN.textproto [--set field.path=value ...]\n"
     "                    [--hostfile PATH] [--carry PATH] [--dry-run]\n"
+    "       carry launch --slurm --cluster CLUSTER.textproto RUN.textproto [--set ...] [--output JOB.sbatch] [--carry PATH]\n"
     "  Starts `carry train RUN` on the cluster's hosts with mpirun, one rank a GPU (dp*sp ranks of the\n"
     "  resolved run config, filled host by host so that an sp group stays on one host). Writes the\n"
     "  hostfile (default runs/launch/<run name>.hostfile), prints the mpirun command line and runs it;\n"
@@ -40,7 +41,10 @@ const char* kUsage =
     "  --set       overrides a run config field (repeatable; also passed on to carry train)\n"
     "  --hostfile  where to write the hostfile\n"
     "  --carry     the carry binary the ranks run (default: this one)\n"
-    "  --dry-run   print the hostfile and the command line; write and run nothing\n";
+    "  --dry-run   print the hostfile and the command line; write and run nothing\n"
+    "  --slurm     write an sbatch script instead (default runs/launch/<run name>.sbatch; --output PATH)\n"
+    "              that runs the ranks with srun, no MPI (the cluster's hosts: how many nodes and GPUs a\n"
+    "              node; its slurm { } block: partition, account, time_limit, ...); submit it with sbatch\n";
 
 // The path of the running executable (/proc/self/exe), or "carry" when it cannot be read.
 std::string self_executable() {
@@ -59,7 +63,7 @@ void make_parent_dirs(const std::string& path) {
     if (i < dir.size() && dir[i] != '/') continue;
     std::string part = dir.substr(0, i);
     if (::mkdir(part.c_str(), 0755) != 0 && errno != EEXIST)
-      throw ConfigError("cannot create directory " + part + " for the hostfile: " + std::strerror(errno));
+      throw ConfigError("cannot create directory " + part + " for " + path + ": " + std::strerror(errno));
   }
 }
 
@@ -68,7 +72,7 @@ void write_file(const std::string& path, const std::string& text) {
   std::ofstream out(path, std::ios::binary | std::ios::trunc);
   out << text;
   out.close();
-  if (!out) throw ConfigError("cannot write the hostfile " + path + ": " + std::strerror(errno));
+  if (!out) throw ConfigError("cannot write " + path + ": " + std::strerror(errno));
 }
 
 volatile std::sig_atomic_t g_stop_requests = 0;
@@ -144,9 +148,9 @@ int usage_error(const std::string& message) {
 }  // namespace
 
 int run_launch_command(int argc, char** argv) {
-  std::string cluster_path, run_path, hostfile, carry_binary;
+  std::string cluster_path, run_path, hostfile, carry_binary, sbatch_output;
   std::vector<std::string> overrides;
-  bool dry_run = false;
+  bool dry_run = false, slurm = false;
   CommandArgs args(argc, argv);
   if (args.help()) {
     std::fputs(kUsage, stdout);
@@ -159,6 +163,8 @@ int run_launch_command(int argc, char** argv) {
       else if (a == "--hostfile") hostfile = args.value(a);
       else if (a == "--carry") carry_binary = args.value(a);
       else if (a == "--dry-run") dry_run = true;
+      else if (a == "--slurm") slurm = true;
+      else if (a == "--output") sbatch_output = args.value(a);
       else if (a.rfind("-", 0) == 0) throw UsageError("unknown flag '" + a + "'");
       else if (run_path.empty()) run_path = a;
       else throw UsageError("one run config expected, got '" + run_path + "' and '" + a + "'");
@@ -168,6 +174,8 @@ int run_launch_command(int argc, char** argv) {
   }
   if (cluster_path.empty()) return usage_error("--cluster CLUSTER.textproto is needed");
   if (run_path.empty()) return usage_error("a run config RUN.textproto is needed");
+  if (!sbatch_output.empty() && !slurm) return usage_error("--output names the sbatch script of --slurm");
+  if (slurm && (dry_run || !hostfile.empty())) return usage_error("--slurm writes a script and runs nothing; --dry-run and --hostfile are for mpirun");
 
   LaunchPlan plan;
   LaunchOptions options;
@@ -176,6 +184,24 @@ int run_launch_command(int argc, char** argv) {
   options.carry_binary = carry_binary.empty() ? self_executable() : carry_binary;
   options.allow_run_as_root = ::geteuid() == 0;
   options.forward_ld_library_path = knob_value("LD_LIBRARY_PATH") != nullptr;
+  if (slurm) {
+    options.sbatch_path = sbatch_output.empty() ? default_sbatch_path(run_path) : sbatch_output;
+    try {
+      ClusterConfig cluster = load_cluster_config(cluster_path);
+      RunConfig run = load_run_config(run_path, overrides);
+      std::vector<std::string> notes;
+      const std::string script = make_sbatch_script(cluster, run, run_path, overrides, options, &notes);
+      for (auto& note : notes) std::fprintf(stderr, "carry launch: %s\n", note.c_str());
+      write_file(options.sbatch_path, script);
+      ::chmod(options.sbatch_path.c_str(), 0755);
+    } catch (const std::exception& e) {
+      std::fprintf(stderr, "carry launch: %s\n", error_text(e).c_str());
+      return 1;
+    }
+    std::printf("carry launch: wrote %s; submit it with: sbatch %s\n", options.sbatch_path.c_str(),
+                shell_quote(options.sbatch_path).c_str());
+    return 0;
+  }
   try {
     ClusterConfig cluster = load_cluster_config(cluster_path);
     RunConfig run = load_run_config(run_path, overrides);

@@ -4,12 +4,18 @@
 // pieces, for the byte and BPE tokenizers, so memory stays bounded whatever the file size), worker
 // threads encode them, and the writer appends them to one TokenFileWriter in input order, an
 // end-of-document token before each file's first piece. The output appears (by rename) only once complete.
+// With --jsonl each line is a document (a JSON object whose --field string is its text): the reader cuts
+// pieces after any line break, a worker parses its piece's lines and encodes each document after an
+// end-of-document token, and a line that is not JSON or lacks the field becomes the piece's error,
+// which the writer raises when it reaches that piece, so the first bad line in input order is the one
+// reported ("FILE:LINE: ...").
 #include "framework/cli/tokenize_command.h"
 
 #include "framework/cli/command_args.h"
 #include "framework/cli/error_text.h"
 #include "framework/data/token_file.h"
 #include "framework/data/tokenizer.h"
+#include "framework/io/json.h"
 #include "framework/io/output_file.h"
 
 #include <pthread.h>
@@ -40,9 +46,13 @@ namespace {
 
 const char* kUsage =
     "usage: carry tokenize --input FILE [FILE...] --output OUT.tok [--tokenizer SPEC] [--eod-id N] [--threads N]\n"
+    "       carry tokenize --jsonl FILE.jsonl [FILE...] [--field text] --output OUT.tok [--tokenizer SPEC] ...\n"
     "       carry tokenize --train-sentencepiece PREFIX --vocab-size N --input FILE [FILE...] [--model-type unigram|bpe]\n"
     "  Turns text files into one token file. Each file is a document; the end-of-document token goes before\n"
     "  each one. Files are tokenized in parallel (--threads, default: every core) and written in the order given.\n"
+    "  --jsonl: each line of each file is a document, a JSON object whose string member --field (default\n"
+    "  \"text\") is its text; blank lines are skipped; a line that is not JSON or lacks the field stops the\n"
+    "  command naming the file and line (Parquet: convert with tools/parquet_to_jsonl.py).\n"
     "  Tokenizers (--tokenizer SPEC):\n"
     "    byte                    one token a byte, end of document 256, vocabulary 257 (the default)\n"
     "    sentencepiece:M.model   a SentencePiece model (libsentencepiece); end of document: its </s>\n"
@@ -57,7 +67,8 @@ const char* kUsage =
 
 struct TokenizeArgs {
   std::vector<std::string> inputs;
-  std::string output, tokenizer = "byte", train_prefix, model_type = "unigram";
+  std::string output, tokenizer = "byte", train_prefix, model_type = "unigram", field = "text";
+  bool jsonl = false;  // the inputs are JSONL files (--jsonl), a document a line
   int64_t eod_id = -1, vocab_size = 0;
   int64_t piece_bytes = int64_t{4} << 20;  // --piece-bytes: the size pieces of a file are cut at
   int threads = 0;
@@ -69,6 +80,13 @@ TokenizeArgs parse(CommandArgs& args) {
     if (f == "--input") {
       for (auto& file : args.values()) a.inputs.push_back(file);
       if (a.inputs.empty()) throw UsageError("--input needs at least one file");
+    } else if (f == "--jsonl") {
+      a.jsonl = true;
+      for (auto& file : args.values()) a.inputs.push_back(file);
+      if (a.inputs.empty()) throw UsageError("--jsonl needs at least one file");
+    } else if (f == "--field") {
+      a.field = args.value(f);
+      if (a.field.empty()) throw UsageError("--field needs a member name");
     } else if (f == "--output") {
       a.output = args.value(f);
     } else if (f == "--tokenizer") {
@@ -96,7 +114,10 @@ TokenizeArgs parse(CommandArgs& args) {
     }
   }
   if (a.inputs.empty()) throw std::invalid_argument("no --input files");
+  if (a.jsonl && args.has("--input")) throw UsageError("give the files after --input (one document a file) or --jsonl (one a line), not both");
+  if (args.has("--field") && !a.jsonl) throw UsageError("--field names the text member of --jsonl lines; no --jsonl files given");
   if (!a.train_prefix.empty()) {
+    if (a.jsonl) throw UsageError("--train-sentencepiece reads plain text files (--input), not --jsonl");
     if (a.vocab_size <= 0) throw std::invalid_argument("--train-sentencepiece needs --vocab-size");
     return a;
   }
@@ -136,7 +157,42 @@ struct Piece {
   std::string text;
   std::vector<uint32_t> ids;
   bool done = false;
+  // --jsonl: whole lines of one file from line `first_line` (1-based); ids hold an end-of-document
+  // token and the text of each document; `error` the first bad line's message.
+  bool jsonl = false;
+  size_t file = 0;
+  int64_t first_line = 0, documents = 0;
+  std::string error;
 };
+
+// Encodes the JSONL lines of `p` (see Piece).
+void encode_jsonl(Piece* p, const std::string& path, const std::string& field, const Tokenizer& tokenizer) {
+  const std::string_view text(p->text);
+  std::string doc;
+  int64_t line = p->first_line;
+  for (size_t start = 0; start < text.size(); ++line) {
+    size_t end = text.find('\n', start);
+    if (end == std::string_view::npos) end = text.size();
+    const std::string_view l = text.substr(start, end - start);
+    start = end + 1;
+    if (l.find_first_not_of(" \t\r") == std::string_view::npos) continue;  // a blank line
+    const JsonMember m = json_string_member(l, field, &doc);
+    std::string why;
+    switch (m.kind) {
+      case JsonMember::Kind::string: break;
+      case JsonMember::Kind::invalid: why = "not a JSON object: " + m.what + " at column " + std::to_string(m.column); break;
+      case JsonMember::Kind::missing: why = "the object has no \"" + field + "\" member (--field names the text member)"; break;
+      case JsonMember::Kind::not_string: why = "\"" + field + "\" is " + m.what + ", expected a string"; break;
+    }
+    if (!why.empty()) {
+      p->error = path + ":" + std::to_string(line) + ": " + why;
+      return;
+    }
+    p->ids.push_back(tokenizer.end_of_document());
+    tokenizer.encode(doc, &p->ids);
+    ++p->documents;
+  }
+}
 
 int train(const TokenizeArgs& args) {
   check_inputs(args.inputs);
@@ -227,7 +283,7 @@ int run_tokenize_command(int argc, char** argv) {
     if (!args.train_prefix.empty()) return train(args);
     check_inputs(args.inputs);
     auto tokenizer = load_tokenizer(args.tokenizer, args.eod_id);
-    const bool whole_files = args.tokenizer.rfind("sentencepiece:", 0) == 0;
+    const bool whole_files = !args.jsonl && args.tokenizer.rfind("sentencepiece:", 0) == 0;
     const int threads = args.threads > 0 ? args.threads : static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
     const uint32_t eod = tokenizer->end_of_document();
     const int width = std::max<int64_t>(tokenizer->vocab_size(), int64_t{eod} + 1) <= 65536 ? 2 : 4;
@@ -270,16 +326,33 @@ int run_tokenize_command(int argc, char** argv) {
     std::thread reader([&] {
       try {
         std::vector<char> block(std::min<size_t>(kPieceBytes, size_t{1} << 20));
-        for (const auto& path : args.inputs) {
+        for (size_t file = 0; file < args.inputs.size(); ++file) {
+          const auto& path = args.inputs[file];
           std::FILE* in = std::fopen(path.c_str(), "rb");
           if (!in) throw std::runtime_error(path + ": cannot open: " + std::strerror(errno));
           std::string pending;
           bool first = true, ok = true;
+          int64_t line = 1;  // --jsonl: the line pending starts at
+          auto jsonl_piece = [&](size_t cut) {
+            Piece p;
+            p.jsonl = true;
+            p.file = file;
+            p.first_line = line;
+            p.text = pending.substr(0, cut);
+            line += std::count(p.text.begin(), p.text.end(), '\n');
+            pending.erase(0, cut);
+            return push(std::move(p));
+          };
           size_t n;
           while (ok && (n = std::fread(block.data(), 1, block.size(), in)) > 0) {
             pending.append(block.data(), n);
             bytes_read = bytes_read + static_cast<double>(n);
             if (whole_files || pending.size() < kPieceBytes) continue;
+            if (args.jsonl) {  // after the last line break: any line break ends a document
+              const size_t nl = pending.rfind('\n');
+              if (nl != std::string::npos) ok = jsonl_piece(nl + 1);
+              continue;
+            }
             const size_t cut = tokenizer->vocab_size() == 257 && args.tokenizer == "byte" ? pending.size() : safe_cut(pending);
             if (cut == 0) continue;  // no safe place yet: read on
             Piece p;
@@ -293,6 +366,10 @@ int run_tokenize_command(int argc, char** argv) {
           std::fclose(in);
           if (read_error) throw std::runtime_error(path + ": read error");
           if (!ok) return;
+          if (args.jsonl) {
+            if (!pending.empty() && !jsonl_piece(pending.size())) return;
+            continue;
+          }
           Piece p;
           p.document_start = first;
           p.text = std::move(pending);
@@ -325,7 +402,18 @@ int run_tokenize_command(int argc, char** argv) {
               ++next_to_encode;
             }
             std::vector<uint32_t> ids;
-            tokenizer->encode(p->text, &ids);
+            if (p->jsonl) {
+              Piece q;  // encoded outside the lock; only this worker touches p's text meanwhile
+              q.first_line = p->first_line;
+              q.text = std::move(p->text);
+              encode_jsonl(&q, args.inputs[p->file], args.field, *tokenizer);
+              ids = std::move(q.ids);
+              std::lock_guard<std::mutex> lock(mu);
+              p->documents = q.documents;
+              p->error = std::move(q.error);
+            } else {
+              tokenizer->encode(p->text, &ids);
+            }
             std::lock_guard<std::mutex> lock(mu);
             p->ids = std::move(ids);
             p->text.clear();
@@ -368,6 +456,8 @@ int run_tokenize_command(int argc, char** argv) {
           ++first_index;
           changed.notify_all();
         }
+        if (!p.error.empty()) throw std::runtime_error(p.error);
+        documents += p.documents;
         if (p.document_start) {
           writer.append(eod);
           ++documents;

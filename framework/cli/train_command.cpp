@@ -99,6 +99,8 @@ int run_train_command(int argc, char** argv) {
     // process) says it.
     const char* launched_rank = knob_value("OMPI_COMM_WORLD_RANK");
     if (!launched_rank) launched_rank = knob_value("PMI_RANK");
+    if (!launched_rank) launched_rank = knob_value("RANK");  // torchrun
+    if (!launched_rank) launched_rank = knob_value("SLURM_PROCID");  // srun
     if (!launched_rank || std::string(launched_rank) == "0") std::fprintf(stderr, "carry train: %s\n", error_text(e).c_str());
     return 1;
   }
@@ -141,8 +143,8 @@ int run_train_command(int argc, char** argv) {
     // decision is all-reduced; that host's first rank says why).
     const auto& w = parallel::world_info();
     std::string why = gpu ? gpu_rank_layout_error(w.host, w.local_size, cuda_device_count()) : "";
-    int bad = why.empty() ? 0 : 1, any = 0;
-    MPI_Allreduce(&bad, &any, 1, MPI_INT, MPI_MAX, MPI_COMM_WORLD);
+    int bad = why.empty() ? 0 : 1;
+    const int any = parallel::world_max(bad);
     if (any) {
       if (bad && w.local_rank == 0) std::fprintf(stderr, "carry train: %s\n", why.c_str());
       parallel::finalize_mpi();
@@ -163,7 +165,7 @@ int run_train_command(int argc, char** argv) {
     std::fprintf(stderr, "carry train (rank %d): %s\n", parallel::world_info().rank, error_text(e).c_str());
     std::fflush(stderr);
     // The other ranks may be waiting for this one in a collective: stop the whole job.
-    if (parallel::world_info().size > 1) MPI_Abort(MPI_COMM_WORLD, 1);
+    if (parallel::world_info().size > 1) parallel::abort_world(1);
     rc = 1;
   }
   parallel::finalize_mpi();

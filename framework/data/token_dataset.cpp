@@ -28,9 +28,11 @@ bool has_glob_characters(const std::string& s) { return s.find_first_of("*?[") !
 std::vector<std::string> expand_token_paths(const std::vector<std::string>& patterns, const std::string& field) {
   std::vector<std::string> out;
   for (size_t i = 0; i < patterns.size(); ++i) {
-    const std::string& p = patterns[i];
+    std::string p;
+    raw_token_width(patterns[i], &p);  // "uint16:PATTERN": the prefix goes on every match
+    const std::string raw_prefix = patterns[i].substr(0, patterns[i].size() - p.size());
     if (!has_glob_characters(p)) {
-      out.push_back(p);
+      out.push_back(patterns[i]);
       continue;
     }
     glob_t g{};
@@ -48,7 +50,7 @@ std::vector<std::string> expand_token_paths(const std::vector<std::string>& patt
     std::vector<std::string> matches(g.gl_pathv, g.gl_pathv + g.gl_pathc);
     ::globfree(&g);
     std::sort(matches.begin(), matches.end());
-    out.insert(out.end(), matches.begin(), matches.end());
+    for (auto& m : matches) out.push_back(raw_prefix + m);
   }
   return out;
 }
@@ -211,7 +213,7 @@ int64_t check_token_files(const std::vector<std::string>& paths, int64_t vocab_s
   std::mutex mu;
   size_t bad_file = files.size();
   int64_t bad_index = -1;
-  uint32_t bad_id = 0;
+  int64_t bad_id = 0;
   std::atomic<size_t> next{0};
   std::atomic<int64_t> done{0};
   const uint32_t limit = static_cast<uint32_t>(std::min<int64_t>(vocab_size, std::numeric_limits<uint32_t>::max()));
@@ -229,14 +231,15 @@ int64_t check_token_files(const std::vector<std::string>& paths, int64_t vocab_s
       buffer.resize(static_cast<size_t>(range.end - range.begin));
       files[range.file].read(range.begin, range.end - range.begin, buffer.data());
       int64_t hi = 0;
-      for (int64_t v : buffer) hi = std::max(hi, v);
-      if (hi >= static_cast<int64_t>(limit) || hi >= vocab_size) {
+      int64_t lo = 0;
+      for (int64_t v : buffer) hi = std::max(hi, v), lo = std::min(lo, v);
+      if (hi >= static_cast<int64_t>(limit) || hi >= vocab_size || lo < 0) {  // (negative: signed Megatron dtypes)
         for (size_t i = 0; i < buffer.size(); ++i)
-          if (buffer[i] >= vocab_size) {
+          if (buffer[i] >= vocab_size || buffer[i] < 0) {
             std::lock_guard<std::mutex> lock(mu);
             int64_t at = range.begin + static_cast<int64_t>(i);
             if (range.file < bad_file || (range.file == bad_file && at < bad_index))
-              bad_file = range.file, bad_index = at, bad_id = static_cast<uint32_t>(buffer[i]);
+              bad_file = range.file, bad_index = at, bad_id = buffer[i];
             break;
           }
       }
@@ -265,8 +268,12 @@ int64_t check_token_files(const std::vector<std::string>& paths, int64_t vocab_s
   for (auto& t : pool) t.join();
   if (bad_file < files.size()) {
     std::ostringstream os;
-    os << files[bad_file].path() << ": token " << bad_index << " (id " << bad_id << ") is not below model.vocab_size = "
-       << vocab_size << "; was this file made with another tokenizer, or is model.vocab_size too small?";
+    if (bad_id < 0)
+      os << files[bad_file].path() << ": token " << bad_index << " (id " << bad_id << ") is negative; token ids are "
+         << "0 .. model.vocab_size-1 (is this Megatron dataset's dtype right?)";
+    else
+      os << files[bad_file].path() << ": token " << bad_index << " (id " << bad_id << ") is not below model.vocab_size = "
+         << vocab_size << "; was this file made with another tokenizer, or is model.vocab_size too small?";
     throw std::runtime_error(os.str());
   }
   return total;

@@ -142,8 +142,10 @@ bool json_parse_string(std::string_view text, size_t* pos, std::string* out) {
     if (c == '"') break;
     if (static_cast<unsigned char>(c) < 0x20) return false;  // control characters must be escaped
     if (c != '\\') {
-      s += c;
-      ++i;
+      size_t k = i + 1;  // the run of plain characters, appended at once
+      while (k < text.size() && text[k] != '"' && text[k] != '\\' && static_cast<unsigned char>(text[k]) >= 0x20) ++k;
+      s.append(text.data() + i, k - i);
+      i = k;
       continue;
     }
     if (++i >= text.size()) return false;
@@ -182,6 +184,199 @@ bool json_parse_string(std::string_view text, size_t* pos, std::string* out) {
   *pos = i + 1;
   *out = std::move(s);
   return true;
+}
+
+// ---- reading one member ----
+
+namespace {
+
+// A validating scanner over one JSON text; fails with what it expected at the first wrong byte.
+struct JsonScanner {
+  std::string_view t;
+  size_t i = 0;
+  std::string error;
+  size_t error_at = 0;
+
+  bool fail(const std::string& what) {
+    if (error.empty()) error = what, error_at = i;
+    return false;
+  }
+  void space() {
+    while (i < t.size() && (t[i] == ' ' || t[i] == '\t' || t[i] == '\n' || t[i] == '\r')) ++i;
+  }
+  std::string found() const {
+    if (i >= t.size()) return "the end of the line";
+    const auto c = static_cast<unsigned char>(t[i]);
+    if (c >= 0x20 && c < 0x7F) return std::string("'") + t[i] + "'";
+    char buf[16];
+    std::snprintf(buf, sizeof buf, "byte 0x%02x", c);
+    return buf;
+  }
+  // A string literal, skipped (its escapes and control characters checked).
+  bool skip_string() {
+    size_t k = i + 1;
+    while (true) {
+      while (k < t.size() && t[k] != '"' && t[k] != '\\' && static_cast<unsigned char>(t[k]) >= 0x20) ++k;
+      if (k >= t.size()) {
+        i = k;
+        return fail("an unterminated string");
+      }
+      if (t[k] == '"') break;
+      if (t[k] != '\\') {
+        i = k;
+        return fail("a control character inside a string (it must be escaped)");
+      }
+      if (k + 1 >= t.size()) {
+        i = k;
+        return fail("an unterminated string");
+      }
+      const char e = t[k + 1];
+      if (e == 'u') {
+        uint32_t v;
+        if (!hex4(t, k + 2, &v)) {
+          i = k;
+          return fail("a \\u escape without 4 hex digits");
+        }
+        k += 6;
+      } else if (e == '"' || e == '\\' || e == '/' || e == 'b' || e == 'f' || e == 'n' || e == 'r' || e == 't') {
+        k += 2;
+      } else {
+        i = k;
+        return fail(std::string("an unknown escape \\") + e);
+      }
+    }
+    i = k + 1;
+    return true;
+  }
+  bool string_value(std::string* out) {
+    size_t at = i;
+    if (!skip_string()) return false;
+    size_t p = at;
+    if (!json_parse_string(t, &p, out)) return fail("expected a string");
+    return true;
+  }
+  bool number() {
+    const size_t start = i;
+    if (i < t.size() && t[i] == '-') ++i;
+    auto digits = [&] {
+      const size_t d = i;
+      while (i < t.size() && t[i] >= '0' && t[i] <= '9') ++i;
+      return i - d;
+    };
+    if (i < t.size() && t[i] == '0') ++i;
+    else if (digits() == 0) return fail("expected a digit");
+    if (i < t.size() && t[i] == '.') {
+      ++i;
+      if (digits() == 0) return fail("expected a digit after the decimal point");
+    }
+    if (i < t.size() && (t[i] == 'e' || t[i] == 'E')) {
+      ++i;
+      if (i < t.size() && (t[i] == '+' || t[i] == '-')) ++i;
+      if (digits() == 0) return fail("expected a digit in the exponent");
+    }
+    return i > start;
+  }
+  bool literal(std::string_view word) {
+    if (t.substr(i, word.size()) != word) return fail("expected a JSON value (found " + found() + ")");
+    i += word.size();
+    return true;
+  }
+  // Any value; `type` gets its JSON type.
+  bool value(int depth, const char** type) {
+    if (depth > 512) return fail("nesting deeper than 512 levels");
+    space();
+    if (i >= t.size()) return fail("expected a value (found the end of the line)");
+    switch (t[i]) {
+      case '{': *type = "an object"; return object(depth + 1, {}, nullptr, nullptr);
+      case '[': {
+        *type = "an array";
+        ++i;
+        space();
+        if (i < t.size() && t[i] == ']') return ++i, true;
+        while (true) {
+          const char* inner;
+          if (!value(depth + 1, &inner)) return false;
+          space();
+          if (i < t.size() && t[i] == ',') {
+            ++i;
+            continue;
+          }
+          if (i < t.size() && t[i] == ']') return ++i, true;
+          return fail("expected ',' or ']' in an array (found " + found() + ")");
+        }
+      }
+      case '"': *type = "a string"; return skip_string();
+      case 't': *type = "a boolean"; return literal("true");
+      case 'f': *type = "a boolean"; return literal("false");
+      case 'n': *type = "null"; return literal("null");
+      default:
+        *type = "a number";
+        if (t[i] == '-' || (t[i] >= '0' && t[i] <= '9')) return number();
+        return fail("expected a JSON value (found " + found() + ")");
+    }
+  }
+  // An object at t[i] == '{'; the member `name`, when given, decoded into *out (kind into *member).
+  bool object(int depth, std::string_view name, std::string* out, JsonMember* member) {
+    ++i;
+    space();
+    if (i < t.size() && t[i] == '}') return ++i, true;
+    std::string key;
+    while (true) {
+      space();
+      if (i >= t.size() || t[i] != '"') return fail("expected a member name in quotes (found " + found() + ")");
+      if (!string_value(&key)) return false;
+      space();
+      if (i >= t.size() || t[i] != ':') return fail("expected ':' after a member name (found " + found() + ")");
+      ++i;
+      space();
+      if (member && key == name) {
+        if (i < t.size() && t[i] == '"') {
+          if (!string_value(out)) return false;
+          member->kind = JsonMember::Kind::string;
+          member->what.clear();
+        } else {
+          const char* type = "";
+          if (!value(depth, &type)) return false;
+          member->kind = JsonMember::Kind::not_string;
+          member->what = type;
+        }
+      } else {
+        const char* type;
+        if (!value(depth, &type)) return false;
+      }
+      space();
+      if (i < t.size() && t[i] == ',') {
+        ++i;
+        continue;
+      }
+      if (i < t.size() && t[i] == '}') return ++i, true;
+      return fail("expected ',' or '}' in an object (found " + found() + ")");
+    }
+  }
+};
+
+}  // namespace
+
+JsonMember json_string_member(std::string_view text, std::string_view name, std::string* out) {
+  JsonScanner s{text};
+  JsonMember m;
+  s.space();
+  bool ok;
+  if (s.i < text.size() && text[s.i] == '{') {
+    ok = s.object(1, name, out, &m);
+    if (ok) {
+      s.space();
+      if (s.i < text.size()) ok = s.fail("expected the end of the line after the object (found " + s.found() + ")");
+    }
+  } else {
+    ok = s.fail("expected a JSON object '{' (found " + s.found() + ")");
+  }
+  if (!ok) {
+    m.kind = JsonMember::Kind::invalid;
+    m.what = s.error;
+    m.column = s.error_at + 1;
+  }
+  return m;
 }
 
 // ---- JsonWriter ----

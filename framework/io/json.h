@@ -1,5 +1,6 @@
 // JSON text (RFC 8259) for every JSON file carry writes: the metrics JSONL, `carry eval --json`, the
-// safetensors header and an FLA folder's config.json.
+// safetensors header and an FLA folder's config.json; and the reader of JSONL corpora' lines
+// (json_string_member: one pass over the line that checks the grammar and decodes one string member).
 //
 // JsonWriter appends values to a string in the order they are given; the caller opens and closes
 // objects and arrays and names each member with key() (a misuse, such as a value where a key is due,
@@ -30,6 +31,17 @@ std::string json_number(double x);
 // (\uXXXX surrogate pairs into one UTF-8 character); on success *pos is just past the closing quote.
 // Returns false, leaving *pos, on anything that is not a complete string literal.
 bool json_parse_string(std::string_view text, size_t* pos, std::string* out);
+
+// The string member `name` of the JSON object that is the whole of `text` (whitespace around it
+// allowed), the line of a JSONL corpus: one pass that checks the whole text against RFC 8259's grammar
+// (nesting at most 512 levels) and decodes only that member (as json_parse_string; the last one when a
+// name repeats, as Python's json does).
+struct JsonMember {
+  enum class Kind { string, missing, not_string, invalid } kind = Kind::missing;
+  std::string what;  // not_string: the value's JSON type ("a number"); invalid: what is wrong
+  size_t column = 0;  // invalid: the 1-based byte column where it was found
+};
+JsonMember json_string_member(std::string_view text, std::string_view name, std::string* out);
 
 class JsonWriter {
  public:

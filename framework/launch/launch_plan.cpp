@@ -49,14 +49,19 @@ std::vector<HostSlots> place_ranks(const ClusterConfig& cluster, int64_t world_s
 
 }  // namespace
 
-std::string default_hostfile_path(const std::string& run_path) {
+namespace {
+std::string run_name(const std::string& run_path) {
   std::string base = run_path.substr(run_path.find_last_of('/') + 1);  // npos + 1 == 0
   const std::string ext = ".textproto";
   if (base.size() > ext.size() && base.compare(base.size() - ext.size(), ext.size(), ext) == 0)
     base.resize(base.size() - ext.size());
   if (base.empty()) base = "run";
-  return "runs/launch/" + base + ".hostfile";
+  return base;
 }
+}  // namespace
+
+std::string default_hostfile_path(const std::string& run_path) { return "runs/launch/" + run_name(run_path) + ".hostfile"; }
+std::string default_sbatch_path(const std::string& run_path) { return "runs/launch/" + run_name(run_path) + ".sbatch"; }
 
 std::string shell_quote(const std::string& arg) {
   static const std::string safe =
@@ -144,6 +149,61 @@ LaunchPlan make_launch_plan(const ClusterConfig& cluster, const RunConfig& run, 
   a.insert(a.end(), {options.carry_binary, "train", run_path});
   for (auto& o : overrides) a.insert(a.end(), {"--set", o});
   return plan;
+}
+
+std::string make_sbatch_script(const ClusterConfig& cluster, const RunConfig& run, const std::string& run_path,
+                               const std::vector<std::string>& overrides, const LaunchOptions& options,
+                               std::vector<std::string>* notes) {
+  const LaunchPlan plan = make_launch_plan(cluster, run, run_path, overrides, options);
+  if (notes) *notes = plan.notes;
+  int64_t per_node = 0;
+  for (auto& h : plan.hosts) per_node = std::max(per_node, h.slots);
+  const int64_t nodes = static_cast<int64_t>(plan.hosts.size());
+  if (nodes * per_node != plan.world_size && notes)
+    notes->push_back("the hosts get different numbers of ranks; Slurm places " + std::to_string(per_node) +
+                     " a node, so srun runs " + std::to_string(plan.world_size) + " tasks on " + std::to_string(nodes) +
+                     " nodes (--ntasks)");
+  if (!cluster.mpirun_args().empty() && notes)
+    notes->push_back("the cluster's mpirun_args are not used under Slurm (slurm { srun_args } are)");
+  const auto& job = cluster.slurm();
+  const std::string name = run_name(run_path);
+  std::string s;
+  auto line = [&](const std::string& l) { s += l + "\n"; };
+  line("#!/bin/bash");
+  line("# Written by `carry launch --slurm` for " + run_path + " on cluster " + options.cluster_path + ": " +
+       std::to_string(plan.world_size) + " ranks of carry train (dp " + std::to_string(run.parallel().dp()) + " x sp " +
+       std::to_string(run.parallel().sp()) + "), one srun task a GPU.");
+  line("# Submit with: sbatch " + shell_quote(options.sbatch_path.empty() ? default_sbatch_path(run_path) : options.sbatch_path));
+  line("# The ranks read SLURM_PROCID, SLURM_NTASKS and SLURM_LOCALID and meet through carry's TCP store on");
+  line("# MASTER_ADDR:MASTER_PORT (the job's first node); no MPI is started.");
+  line("#SBATCH --job-name=" + shell_quote(name));
+  line("#SBATCH --nodes=" + std::to_string(nodes));
+  line("#SBATCH --ntasks=" + std::to_string(plan.world_size));
+  line("#SBATCH --ntasks-per-node=" + std::to_string(per_node));
+  line("#SBATCH --gpus-per-node=" + std::to_string(per_node));
+  if (!job.partition().empty()) line("#SBATCH --partition=" + shell_quote(job.partition()));
+  if (!job.account().empty()) line("#SBATCH --account=" + shell_quote(job.account()));
+  if (!job.time_limit().empty()) line("#SBATCH --time=" + shell_quote(job.time_limit()));
+  if (job.stop_signal_s() > 0) line("#SBATCH --signal=USR1@" + std::to_string(job.stop_signal_s()));
+  line("#SBATCH --output=runs/launch/" + name + "-%j.out");
+  for (auto& a : job.sbatch_args()) line("#SBATCH " + a);
+  line("set -euo pipefail");
+  line("export MASTER_ADDR=\"$(scontrol show hostnames \"$SLURM_JOB_NODELIST\" | head -n 1)\"");
+  line("export MASTER_PORT=$((29500 + SLURM_JOB_ID % 10000))");
+  const auto& env = cluster.env();
+  if (!cluster.network_interface().empty() && !env.count("NCCL_SOCKET_IFNAME"))
+    line("export NCCL_SOCKET_IFNAME=" + shell_quote(cluster.network_interface()));
+  if (!env.count("NCCL_NVLS_ENABLE")) line("export NCCL_NVLS_ENABLE=0");
+  line("export CARRY_LAUNCHER=slurm");
+  std::map<std::string, std::string> sorted_env(env.begin(), env.end());
+  for (auto& kv : sorted_env) line("export " + kv.first + "=" + shell_quote(kv.second));
+  std::vector<std::string> srun = {"srun", "--mpi=none", "--kill-on-bad-exit=1", "--ntasks=" + std::to_string(plan.world_size)};
+  srun.insert(srun.end(), job.srun_args().begin(), job.srun_args().end());
+  srun.insert(srun.end(), {options.carry_binary, "train", run_path});
+  for (auto& o : overrides) srun.insert(srun.end(), {"--set", o});
+  // exec: srun's exit status (75 after a stop with a checkpoint) is the job's.
+  line("exec " + shell_join(srun));
+  return s;
 }
 
 }  // namespace carry

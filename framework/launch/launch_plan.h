@@ -16,6 +16,7 @@ namespace carry {
 struct LaunchOptions {
   std::string cluster_path;   // names the cluster in messages
   std::string hostfile_path;  // where the hostfile goes (mpirun --hostfile)
+  std::string sbatch_path;    // --slurm: where the sbatch script goes (named in its comment)
   std::string carry_binary;   // the carry executable each rank runs
   bool allow_run_as_root = false;  // add mpirun's --allow-run-as-root
   bool forward_ld_library_path = true;  // -x LD_LIBRARY_PATH (only when it is set: mpirun warns otherwise)
@@ -41,6 +42,17 @@ LaunchPlan make_launch_plan(const ClusterConfig& cluster, const RunConfig& run, 
 
 // runs/launch/<run file name without .textproto>.hostfile
 std::string default_hostfile_path(const std::string& run_path);
+// runs/launch/<run file name without .textproto>.sbatch
+std::string default_sbatch_path(const std::string& run_path);
+
+// `carry launch --slurm`: the sbatch script that runs the same dp*sp ranks of `carry train` as the
+// plan, one srun task a GPU (nodes: the hosts the plan uses; tasks and GPUs a node: the most ranks a
+// host gets), MASTER_ADDR set to the job's first node and MASTER_PORT from the job id, so the ranks meet
+// through carry's TCP store with no MPI (parallel/launch_env.h). Throws as make_launch_plan; `notes`
+// gets what the user should know (mpirun_args are not used by srun).
+std::string make_sbatch_script(const ClusterConfig& cluster, const RunConfig& run, const std::string& run_path,
+                               const std::vector<std::string>& overrides, const LaunchOptions& options,
+                               std::vector<std::string>* notes);
 
 // One argument quoted for a POSIX shell (left as it is when it needs no quoting), and an argv joined
 // into a line that can be pasted into a shell.

@@ -1,7 +1,10 @@
 // Tests for framework/data/token_file.h and `carry tokenize`: round trips in both widths, the errors for
 // truncated, padded, bad-magic, bad-version and bad-width files (each naming the path), llm.c .bin
-// files (GPT-2 uint16 and Llama 3 uint32), atomic writing, and the byte-level tokenizer.
+// files (GPT-2 uint16 and Llama 3 uint32), Megatron .bin/.idx datasets (written here byte for byte as
+// Megatron-LM's IndexedDatasetBuilder writes them) and raw uint16/uint32 arrays, read back token for
+// token, with their errors; atomic writing, and the byte-level tokenizer.
 #include "framework/data/token_file.h"
+#include "framework/data/token_dataset.h"
 #include "framework/cli/tokenize_command.h"
 
 #include "tests/helpers/temp_dir.h"
@@ -134,7 +137,9 @@ TEST_F(TokenFileTest, ErrorsNameThePath) {
   bad[0] = 'X';
   write_bytes(p, bad);
   EXPECT_EQ(open_error(p), p + ": not a token file: it starts with bytes 58 41 52 52 59 54 4f 4b, expected the magic "
-                               "\"CARRYTOK\" or an llm.c .bin header (int32 20240520 or 20240801)");
+                               "\"CARRYTOK\", an llm.c .bin header (int32 20240520 or 20240801) or a Megatron .bin "
+                               "with its .idx beside it; a raw token array is named \"uint16:" + p + "\" or \"uint32:" +
+                               p + "\"");
   bad = good;
   bad[8] = 2;
   write_bytes(p, bad);
@@ -271,6 +276,158 @@ TEST_F(TokenFileTest, TokenizeErrors) {
   EXPECT_EQ(tokenize({"--input", path("missing.txt"), "--output", out}), 1);
   EXPECT_FALSE(exists(out));
   EXPECT_TRUE(count_entries(dir_) == 0);  // no temporary left behind
+}
+
+// A Megatron indexed dataset at `prefix` (.bin and .idx) as megatron/core/datasets/indexed_dataset.py's
+// IndexedDatasetBuilder writes it: add_item() per sequence (tokens to the .bin in the dtype), end_document()
+// after each document's sequences (doc_idx starts at [0] and gets len(sizes)), then the index.
+void write_megatron(const std::string& prefix, const std::vector<std::vector<std::vector<int64_t>>>& documents,
+                    uint8_t code, int width) {
+  std::string bin, idx;
+  std::vector<int32_t> sizes;
+  std::vector<int64_t> pointers, doc_idx{0};
+  for (auto& doc : documents) {
+    for (auto& seq : doc) {
+      pointers.push_back(static_cast<int64_t>(bin.size()));
+      sizes.push_back(static_cast<int32_t>(seq.size()));
+      for (int64_t t : seq) bin.append(reinterpret_cast<const char*>(&t), width);  // little-endian: the low bytes
+    }
+    doc_idx.push_back(static_cast<int64_t>(sizes.size()));
+  }
+  auto put = [&](const void* p, size_t n) { idx.append(static_cast<const char*>(p), n); };
+  put("MMIDIDX\0\0", 9);
+  const uint64_t version = 1, S = sizes.size(), D = doc_idx.size();
+  put(&version, 8);
+  put(&code, 1);
+  put(&S, 8);
+  put(&D, 8);
+  put(sizes.data(), 4 * S);
+  put(pointers.data(), 8 * S);
+  put(doc_idx.data(), 8 * D);
+  std::ofstream(prefix + ".bin", std::ios::binary) << bin;
+  std::ofstream(prefix + ".idx", std::ios::binary) << idx;
+}
+
+TEST_F(TokenFileTest, ReadsMegatronDatasets) {
+  // Three documents, the second of two sequences; uint16 (code 8), int32 (code 4), uint8 (1), int64 (5).
+  for (auto [code, width] : {std::pair<uint8_t, int>{8, 2}, {4, 4}, {1, 1}, {5, 8}}) {
+    const uint32_t bound = width == 1 ? 256 : width == 2 ? 65536 : 200000;
+    auto a = random_tokens(300, bound, code), b = random_tokens(50, bound, code + 1), c = random_tokens(7, bound, code + 2);
+    auto as64 = [](const std::vector<uint32_t>& v) { return std::vector<int64_t>(v.begin(), v.end()); };
+    const std::string prefix = path("corpus_" + std::to_string(code) + "_text_document");
+    write_megatron(prefix, {{as64(a)}, {as64(b), as64(c)}, {as64(c)}}, code, width);
+    std::vector<uint32_t> all = a;
+    all.insert(all.end(), b.begin(), b.end());
+    all.insert(all.end(), c.begin(), c.end());
+    all.insert(all.end(), c.begin(), c.end());
+    for (const std::string& name : {prefix, prefix + ".bin", prefix + ".idx"}) {
+      TokenFile f(name);
+      EXPECT_EQ(f.format(), TokenFileFormat::megatron);
+      EXPECT_EQ(f.width(), width);
+      EXPECT_EQ(f.documents(), 3);
+      EXPECT_EQ(f.data_path(), prefix + ".bin");
+      ASSERT_EQ(f.size(), static_cast<int64_t>(all.size()));
+      std::vector<int64_t> out(all.size());
+      f.read(0, f.size(), out.data());
+      for (size_t i = 0; i < all.size(); ++i) ASSERT_EQ(out[i], static_cast<int64_t>(all[i])) << code << " " << i;
+      EXPECT_EQ(f.at(351), all[351]);
+    }
+    // As a run reads it: a stream over two datasets, and the vocabulary check.
+    TokenStream stream({prefix, prefix});
+    ASSERT_EQ(stream.size(), 2 * static_cast<int64_t>(all.size()));
+    std::vector<int64_t> across(4);
+    stream.read(static_cast<int64_t>(all.size()) - 2, 4, across.data());
+    EXPECT_EQ(across, (std::vector<int64_t>{all[all.size() - 2], all.back(), all[0], all[1]}));
+    EXPECT_EQ(check_token_files({prefix}, bound, nullptr), static_cast<int64_t>(all.size()));
+  }
+  // A negative id of a signed dtype is named by the check.
+  const std::string neg = path("neg");
+  write_megatron(neg, {{{5, -3, 7}}}, 4, 4);
+  try {
+    check_token_files({neg}, 100, nullptr);
+    ADD_FAILURE() << "a negative id passed the check";
+  } catch (const std::runtime_error& e) {
+    EXPECT_EQ(std::string(e.what()), neg + ": token 1 (id -3) is negative; token ids are 0 .. model.vocab_size-1 (is "
+                                           "this Megatron dataset's dtype right?)");
+  }
+}
+
+TEST_F(TokenFileTest, MegatronErrorsNameTheFile) {
+  const std::string p = path("ds");
+  write_megatron(p, {{{1, 2, 3}}, {{4, 5}}}, 8, 2);
+  const std::string idx = bytes_of(p + ".idx"), bin = bytes_of(p + ".bin");
+  // The .bin shorter than the index says, and longer.
+  write_bytes(p + ".bin", bin.substr(0, 8));
+  EXPECT_EQ(open_error(p), p + ".bin: truncated: its index " + p + ".idx announces 5 tokens of 2 bytes (10 bytes), but "
+                                                                    "the file has 8 bytes");
+  write_bytes(p + ".bin", bin + "zz");
+  EXPECT_EQ(open_error(p), p + ".bin: its index " + p + ".idx announces 5 tokens of 2 bytes (10 bytes), but the file has "
+                                                         "12 bytes");
+  write_bytes(p + ".bin", bin);
+  // A truncated index, a bad magic, a float dtype, a gap between sequences, a bad document index.
+  write_bytes(p + ".idx", idx.substr(0, idx.size() - 3));
+  EXPECT_EQ(open_error(p), p + ".idx: truncated: the Megatron index header announces 2 sequences and 3 documents (82 "
+                               "bytes of index, or 84 with sequence modes), but the file has 79 bytes");
+  std::string bad = idx;
+  bad[2] = 'X';
+  write_bytes(p + ".idx", bad);
+  EXPECT_EQ(open_error(p + ".idx"), p + ".idx: not a Megatron index: it starts with bytes 4d 4d 58 44 49 44 58 00 00, "
+                                        "expected \"MMIDIDX\\0\\0\" (4d 4d 49 44 49 44 58 00 00)");
+  bad = idx;
+  bad[17] = 7;
+  write_bytes(p + ".idx", bad);
+  EXPECT_EQ(open_error(p), p + ".idx: the Megatron index's dtype code 7 is not an integer token type (expected 1 uint8, "
+                               "2 int8, 3 int16, 4 int32, 5 int64 or 8 uint16; 6 and 7 are floats)");
+  bad = idx;
+  bad[34 + 8 + 8] = 8;  // the second pointer: 8 instead of 6
+  write_bytes(p + ".idx", bad);
+  EXPECT_EQ(open_error(p), p + ".idx: sequence 1 starts at byte 8 of " + p + ".bin, but the sequences before it end at "
+                               "byte 6 (carry reads datasets whose sequences lie end to end, as Megatron writes them)");
+  bad = idx;
+  bad[34 + 8 + 16 + 16] = 1;  // the last doc_idx entry: 1 instead of 2
+  write_bytes(p + ".idx", bad);
+  EXPECT_EQ(open_error(p), p + ".idx: the document index ends at sequence 1, expected the sequence count 2");
+  // A .bin without its .idx is not taken for a Megatron dataset.
+  ::unlink((p + ".idx").c_str());
+  EXPECT_NE(open_error(p + ".bin").find("a raw token array is named \"uint16:" + p + ".bin\""), std::string::npos);
+}
+
+TEST_F(TokenFileTest, ReadsRawTokenArrays) {
+  auto t16 = random_tokens(1001, 65536, 7), t32 = random_tokens(333, 4000000000u, 8);
+  std::string b16, b32;
+  for (auto t : t16) {
+    auto v = static_cast<uint16_t>(t);
+    b16.append(reinterpret_cast<const char*>(&v), 2);
+  }
+  for (auto t : t32) b32.append(reinterpret_cast<const char*>(&t), 4);
+  make_dirs(path("raw"));
+  write_bytes(path("raw/a_000.bin"), b16);
+  write_bytes(path("raw/a_001.bin"), b16.substr(0, 20));
+  write_bytes(path("b.bin"), b32);
+  TokenFile f("uint16:" + path("raw/a_000.bin"));
+  EXPECT_EQ(f.format(), TokenFileFormat::raw);
+  EXPECT_EQ(f.width(), 2);
+  ASSERT_EQ(f.size(), 1001);
+  for (int i = 0; i < 1001; ++i) ASSERT_EQ(f.at(i), t16[i]);
+  TokenFile g("uint32:" + path("b.bin"));
+  EXPECT_EQ(g.width(), 4);
+  ASSERT_EQ(g.size(), 333);
+  for (int i = 0; i < 333; ++i) ASSERT_EQ(g.at(i), t32[i]);
+  // A pattern keeps the width on every match.
+  auto files = expand_token_paths({"uint16:" + path("raw/a_*.bin")}, "paths");
+  EXPECT_EQ(files, (std::vector<std::string>{"uint16:" + path("raw/a_000.bin"), "uint16:" + path("raw/a_001.bin")}));
+  EXPECT_EQ(TokenStream(files).size(), 1011);
+  // A size that is not a multiple of the width.
+  write_bytes(path("odd.bin"), b16.substr(0, 7));
+  EXPECT_EQ(open_error("uint16:" + path("odd.bin")),
+            path("odd.bin") + ": a raw file of uint16 tokens must have a multiple of 2 bytes, but it has 7 (1 extra): is "
+                              "it another width, or truncated?");
+  write_bytes(path("odd.bin"), b16.substr(0, 6));
+  EXPECT_EQ(open_error("uint32:" + path("odd.bin")),
+            path("odd.bin") + ": a raw file of uint32 tokens must have a multiple of 4 bytes, but it has 6 (2 extra): is "
+                              "it another width, or truncated?");
+  EXPECT_NE(open_error("uint16:" + path("missing.bin")).find(path("missing.bin") + ": cannot open token file"),
+            std::string::npos);
 }
 
 }  // namespace

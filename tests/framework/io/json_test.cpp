@@ -145,6 +145,57 @@ TEST(Json, ParseStringDecodesWhatTheWriterWrites) {
   }
 }
 
+TEST(Json, StringMemberChecksTheLineAndDecodesTheMember) {
+  std::string out;
+  // Every string case the writer makes, as the member of an object among other values of every type.
+  for (const auto& c : string_cases()) {
+    const std::string line = "{\"id\": 7, \"meta\": {\"a\": [1, -2.5e+3, true, false, null, {}, []], \"text\": \"no\"}, "
+                             "\"text\": " + json_quote(c.written) + "}\r";
+    JsonMember m = json_string_member(line, "text", &out);
+    ASSERT_EQ(m.kind, JsonMember::Kind::string) << line << " " << m.what;
+    EXPECT_EQ(out, c.decoded) << line;
+  }
+  // The last of a repeated name; another name; missing; not a string.
+  EXPECT_EQ(json_string_member(R"({"text": "a", "text": "b"})", "text", &out).kind, JsonMember::Kind::string);
+  EXPECT_EQ(out, "b");
+  EXPECT_EQ(json_string_member(R"( {"body":"x\u00e9"} )", "body", &out).kind, JsonMember::Kind::string);
+  EXPECT_EQ(out, "x\xc3\xa9");
+  EXPECT_EQ(json_string_member(R"({"content": "x"})", "text", &out).kind, JsonMember::Kind::missing);
+  JsonMember n = json_string_member(R"({"text": 12.5})", "text", &out);
+  EXPECT_EQ(n.kind, JsonMember::Kind::not_string);
+  EXPECT_EQ(n.what, "a number");
+  EXPECT_EQ(json_string_member(R"({"text": null})", "text", &out).what, "null");
+  EXPECT_EQ(json_string_member(R"({"text": ["a"]})", "text", &out).what, "an array");
+  // Invalid lines: what was expected, at which column.
+  struct Bad {
+    const char* line;
+    const char* what;
+    size_t column;
+  };
+  for (const Bad& b : std::vector<Bad>{
+           {R"({"text": "a")", "expected ',' or '}' in an object (found the end of the line)", 13},
+           {R"(["text"])", "expected a JSON object '{' (found '[')", 1},
+           {R"({"text": "a"} x)", "expected the end of the line after the object (found 'x')", 15},
+           {R"({text: "a"})", "expected a member name in quotes (found 't')", 2},
+           {R"({"text" "a"})", "expected ':' after a member name (found '\"')", 9},
+           {R"({"text": "a\qb"})", "an unknown escape \\q", 12},
+           {R"({"a": 01, "text": "x"})", "expected ',' or '}' in an object (found '1')", 8},
+           {R"({"a": 1., "text": "x"})", "expected a digit after the decimal point", 9},
+           {R"({"a": tru, "text": "x"})", "expected a JSON value (found 't')", 7},
+           {"{\"text\": \"tab\there\"}", "a control character inside a string (it must be escaped)", 14},
+           {R"({"text": "\u12"})", "a \\u escape without 4 hex digits", 11},
+           {"{\"text\": \"x\xff\"", "expected ',' or '}' in an object (found the end of the line)", 14},
+           {"", "expected a JSON object '{' (found the end of the line)", 1},
+       }) {
+    JsonMember m = json_string_member(b.line, "text", &out);
+    EXPECT_EQ(m.kind, JsonMember::Kind::invalid) << b.line;
+    EXPECT_EQ(m.what, b.what) << b.line;
+    EXPECT_EQ(m.column, b.column) << b.line;
+  }
+  std::string deep(600, '[');
+  EXPECT_EQ(json_string_member("{\"a\": " + deep, "text", &out).what, "nesting deeper than 512 levels");
+}
+
 // The document both parsers read: an array of every string case, then numbers.
 std::vector<double> number_cases() {
   return {0.0, -0.0, 1.0, 0.1, -2.5e-7, M_PI, 1.0 / 3.0, 6.02214076e23, 5e-324, std::numeric_limits<double>::max(),

@@ -1,6 +1,7 @@
 // Tests for framework/launch/launch_plan.h (`carry launch`): the hostfile and mpirun argv for the clusters
 // under configs/clusters with runs from configs/, too few GPU slots, placement of sp groups on hosts,
-// mapping and binding (the cluster's own mpirun_args win), the network interface, env order, quoting.
+// mapping and binding (the cluster's own mpirun_args win), the network interface, env order, quoting;
+// the sbatch script of `carry launch --slurm`, line for line.
 #include "tests/paths.h"
 #include "framework/launch/launch_plan.h"
 
@@ -218,6 +219,56 @@ TEST(LaunchPlan, ShellQuoteAndHostfilePath) {
   EXPECT_EQ(shell_quote("$HOME"), "'$HOME'");
   EXPECT_EQ(default_hostfile_path("configs/demo_mqar.textproto"), "runs/launch/demo_mqar.hostfile");
   EXPECT_EQ(default_hostfile_path("run.txt"), "runs/launch/run.txt.hostfile");
+}
+
+TEST(LaunchPlan, SlurmSbatchScript) {
+  const std::string cluster_path = kConfigs + "clusters/slurm_two_nodes.textproto";
+  const std::string run_path = kConfigs + "runs/gla_125m_128k.textproto";  // dp 1, sp 8
+  auto o = options_for(cluster_path);
+  o.sbatch_path = "runs/launch/gla_125m_128k.sbatch";
+  std::vector<std::string> notes;
+  RunConfig run = load_run_config(run_path, {"parallel.dp=2"});
+  const std::string script =
+      make_sbatch_script(load_cluster_config(cluster_path), run, run_path, {"parallel.dp=2"}, o, &notes);
+  EXPECT_EQ(script,
+            "#!/bin/bash\n"
+            "# Written by `carry launch --slurm` for " + run_path + " on cluster " + cluster_path +
+            ": 16 ranks of carry train (dp 2 x sp 8), one srun task a GPU.\n"
+            "# Submit with: sbatch runs/launch/gla_125m_128k.sbatch\n"
+            "# The ranks read SLURM_PROCID, SLURM_NTASKS and SLURM_LOCALID and meet through carry's TCP store on\n"
+            "# MASTER_ADDR:MASTER_PORT (the job's first node); no MPI is started.\n"
+            "#SBATCH --job-name=gla_125m_128k\n"
+            "#SBATCH --nodes=2\n"
+            "#SBATCH --ntasks=16\n"
+            "#SBATCH --ntasks-per-node=8\n"
+            "#SBATCH --gpus-per-node=8\n"
+            "#SBATCH --partition=gpu\n"
+            "#SBATCH --account=my-project\n"
+            "#SBATCH --time=24:00:00\n"
+            "#SBATCH --signal=USR1@300\n"
+            "#SBATCH --output=runs/launch/gla_125m_128k-%j.out\n"
+            "#SBATCH --exclusive\n"
+            "set -euo pipefail\n"
+            "export MASTER_ADDR=\"$(scontrol show hostnames \"$SLURM_JOB_NODELIST\" | head -n 1)\"\n"
+            "export MASTER_PORT=$((29500 + SLURM_JOB_ID % 10000))\n"
+            "export NCCL_SOCKET_IFNAME=ib0\n"
+            "export NCCL_NVLS_ENABLE=0\n"
+            "export CARRY_LAUNCHER=slurm\n"
+            "export NCCL_DEBUG=WARN\n"
+            "exec srun --mpi=none --kill-on-bad-exit=1 --ntasks=16 --cpu-bind=none /opt/carry/bin/carry train " +
+                run_path + " --set parallel.dp=2\n");
+  EXPECT_TRUE(notes.empty()) << notes[0];
+  // One node's worth, no slurm block: only what the cluster says; too many ranks is the plan's error.
+  auto small = cluster_from_text("hosts { name: \"a\" gpus: 4 }");
+  const std::string one = make_sbatch_script(small, layout(1, 2), "r.textproto", {}, o, &notes);
+  EXPECT_NE(one.find("#SBATCH --nodes=1\n#SBATCH --ntasks=2\n#SBATCH --ntasks-per-node=2\n#SBATCH --gpus-per-node=2\n"
+                     "#SBATCH --signal=USR1@300\n"),
+            std::string::npos)
+      << one;
+  EXPECT_EQ(one.find("--partition"), std::string::npos);
+  EXPECT_NE(one.find("exec srun --mpi=none --kill-on-bad-exit=1 --ntasks=2 /opt/carry/bin/carry train r.textproto\n"),
+            std::string::npos);
+  EXPECT_THROW(make_sbatch_script(small, layout(1, 8), "r.textproto", {}, o, &notes), ConfigError);
 }
 
 }  // namespace
