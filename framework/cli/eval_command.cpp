@@ -9,6 +9,7 @@
 #include "framework/eval/evaluator.h"
 #include "framework/io/json.h"
 #include "framework/io/model_source.h"
+#include "framework/io/output_file.h"
 #include "framework/io/safetensors.h"
 #include "layers/core/device.h"
 #include "parallel/process_group.h"
@@ -247,9 +248,7 @@ int run_eval_command(int argc, char** argv, bool finalize_mpi) {
           j.member("dp", static_cast<int64_t>(world.size / a.sp)).member("sp", static_cast<int64_t>(a.sp));
           j.key("seconds").fixed_value(r.seconds, 3);
           j.end_object();
-          std::ofstream f(a.json);
-          f << j.str() << "\n";
-          if (!f) throw ConfigError("cannot write " + a.json);
+          write_whole_file(a.json, j.str() + "\n", "--json", /*sync=*/false, /*allow_char_device=*/true);
           std::printf("wrote %s\n", a.json.c_str());
         }
         if (!a.dump_logits.empty()) std::printf("wrote %s\n", a.dump_logits.c_str());

@@ -4,6 +4,7 @@
 #include "framework/cli/command_args.h"
 #include "framework/io/fla_format.h"
 #include "framework/io/model_source.h"
+#include "framework/io/output_file.h"
 
 #include <c10/util/Exception.h>
 
@@ -116,9 +117,8 @@ int run_import_command(int argc, char** argv) {
     std::printf("# the model config (a run's model { ... } or model_preset; init_from: \"%s\")\n%s", folder.c_str(),
                 text.c_str());
     if (!model_out.empty()) {
-      std::ofstream f(model_out);
-      if (!(f << "# carry model config of " << folder << " (carry import)\n" << text))
-        throw ConfigError("cannot write " + model_out);
+      write_whole_file(model_out, "# carry model config of " + folder + " (carry import)\n" + text, "--model-out",
+                       /*sync=*/false, /*allow_char_device=*/true);
       std::printf("wrote %s\n", model_out.c_str());
     }
     return 0;

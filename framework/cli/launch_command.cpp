@@ -10,6 +10,7 @@
 #include "framework/cli/command_args.h"
 #include "framework/cli/error_text.h"
 #include "framework/config/config.h"
+#include "framework/io/output_file.h"
 #include "framework/launch/launch_plan.h"
 
 #include <csignal>
@@ -67,12 +68,10 @@ void make_parent_dirs(const std::string& path) {
   }
 }
 
-void write_file(const std::string& path, const std::string& text) {
+// Written through no link and into no FIFO (write_whole_file); `what` names the file in messages.
+void write_file(const std::string& path, const std::string& text, const std::string& what) {
   make_parent_dirs(path);
-  std::ofstream out(path, std::ios::binary | std::ios::trunc);
-  out << text;
-  out.close();
-  if (!out) throw ConfigError("cannot write " + path + ": " + std::strerror(errno));
+  write_whole_file(path, text, what);
 }
 
 volatile std::sig_atomic_t g_stop_requests = 0;
@@ -192,7 +191,7 @@ int run_launch_command(int argc, char** argv) {
       std::vector<std::string> notes;
       const std::string script = make_sbatch_script(cluster, run, run_path, overrides, options, &notes);
       for (auto& note : notes) std::fprintf(stderr, "carry launch: %s\n", note.c_str());
-      write_file(options.sbatch_path, script);
+      write_file(options.sbatch_path, script, "the sbatch script");
       ::chmod(options.sbatch_path.c_str(), 0755);
     } catch (const std::exception& e) {
       std::fprintf(stderr, "carry launch: %s\n", error_text(e).c_str());
@@ -212,7 +211,7 @@ int run_launch_command(int argc, char** argv) {
                   shell_join(plan.argv).c_str());
       return 0;
     }
-    write_file(options.hostfile_path, plan.hostfile);
+    write_file(options.hostfile_path, plan.hostfile, "the hostfile");
   } catch (const std::exception& e) {
     std::fprintf(stderr, "carry launch: %s\n", error_text(e).c_str());
     return 1;

@@ -196,6 +196,8 @@ void encode_jsonl(Piece* p, const std::string& path, const std::string& field, c
 
 int train(const TokenizeArgs& args) {
   check_inputs(args.inputs);
+  for (const char* suffix : {".model", ".vocab"})
+    check_no_link_or_special_file(args.train_prefix + suffix, "--train-sentencepiece");
   std::string inputs;
   for (auto& f : args.inputs) inputs += (inputs.empty() ? "" : ",") + f;
   const auto t0 = std::chrono::steady_clock::now();

@@ -162,10 +162,12 @@ std::string describe(const FieldError& err, const Provenance& prov, const pb::De
   return prov.run->name + ": " + path + ": " + err.message;
 }
 
-void throw_if_errors(const std::vector<FieldError>& errors, const Provenance& prov, const pb::Descriptor* root) {
+void throw_if_errors(const std::vector<FieldError>& errors, const Provenance& prov, const pb::Descriptor* root,
+                     size_t more = 0) {
   if (errors.empty()) return;
   std::vector<std::string> lines;
   for (auto& err : errors) lines.push_back(describe(err, prov, root));
+  if (more) lines.push_back(config_internal::more_errors_line(more));
   throw ConfigError(join(lines, "\n"));
 }
 
@@ -219,7 +221,7 @@ RunConfig resolve_run(Source& run_source, const std::vector<std::string>& overri
 
   Errors errors;
   check_run(config, errors);
-  throw_if_errors(errors.list, prov, RunConfig::descriptor());
+  throw_if_errors(errors.list, prov, RunConfig::descriptor(), errors.more);
   return config;
 }
 
@@ -268,7 +270,7 @@ ModelConfig load_model_config(const std::string& path) {
   check_model(model, "", errors);
   Provenance prov;
   prov.run = &source;
-  throw_if_errors(errors.list, prov, ModelConfig::descriptor());
+  throw_if_errors(errors.list, prov, ModelConfig::descriptor(), errors.more);
   return model;
 }
 
@@ -283,7 +285,7 @@ ClusterConfig load_cluster_config(const std::string& path) {
   check_cluster(cluster, errors);
   Provenance prov;
   prov.run = &source;
-  throw_if_errors(errors.list, prov, ClusterConfig::descriptor());
+  throw_if_errors(errors.list, prov, ClusterConfig::descriptor(), errors.more);
   return cluster;
 }
 

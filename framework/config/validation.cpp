@@ -527,6 +527,12 @@ void check_cluster(const ClusterConfig& c, Errors& e) {
     if (!std::regex_match(kv.first, env_re)) e.add("env", "'", kv.first, "' is not an environment variable name");
 }
 
+std::string more_errors_line(size_t more) {
+  if (!more) return "";
+  return "... and " + std::to_string(more) + " more error" + (more == 1 ? "" : "s") + ", not listed (the first " +
+         std::to_string(Errors::kMaxListed) + " are above; fix them and run again)";
+}
+
 }  // namespace config_internal
 
 using config_internal::check_cluster;
@@ -538,9 +544,10 @@ using config_internal::fill_defaults;
 
 namespace {
 
-std::vector<std::string> to_strings(const std::vector<FieldError>& errors) {
+std::vector<std::string> to_strings(const Errors& errors) {
   std::vector<std::string> out;
-  for (auto& err : errors) out.push_back(err.path + ": " + err.message);
+  for (auto& err : errors.list) out.push_back(err.path + ": " + err.message);
+  if (errors.more) out.push_back(config_internal::more_errors_line(errors.more));
   return out;
 }
 
@@ -551,19 +558,19 @@ std::vector<std::string> run_config_errors(const RunConfig& config) {
   fill_defaults(filled);
   Errors e;
   check_run(filled, e);
-  return to_strings(e.list);
+  return to_strings(e);
 }
 
 std::vector<std::string> model_config_errors(const ModelConfig& model) {
   Errors e;
   check_model(model, "model.", e);
-  return to_strings(e.list);
+  return to_strings(e);
 }
 
 std::vector<std::string> cluster_config_errors(const ClusterConfig& cluster) {
   Errors e;
   check_cluster(cluster, e);
-  return to_strings(e.list);
+  return to_strings(e);
 }
 
 void validate_layout(const RunConfig& config, int64_t world_size) {

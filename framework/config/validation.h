@@ -16,16 +16,28 @@ struct FieldError {
   std::string message;
 };
 
+// The errors of one config: the first kMaxListed are kept, the rest only counted (`more`), so that a
+// file of many bad entries gives a message of bounded size, found in time linear in the file (each
+// listed error is located in the text on its own).
 class Errors {
  public:
+  static constexpr size_t kMaxListed = 20;
   template <class... Args>
   void add(const std::string& path, const Args&... args) {
+    if (list.size() >= kMaxListed) {
+      ++more;
+      return;
+    }
     std::ostringstream os;
     (os << ... << args);
     list.push_back({path, os.str()});
   }
   std::vector<FieldError> list;
+  size_t more = 0;
 };
+
+// The line that ends a list of errors when `more` were not listed ("" when none).
+std::string more_errors_line(size_t more);
 
 // Each appends a config's errors to `e`, in a fixed order. `p` prefixes the model's field paths
 // ("model." within a run, "" for a preset file on its own).

@@ -137,13 +137,15 @@ TokenFile::TokenFile(const std::string& spec) : path_(spec) {
     open_megatron(prefix);
     return;
   }
-  fd_ = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  // O_NONBLOCK: a FIFO in the file's place is refused below, never waited on.
+  fd_ = ::open(path.c_str(), O_RDONLY | O_NONBLOCK | O_CLOEXEC);
   if (fd_ < 0) throw error(path, "cannot open token file: ", std::strerror(errno));
   try {
     struct stat st;
     if (::fstat(fd_, &st) != 0) throw error(path, "cannot stat token file: ", std::strerror(errno));
     if (S_ISDIR(st.st_mode)) throw error(path, "is a directory, not a token file");
     if (!S_ISREG(st.st_mode)) throw error(path, "is not a regular file (a token file is read by offset)");
+    ::fcntl(fd_, F_SETFL, ::fcntl(fd_, F_GETFL) & ~O_NONBLOCK);
     auto size = static_cast<size_t>(st.st_size);
     if (raw_width > 0) {
       format_ = TokenFileFormat::raw;
@@ -207,7 +209,7 @@ void TokenFile::open_megatron(const std::string& prefix) {
   format_ = TokenFileFormat::megatron;
   const std::string idx = prefix + ".idx", bin = prefix + ".bin";
   data_path_ = bin;
-  int ifd = ::open(idx.c_str(), O_RDONLY | O_CLOEXEC);
+  int ifd = ::open(idx.c_str(), O_RDONLY | O_NONBLOCK | O_CLOEXEC);  // a FIFO: refused below, not waited on
   if (ifd < 0) throw error(idx, "cannot open the Megatron index: ", std::strerror(errno));
   struct Closer {
     int fd;
@@ -290,7 +292,7 @@ void TokenFile::open_megatron(const std::string& prefix) {
   documents_ = static_cast<int64_t>(D) - 1;
   count_ = static_cast<int64_t>(tokens);
   tokens_offset_ = 0;
-  fd_ = ::open(bin.c_str(), O_RDONLY | O_CLOEXEC);
+  fd_ = ::open(bin.c_str(), O_RDONLY | O_NONBLOCK | O_CLOEXEC);  // read by pread: O_NONBLOCK changes nothing else
   if (fd_ < 0) throw error(bin, "cannot open the Megatron data file (", idx, " is its index): ", std::strerror(errno));
   if (::fstat(fd_, &st) != 0 || !S_ISREG(st.st_mode)) {
     close();
@@ -412,8 +414,18 @@ int64_t TokenFile::find_token_at_least(uint32_t bound, const std::function<void(
 TokenFileWriter::TokenFileWriter(const std::string& path, int width) : path_(path), width_(width) {
   if (width != 2 && width != 4) throw error(path, "token width must be 2 or 4 bytes, got ", width);
   temp_path_ = path + ".tmp." + std::to_string(::getpid());
-  file_ = std::fopen(temp_path_.c_str(), "wb");
-  if (!file_) throw error(temp_path_, "cannot create token file: ", std::strerror(errno));
+  // A file or a symbolic link left at this name (a writer of the same pid that was killed, or a link
+  // planted to redirect the write) is removed, never followed; O_EXCL then creates a new file.
+  ::unlink(temp_path_.c_str());
+  const int fd = ::open(temp_path_.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0644);
+  if (fd < 0) throw error(temp_path_, "cannot create token file: ", std::strerror(errno));
+  file_ = ::fdopen(fd, "wb");
+  if (!file_) {
+    const int e = errno;
+    ::close(fd);
+    ::unlink(temp_path_.c_str());
+    throw error(temp_path_, "cannot create token file: ", std::strerror(e));
+  }
   unsigned char header[kHeaderBytes] = {};
   std::memcpy(header, kMagic, 8);
   uint32_t version = kVersion, w = static_cast<uint32_t>(width);

@@ -5,6 +5,7 @@
 
 #include "framework/data/synthetic.h"
 #include "framework/data/token_file.h"
+#include "framework/io/output_file.h"
 #include "framework/train/memory_estimate.h"
 #include "layers/blocks/precision.h"
 #include "parallel/slice_context.h"
@@ -283,16 +284,14 @@ std::vector<CurveRow> loss_curve(const EvalResult& result, int64_t buckets) {
 }
 
 void write_curve_tsv(const std::string& path, const std::vector<CurveRow>& rows) {
-  std::ofstream f(path);
-  if (!f) throw ConfigError("eval: cannot write the loss curve to " + path);
-  f << "first_position\tlast_position\ttokens\tloss\taccuracy\n";
+  std::string text = "first_position\tlast_position\ttokens\tloss\taccuracy\n";
   char buf[160];
   for (const auto& r : rows) {
     std::snprintf(buf, sizeof buf, "%lld\t%lld\t%.0f\t%.6f\t%.6f\n", static_cast<long long>(r.first),
                   static_cast<long long>(r.last), r.tokens, r.loss, r.accuracy);
-    f << buf;
+    text += buf;
   }
-  if (!f) throw ConfigError("eval: cannot write the loss curve to " + path);
+  write_whole_file(path, text, "eval: the loss curve", /*sync=*/false, /*allow_char_device=*/true);
 }
 
 void write_curve_svg(const std::string& path, const std::vector<CurveRow>& rows, const std::string& title) {
@@ -342,8 +341,7 @@ void write_curve_svg(const std::string& path, const std::vector<CurveRow>& rows,
     s << buf;
   }
   s << "\"/>\n</svg>\n";
-  std::ofstream f(path);
-  if (!f || !(f << s.str())) throw ConfigError("eval: cannot write the plot to " + path);
+  write_whole_file(path, s.str(), "eval: the plot", /*sync=*/false, /*allow_char_device=*/true);
 }
 
 }  // namespace carry

@@ -131,41 +131,6 @@ void write_file(const std::string& path, const std::string& text) {
   TORCH_CHECK(rc == 0, "checkpoint: cannot fsync ", path, ": ", std::strerror(err));
 }
 
-// The bytes of a small control file (a manifest, `latest`), or nullopt with *why set: it cannot be
-// opened, is not a regular file (a FIFO in its place never blocks), or holds more than max_bytes
-// (refused from its size, before anything is read).
-std::optional<std::string> read_file(const std::string& path, int64_t max_bytes, std::string* why) {
-  int fd = open_for_reading(path, why);
-  if (fd < 0) return std::nullopt;
-  struct stat st;
-  if (::fstat(fd, &st) != 0 || st.st_size > max_bytes) {
-    *why = std::to_string(static_cast<long long>(st.st_size)) + " bytes, more than the " +
-           std::to_string(static_cast<long long>(max_bytes)) + " such a file may hold";
-    ::close(fd);
-    return std::nullopt;
-  }
-  std::string text;
-  char buf[65536];
-  for (;;) {
-    ssize_t n = ::read(fd, buf, sizeof buf);
-    if (n < 0 && errno == EINTR) continue;
-    if (n < 0) {
-      *why = errno_text();
-      ::close(fd);
-      return std::nullopt;
-    }
-    if (n == 0) break;
-    text.append(buf, static_cast<size_t>(n));
-    if (static_cast<int64_t>(text.size()) > max_bytes) {  // grew while being read
-      *why = "more than the " + std::to_string(static_cast<long long>(max_bytes)) + " bytes such a file may hold";
-      ::close(fd);
-      return std::nullopt;
-    }
-  }
-  ::close(fd);
-  return text;
-}
-
 // The step of "step_<digits>" (at least 8 digits), or -1.
 int64_t parse_step_name(const std::string& name) {
   const std::string prefix = "step_";
@@ -329,7 +294,7 @@ config::CheckpointManifest read_manifest(const std::string& step_dir) {
   TORCH_CHECK(is_dir(step_dir), "checkpoint ", step_dir, ": not a directory");
   const std::string manifest_path = path_join(step_dir, kManifestFile);
   std::string why;
-  std::optional<std::string> text = read_file(manifest_path, kMaxManifestBytes, &why);
+  std::optional<std::string> text = read_small_file(manifest_path, kMaxManifestBytes, &why);
   TORCH_CHECK(text, "checkpoint ", step_dir, ": cannot read ", kManifestFile, ": ", why,
               " (an incomplete or damaged checkpoint)");
 
@@ -588,7 +553,7 @@ CheckpointSearch find_latest_checkpoint(const std::string& dir) {
   std::optional<std::string> run;
   const std::string latest_path = path_join(dir, kLatestFile);
   std::string latest_why;
-  std::optional<std::string> latest = read_file(latest_path, kMaxLatestBytes, &latest_why);
+  std::optional<std::string> latest = read_small_file(latest_path, kMaxLatestBytes, &latest_why);
   if (!latest && exists(latest_path))
     out.notes.push_back("checkpoint " + latest_path + ": cannot read it: " + latest_why +
                         "; taking the newest valid checkpoint");

@@ -6,6 +6,7 @@
 #include "framework/printable.h"
 
 #include "framework/io/json.h"
+#include "framework/io/output_file.h"
 #include "framework/io/safetensors.h"
 #include "framework/model/model.h"
 #include "framework/version.h"
@@ -67,9 +68,11 @@ std::string supported_kinds_text() {
   return s;
 }
 
+// Something other than a directory is at `path`: a FIFO or a device there is then refused by name when
+// it is read, not taken for a missing file.
 bool file_exists(const std::string& path) {
   struct stat st;
-  return ::stat(path.c_str(), &st) == 0 && S_ISREG(st.st_mode);
+  return ::stat(path.c_str(), &st) == 0 && !S_ISDIR(st.st_mode);
 }
 
 std::string join_path(const std::string& dir, const std::string& name) {
@@ -85,24 +88,19 @@ void make_dirs(const std::string& path) {
   }
 }
 
+// config.json or the weight map's index: a regular file (a FIFO is refused, never waited on) of at most
+// 64 MiB (a weight map lists about 100 bytes a tensor), refused from its size before it is read.
 std::string read_text(const std::string& path) {
-  std::ifstream f(path, std::ios::binary);
-  if (!f) throw ConfigError("cannot read " + path + ": " + std::strerror(errno));
-  std::ostringstream s;
-  s << f.rdbuf();
-  return s.str();
+  std::string why;
+  std::optional<std::string> text = read_small_file(path, int64_t{64} << 20, &why);
+  if (!text) throw ConfigError("cannot read " + path + ": " + why);
+  return *text;
 }
 
 // Written to path.tmp, then renamed.
 void write_text(const std::string& path, const std::string& text) {
   const std::string tmp = path + ".tmp";
-  {
-    std::ofstream f(tmp, std::ios::binary | std::ios::trunc);
-    if (!f) throw ConfigError("cannot create " + tmp + ": " + std::strerror(errno));
-    f << text;
-    f.flush();
-    if (!f) throw ConfigError("cannot write " + tmp);
-  }
+  write_whole_file(tmp, text, path);
   if (std::rename(tmp.c_str(), path.c_str()) != 0)
     throw ConfigError("cannot rename " + tmp + " to " + path + ": " + std::strerror(errno));
 }

@@ -93,6 +93,24 @@ int open_for_writing(const std::string& path, int flags, const std::string& what
   return fd;
 }
 
+void write_whole_file(const std::string& path, const std::string& text, const std::string& what, bool sync,
+                      bool allow_char_device) {
+  const int fd = open_for_writing(path, O_WRONLY | O_CREAT | O_TRUNC, what, allow_char_device);
+  int err = write_all(fd, text.data(), text.size());
+  if (err == 0 && sync && ::fsync(fd) != 0) err = errno;
+  if (::close(fd) != 0 && err == 0) err = errno;
+  TORCH_CHECK(err == 0, what, ": cannot write ", path, ": ", errno_text(err));
+}
+
+void check_no_link_or_special_file(const std::string& path, const std::string& what) {
+  struct stat st;
+  if (::lstat(path.c_str(), &st) != 0) return;
+  TORCH_CHECK(!S_ISLNK(st.st_mode), what, ": ", path, " is a symbolic link; carry writes no file through a link "
+              "(remove the link, or name the file it points to)");
+  TORCH_CHECK(S_ISREG(st.st_mode), what, ": ", path, " is ", file_kind(st.st_mode),
+              ", not a regular file; remove it or choose another path");
+}
+
 int open_for_reading(const std::string& path, std::string* why) {
   int fd = ::open(path.c_str(), O_RDONLY | O_NONBLOCK | O_CLOEXEC);
   if (fd < 0) {
@@ -107,6 +125,38 @@ int open_for_reading(const std::string& path, std::string* why) {
   }
   ::fcntl(fd, F_SETFL, ::fcntl(fd, F_GETFL) & ~O_NONBLOCK);
   return fd;
+}
+
+std::optional<std::string> read_small_file(const std::string& path, int64_t max_bytes, std::string* why) {
+  int fd = open_for_reading(path, why);
+  if (fd < 0) return std::nullopt;
+  struct stat st;
+  if (::fstat(fd, &st) != 0 || st.st_size > max_bytes) {
+    *why = std::to_string(static_cast<long long>(st.st_size)) + " bytes, more than the " +
+           std::to_string(static_cast<long long>(max_bytes)) + " such a file may hold";
+    ::close(fd);
+    return std::nullopt;
+  }
+  std::string text;
+  char buf[65536];
+  for (;;) {
+    ssize_t n = ::read(fd, buf, sizeof buf);
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0) {
+      *why = errno_text(errno);
+      ::close(fd);
+      return std::nullopt;
+    }
+    if (n == 0) break;
+    text.append(buf, static_cast<size_t>(n));
+    if (static_cast<int64_t>(text.size()) > max_bytes) {  // grew while being read
+      *why = "more than the " + std::to_string(static_cast<long long>(max_bytes)) + " bytes such a file may hold";
+      ::close(fd);
+      return std::nullopt;
+    }
+  }
+  ::close(fd);
+  return text;
 }
 
 int64_t free_bytes(const std::string& path) {

@@ -5,6 +5,7 @@
 #pragma once
 
 #include <cstdint>
+#include <optional>
 #include <string>
 
 namespace carry {
@@ -41,10 +42,28 @@ int64_t file_size(const std::string& path);
 // /dev/full) is taken too: a metrics file may be one.
 int open_for_writing(const std::string& path, int flags, const std::string& what, bool allow_char_device = false);
 
+// Writes `text` as the whole of `path` (created, or truncated), opened as open_for_writing opens it (a
+// symbolic link, a FIFO or a directory in its place is refused, its target left alone; with
+// allow_char_device a device such as /dev/null is taken), every write and the close checked, and with
+// sync fsynced. Throws c10::Error: "<what>: cannot write <path>: <the system's reason>", or one of
+// open_for_writing's.
+void write_whole_file(const std::string& path, const std::string& text, const std::string& what, bool sync = false,
+                      bool allow_char_device = false);
+
+// For a file a library writes by name (SentencePiece's PREFIX.model): nothing, or a regular file, is at
+// `path`; a symbolic link, a FIFO, a directory or a device there throws c10::Error in the words of
+// open_for_writing, before the library opens it.
+void check_no_link_or_special_file(const std::string& path, const std::string& what);
+
 // Opens a file carry reads: O_RDONLY, O_NONBLOCK and O_CLOEXEC (a FIFO never blocks the open), then
 // refuses anything but a regular file. Returns the descriptor (O_NONBLOCK cleared), or -1 with
 // *why set ("is a FIFO, not a regular file", or the system's reason).
 int open_for_reading(const std::string& path, std::string* why);
+
+// The bytes of a small control file (a manifest, `latest`, an FLA folder's config.json), or nullopt
+// with *why set: it cannot be opened, is not a regular file (a FIFO in its place never blocks), or
+// holds more than max_bytes (refused from its size, before anything is read).
+std::optional<std::string> read_small_file(const std::string& path, int64_t max_bytes, std::string* why);
 
 // What a file of this mode is, for messages: "a directory", "a FIFO", "a socket", "a character
 // device", "a block device", "a symbolic link", "a regular file".

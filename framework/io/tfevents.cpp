@@ -89,8 +89,15 @@ void EventFileWriter::write_record(const std::string& bytes) {
 }
 
 std::vector<std::string> read_event_records(const std::string& path) {
-  std::FILE* f = std::fopen(path.c_str(), "rb");
-  if (!f) throw std::runtime_error(path + ": cannot open: " + std::strerror(errno));
+  std::string why;
+  const int fd = open_for_reading(path, &why);  // a FIFO in its place is refused, never waited on
+  if (fd < 0) throw std::runtime_error(path + ": cannot open: " + why);
+  std::FILE* f = ::fdopen(fd, "rb");
+  if (!f) {
+    const int err = errno;
+    ::close(fd);
+    throw std::runtime_error(path + ": cannot open: " + std::strerror(err));
+  }
   std::vector<std::string> out;
   long offset = 0;
   while (true) {

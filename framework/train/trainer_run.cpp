@@ -122,13 +122,7 @@ std::string Trainer::write_resolved_config() const {
   const std::string path = ck.dir() + "/config.textproto";
   if (rank() == 0) {
     const std::string tmp = path + ".tmp";
-    const std::string text = config_to_text(config_);
-    {
-      std::ofstream f(tmp, std::ios::binary | std::ios::trunc);
-      f << text;
-      f.close();
-      TORCH_CHECK(f.good(), "checkpoint.dir: cannot write the resolved config to ", tmp, ": ", std::strerror(errno));
-    }
+    write_whole_file(tmp, config_to_text(config_), "checkpoint.dir: the resolved config");
     TORCH_CHECK(std::rename(tmp.c_str(), path.c_str()) == 0, "checkpoint.dir: cannot rename ", tmp, " to ", path,
                 ": ", std::strerror(errno));
   }

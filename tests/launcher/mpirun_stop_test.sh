@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Stop signals under mpirun -np 2 with a model whose step outlasts a second (mpirun's default
 # odls_base_sigkill_timeout), the case where a stop signal to a plain mpirun loses the work (CTest runs
-# this; under a minute on 2 CPU cores):
-#   1. SIGTERM to `carry launch`: exit 75, a checkpoint at the stop, no warning about mpirun;
+# this; about 90 s on 2 CPU cores):
+#   1. SIGTERM to `carry launch`: exit 75, a checkpoint at the stop, no warning about mpirun; then
+#      SIGINT (a Ctrl-C) to `carry launch`: it resumes, then exit 75 and a newer checkpoint;
 #   2. SIGHUP to `launcher/train` (a closed terminal): it resumes, then exit 75 and a newer checkpoint;
 #   3. SIGTERM to a plain mpirun given --mca odls_base_sigkill_timeout N, N twice the measured
 #      step time plus 2 s: the ranks get the signal N s later and write a newer checkpoint before the
@@ -70,6 +71,10 @@ awk -v a="$(elapsed_of $((first - 1)))" -v b="$(elapsed_of "$first")" 'BEGIN { e
   || fail "step $first took from $(elapsed_of $((first - 1))) to $(elapsed_of "$first") s elapsed, not over 1 s: make the model larger"
 timeout_s=$(awk -v a="$(elapsed_of $((first - 1)))" -v b="$(elapsed_of "$first")" 'BEGIN { printf "%d", 2 * (b - a) + 2.999 }')
 
+stop INT run1b.log 75 "$carry" launch --cluster "$tmp/cluster.textproto" --hostfile "$tmp/hostfile" "$tmp/run.textproto"
+grep -q "resumed from $tmp/ck at step $first" "$tmp/run1b.log" || fail "run 1b did not resume at step $first"
+first=$(latest_step)
+
 stop HUP run2.log 75 env CARRY_SKIP_SETUP=1 CARRY_BUILD_DIR="$build" "$root/launcher/train" "$tmp/run.textproto"
 grep -q "resumed from $tmp/ck at step $first" "$tmp/run2.log" || fail "run 2 did not resume at step $first"
 grep -q "warning: mpirun runs with odls_base_sigkill_timeout" "$tmp/run2.log" && fail "launcher/train's ranks warn about mpirun"
@@ -81,4 +86,4 @@ if [ "$timeout_s" -lt 30 ]; then
 else
   [ "$warned" = 0 ] || fail "a plain mpirun with odls_base_sigkill_timeout $timeout_s: rank 0 warned"
 fi
-echo "mpirun -np 2: carry launch SIGTERM, launcher/train SIGHUP -> exit 75; a plain mpirun given odls_base_sigkill_timeout $timeout_s, SIGTERM -> a checkpoint"
+echo "mpirun -np 2: carry launch SIGTERM and SIGINT, launcher/train SIGHUP -> exit 75; a plain mpirun given odls_base_sigkill_timeout $timeout_s, SIGTERM -> a checkpoint"

@@ -556,6 +556,34 @@ TEST_F(ConfigTest, RepeatedEntriesAreReportedOnceAndQuickly) {
   EXPECT_LT(m.size(), 2000u) << m.substr(0, 400);
 }
 
+// 100,000 bad entries, each its own error (unknown mixer kinds; mixer_options naming kinds the model
+// does not have): the first 20 are listed where they were written, the rest counted in one line, and
+// the load stays linear in the file (only the listed errors are located in the text).
+TEST_F(ConfigTest, ManyBadEntriesListTheFirstTwentyAndCountTheRest) {
+  for (const char* kind : {"mixers", "mixer_options"}) {
+    std::string text = kValid, entries;
+    for (int i = 0; i < 100000; ++i)
+      entries += std::string(kind) == "mixers" ? "  mixers: \"nope\"\n"
+                                               : "  mixer_options { kind: \"k" + std::to_string(i) + "\" }\n";
+    text.replace(text.find("  mixers: \"gla\"\n"), 0, entries);
+    const auto start = std::chrono::steady_clock::now();
+    const std::string m = load_error(text);
+    const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    EXPECT_LT(seconds, 3.0) << kind;
+    const std::string first = std::string(kind) == "mixers"
+                                  ? ":7:3: model.mixers[0]: unknown mixer kind 'nope'; known kinds: "
+                                  : ":7:19: model.mixer_options[0].kind: 'k0' is not one of the model's mixers (";
+    EXPECT_NE(m.find(first), std::string::npos) << m.substr(0, 400);
+    EXPECT_NE(m.find("[19]"), std::string::npos) << kind;
+    EXPECT_EQ(m.find("[20]"), std::string::npos) << kind;
+    const std::string last = m.substr(m.rfind('\n') + 1);
+    EXPECT_EQ(last.rfind("... and ", 0), 0u) << last;
+    EXPECT_NE(last.find(" more errors, not listed (the first 20 are above; fix them and run again)"), std::string::npos)
+        << last;
+    EXPECT_LT(m.size(), 8000u) << kind;
+  }
+}
+
 TEST_F(ConfigTest, ValidationErrorFromAnOverrideSaysSo) {
   auto msg = load_error(kValid, {"model.n_heads=10"});
   auto path = (dir_ + "/run.textproto");

@@ -2,7 +2,8 @@
 // truncated, padded, bad-magic, bad-version and bad-width files (each naming the path), llm.c .bin
 // files (GPT-2 uint16 and Llama 3 uint32), Megatron .bin/.idx datasets (written here byte for byte as
 // Megatron-LM's IndexedDatasetBuilder writes them) and raw uint16/uint32 arrays, read back token for
-// token, with their errors; atomic writing, and the byte-level tokenizer.
+// token, with their errors; atomic writing through no planted link, a FIFO refused, and the byte-level
+// tokenizer.
 #include "framework/data/token_file.h"
 #include "framework/data/token_dataset.h"
 #include "framework/cli/tokenize_command.h"
@@ -177,6 +178,22 @@ TEST_F(TokenFileTest, WriterIsAtomic) {
   w.commit();
   EXPECT_EQ(TokenFile(p).size(), 5);
   EXPECT_EQ(count_entries(dir_), 1);
+}
+
+// A symbolic link planted at the writer's temporary name (its pid is easy to guess) is removed, not
+// followed: the link's target keeps its bytes. A FIFO named as a token file is refused at once.
+TEST_F(TokenFileTest, WriterFollowsNoLinkAndReaderWaitsOnNoFifo) {
+  const std::string p = path("out.tok"), victim = path("victim");
+  write_bytes(victim, "precious\n");
+  ASSERT_EQ(::symlink(victim.c_str(), (p + ".tmp." + std::to_string(::getpid())).c_str()), 0);
+  std::vector<uint32_t> t = {3, 1, 4};
+  write_token_file(p, t, 2);
+  EXPECT_EQ(bytes_of(victim), "precious\n");
+  EXPECT_EQ(TokenFile(p).size(), 3);
+  EXPECT_EQ(count_entries(dir_), 2);  // out.tok and the victim: the link went with the temporary
+  const std::string fifo = path("fifo.tok");
+  ASSERT_EQ(::mkfifo(fifo.c_str(), 0644), 0);
+  EXPECT_EQ(open_error(fifo), fifo + ": is not a regular file (a token file is read by offset)");
 }
 
 // llm.c's data_common.write_datafile: 256 int32 header [magic, version, count, 0...], then tokens.

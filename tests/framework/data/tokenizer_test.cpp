@@ -16,7 +16,10 @@
 #include <gtest/gtest.h>
 
 #include <fstream>
+#include <iterator>
 #include <random>
+
+#include <unistd.h>
 
 namespace carry {
 namespace {
@@ -159,6 +162,10 @@ class TokenizerFiles : public ::testing::Test {
   std::string write(const std::string& name, const std::string& text) const {
     std::ofstream(dir_ + "/" + name, std::ios::binary) << text;
     return dir_ + "/" + name;
+  }
+  static std::string read(const std::string& path) {
+    std::ifstream f(path, std::ios::binary);
+    return std::string(std::istreambuf_iterator<char>(f), {});
   }
   static int tokenize(std::vector<std::string> args) {
     args.insert(args.begin(), "tokenize");
@@ -318,6 +325,15 @@ TEST_F(TokenizerFiles, SentencePieceTrainsAndTokenizes) {
     corpus += "\n";
   }
   auto input = write("corpus.txt", corpus);
+  // A link where the library would write PREFIX.model is refused before training; its target keeps its bytes.
+  auto victim = write("victim", "precious\n");
+  ASSERT_EQ(::symlink(victim.c_str(), (dir_ + "/linked.model").c_str()), 0);
+  ::testing::internal::CaptureStderr();
+  EXPECT_EQ(tokenize({"--train-sentencepiece", dir_ + "/linked", "--vocab-size", "40", "--input", input}), 1);
+  const std::string err = ::testing::internal::GetCapturedStderr();
+  EXPECT_NE(err.find("carry tokenize: --train-sentencepiece: " + dir_ + "/linked.model is a symbolic link; carry "
+                     "writes no file through a link"), std::string::npos) << err;
+  EXPECT_EQ(read(victim), "precious\n");
   ASSERT_EQ(tokenize({"--train-sentencepiece", dir_ + "/spm", "--vocab-size", "40", "--input", input}), 0);
   auto a = write("a.txt", "alpha beta gamma\n"), b = write("b.txt", "carry state scan token\nfile rank\n");
   ASSERT_EQ(tokenize({"--tokenizer", "sentencepiece:" + dir_ + "/spm.model", "--input", a, b, a, "--output",

@@ -20,6 +20,9 @@
 #include <string>
 #include <tuple>
 
+#include <sys/stat.h>
+#include <unistd.h>
+
 namespace carry {
 namespace {
 
@@ -193,6 +196,37 @@ TEST(FlaFormat, ShardedFolders) {
                      "the folder (a name without '/', not '.' or '..'), got '" + std::string(bad) + "'"),
               std::string::npos) << m;
   }
+  remove_tree(dir);
+}
+
+// A folder is read like a checkpoint: a FIFO in place of config.json, the weights or the weight map's
+// index is refused at once (never waited on), and an index larger than such a file can be (64 MiB) is refused
+// from its size, unread.
+TEST(FlaFormat, FifosAndOversizedIndexesAreRefusedAtOnce) {
+  ModelConfig config = small("gla", 0, false);
+  Model model = build_model(config, 2);
+  auto dir = make_temp_dir("carry_fla_fifo");
+  export_fla_folder(dir, config, model.parameters(), {});
+  const std::string index = dir + "/model.safetensors.index.json", weights = dir + "/model.safetensors";
+  ::remove(weights.c_str());
+  ASSERT_EQ(::mkfifo(weights.c_str(), 0644), 0);
+  std::string m = message_of([&] { import_fla_folder(dir); });
+  EXPECT_NE(m.find(weights + ": cannot open: is a FIFO, not a regular file"), std::string::npos) << m;
+  ::remove(weights.c_str());
+  ASSERT_EQ(::mkfifo(index.c_str(), 0644), 0);
+  m = message_of([&] { import_fla_folder(dir); });
+  EXPECT_NE(m.find("cannot read " + index + ": is a FIFO, not a regular file"), std::string::npos) << m;
+  ::remove(index.c_str());
+  write(index, "{}");
+  ASSERT_EQ(::truncate(index.c_str(), (int64_t{64} << 20) + 1), 0);  // sparse: nothing written
+  m = message_of([&] { import_fla_folder(dir); });
+  EXPECT_NE(m.find("cannot read " + index + ": 67108865 bytes, more than the 67108864 such a file may hold"),
+            std::string::npos) << m;
+  const std::string config_json = dir + "/config.json";
+  ::remove(config_json.c_str());
+  ASSERT_EQ(::mkfifo(config_json.c_str(), 0644), 0);
+  m = message_of([&] { import_fla_folder(dir); });
+  EXPECT_NE(m.find("cannot read " + config_json + ": is a FIFO, not a regular file"), std::string::npos) << m;
   remove_tree(dir);
 }
 

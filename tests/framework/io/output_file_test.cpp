@@ -1,7 +1,7 @@
 // Output checks (framework/io/output_file.h), run as root as CI does (permissions do not stop root,
 // so what cannot be written is made of paths the kernel refuses): a directory under a regular file
 // (ENOTDIR), /proc (no file can be created there), more space than the disk has, /dev/full for a
-// full disk (ENOSPC), a directory given as a file.
+// full disk (ENOSPC), a directory given as a file; links and FIFOs in place of a written file.
 #include "framework/io/output_file.h"
 
 #include "tests/helpers/temp_dir.h"
@@ -96,6 +96,32 @@ TEST_F(OutputFileTest, LinksAndFifosAreRefused) {
   ASSERT_EQ(::mkfifo(fifo.c_str(), 0644), 0);
   m = error_of([&] { check_output_file(fifo, "logging.metrics_file"); });
   EXPECT_CONTAINS(m, "logging.metrics_file: " + fifo + " is a FIFO, not a regular file");
+}
+
+// write_whole_file, which writes every file a command names (--json, --model-out, the hostfile, an
+// export's files, the resolved config beside the checkpoints): a link in its place is refused and its
+// target keeps its bytes; a FIFO or a directory is refused at once; a full disk names the path.
+TEST_F(OutputFileTest, WholeFilesAreWrittenThroughNoLinkAndIntoNoFifo) {
+  const std::string victim = dir_ + "/victim", link = dir_ + "/out.json", fifo = dir_ + "/fifo.json";
+  std::ofstream(victim) << "precious\n";
+  ASSERT_EQ(::symlink(victim.c_str(), link.c_str()), 0);
+  auto m = error_of([&] { write_whole_file(link, "{}\n", "--json"); });
+  EXPECT_EQ(m, "--json: " + link + " is a symbolic link; carry writes no file through a link (remove the link, or "
+               "name the file it points to)");
+  std::ifstream in(victim);
+  EXPECT_EQ(std::string(std::istreambuf_iterator<char>(in), {}), "precious\n");
+  ASSERT_EQ(::mkfifo(fifo.c_str(), 0644), 0);
+  m = error_of([&] { write_whole_file(fifo, "{}\n", "--json", /*sync=*/false, /*allow_char_device=*/true); });
+  EXPECT_EQ(m, "--json: " + fifo + " is a FIFO, not a regular file; remove it or choose another path");
+  m = error_of([&] { write_whole_file(dir_, "{}\n", "--json"); });
+  EXPECT_CONTAINS(m, "--json: " + dir_ + " is a directory, not a regular file");
+  m = error_of([&] { write_whole_file("/dev/full", "{}\n", "--json", false, /*allow_char_device=*/true); });
+  EXPECT_EQ(m, "--json: cannot write /dev/full: No space left on device");
+  const std::string plain = dir_ + "/plain.json";
+  std::ofstream(plain) << "an older and longer text\n";
+  EXPECT_EQ(error_of([&] { write_whole_file(plain, "{}\n", "--json", /*sync=*/true); }), "");
+  std::ifstream again(plain);
+  EXPECT_EQ(std::string(std::istreambuf_iterator<char>(again), {}), "{}\n");
 }
 
 }  // namespace

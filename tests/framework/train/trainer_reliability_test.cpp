@@ -6,7 +6,8 @@
 // at the first metrics line; a resumed run does not duplicate metrics lines and logs what a run that
 // never stopped logs; an out-of-vocabulary token is found before the first step and a token file
 // truncated during training is an error, not a SIGBUS; a model too large for the host is refused
-// before anything is allocated.
+// before anything is allocated; a symbolic link in place of the resolved config's temporary file is
+// refused.
 #include "framework/data/token_file.h"
 #include "framework/io/checkpoint.h"
 #include "framework/train/trainer.h"
@@ -202,6 +203,23 @@ TEST_F(TrainerReliability, SecondRunOnTheSameDirectoryIsRefused) {
   // Once the first run has returned, the directory is free.
   std::string error, err;
   EXPECT_EQ(run_capturing(tiny({"checkpoint.dir=" + ck, "optimizer.total_steps=3"}), quiet(), &error, &err), 0) << error;
+}
+
+// The resolved config that a run writes beside its checkpoints goes through a temporary file; a
+// symbolic link planted there is refused (the run stops before its first step) and its target keeps
+// its bytes.
+TEST_F(TrainerReliability, ALinkInPlaceOfTheResolvedConfigsTemporaryIsRefused) {
+  const std::string ck = dir_ + "/ck", victim = dir_ + "/victim";
+  make_dirs(ck);
+  std::ofstream(victim) << "precious\n";
+  ASSERT_EQ(::symlink(victim.c_str(), (ck + "/config.textproto.tmp").c_str()), 0);
+  int steps = 0;
+  std::string error, err;
+  EXPECT_EQ(run_capturing(tiny({"checkpoint.dir=" + ck}), quiet(&steps), &error, &err), -1);
+  EXPECT_CONTAINS(error, "checkpoint.dir: the resolved config: " + ck + "/config.textproto.tmp is a symbolic link; "
+                         "carry writes no file through a link");
+  EXPECT_EQ(read_text(victim), "precious\n");
+  EXPECT_EQ(steps, 0);
 }
 
 TEST_F(TrainerReliability, UnwritableDestinationsStopTheRunBeforeItsFirstStep) {

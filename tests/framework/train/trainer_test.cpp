@@ -18,6 +18,7 @@
 #include <cstdio>
 #include <cstring>
 #include <fstream>
+#include <limits>
 #include <iterator>
 
 #include <signal.h>
@@ -476,6 +477,34 @@ TEST(Trainer, NonFiniteLossThrowsBeforeTheUpdate) {
   EXPECT_EQ(t.step(), 1);
   for (size_t i = 0; i < params.size(); ++i)
     EXPECT_TRUE(at::allclose(params[i].second, before[i], 0, 0, /*equal_nan=*/true)) << params[i].first;
+}
+
+// A gradient that turns infinite while the loss stays finite (a hook on one parameter's gradient,
+// from step 2 on) stops the step before the update, naming the step and the finite loss.
+TEST(Trainer, NonFiniteGradientThrowsBeforeTheUpdate) {
+  Trainer t(tiny_config(), nullptr, quiet());
+  t.train_step();
+  auto params = t.model().parameters();
+  bool hooked = false;
+  for (auto& [n, p] : params)
+    if (n == "norm.weight") {
+      p.register_hook([](const at::Tensor& g) { return g * std::numeric_limits<double>::infinity(); });
+      hooked = true;
+    }
+  ASSERT_TRUE(hooked);
+  std::vector<at::Tensor> before;
+  for (auto& [n, p] : params) before.push_back(p.detach().clone());
+  try {
+    t.train_step();
+    ADD_FAILURE() << "an infinite gradient was accepted";
+  } catch (const c10::Error& e) {
+    std::string m = e.what_without_backtrace();
+    EXPECT_NE(m.find("trainer: step 2: the gradient norm is "), std::string::npos) << m;
+    EXPECT_NE(m.find("; the parameters were not updated. "), std::string::npos) << m;
+    EXPECT_EQ(m.find("the loss is"), std::string::npos) << "the loss was finite: " << m;
+  }
+  EXPECT_EQ(t.step(), 1);
+  for (size_t i = 0; i < params.size(); ++i) EXPECT_TRUE(at::equal(params[i].second, before[i])) << params[i].first;
 }
 
 // A loss that turns NaN mid-run (a parameter poisoned after step 3, checkpoints every 2 steps) ends
