@@ -615,6 +615,9 @@ class EarlyHooksForTests final : public Mixer {
   explicit EarlyHooksForTests(const Mixer& inner) : inner_(inner) {}
   std::string name() const override { return inner_.name(); }
   std::vector<std::string> input_names() const override { return inner_.input_names(); }
+  int64_t rows_per_token(const std::string& n, const MixerOptions& opt) const override {
+    return inner_.rows_per_token(n, opt);
+  }
   std::vector<std::string> state_names() const override { return inner_.state_names(); }
   State zero_state(const MixerInputs& in, const MixerOptions& opt) const override { return inner_.zero_state(in, opt); }
   void check(const MixerInputs& in, const MixerOptions& opt, bool chunked) const override { inner_.check(in, opt, chunked); }
@@ -700,6 +703,9 @@ class KernelLikeForTests final : public Mixer {
   std::string name() const override { return inner_.name(); }
   std::vector<std::string> input_names() const override { return inner_.input_names(); }
   std::vector<std::string> optional_input_names() const override { return inner_.optional_input_names(); }
+  int64_t rows_per_token(const std::string& n, const MixerOptions& opt) const override {
+    return inner_.rows_per_token(n, opt);
+  }
   std::vector<std::string> state_names() const override { return inner_.state_names(); }
   State zero_state(const MixerInputs& in, const MixerOptions& opt) const override {
     return inner_.zero_state(full_precision(in), opt);
