@@ -24,7 +24,9 @@ struct LayerKind {
   const char* family;  // the registered mixer family it runs
   int listing = 0;     // its place when kinds are listed (messages keep one order)
   Decay decay = Decay::none;
-  bool beta = false;        // beta = sigmoid(W x) (delta rule)
+  bool beta = false;        // beta = beta_scale·sigmoid(W x) (delta rule)
+  double beta_scale = 1;    // 2 admits negative eigenvalues of I − β k kᵀ (FLA's allow_neg_eigval)
+  bool householder = false; // num_householder keys, values and betas a token (Gated DeltaProduct)
   bool levels = false;      // l = softplus(W x) over L levels (log-linear); reads the `levels` option
   bool silu_qkv = false;    // short causal convolutions (kernel 4, a halo of 3 tokens across ranks) + silu on q, k, v
   bool l2_qk = false;       // L2-normalized q, k

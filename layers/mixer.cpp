@@ -65,9 +65,15 @@ Tensor& MixerInputs::get(const std::string& name) {
 
 MixerInputs MixerInputs::slice(int64_t start, int64_t len) const {
   MixerInputs out;
+  // Rows a token: q's T is the tokens; a tensor of n times as many rows has n a token.
+  const int64_t tokens = q.defined() && q.dim() >= 2 ? q.size(1) : 0;
   for (const auto& n : MixerInputs::names()) {
     const Tensor& t = get(n);
-    if (t.defined()) out.get(n) = t.narrow(1, start, len);
+    if (!t.defined()) continue;
+    const int64_t rows = t.dim() >= 2 && tokens > 0 && t.size(1) > tokens && t.size(1) % tokens == 0
+                             ? t.size(1) / tokens
+                             : 1;
+    out.get(n) = t.narrow(1, rows * start, rows * len);
   }
   return out;
 }

@@ -38,6 +38,8 @@ struct MixerInputs {
   Tensor gk;       // log decay per key dimension (GLA, S6 dt·A) [B,T,H,dk]
   Tensor beta;     // delta-rule write strength                  [B,T,H]
   Tensor l;        // log-linear per-level weights λ             [B,T,H,L]
+  // Gated DeltaProduct reads n_h keys, values and betas a token, interleaved along T: k, v, beta then
+  // have T·n_h rows (token t's sub-step j at row t·n_h + j), q and g T rows.
 
   // Every input name, in this order: q, k, v, g, gk, beta, l.
   static const std::vector<std::string>& names();
@@ -45,7 +47,9 @@ struct MixerInputs {
   static bool is_gate(const std::string& name) { return name == "g" || name == "gk" || name == "beta"; }
   const Tensor& get(const std::string& name) const;
   Tensor& get(const std::string& name);
-  // The slice [start, start+len) along T of every defined tensor.
+  // The slice of tokens [start, start+len) of every defined tensor: rows [start, start+len) along T, or
+  // [n·start, n·(start+len)) of a tensor with n rows a token (n times q's rows: Gated DeltaProduct's
+  // sub-steps).
   MixerInputs slice(int64_t start, int64_t len) const;
 };
 
@@ -69,6 +73,7 @@ struct MixerOptions {
   int64_t window = 0;        // sliding-window attention: keys t-window < s <= t; 0 = full causal
   int64_t chunk_size = 64;   // chunkwise form
   int64_t offset = 0;        // absolute position of the slice's first token (log-linear levels)
+  int64_t num_householder = 2;  // Gated DeltaProduct: delta-rule (Householder) sub-steps a token, n_h
   Form form = Form::automatic;  // which form Mixer::forward runs
   bool check_values = false;    // also check values (finite, gate ranges): a device-to-host read
   // The kernel forms carry the state chunk after chunk, with no in-GPU segment scan: every chunk then
@@ -119,6 +124,9 @@ class Mixer {
   virtual std::vector<std::string> input_names() const = 0;
   // Inputs the family reads when given and does without otherwise (e.g. HLA's gate g: none = no decay).
   virtual std::vector<std::string> optional_input_names() const { return {}; }
+  // Rows along T that input `name` has a token: 1, but for Gated DeltaProduct's sub-step inputs (k, v,
+  // beta: opt.num_householder).
+  virtual int64_t rows_per_token(const std::string& /*name*/, const MixerOptions& /*opt*/) const { return 1; }
   // Names of the State tuple's entries, e.g. {"S"} or {"S","C","m","G","h"}; empty if stateless.
   virtual std::vector<std::string> state_names() const = 0;
   // The zero initial state for these inputs (shapes and dtype follow the inputs).

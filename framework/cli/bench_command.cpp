@@ -165,15 +165,17 @@ MixerInputs bench_inputs(const Mixer& m, int64_t T, const Shape& s) {
     auto u = at::rand(shape, gen, at::kFloat).to(o.device()) * (std::log(0.3) - std::log(1e-5)) + std::log(1e-5);
     return -at::exp(u);
   };
+  // Rows a token (Gated DeltaProduct's k, v and beta: its default num_householder steps a token).
+  auto rows = [&](const char* n) { return T * m.rows_per_token(n, MixerOptions{}); };
   MixerInputs in;
   in.q = rnd({1, T, s.H, s.dk});
-  in.k = rnd({1, T, s.H, s.dk});
+  in.k = rnd({1, rows("k"), s.H, s.dk});
   in.k = in.k / in.k.norm(2, -1, true);
-  in.v = rnd({1, T, s.H, s.dv});
+  in.v = rnd({1, rows("v"), s.H, s.dv});
   std::vector<std::string> names = m.input_names();
   for (const auto& n : m.optional_input_names()) names.push_back(n);  // HLA's decay: timed with it
   for (const auto& n : names) {
-    if (n == "beta") in.beta = at::sigmoid(rnd({1, T, s.H}));
+    if (n == "beta") in.beta = at::sigmoid(rnd({1, rows("beta"), s.H}));
     if (n == "g") in.g = decay({1, T, s.H});
     if (n == "gk") in.gk = decay({1, T, s.H, s.dk});
     if (n == "l") in.l = at::softplus(rnd({1, T, s.H, levels_for(T)}));  // log-linear's level weights

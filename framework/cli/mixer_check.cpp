@@ -25,12 +25,13 @@ MixerInputs random_inputs(const Mixer& m, const Shape& s, at::ScalarType dtype, 
   bool delta = std::find(names.begin(), names.end(), "beta") != names.end();
   for (auto& n : names) {
     Tensor t;
-    if (n == "q" || n == "k") t = at::randn({s.B, s.T, s.H, s.dk}, gen, opt);
-    else if (n == "v") t = at::randn({s.B, s.T, s.H, s.dv}, gen, opt);
-    else if (n == "g") t = at::log_sigmoid(at::randn({s.B, s.T, s.H}, gen, opt) + 3);
-    else if (n == "gk") t = at::log_sigmoid(at::randn({s.B, s.T, s.H, s.dk}, gen, opt) + 3);
-    else if (n == "beta") t = at::sigmoid(at::randn({s.B, s.T, s.H}, gen, opt));
-    else if (n == "l") t = at::sigmoid(at::randn({s.B, s.T, s.H, num_levels(s)}, gen, opt)) + 0.1;
+    const int64_t T = s.T * m.rows_per_token(n, MixerOptions{});  // sub-step inputs: n_h rows a token
+    if (n == "q" || n == "k") t = at::randn({s.B, T, s.H, s.dk}, gen, opt);
+    else if (n == "v") t = at::randn({s.B, T, s.H, s.dv}, gen, opt);
+    else if (n == "g") t = at::log_sigmoid(at::randn({s.B, T, s.H}, gen, opt) + 3);
+    else if (n == "gk") t = at::log_sigmoid(at::randn({s.B, T, s.H, s.dk}, gen, opt) + 3);
+    else if (n == "beta") t = at::sigmoid(at::randn({s.B, T, s.H}, gen, opt));
+    else if (n == "l") t = at::sigmoid(at::randn({s.B, T, s.H, num_levels(s)}, gen, opt)) + 0.1;
     if (delta && n == "k") t = t / t.norm(2, -1, true);
     in.get(n) = t.to(device);
   }

@@ -110,6 +110,8 @@ std::string usage() {
        "  --normalize       divide by the normalizer (families that have one)\n"
        "  --window W        sliding window, >= 0 (default 0: full causal)\n"
        "  --offset P        absolute position of the first token, >= 0 (default 0)\n"
+       "  --num-householder N  gated_deltaproduct: delta-rule steps a token, >= 1 (default 2); k, v\n"
+       "                    and beta then have T*N rows, the steps of a token interleaved\n"
        "  --sp-mode M       sequence parallelism over the MPI ranks (run under mpirun -np P):\n"
        "                    ordered, tree or allgather (the scan of the states between ranks).\n"
        "                    Every rank reads IN and runs the chunkwise form with autograd on its\n"
@@ -185,13 +187,15 @@ Args parse_args(int argc, char** argv) {
     if (flag.rfind("--", 0) != 0) throw UsageError("unexpected argument '" + flag + "' (flags start with --)");
     if (flag != "--normalize" && flag != "--family" && flag != "--input" && flag != "--output" &&
         flag != "--chunk-size" && flag != "--form" && flag != "--dtype" && flag != "--scale" &&
-        flag != "--window" && flag != "--offset" && flag != "--sp-mode" && flag != "--device")
+        flag != "--window" && flag != "--offset" && flag != "--sp-mode" && flag != "--device" &&
+        flag != "--num-householder")
       throw UsageError("unknown flag '" + flag + "'");
     if (!seen.insert(flag).second) throw UsageError(flag + " given twice");
     if (flag == "--normalize") a.opt.normalize = true;
     else if (flag == "--chunk-size") a.opt.chunk_size = args.integer(flag, 1);
     else if (flag == "--window") a.opt.window = args.integer(flag, 0);
     else if (flag == "--offset") a.opt.offset = args.integer(flag, 0);
+    else if (flag == "--num-householder") a.opt.num_householder = args.integer(flag, 1);
     else if (flag == "--scale") a.opt.scale = args.positive_number(flag);
     else {
       const std::string value = args.value(flag);

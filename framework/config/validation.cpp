@@ -41,6 +41,7 @@ constexpr int64_t kMaxLayers = 4096;
 constexpr double kMaxMlpRatio = 1024;
 constexpr int64_t kMaxConvSize = 4096;
 constexpr int64_t kMaxNumFeatures = 65536;  // Performer's random features (the family's dk)
+constexpr int64_t kMaxNumHouseholder = 16;  // Gated DeltaProduct's steps a token
 // The most level weights any registered kind accepts (log-linear attention's Fenwick levels).
 int64_t max_levels() {
   int64_t most = 0;
@@ -487,6 +488,9 @@ void check_model(const ModelConfig& m, const std::string& p, Errors& e) {
     only_for(o.has_feature_map(), "feature_map", kinds_where(&LayerKind::feature_map));
     only_for(o.has_num_features(), "num_features", kinds_where(&LayerKind::feature_map));
     only_for(o.has_feature_seed(), "feature_seed", kinds_where(&LayerKind::feature_map));
+    if (o.has_num_householder() && (o.num_householder() < 1 || o.num_householder() > kMaxNumHouseholder))
+      e.add(q + ".num_householder", "must lie in [1, ", kMaxNumHouseholder, "], got ", o.num_householder());
+    only_for(o.has_num_householder(), "num_householder", kinds_where(&LayerKind::householder));
   }
   for (auto& k : kinds) {
     if (!is_known_kind(k) || !layer_kind(k).power_of_two_chunk) continue;

@@ -195,13 +195,16 @@ MixerLayer::MixerLayer(const MixerLayerSpec& spec, ParameterInit& init) : spec_(
     return;
   }
 
+  // Gated DeltaProduct: n_h keys, values and betas a token, the sub-step outermost in each row ('(n h d)').
+  const int64_t nh = tr.householder ? spec.num_householder : 1;
+  TORCH_CHECK(nh >= 1, "mixer layer '", spec.kind, "': num_householder must be >= 1, got ", nh);
   q_proj_ = add("q_proj.weight", init.normal({H * dk, d}, std));
-  k_proj_ = add("k_proj.weight", init.normal({H * dk, d}, std));
-  v_proj_ = add("v_proj.weight", init.normal({H * dv, d}, std));
+  k_proj_ = add("k_proj.weight", init.normal({nh * H * dk, d}, std));
+  v_proj_ = add("v_proj.weight", init.normal({nh * H * dv, d}, std));
   if (K > 0) {
     q_conv_ = add("q_conv.weight", init.uniform({H * dk, K}, -conv_bound, conv_bound));
-    k_conv_ = add("k_conv.weight", init.uniform({H * dk, K}, -conv_bound, conv_bound));
-    v_conv_ = add("v_conv.weight", init.uniform({H * dv, K}, -conv_bound, conv_bound));
+    k_conv_ = add("k_conv.weight", init.uniform({nh * H * dk, K}, -conv_bound, conv_bound));
+    v_conv_ = add("v_conv.weight", init.uniform({nh * H * dv, K}, -conv_bound, conv_bound));
   }
   if (tr.decay == Decay::mamba) {
     a_proj_ = add("a_proj.weight", init.normal({H, d}, std));
@@ -217,7 +220,7 @@ MixerLayer::MixerLayer(const MixerLayerSpec& spec, ParameterInit& init) : spec_(
     dt_bias_ = add("dt_bias", dt_bias(H * dk));
     A_log_ = add("A_log", init.leaf(at::log(init.uniform_cpu({H}, 1.0, 16.0))));
   }
-  if (tr.beta) b_proj_ = add("b_proj.weight", init.normal({H, d}, std));
+  if (tr.beta) b_proj_ = add("b_proj.weight", init.normal({nh * H, d}, std));
   if (tr.levels) {
     int64_t L = spec.levels > 0 ? spec.levels : kMaxLogLinearLevels;
     l_proj_ = add("l_proj.weight", init.normal({H * L, d}, std));
@@ -253,6 +256,7 @@ MixerOptions MixerLayer::mixer_options(int64_t, const MixerLayerContext& ctx) co
   opt.offset = ctx.offset;
   opt.check_values = check_values_requested();
   opt.serial_states = ctx.serial_states;
+  if (tr.householder) opt.num_householder = spec_.num_householder;
   if (tr.mamba2) opt.scale = 1.0;  // Mamba-2 reads C·h unscaled
   if (performer_features_.defined()) {
     opt.scale = 1.0;  // φ(q)ᵀφ(k) is already the estimate of exp(qᵀk/√d)
@@ -351,7 +355,9 @@ MixerLayer::Projected MixerLayer::project(const Tensor& x, const MixerLayerConte
 
   auto qkv = project_convolve({q_proj_, k_proj_, v_proj_}, {q_conv_, k_conv_, v_conv_}, tr.silu_qkv);
   auto q = qkv[0], k = qkv[1], v = qkv[2];
-  q = q.view({B, T, H, dk}), k = k.view({B, T, H, dk}), v = v.view({B, T, H, dv});
+  // Rows of n_h sub-steps a token: [B, T, n_h·H·d] is [B, T·n_h, H, d] with the sub-steps interleaved.
+  const int64_t nh = tr.householder ? spec_.num_householder : 1;
+  q = q.view({B, T, H, dk}), k = k.reshape({B, T * nh, H, dk}), v = v.reshape({B, T * nh, H, dv});
   if (performer_features_.defined()) {
     const double s = std::pow(static_cast<double>(dk), -0.25);
     q = performer_feature_map(q * s, performer_features_, /*is_query=*/true, 0);
@@ -391,7 +397,11 @@ MixerLayer::Projected MixerLayer::project(const Tensor& x, const MixerLayerConte
                   .view({B, T, H, dk});
       break;
   }
-  if (tr.beta) in.beta = at::sigmoid(at::linear(x, b_proj_));
+  if (tr.beta) {
+    in.beta = at::sigmoid(at::linear(x, b_proj_));
+    if (nh > 1) in.beta = in.beta.reshape({B, T * nh, H});
+    if (tr.beta_scale != 1) in.beta = in.beta * tr.beta_scale;
+  }
   if (tr.levels) {
     int64_t L = levels_for(T, ctx), Lp = l_proj_.size(0) / H;
     auto w = l_proj_.view({H, Lp, spec_.d_model}).narrow(1, 0, L).reshape({H * L, spec_.d_model});

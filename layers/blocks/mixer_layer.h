@@ -16,6 +16,9 @@
 //   gla               family gla; gk = logsigmoid(W_b W_a x + b) / 16 (low rank 16)
 //   deltanet          family deltanet; silu on q,k,v; q, k L2-normalized; beta = sigmoid(W x)
 //   gated_deltanet    family gated_deltanet; as deltanet plus g = −exp(A_log)·softplus(W x + dt_bias)
+//   gated_deltaproduct  family gated_deltaproduct; as gated_deltanet with num_householder (n_h) keys,
+//                     values and betas a token (k, v, beta projections and convolutions n_h times as wide,
+//                     rows '(n h d)'), beta = 2·sigmoid(W x) (FLA's allow_neg_eigval)
 //   mamba1            family mamba1 (one head per channel): channels D = n_heads·head_dim_v, state
 //                     N = head_dim_k; x = silu(conv(v_proj x)), Δ = softplus(low-rank(x) + dt_bias),
 //                     A = −exp(A_log), B = k_proj x, C = q_proj x; y = (ssm + D⊙x) ⊙ silu(z), no norm
@@ -69,6 +72,7 @@ struct MixerLayerSpec {
   int64_t conv_size = 0;  // short convolution width (0 = none)
   bool normalize = false;
   int64_t levels = 0;     // log-linear: level weights (0 = as many as the sequence needs)
+  int64_t num_householder = 2;  // gated_deltaproduct: keys, values and betas a token (n_h)
   std::string feature_map = "elu";  // linear_attn: "elu" (elu + 1) or "performer"
   int64_t num_features = 128;       // performer: random features m (the family's dk)
   uint64_t feature_seed = 0;        // performer: with `layer`, the seed of the random features

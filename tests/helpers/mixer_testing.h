@@ -70,6 +70,9 @@ class WithKernelForm final : public Mixer {
   std::string name() const override { return base_.name(); }
   std::vector<std::string> input_names() const override { return base_.input_names(); }
   std::vector<std::string> optional_input_names() const override { return base_.optional_input_names(); }
+  int64_t rows_per_token(const std::string& n, const MixerOptions& o) const override {
+    return base_.rows_per_token(n, o);
+  }
   std::vector<std::string> state_names() const override { return base_.state_names(); }
   State zero_state(const MixerInputs& in, const MixerOptions& o) const override { return base_.zero_state(in, o); }
   void check(const MixerInputs& in, const MixerOptions& o, bool chunked) const override { base_.check(in, o, chunked); }

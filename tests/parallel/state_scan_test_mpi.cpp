@@ -275,7 +275,8 @@ Weights random_weights(const Mixer& m, const MixerInputs& in, const MixerOptions
   auto gen = at::make_generator<at::CPUGeneratorImpl>(seed);
   Weights w;
   auto zero = m.zero_state(in, opt);
-  w.o = at::randn(in.v.sizes(), gen, in.v.options());
+  // o is [B, T, H, dv] a token (v may have several rows a token: Gated DeltaProduct's sub-steps).
+  w.o = at::randn({in.q.size(0), in.q.size(1), in.q.size(2), in.v.size(3)}, gen, in.v.options());
   for (auto& t : zero) w.final_state.push_back(at::randn(t.sizes(), gen, t.options()));
   if (boundaries)
     for (int r = 0; r + 1 < P; ++r) {
@@ -497,7 +498,8 @@ TEST(KernelForms, ScanOverNcclMatchesSerial) {
   ProcessGroups& g = nccl_groups(1, world_size());
   const int P = g.layout.sp;
   const at::Device dev(at::kCUDA, world_info().local_rank);
-  for (const char* name : {"linear_attn", "scalar_decay", "gla", "deltanet", "gated_deltanet", "hla2", "ahla"}) {
+  for (const char* name :
+       {"linear_attn", "scalar_decay", "gla", "deltanet", "gated_deltanet", "gated_deltaproduct", "hla2", "ahla"}) {
     const Mixer& m = get_mixer(name);
     Shape s;
     s.B = 1, s.T = 256 * P, s.H = 2, s.dk = 128, s.dv = 128;
@@ -613,6 +615,9 @@ class EarlyHooksForTests final : public Mixer {
   explicit EarlyHooksForTests(const Mixer& inner) : inner_(inner) {}
   std::string name() const override { return inner_.name(); }
   std::vector<std::string> input_names() const override { return inner_.input_names(); }
+  int64_t rows_per_token(const std::string& n, const MixerOptions& opt) const override {
+    return inner_.rows_per_token(n, opt);
+  }
   std::vector<std::string> state_names() const override { return inner_.state_names(); }
   State zero_state(const MixerInputs& in, const MixerOptions& opt) const override { return inner_.zero_state(in, opt); }
   void check(const MixerInputs& in, const MixerOptions& opt, bool chunked) const override { inner_.check(in, opt, chunked); }
@@ -698,6 +703,9 @@ class KernelLikeForTests final : public Mixer {
   std::string name() const override { return inner_.name(); }
   std::vector<std::string> input_names() const override { return inner_.input_names(); }
   std::vector<std::string> optional_input_names() const override { return inner_.optional_input_names(); }
+  int64_t rows_per_token(const std::string& n, const MixerOptions& opt) const override {
+    return inner_.rows_per_token(n, opt);
+  }
   std::vector<std::string> state_names() const override { return inner_.state_names(); }
   State zero_state(const MixerInputs& in, const MixerOptions& opt) const override {
     return inner_.zero_state(full_precision(in), opt);

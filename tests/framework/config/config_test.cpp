@@ -256,7 +256,8 @@ TEST_F(ConfigTest, BadValuesOfManyKinds) {
   EXPECT_TRUE(has("name: must be non-empty and use only letters, digits, '.', '_' and '-' (it names directories), "
                   "got 'a b'")) << all;
   EXPECT_TRUE(has("model.mixers[1]: unknown mixer kind 'glaa'; known kinds: linear_attn, retnet, gla, deltanet, "
-                  "gated_deltanet, mamba1, mamba2, hla2, ahla, loglinear_mamba2, loglinear_gdn, softmax_attn, kda")) << all;
+                  "gated_deltanet, mamba1, mamba2, hla2, ahla, loglinear_mamba2, loglinear_gdn, softmax_attn, kda, "
+                  "gated_deltaproduct")) << all;
   EXPECT_TRUE(has("model.mixer_options[0].window: only softmax_attn uses 'window', but this entry applies to gla "
                   "layers (give the entry a kind)")) << all;
   EXPECT_TRUE(has("data.mqar: 2*(num_kv_pairs + num_queries) = 208 tokens do not fit in data.seq_len (128)")) << all;
@@ -290,6 +291,31 @@ TEST_F(ConfigTest, FeatureMapOptions) {
                            "model.mixer_options[0].feature_seed: must be >= 0, got -1",
                            "model.mixer_options[1].feature_map: only linear_attn uses 'feature_map', but this entry "
                            "applies to gla layers (give the entry a kind)"})
+    EXPECT_NE(all.find(want), std::string::npos) << "missing: " << want << "\nerrors:\n" << all;
+}
+
+// Gated DeltaProduct's steps a token: in [1, 16], and only on gated_deltaproduct layers.
+TEST_F(ConfigTest, NumHouseholderOption) {
+  RunConfig c;
+  ASSERT_TRUE(google::protobuf::TextFormat::ParseFromString(kValid, &c));
+  c.mutable_model()->clear_mixers();
+  c.mutable_model()->add_mixers("gated_deltaproduct");
+  c.mutable_model()->add_mixers("gated_deltanet");
+  auto* o = c.mutable_model()->add_mixer_options();
+  o->set_kind("gated_deltaproduct");
+  o->set_num_householder(3);
+  EXPECT_TRUE(run_config_errors(c).empty()) << run_config_errors(c)[0];
+  EXPECT_EQ(layer_mixer(c.model(), 0).options.num_householder(), 3);
+  EXPECT_EQ(layer_mixer(c.model(), 1).options.num_householder(), 2);  // the default, unread by gated_deltanet
+  o->set_num_householder(0);
+  auto* all_layers = c.mutable_model()->add_mixer_options();
+  all_layers->set_num_householder(2);
+  auto errors = run_config_errors(c);
+  std::string all;
+  for (auto& e : errors) all += e + "\n";
+  for (const char* want : {"model.mixer_options[0].num_householder: must lie in [1, 16], got 0",
+                           "model.mixer_options[1].num_householder: only gated_deltaproduct uses 'num_householder', "
+                           "but this entry applies to gated_deltanet layers (give the entry a kind)"})
     EXPECT_NE(all.find(want), std::string::npos) << "missing: " << want << "\nerrors:\n" << all;
 }
 
