@@ -82,25 +82,7 @@ __global__ void __launch_bounds__(256) fwd_kernel(const bf16* __restrict__ q, co
   float acc[NT8][4] = {};
   const int n1 = (warp >> 2) * (DYT / 2);
   pr::frag_mma<NT8, 64, false, false>(acc, sP, LP, sV, LV, m0, n1);
-  float* ob = out + row0 * dv + tile0;
-#pragma unroll
-  for (int nt = 0; nt < NT8; ++nt) {
-    const int col = n1 + nt * 8 + 2 * t4;
-    *reinterpret_cast<float2*>(ob + (long)(m0 + g4) * dv + col) = make_float2(acc[nt][0], acc[nt][1]);
-    *reinterpret_cast<float2*>(ob + (long)(m0 + g4 + 8) * dv + col) = make_float2(acc[nt][2], acc[nt][3]);
-  }
-}
-
-// c (16 rows at m0, NT8 n8-tiles at n0) stored fp32 to global rows of stride ld.
-template <int NT8>
-__device__ __forceinline__ void store_frag_f32(float* o, long ld, const float (&c)[NT8][4], int m0, int n0) {
-  const int lane = threadIdx.x & 31, r = m0 + (lane >> 2), t4 = lane & 3;
-#pragma unroll
-  for (int nt = 0; nt < NT8; ++nt) {
-    const int col = n0 + nt * 8 + 2 * t4;
-    *reinterpret_cast<float2*>(o + (long)r * ld + col) = make_float2(c[nt][0], c[nt][1]);
-    *reinterpret_cast<float2*>(o + (long)(r + 8) * ld + col) = make_float2(c[nt][2], c[nt][3]);
-  }
+  pr::frag_store_f32<NT8>(out + row0 * dv + tile0, dv, acc, m0, n1);
 }
 
 template <int DK, int DV>
@@ -170,17 +152,17 @@ __global__ void __launch_bounds__(256) bwd_kernel(const bf16* __restrict__ q, co
     const int c0 = (warp >> 2) * (DK / 2);
     float a[NT8][4] = {};
     pr::frag_mma<NT8, 64, false, false>(a, sS, LP, sK, LK, m0, c0);
-    store_frag_f32<NT8>(dq + row0 * DK, DK, a, m0, c0);
+    pr::frag_store_f32<NT8>(dq + row0 * DK, DK, a, m0, c0);
     float b[NT8][4] = {};
     pr::frag_mma<NT8, 64, true, false>(b, sS, LP, sQ, LK, m0, c0);
-    store_frag_f32<NT8>(dk + row0 * DK, DK, b, m0, c0);
+    pr::frag_store_f32<NT8>(dk + row0 * DK, DK, b, m0, c0);
   }
   {  // dV = Pᵀ·dO: 64 × dv
     constexpr int NT8 = DV / 16;
     const int c0 = (warp >> 2) * (DV / 2);
     float a[NT8][4] = {};
     pr::frag_mma<NT8, 64, true, false>(a, sP, LP, sO, LV, m0, c0);
-    store_frag_f32<NT8>(dv + row0 * DV, DV, a, m0, c0);
+    pr::frag_store_f32<NT8>(dv + row0 * DV, DV, a, m0, c0);
   }
   if (tid < 64) {  // dG_t = Σ_s D_ts − Σ_s D_st
     float rs = 0.f, cs = 0.f;

@@ -109,7 +109,7 @@ __global__ void __launch_bounds__(256) sum_kernel(const bf16* __restrict__ x, co
   const bf16* xb = x + (long)bh * T * DX;
   const bf16* yb = y + (long)bh * T * dy + tile0;
   const float* wb = wt + ((long)bh * tab.n + i) * T;
-  const int warp = tid >> 5, lane = tid & 31, g = lane >> 2, t4 = lane & 3;
+  const int warp = tid >> 5;
   const int m0 = (warp % RW) * 16, n0 = (warp / RW) * COLS;
   float acc[NT8][4];
 #pragma unroll
@@ -132,13 +132,8 @@ __global__ void __launch_bounds__(256) sum_kernel(const bf16* __restrict__ x, co
     pr::frag_mma<NT8, 64, true, false>(acc, sX, LX, sY, LY, m0, n0);
     __syncthreads();
   }
-  float* out = part + ((long)bh * npart + tab.seg_off[i] + (long)m * nseg + s) * DX * dy + tile0;
-#pragma unroll
-  for (int nt = 0; nt < NT8; ++nt) {
-    const int col = n0 + nt * 8 + 2 * t4;
-    *reinterpret_cast<float2*>(out + (long)(m0 + g) * dy + col) = make_float2(acc[nt][0], acc[nt][1]);
-    *reinterpret_cast<float2*>(out + (long)(m0 + g + 8) * dy + col) = make_float2(acc[nt][2], acc[nt][3]);
-  }
+  pr::frag_store_f32<NT8>(part + ((long)bh * npart + tab.seg_off[i] + (long)m * nseg + s) * DX * dy + tile0, dy, acc,
+                          m0, n0);
 }
 
 // mats[bh, j] = Σ_s part[bh, seg_off + m·nseg + s] in order, as bf16; four elements a thread.
@@ -263,12 +258,7 @@ __global__ void __launch_bounds__(256) read_kernel(const bf16* __restrict__ x, c
       __syncthreads();  // this buffer is refilled two levels on
     }
   }
-#pragma unroll
-  for (int nt = 0; nt < NT8; ++nt) {
-    const int col = n0 + nt * 8 + 2 * t4;
-    *reinterpret_cast<float2*>(ob + (long)(m0 + g) * ow + col) = make_float2(acc[nt][0], acc[nt][1]);
-    *reinterpret_cast<float2*>(ob + (long)(m0 + g + 8) * ow + col) = make_float2(acc[nt][2], acc[nt][3]);
-  }
+  pr::frag_store_f32<NT8>(ob, ow, acc, m0, n0);
   if constexpr (RD) {
     for (int idx = tid; idx < cnt * 64; idx += 256) {
       const int j = idx / 64, r = idx % 64;

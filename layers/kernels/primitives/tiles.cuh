@@ -295,4 +295,16 @@ __device__ __forceinline__ void frag_store_bf16(bf16* g, long ld, const float (&
   }
 }
 
+// The same fragments stored fp32, two columns (8 bytes) a store.
+template <int NT8>
+__device__ __forceinline__ void frag_store_f32(float* g, long ld, const float (&c)[NT8][4], int m0, int n0) {
+  const int lane = threadIdx.x & 31, r = m0 + (lane >> 2), t4 = lane & 3;
+#pragma unroll
+  for (int nt = 0; nt < NT8; ++nt) {
+    const int col = n0 + nt * 8 + 2 * t4;
+    *reinterpret_cast<float2*>(g + (long)r * ld + col) = make_float2(c[nt][0], c[nt][1]);
+    *reinterpret_cast<float2*>(g + (long)(r + 8) * ld + col) = make_float2(c[nt][2], c[nt][3]);
+  }
+}
+
 }  // namespace carry::kernels::primitives
