@@ -34,7 +34,7 @@ DeltaChunkPieces delta_rule_chunk(const Tensor& q, const Tensor& k, const Tensor
   TORCH_CHECK(q.dim() == 4 && k.sizes() == q.sizes(), "delta_rule_chunk: q and k must be [B,H,C,dk] "
               "of one shape, got ", shape_str(q.sizes()), " and ", shape_str(k.sizes()));
   int64_t B = q.size(0), H = q.size(1), C = q.size(2), dk = q.size(3);
-  TORCH_CHECK((parts != ChunkParts::all && !v.defined()) ||
+  TORCH_CHECK(((parts == ChunkParts::reads || parts == ChunkParts::mixing) && !v.defined()) ||
                   (v.dim() == 4 && v.size(0) == B && v.size(1) == H && v.size(2) == C),
               "delta_rule_chunk: v must be [", B, ", ", H, ", ", C, ", dv], got ", shape_str(v.sizes()));
   TORCH_CHECK(beta.sizes() == at::IntArrayRef({B, H, C}), "delta_rule_chunk: beta must be [", B, ", ",
@@ -70,6 +70,13 @@ DeltaChunkPieces delta_rule_chunk(const Tensor& q, const Tensor& k, const Tensor
   p.query_state = q * gate_in * scale - at::matmul(qk, W);
   if (parts == ChunkParts::reads) return p;
   auto k_out = k * gate_out;                                                        // K̃ [B,H,C,dk]
+  if (parts == ChunkParts::walk) {
+    p.w = W;
+    p.u = at::matmul(T_beta, v);
+    p.k_out = k_out;
+    p.gate_last = G_last.exp();
+    return p;
+  }
   p.transport = at::exp(G_last).unsqueeze(-1).unsqueeze(-1) * at::eye(dk, opt) -
                 at::matmul(k_out.transpose(-1, -2), W);
   p.value_state = at::matmul(k_out.transpose(-1, -2), T_beta);

@@ -41,11 +41,17 @@ struct DeltaChunkPieces {
   Tensor transport;    // A_chunk [B,H,dk,dk]
   Tensor state;        // B_chunk [B,H,dk,dv]
   Tensor value_state;  // R [B,H,dk,C]
+  // ChunkParts::walk (the state walk's operands, unscaled: layers/log_linear/level_walk.h)
+  Tensor w;          // W = T·diag(β e^G) K [B,H,C,dk]
+  Tensor u;          // U = T·diag(β) V [B,H,C,dv]
+  Tensor k_out;      // K̃ = diag(e^{G_C − G}) K [B,H,C,dk]
+  Tensor gate_last;  // e^{G_C} [B,H]
 };
 
-// Which pieces delta_rule_chunk computes: all of them, the read side only (mixing and query_state), or
-// the mixing only (v may be undefined but for all).
-enum class ChunkParts { all, reads, mixing };
+// Which pieces delta_rule_chunk computes: all of them, the read side only (mixing and query_state), the
+// mixing only (v may be undefined but for all and walk), or the mixing, query_state and a state walk's
+// operands (w, u, k_out, gate_last).
+enum class ChunkParts { all, reads, mixing, walk };
 
 // The pieces of one chunk from chunk-local tensors in [B,H,C,·] layout: q, k [B,H,C,dk], v [B,H,C,dv],
 // beta [B,H,C] and g [B,H,C] (log decays; undefined = no decay, DeltaNet). Computed in the tensors'

@@ -5,6 +5,7 @@
 #include "layers/layout.h"
 #include "layers/delta_rule/delta_rule.h"
 #include "layers/log_linear/fenwick.h"
+#include "layers/log_linear/level_walk.h"
 
 #include <torch/csrc/autograd/custom_function.h>
 
@@ -13,6 +14,7 @@
 #include "layers/kernels/primitives/host.h"
 #endif
 
+#include <algorithm>
 #include <functional>
 #include <limits>
 #include <tuple>
@@ -61,6 +63,10 @@ struct Base {
   // Mamba-2: the levels above the chunk as products (level_passes.h), with no `pass`: each level's whole
   // blocks in WholeBlockLevels, the partial blocks at the slice's ends as LevelProducts regions.
   bool products = false;
+  // Gated DeltaNet: every level above the chunk in one walk (level_walk.h), with no `pass`: the initial
+  // state of each level c+1 .. L−1 (undefined: zeros) → the read-outs weighted by λ ([B,T,H,dv], the
+  // accumulation dtype) and each level's final state [B,H,dk,dv].
+  std::function<std::pair<Tensor, std::vector<Tensor>>(const std::vector<Tensor>& X0)> walk;
 };
 
 // A partial block of a level above the chunk of log-linear Mamba-2 as products: the block's first half
@@ -324,14 +330,36 @@ MixerOutput by_level_passes(const MixerInputs& in, const State& init, const Mixe
     }
   }
 
-  // Levels c+1 .. L−1: one pass a level over the slice cut at multiples of 2^level.
+  // Levels c+1 .. L−1: one pass a level over the slice cut at multiples of 2^level (or one walk for all).
   std::vector<Tensor> from_pass(J);
   std::vector<int64_t> whole_blocks;  // products: (level, start, count, half) of the levels' whole blocks
+  // The pass's final state is its last block's first half; where that block is p's, it also carries the
+  // injected entries, which the state keeps where fenwick_merge_target puts them (an unset entry read like
+  // a source here can stay in its own entry): move those the bookkeeping puts elsewhere.
+  auto final_entry_of = [&](int64_t level, const Tensor& last_state, const std::vector<bool>& injected,
+                            bool same_block) {
+    const int64_t j = level - 1;
+    Tensor fix;
+    for (int64_t i = 0; i < J; ++i) {
+      const bool in_pass = same_block && injected[i], belongs = fenwick_merge_target(p, q_end, i) == j;
+      if (in_pass == belongs || !S0[i].defined()) continue;
+      Tensor t = in_pass ? -S0[i] : S0[i];
+      fix = fix.defined() ? fix + t : t;
+    }
+    from_pass[j] = fix.defined() ? last_state.to(dt) + base.transport(fix) : last_state;
+  };
+  struct WalkLevel {  // walk: what each level needs after the walk
+    int64_t level;
+    std::vector<bool> injected;
+    bool final_entry, same_block;
+  };
+  std::vector<WalkLevel> walk_levels;
+  std::vector<Tensor> walk_x0;
   for (int64_t level = c + 1; level < L; ++level) {
     const int64_t block = int64_t{1} << level, half = block >> 1;
     const int64_t first_reader = bit(p, level - 1) ? p : ((p >> level) << level) + half;
     const bool readers = first_reader < q_end, final_entry = level - 1 < J && bit(q_end, level - 1);
-    if (!readers && !final_entry) continue;
+    if (!readers && !final_entry && !base.walk) continue;
     // The incoming entries whose source position b_j(p) lies in the first half of p's block.
     Tensor X0;
     std::vector<bool> injected(J, false);
@@ -345,6 +373,11 @@ MixerOutput by_level_passes(const MixerInputs& in, const State& init, const Mixe
     const int64_t first_end = std::min(q_end, ((p >> level) + 1) << level);
     const int64_t whole = (q_end - first_end) / block;
     const int64_t rest_start = first_end + whole * block;
+    if (base.walk) {
+      walk_x0.push_back(X0);
+      walk_levels.push_back({level, injected, final_entry, first_end == q_end});
+      continue;
+    }
     if (base.products) {
       // Whole blocks (p's own when p starts it and no incoming entry joins it) go to WholeBlockLevels; the
       // partial blocks at the ends are regions here.
@@ -404,21 +437,14 @@ MixerOutput by_level_passes(const MixerInputs& in, const State& init, const Mixe
       auto w = lam.select(-1, level).unsqueeze(-1) * position_mask(p, T, level - 1, true, fo);
       o = at::addcmul(o, w, y);  // y in the pass's dtype, summed in o's
     }
-    if (final_entry) {
-      // The pass's final state is its last block's first half; where that block is p's, it also carries
-      // the injected entries, which the state keeps where fenwick_merge_target puts them (an unset entry
-      // read like a source here can stay in its own entry): move those the bookkeeping puts elsewhere.
-      const int64_t j = level - 1;
-      const bool same_block = first_end == q_end;
-      Tensor fix;
-      for (int64_t i = 0; i < J; ++i) {
-        const bool in_pass = same_block && injected[i], belongs = fenwick_merge_target(p, q_end, i) == j;
-        if (in_pass == belongs || !S0[i].defined()) continue;
-        Tensor t = in_pass ? -S0[i] : S0[i];
-        fix = fix.defined() ? fix + t : t;
-      }
-      from_pass[j] = fix.defined() ? last_state.to(dt) + base.transport(fix) : last_state;
-    }
+    if (final_entry) final_entry_of(level, last_state, injected, first_end == q_end);
+  }
+  if (base.walk && !walk_levels.empty()) {
+    auto [read, finals] = base.walk(walk_x0);
+    o = o + read;
+    for (size_t i = 0; i < walk_levels.size(); ++i)
+      if (walk_levels[i].final_entry)
+        final_entry_of(walk_levels[i].level, finals[i], walk_levels[i].injected, walk_levels[i].same_block);
   }
 
   if (!whole_blocks.empty()) {
@@ -488,38 +514,55 @@ MixerOutput loglinear_mamba2_by_level_products(const MixerInputs& in, const Stat
 
 MixerOutput loglinear_gdn_by_level_passes(const MixerInputs& in, const State& init, const MixerOptions& opt,
                                           const DeltaPass& pass) {
-  const int64_t B = in.q.size(0), T = in.q.size(1), H = in.q.size(2), dk = in.q.size(3), C = opt.chunk_size,
-                N = T / C;
+  const int64_t B = in.q.size(0), T = in.q.size(1), H = in.q.size(2), dk = in.q.size(3), dv = in.v.size(3),
+                C = opt.chunk_size, N = T / C, BH = B * H, L = in.l.size(3);
+  const int64_t c = bit_width(static_cast<uint64_t>(C)) - 1;
   const auto dt = in.q.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
-  // The delta rule's chunk pieces (layers/delta_rule/delta_rule.h), every chunk at once: the chunks
-  // folded into the batch.
-  auto folded = [&](const Tensor& x) {  // [B,T,H,...] → [B·N,H,C,...]
-    auto y = x.to(dt);
+  // The delta rule's chunk pieces (layers/delta_rule/delta_rule.h), every chunk at once: [B,T,H,...] →
+  // [B·H,N,C,...], the chunks in the second dimension.
+  auto chunked = [&](const Tensor& x) {
+    auto y = x.to(dt).transpose(1, 2);  // [B,H,T,...]
     auto sizes = y.sizes().vec();
-    std::vector<int64_t> to{B, N, C, H};
-    for (size_t i = 3; i < sizes.size(); ++i) to.push_back(sizes[i]);
-    y = y.reshape(to).transpose(2, 3);  // [B,N,H,C,...]
-    to.erase(to.begin());
-    to[0] = B * N;
-    std::swap(to[1], to[2]);
+    std::vector<int64_t> to{BH, N, C};
+    to.insert(to.end(), sizes.begin() + 3, sizes.end());
     return y.reshape(to);
   };
+  const bool walk_levels = L - 1 > c;
   const DeltaChunkPieces pieces =
-      delta_rule_chunk(folded(in.q), folded(in.k), Tensor(), folded(in.beta), folded(in.g), 1.0,
-                       init.empty() ? ChunkParts::mixing : ChunkParts::reads);
+      delta_rule_chunk(chunked(in.q), chunked(in.k), walk_levels ? chunked(in.v) : Tensor(), chunked(in.beta),
+                       chunked(in.g), 1.0,
+                       walk_levels ? ChunkParts::walk : init.empty() ? ChunkParts::mixing : ChunkParts::reads);
   Base base;
   base.own_pairs = [&](const Tensor& weight) {  // weight [B,H,N,C,C]
-    auto M = pieces.mixing.reshape({B, N, H, C, C}).permute({0, 2, 1, 3, 4}) * weight;  // [B,H,N,C,C]
+    auto M = pieces.mixing.reshape({B, H, N, C, C}) * weight;
     auto vc = split_chunks(to_bhtd(in.v.to(dt)), C);
     return from_bhtd(merge_chunks(at::matmul(M, vc)));
   };
   base.first_chunk_read = [&](const Tensor& Z) {  // the first chunk's query_state [B,H,C,dk] reads Z
-    auto P = pieces.query_state.reshape({B, N, H, C, dk}).select(1, 0);
+    auto P = pieces.query_state.select(1, 0).reshape({B, H, C, dk});
     return at::matmul(P, Z).transpose(1, 2);  // [B,C,H,dv]
   };
-  base.pass = [&](const MixerInputs& piece, const Tensor& source, const Tensor& x0) {
-    return pass(piece.q, piece.k, piece.v * source.to(piece.v.scalar_type()), piece.g, piece.beta, x0);
-  };
+  if (walk_levels) {
+    base.walk = [&](const std::vector<Tensor>& X0) {
+      const int64_t J = L - 1 - c;
+      // The kernels take the pieces in bf16 (the delta rule's kernels' operand type) for bf16 inputs.
+      const auto io = in.q.scalar_type() == at::kBFloat16 ? at::kBFloat16 : dt;
+      auto rows = [&](const Tensor& x) { return x.reshape({BH, T, x.size(-1)}).to(io); };
+      auto lam = in.l.narrow(3, c + 1, J).to(dt).permute({0, 2, 3, 1}).reshape({BH, J, T});
+      Tensor x0;
+      if (std::any_of(X0.begin(), X0.end(), [](const Tensor& x) { return x.defined(); })) {
+        std::vector<Tensor> e;
+        for (const Tensor& x : X0)
+          e.push_back(x.defined() ? x.to(dt).reshape({BH, dk, dv}) : at::zeros({BH, dk, dv}, in.q.options().dtype(dt)));
+        x0 = at::stack(e);
+      }
+      auto [o, finals] = level_walk(rows(pieces.w), rows(pieces.u), rows(pieces.k_out), rows(pieces.query_state),
+                                    pieces.gate_last.to(dt), lam, x0, LevelWalkPlace{opt.offset, C, c + 1});
+      std::vector<Tensor> last;
+      for (int64_t j = 0; j < J; ++j) last.push_back(finals.select(0, j).reshape({B, H, dk, dv}));
+      return std::make_pair(o.reshape({B, H, T, dv}).transpose(1, 2), last);
+    };
+  }
   // The slice's transport A (dk×dk), from a pass that writes nothing, from the identity: only where an
   // incoming state has entries to carry.
   Tensor A;

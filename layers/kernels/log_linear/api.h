@@ -1,5 +1,6 @@
 // Log-linear Mamba-2's kernels (layers/log_linear/level_passes.h): the levels above the chunk on three
-// kernels (levels.cu), the levels inside a chunk on two (chunk_levels.cu). A level ℓ pairs each block of 2^ℓ tokens with itself: its first half (side 0) writes one
+// kernels (levels.cu), the levels inside a chunk on two (chunk_levels.cu); log-linear Gated DeltaNet's levels
+// above the chunk on two walks (walk.cu, at the end). A level ℓ pairs each block of 2^ℓ tokens with itself: its first half (side 0) writes one
 // state, Y = Σ_s a_s k_s v_sᵀ, which its second half (side 1) reads, o_t += w_t Yᵀ q_t; a and w are
 // per-token factors (decay to and from the block's middle, times λ_t[ℓ] for w). Every product of the
 // forward and the backward is one of two shapes, over all levels at once:
@@ -51,5 +52,20 @@ at::Tensor chunk_levels_fwd(const at::Tensor& q, const at::Tensor& k, const at::
 // (rows 7.. zero)}.
 std::vector<at::Tensor> chunk_levels_bwd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                          const at::Tensor& g, const at::Tensor& lam, const at::Tensor& d_o);
+
+// Log-linear Gated DeltaNet's levels above the chunk in one walk (walk.cu; the math in
+// layers/log_linear/level_walk.h). Pieces bf16 [BH,T,·] (W, K̃, P [BH,T,dk], dk ∈ {64, 128}; U [BH,T,dv], dv ∈ {64,
+// 128, 256}), gamma [BH,N] and lam [BH,J,T] fp32, X0 [J,BH,dk,dv] fp32 or undefined; the chunk is 64 and the
+// slice starts at absolute position `offset` (a multiple of 64) with levels first_level .. first_level + J − 1.
+// Forward: {o [BH,T,dv] fp32, finals [J,BH,dk,dv] fp32, and with keep_states the states entering each chunk,
+// transposed, bf16 [BH,N,J,dv,dk]}. Reverse: from dO (bf16 [BH,T,dv]) and the finals' gradient dF ([J,BH,dk,dv]
+// fp32 or undefined): {the gradients of the states leaving each chunk, transposed, bf16 [BH,N,J,dv,dk], dX0
+// [J,BH,dk,dv] fp32}. Deterministic.
+std::vector<at::Tensor> level_walk_fwd(const at::Tensor& W, const at::Tensor& U, const at::Tensor& Kt,
+                                       const at::Tensor& P, const at::Tensor& gamma, const at::Tensor& lam,
+                                       const at::Tensor& X0, int64_t offset, int64_t first_level, bool keep_states);
+std::vector<at::Tensor> level_walk_bwd(const at::Tensor& W, const at::Tensor& Kt, const at::Tensor& P,
+                                       const at::Tensor& gamma, const at::Tensor& lam, const at::Tensor& dO,
+                                       const at::Tensor& dF, int64_t offset, int64_t first_level, int64_t dv);
 
 }  // namespace carry::kernels::log_linear
