@@ -7,9 +7,10 @@
 // set), and by no one else. So, with a chunk of C = 2^c tokens:
 //   - levels 0..c (pairs inside a chunk): the chunk's decayed causal QKᵀ weighted by λ_t[level(t,s)],
 //     in ATen, every chunk at once;
-//   - each level ℓ > c: one pass of the base model over the slice cut at multiples of 2^ℓ (whole blocks
-//     batched together), the writes of second halves zeroed, its read-out kept for second halves and
-//     weighted by λ_t[ℓ]; a block's pass starts from zero, so nothing crosses a block (Mamba-2 takes
+//   - each level ℓ > c: a pass of the base model over the slice cut at multiples of 2^ℓ, the writes of
+//     second halves zeroed, its read-out kept for second halves and weighted by λ_t[ℓ]; a block's pass
+//     starts from zero, so nothing crosses a block (Gated DeltaNet runs every level's pass in one walk,
+//     level_walk.h; Mamba-2 takes
 //     two products instead of the pass, below).
 // The incoming state's entries S_j read like a source at position b_j(p) (fenwick.h: every t ≥ p reads
 // S_j at level bit_width(t xor b_j(p))): an entry joins the initial state of level ℓ's pass over the
@@ -45,10 +46,10 @@ using DeltaPass = std::function<std::pair<Tensor, Tensor>(const Tensor& q, const
                                                           const Tensor& g, const Tensor& beta, const Tensor& s0)>;
 
 // log-linear Gated DeltaNet the same way (in also has beta [B,T,H]): the levels inside a chunk from the
-// delta rule's chunk pieces (every chunk at once), each level above it one delta-rule pass with the values
-// of second halves zeroed (those tokens carry the state through their transition and write nothing),
-// and the slice's transport of the incoming entries from one more pass, from the identity, when an
-// initial state is given.
+// delta rule's chunk pieces (every chunk at once), every level above it in one walk over the chunks from
+// the same pieces (level_walk.h: a chunk writes at a level in its block's first half and only carries the
+// state in its second), and the slice's transport of the incoming entries from `pass`, from the identity
+// with no values, when an initial state is given.
 MixerOutput loglinear_gdn_by_level_passes(const MixerInputs& in, const State& initial_state,
                                           const MixerOptions& opt, const DeltaPass& pass);
 

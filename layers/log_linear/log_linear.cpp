@@ -182,7 +182,7 @@ class LogLinear : public Mixer {
 
 #ifdef CARRY_WITH_CUDA
   // The kernel forms (level_passes.h): Mamba-2's levels above the chunk as matrix products (cuBLAS);
-  // Gated DeltaNet one pass a level of the delta rule's kernels.
+  // Gated DeltaNet every level above the chunk in one walk (level_walk.h, its kernels for bf16).
   bool has_kernel() const override { return true; }
   bool kernel_supports(const MixerInputs& in, const MixerOptions& opt) const override {
     if (!in.q.defined() || !in.v.defined() || !in.q.is_cuda() || in.q.dim() != 4 || in.v.dim() != 4) return false;
