@@ -27,6 +27,7 @@ struct LayerKind {
   bool beta = false;        // beta = beta_scale·sigmoid(W x) (delta rule)
   double beta_scale = 1;    // 2 admits negative eigenvalues of I − β k kᵀ (FLA's allow_neg_eigval)
   bool householder = false; // num_householder keys, values and betas a token (Gated DeltaProduct)
+  bool grouped_values = false;  // may have more value heads than query/key heads (n_v_heads, GVA)
   bool levels = false;      // l = softplus(W x) over L levels (log-linear); reads the `levels` option
   bool silu_qkv = false;    // short causal convolutions (kernel 4, a halo of 3 tokens across ranks) + silu on q, k, v
   bool l2_qk = false;       // L2-normalized q, k

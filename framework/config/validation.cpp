@@ -419,6 +419,21 @@ void check_model(const ModelConfig& m, const std::string& p, Errors& e) {
   in_range("d_model", m.d_model(), kMaxWidth);
   in_range("n_layers", m.n_layers(), kMaxLayers);
   in_range("n_heads", m.n_heads(), kMaxHeads);
+  if (m.has_n_v_heads()) {
+    in_range("n_v_heads", m.n_v_heads(), kMaxHeads);
+    if (m.n_v_heads() > 0 && m.n_heads() > 0 && m.n_v_heads() % m.n_heads() != 0)
+      e.add(p + "n_v_heads", "must be a multiple of n_heads (", m.n_heads(), "), got ", m.n_v_heads());
+    if (m.n_v_heads() != m.n_heads()) {
+      const auto ok = kinds_where(&LayerKind::grouped_values);
+      for (const auto& k : m.mixers())
+        if (is_known_kind(k) && !ok.count(k)) {
+          e.add(p + "n_v_heads", "grouped value heads (n_v_heads ", m.n_v_heads(), " != n_heads ", m.n_heads(),
+                ") apply to ", join(std::vector<std::string>(ok.begin(), ok.end())), " layers only, but the model has ",
+                k, " layers");
+          break;
+        }
+    }
+  }
   if (m.has_head_dim_k()) in_range("head_dim_k", m.head_dim_k(), kMaxWidth);
   if (m.has_head_dim_v()) in_range("head_dim_v", m.head_dim_v(), kMaxWidth);
   if ((!m.has_head_dim_k() || !m.has_head_dim_v()) && m.n_heads() > 0 && m.d_model() > 0 &&

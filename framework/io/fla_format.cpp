@@ -174,6 +174,9 @@ std::vector<std::string> fla_export_errors(const ModelConfig& model) {
   }
   const auto lm = layer_mixer(model, 0);
   const int64_t d = model.d_model(), H = model.n_heads(), dk = head_dim_k(model), dv = head_dim_v(model);
+  if (kind != "gated_deltanet" && model.has_n_v_heads() && model.n_v_heads() != H)
+    errors.push_back("model.n_v_heads: " + std::to_string(model.n_v_heads()) + " value heads for " + std::to_string(H) +
+                     " query/key heads; FLA's " + kind + " has no grouped value heads (its gated_deltanet does)");
   if (kind == "gla" && lm.options.conv_size() > 0)
     errors.push_back("model.mixer_options.conv_size: " + std::to_string(lm.options.conv_size()) +
                      " for gla; FLA's GLA applies silu after its short convolutions and carry's gla does "
@@ -220,7 +223,8 @@ std::string fla_config_json(const ModelConfig& model) {
   if (kind == "gated_deltanet") {
     j.member("head_dim", dk);
     j.key("expand_v").float_value(static_cast<double>(dv) / static_cast<double>(dk));
-    j.key("num_v_heads").null();
+    if (model.has_n_v_heads() && model.n_v_heads() != H) j.member("num_v_heads", model.n_v_heads());
+    else j.key("num_v_heads").null();
     j.member("use_gate", true);
     j.member("output_gate_activation", "swish");
     j.member("allow_neg_eigval", false);
@@ -452,7 +456,7 @@ ModelConfig model_from_config_json(const JsonConfig& c, const FlaKind& fk) {
   const int64_t d = c.required_integer("hidden_size"), L = c.required_integer("num_hidden_layers");
   const int64_t H = c.required_integer("num_heads");
   if (d <= 0 || L <= 0 || H <= 0) throw ConfigError(c.path() + ": hidden_size, num_hidden_layers and num_heads must be positive");
-  int64_t dk = 0, dv = 0;
+  int64_t dk = 0, dv = 0, Hv = H;
   expect_null("attn", "carry imports no softmax attention layers from FLA (they apply rotary positions)");
   expect_null("attnres_block_size", "attention residuals are not part of carry's model");
   if (c.string("hidden_act", "swish") != "swish")
@@ -461,8 +465,11 @@ ModelConfig model_from_config_json(const JsonConfig& c, const FlaKind& fk) {
     dk = c.integer("head_dim", 256);
     double expand_v = c.number("expand_v", 2.0);
     dv = static_cast<int64_t>(static_cast<double>(dk) * expand_v);
-    if (c.has("num_v_heads") && c.integer("num_v_heads", H) != H)
-      c.refuse("num_v_heads", value_text(c, "num_v_heads"), "carry has no grouped value heads (num_v_heads must equal num_heads)");
+    if (c.has("num_v_heads")) {
+      Hv = c.integer("num_v_heads", H);
+      if (Hv <= 0 || Hv % H != 0)
+        c.refuse("num_v_heads", value_text(c, "num_v_heads"), "the value heads must be a positive multiple of num_heads");
+    }
     expect_bool("use_gate", true, true, "carry's Gated DeltaNet layer always has the gated output norm");
     expect_bool("allow_neg_eigval", false, false, "carry's beta is sigmoid(W x) in (0, 1)");
     std::string act = c.string("output_gate_activation", "swish");
@@ -513,6 +520,7 @@ ModelConfig model_from_config_json(const JsonConfig& c, const FlaKind& fk) {
   m.set_d_model(d);
   m.set_n_layers(L);
   m.set_n_heads(H);
+  if (Hv != H) m.set_n_v_heads(Hv);
   m.set_head_dim_k(dk);
   m.set_head_dim_v(dv);
   m.set_mlp_ratio(static_cast<double>(inter) / static_cast<double>(d));

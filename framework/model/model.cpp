@@ -35,6 +35,7 @@ MixerLayerSpec mixer_layer_spec(const ModelConfig& model, int64_t layer) {
   s.kind = lm.kind;
   s.d_model = model.d_model();
   s.n_heads = model.n_heads();
+  s.n_v_heads = model.has_n_v_heads() ? model.n_v_heads() : 0;
   s.head_dim_k = head_dim_k(model);
   s.head_dim_v = head_dim_v(model);
   s.chunk_size = lm.options.chunk_size();

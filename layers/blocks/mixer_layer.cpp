@@ -198,18 +198,22 @@ MixerLayer::MixerLayer(const MixerLayerSpec& spec, ParameterInit& init) : spec_(
   // Gated DeltaProduct: n_h keys, values and betas a token, the sub-step outermost in each row ('(n h d)').
   const int64_t nh = tr.householder ? spec.num_householder : 1;
   TORCH_CHECK(nh >= 1, "mixer layer '", spec.kind, "': num_householder must be >= 1, got ", nh);
+  // Grouped value heads: Hv value heads, each group of Hv / H consecutive ones reading one query/key head.
+  const int64_t Hv = value_heads();
+  TORCH_CHECK(Hv % H == 0 && (Hv == H || tr.grouped_values), "mixer layer '", spec.kind, "': n_v_heads (", Hv,
+              ") must be a multiple of n_heads (", H, ") and differ from it only for kinds with grouped value heads");
   q_proj_ = add("q_proj.weight", init.normal({H * dk, d}, std));
   k_proj_ = add("k_proj.weight", init.normal({nh * H * dk, d}, std));
-  v_proj_ = add("v_proj.weight", init.normal({nh * H * dv, d}, std));
+  v_proj_ = add("v_proj.weight", init.normal({nh * Hv * dv, d}, std));
   if (K > 0) {
     q_conv_ = add("q_conv.weight", init.uniform({H * dk, K}, -conv_bound, conv_bound));
     k_conv_ = add("k_conv.weight", init.uniform({nh * H * dk, K}, -conv_bound, conv_bound));
-    v_conv_ = add("v_conv.weight", init.uniform({nh * H * dv, K}, -conv_bound, conv_bound));
+    v_conv_ = add("v_conv.weight", init.uniform({nh * Hv * dv, K}, -conv_bound, conv_bound));
   }
   if (tr.decay == Decay::mamba) {
-    a_proj_ = add("a_proj.weight", init.normal({H, d}, std));
-    dt_bias_ = add("dt_bias", dt_bias(H));
-    A_log_ = add("A_log", init.leaf(at::log(init.uniform_cpu({H}, 1.0, 16.0))));
+    a_proj_ = add("a_proj.weight", init.normal({Hv, d}, std));
+    dt_bias_ = add("dt_bias", dt_bias(Hv));
+    A_log_ = add("A_log", init.leaf(at::log(init.uniform_cpu({Hv}, 1.0, 16.0))));
   } else if (tr.decay == Decay::gla) {
     gk_proj0_ = add("gk_proj.0.weight", init.normal({kGlaGateRank, d}, std));
     gk_proj1_ = add("gk_proj.1.weight", init.normal({H * dk, kGlaGateRank}, std));
@@ -220,20 +224,22 @@ MixerLayer::MixerLayer(const MixerLayerSpec& spec, ParameterInit& init) : spec_(
     dt_bias_ = add("dt_bias", dt_bias(H * dk));
     A_log_ = add("A_log", init.leaf(at::log(init.uniform_cpu({H}, 1.0, 16.0))));
   }
-  if (tr.beta) b_proj_ = add("b_proj.weight", init.normal({nh * H, d}, std));
+  if (tr.beta) b_proj_ = add("b_proj.weight", init.normal({nh * Hv, d}, std));
   if (tr.levels) {
     int64_t L = spec.levels > 0 ? spec.levels : kMaxLogLinearLevels;
     l_proj_ = add("l_proj.weight", init.normal({H * L, d}, std));
   }
   if (tr.mamba2) D_ = add("D", init.full({H}, 1.0));
   if (tr.gated_norm) {
-    z_proj_ = add("z_proj.weight", init.normal({H * dv, d}, std));
+    z_proj_ = add("z_proj.weight", init.normal({Hv * dv, d}, std));
     o_norm_ = RMSNorm(dv, spec.norm_eps, init);
     add("o_norm.weight", o_norm_.weight);
     has_o_norm_ = true;
   }
-  o_proj_ = add("o_proj.weight", init.normal({d, H * dv}, out_std));
+  o_proj_ = add("o_proj.weight", init.normal({d, Hv * dv}, out_std));
 }
+
+int64_t MixerLayer::value_heads() const { return spec_.n_v_heads > 0 ? spec_.n_v_heads : spec_.n_heads; }
 
 NamedParameters MixerLayer::parameters() const { return params_; }
 
@@ -356,8 +362,8 @@ MixerLayer::Projected MixerLayer::project(const Tensor& x, const MixerLayerConte
   auto qkv = project_convolve({q_proj_, k_proj_, v_proj_}, {q_conv_, k_conv_, v_conv_}, tr.silu_qkv);
   auto q = qkv[0], k = qkv[1], v = qkv[2];
   // Rows of n_h sub-steps a token: [B, T, n_h·H·d] is [B, T·n_h, H, d] with the sub-steps interleaved.
-  const int64_t nh = tr.householder ? spec_.num_householder : 1;
-  q = q.view({B, T, H, dk}), k = k.reshape({B, T * nh, H, dk}), v = v.reshape({B, T * nh, H, dv});
+  const int64_t nh = tr.householder ? spec_.num_householder : 1, Hv = value_heads();
+  q = q.view({B, T, H, dk}), k = k.reshape({B, T * nh, H, dk}), v = v.reshape({B, T * nh, Hv, dv});
   if (performer_features_.defined()) {
     const double s = std::pow(static_cast<double>(dk), -0.25);
     q = performer_feature_map(q * s, performer_features_, /*is_query=*/true, 0);
@@ -366,6 +372,9 @@ MixerLayer::Projected MixerLayer::project(const Tensor& x, const MixerLayerConte
     q = elu_feature_map(q), k = elu_feature_map(k);
   }
   if (tr.l2_qk) q = l2_normalize_any(q), k = l2_normalize_any(k);
+  // Grouped value heads: value head h reads query/key head h / (Hv / H) (FLA's GVA), so the family sees Hv
+  // heads in every form and scan.
+  if (Hv != H) q = q.repeat_interleave(Hv / H, 2), k = k.repeat_interleave(Hv / H, 2);
 
   MixerInputs& in = p.in;
   switch (tr.decay) {
@@ -408,7 +417,7 @@ MixerLayer::Projected MixerLayer::project(const Tensor& x, const MixerLayerConte
     in.l = at::softplus(at::linear(x, w)).view({B, T, H, L});
   }
   if (tr.mamba2) p.skip = v;
-  if (tr.gated_norm) p.z = at::linear(x, z_proj_).view({B, T, H, dv});
+  if (tr.gated_norm) p.z = at::linear(x, z_proj_).view({B, T, Hv, dv});
 
   // Sliding window across slices: prepend the previous slice's last keys and values (rounded up to
   // whole chunks); their query rows are zeros and their outputs are dropped.

@@ -67,6 +67,7 @@ constexpr int64_t kMaxLogLinearLevels = 32;
 struct MixerLayerSpec {
   std::string kind;  // a name from mixer_layer_kinds()
   int64_t d_model = 0, n_heads = 0, head_dim_k = 0, head_dim_v = 0;
+  int64_t n_v_heads = 0;  // value heads (grouped values, a multiple of n_heads); 0 = n_heads
   int64_t chunk_size = 64;
   int64_t window = 0;     // softmax_attn: sliding window (0 = full causal)
   int64_t conv_size = 0;  // short convolution width (0 = none)
@@ -168,6 +169,7 @@ class MixerLayer {
   // convolutions may write q, k, v in bf16 directly.
   Projected project(const Tensor& x, const MixerLayerContext& context, bool kernel_bf16 = false) const;
   int64_t levels_for(int64_t length, const MixerLayerContext& context) const;
+  int64_t value_heads() const;  // n_v_heads, or n_heads
 
   MixerLayerSpec spec_;
   const Mixer* mixer_ = nullptr;

@@ -1,5 +1,6 @@
 // The layer kinds of this family, registered for MixerLayer and the config validation
-// (layers/layer_kind.h): DeltaNet and Gated DeltaNet (short convolutions, L2-normalized q and k, beta = σ(W x); Gated DeltaNet adds the Mamba-2 style decay).
+// (layers/layer_kind.h): DeltaNet and Gated DeltaNet (short convolutions, L2-normalized q and k, beta = σ(W x); Gated DeltaNet adds the Mamba-2 style decay);
+// both take grouped value heads (n_v_heads).
 #include "layers/layer_kind.h"
 
 namespace carry {
@@ -11,6 +12,7 @@ LayerKind deltanet_kind() {
   k.silu_qkv = true;
   k.l2_qk = true;
   k.gated_norm = true;
+  k.grouped_values = true;
   return k;
 }
 
@@ -20,6 +22,7 @@ LayerKind gated_deltanet_kind() {
   k.silu_qkv = true;
   k.l2_qk = true;
   k.gated_norm = true;
+  k.grouped_values = true;
   return k;
 }
 

@@ -319,6 +319,25 @@ TEST_F(ConfigTest, NumHouseholderOption) {
     EXPECT_NE(all.find(want), std::string::npos) << "missing: " << want << "\nerrors:\n" << all;
 }
 
+// Grouped value heads: a multiple of n_heads, on deltanet and gated_deltanet layers only.
+TEST_F(ConfigTest, GroupedValueHeads) {
+  RunConfig c;
+  ASSERT_TRUE(google::protobuf::TextFormat::ParseFromString(kValid, &c));
+  c.mutable_model()->clear_mixers();
+  c.mutable_model()->add_mixers("gated_deltanet");
+  c.mutable_model()->set_n_v_heads(2 * c.model().n_heads());
+  EXPECT_TRUE(run_config_errors(c).empty()) << run_config_errors(c)[0];
+  c.mutable_model()->set_n_v_heads(c.model().n_heads() + 1);
+  c.mutable_model()->add_mixers("gla");
+  std::string all;
+  for (auto& e : run_config_errors(c)) all += e + "\n";
+  const std::string H = std::to_string(c.model().n_heads()), Hv = std::to_string(c.model().n_heads() + 1);
+  for (const std::string want : {"model.n_v_heads: must be a multiple of n_heads (" + H + "), got " + Hv,
+                                 "model.n_v_heads: grouped value heads (n_v_heads " + Hv + " != n_heads " + H +
+                                     ") apply to deltanet, gated_deltanet layers only, but the model has gla layers"})
+    EXPECT_NE(all.find(want), std::string::npos) << "missing: " << want << "\nerrors:\n" << all;
+}
+
 TEST_F(ConfigTest, SequenceParallelConstraints) {
   RunConfig c;
   ASSERT_TRUE(google::protobuf::TextFormat::ParseFromString(kValid, &c));
@@ -406,7 +425,7 @@ TEST_F(ConfigTest, OverrideErrorsNameThePath) {
   EXPECT_EQ(error("model.d_modl=5"),
             "--set model.d_modl=5: unknown field 'd_modl' in model (ModelConfig; valid fields: vocab_size, d_model, "
             "n_layers, n_heads, head_dim_k, head_dim_v, mlp_ratio, norm_eps, tie_embeddings, mixers, mixer_options, "
-            "init_std)");
+            "init_std, n_v_heads)");
   EXPECT_EQ(error("modle.d_model=5").rfind("--set modle.d_model=5: unknown field 'modle' in the top level (RunConfig; "
                                            "valid fields: name, seed, model_preset, model,", 0), 0u);
   EXPECT_EQ(error("optimizer.lr=fast"), "--set optimizer.lr=fast: lr expects a number, got 'fast'");

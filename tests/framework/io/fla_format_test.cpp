@@ -107,6 +107,33 @@ TEST(FlaFormat, ExportImportRoundTripIsBitExact) {
   }
 }
 
+// Grouped value heads export as FLA's num_v_heads and come back; DeltaNet's do not export.
+TEST(FlaFormat, GroupedValueHeadsRoundTrip) {
+  ModelConfig config = small("gated_deltanet", 4, false);
+  config.set_n_v_heads(4);
+  Model model = build_model(config, 9);
+  auto dir = make_temp_dir("carry_fla_gva");
+  export_fla_folder(dir, config, model.parameters(), {});
+  std::string json = read(dir + "/config.json");
+  EXPECT_NE(json.find("\"num_v_heads\": 4"), std::string::npos) << json;
+  auto tensors = load_safetensors(dir + "/model.safetensors", nullptr);
+  EXPECT_EQ(tensors["model.layers.0.attn.q_proj.weight"].sizes(), (std::vector<int64_t>{32, 32}));
+  EXPECT_EQ(tensors["model.layers.0.attn.v_proj.weight"].sizes(), (std::vector<int64_t>{96, 32}));
+  EXPECT_EQ(tensors["model.layers.0.attn.a_proj.weight"].sizes(), (std::vector<int64_t>{4, 32}));
+  ImportedModel back = import_fla_folder(dir);
+  EXPECT_EQ(config_to_text(back.model), config_to_text(config));
+  auto params = model.parameters();
+  ASSERT_EQ(back.weights.size(), params.size());
+  for (size_t i = 0; i < params.size(); ++i)
+    EXPECT_TRUE(at::equal(back.weights[i].second, params[i].second.detach())) << params[i].first;
+  remove_tree(dir);
+  ModelConfig delta = small("deltanet", 0, true);
+  delta.set_n_v_heads(4);
+  EXPECT_NE(message_of([&] { fla_config_json(delta); }).find("model.n_v_heads: 4 value heads for 2 query/key heads; "
+                                                              "FLA's deltanet has no grouped value heads"),
+            std::string::npos);
+}
+
 TEST(FlaFormat, ImportsAFolderAsFlaWritesIt) {
   // An FLA-written folder: bf16 weights, no carry metadata, intermediate_size from hidden_ratio
   // (int(32 * 4 * 2/3) = 85, rounded up to 256), head_dim and expand_v.

@@ -14,6 +14,7 @@
 #include <iostream>
 #include <tuple>
 
+#include <ATen/core/grad_mode.h>
 #include <torch/csrc/autograd/autograd.h>
 
 namespace carry {
@@ -341,6 +342,70 @@ TEST(MixerLayer, ParametersAreNamedLeavesInAFixedOrder) {
   auto decay = at::exp(-at::exp(A_log) * at::softplus(dt_bias));
   EXPECT_GE(decay.min().item<double>(), std::exp(-1.6) - 1e-12);
   EXPECT_LE(decay.max().item<double>(), std::exp(-0.001) + 1e-12);
+}
+
+// Grouped value heads (n_v_heads = 2·n_heads): the layer equals the layer with n_v_heads query/key heads whose
+// query and key projections and convolutions repeat each head's rows for its group (value head h reading
+// query/key head h / 2, FLA's GVA), every other parameter the same: outputs and input gradients, naive and
+// chunkwise, DeltaNet and Gated DeltaNet; the shapes of the per-value-head parameters.
+TEST(MixerLayer, GroupedValueHeadsEqualRepeatedQueryKeyHeads) {
+  for (const std::string kind : {"deltanet", "gated_deltanet"}) {
+    MixerLayerSpec gs = small_spec(kind, 4);
+    gs.n_v_heads = 2 * gs.n_heads;
+    ParameterInit init(21, at::TensorOptions().dtype(at::kDouble));
+    MixerLayer grouped(gs, init);
+    MixerLayerSpec fs = small_spec(kind, 4);
+    fs.n_heads = gs.n_v_heads;
+    ParameterInit init2(22, at::TensorOptions().dtype(at::kDouble));
+    MixerLayer full(fs, init2);
+    const int64_t dk = gs.head_dim_k, dv = gs.head_dim_v, Hv = gs.n_v_heads;
+    auto gp = grouped.parameters(), fp = full.parameters();
+    ASSERT_EQ(gp.size(), fp.size());
+    {
+      at::NoGradGuard ng;
+      for (size_t i = 0; i < gp.size(); ++i) {
+        const auto& [name, g] = gp[i];
+        const Tensor& f = fp[i].second;
+        ASSERT_EQ(fp[i].first, name);
+        const bool qk = name == "q_proj.weight" || name == "k_proj.weight" || name == "q_conv.weight" ||
+                        name == "k_conv.weight";
+        if (qk) {
+          // Rows (h d): head h's dk rows repeated twice, consecutively.
+          auto rows = g.reshape({gs.n_heads, dk, g.size(1)}).repeat_interleave(2, 0).reshape(f.sizes());
+          f.copy_(rows);
+        } else {
+          ASSERT_EQ(g.sizes(), f.sizes()) << kind << " " << name;
+          f.copy_(g);
+        }
+        if (name == "v_proj.weight" || name == "z_proj.weight") EXPECT_EQ(g.size(0), Hv * dv) << name;
+        if (name == "o_proj.weight") EXPECT_EQ(g.size(1), Hv * dv) << name;
+        if (name == "b_proj.weight" || name == "a_proj.weight") EXPECT_EQ(g.size(0), Hv) << name;
+        if (name == "q_proj.weight") EXPECT_EQ(g.size(0), gs.n_heads * dk) << name;
+      }
+    }
+    for (bool naive : {false, true}) {
+      auto ctx = naive ? naive_context() : MixerLayerContext{};
+      auto x = random_x(23).set_requires_grad(true);
+      auto w = random_x(24);
+      auto yg = grouped.forward(x, {}, ctx).y, yf = full.forward(x, {}, ctx).y;
+      auto gg = torch::autograd::grad({(yg * w).sum()}, {x})[0];
+      auto gf = torch::autograd::grad({(yf * w).sum()}, {x})[0];
+      EXPECT_LE(rel(yg, yf), 1e-12) << kind << (naive ? " naive" : " chunkwise");
+      EXPECT_LE(rel(gg, gf), 1e-12) << kind << (naive ? " naive" : " chunkwise");
+      EXPECT_GT(yg.abs().max().item<double>(), 1e-3) << kind;
+    }
+  }
+  MixerLayerSpec bad = small_spec("gla", 0);
+  bad.n_v_heads = 4;
+  ParameterInit init(1, at::TensorOptions().dtype(at::kDouble));
+  try {
+    MixerLayer l(bad, init);
+    ADD_FAILURE() << "gla with n_v_heads was accepted";
+  } catch (const c10::Error& e) {
+    EXPECT_NE(std::string(e.what_without_backtrace()).find("n_v_heads (4) must be a multiple of n_heads (2) and differ"),
+              std::string::npos)
+        << e.what_without_backtrace();
+  }
 }
 
 TEST(MixerLayer, RefusesUnknownKindsAndBadInputs) {
