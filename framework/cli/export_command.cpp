@@ -2,6 +2,7 @@
 #include "framework/cli/export_command.h"
 
 #include "framework/cli/command_args.h"
+#include "framework/config/config.h"
 #include "framework/io/fla_format.h"
 #include "framework/io/model_source.h"
 #include "framework/io/output_file.h"
@@ -16,14 +17,18 @@ namespace carry {
 namespace {
 
 const char* kExportUsage =
-    "usage: carry export MODEL --format fla|hf --out DIR [--dtype fp32|bf16]\n"
+    "usage: carry export MODEL --format fla|hf --out DIR [--dtype fp32|bf16] [--tokenizer byte|bpe:FILE]\n"
     "  Writes DIR/config.json and DIR/model.safetensors in flash-linear-attention's names and layouts, loadable\n"
     "  with fla.models.<Class>.from_pretrained(DIR) or, after `import fla`, transformers'\n"
     "  AutoModelForCausalLM.from_pretrained(DIR) (--format hf writes the same folder: FLA's classes are what\n"
     "  transformers loads). MODEL: a carry checkpoint (a run's checkpoint.dir, whose newest valid step is\n"
     "  taken, or one step_* directory). Maps gated_deltanet, deltanet and gla models (gla without short\n"
     "  convolutions); other models are refused with the reasons. --dtype: of the written weights (fp32\n"
-    "  default: the checkpoint's values bit for bit).\n";
+    "  default: the checkpoint's values bit for bit). --tokenizer: the tokenizer the run's token files were\n"
+    "  made with (carry tokenize's spec), written beside the weights as tokenizer.json, tokenizer_config.json\n"
+    "  and special_tokens_map.json, its end-of-document token as eos_token_id in config.json and\n"
+    "  generation_config.json (transformers' AutoTokenizer then loads DIR). Without it, the run's\n"
+    "  data.token_files.eod_token (when set) is the eos_token_id.\n";
 
 const char* kImportUsage =
     "usage: carry import FOLDER [--model-out MODEL.textproto]\n"
@@ -45,13 +50,14 @@ int run_export_command(int argc, char** argv) {
     std::fputs(kExportUsage, stdout);
     return 0;
   }
-  std::string model_path, format, out, dtype = "fp32";
+  std::string model_path, format, out, dtype = "fp32", tokenizer;
   try {
     std::string a;
     while (args.next(a)) {
       if (a == "--format") format = args.value(a);
       else if (a == "--out") out = args.value(a);
       else if (a == "--dtype") dtype = args.value(a);
+      else if (a == "--tokenizer") tokenizer = args.value(a);
       else if (a.rfind("-", 0) == 0) throw UsageError("unknown flag '" + a + "'");
       else if (model_path.empty()) model_path = a;
       else throw UsageError("one MODEL expected, got '" + model_path + "' and '" + a + "'");
@@ -68,15 +74,21 @@ int run_export_command(int argc, char** argv) {
     ModelSource source = load_model_source(model_path);
     FlaExportOptions opt;
     opt.dtype = dtype == "bf16" ? at::kBFloat16 : at::kFloat;
+    opt.tokenizer = tokenizer;
+    if (!source.run_config_text.empty()) {
+      const RunConfig run = parse_stored_run_config(source.run_config_text, source.describe());
+      if (run.data().has_token_files() && run.data().token_files().eod_token() >= 0)
+        opt.eos_token_id = run.data().token_files().eod_token();
+    }
     opt.metadata["carry_source"] = source.describe();
     if (source.step >= 0) opt.metadata["step"] = std::to_string(source.step);
     if (!source.run_config_text.empty()) opt.metadata["carry_run_config"] = source.run_config_text;
     export_fla_folder(out, source.model, source.weights, opt);
     int64_t count = 0;
     for (auto& [name, t] : source.weights) count += t.numel();
-    std::printf("carry export: %s -> %s (config.json, model.safetensors: %zu tensors, %.2fM parameters, %s)\n",
+    std::printf("carry export: %s -> %s (config.json, model.safetensors: %zu tensors, %.2fM parameters, %s%s)\n",
                 source.describe().c_str(), out.c_str(), source.weights.size(), static_cast<double>(count) / 1e6,
-                dtype.c_str());
+                dtype.c_str(), tokenizer.empty() ? "" : "; tokenizer.json from the tokenizer");
     std::printf("  load: python3 -c \"import fla, transformers; transformers.AutoModelForCausalLM.from_pretrained('%s')\"\n",
                 out.c_str());
     return 0;

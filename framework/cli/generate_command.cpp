@@ -2,6 +2,8 @@
 // the model from its source, the generation loop streaming tokens to stdout, and the timing line.
 #include "framework/cli/generate_command.h"
 
+#include "framework/data/tokenizer.h"
+
 #include "framework/cli/command_args.h"
 #include "framework/cli/tokenize_command.h"
 #include "framework/infer/generate.h"
@@ -33,14 +35,16 @@ constexpr int64_t kMaxNewTokens = int64_t{1} << 31;
 const char* kUsage =
     "usage: carry generate MODEL (--prompt TEXT | --prompt-file FILE | --prompt-ids ID,ID,...)\n"
     "                      [--max-new-tokens N] [--temperature T] [--top-k K] [--top-p P] [--seed S]\n"
-    "                      [--tokenizer auto|byte|ids] [--stop-token ID|none] [--precision fp32|bf16] [--cpu]\n"
+    "                      [--tokenizer auto|byte|ids|SPEC] [--stop-token ID|none] [--precision fp32|bf16] [--cpu]\n"
     "                      [--dump-logits FILE.safetensors]\n"
     "  Samples a continuation: the prompt is read at once (the chunkwise form for its whole chunks), then\n"
     "  each new token is one step of the recurrence from the layers' states (softmax attention layers keep\n"
     "  a KV cache). MODEL: a carry checkpoint or an FLA / Hugging Face folder.\n"
     "  --tokenizer: byte = carry tokenize's byte-level tokenizer (text in and out; the end-of-document\n"
-    "  token 256 stops); ids = token ids in and out; auto (default) = byte when the vocabulary is 257.\n"
-    "  --prompt / --prompt-file need the byte tokenizer. --temperature 0 is greedy (default 1); --top-k 0\n"
+    "  token 256 stops); ids = token ids in and out; auto (default) = byte when the vocabulary is 257;\n"
+    "  SPEC = a tokenizer as carry tokenize takes it (bpe:tokenizer.json, sentencepiece:m.model,\n"
+    "  tiktoken:FILE): text in and out, its end-of-document token stops.\n"
+    "  --prompt / --prompt-file need a text tokenizer. --temperature 0 is greedy (default 1); --top-k 0\n"
     "  and --top-p 1 switch those filters off (defaults); the same --seed (default 0) gives the same tokens.\n"
     "  --max-new-tokens default 64. --stop-token: stop after drawing it (default: 256 with the byte\n"
     "  tokenizer, none otherwise). --dump-logits writes the prompt, the new tokens and each draw's logits.\n";
@@ -84,8 +88,9 @@ GenerateArgs parse(int argc, char** argv) {
   if (prompts != 1) throw UsageError("give exactly one of --prompt, --prompt-file, --prompt-ids");
   if (a.gen.sampling.temperature < 0) throw UsageError("--temperature must be >= 0");
   if (!(a.gen.sampling.top_p > 0 && a.gen.sampling.top_p <= 1)) throw UsageError("--top-p must lie in (0, 1]");
-  if (a.tokenizer != "auto" && a.tokenizer != "byte" && a.tokenizer != "ids")
-    throw UsageError("--tokenizer must be auto, byte or ids, got '" + a.tokenizer + "'");
+  if (a.tokenizer != "auto" && a.tokenizer != "byte" && a.tokenizer != "ids" && a.tokenizer.find(':') == std::string::npos)
+    throw UsageError("--tokenizer must be auto, byte, ids or a tokenizer spec (bpe:FILE, sentencepiece:FILE, "
+                     "tiktoken:FILE), got '" + a.tokenizer + "'");
   if (a.precision != "fp32" && a.precision != "bf16") throw UsageError("--precision must be fp32 or bf16, got '" + a.precision + "'");
   return a;
 }
@@ -131,6 +136,18 @@ int run_generate_command(int argc, char** argv) {
   try {
     ModelSource source = load_model_source(a.model);
     const int64_t V = source.model.vocab_size();
+    // A text tokenizer from a spec: its ids must lie in the vocabulary.
+    std::unique_ptr<Tokenizer> text_tok;
+    if (a.tokenizer.find(':') != std::string::npos) {
+      try {
+        text_tok = load_tokenizer(a.tokenizer);
+      } catch (const std::runtime_error& e) {
+        throw ConfigError(std::string("--tokenizer: ") + e.what());
+      }
+      if (text_tok->vocab_size() > V)
+        throw ConfigError("--tokenizer " + a.tokenizer + ": its " + std::to_string(text_tok->vocab_size()) +
+                          " tokens do not fit the vocabulary of " + std::to_string(V) + " of " + source.describe());
+    }
     const bool byte_level = a.tokenizer == "byte" || (a.tokenizer == "auto" && V == kByteVocabSize);
     if (a.tokenizer == "byte" && V < 256)
       throw ConfigError("--tokenizer byte needs a vocabulary of at least 256 tokens; " + source.describe() + " has " + std::to_string(V));
@@ -138,9 +155,9 @@ int run_generate_command(int argc, char** argv) {
     if (!a.prompt_ids.empty()) {
       prompt = parse_ids(a.prompt_ids, "--prompt-ids");
     } else {
-      if (!byte_level)
-        throw UsageError("--prompt and --prompt-file need the byte tokenizer (vocabulary 257, or --tokenizer byte); this "
-                         "model's vocabulary is " + std::to_string(V) + ": give --prompt-ids");
+      if (!byte_level && !text_tok)
+        throw UsageError("--prompt and --prompt-file need a text tokenizer (vocabulary 257, --tokenizer byte or "
+                         "--tokenizer SPEC); this model's vocabulary is " + std::to_string(V) + ": give --prompt-ids");
       std::string text = a.prompt_text;
       if (!a.prompt_file.empty()) {
         struct stat st;
@@ -156,11 +173,20 @@ int run_generate_command(int argc, char** argv) {
       }
       if (text.empty())
         throw UsageError(a.prompt_file.empty() ? std::string("--prompt is empty") : "--prompt-file " + a.prompt_file + " is empty");
-      for (unsigned char c : text) prompt.push_back(c);
+      if (text_tok) {
+        std::vector<uint32_t> ids;
+        text_tok->encode(text, &ids);
+        if (ids.empty()) throw UsageError("the prompt encodes to no tokens");
+        for (uint32_t t : ids) prompt.push_back(t);
+      } else {
+        for (unsigned char c : text) prompt.push_back(c);
+      }
     }
     for (int64_t t : prompt)
       if (t >= V) throw ConfigError("prompt token " + std::to_string(t) + " is outside the vocabulary of " + std::to_string(V));
-    if (a.stop == "default") a.gen.stop_token = byte_level ? static_cast<int64_t>(kByteEndOfDocument) : -1;
+    if (a.stop == "default")
+      a.gen.stop_token = text_tok ? static_cast<int64_t>(text_tok->end_of_document())
+                                  : byte_level ? static_cast<int64_t>(kByteEndOfDocument) : -1;
     else if (a.stop == "none") a.gen.stop_token = -1;
     else a.gen.stop_token = parse_ids(a.stop, "--stop-token").at(0);
 
@@ -169,7 +195,26 @@ int run_generate_command(int argc, char** argv) {
     Model model = build_model_from_source(source, at::TensorOptions().dtype(at::kFloat).device(device));
     std::fprintf(stderr, "model: %s; %s\n", source.describe().c_str(), model.summary().c_str());
     a.gen.keep_logits = !a.dump_logits.empty();
+    // A text tokenizer's output: the decoded new tokens, printed as far as they decode the same whatever
+    // follows (the text of all new tokens so far, less what was printed; a token that ends inside a
+    // character waits for the next).
+    std::vector<uint32_t> drawn;
+    std::string printed;
     a.gen.on_token = [&](int64_t token, int64_t) {
+      if (text_tok) {
+        if (token == a.gen.stop_token) return;
+        drawn.push_back(static_cast<uint32_t>(token));
+        std::string text = text_tok->decode(drawn);
+        size_t end = text.size();
+        while (end > printed.size() && (static_cast<unsigned char>(text[end - 1]) & 0xC0) == 0x80) --end;
+        if (end > printed.size() && static_cast<unsigned char>(text[end - 1]) >= 0xC0) --end;  // a lead byte waiting
+        if (end > printed.size() && text.compare(0, printed.size(), printed) == 0) {
+          std::fwrite(text.data() + printed.size(), 1, end - printed.size(), stdout);
+          printed = text.substr(0, end);
+        }
+        std::fflush(stdout);
+        return;
+      }
       if (!byte_level) std::printf("%lld ", static_cast<long long>(token));
       else if (token < 256) std::fputc(static_cast<int>(token), stdout);
       std::fflush(stdout);
@@ -178,6 +223,11 @@ int run_generate_command(int argc, char** argv) {
     {
       AutocastScope autocast(device.type(), at::kBFloat16, a.precision == "bf16");
       g = generate(model, prompt, a.gen);
+    }
+    if (text_tok) {  // what the last tokens left undecoded
+      std::string text = text_tok->decode(drawn);
+      if (text.size() > printed.size() && text.compare(0, printed.size(), printed) == 0)
+        std::fwrite(text.data() + printed.size(), 1, text.size() - printed.size(), stdout);
     }
     std::printf("\n");
     const int64_t n = static_cast<int64_t>(g.tokens.size());

@@ -5,6 +5,7 @@
 #include "layers/core/knobs.h"
 
 #include "framework/data/pretokenize.h"
+#include "framework/io/json.h"
 
 #include <google/protobuf/struct.pb.h>
 #include <google/protobuf/util/json_util.h>
@@ -534,6 +535,78 @@ void train_sentencepiece(const std::string& flags) {
     throw std::runtime_error(std::string("SentencePiece training failed: ") +
                              sentencepiece_reason(message, "the library gave no reason") +
                              (std::strstr(message, "Vocabulary size") ? " (give a smaller --vocab-size, or more text)" : ""));
+}
+
+namespace {
+
+std::string utf8_of(char32_t c) {
+  std::string s;
+  if (c < 0x80) s += static_cast<char>(c);
+  else s += static_cast<char>(0xC0 | (c >> 6)), s += static_cast<char>(0x80 | (c & 0x3F));  // below U+0800 here
+  return s;
+}
+
+}  // namespace
+
+HfTokenizer hf_tokenizer(const std::string& spec) {
+  HfTokenizer h;
+  if (spec == "byte") {
+    JsonWriter j(2);
+    j.begin_object();
+    j.member("version", "1.0");
+    j.key("truncation").null();
+    j.key("padding").null();
+    j.key("added_tokens").begin_array().begin_object();
+    j.member("id", int64_t{256});
+    j.member("content", "<|endoftext|>");
+    j.member("single_word", false).member("lstrip", false).member("rstrip", false);
+    j.member("normalized", false).member("special", true);
+    j.end_object().end_array();
+    j.key("normalizer").null();
+    auto byte_level = [&](const char* key) {
+      j.key(key).begin_object();
+      j.member("type", "ByteLevel").member("add_prefix_space", false).member("trim_offsets", true);
+      j.member("use_regex", true);
+      j.end_object();
+    };
+    byte_level("pre_tokenizer");
+    j.key("post_processor").null();
+    byte_level("decoder");
+    j.key("model").begin_object();
+    j.member("type", "BPE");
+    j.key("dropout").null();
+    j.key("unk_token").null();
+    j.key("continuing_subword_prefix").null();
+    j.key("end_of_word_suffix").null();
+    j.member("fuse_unk", false).member("byte_fallback", false).member("ignore_merges", false);
+    j.key("vocab").begin_object();
+    for (int b = 0; b < 256; ++b) j.member(utf8_of(byte_to_char()[b]), int64_t{b});
+    j.end_object();
+    j.key("merges").begin_array().end_array();
+    j.end_object();
+    j.end_object();
+    h.tokenizer_json = j.str() + "\n";
+    h.eos_token = "<|endoftext|>";
+    h.eos_id = 256;
+    return h;
+  }
+  if (spec.rfind("bpe:", 0) == 0) {
+    const std::string path = spec.substr(4);
+    auto tok = load_tokenizer(spec);
+    h.tokenizer_json = read_file(path);
+    h.eos_id = tok->end_of_document();
+    google::protobuf::Value root;
+    if (!google::protobuf::util::JsonStringToMessage(h.tokenizer_json, &root).ok()) throw error(path, "not valid JSON");
+    if (auto* list = field(root, "added_tokens"); list && list->kind_case() == google::protobuf::Value::kListValue)
+      for (auto& t : list->list_value().values())
+        if (auto* id = field(t, "id"); id && static_cast<int64_t>(id->number_value()) == h.eos_id)
+          h.eos_token = string_field(t, "content");
+    if (h.eos_token.empty())
+      throw error(path, "the end-of-document id " + std::to_string(h.eos_id) + " is not one of its added tokens");
+    return h;
+  }
+  throw std::runtime_error("tokenizer '" + spec + "': only byte and bpe:FILE tokenizers are written as Hugging Face "
+                           "tokenizer.json files (a SentencePiece or tiktoken tokenizer is not)");
 }
 
 std::unique_ptr<Tokenizer> load_tokenizer(const std::string& spec, int64_t end_of_document) {

@@ -46,6 +46,16 @@ class Tokenizer {
 // tiktoken files). Throws std::runtime_error naming the file and what is wrong or unsupported.
 std::unique_ptr<Tokenizer> load_tokenizer(const std::string& spec, int64_t end_of_document = -1);
 
+// A tokenizer as Hugging Face files, for a self-contained export: tokenizer.json's text and the end-of-document
+// token's id and text. byte: a byte-level BPE with no merges whose ids are the bytes and whose <|endoftext|> is
+// 256 (read back by `bpe:` it encodes as the byte tokenizer does); bpe:FILE: FILE itself. Throws
+// std::runtime_error for the other kinds (a SentencePiece model or a tiktoken file has no tokenizer.json here).
+struct HfTokenizer {
+  std::string tokenizer_json, eos_token;
+  int64_t eos_id = -1;
+};
+HfTokenizer hf_tokenizer(const std::string& spec);
+
 // Whether SentencePiece can be used: libcarry_sentencepiece.so (built when libsentencepiece-dev was
 // found) opens beside the running program, or where CARRY_SENTENCEPIECE_LIB names.
 bool sentencepiece_available();

@@ -3,6 +3,8 @@
 // strict tensor matching on import. The carry model's parameter names and shapes come from a model
 // built on the meta device (no values drawn), so the map always follows Model::parameters().
 #include "framework/io/fla_format.h"
+
+#include "framework/data/tokenizer.h"
 #include "framework/printable.h"
 
 #include "framework/io/json.h"
@@ -200,7 +202,7 @@ std::vector<std::string> fla_export_errors(const ModelConfig& model) {
   return errors;
 }
 
-std::string fla_config_json(const ModelConfig& model) {
+std::string fla_config_json(const ModelConfig& model, int64_t eos_token_id) {
   auto errors = fla_export_errors(model);
   if (!errors.empty()) {
     std::string msg = "this model cannot be written as an FLA model:";
@@ -263,7 +265,8 @@ std::string fla_config_json(const ModelConfig& model) {
   j.member("fuse_swiglu", true);
   j.member("fuse_cross_entropy", true);
   j.key("bos_token_id").null();
-  j.key("eos_token_id").null();
+  if (eos_token_id >= 0) j.member("eos_token_id", eos_token_id);
+  else j.key("eos_token_id").null();
   j.key("pad_token_id").null();
   j.member("use_cache", true);
   j.member("torch_dtype", "float32");
@@ -331,7 +334,20 @@ std::string fla_parameter_name(const ModelConfig& model, const std::string& carr
 
 void export_fla_folder(const std::string& dir, const ModelConfig& model, const NamedParameters& weights,
                        const FlaExportOptions& opt) {
-  const std::string config = fla_config_json(model);  // throws when the model does not map
+  // The tokenizer first: a spec that cannot be written stops the export before any file is.
+  HfTokenizer tok;
+  if (!opt.tokenizer.empty()) {
+    try {
+      tok = hf_tokenizer(opt.tokenizer);
+    } catch (const std::runtime_error& e) {
+      throw ConfigError(std::string("export: ") + e.what());
+    }
+    if (tok.eos_id >= model.vocab_size())
+      throw ConfigError("export: the tokenizer's end-of-document id " + std::to_string(tok.eos_id) +
+                        " is outside the model's vocabulary of " + std::to_string(model.vocab_size()));
+  }
+  const int64_t eos = !opt.tokenizer.empty() ? tok.eos_id : opt.eos_token_id;
+  const std::string config = fla_config_json(model, eos);  // throws when the model does not map
   const std::string kind = single_kind(model);
   std::map<std::string, at::Tensor> given(weights.begin(), weights.end());
   std::map<std::string, at::Tensor> out;
@@ -360,6 +376,25 @@ void export_fla_folder(const std::string& dir, const ModelConfig& model, const N
   make_dirs(dir);
   write_text(join_path(dir, "config.json"), config);
   save_safetensors(join_path(dir, "model.safetensors"), out, metadata);
+  if (eos >= 0) {
+    JsonWriter g(2);
+    g.begin_object().member("_from_model_config", true).member("eos_token_id", eos).end_object();
+    write_text(join_path(dir, "generation_config.json"), g.str() + "\n");
+  }
+  if (!opt.tokenizer.empty()) {
+    write_text(join_path(dir, "tokenizer.json"), tok.tokenizer_json);
+    JsonWriter t(2);
+    t.begin_object();
+    t.member("tokenizer_class", "PreTrainedTokenizerFast");
+    t.member("eos_token", tok.eos_token);
+    t.member("model_max_length", int64_t{1} << 40);
+    t.member("clean_up_tokenization_spaces", false);
+    t.end_object();
+    write_text(join_path(dir, "tokenizer_config.json"), t.str() + "\n");
+    JsonWriter m(2);
+    m.begin_object().member("eos_token", tok.eos_token).end_object();
+    write_text(join_path(dir, "special_tokens_map.json"), m.str() + "\n");
+  }
 }
 
 bool is_fla_folder(const std::string& dir) { return file_exists(join_path(dir, "config.json")); }

@@ -42,7 +42,8 @@ namespace carry {
 std::vector<std::string> fla_export_errors(const ModelConfig& model);
 
 // config.json for `model` (throws ConfigError listing fla_export_errors when it cannot be written).
-std::string fla_config_json(const ModelConfig& model);
+// eos_token_id >= 0 is written as eos_token_id (else null).
+std::string fla_config_json(const ModelConfig& model, int64_t eos_token_id = -1);
 
 // The FLA name of a carry parameter of `model` ("" for none). The convolutions' layouts differ: carry
 // [C,K], FLA [C,1,K]; every other tensor keeps its shape.
@@ -51,6 +52,13 @@ std::string fla_parameter_name(const ModelConfig& model, const std::string& carr
 struct FlaExportOptions {
   at::ScalarType dtype = at::kFloat;          // of the written tensors (fp32 keeps them bit for bit)
   std::map<std::string, std::string> metadata;  // added to the safetensors metadata (besides format)
+  // A tokenizer spec (framework/data/tokenizer.h: byte or bpe:FILE) written beside the weights as
+  // tokenizer.json, tokenizer_config.json and special_tokens_map.json; its end-of-document token becomes
+  // eos_token_id. Empty: no tokenizer files.
+  std::string tokenizer;
+  // The end-of-document id for config.json and generation_config.json when no tokenizer gives it (-1: none,
+  // no generation_config.json).
+  int64_t eos_token_id = -1;
 };
 
 // Writes dir/config.json and dir/model.safetensors (dir is created if missing). `weights` are the

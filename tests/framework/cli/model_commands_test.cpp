@@ -7,6 +7,7 @@
 #include "framework/cli/eval_command.h"
 #include "framework/cli/export_command.h"
 #include "framework/cli/generate_command.h"
+#include "framework/data/tokenizer.h"
 #include "framework/eval/evaluator.h"
 #include "framework/io/checkpoint.h"
 #include "framework/io/model_source.h"
@@ -178,6 +179,30 @@ TEST(ModelCommands, GenerateIsReproducible) {
   ::testing::internal::CaptureStderr();
   EXPECT_EQ(run(run_generate_command, {"generate", ck, "--prompt-ids", "300"}), 1);
   EXPECT_NE(::testing::internal::GetCapturedStderr().find("outside the vocabulary of 257"), std::string::npos);
+  testing::remove_tree(dir);
+}
+
+// A tokenizer spec gives text in and out: the byte tokenizer as a bpe: tokenizer.json (hf_tokenizer) prints what
+// --tokenizer byte prints for the same prompt and seed; a tokenizer larger than the vocabulary is refused.
+TEST(ModelCommands, GenerateReadsATokenizerSpec) {
+  testing::OneThread one_thread;
+  auto dir = testing::make_temp_dir("carry_cmd_generate_spec");
+  std::string ck = checkpoint(dir + "/ck", kRun);
+  { std::ofstream(dir + "/byte.json") << hf_tokenizer("byte").tokenizer_json; }
+  auto text_of = [&](const std::string& tokenizer) {
+    ::testing::internal::CaptureStdout();
+    EXPECT_EQ(run(run_generate_command, {"generate", ck, "--prompt", "Héllo", "--max-new-tokens", "12", "--seed", "3",
+                                         "--tokenizer", tokenizer}), 0);
+    return ::testing::internal::GetCapturedStdout();
+  };
+  const std::string bytes = text_of("byte"), spec = text_of("bpe:" + dir + "/byte.json");
+  EXPECT_EQ(spec, bytes);
+  EXPECT_FALSE(spec.empty());
+  ::testing::internal::CaptureStderr();
+  std::string ck2 = checkpoint(dir + "/ck2", kRun, {"model.vocab_size=200"});
+  EXPECT_EQ(run(run_generate_command, {"generate", ck2, "--prompt", "Hi", "--tokenizer", "bpe:" + dir + "/byte.json"}), 1);
+  EXPECT_NE(::testing::internal::GetCapturedStderr().find("its 257 tokens do not fit the vocabulary of 200"),
+            std::string::npos);
   testing::remove_tree(dir);
 }
 

@@ -213,6 +213,42 @@ TEST_F(TokenizerFiles, ByteLevelBpeMatchesHuggingFace) {
   }
 }
 
+// The byte tokenizer as a Hugging Face tokenizer.json: read back by `bpe:` it encodes every string as the byte
+// tokenizer does (ids = bytes, end of document 256); a bpe: tokenizer comes back as its own file with its
+// end-of-document token's text; SentencePiece and tiktoken are refused with what is written.
+TEST_F(TokenizerFiles, HuggingFaceFilesOfTheByteAndBpeTokenizers) {
+  HfTokenizer h = hf_tokenizer("byte");
+  EXPECT_EQ(h.eos_id, 256);
+  EXPECT_EQ(h.eos_token, "<|endoftext|>");
+  auto back = load_tokenizer("bpe:" + write("byte.json", h.tokenizer_json));
+  auto bytes = load_tokenizer("byte");
+  EXPECT_EQ(back->end_of_document(), 256u);
+  EXPECT_EQ(back->vocab_size(), 257);
+  std::mt19937 gen(5);
+  for (int r = 0; r < 50; ++r) {
+    std::string s(gen() % 200, ' ');
+    for (auto& c : s) c = static_cast<char>(gen() % 3 == 0 ? gen() % 256 : "héllo wörld 12\n"[gen() % 15]);
+    std::vector<uint32_t> a, b;
+    back->encode(s, &a);
+    bytes->encode(s, &b);
+    ASSERT_EQ(a, b);
+    ASSERT_EQ(back->decode(a), s);
+  }
+  const std::string json = tiny_tokenizer_json(false);
+  HfTokenizer bpe = hf_tokenizer("bpe:" + write("tiny.json", json));
+  EXPECT_EQ(bpe.tokenizer_json, json);
+  EXPECT_EQ(bpe.eos_id, 273);
+  EXPECT_EQ(bpe.eos_token, "<|endoftext|>");
+  try {
+    hf_tokenizer("sentencepiece:m.model");
+    ADD_FAILURE() << "sentencepiece accepted";
+  } catch (const std::runtime_error& e) {
+    EXPECT_NE(std::string(e.what()).find("only byte and bpe:FILE tokenizers are written as Hugging Face"),
+              std::string::npos)
+        << e.what();
+  }
+}
+
 TEST_F(TokenizerFiles, TiktokenRanksImplyTheMerges) {
   // Ranks: the 256 bytes, then "th" (256), "the" (257), " the" (258), "he" (259, after "th": so
   // "the" goes t+h first).

@@ -6,6 +6,8 @@
 // missing, misshapen or extra tensor and config values carry does not compute, naming them.
 #include "framework/io/fla_format.h"
 
+#include "framework/data/tokenizer.h"
+
 #include "framework/io/safetensors.h"
 #include "framework/model/model.h"
 #include "tests/helpers/temp_dir.h"
@@ -132,6 +134,46 @@ TEST(FlaFormat, GroupedValueHeadsRoundTrip) {
   EXPECT_NE(message_of([&] { fla_config_json(delta); }).find("model.n_v_heads: 4 value heads for 2 query/key heads; "
                                                               "FLA's deltanet has no grouped value heads"),
             std::string::npos);
+}
+
+// A self-contained export: the tokenizer files beside the weights, eos_token_id in config.json and
+// generation_config.json; without a tokenizer an end-of-document id still gives both; a tokenizer whose
+// end of document lies outside the vocabulary stops the export before any file is written.
+TEST(FlaFormat, WritesTheTokenizerAndGenerationConfig) {
+  ModelConfig config = small("gated_deltanet", 4, false);
+  config.set_vocab_size(300);
+  Model model = build_model(config, 3);
+  auto dir = make_temp_dir("carry_fla_tok");
+  FlaExportOptions opt;
+  opt.tokenizer = "byte";
+  export_fla_folder(dir, config, model.parameters(), opt);
+  EXPECT_NE(read(dir + "/config.json").find("\"eos_token_id\": 256"), std::string::npos);
+  EXPECT_NE(read(dir + "/generation_config.json").find("\"eos_token_id\": 256"), std::string::npos);
+  EXPECT_NE(read(dir + "/tokenizer_config.json").find("\"tokenizer_class\": \"PreTrainedTokenizerFast\""),
+            std::string::npos);
+  EXPECT_NE(read(dir + "/special_tokens_map.json").find("\"eos_token\": \"<|endoftext|>\""), std::string::npos);
+  EXPECT_EQ(read(dir + "/tokenizer.json"), hf_tokenizer("byte").tokenizer_json);
+  ImportedModel back = import_fla_folder(dir);  // the extra files do not disturb the import
+  EXPECT_EQ(config_to_text(back.model), config_to_text(config));
+  remove_tree(dir);
+
+  dir = make_temp_dir("carry_fla_eos");
+  FlaExportOptions eos_only;
+  eos_only.eos_token_id = 7;
+  export_fla_folder(dir, config, model.parameters(), eos_only);
+  EXPECT_NE(read(dir + "/config.json").find("\"eos_token_id\": 7"), std::string::npos);
+  EXPECT_NE(read(dir + "/generation_config.json").find("\"eos_token_id\": 7"), std::string::npos);
+  remove_tree(dir);
+
+  ModelConfig tiny = small("gated_deltanet", 4, false);  // vocabulary 40 < 257
+  Model tiny_model = build_model(tiny, 3);
+  dir = make_temp_dir("carry_fla_small_vocab");
+  EXPECT_NE(message_of([&] { export_fla_folder(dir + "/out", tiny, tiny_model.parameters(), opt); })
+                .find("export: the tokenizer's end-of-document id 256 is outside the model's vocabulary of 40"),
+            std::string::npos);
+  struct stat st;
+  EXPECT_NE(::stat((dir + "/out").c_str(), &st), 0) << "a refused export wrote its folder";
+  remove_tree(dir);
 }
 
 TEST(FlaFormat, ImportsAFolderAsFlaWritesIt) {
