@@ -5,6 +5,7 @@
 #include "layers/core/knobs.h"
 
 #include "framework/data/pretokenize.h"
+#include "framework/data/regex_split.h"
 #include "framework/io/json.h"
 
 #include <google/protobuf/struct.pb.h>
@@ -106,6 +107,9 @@ class ByteBpe final : public Tokenizer {
   std::unordered_map<uint64_t, Merge> merges;           // (left id, right id) -> rank, merged id
   std::array<uint32_t, 256> byte_id{};
   SplitPattern pattern = SplitPattern::gpt2;
+  // A Split regex other than the two hand-written ones, run by Oniguruma (regex_split.h); null: `pattern`.
+  std::shared_ptr<const RegexSplitter> regex;
+  Normalization norm = Normalization::none;  // the tokenizer.json's normalizer (NFC, NFKC), by utf8proc
   bool ignore_merges = false;  // a piece that is a whole token is that token (Llama 3's tokenizer.json)
   int64_t vocab = 0;
   uint32_t eod = 0;
@@ -116,9 +120,13 @@ class ByteBpe final : public Tokenizer {
   int64_t vocab_size() const override { return vocab; }
   uint32_t end_of_document() const override { return eod; }
 
-  void encode(std::string_view text, std::vector<uint32_t>* out) const override {
+  void encode(std::string_view raw, std::vector<uint32_t>* out) const override {
+    std::string normalized;
+    std::string_view text = raw;
+    if (norm != Normalization::none) text = normalized = normalize_text(raw, norm);
     std::vector<std::string_view> pieces;
-    pretokenize(text, pattern, &pieces);
+    if (regex) regex->split(text, &pieces);
+    else pretokenize(text, pattern, &pieces);
     std::unordered_map<std::string_view, std::vector<uint32_t>> cache;  // pieces point into `text`
     std::vector<uint32_t> ids, next;
     for (auto piece : pieces) {
@@ -194,12 +202,12 @@ std::string string_field(const google::protobuf::Value& v, const std::string& na
 }
 
 // The pre-tokenizer of a tokenizer.json: ByteLevel with its regex, or Split(regex) + ByteLevel.
-SplitPattern pattern_of(const google::protobuf::Value& pre, const std::string& path) {
+SplitPattern pattern_of(const google::protobuf::Value& pre, const std::string& path, std::string* general) {
   const std::string type = string_field(pre, "type");
   auto unsupported = [&](const std::string& why) {
     return error(path, "pre_tokenizer: " + why +
-                           "; supported: ByteLevel (GPT-2's regex), or Sequence[Split(GPT-2's or cl100k/Llama 3's "
-                           "regex), ByteLevel(use_regex: false)]");
+                           "; supported: ByteLevel (GPT-2's regex), or Sequence[Split(a regex, Isolated), "
+                           "ByteLevel(use_regex: false)]");
   };
   if (type == "ByteLevel") {
     auto* add_prefix = field(pre, "add_prefix_space");
@@ -212,7 +220,7 @@ SplitPattern pattern_of(const google::protobuf::Value& pre, const std::string& p
     auto* list = field(pre, "pretokenizers");
     if (!list || list->kind_case() != google::protobuf::Value::kListValue) throw unsupported("a Sequence without pretokenizers");
     const auto& items = list->list_value().values();
-    if (items.size() == 1) return pattern_of(items[0], path);
+    if (items.size() == 1) return pattern_of(items[0], path, general);
     if (items.size() != 2 || string_field(items[0], "type") != "Split" || string_field(items[1], "type") != "ByteLevel")
       throw unsupported("a Sequence of other pre-tokenizers");
     auto* use_regex = field(items[1], "use_regex");
@@ -223,7 +231,13 @@ SplitPattern pattern_of(const google::protobuf::Value& pre, const std::string& p
     if (behavior != "Isolated") throw unsupported("Split with behavior '" + behavior + "' (expected Isolated)");
     for (auto p : {SplitPattern::gpt2, SplitPattern::cl100k})
       if (regex == split_pattern_regex(p)) return p;
-    throw unsupported("Split with the regex " + regex);
+    if (regex.empty()) throw unsupported("Split without a pattern Regex");
+    if (auto* invert = field(items[0], "invert"); invert && invert->bool_value()) throw unsupported("Split with invert: true");
+    if (!regex_split_available())
+      throw unsupported("Split with the regex " + regex + " (other regexes need Oniguruma and utf8proc: install "
+                        "libonig-dev and libutf8proc-dev and rebuild, as launcher/setup does)");
+    *general = regex;
+    return SplitPattern::gpt2;
   }
   throw unsupported("type '" + type + "'");
 }
@@ -239,13 +253,37 @@ std::unique_ptr<Tokenizer> load_tokenizer_json(const std::string& path, int64_t 
   if (type != "BPE")
     throw error(path, "model.type is '" + type + "'; carry reads byte-level BPE models (type BPE) from tokenizer.json "
                       "(a SentencePiece model: use sentencepiece:FILE.model)");
-  if (auto* norm = field(root, "normalizer"))
-    throw error(path, "has a normalizer (" + string_field(*norm, "type") + "), which carry does not apply; supported: "
-                      "byte-level BPE without one (GPT-2, NeoX, Llama 3, Qwen2)");
+  Normalization norm = Normalization::none;
+  if (auto* n = field(root, "normalizer")) {
+    const google::protobuf::Value* one = n;
+    if (string_field(*n, "type") == "Sequence") {  // a Sequence of one normalizer reads as that one
+      auto* list = field(*n, "normalizers");
+      const bool single = list && list->kind_case() == google::protobuf::Value::kListValue &&
+                          list->list_value().values_size() == 1;
+      one = single ? &list->list_value().values(0) : nullptr;
+    }
+    const std::string type = one ? string_field(*one, "type") : "Sequence";
+    if (type == "NFC") norm = Normalization::nfc;
+    else if (type == "NFKC") norm = Normalization::nfkc;
+    else
+      throw error(path, "has a normalizer (" + type + "), which carry does not apply; supported: none, NFC, NFKC");
+    if (!regex_split_available())
+      throw error(path, "has a normalizer (" + type + "), which needs utf8proc: install libonig-dev and "
+                        "libutf8proc-dev and rebuild, as launcher/setup does");
+  }
   auto* pre = field(root, "pre_tokenizer");
   if (!pre) throw error(path, "no pre_tokenizer: not a byte-level BPE");
   auto bpe = std::make_unique<ByteBpe>();
-  bpe->pattern = pattern_of(*pre, path);
+  bpe->norm = norm;
+  std::string general;
+  bpe->pattern = pattern_of(*pre, path, &general);
+  if (!general.empty()) {
+    try {
+      bpe->regex = std::make_shared<const RegexSplitter>(general);
+    } catch (const std::runtime_error& e) {
+      throw error(path, std::string("pre_tokenizer: ") + e.what());
+    }
+  }
   if (auto* im = field(*model, "ignore_merges")) bpe->ignore_merges = im->bool_value();
 
   // Added tokens (special tokens): literal strings, not in GPT-2's characters.
@@ -316,7 +354,9 @@ std::unique_ptr<Tokenizer> load_tokenizer_json(const std::string& path, int64_t 
                         "</s>); give its id with --eod-id");
   }
   bpe->description_text = "byte-level BPE " + path + " (" + std::to_string(rank) + " merges, " +
-                          (bpe->pattern == SplitPattern::gpt2 ? "GPT-2" : "cl100k/Llama 3") + " pre-tokenizer)";
+                          (bpe->regex ? "its own regex" : bpe->pattern == SplitPattern::gpt2 ? "GPT-2" : "cl100k/Llama 3") +
+                          " pre-tokenizer" + (norm == Normalization::nfc ? ", NFC" : norm == Normalization::nfkc ? ", NFKC" : "") +
+                          ")";
   return bpe;
 }
 

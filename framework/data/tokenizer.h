@@ -11,8 +11,10 @@
 //   bpe:TOKENIZER.json        a Hugging Face tokenizer.json holding a byte-level BPE model (GPT-2,
 //                             RoBERTa, GPT-NeoX, Llama 3, Qwen2, ...): model.type "BPE" over GPT-2's
 //                             byte-to-character map, pre-tokenized by GPT-2's ByteLevel regex or a
-//                             Split with the GPT-2 or cl100k/Llama 3 regex (framework/data/pretokenize.h),
-//                             no normalizer; end of document: the added token <|endoftext|> (GPT-2,
+//                             Split with the GPT-2 or cl100k/Llama 3 regex (hand-written scanners,
+//                             framework/data/pretokenize.h) or any other regex (Oniguruma,
+//                             framework/data/regex_split.h), with no normalizer or NFC / NFKC
+//                             (utf8proc); end of document: the added token <|endoftext|> (GPT-2,
 //                             NeoX, Qwen) or <|end_of_text|> (Llama 3);
 //   tiktoken:FILE[:PATTERN]   a tiktoken rank file (lines "base64-bytes rank", e.g. cl100k_base.tiktoken
 //                             or Llama 3's tokenizer.model), merges implied by the ranks, PATTERN gpt2 or

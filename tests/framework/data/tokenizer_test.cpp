@@ -288,9 +288,10 @@ TEST_F(TokenizerFiles, ErrorsSayWhatIsSupported) {
   EXPECT_NE(error_of("wordpiece:x").find("unknown tokenizer kind 'wordpiece'"), std::string::npos);
   EXPECT_NE(error_of("bpe:" + dir_ + "/missing.json").find("missing.json: cannot open"), std::string::npos);
   std::string json = tiny_tokenizer_json(false);
-  json.replace(json.find("\"normalizer\":null"), 17, "\"normalizer\":{\"type\":\"NFC\"}");
-  auto msg = error_of("bpe:" + write("nfc.json", json));
-  EXPECT_NE(msg.find("has a normalizer (NFC)"), std::string::npos) << msg;
+  json.replace(json.find("\"normalizer\":null"), 17, "\"normalizer\":{\"type\":\"NFD\"}");
+  auto msg = error_of("bpe:" + write("nfd.json", json));
+  EXPECT_NE(msg.find("has a normalizer (NFD), which carry does not apply; supported: none, NFC, NFKC"), std::string::npos)
+      << msg;
   json = tiny_tokenizer_json(false);
   json.replace(json.find("<|endoftext|>"), 13, "<|other|>");
   msg = error_of("bpe:" + write("noeod.json", json));
