@@ -22,7 +22,7 @@ const char* kExportUsage =
     "  with fla.models.<Class>.from_pretrained(DIR) or, after `import fla`, transformers'\n"
     "  AutoModelForCausalLM.from_pretrained(DIR) (--format hf writes the same folder: FLA's classes are what\n"
     "  transformers loads). MODEL: a carry checkpoint (a run's checkpoint.dir, whose newest valid step is\n"
-    "  taken, or one step_* directory). Maps gated_deltanet, deltanet and gla models (gla without short\n"
+    "  taken, or one step_* directory). Maps gated_deltanet, gated_deltaproduct, deltanet and gla models (gla without short\n"
     "  convolutions); other models are refused with the reasons. --dtype: of the written weights (fp32\n"
     "  default: the checkpoint's values bit for bit). --tokenizer: the tokenizer the run's token files were\n"
     "  made with (carry tokenize's spec), written beside the weights as tokenizer.json, tokenizer_config.json\n"

@@ -46,6 +46,7 @@ struct FlaKind {
 const std::vector<FlaKind>& fla_kinds() {
   static const std::vector<FlaKind> kinds = {
       {"gated_deltanet", "gated_deltanet", "GatedDeltaNetForCausalLM"},
+      {"gated_deltaproduct", "gated_deltaproduct", "GatedDeltaProductForCausalLM"},
       {"deltanet", "delta_net", "DeltaNetForCausalLM"},
       {"gla", "gla", "GLAForCausalLM"},
   };
@@ -183,7 +184,7 @@ std::vector<std::string> fla_export_errors(const ModelConfig& model) {
     errors.push_back("model.mixer_options.conv_size: " + std::to_string(lm.options.conv_size()) +
                      " for gla; FLA's GLA applies silu after its short convolutions and carry's gla does "
                      "not, so only gla without convolutions (conv_size 0) exports");
-  if (kind == "gated_deltanet") {
+  if (kind == "gated_deltanet" || kind == "gated_deltaproduct") {
     double expand_v = static_cast<double>(dv) / static_cast<double>(dk);
     if (!python_int_product_is(static_cast<double>(dk), expand_v, dv))
       errors.push_back("model.head_dim_v: FLA derives the value width as int(head_dim * expand_v) = int(" +
@@ -222,6 +223,14 @@ std::string fla_config_json(const ModelConfig& model, int64_t eos_token_id) {
   j.member("hidden_size", d);
   j.member("num_hidden_layers", model.n_layers());
   j.member("num_heads", H);
+  if (kind == "gated_deltaproduct") {  // the forget gate and 2·sigmoid betas, as carry's layer always has
+    j.member("head_dim", dk);
+    j.key("expand_v").float_value(static_cast<double>(dv) / static_cast<double>(dk));
+    j.member("use_output_gate", true);
+    j.member("use_forget_gate", true);
+    j.member("allow_neg_eigval", true);
+    j.member("num_householder", lm.options.num_householder());
+  }
   if (kind == "gated_deltanet") {
     j.member("head_dim", dk);
     j.key("expand_v").float_value(static_cast<double>(dv) / static_cast<double>(dk));
@@ -230,7 +239,7 @@ std::string fla_config_json(const ModelConfig& model, int64_t eos_token_id) {
     j.member("use_gate", true);
     j.member("output_gate_activation", "swish");
     j.member("allow_neg_eigval", false);
-  } else {
+  } else if (kind != "gated_deltaproduct") {
     j.key("expand_k").float_value(static_cast<double>(H * dk) / static_cast<double>(d));
     j.key("expand_v").float_value(static_cast<double>(H * dv) / static_cast<double>(d));
   }
@@ -491,12 +500,22 @@ ModelConfig model_from_config_json(const JsonConfig& c, const FlaKind& fk) {
   const int64_t d = c.required_integer("hidden_size"), L = c.required_integer("num_hidden_layers");
   const int64_t H = c.required_integer("num_heads");
   if (d <= 0 || L <= 0 || H <= 0) throw ConfigError(c.path() + ": hidden_size, num_hidden_layers and num_heads must be positive");
-  int64_t dk = 0, dv = 0, Hv = H;
+  int64_t dk = 0, dv = 0, Hv = H, householder = 0;
   expect_null("attn", "carry imports no softmax attention layers from FLA (they apply rotary positions)");
   expect_null("attnres_block_size", "attention residuals are not part of carry's model");
   if (c.string("hidden_act", "swish") != "swish")
     c.refuse("hidden_act", value_text(c, "hidden_act"), "carry's MLP is SwiGLU (swish)");
-  if (kind == "gated_deltanet") {
+  if (kind == "gated_deltaproduct") {
+    dk = c.integer("head_dim", 256);
+    dv = static_cast<int64_t>(static_cast<double>(dk) * c.number("expand_v", 2.0));
+    expect_null("num_v_heads", "carry's Gated DeltaProduct has no grouped value heads");
+    expect_bool("use_output_gate", true, true, "carry's Gated DeltaProduct layer always has the gated output norm");
+    expect_bool("use_forget_gate", false, true, "carry's Gated DeltaProduct layer always has the forget gate");
+    expect_bool("allow_neg_eigval", false, true, "carry's Gated DeltaProduct betas are 2·sigmoid(W x)");
+    householder = c.integer("num_householder", 1);
+    if (householder < 1 || householder > 16)
+      c.refuse("num_householder", value_text(c, "num_householder"), "carry takes 1 to 16 Householder steps a token");
+  } else if (kind == "gated_deltanet") {
     dk = c.integer("head_dim", 256);
     double expand_v = c.number("expand_v", 2.0);
     dv = static_cast<int64_t>(static_cast<double>(dk) * expand_v);
@@ -566,6 +585,7 @@ ModelConfig model_from_config_json(const JsonConfig& c, const FlaKind& fk) {
   auto* o = m.add_mixer_options();
   o->set_chunk_size(64);
   o->set_conv_size(conv_size);
+  if (householder > 0) o->set_num_householder(householder);
   if (mlp_hidden_size(m) != inter)
     throw ConfigError(c.path() + ": the MLP width " + std::to_string(inter) + " does not come out of mlp_ratio " +
                       json_number(m.mlp_ratio()) + " (carry rounds mlp_ratio * d_model up to a multiple of 64)");

@@ -176,6 +176,38 @@ TEST(FlaFormat, WritesTheTokenizerAndGenerationConfig) {
   remove_tree(dir);
 }
 
+// Gated DeltaProduct exports as FLA's GatedDeltaProductForCausalLM (forget gate, 2·sigmoid betas, its
+// num_householder) and comes back bit for bit; an FLA config without the forget gate is refused by name.
+TEST(FlaFormat, GatedDeltaProductRoundTrip) {
+  ModelConfig config = small("gated_deltaproduct", 4, false);
+  config.mutable_mixer_options(0)->set_num_householder(3);
+  Model model = build_model(config, 5);
+  auto dir = make_temp_dir("carry_fla_gdp");
+  export_fla_folder(dir, config, model.parameters(), {});
+  std::string json = read(dir + "/config.json");
+  for (const char* want : {"\"model_type\": \"gated_deltaproduct\"", "\"GatedDeltaProductForCausalLM\"",
+                           "\"num_householder\": 3", "\"use_forget_gate\": true", "\"allow_neg_eigval\": true",
+                           "\"head_dim\": 16"})
+    EXPECT_NE(json.find(want), std::string::npos) << want << "\n" << json;
+  auto tensors = load_safetensors(dir + "/model.safetensors", nullptr);
+  EXPECT_EQ(tensors["model.layers.0.attn.k_proj.weight"].sizes(), (std::vector<int64_t>{96, 32}));
+  EXPECT_EQ(tensors["model.layers.0.attn.b_proj.weight"].sizes(), (std::vector<int64_t>{6, 32}));
+  EXPECT_EQ(tensors["model.layers.0.attn.v_conv1d.weight"].sizes(), (std::vector<int64_t>{96, 1, 4}));
+  ImportedModel back = import_fla_folder(dir);
+  EXPECT_EQ(config_to_text(back.model), config_to_text(config));
+  auto params = model.parameters();
+  ASSERT_EQ(back.weights.size(), params.size());
+  for (size_t i = 0; i < params.size(); ++i)
+    EXPECT_TRUE(at::equal(back.weights[i].second, params[i].second.detach())) << params[i].first;
+  json.replace(json.find("\"use_forget_gate\": true"), 23, "\"use_forget_gate\": false");
+  write(dir + "/config.json", json);
+  EXPECT_NE(message_of([&] { import_fla_folder(dir); })
+                .find("\"use_forget_gate\": false: carry's Gated DeltaProduct layer always has the forget gate"),
+            std::string::npos)
+      << message_of([&] { import_fla_folder(dir); });
+  remove_tree(dir);
+}
+
 TEST(FlaFormat, ImportsAFolderAsFlaWritesIt) {
   // An FLA-written folder: bf16 weights, no carry metadata, intermediate_size from hidden_ratio
   // (int(32 * 4 * 2/3) = 85, rounded up to 256), head_dim and expand_v.
@@ -230,7 +262,7 @@ TEST(FlaFormat, ImportsAFolderAsFlaWritesIt) {
   EXPECT_NE(message_of([&] { import_fla_folder(dir); }).find("\"allow_neg_eigval\": true"), std::string::npos);
   write(dir + "/config.json", R"({"model_type": "rwkv7", "hidden_size": 32})");
   EXPECT_NE(message_of([&] { import_fla_folder(dir); }).find("carry imports the FLA model types gated_deltanet, "
-                                                             "delta_net, gla"), std::string::npos);
+                                                             "gated_deltaproduct, delta_net, gla"), std::string::npos);
   write(dir + "/config.json", "{\"model_type\": ");
   EXPECT_NE(message_of([&] { import_fla_folder(dir); }).find("config.json: not a JSON object"), std::string::npos);
   remove_tree(dir);
@@ -313,7 +345,7 @@ TEST(FlaFormat, RefusesModelsThatDoNotMapWithTheReasons) {
   std::string h = errors_of(hybrid);
   EXPECT_NE(h.find("mix kinds (gated_deltanet, softmax_attn)"), std::string::npos) << h;
   EXPECT_NE(h.find("rotary position embeddings"), std::string::npos) << h;
-  EXPECT_NE(errors_of(small("hla2", 0, true)).find("Kinds carry exports to FLA: gated_deltanet, deltanet, gla"),
+  EXPECT_NE(errors_of(small("hla2", 0, true)).find("Kinds carry exports to FLA: gated_deltanet, gated_deltaproduct, deltanet, gla"),
             std::string::npos);
   ModelConfig odd = small("deltanet", 4, true);
   odd.set_d_model(30);
@@ -330,7 +362,8 @@ TEST(FlaFormat, RefusesModelsThatDoNotMapWithTheReasons) {
 // Which of the shipped model presets export (README.md lists the same).
 TEST(FlaFormat, PresetsThatExport) {
   const std::string dir = std::string(CARRY_SOURCE_DIR) + "/configs/models/";
-  for (const char* name : {"gated_deltanet_125m", "gated_deltanet_340m", "gla_125m", "gla_340m"})
+  for (const char* name : {"gated_deltanet_125m", "gated_deltanet_340m", "gla_125m", "gla_340m", "gated_deltaproduct_125m",
+                           "gated_deltaproduct_340m"})
     EXPECT_TRUE(fla_export_errors(load_model_config(dir + name + ".textproto")).empty()) << name;
   for (const char* name : {"mamba2_125m", "mamba2_340m", "hybrid_gdn_swa_125m", "hla_125m", "loglinear_gdn_125m"})
     EXPECT_FALSE(fla_export_errors(load_model_config(dir + name + ".textproto")).empty()) << name;
