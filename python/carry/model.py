@@ -1,0 +1,224 @@
+"""carry's language model as a torch.nn.Module, from a folder `carry export --format hf` writes (or an FLA
+folder of the same classes): `carry.load(DIR)` reads config.json and model.safetensors and returns a
+module whose forward(input_ids) gives the logits, computed as carry's model computes them (the mixers
+through carry.ops: the kernels on CUDA tensors where this build has them, the chunkwise forms otherwise).
+
+Layers: Gated DeltaNet (grouped value heads included) and DeltaNet, FLA's `gated_deltanet` and `delta_net`
+model types; a block is y = x + mixer(norm(x)), out = y + mlp(norm(y)) with SwiGLU MLPs and RMS norms,
+as framework/model/model.h builds it. For evaluation and generation from Python: the weights are
+parameters (trainable), but the forward keeps no recurrent state between calls.
+"""
+import json
+import os
+import struct
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from carry import ops
+
+_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+           "I64": torch.int64, "I32": torch.int32}
+
+
+def _fail(message):
+    raise ValueError(f"carry.load: {message}")
+
+
+def read_safetensors(path):
+    """The tensors of a .safetensors file by name (on the CPU)."""
+    with open(path, "rb") as f:
+        raw = f.read()
+    if len(raw) < 8:
+        _fail(f"{path}: not a safetensors file (shorter than its 8-byte header length)")
+    (n,) = struct.unpack_from("<Q", raw, 0)
+    if 8 + n > len(raw):
+        _fail(f"{path}: its header claims {n} bytes, the file has {len(raw) - 8} after the length")
+    try:
+        header = json.loads(raw[8:8 + n])
+    except ValueError as e:
+        _fail(f"{path}: the header is not JSON ({e})")
+    base, out = 8 + n, {}
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        dt = _DTYPES.get(info.get("dtype"))
+        if dt is None:
+            _fail(f"{path}: tensor {name!r} has dtype {info.get('dtype')!r}; expected one of {sorted(_DTYPES)}")
+        a, b = info["data_offsets"]
+        buf = bytearray(raw[base + a:base + b])
+        t = torch.frombuffer(buf, dtype=dt) if buf else torch.empty(0, dtype=dt)
+        out[name] = t.reshape(info["shape"]).clone()
+    return out
+
+
+def _rms_norm(x, weight, eps):
+    xf = x.to(torch.float64 if x.dtype == torch.float64 else torch.float32)
+    y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return (y * weight.to(y.dtype)).to(x.dtype)
+
+
+class _DeltaLayer(nn.Module):
+    """FLA's GatedDeltaNet / DeltaNet layer as carry computes it (layers/blocks/mixer_layer.h)."""
+
+    def __init__(self, d, H, Hv, dk, dv, conv, eps, gated):
+        super().__init__()
+        self.H, self.Hv, self.dk, self.dv, self.eps, self.gated = H, Hv, dk, dv, eps, gated
+        self.q_proj = nn.Linear(d, H * dk, bias=False)
+        self.k_proj = nn.Linear(d, H * dk, bias=False)
+        self.v_proj = nn.Linear(d, Hv * dv, bias=False)
+        self.conv = conv
+        if conv:
+            self.q_conv1d = nn.Parameter(torch.zeros(H * dk, 1, conv))
+            self.k_conv1d = nn.Parameter(torch.zeros(H * dk, 1, conv))
+            self.v_conv1d = nn.Parameter(torch.zeros(Hv * dv, 1, conv))
+        if gated:
+            self.a_proj = nn.Linear(d, Hv, bias=False)
+            self.A_log = nn.Parameter(torch.zeros(Hv))
+            self.dt_bias = nn.Parameter(torch.zeros(Hv))
+        self.b_proj = nn.Linear(d, Hv, bias=False)
+        self.g_proj = nn.Linear(d, Hv * dv, bias=False)
+        self.o_norm = nn.Parameter(torch.ones(dv))
+        self.o_proj = nn.Linear(Hv * dv, d, bias=False)
+
+    def _short_conv(self, x, w):  # causal depthwise, then silu; x [B, T, C], w [C, 1, K]
+        K = w.shape[-1]
+        y = F.conv1d(F.pad(x.transpose(1, 2), (K - 1, 0)), w.to(x.dtype), groups=x.shape[-1])
+        return F.silu(y.transpose(1, 2))
+
+    def forward(self, x):
+        B, T, _ = x.shape
+        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        if self.conv:
+            q, k, v = (self._short_conv(t, w) for t, w in ((q, self.q_conv1d), (k, self.k_conv1d), (v, self.v_conv1d)))
+        else:
+            q, k, v = F.silu(q), F.silu(k), F.silu(v)
+        q, k = q.view(B, T, self.H, self.dk), k.view(B, T, self.H, self.dk)
+        v = v.view(B, T, self.Hv, self.dv)
+        q = q * torch.rsqrt(q.pow(2).sum(-1, keepdim=True) + 1e-6)
+        k = k * torch.rsqrt(k.pow(2).sum(-1, keepdim=True) + 1e-6)
+        beta = torch.sigmoid(self.b_proj(x))
+        if self.gated:
+            g = -torch.exp(self.A_log) * F.softplus(self.a_proj(x) + self.dt_bias)
+            o, _ = ops.chunk_gated_delta_rule(q, k, v, g, beta)
+        else:
+            o, _ = ops.chunk_delta_rule(q, k, v, beta)
+        z = self.g_proj(x).view(B, T, self.Hv, self.dv)
+        o = _rms_norm(o.to(x.dtype), self.o_norm, self.eps) * F.silu(z)
+        return self.o_proj(o.reshape(B, T, self.Hv * self.dv))
+
+
+class _Block(nn.Module):
+    def __init__(self, d, inter, eps, attn):
+        super().__init__()
+        self.eps = eps
+        self.attn_norm = nn.Parameter(torch.ones(d))
+        self.attn = attn
+        self.mlp_norm = nn.Parameter(torch.ones(d))
+        self.gate_proj = nn.Linear(d, inter, bias=False)
+        self.up_proj = nn.Linear(d, inter, bias=False)
+        self.down_proj = nn.Linear(inter, d, bias=False)
+
+    def forward(self, x):
+        y = x + self.attn(_rms_norm(x, self.attn_norm, self.eps))
+        n = _rms_norm(y, self.mlp_norm, self.eps)
+        return y + self.down_proj(F.silu(self.gate_proj(n)) * self.up_proj(n))
+
+
+class CarryModel(nn.Module):
+    """The causal language model of a carry / FLA folder; forward(input_ids [B, T] int64) -> logits [B, T, V]."""
+
+    def __init__(self, config):
+        super().__init__()
+        kind = config.get("model_type")
+        if kind not in ("gated_deltanet", "delta_net"):
+            _fail(f"model_type {kind!r}: carry.load builds gated_deltanet and delta_net models")
+        if config.get("attn") is not None:
+            _fail("config.json has an `attn` entry (softmax attention layers): not built by carry.load")
+        d, H, L = config["hidden_size"], config["num_heads"], config["num_hidden_layers"]
+        eps = float(config.get("norm_eps", 1e-6))
+        if kind == "gated_deltanet":
+            dk = config.get("head_dim", 256)
+            dv = int(dk * config.get("expand_v", 2.0))
+            Hv = config.get("num_v_heads") or H
+        else:
+            dk = round(d * config.get("expand_k", 1.0)) // H
+            dv = round(d * config.get("expand_v", 1.0)) // H
+            Hv = H
+        conv = config.get("conv_size", 4) if config.get("use_short_conv", True) else 0
+        inter = config.get("intermediate_size")
+        if inter is None:
+            _fail("config.json has no intermediate_size (carry writes it)")
+        self.config = config
+        self.eps = eps
+        self.embeddings = nn.Embedding(config["vocab_size"], d)
+        self.layers = nn.ModuleList([
+            _Block(d, inter, eps, _DeltaLayer(d, H, Hv, dk, dv, conv, eps, kind == "gated_deltanet"))
+            for _ in range(L)])
+        self.norm = nn.Parameter(torch.ones(d))
+        self.tied = bool(config.get("tie_word_embeddings", False))
+        if not self.tied:
+            self.lm_head = nn.Linear(d, config["vocab_size"], bias=False)
+
+    def _targets(self):
+        """FLA's tensor names -> this module's parameters."""
+        out = {"model.embeddings.weight": self.embeddings.weight, "model.norm.weight": self.norm}
+        if not self.tied:
+            out["lm_head.weight"] = self.lm_head.weight
+        for i, b in enumerate(self.layers):
+            p, a = f"model.layers.{i}.", b.attn
+            out.update({p + "attn_norm.weight": b.attn_norm, p + "mlp_norm.weight": b.mlp_norm,
+                        p + "mlp.gate_proj.weight": b.gate_proj.weight, p + "mlp.up_proj.weight": b.up_proj.weight,
+                        p + "mlp.down_proj.weight": b.down_proj.weight})
+            for n in ("q_proj", "k_proj", "v_proj", "b_proj", "g_proj", "o_proj") + (("a_proj",) if a.gated else ()):
+                out[p + f"attn.{n}.weight"] = getattr(a, n).weight
+            if a.gated:
+                out[p + "attn.A_log"], out[p + "attn.dt_bias"] = a.A_log, a.dt_bias
+            if a.conv:
+                for n in ("q_conv1d", "k_conv1d", "v_conv1d"):
+                    out[p + f"attn.{n}.weight"] = getattr(a, n)
+            out[p + "attn.o_norm.weight"] = a.o_norm
+        return out
+
+    def load_weights(self, tensors, source):
+        """Copies FLA-named tensors in, strictly: every parameter by name and shape, nothing left over."""
+        targets = self._targets()
+        missing = sorted(set(targets) - set(tensors))
+        extra = sorted(set(tensors) - set(targets))
+        if missing:
+            _fail(f"{source}: missing {len(missing)} tensors, the first {missing[0]!r}")
+        if extra:
+            _fail(f"{source}: {len(extra)} tensors the model does not have, the first {extra[0]!r}")
+        with torch.no_grad():
+            for name, p in targets.items():
+                t = tensors[name]
+                if tuple(t.shape) != tuple(p.shape):
+                    _fail(f"{source}: {name!r} has shape {list(t.shape)}, the model's is {list(p.shape)}")
+                p.copy_(t.to(p.dtype))
+
+    def forward(self, input_ids):
+        if input_ids.dim() != 2:
+            _fail(f"input_ids must be [B, T], got {list(input_ids.shape)}")
+        h = self.embeddings(input_ids)
+        for b in self.layers:
+            h = b(h)
+        h = _rms_norm(h, self.norm, self.eps)
+        return F.linear(h, self.embeddings.weight if self.tied else self.lm_head.weight)
+
+
+def load(path, dtype=torch.float32, device="cpu"):
+    """The model of an FLA / Hugging Face folder (config.json and model.safetensors, as `carry export
+    --format hf` writes them) as a CarryModel in `dtype` on `device`, in eval mode."""
+    config_path, weights_path = os.path.join(path, "config.json"), os.path.join(path, "model.safetensors")
+    if not os.path.isdir(path):
+        _fail(f"{path}: not a directory (expected a folder with config.json and model.safetensors; a carry "
+              "checkpoint is written as one by `carry export CHECKPOINT --format hf --out DIR`)")
+    for p in (config_path, weights_path):
+        if not os.path.isfile(p):
+            _fail(f"{p}: missing (a sharded model.safetensors.index.json folder is not read here)")
+    with open(config_path) as f:
+        config = json.load(f)
+    model = CarryModel(config)
+    model.load_weights(read_safetensors(weights_path), weights_path)
+    return model.to(device=device, dtype=dtype).eval()
