@@ -27,14 +27,6 @@ using torch::autograd::variable_list;
 
 bool bit(int64_t x, int64_t j) { return (x >> j) & 1; }
 
-// [1, T, 1, 1] of the positions [p, p+T) whose bit j is set (or clear), in `o`'s dtype, made on `o`'s
-// device (no copy from the host, which would wait for the stream).
-Tensor position_mask(int64_t p, int64_t T, int64_t j, bool set, const at::TensorOptions& o) {
-  auto pos = at::arange(p, p + T, o.dtype(at::kLong));
-  auto b = at::bitwise_and(at::bitwise_right_shift(pos, j), 1);
-  return (set ? b : 1 - b).to(o).view({1, T, 1, 1});
-}
-
 // bit_width(x) of non-negative integers x below 2^53 (a long tensor), on x's device: the binary exponent
 // frexp gives (x = m·2^e, m in [0.5, 1)), exact on every device (a GPU's log2 is not, at powers of two); 0
 // for x = 0.
@@ -51,19 +43,18 @@ Tensor pair_level_one_hot(int64_t C, int64_t levels, const at::TensorOptions& o)
 }
 
 // What differs between the bases: the chunk's own pairs (mixing [B,H,N,C,C], without the level weights,
-// and the first chunk's reader of an incoming state [B,C,H,dk] → read-out), one level's pass over a
-// piece (the keys or values of second halves zeroed), and the slice's transport of an entry.
+// and the first chunk's reader of an incoming state [B,C,H,dk] → read-out), the levels above the chunk
+// (Mamba-2's products or Gated DeltaNet's walk), and the slice's transport of an entry.
 struct Base {
   std::function<Tensor(const Tensor& weight)> own_pairs;  // weight [B,H,N,C,C] → o [B,T,H,dv]
   // Or the levels 0..c computed whole by the base (kernels): lam [B,T,H,L] (accumulation dtype) → o [B,T,H,dv].
   std::function<Tensor(const Tensor& lam)> own_levels;
   std::function<Tensor(const Tensor& Z)> first_chunk_read;  // Z [B,H,dk,dv] → [B,C,H,dv]
-  std::function<std::pair<Tensor, Tensor>(const MixerInputs& piece, const Tensor& source, const Tensor& x0)> pass;
   std::function<Tensor(const Tensor& S)> transport;  // S [B,H,dk,dv] → the slice's transport applied to S
-  // Mamba-2: the levels above the chunk as products (level_passes.h), with no `pass`: each level's whole
+  // Mamba-2: the levels above the chunk as products (level_passes.h): each level's whole
   // blocks in WholeBlockLevels, the partial blocks at the slice's ends as LevelProducts regions.
   bool products = false;
-  // Gated DeltaNet: every level above the chunk in one walk (level_walk.h), with no `pass`: the initial
+  // Gated DeltaNet: every level above the chunk in one walk (level_walk.h): the initial
   // state of each level c+1 .. L−1 (undefined: zeros) → the read-outs weighted by λ ([B,T,H,dv], the
   // accumulation dtype) and each level's final state [B,H,dk,dv].
   std::function<std::pair<Tensor, std::vector<Tensor>>(const std::vector<Tensor>& X0)> walk;
@@ -330,7 +321,8 @@ MixerOutput by_level_passes(const MixerInputs& in, const State& init, const Mixe
     }
   }
 
-  // Levels c+1 .. L−1: one pass a level over the slice cut at multiples of 2^level (or one walk for all).
+  // Levels c+1 .. L−1: Mamba-2's products a level (blocks cut at multiples of 2^level), or Gated DeltaNet's
+  // one walk for all.
   std::vector<Tensor> from_pass(J);
   std::vector<int64_t> whole_blocks;  // products: (level, start, count, half) of the levels' whole blocks
   // The pass's final state is its last block's first half; where that block is p's, it also carries the
@@ -405,37 +397,6 @@ MixerOutput by_level_passes(const MixerInputs& in, const State& init, const Mixe
         for (auto& [len, t] : spans) outs.push_back(t.defined() ? t : at::zeros({B, len, H, dv}, fo));
         o = o + (outs.size() == 1 ? outs[0] : at::cat(outs, 1));
       }
-    }
-    const Tensor source = base.products ? Tensor() : position_mask(p, T, level - 1, false, in.q.options());
-    auto run = [&](int64_t a, int64_t len, int64_t pieces, const Tensor& x0) {
-      // `pieces` whole blocks of len / pieces tokens side by side in the batch (each from x0's zeros),
-      // or one piece.
-      auto cut = [&](const Tensor& x) {
-        auto s = x.narrow(1, a - p, len);
-        if (pieces == 1) return s;
-        auto sizes = s.sizes().vec();
-        sizes[0] = B * pieces;
-        sizes[1] = len / pieces;
-        return s.reshape(sizes);
-      };
-      MixerInputs piece;
-      for (const auto& n : MixerInputs::names())
-        if (in.get(n).defined() && n != "l") piece.get(n) = cut(in.get(n));
-      auto r = base.pass(piece, cut(source.expand({B, T, 1, 1})), x0);
-      auto y = r.first;
-      if (pieces > 1) y = y.reshape({B, len, H, dv});
-      outs.push_back(y);
-      last_state = pieces == 1 ? r.second : r.second.view({B, pieces, H, dk, dv}).select(1, pieces - 1);
-    };
-    if (!base.products) {
-      run(p, first_end - p, 1, X0.defined() ? X0 : at::zeros({B, H, dk, dv}, fo));
-      if (whole > 0) run(first_end, whole * block, whole, at::zeros({B * whole, H, dk, dv}, fo));
-      if (rest_start < q_end) run(rest_start, q_end - rest_start, 1, at::zeros({B, H, dk, dv}, fo));
-    }
-    if (readers && !base.products) {
-      Tensor y = outs.size() == 1 ? outs[0] : at::cat(outs, 1);
-      auto w = lam.select(-1, level).unsqueeze(-1) * position_mask(p, T, level - 1, true, fo);
-      o = at::addcmul(o, w, y);  // y in the pass's dtype, summed in o's
     }
     if (final_entry) final_entry_of(level, last_state, injected, first_end == q_end);
   }
