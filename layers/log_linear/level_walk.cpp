@@ -155,8 +155,9 @@ variable_list piece_grads(const Tensor& W, const Tensor& U, const Tensor& Kt, co
   auto Z = bmm(dO_rep, St.reshape({BHN * J, dv, dk})).reshape({BHN, J, C, dk});
   auto lamr = (lam.to(dt).reshape({BH, J, N, C}).permute({0, 2, 1, 3}) * f.read.reshape({1, N, J, 1})).reshape({BHN, J, C});
   auto dP = (Z * lamr.unsqueeze(-1)).sum(1);
-  auto dlam = (Z * P.to(dt).reshape({BHN, 1, C, dk})).sum(-1) * f.read.reshape({1, N, J, 1}).expand({BH, N, J, 1}).reshape({BHN, J, 1});
-  dlam = dlam.reshape({BH, N, J, C}).permute({0, 2, 1, 3}).reshape({BH, J, T});
+  auto dlam = ((Z * P.to(dt).reshape({BHN, 1, C, dk})).sum(-1).reshape({BH, N, J, C}) * f.read.reshape({1, N, J, 1}))
+                  .permute({0, 2, 1, 3})
+                  .reshape({BH, J, T});
   return {dW.reshape({BH, T, dk}), dU.reshape({BH, T, dv}), dK.reshape({BH, T, dk}), dP.reshape({BH, T, dk}), dgamma, dlam};
 }
 

@@ -68,6 +68,18 @@ std::string message_of(const std::function<void()>& f) {
   return "(no error)";
 }
 
+// The folder `dir` imports back as `config` with `model`'s weights, name for name and bit for bit.
+void expect_imports_as(const std::string& dir, const ModelConfig& config, const Model& model) {
+  ImportedModel back = import_fla_folder(dir);
+  EXPECT_EQ(config_to_text(back.model), config_to_text(config));
+  auto params = model.parameters();
+  ASSERT_EQ(back.weights.size(), params.size());
+  for (size_t i = 0; i < params.size(); ++i) {
+    EXPECT_EQ(back.weights[i].first, params[i].first);
+    EXPECT_TRUE(at::equal(back.weights[i].second, params[i].second.detach())) << params[i].first;
+  }
+}
+
 TEST(FlaFormat, ExportImportRoundTripIsBitExact) {
   for (auto [kind, conv, tie] : {std::tuple<std::string, int64_t, bool>{"gated_deltanet", 4, false},
                                  {"deltanet", 0, true}, {"gla", 0, true}}) {
@@ -76,14 +88,7 @@ TEST(FlaFormat, ExportImportRoundTripIsBitExact) {
     Model model = build_model(config, 7);
     auto dir = make_temp_dir("carry_fla");
     export_fla_folder(dir, config, model.parameters(), {});
-    ImportedModel back = import_fla_folder(dir);
-    EXPECT_EQ(config_to_text(back.model), config_to_text(config));
-    auto params = model.parameters();
-    ASSERT_EQ(back.weights.size(), params.size());
-    for (size_t i = 0; i < params.size(); ++i) {
-      EXPECT_EQ(back.weights[i].first, params[i].first);
-      EXPECT_TRUE(at::equal(back.weights[i].second, params[i].second.detach())) << params[i].first;
-    }
+    expect_imports_as(dir, config, model);
     // FLA's names and layouts in the file.
     std::map<std::string, std::string> meta;
     auto tensors = load_safetensors(dir + "/model.safetensors", &meta);
@@ -122,12 +127,7 @@ TEST(FlaFormat, GroupedValueHeadsRoundTrip) {
   EXPECT_EQ(tensors["model.layers.0.attn.q_proj.weight"].sizes(), (std::vector<int64_t>{32, 32}));
   EXPECT_EQ(tensors["model.layers.0.attn.v_proj.weight"].sizes(), (std::vector<int64_t>{96, 32}));
   EXPECT_EQ(tensors["model.layers.0.attn.a_proj.weight"].sizes(), (std::vector<int64_t>{4, 32}));
-  ImportedModel back = import_fla_folder(dir);
-  EXPECT_EQ(config_to_text(back.model), config_to_text(config));
-  auto params = model.parameters();
-  ASSERT_EQ(back.weights.size(), params.size());
-  for (size_t i = 0; i < params.size(); ++i)
-    EXPECT_TRUE(at::equal(back.weights[i].second, params[i].second.detach())) << params[i].first;
+  expect_imports_as(dir, config, model);
   remove_tree(dir);
   ModelConfig delta = small("deltanet", 0, true);
   delta.set_n_v_heads(4);
@@ -193,12 +193,7 @@ TEST(FlaFormat, GatedDeltaProductRoundTrip) {
   EXPECT_EQ(tensors["model.layers.0.attn.k_proj.weight"].sizes(), (std::vector<int64_t>{96, 32}));
   EXPECT_EQ(tensors["model.layers.0.attn.b_proj.weight"].sizes(), (std::vector<int64_t>{6, 32}));
   EXPECT_EQ(tensors["model.layers.0.attn.v_conv1d.weight"].sizes(), (std::vector<int64_t>{96, 1, 4}));
-  ImportedModel back = import_fla_folder(dir);
-  EXPECT_EQ(config_to_text(back.model), config_to_text(config));
-  auto params = model.parameters();
-  ASSERT_EQ(back.weights.size(), params.size());
-  for (size_t i = 0; i < params.size(); ++i)
-    EXPECT_TRUE(at::equal(back.weights[i].second, params[i].second.detach())) << params[i].first;
+  expect_imports_as(dir, config, model);
   json.replace(json.find("\"use_forget_gate\": true"), 23, "\"use_forget_gate\": false");
   write(dir + "/config.json", json);
   EXPECT_NE(message_of([&] { import_fla_folder(dir); })
