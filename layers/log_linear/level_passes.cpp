@@ -275,6 +275,36 @@ struct ChunkLevels : public torch::autograd::Function<ChunkLevels> {
             r[2].view(v.sizes()).to(v.scalar_type()), r[3].view(g.sizes()), r[4].view(lam.sizes())};
   }
 };
+
+// Log-linear Gated DeltaNet's chunk pieces on the kernels (layers/kernels/log_linear/api.h): q, k, v [B,T,H,·]
+// bf16, g, beta [B,T,H], lam [B,H,7,T] fp32 (the levels inside a chunk) → W, U, K̃, P [B,H,T,·] bf16, gamma
+// [B,H,N] and the levels inside the chunk o [B,H,T,dv] (fp32), all unscaled; the hand-written backward.
+struct ChunkPiecesFn : public torch::autograd::Function<ChunkPiecesFn> {
+  static variable_list forward(AutogradContext* ctx, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& g,
+                               const Tensor& beta, const Tensor& lam) {
+    auto r = kernels::log_linear::chunk_pieces_fwd(q, k, v, g, beta, lam);  // W, U, K̃, P, gamma, o, G, T
+    ctx->save_for_backward({q, k, v, beta, lam, r[6], r[7], r[0]});
+    ctx->saved_data["beta_dtype"] = static_cast<int64_t>(beta.scalar_type());
+    return {r[0], r[1], r[2], r[3], r[4], r[5]};
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    auto s = ctx->get_saved_variables();
+    const Tensor &q = s[0], &k = s[1], &v = s[2];
+    auto r = kernels::log_linear::chunk_pieces_bwd(q, k, v, s[3], s[4], s[5], s[6], s[7], grads[5], grads[0], grads[1],
+                                                   grads[2], grads[3], grads[4]);
+    const auto bt = static_cast<at::ScalarType>(ctx->saved_data["beta_dtype"].toInt());
+    return {r[0].to(q.scalar_type()), r[1].to(k.scalar_type()), r[2].to(v.scalar_type()), r[3], r[4].to(bt), r[5]};
+  }
+};
+
+// Whether log-linear Gated DeltaNet's chunk pieces run on the kernels: bf16 CUDA q, k, v, C = 64, dk ∈ {64, 128},
+// dv ∈ {64, 128, 256}, and weights for every level inside a chunk.
+bool chunk_pieces_on_kernels(const MixerInputs& in, int64_t C) {
+  const int64_t dk = in.q.size(3), dv = in.v.size(3);
+  return in.q.is_cuda() && in.q.scalar_type() == at::kBFloat16 && in.k.scalar_type() == at::kBFloat16 &&
+         in.v.scalar_type() == at::kBFloat16 && C == 64 && (dk == 64 || dk == 128) &&
+         (dv == 64 || dv == 128 || dv == 256) && in.l.size(3) >= 7;
+}
 #endif
 
 MixerOutput by_level_passes(const MixerInputs& in, const State& init, const MixerOptions& opt, const Base& base) {
@@ -479,36 +509,59 @@ MixerOutput loglinear_gdn_by_level_passes(const MixerInputs& in, const State& in
                 C = opt.chunk_size, N = T / C, BH = B * H, L = in.l.size(3);
   const int64_t c = bit_width(static_cast<uint64_t>(C)) - 1;
   const auto dt = in.q.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
-  // The delta rule's chunk pieces (layers/delta_rule/delta_rule.h), every chunk at once: [B,T,H,...] →
-  // [B·H,N,C,...], the chunks in the second dimension.
-  auto chunked = [&](const Tensor& x) {
-    auto y = x.to(dt).transpose(1, 2);  // [B,H,T,...]
-    auto sizes = y.sizes().vec();
-    std::vector<int64_t> to{BH, N, C};
-    to.insert(to.end(), sizes.begin() + 3, sizes.end());
-    return y.reshape(to);
-  };
   const bool walk_levels = L - 1 > c;
-  const DeltaChunkPieces pieces =
-      delta_rule_chunk(chunked(in.q), chunked(in.k), walk_levels ? chunked(in.v) : Tensor(), chunked(in.beta),
-                       chunked(in.g), 1.0,
-                       walk_levels ? ChunkParts::walk : init.empty() ? ChunkParts::mixing : ChunkParts::reads);
+  // The walk's operands in [B·H, T, ·] (the kernels' bf16 for bf16 inputs), gamma [B·H, N], and the query
+  // state [B,H,T,dk] (the first chunk's reader of an incoming state).
+  Tensor W, U, Kt, P, gamma;
   Base base;
-  base.own_pairs = [&](const Tensor& weight) {  // weight [B,H,N,C,C]
-    auto M = pieces.mixing.reshape({B, H, N, C, C}) * weight;
-    auto vc = split_chunks(to_bhtd(in.v.to(dt)), C);
-    return from_bhtd(merge_chunks(at::matmul(M, vc)));
-  };
-  base.first_chunk_read = [&](const Tensor& Z) {  // the first chunk's query_state [B,H,C,dk] reads Z
-    auto P = pieces.query_state.select(1, 0).reshape({B, H, C, dk});
-    return at::matmul(P, Z).transpose(1, 2);  // [B,C,H,dv]
-  };
-  if (walk_levels) {
-    base.walk = [&](const std::vector<Tensor>& X0) {
-      const int64_t J = L - 1 - c;
+  DeltaChunkPieces pieces;
+#ifdef CARRY_WITH_CUDA
+  Tensor own;  // the levels inside the chunk, [B,H,T,dv] fp32, unscaled
+  if (chunk_pieces_on_kernels(in, C)) {
+    auto lam_own = in.l.narrow(3, 0, 7).to(at::kFloat).permute({0, 2, 3, 1}).contiguous();  // [B,H,7,T]
+    auto r = ChunkPiecesFn::apply(in.q, in.k, in.v, in.g.to(at::kFloat), in.beta, lam_own);
+    W = r[0].view({BH, T, dk}), U = r[1].view({BH, T, dv}), Kt = r[2].view({BH, T, dk}), P = r[3];
+    gamma = r[4].view({BH, N});
+    own = r[5];
+    base.own_levels = [&](const Tensor&) { return own.transpose(1, 2); };
+    base.first_chunk_read = [&, dt](const Tensor& Z) {
+      return at::matmul(P.narrow(2, 0, C).to(dt), Z).transpose(1, 2);  // [B,C,H,dv]
+    };
+  }
+#endif
+  if (!P.defined()) {
+    // The delta rule's chunk pieces (layers/delta_rule/delta_rule.h), every chunk at once: [B,T,H,...] →
+    // [B·H,N,C,...], the chunks in the second dimension.
+    auto chunked = [&](const Tensor& x) {
+      auto y = x.to(dt).transpose(1, 2);  // [B,H,T,...]
+      auto sizes = y.sizes().vec();
+      std::vector<int64_t> to{BH, N, C};
+      to.insert(to.end(), sizes.begin() + 3, sizes.end());
+      return y.reshape(to);
+    };
+    pieces = delta_rule_chunk(chunked(in.q), chunked(in.k), walk_levels ? chunked(in.v) : Tensor(), chunked(in.beta),
+                              chunked(in.g), 1.0,
+                              walk_levels ? ChunkParts::walk : init.empty() ? ChunkParts::mixing : ChunkParts::reads);
+    base.own_pairs = [&](const Tensor& weight) {  // weight [B,H,N,C,C]
+      auto M = pieces.mixing.reshape({B, H, N, C, C}) * weight;
+      auto vc = split_chunks(to_bhtd(in.v.to(dt)), C);
+      return from_bhtd(merge_chunks(at::matmul(M, vc)));
+    };
+    base.first_chunk_read = [&](const Tensor& Z) {  // the first chunk's query_state [B,H,C,dk] reads Z
+      auto Pc = pieces.query_state.select(1, 0).reshape({B, H, C, dk});
+      return at::matmul(Pc, Z).transpose(1, 2);  // [B,C,H,dv]
+    };
+    if (walk_levels) {
       // The kernels take the pieces in bf16 (the delta rule's kernels' operand type) for bf16 inputs.
       const auto io = in.q.scalar_type() == at::kBFloat16 ? at::kBFloat16 : dt;
       auto rows = [&](const Tensor& x) { return x.reshape({BH, T, x.size(-1)}).to(io); };
+      W = rows(pieces.w), U = rows(pieces.u), Kt = rows(pieces.k_out), P = rows(pieces.query_state);
+      gamma = pieces.gate_last.to(dt);
+    }
+  }
+  if (walk_levels) {
+    base.walk = [&](const std::vector<Tensor>& X0) {
+      const int64_t J = L - 1 - c;
       auto lam = in.l.narrow(3, c + 1, J).to(dt).permute({0, 2, 3, 1}).reshape({BH, J, T});
       Tensor x0;
       if (std::any_of(X0.begin(), X0.end(), [](const Tensor& x) { return x.defined(); })) {
@@ -517,8 +570,7 @@ MixerOutput loglinear_gdn_by_level_passes(const MixerInputs& in, const State& in
           e.push_back(x.defined() ? x.to(dt).reshape({BH, dk, dv}) : at::zeros({BH, dk, dv}, in.q.options().dtype(dt)));
         x0 = at::stack(e);
       }
-      auto [o, finals] = level_walk(rows(pieces.w), rows(pieces.u), rows(pieces.k_out), rows(pieces.query_state),
-                                    pieces.gate_last.to(dt), lam, x0, LevelWalkPlace{opt.offset, C, c + 1});
+      auto [o, finals] = level_walk(W, U, Kt, P.reshape({BH, T, dk}), gamma, lam, x0, LevelWalkPlace{opt.offset, C, c + 1});
       std::vector<Tensor> last;
       for (int64_t j = 0; j < J; ++j) last.push_back(finals.select(0, j).reshape({B, H, dk, dv}));
       return std::make_pair(o.reshape({B, H, T, dv}).transpose(1, 2), last);

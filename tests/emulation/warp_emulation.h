@@ -118,6 +118,18 @@ inline float __shfl_xor_sync(unsigned, float x, int m) {
   carry_emu::warp_bar->arrive_and_wait();
   return y;
 }
+// __shfl_up_sync of a float: lane i takes lane i − d's value (its own below d).
+inline float __shfl_up_sync(unsigned, float x, int d) {
+  const int lane = carry_emu::tid.x & 31;
+  std::memcpy(carry_emu::warp->regs[lane], &x, 4);
+  carry_emu::warp_bar->arrive_and_wait();
+  float y = x;
+  if (lane >= d) std::memcpy(&y, carry_emu::warp->regs[lane - d], 4);
+  carry_emu::warp_bar->arrive_and_wait();
+  return y;
+}
+inline void __syncwarp(unsigned = 0xffffffffu) { carry_emu::warp_bar->arrive_and_wait(); }
+inline float __expf(float x) { return std::exp(x); }
 inline float atomicAdd(float* p, float x) { return std::atomic_ref<float>(*p).fetch_add(x); }
 inline void cp_async16(void* dst, const void* src) { std::memcpy(dst, src, 16); }
 inline void cp_async_commit() {}

@@ -32,6 +32,16 @@ std::vector<at::Tensor> gdn_bwd(const at::Tensor& q, const at::Tensor& k, const 
                                 int64_t chunk_size = 64,
                                 const std::function<void(const at::Tensor&)>& on_initial_state_grad = {});
 
+// The forward's chunk preparation alone, for bf16 k [B,T,H,dk], v [B,T,H,dv], g (undefined: DeltaNet) and beta
+// [B,T,H]: {G [B,H,T] fp32, T [B,H,N,64,64], W [B,H,T,dk], U [B,H,T,dv] bf16} as gdn_fwd saves them (G the gate's
+// cumulative sum within each chunk, T = (I + strictly_lower(diag(β) KKᵀ ⊙ Γ))⁻¹, W = T·diag(β e^G)·K, U = T·diag(β)·V).
+// Log-linear Gated DeltaNet's chunk pieces start from it (layers/kernels/log_linear/api.h).
+std::vector<at::Tensor> gdn_prep(const at::Tensor& k, const at::Tensor& v, const at::Tensor& g,
+                                 const at::Tensor& beta);
+
+// Whether gdn_set_poison is on (the kernels built on these fill their outputs with NaN first too).
+bool gdn_poison_enabled();
+
 // Tests: the pieces the bf16 state walks are cut into (0: automatic, 1: one walk), uniform or, with
 // ramp, the end pieces shorter (carry::kernels::primitives::piece_cuts; the automatic pieces ramp). Pieces give the
 // bits of one walk; they let the chunk-local kernels of finished pieces run beside the walk.

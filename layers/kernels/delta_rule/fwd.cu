@@ -1034,6 +1034,36 @@ void fwd_dispatch(int DK, int DV, A&&... a) {
 
 }  // namespace
 
+std::vector<at::Tensor> gdn_prep(const at::Tensor& k_, const at::Tensor& v_, const at::Tensor& g_,
+                                 const at::Tensor& beta_) {
+  const Dims d = check_inputs("gdn_prep", k_, k_, v_, g_, beta_, 64);
+  TORCH_CHECK(k_.scalar_type() == at::kBFloat16, "gdn_prep: k and v must be bf16, got ", k_.scalar_type());
+  c10::cuda::CUDAGuard guard(k_.device());
+  auto k = dense(k_), v = dense(v_);
+  auto g = g_.defined() ? g_.to(at::kFloat).contiguous() : at::Tensor();
+  auto beta = beta_.to(at::kFloat).contiguous();
+  auto io = k.options();
+  at::Tensor Gc = alloc({d.B, d.H, d.T}, io.dtype(at::kFloat)), Tm = alloc({d.B, d.H, d.N, 64, 64}, io);
+  at::Tensor W = alloc({d.B, d.H, d.T, d.DK}, io), U = alloc({d.B, d.H, d.T, d.DV}, io);
+  auto launch = [&](auto kern, size_t bytes) {
+    carry::kernels::primitives::allow_smem(kern, bytes, /*max_carveout=*/true);
+    kern<<<dim3(d.N, d.H, d.B), 256, bytes, at::cuda::getCurrentCUDAStream()>>>(
+        reinterpret_cast<const bf16*>(k.data_ptr()), reinterpret_cast<const bf16*>(v.data_ptr()),
+        g.defined() ? g.data_ptr<float>() : nullptr, beta.data_ptr<float>(), Gc.data_ptr<float>(),
+        reinterpret_cast<bf16*>(Tm.data_ptr()), reinterpret_cast<bf16*>(W.data_ptr()),
+        reinterpret_cast<bf16*>(U.data_ptr()), d.T, d.H, 0);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  };
+#define CARRY_GDN_CASE(dk, dv) \
+  if (d.DK == dk && d.DV == dv) launch(prep_reg_kernel<dk, dv>, PrepRegSmem<dk>::bytes);
+  CARRY_GDN_CASE(64, 64) CARRY_GDN_CASE(64, 128) CARRY_GDN_CASE(64, 256)
+  CARRY_GDN_CASE(128, 64) CARRY_GDN_CASE(128, 128) CARRY_GDN_CASE(128, 256)
+#undef CARRY_GDN_CASE
+  return {Gc, Tm, W, U};
+}
+
+bool gdn_poison_enabled() { return poison_enabled(); }
+
 std::vector<at::Tensor> gdn_fwd(const at::Tensor& q_, const at::Tensor& k_, const at::Tensor& v_,
                                 const at::Tensor& g_, const at::Tensor& beta_, double scale,
                                 const at::Tensor& S0_, int64_t chunk_size,

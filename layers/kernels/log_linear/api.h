@@ -68,4 +68,18 @@ std::vector<at::Tensor> level_walk_bwd(const at::Tensor& W, const at::Tensor& Kt
                                        const at::Tensor& gamma, const at::Tensor& lam, const at::Tensor& dO,
                                        const at::Tensor& dF, int64_t offset, int64_t first_level, int64_t dv);
 
+// Log-linear Gated DeltaNet's chunk pieces (chunk_pieces.cu; the math in chunk_pieces.cuh): from q, k [B,T,H,dk]
+// (dk ∈ {64, 128}), v [B,T,H,dv] (dv ∈ {64, 128, 256}) bf16, g, beta [B,T,H] and lam [B,H,7,T] fp32 (the weights of
+// the levels inside a 64-token chunk), {W, U, K̃, P [B,H,T,·] bf16, gamma [B,H,N] fp32, o [B,H,T,dv] fp32 (the levels
+// inside the chunk, unscaled), and for the backward G [B,H,T] fp32 and T [B,H,N,64,64] bf16}. The backward takes
+// q, k, v, beta, lam, G, T, W and the gradients of o, W, U, K̃, P (any floating dtype, undefined: zeros) and gamma,
+// and returns {dq, dk [B,T,H,dk], dv [B,T,H,dv], dg, dbeta [B,T,H], dlam [B,H,7,T]}, fp32. Deterministic.
+std::vector<at::Tensor> chunk_pieces_fwd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                         const at::Tensor& g, const at::Tensor& beta, const at::Tensor& lam);
+std::vector<at::Tensor> chunk_pieces_bwd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                         const at::Tensor& beta, const at::Tensor& lam, const at::Tensor& G,
+                                         const at::Tensor& Tm, const at::Tensor& W, const at::Tensor& dO,
+                                         const at::Tensor& dW, const at::Tensor& dU, const at::Tensor& dKt,
+                                         const at::Tensor& dP, const at::Tensor& dgamma);
+
 }  // namespace carry::kernels::log_linear

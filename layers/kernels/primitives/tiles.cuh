@@ -6,10 +6,16 @@
 // For bf16 it runs on tensor cores (wmma 16x16x16, fp32 accumulation, one 16x16 output tile per
 // warp at a time); for fp32 it runs plain FMA on the CUDA cores, so fp32 inputs keep fp32
 // accuracy end to end. The kernels are therefore written once for both element types.
+//
+// Under CARRY_LA_EMU (tests/emulation/warp_emulation.h, included first) the raw pieces (cp.async, ldmatrix,
+// mma.sync) are the emulation's and the wmma path is absent: kernels built on gemm_rb64, frag_mma and the
+// fp32 gemm run on the CPU.
 #pragma once
 
 #include <cuda_bf16.h>
+#ifndef CARRY_LA_EMU
 #include <mma.h>
+#endif
 
 #include <type_traits>
 
@@ -36,6 +42,11 @@ struct alignas(sizeof(T) * N) Pack {
   T v[N];
 };
 
+#ifdef CARRY_LA_EMU
+using ::cp_async16;
+using ::cp_async_commit;
+using ::cp_async_wait;
+#else
 __device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
   unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(s), "l"(gmem));
@@ -43,6 +54,7 @@ __device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 template <int N>
 __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
+#endif
 
 // ROWS x COLS tile of T from global (row stride gstride elements) into shared (row stride lds).
 // When the block's threads cover whole rows a pass (NT a multiple of the row's 16-byte pieces, and
@@ -104,7 +116,9 @@ __device__ __forceinline__ void gemm(const T* A, int lda, const T* B, int ldb, f
   if constexpr (std::is_same<T, bf16>::value && M == 64 && (NW == 8 || NW == 16) && N % (NW * 4) == 0 &&
                 K % 16 == 0) {
     gemm_rb64<N, K, TA, TB, NW>(A, lda, B, ldb, C, ldc, acc);
-  } else if constexpr (std::is_same<T, bf16>::value) {
+  }
+#ifndef CARRY_LA_EMU
+  else if constexpr (std::is_same<T, bf16>::value) {
     using namespace nvcuda;
     static_assert(M % 16 == 0 && N % 16 == 0 && K % 16 == 0, "wmma tiles are 16x16x16");
     using LA = typename std::conditional<TA, wmma::col_major, wmma::row_major>::type;
@@ -128,7 +142,9 @@ __device__ __forceinline__ void gemm(const T* A, int lda, const T* B, int ldb, f
       wmma::store_matrix_sync(cp, c, ldc, wmma::mem_row_major);
     }
     __syncwarp();
-  } else {
+  }
+#endif
+  else {
     // fp32: each thread owns a 2x2 micro-tile, FMA over K from shared memory.
     static_assert(M % 2 == 0 && N % 2 == 0, "fp32 gemm works on 2x2 micro-tiles");
     constexpr int NT = NW * 32, HN = N / 2;
@@ -178,6 +194,11 @@ __device__ __forceinline__ void warp_cumsum64(float* x) {
 namespace tc {
 using u32 = unsigned;
 
+#ifdef CARRY_LA_EMU
+using ::ldsm_x4;
+using ::ldsm_x4_t;
+using ::mma16816;
+#else
 __device__ __forceinline__ unsigned saddr(const void* p) {
   return static_cast<unsigned>(__cvta_generic_to_shared(p));
 }
@@ -196,6 +217,7 @@ __device__ __forceinline__ void mma16816(float (&c)[4], const u32 (&a)[4], unsig
       : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
+#endif
 // A (16x16 at m0,k0) from row-major [m][k] storage.
 __device__ __forceinline__ void load_a(u32 (&a)[4], const __nv_bfloat16* s, int ld, int m0, int k0) {
   const int l = threadIdx.x & 31;
