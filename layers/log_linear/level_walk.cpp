@@ -128,13 +128,34 @@ std::pair<Tensor, Tensor> aten_reverse(const Tensor& W_, const Tensor& Kt_, cons
 //   dW = −K̃ M,  dU = K̃ D,  dK̃ = U Dᵀ − W Mᵀ,  dγ = tr M,
 // and with Z^ℓ = dO S^ℓᵀ [C,dk] a level: dP_t = Σ_{reading ℓ} λ_t[ℓ] Z^ℓ_t, dλ_t[ℓ] = <P_t, Z^ℓ_t>. The products
 // over the stored states take `mm`'s dtype (the kernels' bf16, or the accumulation dtype) and sum in fp32 or
-// wider; the rest is in the accumulation dtype.
+// wider; the rest is in the accumulation dtype. On CUDA with the kernels' bf16, D, dP and dλ come from kernels
+// and the products by M and D take bf16 operands.
 variable_list piece_grads(const Tensor& W, const Tensor& U, const Tensor& Kt, const Tensor& P, const Tensor& lam,
                           const Tensor& states, const Tensor& dstates, const Tensor& dO, const LevelWalkPlace& pl,
                           at::ScalarType mm) {
   const auto dt = accumulation(lam);
   const int64_t BH = W.size(0), T = W.size(1), dk = W.size(2), dv = U.size(2), C = pl.chunk, N = T / C,
                 J = lam.size(1), BHN = BH * N;
+#ifdef CARRY_WITH_CUDA
+  if (W.is_cuda() && mm == at::kBFloat16) {
+    // The kernels' pieces: M on one product, D and the level-reading gradients (dP, dλ) on kernels that read
+    // each state once (layers/kernels/log_linear/api.h); the products by M and D on bf16 operands.
+    namespace ll = kernels::log_linear;
+    const auto bf = at::kBFloat16, f32 = at::kFloat;
+    auto St = states.to(bf).reshape({BHN, J * dv, dk}), dSt = dstates.to(bf).reshape({BHN, J * dv, dk});
+    auto M = at::bmm(dSt.transpose(1, 2), St, f32);  // [BHN, dk, dk]
+    auto Dt = ll::level_write_sum(dstates.to(bf), pl.offset, pl.first_level).reshape({BHN, dv, dk});
+    auto Mb = M.to(bf);
+    auto Kc = Kt.to(bf).reshape({BHN, C, dk}), Wc = W.to(bf).reshape({BHN, C, dk}), Uc = U.to(bf).reshape({BHN, C, dv});
+    auto dW = -at::bmm(Kc, Mb, f32);
+    auto dU = at::bmm(Kc, Dt.transpose(1, 2), f32);
+    auto dK = at::bmm(Uc, Dt, f32) - at::bmm(Wc, Mb.transpose(1, 2), f32);
+    auto dgamma = M.diagonal(0, 1, 2).sum(-1).reshape({BH, N});
+    auto r = ll::level_read_grads(states.to(bf), dO, P, lam, pl.offset, pl.first_level);
+    return {dW.reshape({BH, T, dk}).to(dt), dU.reshape({BH, T, dv}).to(dt), dK.reshape({BH, T, dk}).to(dt),
+            r[0].to(dt), dgamma.to(dt), r[1].to(dt)};
+  }
+#endif
   const Flags f = flags_of(pl, N, J, lam.options().dtype(dt));
   auto bmm = [&](const Tensor& a, const Tensor& b) {
 #ifdef CARRY_WITH_CUDA

@@ -8,9 +8,12 @@
 // as its kernel writes them (fp32 G, bf16 T and W), here from the double forward. Outputs are poisoned (NaN)
 // first. bf16 products: the outputs within 1e-2 of their largest entry, each directional derivative within
 // 2e-2 of the gradient's norm (the size of a sum over ±1 directions of independent errors).
+// The walk pieces' level-reading gradients (piece_grads.cuh): dP, dλ and the written levels' sum D of random
+// states at an offset where the chunks read some levels and write others, against their sums in double.
 #include "tests/emulation/warp_emulation.h"
 
 #include "layers/kernels/log_linear/chunk_pieces.cuh"
+#include "layers/kernels/log_linear/piece_grads.cuh"
 
 #include <gtest/gtest.h>
 
@@ -247,6 +250,67 @@ void check(int H, uint64_t seed) {
 TEST(LogLinearChunkPiecesEmulated, ForwardAndBackwardMatchTheChunkMath) {
   check<64, 128>(2, 7);
   check<128, 64>(2, 11);
+}
+
+template <int DK, int DV>
+void check_piece_grads(uint64_t seed) {
+  namespace gr = carry::kernels::log_linear::grads;
+  const int BH = 2, N = 3, J = 4, T = N * C, first = 7;
+  const long offset = 64 * 5;  // chunks at 320, 384, 448: levels 7..10 read where bit level − 1 is set
+  Rng rng{seed};
+  auto rand_bf = [&](size_t n) {
+    std::vector<double> x(n);
+    for (auto& e : x) e = round_bf16(rng.sym());
+    return x;
+  };
+  const auto St = rand_bf((size_t)BH * N * J * DV * DK), dSt = rand_bf(St.size());
+  const auto dO = rand_bf((size_t)BH * T * DV), P = rand_bf((size_t)BH * T * DK);
+  std::vector<double> lam((size_t)BH * J * T);
+  for (auto& e : lam) e = (double)(float)(0.2 + rng.uniform());
+  std::vector<double> dP((size_t)BH * T * DK, 0), dl(lam.size(), 0), D((size_t)BH * N * DV * DK, 0);
+  auto reads = [&](int n, int j) { return ((offset + 64 * n) >> (first + j - 1)) & 1; };
+  for (int bh = 0; bh < BH; ++bh)
+    for (int n = 0; n < N; ++n)
+      for (int j = 0; j < J; ++j) {
+        const double* S = St.data() + (((size_t)bh * N + n) * J + j) * DV * DK;
+        if (!reads(n, j)) {
+          const double* dS = dSt.data() + (((size_t)bh * N + n) * J + j) * DV * DK;
+          for (int i = 0; i < DV * DK; ++i) D[((size_t)bh * N + n) * DV * DK + i] += dS[i];
+          continue;
+        }
+        for (int t = 0; t < C; ++t) {
+          const size_t row = (size_t)bh * T + n * C + t;
+          double dot = 0;
+          const double l = lam[((size_t)bh * J + j) * T + n * C + t];
+          for (int b = 0; b < DK; ++b) {
+            double z = 0;
+            for (int e = 0; e < DV; ++e) z += dO[row * DV + e] * S[e * DK + b];
+            dot += z * P[row * DK + b];
+            dP[row * DK + b] += l * z;
+          }
+          dl[((size_t)bh * J + j) * T + n * C + t] = dot;
+        }
+      }
+  const auto Sb = to_bf16(St), dSb = to_bf16(dSt), dOb = to_bf16(dO), Pb = to_bf16(P);
+  const auto lamf = to_f32(lam);
+  std::vector<float> kdP(dP.size(), NAN), kdl(dl.size(), NAN);
+  std::vector<bf16> kD(D.size(), __ushort_as_bfloat16((unsigned short)0xFFFF));
+  carry_emu::launch(N, BH, 1, gr::NT, gr::ReadSmem<DK, DV>::bytes, [&] {
+    gr::read_grads_kernel<DK, DV>(Sb.data(), dOb.data(), Pb.data(), lamf.data(), kdP.data(), kdl.data(), T, J, offset,
+                                  first);
+  });
+  const long E = (long)DV * DK;
+  carry_emu::launch((int)(E / (8 * gr::NT)), N, BH, gr::NT, 0,
+                    [&] { gr::write_sum_kernel(dSb.data(), kD.data(), N, J, E, offset, first); });
+  const std::string where = "piece grads, dk " + std::to_string(DK) + ", dv " + std::to_string(DV);
+  EXPECT_LE(rel_err(kdP, dP), 1e-5) << where << ": dP";
+  EXPECT_LE(rel_err(kdl, dl), 1e-5) << where << ": dlam";
+  EXPECT_LE(rel_err(from_bf16(kD), D), 1e-2) << where << ": D";
+}
+
+TEST(LogLinearChunkPiecesEmulated, LevelReadingGradientsAndWrittenSumMatchTheirSums) {
+  check_piece_grads<64, 128>(3);
+  check_piece_grads<128, 64>(5);
 }
 
 }  // namespace

@@ -68,6 +68,16 @@ std::vector<at::Tensor> level_walk_bwd(const at::Tensor& W, const at::Tensor& Kt
                                        const at::Tensor& gamma, const at::Tensor& lam, const at::Tensor& dO,
                                        const at::Tensor& dF, int64_t offset, int64_t first_level, int64_t dv);
 
+// The walk pieces' gradients that read every level's state (piece_grads.cu), from level_walk_fwd's states St and
+// level_walk_bwd's state gradients dSt ([BH,N,J,dv,dk] bf16, transposed): level_read_grads with dO (the read-outs'
+// gradient, [BH,T,dv]), P [BH,T,dk] and lam [BH,J,T] gives {dP [BH,T,dk] = Σ_{ℓ read} λ[ℓ] ⊙ dO·S^ℓᵀ, dlam [BH,J,T]
+// = <P, dO·S^ℓᵀ> where read, else 0}, fp32; level_write_sum gives D [BH,N,dv,dk] bf16 = Σ over the levels
+// written at each chunk of dSt (fp32 sums in level order). Levels first_level .. first_level + J − 1, the slice at
+// absolute position `offset`. Deterministic.
+std::vector<at::Tensor> level_read_grads(const at::Tensor& St, const at::Tensor& dO, const at::Tensor& P,
+                                         const at::Tensor& lam, int64_t offset, int64_t first_level);
+at::Tensor level_write_sum(const at::Tensor& dSt, int64_t offset, int64_t first_level);
+
 // Log-linear Gated DeltaNet's chunk pieces (chunk_pieces.cu; the math in chunk_pieces.cuh): from q, k [B,T,H,dk]
 // (dk ∈ {64, 128}), v [B,T,H,dv] (dv ∈ {64, 128, 256}) bf16, g, beta [B,T,H] and lam [B,H,7,T] fp32 (the weights of
 // the levels inside a 64-token chunk), {W, U, K̃, P [B,H,T,·] bf16, gamma [B,H,N] fp32, o [B,H,T,dv] fp32 (the levels
