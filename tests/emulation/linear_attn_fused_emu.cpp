@@ -12,6 +12,7 @@
 #include "tests/emulation/warp_emulation.h"
 
 #include "layers/kernels/decay/fused.cuh"
+#include "tests/emulation/compare.h"
 
 #include <gtest/gtest.h>
 
@@ -119,18 +120,7 @@ Ref reference(const Data& x, float scale) {
   return R;
 }
 
-// max |x − ref| / max |ref|; NaN counts as an error of infinity.
-template <class T>
-double rel_err(const std::vector<T>& x, const std::vector<double>& ref) {
-  double e = 0, m = 0;
-  for (size_t i = 0; i < ref.size(); ++i) {
-    const double xi = (double)x[i], d = std::fabs(xi - ref[i]);
-    m = std::max(m, std::fabs(ref[i]));
-    e = std::isnan(d) ? INFINITY : std::max(e, d);
-    if (std::isinf(e)) break;
-  }
-  return e / m;
-}
+using carry_emu::rel_err;
 std::vector<float> to_float(const std::vector<bf16>& x) {
   std::vector<float> f(x.size());
   for (size_t i = 0; i < x.size(); ++i) f[i] = __bfloat162float(x[i]);

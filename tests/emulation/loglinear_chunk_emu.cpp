@@ -14,6 +14,7 @@
 
 #include "layers/kernels/log_linear/chunk_pieces.cuh"
 #include "layers/kernels/log_linear/piece_grads.cuh"
+#include "tests/emulation/compare.h"
 
 #include <gtest/gtest.h>
 
@@ -146,16 +147,7 @@ std::vector<bf16> to_bf16(const std::vector<double>& x) {
 }
 std::vector<float> to_f32(const std::vector<double>& x) { return std::vector<float>(x.begin(), x.end()); }
 
-template <class T>
-double rel_err(const std::vector<T>& x, const std::vector<double>& ref) {
-  double e = 0, m = 0;
-  for (size_t i = 0; i < ref.size(); ++i) {
-    const double xi = (double)x[i], d = std::fabs(xi - ref[i]);
-    m = std::max(m, std::fabs(ref[i]));
-    e = std::isnan(d) ? INFINITY : std::max(e, d);
-  }
-  return e / m;
-}
+using carry_emu::rel_err;
 std::vector<double> from_bf16(const std::vector<bf16>& x) {
   std::vector<double> y(x.size());
   for (size_t i = 0; i < x.size(); ++i) y[i] = __bfloat162float(x[i]);

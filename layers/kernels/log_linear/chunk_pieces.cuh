@@ -59,19 +59,6 @@ __device__ __forceinline__ void frag_each(float (&c)[NT8][4], int m0, int n0, F&
     for (int e = 0; e < 4; ++e) f(m0 + g + (e >> 1) * 8, n0 + nt * 8 + 2 * t4 + (e & 1), c[nt][e]);
 }
 
-// The fragments to a bf16 tile in shared memory (row stride ld), two columns a store.
-template <int NT8>
-__device__ __forceinline__ void frag_put_bf16(bf16* s, int ld, const float (&c)[NT8][4], int m0, int n0) {
-  const int lane = threadIdx.x & 31, r = m0 + (lane >> 2), t4 = lane & 3;
-#pragma unroll
-  for (int nt = 0; nt < NT8; ++nt) {
-    const int col = n0 + nt * 8 + 2 * t4;
-    __nv_bfloat162 a = __floats2bfloat162_rn(c[nt][0], c[nt][1]), b = __floats2bfloat162_rn(c[nt][2], c[nt][3]);
-    *reinterpret_cast<__nv_bfloat162*>(s + r * ld + col) = a;
-    *reinterpret_cast<__nv_bfloat162*>(s + (r + 8) * ld + col) = b;
-  }
-}
-
 // Σ over the 4 lanes of a row group (lanes 4j..4j+3), in a fixed order.
 __device__ __forceinline__ float quad_sum(float x) {
   x += __shfl_xor_sync(0xffffffffu, x, 1);
@@ -171,7 +158,7 @@ __global__ void __launch_bounds__(NT) fwd_kernel(const bf16* __restrict__ q, con
     float s[4][4] = {};
     frag_mma<4, DK, false, true>(s, sQ, LK, sK, LK, m0, half * 32);
     frag_each(s, m0, half * 32, [&](int r, int col, float& x) { x = col <= r ? x * expf(sG[r] - sG[col]) : 0.f; });
-    frag_put_bf16(sA, LC, s, m0, half * 32);
+    frag_store_bf16<4>(sA, LC, s, m0, half * 32);
     for (int i = tid; i < C * C; i += NT) {
       const int r = i / C, col = i % C;
       sT[r * LC + col] = __float2bfloat16(to_f(sT[r * LC + col]) * sB[col]);
@@ -198,7 +185,7 @@ __global__ void __launch_bounds__(NT) fwd_kernel(const bf16* __restrict__ q, con
     frag_mma<4, C, false, false>(mx, sA, LC, sT, LC, m0, half * 32);
     frag_each(mx, m0, half * 32,
               [&](int r, int col, float& x) { x = col <= r ? x * sLam[pair_level(r, col) * C + r] : 0.f; });
-    frag_put_bf16(sM, LC, mx, m0, half * 32);
+    frag_store_bf16<4>(sM, LC, mx, m0, half * 32);
   }
   for (int it = 0; it < NV; ++it) {  // o = (Mx ⊙ Λ)·V by 64-column tiles
     if (it + 1 < NV) {
@@ -306,7 +293,7 @@ __global__ void __launch_bounds__(NT) bwd_kernel(
       x = col <= r ? x * expf(sG[r] - sG[col]) : 0.f;
       F1[r * LF + col] = x;
     });
-    frag_put_bf16(sA, LC, s, m0, half * 32);
+    frag_store_bf16<4>(sA, LC, s, m0, half * 32);
     for (int i = tid; i < C * C; i += NT) {
       const int r = i / C, col = i % C;
       sTb[r * LC + col] = __float2bfloat16(to_f(sT[r * LC + col]) * sB[col]);
@@ -321,7 +308,7 @@ __global__ void __launch_bounds__(NT) bwd_kernel(
       F2[r * LF + col] = x;
       x *= sLam[pair_level(r, col) * C + r];
     });
-    frag_put_bf16(sX, LC, mx, m0, half * 32);
+    frag_store_bf16<4>(sX, LC, mx, m0, half * 32);
   }
   // The dv loop: dMλ = dO·Vᵀ (F3) and dU·(diag(β)V)ᵀ (F4) summed over the tiles; dv per tile.
   for (int it = 0; it < NV; ++it) {
@@ -393,7 +380,7 @@ __global__ void __launch_bounds__(NT) bwd_kernel(
     float w[NK8][4] = {};
     frag_mma<NK8, C, true, false>(w, sA, LC, sdP, LK, m0, half * HK);
     frag_each(w, m0, half * HK, [&](int r, int col, float& x) { x = to_f(sdW[r * LK + col]) - x; });
-    frag_put_bf16(sdW, LK, w, m0, half * HK);
+    frag_store_bf16<NK8>(sdW, LK, w, m0, half * HK);
     frag_each(accq, m0, half * HK, [&](int r, int col, float& x) { x = sE[r] * to_f(sdP[r * LK + col]); });
     frag_each(acck, m0, half * HK,
               [&](int r, int col, float& x) { x = expf(gl - sG[r]) * to_f(sdKt[r * LK + col]); });
