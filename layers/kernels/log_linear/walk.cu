@@ -374,7 +374,14 @@ std::vector<at::Tensor> level_walk_fwd(const at::Tensor& W_, const at::Tensor& U
   };
   if (d.DK == 64) launch(walk_fwd_kernel<64>, WalkSmem<64>::fwd_bytes);
   else launch(walk_fwd_kernel<128>, WalkSmem<128>::fwd_bytes);
-  return {groups == 1 ? o.select(0, 0) : o.sum(0), finals, states};
+  // The groups' read-outs summed in group order, by elementwise adds (at::sum over the outer dimension read them
+  // at a fraction of the copy rate).
+  at::Tensor sum = o.select(0, 0);
+  if (groups > 1) {
+    sum = o.select(0, 0) + o.select(0, 1);
+    for (int i = 2; i < groups; ++i) sum.add_(o.select(0, i));
+  }
+  return {sum, finals, states};
 }
 
 std::vector<at::Tensor> level_walk_bwd(const at::Tensor& W_, const at::Tensor& Kt_, const at::Tensor& P_,
