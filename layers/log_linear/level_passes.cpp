@@ -284,7 +284,6 @@ struct ChunkPiecesFn : public torch::autograd::Function<ChunkPiecesFn> {
                                const Tensor& beta, const Tensor& lam) {
     auto r = kernels::log_linear::chunk_pieces_fwd(q, k, v, g, beta, lam);  // W, U, K̃, P, gamma, o, G, T
     ctx->save_for_backward({q, k, v, beta, lam, r[6], r[7], r[0]});
-    ctx->saved_data["beta_dtype"] = static_cast<int64_t>(beta.scalar_type());
     return {r[0], r[1], r[2], r[3], r[4], r[5]};
   }
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
@@ -292,8 +291,8 @@ struct ChunkPiecesFn : public torch::autograd::Function<ChunkPiecesFn> {
     const Tensor &q = s[0], &k = s[1], &v = s[2];
     auto r = kernels::log_linear::chunk_pieces_bwd(q, k, v, s[3], s[4], s[5], s[6], s[7], grads[5], grads[0], grads[1],
                                                    grads[2], grads[3], grads[4]);
-    const auto bt = static_cast<at::ScalarType>(ctx->saved_data["beta_dtype"].toInt());
-    return {r[0].to(q.scalar_type()), r[1].to(k.scalar_type()), r[2].to(v.scalar_type()), r[3], r[4].to(bt), r[5]};
+    return {r[0].to(q.scalar_type()), r[1].to(k.scalar_type()), r[2].to(v.scalar_type()), r[3],
+            r[4].to(s[3].scalar_type()), r[5]};
   }
 };
 
@@ -510,8 +509,9 @@ MixerOutput loglinear_gdn_by_level_passes(const MixerInputs& in, const State& in
   const int64_t c = bit_width(static_cast<uint64_t>(C)) - 1;
   const auto dt = in.q.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
   const bool walk_levels = L - 1 > c;
-  // The walk's operands in [B·H, T, ·] (the kernels' bf16 for bf16 inputs), gamma [B·H, N], and the query
-  // state [B,H,T,dk] (the first chunk's reader of an incoming state).
+  // The walk's operands W, U, K̃ in [B·H, T, ·] (the kernels' bf16 for bf16 inputs), gamma [B·H, N], and the
+  // query state P (also the first chunk's reader of an incoming state): [B,H,T,dk] from the kernels, [B·H,T,dk]
+  // from ATen.
   Tensor W, U, Kt, P, gamma;
   Base base;
   DeltaChunkPieces pieces;
