@@ -70,12 +70,6 @@ __device__ __forceinline__ void state_to_sw64(const float (&s)[2][16], unsigned 
   }
 }
 
-// The block's dynamic shared memory, rounded up to 1024 bytes (the swizzle atoms' alignment; the
-// launchers ask for 1024 bytes more).
-__device__ __forceinline__ unsigned char* smem_1k(unsigned char* p) {
-  const unsigned a = saddr(p);
-  return p + (((a + 1023u) & ~1023u) - a);
-}
 
 // The state (two m64n32 accumulators) to or from fp32 [dk][DV] memory at column v0.
 template <bool STORE>
@@ -98,8 +92,6 @@ __device__ __forceinline__ void state_io(float (&s)[2][16], float* p, long ld, i
       }
 }
 
-// Shared-memory offsets rounded up to the swizzle atoms' 1024 bytes (TMA swizzles by absolute address bits).
-constexpr int al1k(int x) { return (x + 1023) & ~1023; }
 // The thread of a warpgroup that issues and waits for its bulk stores (bulk groups are per thread).
 __device__ __forceinline__ bool wg_leader() { return (threadIdx.x & 127) == 0; }
 // Each warpgroup's own tiles: H_c's store tile [128][32] (sw64), V_new's [64][32] (sw64), an 8 KB tile no

@@ -60,6 +60,51 @@ __device__ __forceinline__ void mma_ss(float (&d)[16], Desc a, Desc b) {
         "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
       : "l"(a.u64()), "l"(b.u64()), "n"(SB), "n"(TA), "n"(TB));
 }
+// d (m64n64, fp32: d[4j + e] is row 16·warp + lane/4 + 8·(e/2), column 8j + 2·(lane%4) + e%2 of the
+// warpgroup's tile) += A·B, A from each warp's registers (its 16 rows of the m64k16 operand, mma.sync's A
+// fragment layout), B [16][64] from shared memory (TB: 1 = MN-major).
+// ACC = 0: d = A·B (d's values not read).
+template <int TB, int ACC = 1>
+__device__ __forceinline__ void mma_rs64(float* d, const unsigned (&a)[4], Desc b) {
+  asm volatile(
+      "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 "
+      "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,"
+      "%28,%29,%30,%31}, {%32,%33,%34,%35}, %36, %38, 1, 1, %37;\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b.u64()), "n"(TB), "n"(ACC));
+}
+// Registers pinned at this point of the program: their values computed before it and not moved past it by
+// the compiler (accumulators and fragments around wgmma.fence and wgmma.wait; values moved across them make
+// the assembler serialize the products).
+template <int N, int M>
+__device__ __forceinline__ void pin(float (&x)[N][M]) {
+#pragma unroll
+  for (int i = 0; i < N; ++i)
+#pragma unroll
+    for (int j = 0; j < M; ++j) asm volatile("" : "+f"(x[i][j])::"memory");
+}
+template <int N, int M>
+__device__ __forceinline__ void pin(unsigned (&x)[N][M]) {
+#pragma unroll
+  for (int i = 0; i < N; ++i)
+#pragma unroll
+    for (int j = 0; j < M; ++j) asm volatile("" : "+r"(x[i][j])::"memory");
+}
+// The byte offset of 16-byte piece c (0..7) of row r in a 128-byte-swizzled tile of 128-byte rows (TMA's
+// SWIZZLE_128B, the layout desc_sw128 describes): the piece XORed with the row's place in its 8-row group.
+__device__ __forceinline__ int sw128_off(int r, int c) { return r * 128 + ((c ^ (r & 7)) << 4); }
+// The block's dynamic shared memory, rounded up to 1024 bytes (the swizzle atoms' alignment; the
+// launchers ask for 1024 bytes more).
+__device__ __forceinline__ unsigned char* smem_1k(unsigned char* p) {
+  const unsigned a = saddr(p);
+  return p + (((a + 1023u) & ~1023u) - a);
+}
+// Shared-memory offsets rounded up to the swizzle atoms' 1024 bytes (TMA swizzles by absolute address bits).
+constexpr int al1k(int x) { return (x + 1023) & ~1023; }
+
 __device__ __forceinline__ void mbar_init(uint64_t* b) {
   asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;\n" ::"r"(saddr(b)) : "memory");
 }
