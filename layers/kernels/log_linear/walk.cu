@@ -244,25 +244,14 @@ __global__ void __launch_bounds__(128 * NWG, 1)
     hw::pin(sa);
     hw::wg_fence();
     times_tile_t<KS>(v, sa, sb + S::oA);  // Sᵀ·Wᵀ
+    hw::wg_commit();
     times_tile_t<KS>(r, sa, sb + S::oP);  // Rᵀ = Sᵀ·Pᵀ
     hw::wg_commit();
     // The previous chunk's read-outs, while the products run (its slots written before the last barrier).
     if (n > 0) read_out<NWG>(o + (long)(n - 1) * kC * DV, slots + ((n - 1) & 1) * S::slots, prev_mask, DV);
     prev_mask = rmask;
-    hw::wg_wait<0>();
+    hw::wg_wait<1>();  // Sᵀ·Wᵀ done (Rᵀ may still run)
     hw::pin(v);
-    hw::pin(r);
-    if (read) {
-#pragma unroll
-      for (int nt = 0; nt < 8; ++nt) {
-        const float2 l = *reinterpret_cast<const float2*>(sL + nt * 8 + 2 * t4);
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int t = nt * 8 + 2 * t4 + (e & 1), rr = g + (e >> 1) * 8;
-          slot[t * S::LR + rr] = r[nt][e] * ((e & 1) ? l.y : l.x);
-        }
-      }
-    }
     tc::u32 va[4][4];
     if (active) {
 #pragma unroll
@@ -286,6 +275,19 @@ __global__ void __launch_bounds__(128 * NWG, 1)
     hw::wg_fence();
     times_tile<NS>(s, va, sb + S::oB);  // Sᵀ += Vᵀ·K̃
     hw::wg_commit();
+    hw::wg_wait<1>();  // Rᵀ done (the update may still run)
+    hw::pin(r);
+    if (read) {
+#pragma unroll
+      for (int nt = 0; nt < 8; ++nt) {
+        const float2 l = *reinterpret_cast<const float2*>(sL + nt * 8 + 2 * t4);
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int t = nt * 8 + 2 * t4 + (e & 1), rr = g + (e >> 1) * 8;
+          slot[t * S::LR + rr] = r[nt][e] * ((e & 1) ? l.y : l.x);
+        }
+      }
+    }
     hw::wg_wait<0>();
     hw::pin(s);
     gm = gm_next;
