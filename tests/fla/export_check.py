@@ -10,7 +10,11 @@
 #   2. logits: FLA's model on the tokens carry scored (the `tokens` of carry's logits file, written by
 #      `carry eval --dump-logits`), in fp32 and in bf16, against carry's fp32 logits: the max relative
 #      error max|fla - carry| / max|carry| and the share of positions whose argmax agrees.
-# One table row per folder and precision, then one verdict line. Exit status 0 when every row passes
+#   3. tokenizer and generation (where the folder has carry_generate.txt): transformers' AutoTokenizer reads
+#      the folder's tokenizer files and encodes the prompt's text to carry's ids; the model from
+#      AutoModelForCausalLM, fp32, draws a greedy continuation (model.generate, do_sample=False, as many new
+#      tokens as carry drew, no stop token) that must equal `carry generate --temperature 0`'s token for token.
+# One table row per folder and precision (and one for the generation), then one verdict line. Exit status 0 when every row passes
 # (fp32: rel err <= 2e-3, FLA's kernels use TF32 dot products; bf16: <= 5e-2), 1 otherwise.
 #
 # usage: python3 tests/fla/export_check.py FOLDER [FOLDER ...]   (carry's logits: FOLDER/carry_logits.safetensors)
@@ -47,6 +51,7 @@ def check(folder, device):
         raise RuntimeError(f"{folder}: transformers' loading report is not empty: {problems}")
     if type(auto).__name__ != arch:
         raise RuntimeError(f"{folder}: AutoModelForCausalLM gave {type(auto).__name__}, config.json says {arch}")
+    generation = generate_row(folder, auto, device)
     del auto
 
     ref = load_file(os.path.join(folder, "carry_logits.safetensors"))
@@ -72,7 +77,39 @@ def check(folder, device):
         err = ((logits - carry).abs().max() / carry.abs().max()).item()
         agree = (logits.argmax(-1) == carry.argmax(-1)).float().mean().item()
         rows.append((folder, arch, name, tuple(tokens.shape), err, agree, err <= bound, bound))
-    return len(state), rows
+    return len(state), rows, generation
+
+
+def recurrent_modes(model):
+    """Every FLA layer of `model` on its fused_recurrent kernel (FLA's chunked kernels take no fp32 for some
+    families; the recurrent kernel computes the same function)."""
+    for m in model.modules():
+        if getattr(m, "mode", None) == "chunk":
+            m.mode = "fused_recurrent"
+
+
+def generate_row(folder, auto, device):
+    """(tokenizer ids equal, new tokens equal, how many, leading tokens that agree) against carry_generate.txt,
+    or None when the folder has none."""
+    path = os.path.join(folder, "carry_generate.txt")
+    if not os.path.exists(path):
+        return None
+    from transformers import AutoTokenizer
+
+    lines = [l for l in open(path).read().split("\n") if l.strip()]
+    prompt = [int(x) for x in lines[0].split(",")]
+    want = [int(x) for x in lines[1].split()]
+    tok = AutoTokenizer.from_pretrained(folder)
+    ids_equal = tok(bytes(prompt).decode("utf-8"))["input_ids"] == prompt
+    model = auto.to(device).float().eval()
+    recurrent_modes(model)
+    model.generation_config.eos_token_id = None  # carry drew with --stop-token none
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt], device=device), max_new_tokens=len(want), do_sample=False,
+                             pad_token_id=0)
+    got = out[0, len(prompt):].tolist()
+    lead = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), min(len(got), len(want)))
+    return ids_equal, got == want, len(want), lead
 
 
 def main():
@@ -88,7 +125,7 @@ def main():
     ok = True
     for folder in a.folders:
         try:
-            n, rows = check(folder, a.device)
+            n, rows, generation = check(folder, a.device)
         except Exception as e:  # one line per folder that fails to load or run
             print(f"| {folder} | - | FAILED: {type(e).__name__}: {str(e)[:300]} | | | | | | no |")
             ok = False
@@ -97,6 +134,12 @@ def main():
             print(f"| {os.path.basename(folder_.rstrip('/'))} | {arch} | {n} | {name} | {list(shape)} | {err:.2e} | "
                   f"{agree:.4f} | {bound:g} | {'yes' if passed else 'no'} |")
             ok = ok and passed
+        if generation is not None:
+            ids_equal, equal, count, lead = generation
+            print(f"| {os.path.basename(folder.rstrip('/'))} | AutoTokenizer + generate | | greedy, fp32 | "
+                  f"prompt ids {'equal' if ids_equal else 'DIFFER'} | | {lead}/{count} new tokens equal carry's | "
+                  f"all | {'yes' if ids_equal and equal else 'no'} |")
+            ok = ok and ids_equal and equal
     print(f"FLA cross-check: {'PASS' if ok else 'FAIL'} ({len(a.folders)} folder(s))")
     return 0 if ok else 1
 

@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # The inputs of tests/fla/export_check.py: three small byte-level models trained 40 steps on this
 # repository's README.md (on the CPU: GPUs hidden), each exported to an FLA folder holding carry's
-# fp32 logits on two 256-token sequences (carry_logits.safetensors):
+# fp32 logits on two 256-token sequences (carry_logits.safetensors), the byte tokenizer's Hugging Face files
+# (carry export --tokenizer byte) and carry's greedy continuation of a prompt (carry_generate.txt: the prompt's
+# ids, comma-separated, then the 64 new ids, `carry generate --temperature 0 --stop-token none`):
 #   OUT/gdn  Gated DeltaNet, short convolutions, its own head (expand_v 2)
 #   OUT/dn   DeltaNet, short convolutions, tied head
 #   OUT/gla  GLA without convolutions, tied head (expand_k 0.5)
@@ -27,10 +29,15 @@ train() {  # name, overrides...
   shift
   rm -rf "$out/ck_$name"
   "$carry" train "$out/run.textproto" --set "checkpoint.dir=$out/ck_$name" "$@" | grep -E '^step +40/'
-  "$carry" export "$out/ck_$name" --format fla --out "$out/$name"
+  "$carry" export "$out/ck_$name" --format fla --out "$out/$name" --tokenizer byte
   "$carry" eval "$out/ck_$name" --cpu --data "$out/corpus.tok" --seq-len 256 --max-sequences 2 --batch-size 2 \
     --dump-logits "$out/$name/carry_logits.safetensors" | grep '^eval:'
+  echo "$prompt" > "$out/$name/carry_generate.txt"
+  "$carry" generate "$out/ck_$name" --cpu --prompt-ids "$prompt" --tokenizer ids --temperature 0 --max-new-tokens 64 \
+    --stop-token none 2>/dev/null >> "$out/$name/carry_generate.txt"
 }
+# The prompt: the ids (bytes) of a line of ASCII text.
+prompt=$(printf '%s' "carry trains linear attention on long sequences" | od -An -tu1 | tr -s ' \n' ',' | sed 's/^,//; s/,$//')
 train gdn
 train dn --set model.mixers=deltanet --set model.head_dim_v=64 --set model.tie_embeddings=true
 train gla --set model.mixers=gla --set model.head_dim_k=32 --set model.head_dim_v=64 --set model.tie_embeddings=true \
