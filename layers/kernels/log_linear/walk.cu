@@ -9,16 +9,17 @@
 // wgmma products with A from registers (bf16 roundings of Sᵀ and Vᵀ, as the delta rule's walks round H and
 // V_new) and B from the chunk's tiles in shared memory, which the tensor cores read once a warpgroup for its
 // four levels. The tiles ([64][dk] bf16, 128-byte swizzled) come by cp.async, double-buffered, once a chunk for
-// the block. Per chunk and level: 3·2·16·64·dk FLOPs (reading) or 2 (writing); per chunk and block: 3·64·dk·2
-// + 64·16·2 bytes read from HBM for all its levels.
+// the block. Per chunk and level: 3·2·16·64·dk FLOPs (the read product is formed at every level, used where the
+// level reads); per chunk and block: 3·64·dk·2 + 64·16·2 bytes read from HBM for all its levels.
 // Forward: the read-outs λ_t[ℓ]·Rᵀ of the block's levels go to shared slots, summed in level order into o (one
 // o a group, summed by the host when several): no atomics, the same bits every run. With keep_states the
 // state entering each chunk is stored bf16, transposed ([BH,N,J,dv,dk]: a warp's rows of 4-byte pairs).
 // Reverse: dSᵀ per warp, dVᵀ = dSᵀ·K̃ᵀ, dSᵀ ← γ dSᵀ − dVᵀ·W + dRᵀ·P with dRᵀ = (λ[ℓ] ⊙ dO)ᵀ built from the
 // chunk's dO tile; the gradient of the state leaving each chunk is stored bf16, transposed.
 // Warps past the group's last level hold zero states and take part in the products alone (a wgmma is the
-// warpgroup's); a warp whose level does not read at a chunk takes part in the read products with zeros
-// (a product skipped for some chunks would serialize the warpgroup's products).
+// warpgroup's); a warp whose level does not read at a chunk takes part in the read products too (forward: its
+// Rᵀ left unused; reverse: with dRᵀ = 0), since a product skipped for some chunks would serialize the
+// warpgroup's products.
 #include "layers/kernels/log_linear/api.h"
 
 #include "layers/kernels/primitives/host.h"
