@@ -7,8 +7,7 @@
 // whose kernels (forward and hand-written backward) already exist; autograd chains them.
 //
 // hla2 (hla.h), with v' = [v, 1, 0…] and C' = [C, m, 0…], G' = [G, h, 0…]: the ones column carries the
-// normalizer states m and h (part of the state whether or not the output reads them), padded to 64
-// columns, the kernels' step of value widths:
+// normalizer states m and h, padded to 64 columns, the kernels' step of value widths:
 //   1. (R, S_T)   = pass(q, k, k, g, S_0)                 R_t = q_tᵀ S_t                   [dk]
 //   2. (W, ·)     = pass(k, ←q, ←v', ←g, C'_0)            W_t = k_tᵀ C'_{t−1}               [dv']
 //   3. (SC, C'_T) = pass(R, q, v', g, C'_0)               SC_t = q_tᵀ S_t C'_t
@@ -19,11 +18,16 @@
 // from C'_0 with no token of the slice before it, so its values at a cut between slices are rounded
 // differently from a run through the cut: the ordered scan's bits rest on the segments
 // (parallel.segments), which cut the one-GPU run at the same places.
+// Passes 1 and 4 read the same q through the same keys k, so with `joint_read` they are one pass of
+// values [k, W] from the state [S_0, G'_0] (pass 2 runs first). Without `normalize` the output reads no
+// normalizer: the passes carry v, C and G alone (no ones column) and m, h come from normalizer_states.
 //
 // ahla (hla.h), with v' and P' = [P, m_K, 0…], E' = [E, n, 0…] alike:
 //   1. (Y, P'_T) = pass(q, k, v', g, P'_0)     Y_t = q_tᵀ P'_t
 //   2. (Z, E'_T) = pass(q, k, Y, g, E'_0)      Z_t = q_tᵀ E'_t  (E'_t = γ_t E'_{t−1} + k_t Y_tᵀ)
-//   o = s·Z[:, :dv] (normalized: divided by s·Z[:, dv] + eps). Every pass is chunk-local.
+//   o = s·Z[:, :dv] (normalized: divided by s·Z[:, dv] + eps). Every pass is chunk-local, so a cut at a
+//   chunk boundary gives the bits of the whole (the ones column stays: normalizer_states's scan over
+//   chunks would round m_K and n differently at a cut).
 //
 // States go in and come out in fp32 (fp64 for fp64 inputs); the passes' reads (R, W, Y) are in the
 // inputs' dtype, as the kernels return them; Y = SC − Gq is formed in fp32.
@@ -37,8 +41,16 @@ namespace carry {
 inline constexpr int64_t kNormalizerColumns = 64;
 
 MixerOutput hla2_by_decay_passes(const MixerInputs& in, const State& initial_state, const MixerOptions& opt,
-                                 const DecayPass& pass);
+                                 const DecayPass& pass, bool joint_read);
 MixerOutput ahla_by_decay_passes(const MixerInputs& in, const State& initial_state, const MixerOptions& opt,
                                  const DecayPass& pass);
+
+// The two vector states of a normalizer at the end: x_t = γ_t x_{t−1} + a_t and
+// y_t = γ_t y_{t−1} + e_t (f_tᵀ x_{t−1}) (strict; f_tᵀ x_t otherwise), from x_0, y_0 [B,H,d]; a, e, f
+// [B,T,H,d], g [B,T,H] or undefined (γ ≡ 1). hla2's (m, h) are (a, e, f) = (q, k, k), strict. In ATen, in x_0's dtype, chunks of L tokens: a chunk's products
+// f_iᵀ a_j with the decays between them (each exponent a difference inside the chunk, never positive),
+// the chunks' ends by a doubling scan whose weights are products of decays.
+std::pair<Tensor, Tensor> normalizer_states(const Tensor& a, const Tensor& e, const Tensor& f, const Tensor& g,
+                                            const Tensor& x0, const Tensor& y0, bool strict, int64_t L = 64);
 
 }  // namespace carry

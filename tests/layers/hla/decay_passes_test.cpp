@@ -55,13 +55,16 @@ class DecayPasses : public ::testing::TestWithParam<const char*> {};
 TEST_P(DecayPasses, ComposedChunkwiseEqualsTheFamilysChunkwiseInFp64) {
   const Mixer& m = get_mixer(GetParam());
   const DecayPass pass = chunkwise_decay_pass(16);
+  bool joint = false;
   const WithKernelForm composed(m, [&](const MixerInputs& in, const State& s, const MixerOptions& o) {
-    return m.name() == kHla2Family ? hla2_by_decay_passes(in, s, o, pass) : ahla_by_decay_passes(in, s, o, pass);
+    return m.name() == kHla2Family ? hla2_by_decay_passes(in, s, o, pass, joint) : ahla_by_decay_passes(in, s, o, pass);
   });
   for (bool gate : {true, false})
-    for (bool normalize : {false, true}) {
+    for (bool normalize : {false, true})
+      for (int64_t T : {64, 80}) {
+      joint = !joint;  // hla2's passes 1 and 4 apart and joint, and T off the normalizer's chunks, in each case
       Shape s;
-      s.B = 2, s.T = 64, s.H = 2, s.dk = 8, s.dv = 6;
+      s.B = 2, s.T = T, s.H = 2, s.dk = 8, s.dv = 6;
       MixerOptions opt;
       opt.chunk_size = 16;
       opt.normalize = normalize;
@@ -77,12 +80,13 @@ TEST_P(DecayPasses, ComposedChunkwiseEqualsTheFamilysChunkwiseInFp64) {
       ASSERT_EQ(ref.size(), names.size());
       ASSERT_EQ(got.size(), names.size());
       for (size_t i = 0; i < ref.size(); ++i)
-        EXPECT_LE(rel_err(got[i], ref[i]), 1e-11)
-            << m.name() << (gate ? " gated" : " no gate") << (normalize ? " normalized" : "") << ": " << names[i];
+        EXPECT_LE(rel_err(got[i], ref[i]), 1e-11) << m.name() << (gate ? " gated" : " no gate")
+                                                  << (normalize ? " normalized" : "") << " T " << T
+                                                  << (joint ? " joint read" : "") << ": " << names[i];
     }
 }
 
-// The check can fail: dropping the shift of hla2's second pass (W_t = k_tᵀ C'_t instead of C'_{t−1})
+// The check can fail: dropping the shift of hla2's shifted pass (W_t = k_tᵀ C'_t instead of C'_{t−1})
 // gives another output.
 TEST(DecayPasses, Hla2NeedsTheShiftedPass) {
   const Mixer& m = get_mixer(kHla2Family);
@@ -93,17 +97,40 @@ TEST(DecayPasses, Hla2NeedsTheShiftedPass) {
   auto in = hla_inputs(s, at::kDouble, 5, 3, 300, true);
   const DecayPass exact = chunkwise_decay_pass(16);
   int calls = 0;
-  // The second pass is the shifted one; give it the unshifted inputs (its c is k, a and b are ←q, ←v').
+  // The first pass is the shifted one; give it the unshifted inputs (its c is k, a and b are ←q, ←v).
   const DecayPass unshifted = [&](const Tensor& c, const Tensor& a, const Tensor& b, const Tensor& g,
                                   const Tensor& x0) {
-    if (++calls != 2) return exact(c, a, b, g, x0);
-    Tensor v1 = at::cat({in.v, at::ones({1, s.T, 1, 1}, in.v.options()),
-                         at::zeros({1, s.T, 1, kNormalizerColumns - 1}, in.v.options())}, -1);
-    return exact(c, in.q, v1, in.g, x0);
+    if (++calls != 1) return exact(c, a, b, g, x0);
+    return exact(c, in.q, in.v, in.g, x0);
   };
   auto ref = m.chunkwise(in, {}, opt).o;
-  EXPECT_LE(rel_err(hla2_by_decay_passes(in, {}, opt, exact).o, ref), 1e-12);
-  EXPECT_GT(rel_err(hla2_by_decay_passes(in, {}, opt, unshifted).o, ref), 1e-3);
+  EXPECT_LE(rel_err(hla2_by_decay_passes(in, {}, opt, exact, false).o, ref), 1e-12);
+  EXPECT_GT(rel_err(hla2_by_decay_passes(in, {}, opt, unshifted, false).o, ref), 1e-3);
+}
+
+// normalizer_states against its recurrence run token by token in fp64, in fp32 with half-lives from a
+// twentieth of a token (decays of e^-14 a token) to 10^5 tokens: finite, and within 1e-5.
+TEST(DecayPasses, NormalizerStatesFollowTheRecurrence) {
+  Shape s;
+  s.B = 2, s.T = 100, s.H = 3, s.dk = 8, s.dv = 8;
+  auto in = hla_inputs(s, at::kDouble, 21, 0.05, 1e5, true);
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(4);
+  Tensor x0 = at::randn({s.B, s.H, s.dk}, gen, at::kDouble), y0 = at::randn({s.B, s.H, s.dk}, gen, at::kDouble);
+  Tensor f = in.v;
+  for (bool strict : {true, false}) {
+    Tensor x = x0.clone(), y = y0.clone();
+    for (int64_t t = 0; t < s.T; ++t) {
+      Tensor gamma = in.g.select(1, t).exp().unsqueeze(-1);
+      Tensor before = x;
+      x = gamma * x + in.q.select(1, t);
+      y = gamma * y + in.k.select(1, t) * (f.select(1, t) * (strict ? before : x)).sum(-1, true);
+    }
+    auto to32 = [](const Tensor& t) { return t.to(at::kFloat); };
+    auto [xT, yT] = normalizer_states(to32(in.q), to32(in.k), to32(f), to32(in.g), to32(x0), to32(y0), strict, 16);
+    EXPECT_TRUE(at::isfinite(xT).all().item<bool>() && at::isfinite(yT).all().item<bool>());
+    EXPECT_LE(rel_err(xT.to(at::kDouble), x), 1e-5) << (strict ? "strict" : "inclusive");
+    EXPECT_LE(rel_err(yT.to(at::kDouble), y), 1e-5) << (strict ? "strict" : "inclusive");
+  }
 }
 
 TEST_P(DecayPasses, KernelFormMatchesChunkwiseOnGpu) {
