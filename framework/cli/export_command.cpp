@@ -17,7 +17,8 @@ namespace carry {
 namespace {
 
 const char* kExportUsage =
-    "usage: carry export MODEL --format fla|hf --out DIR [--dtype fp32|bf16] [--tokenizer byte|bpe:FILE]\n"
+    "usage: carry export MODEL --format fla|hf --out DIR [--dtype fp32|bf16]\n"
+    "                    [--tokenizer byte|bpe:FILE|sentencepiece:FILE]\n"
     "  Writes DIR/config.json and DIR/model.safetensors in flash-linear-attention's names and layouts, loadable\n"
     "  with fla.models.<Class>.from_pretrained(DIR) or, after `import fla`, transformers'\n"
     "  AutoModelForCausalLM.from_pretrained(DIR) (--format hf writes the same folder: FLA's classes are what\n"
@@ -26,8 +27,10 @@ const char* kExportUsage =
     "  convolutions); other models are refused with the reasons. --dtype: of the written weights (fp32\n"
     "  default: the checkpoint's values bit for bit). --tokenizer: the tokenizer the run's token files were\n"
     "  made with (carry tokenize's spec), written beside the weights as tokenizer.json, tokenizer_config.json\n"
-    "  and special_tokens_map.json, its end-of-document token as eos_token_id in config.json and\n"
-    "  generation_config.json (transformers' AutoTokenizer then loads DIR). Without it, the run's\n"
+    "  and special_tokens_map.json (a SentencePiece model converted to tokenizer.json that encodes as\n"
+    "  SentencePiece does, and the model itself as tokenizer.model), its end-of-document token as\n"
+    "  eos_token_id in config.json and generation_config.json (transformers' AutoTokenizer then loads\n"
+    "  DIR). Without it, the run's\n"
     "  data.token_files.eod_token (when set) is the eos_token_id.\n";
 
 const char* kImportUsage =

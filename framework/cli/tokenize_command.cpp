@@ -48,6 +48,7 @@ const char* kUsage =
     "usage: carry tokenize --input FILE [FILE...] --output OUT.tok [--tokenizer SPEC] [--eod-id N] [--threads N]\n"
     "       carry tokenize --jsonl FILE.jsonl [FILE...] [--field text] --output OUT.tok [--tokenizer SPEC] ...\n"
     "       carry tokenize --train-sentencepiece PREFIX --vocab-size N --input FILE [FILE...] [--model-type unigram|bpe]\n"
+    "                      [--spm-option NAME=VALUE ...]\n"
     "  Turns text files into one token file. Each file is a document; the end-of-document token goes before\n"
     "  each one. Files are tokenized in parallel (--threads, default: every core) and written in the order given.\n"
     "  --jsonl: each line of each file is a document, a JSON object whose string member --field (default\n"
@@ -64,11 +65,13 @@ const char* kUsage =
     "  fits (vocabulary <= 65536), else 4. Large files are cut into pieces of about --piece-bytes (4 MiB)\n"
     "  after a line break, where no pre-tokenizer joins tokens (SentencePiece: whole files).\n"
     "  --train-sentencepiece trains a SentencePiece model on the input files (PREFIX.model, PREFIX.vocab;\n"
-    "  --model-type unigram by default).\n";
+    "  --model-type unigram by default). --spm-option passes one more of spm_train's options (repeatable), e.g.\n"
+    "  byte_fallback=true, user_defined_symbols=<a>,<b>, normalization_rule_name=identity, add_dummy_prefix=false.\n";
 
 struct TokenizeArgs {
   std::vector<std::string> inputs;
   std::string output, tokenizer = "byte", train_prefix, model_type = "unigram", field = "text";
+  std::vector<std::string> spm_options;  // --spm-option NAME=VALUE, passed to spm_train as --NAME=VALUE
   bool jsonl = false;  // the inputs are JSONL files (--jsonl), a document a line
   int64_t eod_id = -1, vocab_size = 0;
   int64_t piece_bytes = int64_t{4} << 20;  // --piece-bytes: the size pieces of a file are cut at
@@ -108,6 +111,15 @@ TokenizeArgs parse(CommandArgs& args) {
       a.model_type = args.value(f);
       if (a.model_type != "unigram" && a.model_type != "bpe" && a.model_type != "char" && a.model_type != "word")
         throw UsageError("--model-type must be unigram, bpe, char or word, got '" + a.model_type + "'");
+    } else if (f == "--spm-option") {
+      const std::string o = args.value(f);
+      const size_t eq = o.find('=');
+      const bool name_ok = eq != std::string::npos && eq > 0 &&
+                           o.find_first_not_of("abcdefghijklmnopqrstuvwxyz_0123456789") == eq;
+      if (!name_ok || o.find_first_of(" \t\n") != std::string::npos)
+        throw UsageError("--spm-option: expected NAME=VALUE (an spm_train option without its dashes, a value without "
+                         "spaces), got '" + o + "'");
+      a.spm_options.push_back(o);
     } else if (f.rfind("-", 0) == 0) {
       throw UsageError("unknown flag '" + f + "'");
     } else {
@@ -122,6 +134,7 @@ TokenizeArgs parse(CommandArgs& args) {
     if (a.vocab_size <= 0) throw std::invalid_argument("--train-sentencepiece needs --vocab-size");
     return a;
   }
+  if (!a.spm_options.empty()) throw UsageError("--spm-option is an option of --train-sentencepiece");
   if (a.output.empty()) throw std::invalid_argument("no --output file");
   return a;
 }
@@ -199,15 +212,16 @@ int train(const TokenizeArgs& args) {
   check_inputs(args.inputs);
   for (const char* suffix : {".model", ".vocab"})
     check_no_link_or_special_file(args.train_prefix + suffix, "--train-sentencepiece");
-  std::string inputs;
+  std::string inputs, extra;
   for (auto& f : args.inputs) inputs += (inputs.empty() ? "" : ",") + f;
+  for (auto& o : args.spm_options) extra += " --" + o;
   const auto t0 = std::chrono::steady_clock::now();
   std::fprintf(stderr, "carry tokenize: training a SentencePiece %s model of %lld pieces on %zu file%s...\n",
                args.model_type.c_str(), static_cast<long long>(args.vocab_size), args.inputs.size(),
                args.inputs.size() == 1 ? "" : "s");
   train_sentencepiece("--input=" + inputs + " --model_prefix=" + args.train_prefix +
                       " --vocab_size=" + std::to_string(args.vocab_size) + " --model_type=" + args.model_type +
-                      " --input_sentence_size=2000000 --shuffle_input_sentence=true --minloglevel=2");
+                      " --input_sentence_size=2000000 --shuffle_input_sentence=true --minloglevel=2" + extra);
   std::printf("carry tokenize: wrote %s.model and %s.vocab (%.1f s); use --tokenizer sentencepiece:%s.model\n",
               args.train_prefix.c_str(), args.train_prefix.c_str(),
               std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count(), args.train_prefix.c_str());

@@ -6,6 +6,7 @@
 
 #include "framework/data/pretokenize.h"
 #include "framework/data/regex_split.h"
+#include "framework/data/sentencepiece_json.h"
 #include "framework/io/json.h"
 
 #include <google/protobuf/struct.pb.h>
@@ -645,8 +646,20 @@ HfTokenizer hf_tokenizer(const std::string& spec) {
       throw error(path, "the end-of-document id " + std::to_string(h.eos_id) + " is not one of its added tokens");
     return h;
   }
-  throw std::runtime_error("tokenizer '" + spec + "': only byte and bpe:FILE tokenizers are written as Hugging Face "
-                           "tokenizer.json files (a SentencePiece or tiktoken tokenizer is not)");
+  if (spec.rfind("sentencepiece:", 0) == 0) {
+    const std::string path = spec.substr(14);
+    h.sentencepiece_model = read_file(path);
+    SentencePieceJson sp = sentencepiece_tokenizer_json(h.sentencepiece_model, path);
+    if (sp.eos_id < 0)
+      throw error(path, "the SentencePiece model has no end-of-sentence piece (eos_id is -1), which the export "
+                        "names as the end of document");
+    h.tokenizer_json = std::move(sp.tokenizer_json);
+    h.eos_token = sp.eos_piece;
+    h.eos_id = sp.eos_id;
+    return h;
+  }
+  throw std::runtime_error("tokenizer '" + spec + "': only byte, bpe:FILE and sentencepiece:FILE tokenizers are written "
+                           "as Hugging Face tokenizer.json files (a tiktoken file is not)");
 }
 
 std::unique_ptr<Tokenizer> load_tokenizer(const std::string& spec, int64_t end_of_document) {

@@ -50,11 +50,13 @@ std::unique_ptr<Tokenizer> load_tokenizer(const std::string& spec, int64_t end_o
 
 // A tokenizer as Hugging Face files, for a self-contained export: tokenizer.json's text and the end-of-document
 // token's id and text. byte: a byte-level BPE with no merges whose ids are the bytes and whose <|endoftext|> is
-// 256 (read back by `bpe:` it encodes as the byte tokenizer does); bpe:FILE: FILE itself. Throws
-// std::runtime_error for the other kinds (a SentencePiece model or a tiktoken file has no tokenizer.json here).
+// 256 (read back by `bpe:` it encodes as the byte tokenizer does); bpe:FILE: FILE itself; sentencepiece:FILE:
+// the model converted (framework/data/sentencepiece_json.h), its end of sentence as the end of document, and
+// the model file itself (written beside as tokenizer.model). Throws std::runtime_error for tiktoken files.
 struct HfTokenizer {
   std::string tokenizer_json, eos_token;
   int64_t eos_id = -1;
+  std::string sentencepiece_model;  // the .model file's bytes, for sentencepiece:FILE
 };
 HfTokenizer hf_tokenizer(const std::string& spec);
 

@@ -392,6 +392,7 @@ void export_fla_folder(const std::string& dir, const ModelConfig& model, const N
   }
   if (!opt.tokenizer.empty()) {
     write_text(join_path(dir, "tokenizer.json"), tok.tokenizer_json);
+    if (!tok.sentencepiece_model.empty()) write_text(join_path(dir, "tokenizer.model"), tok.sentencepiece_model);
     JsonWriter t(2);
     t.begin_object();
     t.member("tokenizer_class", "PreTrainedTokenizerFast");

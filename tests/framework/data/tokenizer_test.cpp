@@ -240,10 +240,20 @@ TEST_F(TokenizerFiles, HuggingFaceFilesOfTheByteAndBpeTokenizers) {
   EXPECT_EQ(bpe.eos_id, 273);
   EXPECT_EQ(bpe.eos_token, "<|endoftext|>");
   try {
-    hf_tokenizer("sentencepiece:m.model");
-    ADD_FAILURE() << "sentencepiece accepted";
+    hf_tokenizer("tiktoken:ranks.tiktoken");
+    ADD_FAILURE() << "tiktoken accepted";
   } catch (const std::runtime_error& e) {
-    EXPECT_NE(std::string(e.what()).find("only byte and bpe:FILE tokenizers are written as Hugging Face"),
+    EXPECT_NE(std::string(e.what()).find("only byte, bpe:FILE and sentencepiece:FILE tokenizers are written as"),
+              std::string::npos)
+        << e.what();
+  }
+  // A file that is not a SentencePiece model (a field that runs past its end), named with what is wrong.
+  const std::string bad = write("bad.model", std::string("\x0a\xff\x01xy", 5));
+  try {
+    hf_tokenizer("sentencepiece:" + bad);
+    ADD_FAILURE() << "a broken model accepted";
+  } catch (const std::runtime_error& e) {
+    EXPECT_NE(std::string(e.what()).find(bad + ": not a SentencePiece model file (a field of 255 bytes runs past the end"),
               std::string::npos)
         << e.what();
   }
