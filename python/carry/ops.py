@@ -347,4 +347,85 @@ def chunk_linear_attn(q, k, v, scale=None, initial_state=None, output_final_stat
     return o, S if output_final_state else None
 
 
-__all__ = ["chunk_gated_delta_rule", "chunk_delta_rule", "chunk_gla", "chunk_simple_gla", "chunk_linear_attn"]
+# Higher-order linear attention: the state tensors of each family, in carry's order (layers/hla/hla.h),
+# and each one's shape after [N, H]: "kk" [K, K], "kv" [K, V], "k" [K].
+_HLA_STATES = {"hla2": (("S", "kk"), ("C", "kv"), ("m", "k"), ("G", "kv"), ("h", "k")),
+               "ahla": (("P", "kv"), ("m_K", "k"), ("E", "kv"), ("n", "k"))}
+
+
+def _hla(fn, family, q, k, v, g, scale, initial_state, output_final_state, normalize, eps, cu_seqlens,
+         chunk_size, form):
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        _check_4d(fn, name, x)
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    if k.shape != q.shape or v.shape[:3] != q.shape[:3]:
+        _fail(fn, f"q and k must be [B, T, H, K] and v [B, T, H, V] alike, got q {list(q.shape)}, "
+                  f"k {list(k.shape)}, v {list(v.shape)}")
+    if g is not None and (not isinstance(g, torch.Tensor) or tuple(g.shape) != (B, T, H)):
+        _fail(fn, f"g must be a [B, T, H] = [{B}, {T}, {H}] tensor of log decays, got "
+                  f"{list(g.shape) if isinstance(g, torch.Tensor) else type(g).__name__}")
+    dims = {"kk": (K, K), "kv": (K, V), "k": (K,)}
+    specs = _HLA_STATES[family]
+    names = ", ".join(n for n, _ in specs)
+    state = None
+    if initial_state is not None:
+        if not isinstance(initial_state, (tuple, list)) or len(initial_state) != len(specs):
+            _fail(fn, f"initial_state must be a tuple of {len(specs)} tensors ({names}), got "
+                      f"{type(initial_state).__name__}"
+                      f"{' of ' + str(len(initial_state)) if isinstance(initial_state, (tuple, list)) else ''}")
+        n = initial_state[0].shape[0] if isinstance(initial_state[0], torch.Tensor) else -1
+        for (name, kind), x in zip(specs, initial_state):
+            want = (n, H) + dims[kind]
+            if not isinstance(x, torch.Tensor) or tuple(x.shape) != want:
+                _fail(fn, f"initial_state's {name} must be [N, H, {', '.join(map(str, dims[kind]))}] = "
+                          f"{list(want)}, got {list(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__}")
+        state = list(initial_state)
+    scale = _scale(scale, k)
+
+    def run(t, st):
+        return _run(fn, family, t["q"], t["k"], t["v"], g=t.get("g"), initial_state=st, scale=scale,
+                    normalize=normalize, eps=eps, chunk_size=chunk_size, form=form)
+
+    per_token = {n: x for n, x in (("q", q), ("k", k), ("v", v), ("g", g)) if x is not None}
+    if cu_seqlens is not None:
+        sdt = _state_dtype(q.dtype)
+        zero = lambda: [q.new_zeros((1, H) + dims[kind], dtype=sdt) for _, kind in specs]  # noqa: E731
+        o, final = _varlen(fn, run, per_token, cu_seqlens, state, zero)
+    else:
+        if state is not None and state[0].shape[0] != B:
+            _fail(fn, f"initial_state has {state[0].shape[0]} states for a batch of {B}")
+        o, final = run(per_token, state or [])
+    return o, tuple(final) if output_final_state else None
+
+
+def chunk_hla2(q, k, v, g=None, scale=None, initial_state=None, output_final_state=False, normalize=False,
+               eps=1e-6, cu_seqlens=None, *, form=None, chunk_size=64):
+    """Second-order (masked) higher-order linear attention, carry's `hla2` (no FLA counterpart), per head:
+        S_t = γ_t S_{t−1} + k_t k_tᵀ,  C_t = γ_t C_{t−1} + q_t v_tᵀ,  m_t = γ_t m_{t−1} + q_t,
+        G_t = γ_t G_{t−1} + k_t k_tᵀ C_{t−1},  h_t = γ_t h_{t−1} + k_t k_tᵀ m_{t−1},
+        o_t = scale·q_tᵀ (S_t C_t − G_t), with `normalize` divided by scale·q_tᵀ (S_t m_t − h_t) + eps,
+    γ_t = exp(g_t) (g [B, T, H] log decays, or None: no decay). The state is the tuple (S [N, H, K, K],
+    C [N, H, K, V], m [N, H, K], G [N, H, K, V], h [N, H, K]), in and out.
+    """
+    fn = "chunk_hla2"
+    return _hla(fn, "hla2", q, k, v, g, scale, initial_state, output_final_state, normalize, eps, cu_seqlens,
+                chunk_size, form)
+
+
+def chunk_ahla(q, k, v, g=None, scale=None, initial_state=None, output_final_state=False, normalize=False,
+               eps=1e-6, cu_seqlens=None, *, form=None, chunk_size=64):
+    """Asymmetric higher-order linear attention, carry's `ahla` (no FLA counterpart), per head:
+        P_t = γ_t P_{t−1} + k_t v_tᵀ,  E_t = γ_t E_{t−1} + k_t (q_tᵀ P_t),
+        m_K,t = γ_t m_K,t−1 + k_t,  n_t = γ_t n_{t−1} + k_t (q_tᵀ m_K,t),
+        o_t = scale·q_tᵀ E_t, with `normalize` divided by scale·q_tᵀ n_t + eps,
+    γ_t = exp(g_t) (g [B, T, H] or None). The state is the tuple (P [N, H, K, V], m_K [N, H, K],
+    E [N, H, K, V], n [N, H, K]).
+    """
+    fn = "chunk_ahla"
+    return _hla(fn, "ahla", q, k, v, g, scale, initial_state, output_final_state, normalize, eps, cu_seqlens,
+                chunk_size, form)
+
+
+__all__ = ["chunk_gated_delta_rule", "chunk_delta_rule", "chunk_gla", "chunk_simple_gla", "chunk_linear_attn",
+           "chunk_hla2", "chunk_ahla"]

@@ -201,6 +201,69 @@ def test_linear_attn(normalize):
                 [q, k, v, S0])
 
 
+def hla_inputs(seed, positive=False):
+    """Unit q and k (positive with the normalizer, which then stays away from zero), v, g = logsigmoid."""
+    q, k = unit_keys(B, T, H, K, seed=seed), unit_keys(B, T, H, K, seed=seed + 1)
+    if positive:
+        q, k = q.abs(), k.abs()
+    return q, k, randn(B, T, H, V, seed=seed + 2), F.logsigmoid(randn(B, T, H, seed=seed + 3))
+
+
+@pytest.mark.parametrize("family", ["hla2", "ahla"])
+@pytest.mark.parametrize("form", ["chunkwise", "naive", None])
+@pytest.mark.parametrize("normalize", [False, True])
+@pytest.mark.parametrize("gate", [True, False])
+def test_hla(family, form, normalize, gate):
+    """chunk_hla2 / chunk_ahla against reference.hla2 / ahla: o, every final-state entry and the gradient of
+    q, k, v, g and of every initial-state entry; T = 10 over chunks of 4 (the last one padded); the initial
+    state is what 6 earlier tokens leave."""
+    q, k, v, g = hla_inputs(seed=40, positive=normalize)
+    ref_fn = ref.hla2 if family == "hla2" else ref.ahla
+    op = ops.chunk_hla2 if family == "hla2" else ops.chunk_ahla
+    pq, pk, pv, pg = (x[:, :6] for x in hla_inputs(seed=50, positive=normalize))
+    _, state0 = ref_fn(pq, pk, pv, g=pg)
+    names = ["q", "k", "v"] + (["g"] if gate else []) + [f"initial {n}" for n, _ in ops._HLA_STATES[family]]
+
+    def split(xs):
+        return xs[:3], (xs[3] if gate else None), xs[3 + gate:]
+
+    def run_carry(*xs):
+        (a, b, c), gg, st = split(xs)
+        return op(a, b, c, gg, initial_state=tuple(st), output_final_state=True, normalize=normalize,
+                  chunk_size=CHUNK, form=form)
+
+    def run_ref(*xs):
+        (a, b, c), gg, st = split(xs)
+        return ref_fn(a, b, c, g=gg, initial_state=st, normalize=normalize)
+
+    inputs = [q, k, v] + ([g] if gate else []) + list(state0)
+    compare(run_carry, run_ref, inputs, tol=1e-10, names=names)
+
+
+def test_hla_varlen_and_errors():
+    """Packed sequences equal the sequences run one by one, from their own states; bad inputs are named."""
+    q, k, v, g = (x[:1] for x in hla_inputs(seed=60))
+    cu = torch.tensor([0, 3, 3, 10])
+    o, (S, C, m, G, h) = ops.chunk_hla2(q, k, v, g, output_final_state=True, cu_seqlens=cu, chunk_size=CHUNK)
+    assert S.shape == (3, H, K, K) and m.shape == (3, H, K)
+    for i, (a, b) in enumerate([(0, 3), (3, 3), (3, 10)]):
+        if a == b:
+            assert all(float(x[i].abs().max()) == 0 for x in (S, C, m, G, h))
+            continue
+        oi, si = ref.hla2(q[:, a:b], k[:, a:b], v[:, a:b], g=g[:, a:b])
+        assert_close(o[:, a:b], oi, 1e-10, f"sequence {i}: o")
+        for name, x, y in zip("SCmGh", (S, C, m, G, h), si):
+            assert_close(x[i:i + 1], y, 1e-10, f"sequence {i}: {name}")
+    with pytest.raises(ValueError, match="initial_state must be a tuple of 4 tensors"):
+        ops.chunk_ahla(q, k, v, g, initial_state=torch.zeros(1, H, K, V, dtype=F64))
+    with pytest.raises(ValueError, match=r"initial_state's m must be \[N, H, 4\]"):
+        ops.chunk_hla2(q, k, v, g, initial_state=(torch.zeros(1, H, K, K, dtype=F64), torch.zeros(1, H, K, V, dtype=F64),
+                                                  torch.zeros(1, H, K, 1, dtype=F64), torch.zeros(1, H, K, V, dtype=F64),
+                                                  torch.zeros(1, H, K, dtype=F64)))
+    with pytest.raises(ValueError, match=r"g must be a \[B, T, H\]"):
+        ops.chunk_hla2(q, k, v, g[..., None])
+
+
 def test_gradcheck():
     """Backward against finite differences (gradcheck's fast mode: random directions), every function once,
     tiny fp64 shapes (T = 5, chunk 4)."""
@@ -270,6 +333,8 @@ def test_families():
         assert n in names
     inputs, optional, state, _ = torch.ops.carry.family_info("gated_deltanet")
     assert list(inputs) == ["q", "k", "v", "g", "beta"] and list(state) == ["S"]
+    for family, specs in ops._HLA_STATES.items():  # chunk_hla2 / chunk_ahla's state order is carry's
+        assert list(torch.ops.carry.family_info(family)[2]) == [n for n, _ in specs]
 
 
 # ---- against the C++ program: `carry mixer` on the same tensors (framework/cli/mixer_command.h) ----

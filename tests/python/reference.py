@@ -73,3 +73,72 @@ def linear_attn(q, k, v, scale=None, initial_state=None, normalize=False, eps=1e
 
 def l2norm(x, eps=1e-6):
     return x / torch.sqrt((x * x).sum(-1, keepdim=True) + eps)
+
+
+def hla2(q, k, v, g=None, scale=None, initial_state=None, normalize=False, eps=1e-6):
+    """S_t = γS + k kᵀ, C_t = γC + q vᵀ, m_t = γm + q, G_t = γG + k kᵀ C_{t-1}, h_t = γh + k kᵀ m_{t-1};
+    o_t = scale·q_tᵀ(S_t C_t − G_t) (normalized: / (scale·q_tᵀ(S_t m_t − h_t) + eps)); γ_t = exp(g_t).
+    initial_state: (S, C, m, G, h) or None. Returns o, (S, C, m, G, h)."""
+    qh, kh, vh = _heads(q), _heads(k), _heads(v)
+    B, H, T, K = kh.shape
+    V = vh.shape[-1]
+    scale = K ** -0.5 if scale is None else scale
+    f64 = torch.float64
+    if initial_state is None:
+        S, C, m, G, h = (torch.zeros(B, H, K, K, dtype=f64), torch.zeros(B, H, K, V, dtype=f64),
+                         torch.zeros(B, H, K, dtype=f64), torch.zeros(B, H, K, V, dtype=f64),
+                         torch.zeros(B, H, K, dtype=f64))
+    else:
+        S, C, m, G, h = (x.double() for x in initial_state)
+    gh = None if g is None else _heads(g)
+    outs = []
+    for t in range(T):
+        gamma = 1.0 if gh is None else gh[:, :, t].exp()
+        qt, kt, vt = qh[:, :, t], kh[:, :, t], vh[:, :, t]
+        kk = torch.einsum("bhi,bhj->bhij", kt, kt)
+        G = _scale_by(gamma, G) + torch.einsum("bhij,bhjv->bhiv", kk, C)
+        h = _scale_by(gamma, h) + torch.einsum("bhij,bhj->bhi", kk, m)
+        S = _scale_by(gamma, S) + kk
+        C = _scale_by(gamma, C) + torch.einsum("bhk,bhv->bhkv", qt, vt)
+        m = _scale_by(gamma, m) + qt
+        num = torch.einsum("bhk,bhkv->bhv", qt * scale, torch.einsum("bhij,bhjv->bhiv", S, C) - G)
+        if normalize:
+            den = torch.einsum("bhk,bhk->bh", qt * scale, torch.einsum("bhij,bhj->bhi", S, m) - h)
+            num = num / (den[..., None] + eps)
+        outs.append(num)
+    return torch.stack(outs, 2).transpose(1, 2), (S, C, m, G, h)
+
+
+def ahla(q, k, v, g=None, scale=None, initial_state=None, normalize=False, eps=1e-6):
+    """P_t = γP + k vᵀ, E_t = γE + k (q_tᵀ P_t), m_K = γ m_K + k, n_t = γn + k (q_tᵀ m_K,t);
+    o_t = scale·q_tᵀ E_t (normalized: / (scale·q_tᵀ n_t + eps)). Returns o, (P, m_K, E, n)."""
+    qh, kh, vh = _heads(q), _heads(k), _heads(v)
+    B, H, T, K = kh.shape
+    V = vh.shape[-1]
+    scale = K ** -0.5 if scale is None else scale
+    f64 = torch.float64
+    if initial_state is None:
+        P, mK, E, n = (torch.zeros(B, H, K, V, dtype=f64), torch.zeros(B, H, K, dtype=f64),
+                       torch.zeros(B, H, K, V, dtype=f64), torch.zeros(B, H, K, dtype=f64))
+    else:
+        P, mK, E, n = (x.double() for x in initial_state)
+    gh = None if g is None else _heads(g)
+    outs = []
+    for t in range(T):
+        gamma = 1.0 if gh is None else gh[:, :, t].exp()
+        qt, kt, vt = qh[:, :, t], kh[:, :, t], vh[:, :, t]
+        P = _scale_by(gamma, P) + torch.einsum("bhk,bhv->bhkv", kt, vt)
+        mK = _scale_by(gamma, mK) + kt
+        E = _scale_by(gamma, E) + torch.einsum("bhk,bhv->bhkv", kt, torch.einsum("bhk,bhkv->bhv", qt, P))
+        n = _scale_by(gamma, n) + kt * torch.einsum("bhk,bhk->bh", qt, mK)[..., None]
+        num = torch.einsum("bhk,bhkv->bhv", qt * scale, E)
+        if normalize:
+            num = num / (torch.einsum("bhk,bhk->bh", qt * scale, n)[..., None] + eps)
+        outs.append(num)
+    return torch.stack(outs, 2).transpose(1, 2), (P, mK, E, n)
+
+
+def _scale_by(gamma, x):  # γ [B, H] (or 1.0) times a [B, H, ...] state
+    if isinstance(gamma, float):
+        return x
+    return x * gamma.reshape(gamma.shape + (1,) * (x.dim() - 2))
