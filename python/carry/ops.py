@@ -74,9 +74,10 @@ def _state_dtype(dtype):
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def _run(fn, family, q, k, v, *, g=None, gk=None, beta=None, initial_state=(), scale, normalize=False,
-         eps=1e-6, chunk_size=64, form=None):
-    """One family on [B, T, H, D] inputs of any T; returns (o in q's dtype, final state as a list)."""
+def _run(fn, family, q, k, v, *, g=None, gk=None, beta=None, l=None, initial_state=(), scale, normalize=False,
+         eps=1e-6, chunk_size=64, form=None, offset=0, pad_tail=True):
+    """One family on [B, T, H, D] inputs of any T; returns (o in q's dtype, final state as a list).
+    pad_tail=False: T is a multiple of chunk_size (or the form is naive) and nothing is padded."""
     if form not in _FORMS:
         _fail(fn, f"form must be 'kernel', 'chunkwise' or 'naive' (or None for the dispatch's choice), got {form!r}")
     if not isinstance(chunk_size, int) or chunk_size <= 0:
@@ -86,23 +87,23 @@ def _run(fn, family, q, k, v, *, g=None, gk=None, beta=None, initial_state=(), s
             _fail(fn, f"q, k and v must share one dtype, got q {q.dtype} and {name} {x.dtype}")
     out_dtype, T = q.dtype, q.shape[1]
     form = form or "automatic"
-    pad = 0 if form == "naive" else (-T) % chunk_size
-    q, k, v, g, gk, beta = (_pad_tokens(x, pad) for x in (q, k, v, g, gk, beta))
+    pad = 0 if form == "naive" or not pad_tail else (-T) % chunk_size
+    q, k, v, g, gk, beta, l = (_pad_tokens(x, pad) for x in (q, k, v, g, gk, beta, l))
     if form == "automatic":
-        form = _ops.mixer_form(family, q, k, v, g, gk, beta, None, scale, normalize, eps, chunk_size, 0)
+        form = _ops.mixer_form(family, q, k, v, g, gk, beta, l, scale, normalize, eps, chunk_size, offset)
     if form == "kernel":
         # The kernels read q, k, v in their dtype and the gates in theirs or fp32; the state in fp32.
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-        g, gk, beta = (None if x is None else x.contiguous() if x.dtype in (q.dtype, torch.float32)
-                       else x.float().contiguous() for x in (g, gk, beta))
+        g, gk, beta, l = (None if x is None else x.contiguous() if x.dtype in (q.dtype, torch.float32)
+                          else x.float().contiguous() for x in (g, gk, beta, l))
         sdt = torch.float32
     else:
         cdt = _state_dtype(q.dtype)
-        q, k, v, g, gk, beta = (None if x is None else x.to(cdt) for x in (q, k, v, g, gk, beta))
+        q, k, v, g, gk, beta, l = (None if x is None else x.to(cdt) for x in (q, k, v, g, gk, beta, l))
         sdt = cdt
     state = [s.to(sdt).contiguous() for s in initial_state]
-    o, final = _ops.mixer_forward(family, q, k, v, g, gk, beta, None, state, scale, normalize, eps,
-                                  chunk_size, 0, form)
+    o, final = _ops.mixer_forward(family, q, k, v, g, gk, beta, l, state, scale, normalize, eps,
+                                  chunk_size, offset, form)
     if pad:
         o = o[:, :T]
     return o.to(out_dtype), [s.to(_state_dtype(s.dtype)) for s in final]
@@ -427,5 +428,106 @@ def chunk_ahla(q, k, v, g=None, scale=None, initial_state=None, output_final_sta
                 chunk_size, form)
 
 
+def _log_linear(fn, family, q, k, v, g, beta, level_scales, scale, initial_state, output_final_state, cu_seqlens,
+                offset, chunk_size, form):
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        _check_4d(fn, name, x)
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    if k.shape != q.shape or v.shape[:3] != q.shape[:3]:
+        _fail(fn, f"q and k must be [B, T, H, K] and v [B, T, H, V] with one head each (no grouped heads), got "
+                  f"q {list(q.shape)}, k {list(k.shape)}, v {list(v.shape)}")
+    for name, x in (("g", g), ("beta", beta)):
+        if (name == "g" or family == "loglinear_gdn") and \
+                (not isinstance(x, torch.Tensor) or tuple(x.shape) != (B, T, H)):
+            _fail(fn, f"{name} must be a [B, T, H] = [{B}, {T}, {H}] tensor, got "
+                      f"{list(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__}")
+    if not isinstance(level_scales, torch.Tensor) or level_scales.dim() != 4 or \
+            tuple(level_scales.shape[:3]) != (B, T, H):
+        _fail(fn, f"level_scales must be [B, T, H, L] = [{B}, {T}, {H}, L], got "
+                  f"{list(level_scales.shape) if isinstance(level_scales, torch.Tensor) else type(level_scales).__name__}")
+    if not isinstance(offset, int) or offset < 0:
+        _fail(fn, f"offset (the absolute position of the first token) must be a non-negative int, got {offset!r}")
+    if form != "naive" and offset % chunk_size:
+        _fail(fn, f"offset must be a multiple of chunk_size={chunk_size} (chunks start there), got {offset}; "
+                  "form='naive' takes any offset")
+    L = level_scales.shape[-1]
+    lengths = [T]
+    if isinstance(cu_seqlens, torch.Tensor) and cu_seqlens.dim() == 1:
+        bounds = cu_seqlens.tolist()
+        lengths = [int(b) - int(a) for a, b in zip(bounds[:-1], bounds[1:])]
+    need = (offset + max(lengths + [0])).bit_length() + 1
+    if L < need:
+        _fail(fn, f"level_scales has L={L} levels; positions up to {offset + max(lengths + [0])} and the state "
+                  f"there need L >= {need}")
+    state = None
+    if initial_state is not None:
+        if not isinstance(initial_state, (tuple, list)) or len(initial_state) != L - 1 or \
+                not all(isinstance(x, torch.Tensor) and x.dim() == 4 and tuple(x.shape[1:]) == (H, K, V)
+                        for x in initial_state):
+            _fail(fn, f"initial_state must be a tuple of L-1 = {L - 1} level states, each [N, H={H}, K={K}, "
+                      f"V={V}] (carry's state: one entry per bit of the position; FLA's LogLinearAttentionState "
+                      f"is not taken), got {type(initial_state).__name__}")
+        state = list(initial_state)
+    scale = _scale(scale, k)
+
+    def run(t, st):
+        # The chunked form on whole chunks, the last partial chunk by the recurrence from the state there:
+        # the state at the end is the state at T (padding would move it to a later boundary).
+        n = t["q"].shape[1]
+        main = n if form == "naive" else n - n % chunk_size
+        pieces = [(0, main, form), (main, n, "naive")]
+        outs = []
+        for a, b, f in pieces:
+            if b == a:
+                continue
+            o, st = _run(fn, family, t["q"][:, a:b], t["k"][:, a:b], t["v"][:, a:b], g=t["g"][:, a:b],
+                         beta=None if t.get("beta") is None else t["beta"][:, a:b], l=t["l"][:, a:b],
+                         initial_state=st, scale=scale, chunk_size=chunk_size, form=f, offset=offset + a,
+                         pad_tail=False)
+            outs.append(o)
+        if not outs:
+            return t["v"].new_zeros(t["v"].shape), st
+        return torch.cat(outs, 1), st
+
+    per_token = {n: x for n, x in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta), ("l", level_scales))
+                 if x is not None}
+    sdt = _state_dtype(q.dtype)
+    zero = lambda n=1: [q.new_zeros((n, H, K, V), dtype=sdt) for _ in range(L - 1)]  # noqa: E731
+    if cu_seqlens is not None:
+        o, final = _varlen(fn, run, per_token, cu_seqlens, state, zero)
+    else:
+        if state is not None and state[0].shape[0] != B:
+            _fail(fn, f"initial_state has {state[0].shape[0]} states for a batch of {B}")
+        o, final = run(per_token, state if state is not None else zero(B))
+    return o, tuple(final) if output_final_state else None
+
+
+def chunk_log_linear_attn(q, k, v, g, level_scales, initial_state=None, output_final_state=False, cu_seqlens=None,
+                          scale=1.0, *, offset=0, form=None, chunk_size=64):
+    """Log-linear attention over Mamba-2 (carry's `loglinear_mamba2`), FLA 0.6.0's `chunk_log_linear_attn`
+    arguments: o_t = scale·Σ_{s≤t} exp(g_{s+1} + … + g_t)·level_scales[t, ℓ(t, s)]·(q_t·k_s)·v_s, ℓ(t, s) the
+    Fenwick level bit_width(t xor s) of absolute positions (offset + index), g [B, T, H] log decays,
+    level_scales [B, T, H, L]; `scale` defaults to 1.0 as FLA's does (None: 1/sqrt(K)).
+
+    The state at a position p is carry's: a tuple of L-1 tensors [N, H, K, V], one per bit of p (FLA's
+    LogLinearAttentionState is not taken); a state continues at `offset` = p. One query/key head a value head.
+    """
+    fn = "chunk_log_linear_attn"
+    return _log_linear(fn, "loglinear_mamba2", q, k, v, g, None, level_scales, scale, initial_state,
+                       output_final_state, cu_seqlens, offset, chunk_size, form)
+
+
+def chunk_log_linear_gated_delta_rule(q, k, v, g, beta, level_scales, initial_state=None, output_final_state=False,
+                                      cu_seqlens=None, scale=None, *, offset=0, form=None, chunk_size=64):
+    """Log-linear Gated DeltaNet (carry's `loglinear_gdn`, no FLA counterpart): the Fenwick levels of
+    chunk_log_linear_attn over Gated DeltaNet's transition (g [B, T, H] log decays, beta [B, T, H]), read with
+    level_scales [B, T, H, L]; scale defaults to 1/sqrt(K). The state as in chunk_log_linear_attn.
+    """
+    fn = "chunk_log_linear_gated_delta_rule"
+    return _log_linear(fn, "loglinear_gdn", q, k, v, g, beta, level_scales, scale, initial_state,
+                       output_final_state, cu_seqlens, offset, chunk_size, form)
+
+
 __all__ = ["chunk_gated_delta_rule", "chunk_delta_rule", "chunk_gla", "chunk_simple_gla", "chunk_linear_attn",
-           "chunk_hla2", "chunk_ahla"]
+           "chunk_hla2", "chunk_ahla", "chunk_log_linear_attn", "chunk_log_linear_gated_delta_rule"]

@@ -264,6 +264,75 @@ def test_hla_varlen_and_errors():
         ops.chunk_hla2(q, k, v, g[..., None])
 
 
+LL_T = 13  # two chunks of 4 and a partial one (4 tokens at offset 8, then 1 by the recurrence), 5 levels
+
+
+def log_linear_inputs(seed, t=LL_T):
+    return [randn(B, t, H, K, seed=seed), unit_keys(B, t, H, K, seed=seed + 1), randn(B, t, H, V, seed=seed + 2),
+            F.logsigmoid(randn(B, t, H, seed=seed + 3)), torch.sigmoid(randn(B, t, H, seed=seed + 4)),
+            F.softplus(randn(B, t, H, 5, seed=seed + 5))]
+
+
+@pytest.mark.parametrize("form", ["chunkwise", "naive", None])
+def test_log_linear_attn(form):
+    """chunk_log_linear_attn against the pairwise definition (reference.log_linear_mamba2): o and the gradient
+    of q, k, v, g and level_scales, T = 13 over chunks of 4."""
+    q, k, v, g, _, lam = log_linear_inputs(seed=70)
+    compare(lambda q, k, v, g, lam: ops.chunk_log_linear_attn(q, k, v, g, lam, chunk_size=CHUNK, form=form)[0],
+            lambda q, k, v, g, lam: ref.log_linear_mamba2(q, k, v, g, lam),
+            [q, k, v, g, lam], tol=1e-10, names=["q", "k", "v", "g", "level_scales"])
+
+
+@pytest.mark.parametrize("family", ["mamba2", "gdn"])
+@pytest.mark.parametrize("form", ["chunkwise", "naive"])
+def test_log_linear_state_continues(family, form):
+    """A sequence cut at 8 (a chunk boundary, at offset 8): the second part run from the first part's final
+    state gives the whole's output and final state, and the gradients of every input of both parts equal
+    the whole's (so the state's gradient flows as it must). For Gated DeltaNet the whole runs in the naive
+    form (the recurrence) as the reference."""
+    x = log_linear_inputs(seed=80)
+    cut = 8
+
+    def call(q, k, v, g, beta, lam, **kw):
+        if family == "mamba2":
+            return ops.chunk_log_linear_attn(q, k, v, g, lam, chunk_size=CHUNK, **kw)
+        return ops.chunk_log_linear_gated_delta_rule(q, k, v, g, beta, lam, chunk_size=CHUNK, **kw)
+
+    def split(*xs):
+        first = call(*[t[:, :cut] for t in xs], output_final_state=True, form=form)
+        o2, final = call(*[t[:, cut:] for t in xs], initial_state=first[1], output_final_state=True, offset=cut,
+                         form=form)
+        return torch.cat([first[0], o2], 1), final
+
+    def whole(*xs):
+        return call(*xs, output_final_state=True, form="naive" if family == "gdn" else form)
+
+    names = ["q", "k", "v", "g", "beta", "level_scales"]
+    inputs = x if family == "gdn" else x[:4] + [x[4] * 0 + 1] + x[5:]
+    compare(split, whole, inputs, tol=1e-10, names=names)
+
+
+def test_log_linear_varlen_and_errors():
+    q, k, v, g, beta, lam = (t[:1] for t in log_linear_inputs(seed=90))
+    cu = torch.tensor([0, 5, 13])
+    o, final = ops.chunk_log_linear_attn(q, k, v, g, lam, output_final_state=True, cu_seqlens=cu, chunk_size=CHUNK)
+    assert len(final) == 4 and final[0].shape == (2, H, K, V)
+    for i, (a, b) in enumerate([(0, 5), (5, 13)]):
+        oi, fi = ops.chunk_log_linear_attn(q[:, a:b], k[:, a:b], v[:, a:b], g[:, a:b], lam[:, a:b],
+                                           output_final_state=True, chunk_size=CHUNK)
+        assert_close(o[:, a:b], oi, 1e-12, f"sequence {i}: o")
+        for j, (x, y) in enumerate(zip(final, fi)):
+            assert_close(x[i:i + 1], y, 1e-12, f"sequence {i}: level state {j}")
+    with pytest.raises(ValueError, match="level_scales has L=3 levels; positions up to 13 and the state there need L >= 5"):
+        ops.chunk_log_linear_attn(q, k, v, g, lam[..., :3])
+    with pytest.raises(ValueError, match="offset must be a multiple of chunk_size=4"):
+        ops.chunk_log_linear_attn(q, k, v, g, lam, chunk_size=CHUNK, offset=2)
+    with pytest.raises(ValueError, match="initial_state must be a tuple of L-1 = 4 level states"):
+        ops.chunk_log_linear_attn(q, k, v, g, lam, initial_state=torch.zeros(1, H, K, V, dtype=F64))
+    with pytest.raises(ValueError, match=r"beta must be a \[B, T, H\]"):
+        ops.chunk_log_linear_gated_delta_rule(q, k, v, g, None, lam)
+
+
 def test_gradcheck():
     """Backward against finite differences (gradcheck's fast mode: random directions), every function once,
     tiny fp64 shapes (T = 5, chunk 4)."""

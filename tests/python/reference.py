@@ -142,3 +142,19 @@ def _scale_by(gamma, x):  # γ [B, H] (or 1.0) times a [B, H, ...] state
     if isinstance(gamma, float):
         return x
     return x * gamma.reshape(gamma.shape + (1,) * (x.dim() - 2))
+
+
+def log_linear_mamba2(q, k, v, g, level_scales, scale=1.0, offset=0):
+    """o_t = scale·Σ_{s≤t} exp(g_{s+1} + … + g_t)·level_scales[t, ℓ]·(q_t·k_s)·v_s with the Fenwick level
+    ℓ = bit_length((offset+t) xor (offset+s)) (0 for s = t), as pairs over all tokens (no state)."""
+    qh, kh, vh = _heads(q), _heads(k), _heads(v)
+    gh, lh = _heads(g), _heads(level_scales)  # [B, H, T], [B, H, T, L]
+    T = qh.shape[2]
+    G = gh.cumsum(-1)
+    out = torch.zeros_like(vh)
+    for t in range(T):
+        for s in range(t + 1):
+            level = ((offset + t) ^ (offset + s)).bit_length()
+            w = (G[:, :, t] - G[:, :, s]).exp() * lh[:, :, t, level] * (qh[:, :, t] * kh[:, :, s]).sum(-1)
+            out[:, :, t] = out[:, :, t] + w[..., None] * vh[:, :, s]
+    return (out * scale).transpose(1, 2)
