@@ -44,7 +44,7 @@ std::vector<std::string> mixer_names() {
 }
 
 const std::vector<std::string>& MixerInputs::names() {
-  static const std::vector<std::string> n{"q", "k", "v", "g", "gk", "beta", "l"};
+  static const std::vector<std::string> n{"q", "k", "v", "g", "gk", "beta", "l", "a", "b"};
   return n;
 }
 
@@ -60,7 +60,9 @@ Tensor& MixerInputs::get(const std::string& name) {
   if (name == "gk") return gk;
   if (name == "beta") return beta;
   if (name == "l") return l;
-  TORCH_CHECK(false, "unknown mixer input '", name, "'; inputs are q, k, v, g, gk, beta, l");
+  if (name == "a") return a;
+  if (name == "b") return b;
+  TORCH_CHECK(false, "unknown mixer input '", name, "'; inputs are q, k, v, g, gk, beta, l, a, b");
 }
 
 MixerInputs MixerInputs::slice(int64_t start, int64_t len) const {
@@ -95,7 +97,7 @@ void Mixer::check(const MixerInputs& in, const MixerOptions& opt, bool chunked) 
     if (in.get(n).defined()) names.push_back(n);
   for (auto& n : names) {
     const Tensor& t = in.get(n);
-    if (n == "q" || n == "k" || n == "gk") check_tensor(t, name() + ": '" + n + "'", {B, T, H, dk});
+    if (n == "q" || n == "k" || n == "gk" || n == "a" || n == "b") check_tensor(t, name() + ": '" + n + "'", {B, T, H, dk});
     else if (n == "v") check_tensor(t, name() + ": 'v'", {B, T, H, -1});
     else if (n == "g" || n == "beta") check_tensor(t, name() + ": '" + n + "'", {B, T, H});
     else if (n == "l") check_tensor(t, name() + ": 'l'", {B, T, H, -1});

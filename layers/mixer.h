@@ -38,10 +38,11 @@ struct MixerInputs {
   Tensor gk;       // log decay per key dimension (GLA, S6 dt·A) [B,T,H,dk]
   Tensor beta;     // delta-rule write strength                  [B,T,H]
   Tensor l;        // log-linear per-level weights λ             [B,T,H,L]
+  Tensor a, b;     // the low-rank part of a diagonal-plus-rank-one transition (RWKV-7) [B,T,H,dk]
   // Gated DeltaProduct reads n_h keys, values and betas a token, interleaved along T: k, v, beta then
   // have T·n_h rows (token t's sub-step j at row t·n_h + j), q and g T rows.
 
-  // Every input name, in this order: q, k, v, g, gk, beta, l.
+  // Every input name, in this order: q, k, v, g, gk, beta, l, a, b.
   static const std::vector<std::string>& names();
   // The gates (g, gk, beta): they may stay fp32 beside reduced-precision q, k, v.
   static bool is_gate(const std::string& name) { return name == "g" || name == "gk" || name == "beta"; }

@@ -32,8 +32,16 @@ MixerInputs random_inputs(const Mixer& m, const Shape& s, at::ScalarType dtype, 
     else if (n == "gk") t = at::log_sigmoid(at::randn({s.B, T, s.H, s.dk}, gen, opt) + 3);
     else if (n == "beta") t = at::sigmoid(at::randn({s.B, T, s.H}, gen, opt));
     else if (n == "l") t = at::sigmoid(at::randn({s.B, T, s.H, num_levels(s)}, gen, opt)) + 0.1;
+    else if (n == "a") t = at::randn({s.B, T, s.H, s.dk}, gen, opt);
+    else if (n == "b") t = at::sigmoid(at::randn({s.B, T, s.H, s.dk}, gen, opt));
     if (delta && n == "k") t = t / t.norm(2, -1, true);
     in.get(n) = t.to(device);
+  }
+  // RWKV-7's transition Diag(w) + b aᵀ with a = −κ̂ (a unit vector) and b = κ̂ ⊙ a_lr, a_lr in (0, 1).
+  if (in.a.defined() && in.b.defined()) {
+    Tensor kappa = in.a / in.a.norm(2, -1, true);
+    in.a = -kappa;
+    in.b = kappa * in.b;
   }
   return in;
 }

@@ -1,7 +1,8 @@
-// DeltaNet ("deltanet"), Gated DeltaNet ("gated_deltanet") and Kimi Delta Attention ("kda", its chunk in
-// layers/kda/kda.h):
+// DeltaNet ("deltanet"), Gated DeltaNet ("gated_deltanet"), Kimi Delta Attention ("kda", its chunk in
+// layers/kda/kda.h) and RWKV-7's diagonal-plus-rank-one update ("rwkv7", its chunk in layers/rwkv7/rwkv7.h):
 //   S_t = γ_t (I − β_t k_t k_tᵀ) S_{t−1} + β_t k_t v_tᵀ,  o_t = scale · S_tᵀ q_t,  γ_t = exp(g_t) (≡ 1
-// for DeltaNet); KDA decays each key dimension: S_t = (I − β_t k_t k_tᵀ) Diag(e^{gk_t}) S_{t−1} + β_t k_t v_tᵀ. State {S} [B,H,dk,dv]; transport {A} [B,H,dk,dk], A = Π_t γ_t (I − β_t k_t k_tᵀ) (later
+// for DeltaNet); KDA decays each key dimension: S_t = (I − β_t k_t k_tᵀ) Diag(e^{gk_t}) S_{t−1} + β_t k_t v_tᵀ;
+// RWKV-7: S_t = (Diag(e^{gk_t}) + b_t a_tᵀ) S_{t−1} + k_t v_tᵀ. State {S} [B,H,dk,dv]; transport {A} [B,H,dk,dk], A = Π_t γ_t (I − β_t k_t k_tᵀ) (later
 // token on the left), dense. Forms: naive = the token recurrence; chunkwise = the WY/UT form of
 // Yang et al. (DeltaNet) with the gated extension of Gated DeltaNet: per chunk the pieces of
 // delta_rule_chunk (gate cumulative sums restart at every chunk), o = M·V + P·S_in and
@@ -11,6 +12,7 @@
 #include "layers/delta_rule/delta_rule.h"
 
 #include "layers/kda/kda.h"
+#include "layers/rwkv7/rwkv7.h"
 #include "layers/layout.h"
 #ifdef CARRY_WITH_CUDA
 #include "layers/kernels/delta_rule/op.h"
@@ -98,18 +100,19 @@ DeltaChunkPieces delta_rule_chunk(const MixerInputs& in, int64_t chunk, const Mi
 
 namespace {
 
-// The three families differ in their gate: none (DeltaNet), g a scalar a head (Gated DeltaNet), gk a decay
-// a key dimension (KDA).
-enum class Gate { none, scalar, diag };
+// The families differ in their gate: none (DeltaNet), g a scalar a head (Gated DeltaNet), gk a decay a key
+// dimension (KDA), or gk with the rank-one part b aᵀ in place of −β k kᵀ (RWKV-7, layers/rwkv7/rwkv7.h).
+enum class Gate { none, scalar, diag, dplr };
 
 class DeltaRule : public Mixer {
  public:
   explicit DeltaRule(Gate gate) : gate_(gate), gated_(gate == Gate::scalar) {}
 
   std::string name() const override {
-    return gate_ == Gate::diag ? "kda" : gated_ ? "gated_deltanet" : "deltanet";
+    return gate_ == Gate::dplr ? kRwkv7Family : gate_ == Gate::diag ? "kda" : gated_ ? "gated_deltanet" : "deltanet";
   }
   std::vector<std::string> input_names() const override {
+    if (gate_ == Gate::dplr) return {"q", "k", "v", "gk", "a", "b"};
     if (gate_ == Gate::diag) return {"q", "k", "v", "gk", "beta"};
     if (gated_) return {"q", "k", "v", "g", "beta"};
     return {"q", "k", "v", "beta"};
@@ -122,7 +125,7 @@ class DeltaRule : public Mixer {
 
   void check(const MixerInputs& in, const MixerOptions& opt, bool chunked) const override {
     Mixer::check(in, opt, chunked);  // shapes, dtypes (and with check_values: finite β, g <= 0)
-    if (!opt.check_values) return;
+    if (!opt.check_values || gate_ == Gate::dplr) return;
     const Tensor& beta = in.beta;
     bool ok = ((beta >= kDeltaBetaMin) & (beta <= kDeltaBetaMax)).all().item<bool>();
     TORCH_CHECK(ok, name(), ": 'beta' (the delta-rule write strength) must lie in [", kDeltaBetaMin,
@@ -135,10 +138,22 @@ class DeltaRule : public Mixer {
     auto dt = compute_dtype(in.q);
     auto S = initial(in, init);
     auto q = to_bhtd(in.q).to(dt) * opt.scale_for(in.q.size(3));
-    auto k = to_bhtd(in.k).to(dt), v = to_bhtd(in.v).to(dt), beta = to_bhtd(in.beta).to(dt);
+    auto k = to_bhtd(in.k).to(dt), v = to_bhtd(in.v).to(dt);
     Tensor gamma = gated_ ? to_bhtd(in.g).to(dt).exp() : Tensor();
-    Tensor alpha = gate_ == Gate::diag ? to_bhtd(in.gk).to(dt).exp() : Tensor();  // [B,H,T,dk]
+    const bool diag = gate_ == Gate::diag || gate_ == Gate::dplr;
+    Tensor alpha = diag ? to_bhtd(in.gk).to(dt).exp() : Tensor();  // [B,H,T,dk]
     std::vector<Tensor> outs;
+    if (gate_ == Gate::dplr) {  // S = Diag(w) S + b (aᵀ S) + k vᵀ
+      auto a = to_bhtd(in.a).to(dt), b = to_bhtd(in.b).to(dt);
+      for (int64_t t = 0; t < q.size(2); ++t) {
+        auto read = at::matmul(a.select(2, t).unsqueeze(-2), S);  // aᵀ S_{t−1} [B,H,1,dv]
+        S = alpha.select(2, t).unsqueeze(-1) * S + b.select(2, t).unsqueeze(-1) * read +
+            k.select(2, t).unsqueeze(-1) * v.select(2, t).unsqueeze(-2);
+        outs.push_back(at::matmul(q.select(2, t).unsqueeze(-2), S).squeeze(-2));
+      }
+      return {from_bhtd(at::stack(outs, 2)).to(in.q.scalar_type()), {S}};
+    }
+    auto beta = to_bhtd(in.beta).to(dt);
     for (int64_t t = 0; t < q.size(2); ++t) {
       auto kt = k.select(2, t).unsqueeze(-1), vt = v.select(2, t).unsqueeze(-2);  // [B,H,dk,1], [B,H,1,dv]
       auto bt = beta.select(2, t).unsqueeze(-1).unsqueeze(-1);
@@ -154,10 +169,10 @@ class DeltaRule : public Mixer {
 
 #ifdef CARRY_WITH_CUDA
   // The kernel form: layers/kernels/delta_rule/{fwd,bwd}.cu through the autograd op of layers/kernels/delta_rule/op.cpp
-  // (DeltaNet and Gated DeltaNet; KDA has none yet).
-  bool has_kernel() const override { return gate_ != Gate::diag; }
+  // (DeltaNet and Gated DeltaNet; KDA and RWKV-7 have none yet).
+  bool has_kernel() const override { return gate_ == Gate::none || gate_ == Gate::scalar; }
   bool kernel_supports(const MixerInputs& in, const MixerOptions& opt) const override {
-    return gate_ != Gate::diag && delta_rule_kernel_supports(in, opt);
+    return has_kernel() && delta_rule_kernel_supports(in, opt);
   }
   MixerOutput kernel(const MixerInputs& in, const State& init, const MixerOptions& opt) const override {
     check(in, opt, /*chunked=*/true);
@@ -267,18 +282,24 @@ class DeltaRule : public Mixer {
     return forward(writes_nothing, {eye}, plain);
   }
 
-  // Chunked [B,H,N,C,·] views of the inputs in the compute dtype; g undefined for DeltaNet, KDA's gk in g.
+  // Chunked [B,H,N,C,·] views of the inputs in the compute dtype; g undefined for DeltaNet, KDA's and
+  // RWKV-7's gk in g; a and b for RWKV-7 only, beta for the others.
   struct Chunks {
-    Tensor q, k, v, beta, g;
+    Tensor q, k, v, beta, g, a, b;
   };
   Chunks chunks(const MixerInputs& in, const MixerOptions& opt) const {
     auto dt = compute_dtype(in.q);
     int64_t C = opt.chunk_size;
-    auto split = [&](const Tensor& x) { return split_chunks(to_bhtd(x).to(dt), C); };
+    auto split = [&](const Tensor& x) { return x.defined() ? split_chunks(to_bhtd(x).to(dt), C) : Tensor(); };
+    const bool diag = gate_ == Gate::diag || gate_ == Gate::dplr;
     return {split(in.q), split(in.k), split(in.v), split(in.beta),
-            gated_ ? split(in.g) : gate_ == Gate::diag ? split(in.gk) : Tensor()};
+            gated_ ? split(in.g) : diag ? split(in.gk) : Tensor(),
+            gate_ == Gate::dplr ? split(in.a) : Tensor(), gate_ == Gate::dplr ? split(in.b) : Tensor()};
   }
   DeltaChunkPieces piece(const Chunks& c, int64_t n, const MixerOptions& opt) const {
+    if (gate_ == Gate::dplr)
+      return dplr_chunk(c.q.select(2, n), c.k.select(2, n), c.v.select(2, n), c.a.select(2, n), c.b.select(2, n),
+                        c.g.select(2, n), opt.scale_for(c.q.size(-1)));
     if (gate_ == Gate::diag)
       return kda_chunk(c.q.select(2, n), c.k.select(2, n), c.v.select(2, n), c.beta.select(2, n), c.g.select(2, n),
                        opt.scale_for(c.q.size(-1)));
@@ -316,10 +337,14 @@ struct GatedDeltaNet final : DeltaRule {
 struct Kda final : DeltaRule {
   Kda() : DeltaRule(Gate::diag) {}
 };
+struct Rwkv7 final : DeltaRule {
+  Rwkv7() : DeltaRule(Gate::dplr) {}
+};
 
 CARRY_REGISTER_MIXER(DeltaNet);
 CARRY_REGISTER_MIXER(GatedDeltaNet);
 CARRY_REGISTER_MIXER(Kda);
+CARRY_REGISTER_MIXER(Rwkv7);
 
 }  // namespace
 }  // namespace carry

@@ -123,7 +123,7 @@ TEST_P(MixerContract, SummaryAlgebra) {
 // (the tree and allgather scans' one-pass form and shortcut).
 bool has_one_pass_form(const std::string& n) {
   return n == "scalar_decay" || n == "gla" || n == "mamba1" || n == "linear_attn" || n == "deltanet" ||
-         n == "gated_deltanet" || n == "kda" || n == "gated_deltaproduct";
+         n == "gated_deltanet" || n == "kda" || n == "rwkv7" || n == "gated_deltaproduct";
 }
 
 // Families with Mixer::fixed_summary: the one-pass ones and HLA's two (a zero transport).
