@@ -354,15 +354,19 @@ _HLA_STATES = {"hla2": (("S", "kk"), ("C", "kv"), ("m", "k"), ("G", "kv"), ("h",
                "ahla": (("P", "kv"), ("m_K", "k"), ("E", "kv"), ("n", "k"))}
 
 
-def _hla(fn, family, q, k, v, g, scale, initial_state, output_final_state, normalize, eps, cu_seqlens,
-         chunk_size, form):
+def _qkv_dims(fn, q, k, v):
+    """(B, T, H, K, V) of [B, T, H, K] q and k and [B, T, H, V] v, one query/key head a value head."""
     for name, x in (("q", q), ("k", k), ("v", v)):
         _check_4d(fn, name, x)
-    B, T, H, K = q.shape
-    V = v.shape[-1]
     if k.shape != q.shape or v.shape[:3] != q.shape[:3]:
-        _fail(fn, f"q and k must be [B, T, H, K] and v [B, T, H, V] alike, got q {list(q.shape)}, "
-                  f"k {list(k.shape)}, v {list(v.shape)}")
+        _fail(fn, f"q and k must be [B, T, H, K] and v [B, T, H, V] with one head each (no grouped heads), got "
+                  f"q {list(q.shape)}, k {list(k.shape)}, v {list(v.shape)}")
+    return (*q.shape, v.shape[-1])
+
+
+def _hla(fn, family, q, k, v, g, scale, initial_state, output_final_state, normalize, eps, cu_seqlens,
+         chunk_size, form):
+    B, T, H, K, V = _qkv_dims(fn, q, k, v)
     if g is not None and (not isinstance(g, torch.Tensor) or tuple(g.shape) != (B, T, H)):
         _fail(fn, f"g must be a [B, T, H] = [{B}, {T}, {H}] tensor of log decays, got "
                   f"{list(g.shape) if isinstance(g, torch.Tensor) else type(g).__name__}")
@@ -430,13 +434,7 @@ def chunk_ahla(q, k, v, g=None, scale=None, initial_state=None, output_final_sta
 
 def _log_linear(fn, family, q, k, v, g, beta, level_scales, scale, initial_state, output_final_state, cu_seqlens,
                 offset, chunk_size, form):
-    for name, x in (("q", q), ("k", k), ("v", v)):
-        _check_4d(fn, name, x)
-    B, T, H, K = q.shape
-    V = v.shape[-1]
-    if k.shape != q.shape or v.shape[:3] != q.shape[:3]:
-        _fail(fn, f"q and k must be [B, T, H, K] and v [B, T, H, V] with one head each (no grouped heads), got "
-                  f"q {list(q.shape)}, k {list(k.shape)}, v {list(v.shape)}")
+    B, T, H, K, V = _qkv_dims(fn, q, k, v)
     for name, x in (("g", g), ("beta", beta)):
         if (name == "g" or family == "loglinear_gdn") and \
                 (not isinstance(x, torch.Tensor) or tuple(x.shape) != (B, T, H)):

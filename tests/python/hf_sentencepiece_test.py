@@ -9,10 +9,11 @@ names its </s> as the end of document. Needs --carry-binary, a carry with Senten
 `transformers` (launcher/python_env installs them)."""
 import json
 import os
-import struct
 import subprocess
 
 import pytest
+
+from hf_tokenizer_parity_test import _read_tokens
 
 RUN = """name: "hf_sp_export"
 seed: 1
@@ -50,14 +51,6 @@ MODELS = {
                                    "add_dummy_prefix=false", "remove_extra_whitespaces=false"]),
     "bpe_symbols": ("bpe", ["user_defined_symbols=<sep>,[MASK]"]),
 }
-
-
-def _read_tokens(path):
-    data = open(path, "rb").read()
-    assert data[:8] == b"CARRYTOK"
-    width, count = struct.unpack_from("<IQ", data, 12)
-    fmt = {2: "H", 4: "I"}[width]
-    return list(struct.unpack_from("<%d%s" % (count, fmt), data, 24))
 
 
 def _run(args, cwd):
