@@ -4,9 +4,9 @@
 namespace carry {
 
 std::pair<Tensor, Tensor> chunkwise_scale_one(const std::string& family, const MixerInputs& in, const Tensor& x0,
-                                              int64_t chunk_size) {
+                                              int64_t chunk_size, double scale) {
   MixerOptions opt;
-  opt.scale = 1.0;
+  opt.scale = scale;
   opt.chunk_size = chunk_size;
   opt.form = Form::chunkwise;
   auto r = get_mixer(family).forward(in, {x0}, opt);
@@ -14,11 +14,12 @@ std::pair<Tensor, Tensor> chunkwise_scale_one(const std::string& family, const M
 }
 
 DecayPass chunkwise_decay_pass(int64_t chunk_size) {
-  return [chunk_size](const Tensor& c, const Tensor& a, const Tensor& b, const Tensor& g, const Tensor& x0) {
+  return [chunk_size](const Tensor& c, const Tensor& a, const Tensor& b, const Tensor& g, const Tensor& x0,
+                      double scale) {
     MixerInputs in;
     in.q = c, in.k = a, in.v = b;
     in.g = g.defined() ? g : at::zeros({c.size(0), c.size(1), c.size(2)}, c.options());
-    return chunkwise_scale_one("scalar_decay", in, x0, chunk_size);
+    return chunkwise_scale_one("scalar_decay", in, x0, chunk_size, scale);
   };
 }
 

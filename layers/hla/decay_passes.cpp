@@ -47,62 +47,47 @@ Tensor readout(const Tensor& y, int64_t dv, const MixerOptions& opt, double scal
 }
 
 
-// The inclusive scan x_c = a_c x_{c−1} + b_c along dim 2 of b [B,H,N,d] with a [B,H,N] in [0, 1] and
-// x_{−1} = x0 [B,H,d]: every x_c [B,H,N,d]. By doubling (log₂ N steps); the weights are products of
-// decays, never quotients.
-Tensor decayed_scan(Tensor a, Tensor b, const Tensor& x0) {
-  const int64_t N = b.size(2);
-  for (int64_t off = 1; off < N; off *= 2) {
-    Tensor a_pre = at::cat({at::ones_like(a.narrow(2, 0, off)), a.narrow(2, 0, N - off)}, 2);
-    Tensor b_pre = at::cat({at::zeros_like(b.narrow(2, 0, off)), b.narrow(2, 0, N - off)}, 2);
-    b = b + a.unsqueeze(-1) * b_pre;
-    a = a * a_pre;
+// normalizer_states with the read copies of a and g given: a_read, g_read are a and g one token later
+// when strict (the pass then holds x_{t−1} at token t), a and g otherwise.
+std::pair<Tensor, Tensor> normalizer_states_read(const DecayPass& pass, const Tensor& a, const Tensor& a_read,
+                                                 const Tensor& e, const Tensor& f, const Tensor& g,
+                                                 const Tensor& g_read, const Tensor& x0, const Tensor& y0,
+                                                 bool strict) {
+  const int64_t T = a.size(1);
+  const auto dt = x0.scalar_type();
+  // w_t = f_tᵀ x_t (x_{t−1} when strict): the pass's read-out of x, carried in a ones column.
+  auto pad = x0.sizes().vec();
+  pad.push_back(kNormalizerColumns - 1);
+  Tensor X0 = at::cat({x0.unsqueeze(-1), at::zeros(pad, x0.options())}, -1);
+  // In the states' dtype: w read out and its gradient taken without a bf16 rounding (the gradient of g
+  // through y_T is a difference of such terms).
+  auto block = f.sizes().vec();
+  block.back() = kNormalizerColumns;
+  Tensor ones = at::zeros(block, f.options().dtype(dt));
+  ones.select(-1, 0).fill_(1);
+  auto [r, X] = pass(f.to(dt), a_read.to(dt), ones, g_read, X0, 1.0);
+  Tensor w = r.select(-1, 0).to(dt), x = X.select(-1, 0);  // w [B,T,H]
+  if (strict) {  // the pass ends at x_{T−1}: the last token's step
+    Tensor last = a.select(1, T - 1).to(dt);
+    x = g.defined() ? x * g.select(1, T - 1).to(dt).exp().unsqueeze(-1) + last : x + last;
   }
-  return b + a.unsqueeze(-1) * x0.unsqueeze(2);
+  // y_T = e^{G_T} y_0 + Σ_t e^{G_T − G_t} e_t w_t: each exponent the sum of the gates after t (never
+  // positive), summed from the end.
+  // In [B,H,T], where the sums run along the innermost dimension.
+  Tensor ed = e.to(dt), wt = w.transpose(1, 2);
+  if (!g.defined()) return {x, y0 + at::einsum("bht,bthd->bhd", {wt, ed})};
+  Tensor from = g.to(dt).transpose(1, 2).flip({-1}).cumsum(-1).flip({-1});  // Σ_{r ≥ t} g_r
+  Tensor after = at::cat({from.narrow(-1, 1, T - 1), at::zeros_like(from.narrow(-1, 0, 1))}, -1);
+  Tensor y = y0 * from.select(-1, 0).exp().unsqueeze(-1) + at::einsum("bht,bthd->bhd", {wt * after.exp(), ed});
+  return {x, y};
 }
 
 }  // namespace
 
-std::pair<Tensor, Tensor> normalizer_states(const Tensor& a, const Tensor& e, const Tensor& f, const Tensor& g,
-                                            const Tensor& x0, const Tensor& y0, bool strict, int64_t L) {
-  const int64_t B = a.size(0), T = a.size(1), H = a.size(2), d = a.size(3);
-  const auto dt = x0.scalar_type();
-  const int64_t N = (T + L - 1) / L, pad = N * L - T;
-  // [B,T,H,·] → [B,H,N,L,·] in the states' dtype, zero tokens after T (they add nothing and do not decay);
-  // one copy a distinct input.
-  std::vector<std::pair<const void*, Tensor>> done;
-  auto chunks = [&](const Tensor& x) {
-    for (auto& [ptr, t] : done)
-      if (ptr == x.unsafeGetTensorImpl()) return t;
-    Tensor y = x.transpose(1, 2).to(dt).contiguous();
-    if (pad) y = at::constant_pad_nd(y, {0, 0, 0, pad});
-    y = y.view({B, H, N, L, d});
-    done.emplace_back(x.unsafeGetTensorImpl(), y);
-    return y;
-  };
-  Tensor A = chunks(a), E = chunks(e), F = chunks(f);
-  Tensor gc;  // [B,H,N,L]
-  if (g.defined()) {
-    gc = g.transpose(1, 2).to(dt);
-    if (pad) gc = at::constant_pad_nd(gc, {0, pad});
-    gc = gc.reshape({B, H, N, L});
-  } else {
-    gc = at::zeros({B, H, N, L}, x0.options());
-  }
-  Tensor Gc = gc.cumsum(-1);                 // the decay from the chunk's start through token i
-  Tensor Gr = strict ? Gc - gc : Gc;          // ... through the token x is read at (i−1 when strict)
-  Tensor last = Gc.narrow(-1, L - 1, 1);      // the chunk's whole decay [B,H,N,1]
-  Tensor to_end = (last - Gc).exp();          // e^{decay from token i to the chunk's end}
-  Tensor chunk_decay = last.squeeze(-1).exp();
-  // Token i reads Σ_{j ≤ i (j < i when strict)} e^{Gr_i − Gc_j} (f_i·a_j) + e^{Gr_i} (f_i·x at the chunk's start).
-  Tensor keep = at::ones({L, L}, at::TensorOptions().dtype(at::kBool).device(a.device())).tril(strict ? -1 : 0);
-  Tensor pair_decay = (Gr.unsqueeze(-1) - Gc.unsqueeze(-2)).masked_fill(keep.logical_not(), -INFINITY).exp();
-  Tensor w = (at::matmul(F, A.transpose(-1, -2)) * pair_decay).sum(-1);                      // [B,H,N,L]
-  Tensor x_end = decayed_scan(chunk_decay, at::matmul(to_end.unsqueeze(-2), A).squeeze(-2), x0);  // [B,H,N,d]
-  Tensor x_start = at::cat({x0.unsqueeze(2), x_end.narrow(2, 0, N - 1)}, 2);
-  w = w + Gr.exp() * at::matmul(F, x_start.unsqueeze(-1)).squeeze(-1);
-  Tensor y_end = decayed_scan(chunk_decay, at::matmul((to_end * w).unsqueeze(-2), E).squeeze(-2), y0);
-  return {x_end.select(2, N - 1), y_end.select(2, N - 1)};
+std::pair<Tensor, Tensor> normalizer_states(const DecayPass& pass, const Tensor& a, const Tensor& e, const Tensor& f,
+                                            const Tensor& g, const Tensor& x0, const Tensor& y0, bool strict) {
+  if (!strict) return normalizer_states_read(pass, a, a, e, f, g, g, x0, y0, false);
+  return normalizer_states_read(pass, a, later(a), e, f, g, g.defined() ? later(g) : Tensor(), x0, y0, true);
 }
 
 MixerOutput hla2_by_decay_passes(const MixerInputs& in, const State& init, const MixerOptions& opt,
@@ -115,29 +100,34 @@ MixerOutput hla2_by_decay_passes(const MixerInputs& in, const State& init, const
   Tensor C0 = state_or_zeros(init, 1, {B, H, dk, dv}, so).to(dt), m0 = state_or_zeros(init, 2, {B, H, dk}, so).to(dt);
   Tensor G0 = state_or_zeros(init, 3, {B, H, dk, dv}, so).to(dt), h0 = state_or_zeros(init, 4, {B, H, dk}, so).to(dt);
   const bool ones = opt.normalize;  // the normalizer rides in the passes only when the output reads it
+  const double scale = opt.scale_for(dk);
+  // Without the normalizer the reads of passes 1 and 4 carry the scale (a scaled R makes SC scaled), and
+  // o = SC − Gq is one subtraction, rounded once.
+  const double read_scale = ones ? 1.0 : scale;
   Tensor v = ones ? value_block(in.v) : in.v;
   if (ones) C0 = state_block(C0, m0, dt), G0 = state_block(G0, h0, dt);
   const int64_t w = v.size(-1);
-  Tensor W = pass(k, later(q), later(v), g.defined() ? later(g) : Tensor(), C0).first;
+  Tensor q_before = later(q), g_before = g.defined() ? later(g) : Tensor();
+  Tensor W = pass(k, q_before, later(v), g_before, C0, 1.0).first;
   Tensor R, S_T, Gq, G_T;
   if (joint_read) {  // passes 1 and 4 read the same q through the same keys k: one pass, values [k, W]
-    auto [RG, SG_T] = pass(q, k, at::cat({k, W}, -1), g, at::cat({S0, G0}, -1));
-    R = RG.narrow(-1, 0, dk), Gq = RG.narrow(-1, dk, w);
+    auto [RG, SG_T] = pass(q, k, at::cat({k, W}, -1), g, at::cat({S0, G0}, -1), read_scale);
+    auto parts = RG.split_with_sizes({dk, w}, -1);  // one concatenation of the gradients in the backward
+    R = parts[0], Gq = parts[1];
     S_T = SG_T.narrow(-1, 0, dk), G_T = SG_T.narrow(-1, dk, w);
   } else {
-    std::tie(R, S_T) = pass(q, k, k, g, S0);
-    std::tie(Gq, G_T) = pass(q, k, W, g, G0);
+    std::tie(R, S_T) = pass(q, k, k, g, S0, read_scale);
+    std::tie(Gq, G_T) = pass(q, k, W, g, G0, read_scale);
   }
-  auto [SC, C_T] = pass(R, q, v, g, C0);
+  auto [SC, C_T] = pass(R, q, v, g, C0, 1.0);
+  if (!ones) {
+    auto [m, h] = normalizer_states_read(pass, q, q_before, k, k, g, g_before, m0, h0, /*strict=*/true);
+    return {at::sub(SC, Gq).to(in.q.scalar_type()), {S_T, C_T, m, G_T, h}};
+  }
   Tensor Y = SC.to(dt) - Gq.to(dt);
-  Tensor C = C_T, m, G = G_T, h;
-  if (ones) {
-    std::tie(C, m) = split_block(C_T, dv);
-    std::tie(G, h) = split_block(G_T, dv);
-  } else {
-    std::tie(m, h) = normalizer_states(q, k, k, g, m0, h0, /*strict=*/true);
-  }
-  return {readout(Y, dv, opt, opt.scale_for(dk), in.q.scalar_type()), {S_T, C, m, G, h}};
+  auto [C, m] = split_block(C_T, dv);
+  auto [G, h] = split_block(G_T, dv);
+  return {readout(Y, dv, opt, scale, in.q.scalar_type()), {S_T, C, m, G, h}};
 }
 
 MixerOutput ahla_by_decay_passes(const MixerInputs& in, const State& init, const MixerOptions& opt,
@@ -145,15 +135,22 @@ MixerOutput ahla_by_decay_passes(const MixerInputs& in, const State& init, const
   const int64_t B = in.q.size(0), H = in.q.size(2), dk = in.q.size(3), dv = in.v.size(3);
   const auto dt = state_dtype(in.q);
   const auto so = in.q.options().dtype(dt);
-  Tensor P0 = state_block(state_or_zeros(init, 0, {B, H, dk, dv}, so), state_or_zeros(init, 1, {B, H, dk}, so), dt);
-  Tensor E0 = state_block(state_or_zeros(init, 2, {B, H, dk, dv}, so), state_or_zeros(init, 3, {B, H, dk}, so), dt);
+  Tensor P0 = state_or_zeros(init, 0, {B, H, dk, dv}, so).to(dt), mK0 = state_or_zeros(init, 1, {B, H, dk}, so).to(dt);
+  Tensor E0 = state_or_zeros(init, 2, {B, H, dk, dv}, so).to(dt), n0 = state_or_zeros(init, 3, {B, H, dk}, so).to(dt);
   const Tensor &q = in.q, &k = in.k, &g = in.g;
-  Tensor v = value_block(in.v);
-  auto [Y, P_T] = pass(q, k, v, g, P0);
-  auto [Z, E_T] = pass(q, k, Y, g, E0);
+  const double scale = opt.scale_for(dk);
+  // The ones column when the output reads the normalizer, or when a cut must give the whole's bits.
+  if (!opt.normalize && !opt.serial_states) {  // the second pass's read, scaled, is the output
+    auto [Y, P_T] = pass(q, k, in.v, g, P0, 1.0);
+    auto [Z, E_T] = pass(q, k, Y, g, E0, scale);
+    auto [mK, n] = normalizer_states(pass, k, k, q, g, mK0, n0, /*strict=*/false);
+    return {Z.to(in.q.scalar_type()), {P_T, mK, E_T, n}};
+  }
+  auto [Y, P_T] = pass(q, k, value_block(in.v), g, state_block(P0, mK0, dt), 1.0);
+  auto [Z, E_T] = pass(q, k, Y, g, state_block(E0, n0, dt), 1.0);
   auto [P, mK] = split_block(P_T, dv);
   auto [E, n] = split_block(E_T, dv);
-  return {readout(Z.to(dt), dv, opt, opt.scale_for(dk), in.q.scalar_type()), {P, mK, E, n}};
+  return {readout(Z.to(dt), dv, opt, scale, in.q.scalar_type()), {P, mK, E, n}};
 }
 
 }  // namespace carry

@@ -1,6 +1,6 @@
 // hla2 and ahla as passes of the decay class's recurrence (the kernel form of both families).
 //
-// One pass is the decay class's recurrence (layers/decay_pass.h, scale 1):
+// One pass is the decay class's recurrence (layers/decay_pass.h; scale 1 unless said):
 //   X_t = γ_t X_{t−1} + a_t b_tᵀ,   r_t = X_tᵀ c_t         (pass(c, a, b, g, X_0) → (r, X_T))
 // with γ_t = e^{g_t} (no g: γ ≡ 1). Every state of both families follows this recurrence with some key
 // and value, and every product the outputs need is such a read-out, so each family is a few passes
@@ -20,14 +20,17 @@
 // (parallel.segments), which cut the one-GPU run at the same places.
 // Passes 1 and 4 read the same q through the same keys k, so with `joint_read` they are one pass of
 // values [k, W] from the state [S_0, G'_0] (pass 2 runs first). Without `normalize` the output reads no
-// normalizer: the passes carry v, C and G alone (no ones column) and m, h come from normalizer_states.
+// normalizer: the passes carry v, C and G alone (no ones column), m and h come from normalizer_states,
+// passes 1 and 4 read with the scale s, and o = SC − Gq in the inputs' dtype.
 //
 // ahla (hla.h), with v' and P' = [P, m_K, 0…], E' = [E, n, 0…] alike:
 //   1. (Y, P'_T) = pass(q, k, v', g, P'_0)     Y_t = q_tᵀ P'_t
 //   2. (Z, E'_T) = pass(q, k, Y, g, E'_0)      Z_t = q_tᵀ E'_t  (E'_t = γ_t E'_{t−1} + k_t Y_tᵀ)
 //   o = s·Z[:, :dv] (normalized: divided by s·Z[:, dv] + eps). Every pass is chunk-local, so a cut at a
-//   chunk boundary gives the bits of the whole (the ones column stays: normalizer_states's scan over
-//   chunks would round m_K and n differently at a cut).
+//   chunk boundary gives the bits of the whole. Without `normalize` the output reads no normalizer: the
+//   passes carry v, P and E alone (a third fewer columns), pass 2 reads with the scale s (its read is o)
+//   and m_K, n come from normalizer_states, except with serial_states, where the ones column stays
+//   (normalizer_states's sum over the whole slice would round n differently at a cut).
 //
 // States go in and come out in fp32 (fp64 for fp64 inputs); the passes' reads (R, W, Y) are in the
 // inputs' dtype, as the kernels return them; Y = SC − Gq is formed in fp32.
@@ -47,10 +50,12 @@ MixerOutput ahla_by_decay_passes(const MixerInputs& in, const State& initial_sta
 
 // The two vector states of a normalizer at the end: x_t = γ_t x_{t−1} + a_t and
 // y_t = γ_t y_{t−1} + e_t (f_tᵀ x_{t−1}) (strict; f_tᵀ x_t otherwise), from x_0, y_0 [B,H,d]; a, e, f
-// [B,T,H,d], g [B,T,H] or undefined (γ ≡ 1). hla2's (m, h) are (a, e, f) = (q, k, k), strict. In ATen, in x_0's dtype, chunks of L tokens: a chunk's products
-// f_iᵀ a_j with the decays between them (each exponent a difference inside the chunk, never positive),
-// the chunks' ends by a doubling scan whose weights are products of decays.
-std::pair<Tensor, Tensor> normalizer_states(const Tensor& a, const Tensor& e, const Tensor& f, const Tensor& g,
-                                            const Tensor& x0, const Tensor& y0, bool strict, int64_t L = 64);
+// [B,T,H,d], g [B,T,H] or undefined (γ ≡ 1). hla2's (m, h) are (a, e, f) = (q, k, k), strict; ahla's
+// (m_K, n) are (k, k, q), not strict. One pass of 64 columns (a ones column) gives w_t = f_tᵀ x_t (x_{t−1}:
+// a and g one token later) and x at the end; y_T = e^{G_T} y_0 + Σ_t e^{G_T − G_t} e_t w_t is one weighted
+// sum, its exponents the gates after t summed from the end (never positive). The pass and the states run
+// in x_0's dtype (fp32 for bf16 inputs: the gradient of g through y_T is a difference of such terms).
+std::pair<Tensor, Tensor> normalizer_states(const DecayPass& pass, const Tensor& a, const Tensor& e, const Tensor& f,
+                                            const Tensor& g, const Tensor& x0, const Tensor& y0, bool strict);
 
 }  // namespace carry

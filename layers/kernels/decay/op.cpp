@@ -101,8 +101,9 @@ std::pair<Tensor, Tensor> decay_kernel_forward(DecayKernel kind, const Tensor& q
 }
 
 DecayPass decay_kernel_pass(bool serial_states) {
-  return [serial_states](const Tensor& c, const Tensor& a, const Tensor& b, const Tensor& g, const Tensor& x0) {
-    return decay_kernel_forward(g.defined() ? DecayKernel::scalar : DecayKernel::none, c, a, b, g, x0, 1.0,
+  return [serial_states](const Tensor& c, const Tensor& a, const Tensor& b, const Tensor& g, const Tensor& x0,
+                         double scale) {
+    return decay_kernel_forward(g.defined() ? DecayKernel::scalar : DecayKernel::none, c, a, b, g, x0, scale,
                                 serial_states);
   };
 }

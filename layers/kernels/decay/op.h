@@ -27,7 +27,7 @@ std::pair<Tensor, Tensor> decay_kernel_forward(DecayKernel kind, const Tensor& q
                                                const std::function<void(const Tensor&)>& on_final_state = {},
                                                const std::function<void(const Tensor&)>& on_initial_state_grad = {});
 
-// The recurrence as a decay pass (layers/decay_pass.h): scale 1, the scalar gate where g is given (none
+// The recurrence as a decay pass (layers/decay_pass.h): the pass's scale, the scalar gate where g is given (none
 // otherwise); serial_states walks the chunks in order.
 DecayPass decay_kernel_pass(bool serial_states);
 

@@ -61,6 +61,7 @@ TEST_P(DecayPasses, ComposedChunkwiseEqualsTheFamilysChunkwiseInFp64) {
   });
   for (bool gate : {true, false})
     for (bool normalize : {false, true})
+      for (bool serial : {false, true})  // ahla: m_K and n by normalizer_states, or in the ones column
       for (int64_t T : {64, 80}) {
       joint = !joint;  // hla2's passes 1 and 4 apart and joint, and T off the normalizer's chunks, in each case
       Shape s;
@@ -68,6 +69,7 @@ TEST_P(DecayPasses, ComposedChunkwiseEqualsTheFamilysChunkwiseInFp64) {
       MixerOptions opt;
       opt.chunk_size = 16;
       opt.normalize = normalize;
+      opt.serial_states = serial;
       auto in = hla_inputs(s, at::kDouble, 11, 3, 300, gate);
       if (normalize) {  // positive features keep the normalizer away from zero
         in.q = in.q.abs();
@@ -81,7 +83,7 @@ TEST_P(DecayPasses, ComposedChunkwiseEqualsTheFamilysChunkwiseInFp64) {
       ASSERT_EQ(got.size(), names.size());
       for (size_t i = 0; i < ref.size(); ++i)
         EXPECT_LE(rel_err(got[i], ref[i]), 1e-11) << m.name() << (gate ? " gated" : " no gate")
-                                                  << (normalize ? " normalized" : "") << " T " << T
+                                                  << (normalize ? " normalized" : "") << (serial ? " serial" : "") << " T " << T
                                                   << (joint ? " joint read" : "") << ": " << names[i];
     }
 }
@@ -99,9 +101,9 @@ TEST(DecayPasses, Hla2NeedsTheShiftedPass) {
   int calls = 0;
   // The first pass is the shifted one; give it the unshifted inputs (its c is k, a and b are ←q, ←v).
   const DecayPass unshifted = [&](const Tensor& c, const Tensor& a, const Tensor& b, const Tensor& g,
-                                  const Tensor& x0) {
-    if (++calls != 1) return exact(c, a, b, g, x0);
-    return exact(c, in.q, in.v, in.g, x0);
+                                  const Tensor& x0, double scale) {
+    if (++calls != 1) return exact(c, a, b, g, x0, scale);
+    return exact(c, in.q, in.v, in.g, x0, scale);
   };
   auto ref = m.chunkwise(in, {}, opt).o;
   EXPECT_LE(rel_err(hla2_by_decay_passes(in, {}, opt, exact, false).o, ref), 1e-12);
@@ -112,7 +114,7 @@ TEST(DecayPasses, Hla2NeedsTheShiftedPass) {
 // twentieth of a token (decays of e^-14 a token) to 10^5 tokens: finite, and within 1e-5.
 TEST(DecayPasses, NormalizerStatesFollowTheRecurrence) {
   Shape s;
-  s.B = 2, s.T = 100, s.H = 3, s.dk = 8, s.dv = 8;
+  s.B = 2, s.T = 112, s.H = 3, s.dk = 8, s.dv = 8;
   auto in = hla_inputs(s, at::kDouble, 21, 0.05, 1e5, true);
   auto gen = at::make_generator<at::CPUGeneratorImpl>(4);
   Tensor x0 = at::randn({s.B, s.H, s.dk}, gen, at::kDouble), y0 = at::randn({s.B, s.H, s.dk}, gen, at::kDouble);
@@ -126,7 +128,8 @@ TEST(DecayPasses, NormalizerStatesFollowTheRecurrence) {
       y = gamma * y + in.k.select(1, t) * (f.select(1, t) * (strict ? before : x)).sum(-1, true);
     }
     auto to32 = [](const Tensor& t) { return t.to(at::kFloat); };
-    auto [xT, yT] = normalizer_states(to32(in.q), to32(in.k), to32(f), to32(in.g), to32(x0), to32(y0), strict, 16);
+    auto [xT, yT] = normalizer_states(chunkwise_decay_pass(16), to32(in.q), to32(in.k), to32(f), to32(in.g), to32(x0),
+                                     to32(y0), strict);
     EXPECT_TRUE(at::isfinite(xT).all().item<bool>() && at::isfinite(yT).all().item<bool>());
     EXPECT_LE(rel_err(xT.to(at::kDouble), x), 1e-5) << (strict ? "strict" : "inclusive");
     EXPECT_LE(rel_err(yT.to(at::kDouble), y), 1e-5) << (strict ? "strict" : "inclusive");
