@@ -3,8 +3,8 @@ folder of the same classes): `carry.load(DIR)` reads config.json and model.safet
 module whose forward(input_ids) gives the logits, computed as carry's model computes them (the mixers
 through carry.ops: the kernels on CUDA tensors where this build has them, the chunkwise forms otherwise).
 
-Layers: Gated DeltaNet (grouped value heads included) and DeltaNet, FLA's `gated_deltanet` and `delta_net`
-model types; a block is y = x + mixer(norm(x)), out = y + mlp(norm(y)) with SwiGLU MLPs and RMS norms,
+Layers: Gated DeltaNet (grouped value heads included), DeltaNet and GLA, FLA's `gated_deltanet`, `delta_net`
+and `gla` model types; a block is y = x + mixer(norm(x)), out = y + mlp(norm(y)) with SwiGLU MLPs and RMS norms,
 as framework/model/model.h builds it. For evaluation and generation from Python: the weights are
 parameters (trainable), but the forward keeps no recurrent state between calls.
 """
@@ -109,6 +109,36 @@ class _DeltaLayer(nn.Module):
         return self.o_proj(o.reshape(B, T, self.Hv * self.dv))
 
 
+class _GlaLayer(nn.Module):
+    """FLA's GatedLinearAttention layer as carry's `gla` kind computes it: q, k, v projections with no
+    convolution or feature map, gk = logsigmoid(W₂ W₁ x + b) / 16 per key dimension (rank 16), the gated
+    output norm (RMS norm times silu(g_proj x))."""
+
+    RANK, NORMALIZER = 16, 16.0
+
+    def __init__(self, d, H, dk, dv, eps):
+        super().__init__()
+        self.H, self.dk, self.dv, self.eps = H, dk, dv, eps
+        self.q_proj = nn.Linear(d, H * dk, bias=False)
+        self.k_proj = nn.Linear(d, H * dk, bias=False)
+        self.v_proj = nn.Linear(d, H * dv, bias=False)
+        self.gk_proj = nn.Sequential(nn.Linear(d, self.RANK, bias=False), nn.Linear(self.RANK, H * dk, bias=True))
+        self.g_proj = nn.Linear(d, H * dv, bias=False)
+        self.g_norm_swish_gate = nn.Parameter(torch.ones(dv))
+        self.o_proj = nn.Linear(H * dv, d, bias=False)
+
+    def forward(self, x):
+        B, T, _ = x.shape
+        q = self.q_proj(x).view(B, T, self.H, self.dk)
+        k = self.k_proj(x).view(B, T, self.H, self.dk)
+        v = self.v_proj(x).view(B, T, self.H, self.dv)
+        gk = (F.logsigmoid(self.gk_proj(x)) / self.NORMALIZER).view(B, T, self.H, self.dk)
+        o, _ = ops.chunk_gla(q, k, v, gk)
+        z = self.g_proj(x).view(B, T, self.H, self.dv)
+        o = _rms_norm(o.to(x.dtype), self.g_norm_swish_gate, self.eps) * F.silu(z)
+        return self.o_proj(o.reshape(B, T, self.H * self.dv))
+
+
 class _Block(nn.Module):
     def __init__(self, d, inter, eps, attn):
         super().__init__()
@@ -132,8 +162,8 @@ class CarryModel(nn.Module):
     def __init__(self, config):
         super().__init__()
         kind = config.get("model_type")
-        if kind not in ("gated_deltanet", "delta_net"):
-            _fail(f"model_type {kind!r}: carry.load builds gated_deltanet and delta_net models")
+        if kind not in ("gated_deltanet", "delta_net", "gla"):
+            _fail(f"model_type {kind!r}: carry.load builds gated_deltanet, delta_net and gla models")
         if config.get("attn") is not None:
             _fail("config.json has an `attn` entry (softmax attention layers): not built by carry.load")
         d, H, L = config["hidden_size"], config["num_heads"], config["num_hidden_layers"]
@@ -143,23 +173,39 @@ class CarryModel(nn.Module):
             dv = int(dk * config.get("expand_v", 2.0))
             Hv = config.get("num_v_heads") or H
         else:
-            dk = round(d * config.get("expand_k", 1.0)) // H
+            dk = round(d * config.get("expand_k", 0.5 if kind == "gla" else 1.0)) // H
             dv = round(d * config.get("expand_v", 1.0)) // H
             Hv = H
         conv = config.get("conv_size", 4) if config.get("use_short_conv", True) else 0
+        if kind == "gla":
+            self._check_gla(config, conv)
         inter = config.get("intermediate_size")
         if inter is None:
             _fail("config.json has no intermediate_size (carry writes it)")
         self.config = config
         self.eps = eps
         self.embeddings = nn.Embedding(config["vocab_size"], d)
-        self.layers = nn.ModuleList([
-            _Block(d, inter, eps, _DeltaLayer(d, H, Hv, dk, dv, conv, eps, kind == "gated_deltanet"))
-            for _ in range(L)])
+        def mixer():
+            if kind == "gla":
+                return _GlaLayer(d, H, dk, dv, eps)
+            return _DeltaLayer(d, H, Hv, dk, dv, conv, eps, kind == "gated_deltanet")
+        self.layers = nn.ModuleList([_Block(d, inter, eps, mixer()) for _ in range(L)])
         self.norm = nn.Parameter(torch.ones(d))
         self.tied = bool(config.get("tie_word_embeddings", False))
         if not self.tied:
             self.lm_head = nn.Linear(d, config["vocab_size"], bias=False)
+
+    @staticmethod
+    def _check_gla(config, conv):
+        """The GLA settings carry's `gla` kind computes; any other is refused by name."""
+        want = {"use_output_gate": True, "use_gk": True, "use_gv": False, "feature_map": None, "clamp_min": None,
+                "num_kv_heads": None, "gate_logit_normalizer": 16, "gate_low_rank_dim": 16}
+        for key, value in want.items():
+            if key in config and config[key] != value:
+                _fail(f"config.json: {key} is {config[key]!r}; carry's gla layer computes {key} = {value!r}")
+        if conv:
+            _fail("config.json: use_short_conv is true for gla; carry's gla layer has no short convolutions "
+                  "(FLA applies silu after them, carry's gla kind does not)")
 
     def _targets(self):
         """FLA's tensor names -> this module's parameters."""
@@ -171,6 +217,14 @@ class CarryModel(nn.Module):
             out.update({p + "attn_norm.weight": b.attn_norm, p + "mlp_norm.weight": b.mlp_norm,
                         p + "mlp.gate_proj.weight": b.gate_proj.weight, p + "mlp.up_proj.weight": b.up_proj.weight,
                         p + "mlp.down_proj.weight": b.down_proj.weight})
+            if isinstance(a, _GlaLayer):
+                for n in ("q_proj", "k_proj", "v_proj", "g_proj", "o_proj"):
+                    out[p + f"attn.{n}.weight"] = getattr(a, n).weight
+                out[p + "attn.gk_proj.0.weight"] = a.gk_proj[0].weight
+                out[p + "attn.gk_proj.1.weight"] = a.gk_proj[1].weight
+                out[p + "attn.gk_proj.1.bias"] = a.gk_proj[1].bias
+                out[p + "attn.g_norm_swish_gate.weight"] = a.g_norm_swish_gate
+                continue
             for n in ("q_proj", "k_proj", "v_proj", "b_proj", "g_proj", "o_proj") + (("a_proj",) if a.gated else ()):
                 out[p + f"attn.{n}.weight"] = getattr(a, n).weight
             if a.gated:

@@ -1,6 +1,6 @@
 """carry.load: a model `carry export --format hf` wrote gives, in Python, the logits `carry eval
 --dump-logits` gives for the same tokens (fp32, CPU): Gated DeltaNet with short convolutions and grouped value
-heads, and DeltaNet without convolutions and with a tied head; a folder with a missing or misshapen tensor is
+heads, DeltaNet without convolutions and with a tied head, and GLA; a folder with a missing or misshapen tensor is
 refused naming it. Needs --carry-binary."""
 import json
 import os
@@ -35,7 +35,8 @@ def _run(cmd, cwd):
 
 
 @pytest.mark.parametrize("kind,conv,tie,dv,extra", [("gated_deltanet", 4, "false", 24, "n_v_heads: 4"),
-                                                     ("deltanet", 0, "true", 16, "")])
+                                                     ("deltanet", 0, "true", 16, ""),
+                                                     ("gla", 0, "false", 24, "")])
 def test_load_gives_carry_eval_logits(carry_binary, tmp_path, kind, conv, tie, dv, extra):
     gen = torch.Generator().manual_seed(1)
     _write_tokens(tmp_path / "train.tok", torch.randint(0, 256, (400,), generator=gen).tolist())
@@ -71,3 +72,16 @@ def test_load_refuses_what_does_not_match(carry_binary, tmp_path):
         carry.load(str(tmp_path / "hf"))
     with pytest.raises(ValueError, match="not a directory"):
         carry.load(str(tmp_path / "nothing"))
+
+
+@pytest.mark.parametrize("key,value,match", [("use_gv", True, "use_gv is True"),
+                                             ("use_short_conv", True, "no short convolutions"),
+                                             ("gate_logit_normalizer", 8, "gate_logit_normalizer is 8")])
+def test_load_refuses_gla_settings_carry_does_not_compute(tmp_path, key, value, match):
+    config = {"model_type": "gla", "hidden_size": 32, "num_heads": 2, "num_hidden_layers": 1, "expand_k": 0.5,
+              "expand_v": 1.0, "intermediate_size": 64, "vocab_size": 16, "use_short_conv": False, key: value}
+    os.makedirs(tmp_path / "hf")
+    (tmp_path / "hf" / "config.json").write_text(json.dumps(config))
+    (tmp_path / "hf" / "model.safetensors").write_bytes(b"")
+    with pytest.raises(ValueError, match=match):
+        carry.load(str(tmp_path / "hf"))
