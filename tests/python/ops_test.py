@@ -518,6 +518,56 @@ def test_kernels(dtype, tol):
         assert_close(a, c, 1e-3, f"kernel gradient of {n}")
 
 
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("family", ["hla2", "ahla", "loglinear_mamba2", "loglinear_gdn"])
+def test_hla_log_linear_kernels(family, dtype):
+    """The kernel forms of the HLA and log-linear functions against their chunkwise forms on the same GPU in
+    fp32 (on the same rounded inputs), from the state a 64-token prefix leaves (at offset 64 for the
+    levels): fp32 inputs, o, every final-state entry and every gradient (the initial state's included)
+    within 1e-3 of the largest reference entry; bf16 inputs, o and every final-state entry within 2e-2."""
+    b, t, h, d, dev = 1, 256, 2, 64, "cuda"
+    q, k, v = unit_keys(b, 64 + t, h, d, seed=110), unit_keys(b, 64 + t, h, d, seed=111), randn(b, 64 + t, h, d, seed=112)
+    g = F.logsigmoid(randn(b, 64 + t, h, seed=113)) * 0.1 - 1e-3  # half-lives from about 2 to 700 tokens
+    beta = torch.sigmoid(randn(b, 64 + t, h, seed=114))
+    lam = F.softplus(randn(b, 64 + t, h, 10, seed=115))  # positions up to 320 and the state there: 10 levels
+    hla = family in ("hla2", "ahla")
+
+    def call(xs, state, form, offset):
+        q, k, v, g, beta, lam = xs
+        kw = dict(initial_state=state, output_final_state=True, form=form)
+        if family == "hla2":
+            return ops.chunk_hla2(q, k, v, g, **kw)
+        if family == "ahla":
+            return ops.chunk_ahla(q, k, v, g, **kw)
+        if family == "loglinear_mamba2":
+            return ops.chunk_log_linear_attn(q, k, v, g, lam, offset=offset, **kw)
+        return ops.chunk_log_linear_gated_delta_rule(q, k, v, g, beta, lam, offset=offset, **kw)
+
+    prefix = [x[:, :64].to(dev, torch.float32) for x in (q, k, v, g, beta, lam)]
+    state0 = tuple(call(prefix, None, "chunkwise", 0)[1])
+    inputs = [x[:, 64:].to(dev, torch.float32) for x in (q, k, v, g, beta, lam)] + list(state0)
+    n = 6
+
+    def run(form):
+        def f(*xs):
+            qkv = [x.to(dtype) if form is None else x.to(dtype).float() for x in xs[:3]]
+            return call(qkv + list(xs[3:n]), tuple(xs[n:]), form, 64)
+        return f
+
+    low = [x.to(dtype) for x in inputs[:3]]
+    form = torch.ops.carry.mixer_form(family, *low, inputs[3], None, None if hla or family == "loglinear_mamba2"
+                                      else inputs[4], None if hla else inputs[5], 0.0, False, 1e-6, 64, 64)
+    assert form == "kernel", f"{family} {dtype}: the automatic form is {form}"
+    names = ["q", "k", "v", "g", "beta", "level_scales"] + [f"initial state {i}" for i in range(len(state0))]
+    if dtype == torch.float32:
+        compare(run(None), run("chunkwise"), inputs, tol=1e-3, names=names)
+        return
+    got, want = flat(run(None)(*inputs)), flat(run("chunkwise")(*inputs))
+    for i, (x, y) in enumerate(zip(got, want)):
+        assert_close(x, y, 2e-2, f"{family} bf16: output {i}")
+
+
 # ---- carry.scan: a sequence split in two, stitched by its summaries ----
 
 @pytest.mark.parametrize("family", ["gated_deltanet", "gla", "linear_attn"])
