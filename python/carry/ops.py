@@ -74,8 +74,8 @@ def _state_dtype(dtype):
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def _run(fn, family, q, k, v, *, g=None, gk=None, beta=None, l=None, initial_state=(), scale, normalize=False,
-         eps=1e-6, chunk_size=64, form=None, offset=0, pad_tail=True):
+def _run(fn, family, q, k, v, *, g=None, gk=None, beta=None, l=None, a=None, b=None, initial_state=(), scale,
+         normalize=False, eps=1e-6, chunk_size=64, form=None, offset=0, pad_tail=True):
     """One family on [B, T, H, D] inputs of any T; returns (o in q's dtype, final state as a list).
     pad_tail=False: T is a multiple of chunk_size (or the form is naive) and nothing is padded."""
     if form not in _FORMS:
@@ -88,22 +88,22 @@ def _run(fn, family, q, k, v, *, g=None, gk=None, beta=None, l=None, initial_sta
     out_dtype, T = q.dtype, q.shape[1]
     form = form or "automatic"
     pad = 0 if form == "naive" or not pad_tail else (-T) % chunk_size
-    q, k, v, g, gk, beta, l = (_pad_tokens(x, pad) for x in (q, k, v, g, gk, beta, l))
+    q, k, v, g, gk, beta, l, a, b = (_pad_tokens(x, pad) for x in (q, k, v, g, gk, beta, l, a, b))
     if form == "automatic":
-        form = _ops.mixer_form(family, q, k, v, g, gk, beta, l, scale, normalize, eps, chunk_size, offset)
+        form = _ops.mixer_form(family, q, k, v, g, gk, beta, l, scale, normalize, eps, chunk_size, offset, a, b)
     if form == "kernel":
         # The kernels read q, k, v in their dtype and the gates in theirs or fp32; the state in fp32.
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-        g, gk, beta, l = (None if x is None else x.contiguous() if x.dtype in (q.dtype, torch.float32)
-                          else x.float().contiguous() for x in (g, gk, beta, l))
+        g, gk, beta, l, a, b = (None if x is None else x.contiguous() if x.dtype in (q.dtype, torch.float32)
+                                else x.float().contiguous() for x in (g, gk, beta, l, a, b))
         sdt = torch.float32
     else:
         cdt = _state_dtype(q.dtype)
-        q, k, v, g, gk, beta, l = (None if x is None else x.to(cdt) for x in (q, k, v, g, gk, beta, l))
+        q, k, v, g, gk, beta, l, a, b = (None if x is None else x.to(cdt) for x in (q, k, v, g, gk, beta, l, a, b))
         sdt = cdt
     state = [s.to(sdt).contiguous() for s in initial_state]
     o, final = _ops.mixer_forward(family, q, k, v, g, gk, beta, l, state, scale, normalize, eps,
-                                  chunk_size, offset, form)
+                                  chunk_size, offset, form, a, b)
     if pad:
         o = o[:, :T]
     return o.to(out_dtype), [s.to(_state_dtype(s.dtype)) for s in final]
@@ -141,9 +141,9 @@ def _varlen(fn, run, per_token, cu_seqlens, initial_state, zero_state):
     return o, [torch.cat(parts, 0) for parts in zip(*finals)]
 
 
-def _decay_family(fn, family, q, k, v, *, g=None, gk=None, beta=None, scale, initial_state, output_final_state,
-                  state_v_first, cu_seqlens, chunk_size, form):
-    """The one-state families (S [N, H, K, V]): gated/ungated delta rule, GLA, simple GLA."""
+def _decay_family(fn, family, q, k, v, *, g=None, gk=None, beta=None, a=None, b=None, scale, initial_state,
+                  output_final_state, state_v_first, cu_seqlens, chunk_size, form):
+    """The one-state families (S [N, H, K, V]): gated/ungated delta rule, GLA, simple GLA, RWKV-7's."""
     B, _, H, K = q.shape
     V = v.shape[-1]
     if initial_state is not None:
@@ -155,12 +155,13 @@ def _decay_family(fn, family, q, k, v, *, g=None, gk=None, beta=None, scale, ini
         if tuple(initial_state.shape) != want:
             _fail(fn, f"initial_state must be [N, H={H}, K={K}, V={V}]"
                       f"{' (V-first: [N, H, V, K])' if state_v_first else ''}, got {list(initial_state.shape)}")
-    per_token = {"q": q, "k": k, "v": v, "g": g, "gk": gk, "beta": beta}
+    per_token = {"q": q, "k": k, "v": v, "g": g, "gk": gk, "beta": beta, "a": a, "b": b}
     per_token = {n: x for n, x in per_token.items() if x is not None}
 
     def run(t, state):
         o, final = _run(fn, family, t["q"], t["k"], t["v"], g=t.get("g"), gk=t.get("gk"), beta=t.get("beta"),
-                        initial_state=state, scale=scale, chunk_size=chunk_size, form=form)
+                        a=t.get("a"), b=t.get("b"), initial_state=state, scale=scale, chunk_size=chunk_size,
+                        form=form)
         return o, final
 
     if cu_seqlens is not None:
@@ -269,6 +270,46 @@ def chunk_gla(q, k, v, g, scale=None, initial_state=None, output_final_state=Fal
     return _decay_family(fn, "gla", q, k, v, gk=g, scale=_scale(scale, q), initial_state=initial_state,
                          output_final_state=output_final_state, state_v_first=state_v_first,
                          cu_seqlens=cu_seqlens, chunk_size=chunk_size, form=form)
+
+
+@torch.compiler.disable
+def chunk_dplr_delta_rule(q, k, v, a, b, gk, scale=None, initial_state=None, output_final_state=False,
+                          cu_seqlens=None, cu_seqlens_cpu=None, *, form=None, **kwargs):
+    """The diagonal-plus-rank-one delta rule (FLA's generalized delta rule, carry's `rwkv7` family):
+    S_t = Diag(exp(gk_t))·S_{t−1} + b_t (a_tᵀ S_{t−1}) + k_t v_tᵀ, o_t = scale·S_tᵀ q_t.
+
+    q, k, a, b, gk [B, T, H, K] (gk a log decay per key dimension); v [B, T, H, V]; initial_state
+    [N, H, K, V]. FLA's kernel options `safe_gate`, `disable_recompute` and `lower_bound` are accepted:
+    the first two change nothing here; `lower_bound` checks lower_bound <= gk < 0, as FLA asserts it.
+    """
+    return _dplr("chunk_dplr_delta_rule", q, k, v, a, b, gk, _scale(scale, k), initial_state, output_final_state,
+                 cu_seqlens, form, kwargs)
+
+
+@torch.compiler.disable
+def chunk_rwkv7(r, w, k, v, a, b, scale=1.0, initial_state=None, output_final_state=False, cu_seqlens=None,
+                cu_seqlens_cpu=None, *, form=None, **kwargs):
+    """RWKV-7's state update, FLA's `chunk_rwkv7`: chunk_dplr_delta_rule with q = r (the receptance),
+    gk = w (the log decay, [B, T, H, K]) and scale 1 by default. RWKV-7 passes a = −κ̂ and b = κ̂ ⊙ a_lr."""
+    return _dplr("chunk_rwkv7", r, k, v, a, b, w, float(scale), initial_state, output_final_state, cu_seqlens,
+                 form, kwargs, gate_name="w", query_name="r")
+
+
+def _dplr(fn, q, k, v, a, b, gk, scale, initial_state, output_final_state, cu_seqlens, form, kwargs,
+          gate_name="gk", query_name="q"):
+    _check_kwargs(fn, kwargs, ("chunk_size", "safe_gate", "disable_recompute", "lower_bound"))
+    for name, x in ((query_name, q), ("k", k), ("v", v), ("a", a), ("b", b), (gate_name, gk)):
+        _check_4d(fn, name, x)
+    for name, x in (("k", k), ("a", a), ("b", b), (gate_name, gk)):
+        if x.shape != q.shape:
+            _fail(fn, f"{name} must have {query_name}'s shape {list(q.shape)}, got {list(x.shape)}")
+    bound = kwargs.get("lower_bound")
+    if bound is not None and not bool(((gk >= bound) & (gk < 0)).all()):
+        _fail(fn, f"lower_bound={bound}: expected lower_bound <= {gate_name} < 0, got {gate_name} in "
+                  f"[{float(gk.min()):.4g}, {float(gk.max()):.4g}]")
+    return _decay_family(fn, "rwkv7", q, k, v, gk=gk, a=a, b=b, scale=scale, initial_state=initial_state,
+                         output_final_state=output_final_state, state_v_first=False, cu_seqlens=cu_seqlens,
+                         chunk_size=kwargs.get("chunk_size") or 64, form=form)
 
 
 @torch.compiler.disable
@@ -528,4 +569,5 @@ def chunk_log_linear_gated_delta_rule(q, k, v, g, beta, level_scales, initial_st
 
 
 __all__ = ["chunk_gated_delta_rule", "chunk_delta_rule", "chunk_gla", "chunk_simple_gla", "chunk_linear_attn",
+           "chunk_dplr_delta_rule", "chunk_rwkv7",
            "chunk_hla2", "chunk_ahla", "chunk_log_linear_attn", "chunk_log_linear_gated_delta_rule"]

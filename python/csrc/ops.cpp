@@ -24,7 +24,8 @@ namespace {
 
 MixerInputs inputs(const Tensor& q, const Tensor& k, const Tensor& v, const std::optional<Tensor>& g,
                    const std::optional<Tensor>& gk, const std::optional<Tensor>& beta,
-                   const std::optional<Tensor>& l) {
+                   const std::optional<Tensor>& l, const std::optional<Tensor>& a = std::nullopt,
+                   const std::optional<Tensor>& b = std::nullopt) {
   MixerInputs in;
   in.q = q;
   in.k = k;
@@ -33,6 +34,8 @@ MixerInputs inputs(const Tensor& q, const Tensor& k, const Tensor& v, const std:
   if (gk) in.gk = *gk;
   if (beta) in.beta = *beta;
   if (l) in.l = *l;
+  if (a) in.a = *a;
+  if (b) in.b = *b;
   return in;
 }
 
@@ -58,9 +61,10 @@ std::tuple<Tensor, std::vector<Tensor>> mixer_forward(
     const std::string& family, const Tensor& q, const Tensor& k, const Tensor& v,
     const std::optional<Tensor>& g, const std::optional<Tensor>& gk, const std::optional<Tensor>& beta,
     const std::optional<Tensor>& l, const std::vector<Tensor>& initial_state, double scale, bool normalize,
-    double eps, int64_t chunk_size, int64_t offset, const std::string& form) {
+    double eps, int64_t chunk_size, int64_t offset, const std::string& form, const std::optional<Tensor>& a,
+    const std::optional<Tensor>& b) {
   const Mixer& m = get_mixer(family);
-  MixerOutput out = m.forward(inputs(q, k, v, g, gk, beta, l), State(initial_state.begin(), initial_state.end()),
+  MixerOutput out = m.forward(inputs(q, k, v, g, gk, beta, l, a, b), State(initial_state.begin(), initial_state.end()),
                               options(scale, normalize, eps, chunk_size, offset, form));
   return {out.o, state_list(out.final_state)};
 }
@@ -69,9 +73,10 @@ std::tuple<Tensor, std::vector<Tensor>> mixer_forward(
 std::string mixer_form(const std::string& family, const Tensor& q, const Tensor& k, const Tensor& v,
                        const std::optional<Tensor>& g, const std::optional<Tensor>& gk,
                        const std::optional<Tensor>& beta, const std::optional<Tensor>& l, double scale,
-                       bool normalize, double eps, int64_t chunk_size, int64_t offset) {
+                       bool normalize, double eps, int64_t chunk_size, int64_t offset,
+                       const std::optional<Tensor>& a, const std::optional<Tensor>& b) {
   const Mixer& m = get_mixer(family);
-  return form_name(m.resolve_form(inputs(q, k, v, g, gk, beta, l),
+  return form_name(m.resolve_form(inputs(q, k, v, g, gk, beta, l, a, b),
                                   options(scale, normalize, eps, chunk_size, offset, "automatic")));
 }
 
@@ -90,10 +95,10 @@ std::tuple<std::vector<Tensor>, std::vector<Tensor>> mixer_summarize(
     const std::string& family, const Tensor& q, const Tensor& k, const Tensor& v,
     const std::optional<Tensor>& g, const std::optional<Tensor>& gk, const std::optional<Tensor>& beta,
     const std::optional<Tensor>& l, double scale, bool normalize, double eps, int64_t chunk_size,
-    int64_t offset) {
+    int64_t offset, const std::optional<Tensor>& a, const std::optional<Tensor>& b) {
   const Mixer& m = get_mixer(family);
   TORCH_CHECK(m.has_summary(), "carry: ", family, " has no recurrent state, so no state summary");
-  Summary s = m.summarize(inputs(q, k, v, g, gk, beta, l),
+  Summary s = m.summarize(inputs(q, k, v, g, gk, beta, l, a, b),
                           options(scale, normalize, eps, chunk_size, offset, "automatic"));
   return {s.transport, state_list(s.state)};
 }
@@ -119,18 +124,21 @@ std::vector<Tensor> mixer_apply(const std::string& family, const std::vector<Ten
 }  // namespace
 }  // namespace carry
 
-// The inputs and options every running operator takes, in MixerInputs' and MixerOptions' names.
+// The inputs and options every running operator takes, in MixerInputs' and MixerOptions' names; the
+// rank-one inputs a and b (RWKV-7's update) come last, with defaults, after the options.
 #define CARRY_INPUTS "Tensor q, Tensor k, Tensor v, Tensor? g, Tensor? gk, Tensor? beta, Tensor? l"
 #define CARRY_OPTIONS "float scale, bool normalize, float eps, int chunk_size, int offset"
+#define CARRY_RANK_ONE "Tensor? a=None, Tensor? b=None"
 
 TORCH_LIBRARY(carry, m) {
   m.def("mixer_forward(str family, " CARRY_INPUTS ", Tensor[] initial_state, " CARRY_OPTIONS
-        ", str form) -> (Tensor, Tensor[])",
+        ", str form, " CARRY_RANK_ONE ") -> (Tensor, Tensor[])",
         &carry::mixer_forward);
-  m.def("mixer_form(str family, " CARRY_INPUTS ", " CARRY_OPTIONS ") -> str", &carry::mixer_form);
+  m.def("mixer_form(str family, " CARRY_INPUTS ", " CARRY_OPTIONS ", " CARRY_RANK_ONE ") -> str", &carry::mixer_form);
   m.def("families() -> str[]", &carry::families);
   m.def("family_info(str family) -> (str[], str[], str[], bool)", &carry::family_info);
-  m.def("mixer_summarize(str family, " CARRY_INPUTS ", " CARRY_OPTIONS ") -> (Tensor[], Tensor[])",
+  m.def("mixer_summarize(str family, " CARRY_INPUTS ", " CARRY_OPTIONS ", " CARRY_RANK_ONE
+        ") -> (Tensor[], Tensor[])",
         &carry::mixer_summarize);
   m.def("mixer_compose(str family, Tensor[] first_transport, Tensor[] first_state, Tensor[] second_transport, "
         "Tensor[] second_state) -> (Tensor[], Tensor[])",

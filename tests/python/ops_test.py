@@ -201,6 +201,51 @@ def test_linear_attn(normalize):
                 [q, k, v, S0])
 
 
+def rwkv7_inputs(seed):
+    """RWKV-7's inputs as its layer makes them: r, k, v; w = −0.6065·σ(·) (its log decay, half-lives from
+    about 1.1 tokens up); a = −κ̂ and b = κ̂ ⊙ a_lr with κ̂ unit keys and a_lr in (0, 1)."""
+    r, k, v = randn(B, T, H, K, seed=seed), randn(B, T, H, K, seed=seed + 1), randn(B, T, H, V, seed=seed + 2)
+    w = -0.6065306597126334 * torch.sigmoid(randn(B, T, H, K, seed=seed + 3))
+    kappa = unit_keys(B, T, H, K, seed=seed + 4)
+    return r, w, k, v, -kappa, kappa * torch.sigmoid(randn(B, T, H, K, seed=seed + 5))
+
+
+@pytest.mark.parametrize("form", ["chunkwise", "naive", None])
+def test_rwkv7(form):
+    """chunk_rwkv7 (scale 1) and chunk_dplr_delta_rule (default scale) against reference.dplr: o, the final
+    state and the gradient of every input and of the initial state; T = 10 over chunks of 4."""
+    r, w, k, v, a, b = rwkv7_inputs(seed=30)
+    S0 = randn(B, H, K, V, seed=36)
+    names = ["r", "w", "k", "v", "a", "b", "initial_state"]
+    compare(lambda r, w, k, v, a, b, S0: ops.chunk_rwkv7(r, w, k, v, a, b, initial_state=S0, output_final_state=True,
+                                                         chunk_size=CHUNK, form=form),
+            lambda r, w, k, v, a, b, S0: ref.dplr(r, k, v, a, b, w, scale=1.0, initial_state=S0),
+            [r, w, k, v, a, b, S0], tol=1e-10, names=names)
+    compare(lambda q, gk, k, v, a, b, S0: ops.chunk_dplr_delta_rule(q, k, v, a, b, gk, initial_state=S0,
+                                                                    output_final_state=True, chunk_size=CHUNK,
+                                                                    form=form),
+            lambda q, gk, k, v, a, b, S0: ref.dplr(q, k, v, a, b, gk, initial_state=S0),
+            [r, w, k, v, a, b, S0], tol=1e-10, names=["q", "gk"] + names[2:])
+
+
+def test_rwkv7_varlen_and_errors():
+    """Packed sequences equal the sequences run one by one; bad inputs are named."""
+    r, w, k, v, a, b = (x[:1] for x in rwkv7_inputs(seed=31))
+    cu = torch.tensor([0, 4, 10])
+    o, S = ops.chunk_rwkv7(r, w, k, v, a, b, output_final_state=True, cu_seqlens=cu, chunk_size=CHUNK)
+    assert S.shape == (2, H, K, V)
+    for i, (s, e) in enumerate([(0, 4), (4, 10)]):
+        oi, Si = ref.dplr(*(x[:, s:e] for x in (r, k, v, a, b, w)), scale=1.0)
+        assert_close(o[:, s:e], oi, 1e-10, f"sequence {i}: o")
+        assert_close(S[i:i + 1], Si, 1e-10, f"sequence {i}: final state")
+    with pytest.raises(ValueError, match=r"a must have r's shape \[1, 10, 2, 4\], got \[1, 10, 2, 3\]"):
+        ops.chunk_rwkv7(r, w, k, v, a[..., :3], b)
+    with pytest.raises(ValueError, match="lower_bound=-0.5: expected lower_bound <= w < 0"):
+        ops.chunk_rwkv7(r, w, k, v, a, b, lower_bound=-0.5)
+    with pytest.raises(TypeError, match="unexpected keyword argument"):
+        ops.chunk_dplr_delta_rule(r, k, v, a, b, w, head_dim=4)
+
+
 def hla_inputs(seed, positive=False):
     """Unit q and k (positive with the normalizer, which then stays away from zero), v, g = logsigmoid."""
     q, k = unit_keys(B, T, H, K, seed=seed), unit_keys(B, T, H, K, seed=seed + 1)

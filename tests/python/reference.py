@@ -48,6 +48,21 @@ def decay(q, k, v, g=None, gk=None, scale=None, initial_state=None):
     return torch.stack(outs, 2).transpose(1, 2), S
 
 
+def dplr(q, k, v, a, b, gk, scale=None, initial_state=None):
+    """S_t = diag(exp(gk_t))·S_{t-1} + b_t (a_tᵀ S_{t-1}) + k_t v_tᵀ (FLA's generalized delta rule; RWKV-7)."""
+    q, k, v, a, b, gk = (_heads(x) for x in (q, k, v, a, b, gk))
+    B, H, T, K = k.shape
+    scale = K ** -0.5 if scale is None else scale
+    S = torch.zeros(B, H, K, v.shape[-1], dtype=torch.float64) if initial_state is None else initial_state.double()
+    outs = []
+    for t in range(T):
+        read = torch.einsum("bhk,bhkv->bhv", a[:, :, t], S)  # a_tᵀ S_{t-1}
+        S = (S * gk[:, :, t].exp()[..., None] + torch.einsum("bhk,bhv->bhkv", b[:, :, t], read)
+             + torch.einsum("bhk,bhv->bhkv", k[:, :, t], v[:, :, t]))
+        outs.append(torch.einsum("bhk,bhkv->bhv", q[:, :, t] * scale, S))
+    return torch.stack(outs, 2).transpose(1, 2), S
+
+
 def linear_attn(q, k, v, scale=None, initial_state=None, normalize=False, eps=1e-10):
     """S_t = S_{t-1} + k_t v_tᵀ, z_t = z_{t-1} + k_t; o_t = scale·S_tᵀ q_t, normalized by scale·q_tᵀ z_t + eps.
     initial_state: (S [B,H,K,V], z [B,1,H,K]) or None. Returns o, (S, z [B,1,H,K])."""
