@@ -492,6 +492,13 @@ void check_model(const ModelConfig& m, const std::string& p, Errors& e) {
     if (o.has_levels() && (o.levels() < 0 || o.levels() > max_levels()))
       e.add(q + ".levels", "must lie in [0, ", max_levels(), "] (0 = as needed), got ", o.levels());
     only_for(o.has_window(), "window", kinds_where(&LayerKind::window));
+    if (o.conv_size() > 0)
+      for (auto& k : applies)
+        if (is_known_kind(k) && layer_kind(k).time_mix) {
+          e.add(q + ".conv_size", k, " layers have no short convolutions (their token shift reads the token before "
+                "each); expected 0 or unset, got ", o.conv_size(), o.has_kind() ? "" : " in an entry for all layers (give the entry a kind)");
+          break;
+        }
     only_for(o.has_levels(), "levels", kinds_where(&LayerKind::levels));
     only_for(o.has_normalize(), "normalize", kinds_where(&LayerKind::normalize));
     if (o.has_feature_map() && o.feature_map() != "elu" && o.feature_map() != "performer")

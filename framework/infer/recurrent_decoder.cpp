@@ -3,6 +3,7 @@
 #include "framework/infer/recurrent_decoder.h"
 
 #include "layers/blocks/norm.h"
+#include "layers/layer_kind.h"
 
 #include <c10/util/Exception.h>
 
@@ -83,11 +84,14 @@ Tensor RecurrentDecoder::run_piece(const Tensor& tokens, Form form) {
   const int64_t n = tokens.size(1);
   Tensor h = at::embedding(embedding_, tokens.to(embedding_.device()));
   const auto& blocks = model_->blocks();
+  Tensor value_first;  // RWKV-7's value residual: the first rwkv7 layer's values over this piece
   for (size_t i = 0; i < blocks.size(); ++i) {
     const ModelBlock& b = blocks[i];
     LayerCache& cache = caches_[i];
     const MixerLayer& layer = *b.mixer;
-    const int64_t K = layer.spec().conv_size;
+    // RWKV-7's token shift reads one token before the piece, as a convolution of width 2 does.
+    const bool time_mix = layer_kind(layer.spec().kind).time_mix;
+    const int64_t K = time_mix ? 2 : layer.spec().conv_size;
     const bool attention = !layer.mixer().has_summary();  // softmax attention: a KV cache, no state
     int halo_calls = 0;
     MixerLayerContext ctx;
@@ -110,7 +114,18 @@ Tensor RecurrentDecoder::run_piece(const Tensor& tokens, Form form) {
       o.form = form;
       return mixer.forward(in, s0, o);
     };
-    auto out = layer.forward(b.mixer_norm.forward(h), cache.state, ctx);
+    const Tensor x = b.mixer_norm.forward(h);
+    if (time_mix && !value_first.defined()) {
+      // The first rwkv7 layer's values: its token shift reads the cached token without moving the cache on
+      // (the layer's forward does that).
+      MixerLayerContext peek = ctx;
+      peek.halo = [&](const Tensor& t, int64_t halo) -> Tensor {
+        return cache.conv_tail.defined() ? cache.conv_tail.to(t.scalar_type())
+                                         : at::zeros({t.size(0), halo, t.size(2)}, t.options());
+      };
+      value_first = layer.value_first(x, peek);
+    }
+    auto out = layer.forward(x, cache.state, ctx, time_mix ? value_first : Tensor());
     if (!attention) {
       cache.state.clear();
       for (auto& s : out.final_state) cache.state.push_back(s.detach());

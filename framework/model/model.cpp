@@ -3,6 +3,7 @@
 
 #include "layers/core/nvtx.h"
 #include "layers/blocks/recompute.h"
+#include "layers/layer_kind.h"
 
 #include <ATen/core/grad_mode.h>
 #include <c10/util/Exception.h>
@@ -51,6 +52,9 @@ MixerLayerSpec mixer_layer_spec(const ModelConfig& model, int64_t layer) {
   s.norm_eps = model.norm_eps();
   s.init_std = model.init_std();
   s.n_layers = model.n_layers();
+  // RWKV-7's value residual: every rwkv7 layer after the model's first lerps toward that one's values.
+  if (layer_kind(lm.kind).time_mix)
+    for (int64_t j = 0; j < layer && !s.value_residual; ++j) s.value_residual = layer_kind(layer_mixer(model, j).kind).time_mix;
   return s;
 }
 
@@ -109,8 +113,18 @@ Tensor Model::hidden(const Tensor& tokens, const ModelContext& ctx,
     index_documents(with_documents->slice, tokens.size(1), embedding_.device());
   }
   std::shared_ptr<const ModelContext> shared = with_documents;
+  // RWKV-7's value residual: the first rwkv7 layer's values, computed from that layer's input outside its
+  // block and read by every rwkv7 layer. A recomputed rwkv7 block takes them beside its input, [h, v_first]
+  // along the channels, so that the recomputation differentiates to them as to h and their own graph (to
+  // the first layer's parameters) runs once, in the model's backward.
+  Tensor value_first;
   for (size_t i = 0; i < blocks_.size(); ++i) {
     const ModelBlock* b = &blocks_[i];
+    if (ctx.before_block) ctx.before_block(static_cast<int64_t>(i));
+    const bool time_mix = layer_kind(b->mixer->spec().kind).time_mix;
+    if (time_mix && !value_first.defined())
+      value_first = b->mixer->value_first(b->mixer_norm.forward_residual(h, Tensor()).second, shared->slice);
+    const Tensor block_value_first = time_mix ? value_first : Tensor();
     // NVTX names (layers/core/nvtx.h): "layer i kind" around the block, "mixer kind" and "mlp" inside;
     // a recomputed block shows them again in the backward.
     auto names = std::make_shared<const std::array<std::string, 2>>(
@@ -123,7 +137,7 @@ Tensor Model::hidden(const Tensor& tokens, const ModelContext& ctx,
       own->core_stash = std::make_shared<MixerCoreStash>();
       slice = own;
     }
-    auto block = [b, slice, names](const Tensor& x) {
+    auto block = [b, slice, names](const Tensor& x, const Tensor& value_first) {
       NvtxRange layer((*names)[0]);
       // y = x + mixer(norm(x)), then y + mlp(norm(y)); each residual add goes with the norm after it (one
       // pass each way on CUDA), and x passes through the first norm so that its two gradients are summed there.
@@ -131,7 +145,7 @@ Tensor Model::hidden(const Tensor& tokens, const ModelContext& ctx,
       {
         NvtxRange mixer((*names)[1]);
         auto [x1, n1] = b->mixer_norm.forward_residual(x, Tensor());
-        std::tie(y, n) = b->mlp_norm.forward_residual(x1, b->mixer->forward(n1, {}, *slice).y);
+        std::tie(y, n) = b->mlp_norm.forward_residual(x1, b->mixer->forward(n1, {}, *slice, value_first).y);
       }
       NvtxRange mlp("mlp");
       // Recomputed in the backward, the block's result is only differentiated: its last product and the
@@ -139,16 +153,24 @@ Tensor Model::hidden(const Tensor& tokens, const ModelContext& ctx,
       const bool values = !recomputing_in_backward();
       return graph_only_add(y, b->mlp.forward(n, /*result_only=*/!values), values);
     };
-    if (ctx.before_block) ctx.before_block(static_cast<int64_t>(i));
     if (!recomputed) {
-      h = block(h);
+      h = block(h, block_value_first);
       continue;
     }
     std::vector<Tensor> params;
     for (const auto& part : {b->mixer_norm.parameters(), b->mixer->parameters(), b->mlp_norm.parameters(),
                              b->mlp.parameters()})
       for (auto& [name, p] : part) params.push_back(p);
-    h = recompute_in_backward(block, h, params, ctx.recompute_overlap);
+    if (!block_value_first.defined()) {
+      h = recompute_in_backward([block](const Tensor& x) { return block(x, Tensor()); }, h, params, ctx.recompute_overlap);
+      continue;
+    }
+    const int64_t d = h.size(-1);
+    auto packed = [block, d](const Tensor& x_and_values) {
+      return block(x_and_values.narrow(-1, 0, d), x_and_values.narrow(-1, d, x_and_values.size(-1) - d));
+    };
+    h = recompute_in_backward(packed, at::cat({h, block_value_first.to(h.scalar_type())}, -1), params,
+                              ctx.recompute_overlap);
   }
   if (ctx.before_block) ctx.before_block(static_cast<int64_t>(blocks_.size()));
   return norm_.forward(h);

@@ -213,6 +213,10 @@ MemoryEstimate estimate_memory(const RunConfig& config, std::FILE* progress) {
     std::vector<double> ys, bs, cs;
     for (int64_t t : lengths) {
       auto x = at::randn({m.batch, t, d}, options).requires_grad_(true);
+      // An rwkv7 layer after the first reads the first one's values (its value residual): stand-in values.
+      const auto& spec = b.mixer->spec();
+      const Tensor value_first =
+          spec.value_residual ? at::randn({m.batch, t, spec.n_heads * spec.head_dim_v}, options) : Tensor();
       {
         // Recomputation around the kept core: the forward runs without autograd and keeps the core's
         // graph in the layer's stash (layers/blocks/recompute.h).
@@ -222,13 +226,13 @@ MemoryEstimate estimate_memory(const RunConfig& config, std::FILE* progress) {
         cs.push_back(measure_cpu_allocation([&] {
                        at::NoGradGuard no_grad;
                        AutocastScope autocast(at::kCPU, at::kBFloat16, bf16);
-                       (void)b.mixer->forward(b.mixer_norm.forward(x), {}, with_stash);
+                       (void)b.mixer->forward(b.mixer_norm.forward(x), {}, with_stash, value_first);
                      }).live_bytes);
       }
       at::Tensor y;
       auto used = measure_cpu_allocation([&] {
         AutocastScope autocast(at::kCPU, at::kBFloat16, bf16);
-        auto h = x + b.mixer->forward(b.mixer_norm.forward(x), {}, {}).y;
+        auto h = x + b.mixer->forward(b.mixer_norm.forward(x), {}, {}, value_first).y;
         y = h + b.mlp.forward(b.mlp_norm.forward(h));
       });
       ys.push_back(used.live_bytes);

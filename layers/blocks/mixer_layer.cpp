@@ -13,6 +13,7 @@
 #include "layers/linear_attn/linear_attn.h"
 #include "layers/linear_attn/performer.h"
 #include "layers/diag_decay/mamba1.h"
+#include "layers/rwkv7/time_mix.h"
 #include "layers/blocks/precision.h"
 
 #ifdef CARRY_WITH_CUDA
@@ -33,6 +34,7 @@ constexpr int64_t kGlaGateRank = 16;
 constexpr double kGlaGateNormalizer = 16.0;
 
 bool is_mamba1(const MixerLayerSpec& s) { return layer_kind(s.kind).selective_scan; }
+bool is_rwkv7(const MixerLayerSpec& s) { return layer_kind(s.kind).time_mix; }
 
 Tensor l2_normalize(const Tensor& x) { return x * at::rsqrt(x.pow(2).sum(-1, /*keepdim=*/true) + 1e-6); }
 
@@ -139,6 +141,7 @@ struct MixerLayer::Projected {
   Tensor skip;    // what D multiplies (Mamba-2: v [B,T,H,dv]; Mamba-1: x [B,T,D])
   int64_t kv_halo = 0;  // softmax_attn: tokens of halo prepended to q, k, v (outputs dropped)
   Tensor unused_halo;    // softmax_attn at the sequence's start: the exchanged halo, not attended to
+  std::shared_ptr<Rwkv7Projected> rwkv7;  // rwkv7: what its output reads (time_mix.h)
 };
 
 MixerLayer::MixerLayer(const MixerLayerSpec& spec, ParameterInit& init) : spec_(spec) {
@@ -179,6 +182,13 @@ MixerLayer::MixerLayer(const MixerLayerSpec& spec, ParameterInit& init) : spec_(
     return init.leaf(inverse_softplus(at::exp(u)));
   };
 
+  if (is_rwkv7(spec)) {
+    TORCH_CHECK(K == 0, "mixer layer 'rwkv7': conv_size must be 0 (its token shift takes the short "
+                "convolutions' place), got ", K);
+    TORCH_CHECK(value_heads() == H, "mixer layer 'rwkv7': n_v_heads must equal n_heads (", H, "), got ", value_heads());
+    rwkv7_parameters(spec, init, params_);
+    return;
+  }
   if (is_mamba1(spec)) {
     const int64_t D = H * dv, N = dk, R = (d + 15) / 16;
     v_proj_ = add("v_proj.weight", init.normal({D, d}, std));
@@ -264,6 +274,7 @@ MixerOptions MixerLayer::mixer_options(int64_t, const MixerLayerContext& ctx) co
   opt.serial_states = ctx.serial_states;
   if (tr.householder) opt.num_householder = spec_.num_householder;
   if (tr.mamba2) opt.scale = 1.0;  // Mamba-2 reads C·h unscaled
+  if (tr.time_mix) opt.scale = 1.0;  // RWKV-7 reads rᵀS unscaled (FLA's chunk_rwkv7 with scale 1)
   if (performer_features_.defined()) {
     opt.scale = 1.0;  // φ(q)ᵀφ(k) is already the estimate of exp(qᵀk/√d)
     // The keys' features carry the factor exp(−c) (performer.h): the normalizer's guard with it.
@@ -272,7 +283,13 @@ MixerOptions MixerLayer::mixer_options(int64_t, const MixerLayerContext& ctx) co
   return opt;
 }
 
-MixerLayer::Projected MixerLayer::project(const Tensor& x, const MixerLayerContext& ctx, bool kernel_bf16) const {
+Tensor MixerLayer::value_first(const Tensor& x, const MixerLayerContext& ctx) const {
+  TORCH_CHECK(is_rwkv7(spec_), "mixer layer '", spec_.kind, "': value_first is an rwkv7 layer's, not this kind's");
+  return rwkv7_value_first(spec_, params_, x, ctx);
+}
+
+MixerLayer::Projected MixerLayer::project(const Tensor& x, const MixerLayerContext& ctx, bool kernel_bf16,
+                                          const Tensor& value_first) const {
   const auto& tr = layer_kind(spec_.kind);
   TORCH_CHECK(x.dim() == 3 && x.size(2) == spec_.d_model, "mixer layer '", spec_.kind,
               "': x must be [B, T, ", spec_.d_model, "], got ", shape_str(x.sizes()));
@@ -345,6 +362,11 @@ MixerLayer::Projected MixerLayer::project(const Tensor& x, const MixerLayerConte
   };
   Projected p;
 
+  if (is_rwkv7(spec_)) {
+    p.rwkv7 = std::make_shared<Rwkv7Projected>(rwkv7_project(spec_, params_, x, ctx, value_first));
+    p.in = p.rwkv7->in;
+    return p;
+  }
   if (is_mamba1(spec_)) {
     auto xc = project_convolve({v_proj_}, {v_conv_}, /*silu=*/true)[0];  // [B,T,D]
     auto Bm = at::linear(xc, k_proj_), Cm = at::linear(xc, q_proj_);      // [B,T,N]
@@ -441,13 +463,13 @@ MixerLayer::Projected MixerLayer::project(const Tensor& x, const MixerLayerConte
   return p;
 }
 
-MixerLayerOutput MixerLayer::forward(const Tensor& x, const State& initial_state,
-                                     const MixerLayerContext& ctx) const {
+MixerLayerOutput MixerLayer::forward(const Tensor& x, const State& initial_state, const MixerLayerContext& ctx,
+                                     const Tensor& value_first) const {
   // Whether the core will run a kernel form on bf16 inputs (CUDA, autocast): then the convolutions write
   // q, k, v in bf16 (what the kernel would cast them to). The scans of every mode run the kernel form
   // too (the delta rule's summary is two kernel forwards; the ATen summaries cast their inputs up).
   const bool kernel_bf16 = x.is_cuda() && autocast_active_for(x) && mixer_->has_kernel() && fused_ops_enabled();
-  auto p = project(x, ctx, kernel_bf16);
+  auto p = project(x, ctx, kernel_bf16, value_first);
   const int64_t B = x.size(0), T = x.size(1);
   auto opt = mixer_options(T, ctx);
   if (ctx.document_starts.defined()) {
@@ -497,6 +519,7 @@ MixerLayerOutput MixerLayer::forward(const Tensor& x, const State& initial_state
   if (!(x.is_cuda() && autocast_active_for(x))) o = o.to(x.scalar_type());
   if (p.unused_halo.defined()) o = o + (p.unused_halo.sum() * 0).to(o.scalar_type());
 
+  if (p.rwkv7) return {rwkv7_output(spec_, params_, *p.rwkv7, o), out.final_state};
   if (is_mamba1(spec_)) {
     auto y = o.squeeze(-1) + D_ * p.skip;  // [B,T,D]
     return {at::linear(y * at::silu(p.z), o_proj_), out.final_state};

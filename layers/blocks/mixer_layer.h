@@ -28,6 +28,9 @@
 //   loglinear_mamba2  family loglinear_mamba2: mamba2's inputs plus l = softplus(W x) over L levels
 //   loglinear_gdn     family loglinear_gdn: gated_deltanet's inputs plus l = softplus(W x)
 //   softmax_attn      family softmax_attn (window from the options); q, k, v, o projections only
+//   rwkv7             family rwkv7: FLA's RWKV7Attention (layers/rwkv7/time_mix.h: token shift, six lerps,
+//                     LoRA decay, in-context rate, value residual and gate, GroupNorm, bonus term); its own
+//                     parameters, names and initialization
 // Log-linear levels: L = `levels` when set; levels = 0 means as many as the sequence needs,
 // fenwick_levels_needed(sequence length), read from a projection of kMaxLogLinearLevels rows per head
 // (its first L rows are used; sequences up to 2^31 − 1 tokens).
@@ -81,6 +84,9 @@ struct MixerLayerSpec {
   double norm_eps = 1e-6;
   double init_std = 0.02;
   int64_t n_layers = 1;   // of the model: scales o_proj's initialization
+  // rwkv7: v is lerped toward the values of the model's first rwkv7 layer (FLA's v_first, passed to
+  // forward as value_first); false: this layer's own values are those (no v_lora).
+  bool value_residual = false;
 };
 
 // The config kinds a layer can be built for, and the registered family each runs ("" if unknown).
@@ -151,9 +157,15 @@ class MixerLayer {
 
   // x [B,T,d_model] -> y [B,T,d_model]. initial_state: the family's state tuple before the slice (empty
   // = zeros). T must be a multiple of chunk_size (the family's check() says so otherwise).
+  // value_first: for an rwkv7 layer with value_residual, the first rwkv7 layer's values
+  // [B,T,n_heads·head_dim_v] (value_first() of that layer on its input); for that first layer itself, used
+  // as its values when given (the same tensor, so that their gradients meet). Other kinds ignore it.
   MixerLayerOutput forward(const Tensor& x, const State& initial_state = {},
-                           const MixerLayerContext& context = {}) const;
+                           const MixerLayerContext& context = {}, const Tensor& value_first = {}) const;
   Tensor operator()(const Tensor& x) const { return forward(x).y; }
+  // rwkv7: this layer's values v_proj(x + shift·x_v) [B,T,n_heads·head_dim_v] over the slice (the token
+  // shift's one token before it through context.halo), what later rwkv7 layers lerp toward.
+  Tensor value_first(const Tensor& x, const MixerLayerContext& context = {}) const;
 
   // The options the family runs with for a slice of `length` tokens in `context`.
   MixerOptions mixer_options(int64_t length, const MixerLayerContext& context = {}) const;
@@ -167,7 +179,8 @@ class MixerLayer {
   struct Projected;
   // kernel_bf16: the mixer will run its kernel form on bf16 inputs (CUDA under autocast), so the
   // convolutions may write q, k, v in bf16 directly.
-  Projected project(const Tensor& x, const MixerLayerContext& context, bool kernel_bf16 = false) const;
+  Projected project(const Tensor& x, const MixerLayerContext& context, bool kernel_bf16 = false,
+                    const Tensor& value_first = {}) const;
   int64_t levels_for(int64_t length, const MixerLayerContext& context) const;
   int64_t value_heads() const;  // n_v_heads, or n_heads
 

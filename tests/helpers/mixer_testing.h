@@ -3,6 +3,9 @@
 #pragma once
 
 #include "framework/cli/mixer_check.h"
+#include "layers/blocks/parameters.h"
+
+#include <ATen/core/grad_mode.h>
 
 #include <gtest/gtest.h>
 #include <torch/csrc/autograd/autograd.h>
@@ -22,6 +25,15 @@ using carry::rel_err;
 using carry::run_with_grads;
 using carry::Shape;
 using Result = carry::FormResult;
+
+// Adds N(0, std²) noise from `seed` to every parameter in place: nonzero values everywhere for layers whose
+// initialization zeroes some (rwkv7: o_proj and the LoRAs' first factors), so that every term is tested.
+inline void perturb_parameters(const NamedParameters& params, uint64_t seed, double std) {
+  at::NoGradGuard no_grad;
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(seed);
+  for (const auto& [name, p] : params)
+    p.add_(at::randn(p.sizes(), gen, at::TensorOptions().dtype(at::kDouble)).to(p.options()) * std);
+}
 
 // Every defined input of `in` converted to dtype dt (q, k, v and the gates alike).
 inline MixerInputs inputs_as(const MixerInputs& in, at::ScalarType dt) {

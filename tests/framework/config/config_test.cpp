@@ -257,7 +257,7 @@ TEST_F(ConfigTest, BadValuesOfManyKinds) {
                   "got 'a b'")) << all;
   EXPECT_TRUE(has("model.mixers[1]: unknown mixer kind 'glaa'; known kinds: linear_attn, retnet, gla, deltanet, "
                   "gated_deltanet, mamba1, mamba2, hla2, ahla, loglinear_mamba2, loglinear_gdn, softmax_attn, kda, "
-                  "gated_deltaproduct")) << all;
+                  "gated_deltaproduct, rwkv7")) << all;
   EXPECT_TRUE(has("model.mixer_options[0].window: only softmax_attn uses 'window', but this entry applies to gla "
                   "layers (give the entry a kind)")) << all;
   EXPECT_TRUE(has("data.mqar: 2*(num_kv_pairs + num_queries) = 208 tokens do not fit in data.seq_len (128)")) << all;
@@ -317,6 +317,38 @@ TEST_F(ConfigTest, NumHouseholderOption) {
                            "model.mixer_options[1].num_householder: only gated_deltaproduct uses 'num_householder', "
                            "but this entry applies to gated_deltanet layers (give the entry a kind)"})
     EXPECT_NE(all.find(want), std::string::npos) << "missing: " << want << "\nerrors:\n" << all;
+}
+
+// rwkv7 layers take no short convolutions (their token shift reads the token before each): conv_size
+// on them is one error naming the entry, and a valid rwkv7 hybrid passes.
+TEST_F(ConfigTest, Rwkv7RefusesConvolutions) {
+  RunConfig c;
+  ASSERT_TRUE(google::protobuf::TextFormat::ParseFromString(kValid, &c));
+  c.mutable_model()->clear_mixers();
+  c.mutable_model()->add_mixers("rwkv7");
+  c.mutable_model()->add_mixers("gated_deltanet");
+  auto* gdn = c.mutable_model()->add_mixer_options();
+  gdn->set_kind("gated_deltanet");
+  gdn->set_conv_size(4);
+  EXPECT_TRUE(run_config_errors(c).empty()) << run_config_errors(c)[0];
+  auto* all_layers = c.mutable_model()->add_mixer_options();
+  all_layers->set_conv_size(4);
+  auto errors = run_config_errors(c);
+  ASSERT_EQ(errors.size(), 1u);
+  EXPECT_EQ(errors[0], "model.mixer_options[1].conv_size: rwkv7 layers have no short convolutions (their token shift "
+                       "reads the token before each); expected 0 or unset, got 4 in an entry for all layers (give the "
+                       "entry a kind)");
+  all_layers->set_kind("rwkv7");
+  all_layers->set_conv_size(2);
+  errors = run_config_errors(c);
+  ASSERT_EQ(errors.size(), 1u);
+  EXPECT_EQ(errors[0], "model.mixer_options[1].conv_size: rwkv7 layers have no short convolutions (their token shift "
+                       "reads the token before each); expected 0 or unset, got 2");
+  all_layers->clear_conv_size();
+  all_layers->set_normalize(true);
+  errors = run_config_errors(c);
+  ASSERT_EQ(errors.size(), 1u);
+  EXPECT_NE(errors[0].find("model.mixer_options[1].normalize: only "), std::string::npos) << errors[0];
 }
 
 // Grouped value heads: a multiple of n_heads, on deltanet and gated_deltanet layers only.

@@ -1,8 +1,9 @@
 // Packed documents under sequence parallelism (CPU, fp64, 3 steps): the ordered, tree and allgather
 // scans with document starts inside a rank's slice and exactly at a rank boundary (and, at 4 ranks, a
 // slice without one between slices with) give the losses and parameters of one rank, for Gated
-// DeltaNet with short convolutions and for a hybrid with sliding-window softmax attention (whose
-// window and convolutions reach into the previous rank's slice). Skipped unless 2 or 4 ranks.
+// DeltaNet with short convolutions, for a hybrid with sliding-window softmax attention (whose window and
+// convolutions reach into the previous rank's slice) and for two RWKV-7 layers (whose token shift reads the
+// previous rank's last token and restarts at a document start). Skipped unless 2 or 4 ranks.
 #include "framework/data/token_file.h"
 #include "framework/train/trainer.h"
 #include "parallel/process_group.h"
@@ -42,13 +43,14 @@ TEST(DocumentsSp, ScansWithDocumentStartsEqualOneRank) {
   MPI_Bcast(buf, sizeof buf, MPI_CHAR, 0, MPI_COMM_WORLD);
   dir = buf;
   for (const char* mode : {"ORDERED", "TREE", "ALLGATHER"})
-  for (const char* mixers : {"\"gated_deltanet\"",
-                             "[\"gated_deltanet\", \"softmax_attn\"] mixer_options { kind: \"softmax_attn\" window: 12 }"}) {
+  for (const char* mixers : {"\"gated_deltanet\" mixer_options { chunk_size: 8 conv_size: 4 }",
+                             "[\"gated_deltanet\", \"softmax_attn\"] mixer_options { kind: \"softmax_attn\" window: 12 } "
+                             "mixer_options { chunk_size: 8 conv_size: 4 }",
+                             "[\"rwkv7\", \"rwkv7\"] mixer_options { chunk_size: 8 }"}) {
     auto cfg = [&](int sp) {
       return run_config_from_text(std::string(R"(
 name: "documents_sp"
-model { vocab_size: 32 d_model: 32 n_layers: 2 n_heads: 2 mixers: )") + mixers + R"(
-        mixer_options { chunk_size: 8 conv_size: 4 } }
+model { vocab_size: 32 d_model: 32 n_layers: 2 n_heads: 2 mixers: )") + mixers + R"( }
 data { seq_len: 64 batch_size: 2 }
 optimizer { lr: 1e-2 total_steps: 3 }
 )",

@@ -167,6 +167,30 @@ TEST(Trainer, RecomputeUnderSpEqualsSerial) {
   EXPECT_LE(err, 1e-10);
 }
 
+// RWKV-7 (three rwkv7 layers: the token shift's halo across ranks, the value residual from the first layer)
+// under every scan mode, and with per-layer recomputation: the serial run's steps.
+TEST(Trainer, Rwkv7UnderSpEqualsSerial) {
+  const int P = parallel::world_info().size;
+  if (P < 2) GTEST_SKIP() << "needs 2 or more ranks";
+  const std::vector<std::string> rwkv7{"model.mixers=rwkv7", "model.n_layers=3", "model.mixer_options[0]={chunk_size: 16}"};
+  auto serial = train(config(rwkv7), false);
+  for (const char* mode : {"ordered", "tree", "allgather"})
+    for (bool recompute : {false, true}) {
+      if (recompute && std::string(mode) != "ordered") continue;
+      auto o = rwkv7;
+      o.push_back("parallel.sp=" + std::to_string(P));
+      o.push_back(std::string("parallel.scan_mode=") + mode);
+      if (recompute) o.push_back("parallel.recompute=true");
+      auto sp = train(config(o), true);
+      double err = compare(sp, serial);
+      if (parallel::world_info().rank == 0)
+        std::printf("[ errors   ] trainer rwkv7 x3 sp=%d %s%s vs sp=1 (fp64, 5 steps): %.3e (losses %.6f -> %.6f)\n", P,
+                    mode, recompute ? " with recomputation" : "", err, serial.losses.front(), serial.losses.back());
+      EXPECT_LE(err, 1e-10) << mode << (recompute ? " with recomputation" : "");
+      EXPECT_NE(serial.losses.front(), serial.losses.back()) << "the run does not train";
+    }
+}
+
 // Ordered segments (parallel/segments.h): every layout with the same segments runs the same operations on
 // the same values, so the losses, gradient norms and parameters are equal bit for bit, not to rounding.
 // fp32, with realistic rounding; the serial runs in-process on every rank.

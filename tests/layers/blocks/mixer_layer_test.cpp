@@ -8,6 +8,7 @@
 #include "layers/core/device.h"
 #include "layers/layout.h"
 #include "layers/blocks/precision.h"
+#include "tests/helpers/mixer_testing.h"
 
 #include <gtest/gtest.h>
 
@@ -56,6 +57,8 @@ std::vector<Case> all_cases() {
     if (k == "softmax_attn") {
       cases.push_back({k, 0, 0});
       cases.push_back({k, 0, 11});
+    } else if (k == "rwkv7") {
+      cases.push_back({k, 0, 0});  // no short convolutions: its token shift takes their place
     } else {
       cases.push_back({k, 4, 0});
     }
@@ -101,6 +104,7 @@ TEST(MixerLayer, ChunkwiseEqualsNaiveForEveryKind) {
   for (auto& c : all_cases()) {
     ParameterInit init(3, at::TensorOptions().dtype(at::kDouble));
     MixerLayer layer(small_spec(c), init);
+    if (c.kind == "rwkv7") testing::perturb_parameters(layer.parameters(), 17, 0.3);  // its o_proj starts at 0
     auto x = random_x(5).set_requires_grad(true);
     auto w = random_x(6);
     auto y_chunk = layer.forward(x).y;
@@ -122,6 +126,7 @@ TEST(MixerLayer, AutocastRunsTheCoreInFp32) {
   for (auto& c : all_cases()) {
     ParameterInit init(3, at::TensorOptions().dtype(at::kFloat));
     MixerLayer layer(small_spec(c), init);
+    if (c.kind == "rwkv7") testing::perturb_parameters(layer.parameters(), 17, 0.3);  // its o_proj starts at 0
     auto x = random_x(5).to(at::kFloat);
     std::vector<at::ScalarType> core_dtypes;
     MixerLayerContext ctx;
@@ -265,6 +270,7 @@ TEST(MixerLayer, LayerIsCausalForEveryKind) {
   for (auto& c : all_cases()) {
     ParameterInit init(4, at::TensorOptions().dtype(at::kDouble));
     MixerLayer layer(small_spec(c), init);
+    if (c.kind == "rwkv7") testing::perturb_parameters(layer.parameters(), 17, 0.3);  // its o_proj starts at 0
     auto x = random_x(7);
     auto y = layer.forward(x).y;
     for (int64_t t0 : {3, 8, 20}) {
@@ -287,6 +293,7 @@ TEST(MixerLayer, TwoSlicesWithStateHaloAndOffsetEqualTheWholeSequence) {
     if (c.kind == "softmax_attn" && c.window == 0) continue;
     ParameterInit init(8, at::TensorOptions().dtype(at::kDouble));
     MixerLayer layer(small_spec(c), init);
+    if (c.kind == "rwkv7") testing::perturb_parameters(layer.parameters(), 17, 0.3);  // its o_proj starts at 0
     auto x = random_x(9);
     auto whole = layer.forward(x).y;
     const int64_t T1 = kT / 2;
