@@ -59,13 +59,11 @@ std::pair<Tensor, Tensor> normalizer_states_read(const DecayPass& pass, const Te
   auto pad = x0.sizes().vec();
   pad.push_back(kNormalizerColumns - 1);
   Tensor X0 = at::cat({x0.unsqueeze(-1), at::zeros(pad, x0.options())}, -1);
-  // In the states' dtype: w read out and its gradient taken without a bf16 rounding (the gradient of g
-  // through y_T is a difference of such terms).
   auto block = f.sizes().vec();
   block.back() = kNormalizerColumns;
-  Tensor ones = at::zeros(block, f.options().dtype(dt));
+  Tensor ones = at::zeros(block, f.options());
   ones.select(-1, 0).fill_(1);
-  auto [r, X] = pass(f.to(dt), a_read.to(dt), ones, g_read, X0, 1.0);
+  auto [r, X] = pass(f, a_read, ones, g_read, X0, 1.0);
   Tensor w = r.select(-1, 0).to(dt), x = X.select(-1, 0);  // w [B,T,H]
   if (strict) {  // the pass ends at x_{T−1}: the last token's step
     Tensor last = a.select(1, T - 1).to(dt);

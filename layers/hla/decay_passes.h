@@ -53,8 +53,7 @@ MixerOutput ahla_by_decay_passes(const MixerInputs& in, const State& initial_sta
 // [B,T,H,d], g [B,T,H] or undefined (γ ≡ 1). hla2's (m, h) are (a, e, f) = (q, k, k), strict; ahla's
 // (m_K, n) are (k, k, q), not strict. One pass of 64 columns (a ones column) gives w_t = f_tᵀ x_t (x_{t−1}:
 // a and g one token later) and x at the end; y_T = e^{G_T} y_0 + Σ_t e^{G_T − G_t} e_t w_t is one weighted
-// sum, its exponents the gates after t summed from the end (never positive). The pass and the states run
-// in x_0's dtype (fp32 for bf16 inputs: the gradient of g through y_T is a difference of such terms).
+// sum, its exponents the gates after t summed from the end (never positive). States in x_0's dtype.
 std::pair<Tensor, Tensor> normalizer_states(const DecayPass& pass, const Tensor& a, const Tensor& e, const Tensor& f,
                                             const Tensor& g, const Tensor& x0, const Tensor& y0, bool strict);
 
