@@ -93,7 +93,9 @@ MixerOutput hla2_by_decay_passes(const MixerInputs& in, const State& init, const
   const int64_t B = in.q.size(0), H = in.q.size(2), dk = in.q.size(3), dv = in.v.size(3);
   const auto dt = state_dtype(in.q);
   const auto so = in.q.options().dtype(dt);
-  const Tensor &q = in.q, &k = in.k, &g = in.g;
+  const Tensor &q = in.q, &k = in.k;
+  // The gate in the states' dtype: its gradient from every pass is summed there and rounded once.
+  const Tensor g = in.g.defined() ? in.g.to(dt) : in.g;
   Tensor S0 = state_or_zeros(init, 0, {B, H, dk, dk}, so).to(dt);
   Tensor C0 = state_or_zeros(init, 1, {B, H, dk, dv}, so).to(dt), m0 = state_or_zeros(init, 2, {B, H, dk}, so).to(dt);
   Tensor G0 = state_or_zeros(init, 3, {B, H, dk, dv}, so).to(dt), h0 = state_or_zeros(init, 4, {B, H, dk}, so).to(dt);
@@ -135,7 +137,8 @@ MixerOutput ahla_by_decay_passes(const MixerInputs& in, const State& init, const
   const auto so = in.q.options().dtype(dt);
   Tensor P0 = state_or_zeros(init, 0, {B, H, dk, dv}, so).to(dt), mK0 = state_or_zeros(init, 1, {B, H, dk}, so).to(dt);
   Tensor E0 = state_or_zeros(init, 2, {B, H, dk, dv}, so).to(dt), n0 = state_or_zeros(init, 3, {B, H, dk}, so).to(dt);
-  const Tensor &q = in.q, &k = in.k, &g = in.g;
+  const Tensor &q = in.q, &k = in.k;
+  const Tensor g = in.g.defined() ? in.g.to(dt) : in.g;  // its gradient summed in the states' dtype
   const double scale = opt.scale_for(dk);
   // The ones column when the output reads the normalizer, or when a cut must give the whole's bits.
   if (!opt.normalize && !opt.serial_states) {  // the second pass's read, scaled, is the output

@@ -33,7 +33,9 @@
 //   (normalizer_states's sum over the whole slice would round n differently at a cut).
 //
 // States go in and come out in fp32 (fp64 for fp64 inputs); the passes' reads (R, W, Y) are in the
-// inputs' dtype, as the kernels return them; Y = SC − Gq is formed in fp32.
+// inputs' dtype, as the kernels return them; Y = SC − Gq is formed in fp32. The gate g goes to every pass
+// in the states' dtype, so its gradient from the passes is summed there and rounded to g's dtype once, not
+// once a pass (bf16 shares that cancel lose the sum's precision).
 #pragma once
 
 #include "layers/decay_pass.h"

@@ -245,7 +245,51 @@ TEST_P(DecayPasses, KernelFormAcrossACut) {
 #endif
 }
 
+// The kernels' roundings on the CPU: a pass that computes in fp32 and returns its read in its query's dtype,
+// with bf16 inputs (so every input's gradient is rounded to bf16 where it leaves a pass, as the kernels
+// round it), against the family's chunkwise form in fp32 on the same values: every output, final-state
+// entry and gradient within the GPU test's 1e-2. This checks where the compositions round (the gate's
+// gradient summed over the passes before its rounding) on any machine.
+TEST_P(DecayPasses, Bf16RoundingsStayWithinTheKernelTolerance) {
+  const Mixer& m = get_mixer(GetParam());
+  const DecayPass fp32 = chunkwise_decay_pass(64);
+  const DecayPass rounded = [&](const Tensor& c, const Tensor& a, const Tensor& b, const Tensor& g, const Tensor& x0,
+                                double scale) {
+    auto up = [](const Tensor& t) { return t.defined() ? t.to(at::kFloat) : t; };
+    auto r = fp32(up(c), up(a), up(b), up(g), up(x0), scale);
+    return std::make_pair(r.first.to(c.scalar_type()), r.second);
+  };
+  const WithKernelForm composed(m, [&](const MixerInputs& in, const State& s, const MixerOptions& o) {
+    return m.name() == kHla2Family ? hla2_by_decay_passes(in, s, o, rounded, true) : ahla_by_decay_passes(in, s, o, rounded);
+  });
+  Shape s;
+  s.B = 1, s.T = 256, s.H = 2, s.dk = 64, s.dv = 64;
+  MixerOptions opt;
+  auto in = hla_inputs(s, at::kFloat, 17 + s.T, 2, 1e5, true);
+  MixerInputs low = inputs_as(in, at::kBFloat16), up;
+  for (const auto& n : MixerInputs::names())
+    if (low.get(n).defined()) up.get(n) = low.get(n).to(at::kFloat);
+  Shape sp = s;
+  sp.T = 128;
+  State s0 = m.chunkwise(hla_inputs(sp, at::kFloat, 5 + s.T, 2, 1e5, true), {}, opt).final_state;
+  auto ref = outputs_then_grads(m, Form::chunkwise, up, s0, opt);
+  auto got = outputs_then_grads(composed, Form::kernel, low, s0, opt);
+  auto names = result_names(m.state_names(), low);
+  ASSERT_EQ(ref.size(), names.size());
+  ASSERT_EQ(got.size(), names.size());
+  std::string line;
+  for (size_t i = 0; i < ref.size(); ++i) {
+    const double e = rel_err(got[i], ref[i]);
+    EXPECT_LE(e, 1e-2) << m.name() << ": " << names[i];
+    char buf[64];
+    std::snprintf(buf, sizeof buf, " %s %.1e", names[i].c_str(), e);
+    line += buf;
+  }
+  std::cout << "[ errors   ] " << m.name() << " bf16 roundings on the CPU:" << line << "\n";
+}
+
 INSTANTIATE_TEST_SUITE_P(Hla, DecayPasses, ::testing::Values(kHla2Family, kAhlaFamily));
 
 }  // namespace
 }  // namespace carry::testing
+
