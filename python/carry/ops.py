@@ -92,10 +92,12 @@ def _run(fn, family, q, k, v, *, g=None, gk=None, beta=None, l=None, a=None, b=N
     if form == "automatic":
         form = _ops.mixer_form(family, q, k, v, g, gk, beta, l, scale, normalize, eps, chunk_size, offset, a, b)
     if form == "kernel":
-        # The kernels read q, k, v in their dtype and the gates in theirs or fp32; the state in fp32.
+        # The kernels read q, k, v in their dtype and the gates in theirs or fp32; the level weights l and
+        # the rank-one a, b in q's dtype; the state in fp32.
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-        g, gk, beta, l, a, b = (None if x is None else x.contiguous() if x.dtype in (q.dtype, torch.float32)
-                                else x.float().contiguous() for x in (g, gk, beta, l, a, b))
+        g, gk, beta = (None if x is None else x.contiguous() if x.dtype in (q.dtype, torch.float32)
+                       else x.float().contiguous() for x in (g, gk, beta))
+        l, a, b = (None if x is None else x.to(q.dtype).contiguous() for x in (l, a, b))
         sdt = torch.float32
     else:
         cdt = _state_dtype(q.dtype)
