@@ -145,7 +145,7 @@ def _varlen(fn, run, per_token, cu_seqlens, initial_state, zero_state):
 
 def _decay_family(fn, family, q, k, v, *, g=None, gk=None, beta=None, a=None, b=None, scale, initial_state,
                   output_final_state, state_v_first, cu_seqlens, chunk_size, form):
-    """The one-state families (S [N, H, K, V]): gated/ungated delta rule, GLA, simple GLA, RWKV-7's."""
+    """The one-state families (S [N, H, K, V]): gated/ungated delta rule, KDA, GLA, simple GLA, RWKV-7's."""
     B, _, H, K = q.shape
     V = v.shape[-1]
     if initial_state is not None:
@@ -272,6 +272,64 @@ def chunk_gla(q, k, v, g, scale=None, initial_state=None, output_final_state=Fal
     return _decay_family(fn, "gla", q, k, v, gk=g, scale=_scale(scale, q), initial_state=initial_state,
                          output_final_state=output_final_state, state_v_first=state_v_first,
                          cu_seqlens=cu_seqlens, chunk_size=chunk_size, form=form)
+
+
+@torch.compiler.disable
+def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
+              use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False, use_beta_sigmoid_in_kernel=False,
+              allow_neg_eigval=False, safe_gate=False, lower_bound=None, disable_recompute=False,
+              return_intermediate_states=False, state_v_first=False, cu_seqlens=None, cu_seqlens_cpu=None,
+              cp_context=None, use_graph=False, max_num_seqs=None, *, form=None, **kwargs):
+    """Kimi Delta Attention (FLA's `chunk_kda`, carry's `kda`): S_t = (I − β_t k_t k_tᵀ)·Diag(exp(g_t))·S_{t−1}
+    + β_t k_t v_tᵀ, o_t = scale·S_tᵀ q_t, a log decay per key dimension.
+
+    q, k [B, T, H, K]; v [B, T, HV, V] (HV a multiple of H: grouped value heads); g [B, T, HV, K]; beta
+    [B, T, HV]; initial_state [N, HV, K, V]. As FLA: `use_qk_l2norm_in_kernel`, `use_beta_sigmoid_in_kernel`
+    (doubled with `allow_neg_eigval`), and `use_gate_in_kernel` with `A_log` [HV] and optional `dt_bias`
+    [HV·K] (g = −exp(A_log)·softplus(g + dt_bias)). `safe_gate` and `disable_recompute` change nothing here.
+    """
+    fn = "chunk_kda"
+    _check_kwargs(fn, dict(kwargs, cp_context=cp_context), ("chunk_size", "A_log", "dt_bias"))
+    for name, on in (("return_intermediate_states", return_intermediate_states), ("use_graph", use_graph)):
+        if on:
+            _fail(fn, f"{name} is not supported (FLA's inference and CUDA-graph paths)", NotImplementedError)
+    if use_gate_in_kernel and lower_bound is not None:
+        _fail(fn, "use_gate_in_kernel with lower_bound (FLA's sigmoid gate) is not supported; pass the gate "
+                  "computed, or use_gate_in_kernel without lower_bound", NotImplementedError)
+    for name, x in (("q", q), ("k", k), ("v", v), ("g", g)):
+        _check_4d(fn, name, x)
+    if q.shape != k.shape:
+        _fail(fn, f"q and k must have the same shape, got {list(q.shape)} and {list(k.shape)}")
+    B, T, H, K = q.shape
+    HV = v.shape[2]
+    if HV % H != 0:
+        _fail(fn, f"num_v_heads (HV={HV}) must be a multiple of num_heads (H={H})")
+    if tuple(g.shape) != (B, T, HV, K):
+        _fail(fn, f"g must be [B, T, HV, K] = {[B, T, HV, K]}, got {list(g.shape)}")
+    if beta.dim() != 3 or tuple(beta.shape) != (B, T, HV):
+        _fail(fn, f"beta must be [B, T, HV] = {[B, T, HV]}, got {list(beta.shape)}")
+    if allow_neg_eigval and not use_beta_sigmoid_in_kernel:
+        _fail(fn, "allow_neg_eigval=True requires use_beta_sigmoid_in_kernel=True")
+    if use_gate_in_kernel:
+        if kwargs.get("A_log") is None:
+            _fail(fn, "A_log must be provided when use_gate_in_kernel=True")
+        x = _wide(g)
+        if kwargs.get("dt_bias") is not None:
+            x = x + _wide(kwargs["dt_bias"]).view(HV, K)
+        g = -_wide(kwargs["A_log"]).exp().view(HV, 1) * F.softplus(x)
+    if lower_bound is not None and not bool(((g >= lower_bound) & (g < 0)).all()):
+        _fail(fn, f"lower_bound={lower_bound}: expected lower_bound <= g < 0, got g in "
+                  f"[{float(g.min()):.4g}, {float(g.max()):.4g}]")
+    scale = _scale(scale, k)
+    if use_qk_l2norm_in_kernel:
+        q, k = _l2norm(q), _l2norm(k)
+    if use_beta_sigmoid_in_kernel:
+        beta = _wide(beta).sigmoid() * (2.0 if allow_neg_eigval else 1.0)
+    if HV != H:
+        q, k = q.repeat_interleave(HV // H, dim=2), k.repeat_interleave(HV // H, dim=2)
+    return _decay_family(fn, "kda", q, k, v, gk=g, beta=beta, scale=scale, initial_state=initial_state,
+                         output_final_state=output_final_state, state_v_first=state_v_first,
+                         cu_seqlens=cu_seqlens, chunk_size=kwargs.get("chunk_size", 64), form=form)
 
 
 @torch.compiler.disable
@@ -571,5 +629,5 @@ def chunk_log_linear_gated_delta_rule(q, k, v, g, beta, level_scales, initial_st
 
 
 __all__ = ["chunk_gated_delta_rule", "chunk_delta_rule", "chunk_gla", "chunk_simple_gla", "chunk_linear_attn",
-           "chunk_dplr_delta_rule", "chunk_rwkv7",
+           "chunk_kda", "chunk_dplr_delta_rule", "chunk_rwkv7",
            "chunk_hla2", "chunk_ahla", "chunk_log_linear_attn", "chunk_log_linear_gated_delta_rule"]

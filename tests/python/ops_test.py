@@ -201,6 +201,44 @@ def test_linear_attn(normalize):
                 [q, k, v, S0])
 
 
+@pytest.mark.parametrize("form", ["chunkwise", "naive", None])
+def test_kda(form):
+    """chunk_kda against reference.kda (FLA's naive_recurrent_kda): o, the final state and the gradient of q, k,
+    v, g, beta and the initial state, T = 10 over chunks of 4; decays per key dimension with half-lives from
+    about a token up."""
+    q, k, v = randn(B, T, H, K, seed=20), unit_keys(B, T, H, K, seed=21), randn(B, T, H, V, seed=22)
+    g = F.logsigmoid(randn(B, T, H, K, seed=23))
+    beta = torch.sigmoid(randn(B, T, H, seed=24))
+    S0 = randn(B, H, K, V, seed=25)
+    compare(lambda q, k, v, g, beta, S0: ops.chunk_kda(q, k, v, g, beta, initial_state=S0, output_final_state=True,
+                                                       chunk_size=CHUNK, form=form),
+            lambda q, k, v, g, beta, S0: ref.kda(q, k, v, g, beta, initial_state=S0),
+            [q, k, v, g, beta, S0], tol=1e-10, names=["q", "k", "v", "g", "beta", "initial_state"])
+
+
+def test_kda_fla_options():
+    """FLA's in-kernel options: the gate from A_log and dt_bias, beta from logits (doubled with
+    allow_neg_eigval), l2-normalized q and k, grouped value heads; and what is refused."""
+    q, k = randn(1, T, 1, K, seed=26), randn(1, T, 1, K, seed=27)
+    v = randn(1, T, 2, V, seed=28)  # two value heads a query/key head
+    raw, logit = randn(1, T, 2, K, seed=29), randn(1, T, 2, seed=30)
+    A_log, dt_bias = randn(2, seed=31) * 0.3, randn(2 * K, seed=32) * 0.3
+    o, S = ops.chunk_kda(q, k, v, raw, logit, output_final_state=True, use_qk_l2norm_in_kernel=True,
+                         use_gate_in_kernel=True, A_log=A_log, dt_bias=dt_bias, use_beta_sigmoid_in_kernel=True,
+                         allow_neg_eigval=True, chunk_size=CHUNK)
+    g = -A_log.exp().view(2, 1) * F.softplus(raw + dt_bias.view(2, K))
+    rep = lambda x: ref.l2norm(x).repeat_interleave(2, dim=2)  # noqa: E731
+    want_o, want_S = ref.kda(rep(q), rep(k), v, g, 2 * torch.sigmoid(logit))
+    assert_close(o, want_o, 1e-10, "o")
+    assert_close(S, want_S, 1e-10, "final state")
+    with pytest.raises(NotImplementedError, match="use_gate_in_kernel with lower_bound"):
+        ops.chunk_kda(q, k, v, raw, logit, use_gate_in_kernel=True, A_log=A_log, lower_bound=-5.0)
+    with pytest.raises(NotImplementedError, match="return_intermediate_states is not supported"):
+        ops.chunk_kda(q, k, v, g, logit, return_intermediate_states=True)
+    with pytest.raises(ValueError, match=r"g must be \[B, T, HV, K\]"):
+        ops.chunk_kda(q, k, v, g[:, :, :1], logit)
+
+
 def rwkv7_inputs(seed):
     """RWKV-7's inputs as its layer makes them: r, k, v; w = −0.6065·σ(·) (its log decay, half-lives from
     about 1.1 tokens up); a = −κ̂ and b = κ̂ ⊙ a_lr with κ̂ unit keys and a_lr in (0, 1)."""

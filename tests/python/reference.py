@@ -48,6 +48,22 @@ def decay(q, k, v, g=None, gk=None, scale=None, initial_state=None):
     return torch.stack(outs, 2).transpose(1, 2), S
 
 
+def kda(q, k, v, g, beta, scale=None, initial_state=None):
+    """S_t = (I − β_t k_t k_tᵀ)·diag(exp(g_t))·S_{t-1} + β_t k_t v_tᵀ, g [B,T,H,K] (FLA's naive_recurrent_kda)."""
+    q, k, v, g, beta = (_heads(x) for x in (q, k, v, g, beta))
+    B, H, T, K = k.shape
+    scale = K ** -0.5 if scale is None else scale
+    S = torch.zeros(B, H, K, v.shape[-1], dtype=torch.float64) if initial_state is None else initial_state.double()
+    outs = []
+    for t in range(T):
+        S = S * g[:, :, t].exp()[..., None]
+        kt = k[:, :, t]
+        err = v[:, :, t] - torch.einsum("bhk,bhkv->bhv", kt, S)
+        S = S + torch.einsum("bhk,bhv->bhkv", kt, err * beta[:, :, t][..., None])
+        outs.append(torch.einsum("bhk,bhkv->bhv", q[:, :, t] * scale, S))
+    return torch.stack(outs, 2).transpose(1, 2), S
+
+
 def dplr(q, k, v, a, b, gk, scale=None, initial_state=None):
     """S_t = diag(exp(gk_t))·S_{t-1} + b_t (a_tᵀ S_{t-1}) + k_t v_tᵀ (FLA's generalized delta rule; RWKV-7)."""
     q, k, v, a, b, gk = (_heads(x) for x in (q, k, v, a, b, gk))
