@@ -441,6 +441,14 @@ def test_gradcheck():
     z0 = leaf(F.elu(randn(b, 1, h, kd, seed=30)) + 2)
     assert torch.autograd.gradcheck(lambda q, k, v, S0, z0: o_and_state(ops.chunk_linear_attn(
         q, k, v, initial_state=(S0, z0), output_final_state=True, chunk_size=4)), (qp, kp, v, h0, z0), fast_mode=True)
+    kn = leaf(ref.l2norm(k))
+    assert torch.autograd.gradcheck(lambda q, k, v, gk, be, h0: o_and_state(ops.chunk_kda(
+        q, k, v, gk, be, initial_state=h0, output_final_state=True, chunk_size=4)), (q, kn, v, gk, beta, h0), fast_mode=True)
+    a = leaf(-ref.l2norm(randn(b, t, h, kd, seed=31)))
+    bb = leaf(-a.detach() * torch.sigmoid(randn(b, t, h, kd, seed=32)))
+    assert torch.autograd.gradcheck(lambda r, w, k, v, a, bb, h0: o_and_state(ops.chunk_rwkv7(
+        r, w, k, v, a, bb, initial_state=h0, output_final_state=True, chunk_size=4)), (q, gk, k, v, a, bb, h0),
+        fast_mode=True)
 
 
 def test_low_precision_on_cpu():
