@@ -443,6 +443,8 @@ void check_model(const ModelConfig& m, const std::string& p, Errors& e) {
   check_finite(m, p, e);  // non-finite values are reported there, once
   if (std::isfinite(m.mlp_ratio()) && !(m.mlp_ratio() > 0 && m.mlp_ratio() <= kMaxMlpRatio))
     e.add(p + "mlp_ratio", "must lie in (0, ", kMaxMlpRatio, "], got ", m.mlp_ratio());
+  if (m.feed_forward() != "swiglu" && m.feed_forward() != "rwkv7_channel_mix")
+    e.add(p + "feed_forward", "must be \"swiglu\" or \"rwkv7_channel_mix\", got \"", m.feed_forward(), "\"");
   if (std::isfinite(m.norm_eps()) && !(m.norm_eps() > 0))
     e.add(p + "norm_eps", "must be positive, got ", m.norm_eps());
   if (std::isfinite(m.init_std()) && !(m.init_std() > 0))

@@ -131,7 +131,15 @@ Tensor RecurrentDecoder::run_piece(const Tensor& tokens, Form form) {
       for (auto& s : out.final_state) cache.state.push_back(s.detach());
     }
     auto y = h + out.y;
-    h = y + b.mlp.forward(b.mlp_norm.forward(y));
+    MixerLayerContext ffn;  // the channel mix's token shift reads the cached token before the piece
+    ffn.offset = position_;
+    ffn.halo = [&](const Tensor& x, int64_t halo) -> Tensor {
+      Tensor before = cache.ffn_tail.defined() ? cache.ffn_tail.to(x.scalar_type())
+                                               : at::zeros({x.size(0), halo, x.size(2)}, x.options());
+      cache.ffn_tail = x.narrow(1, x.size(1) - 1, 1).clone();
+      return before;
+    };
+    h = y + b.feed_forward(b.mlp_norm.forward(y), ffn);
   }
   position_ += n;
   return at::linear(rms_norm(h, final_norm_, model_->config().norm_eps()), head_);

@@ -40,6 +40,7 @@ class RecurrentDecoder {
     State state;      // the family's state (empty before the first token: zeros)
     Tensor conv_tail;  // [B, K-1, C]: the last K-1 inputs of the convolutions
     Tensor keys, values;  // softmax attention: [B, n, H, dk], [B, n, H, dv]
+    Tensor ffn_tail;   // [B, 1, d]: the channel mix's last input (its token shift, feed_forward "rwkv7_channel_mix")
   };
   // One piece [B, n] at position_, all layers, in `form` for the families.
   Tensor run_piece(const Tensor& tokens, Form form);

@@ -177,6 +177,9 @@ std::vector<std::string> fla_export_errors(const ModelConfig& model) {
   }
   const auto lm = layer_mixer(model, 0);
   const int64_t d = model.d_model(), H = model.n_heads(), dk = head_dim_k(model), dv = head_dim_v(model);
+  if (model.feed_forward() != "swiglu")
+    errors.push_back("model.feed_forward: \"" + model.feed_forward() + "\"; FLA's " + kind +
+                     " models have SwiGLU MLPs, so only feed_forward \"swiglu\" exports");
   if (kind != "gated_deltanet" && model.has_n_v_heads() && model.n_v_heads() != H)
     errors.push_back("model.n_v_heads: " + std::to_string(model.n_v_heads()) + " value heads for " + std::to_string(H) +
                      " query/key heads; FLA's " + kind + " has no grouped value heads (its gated_deltanet does)");

@@ -18,6 +18,14 @@
 
 namespace carry {
 
+Tensor ModelBlock::feed_forward(const Tensor& x, const MixerLayerContext& context, bool result_only) const {
+  return channel_mix.defined() ? channel_mix.forward(x, context) : mlp.forward(x, result_only);
+}
+
+NamedParameters ModelBlock::feed_forward_parameters() const {
+  return channel_mix.defined() ? channel_mix.parameters() : mlp.parameters();
+}
+
 MixerLayerSpec mixer_layer_spec(const ModelConfig& model, int64_t layer) {
   auto lm = layer_mixer(model, layer);
   std::string family = mixer_layer_family(lm.kind);
@@ -76,7 +84,8 @@ Model build_model(const ModelConfig& model, uint64_t seed, at::TensorOptions opt
     b.mixer_norm = RMSNorm(d, eps, init);
     b.mixer = std::make_unique<MixerLayer>(mixer_layer_spec(model, i), init);
     b.mlp_norm = RMSNorm(d, eps, init);
-    b.mlp = SwiGLU(d, mlp_hidden_size(model), std, L, init);
+    if (model.feed_forward() == "rwkv7_channel_mix") b.channel_mix = Rwkv7ChannelMix(d, mlp_hidden_size(model), i, L, init);
+    else b.mlp = SwiGLU(d, mlp_hidden_size(model), std, L, init);
     m.blocks_.push_back(std::move(b));
   }
   m.norm_ = RMSNorm(d, eps, init);
@@ -151,7 +160,7 @@ Tensor Model::hidden(const Tensor& tokens, const ModelContext& ctx,
       // Recomputed in the backward, the block's result is only differentiated: its last product and the
       // residual add build their graph without computing values (layers/blocks/recompute.h).
       const bool values = !recomputing_in_backward();
-      return graph_only_add(y, b->mlp.forward(n, /*result_only=*/!values), values);
+      return graph_only_add(y, b->feed_forward(n, *slice, /*result_only=*/!values), values);
     };
     if (!recomputed) {
       h = block(h, block_value_first);
@@ -159,7 +168,7 @@ Tensor Model::hidden(const Tensor& tokens, const ModelContext& ctx,
     }
     std::vector<Tensor> params;
     for (const auto& part : {b->mixer_norm.parameters(), b->mixer->parameters(), b->mlp_norm.parameters(),
-                             b->mlp.parameters()})
+                             b->feed_forward_parameters()})
       for (auto& [name, p] : part) params.push_back(p);
     if (!block_value_first.defined()) {
       h = recompute_in_backward([block](const Tensor& x) { return block(x, Tensor()); }, h, params, ctx.recompute_overlap);
@@ -225,7 +234,7 @@ NamedParameters Model::parameters() const {
     append_parameters(out, p + "mixer_norm.", b.mixer_norm.parameters());
     append_parameters(out, p + "mixer.", b.mixer->parameters());
     append_parameters(out, p + "mlp_norm.", b.mlp_norm.parameters());
-    append_parameters(out, p + "mlp.", b.mlp.parameters());
+    append_parameters(out, p + b.feed_forward_prefix(), b.feed_forward_parameters());
   }
   append_parameters(out, "norm.", norm_.parameters());
   if (lm_head_.defined()) out.emplace_back("lm_head.weight", lm_head_);

@@ -1,6 +1,7 @@
 // The language model (README.md, Design §4): token embedding → n_layers × [RMSNorm → mixer layer → residual,
-// RMSNorm → SwiGLU MLP → residual] → RMSNorm → head tied to the embedding (or its own lm_head when
-// tie_embeddings is false). Layer i's mixer is the config's mixers[i % mixers_size()] with the options
+// RMSNorm → feed-forward → residual] → RMSNorm → head tied to the embedding (or its own lm_head when
+// tie_embeddings is false). The feed-forward is the SwiGLU MLP, or RWKV-7's channel mix with
+// feed_forward "rwkv7_channel_mix". Layer i's mixer is the config's mixers[i % mixers_size()] with the options
 // layer_mixer() resolves (hybrids by a per-layer kind list); each kind is a MixerLayer around its
 // registered family (layers/blocks/mixer_layer.h lists the mapping).
 //
@@ -8,6 +9,7 @@
 //   embedding.weight [V,d]
 //   layers.{i}.mixer_norm.weight, layers.{i}.mixer.<MixerLayer names>, layers.{i}.mlp_norm.weight,
 //   layers.{i}.mlp.w1.weight, layers.{i}.mlp.w3.weight, layers.{i}.mlp.w2.weight
+//     (RWKV-7's channel mix instead: layers.{i}.ffn.x_k, layers.{i}.ffn.key.weight, layers.{i}.ffn.value.weight)
 //   norm.weight, (lm_head.weight [V,d] when untied)
 // Initialization: embedding (and an untied head) ~ N(0, init_std²); the rest as MixerLayer and SwiGLU
 // document (projections into the residual stream scaled by 1/sqrt(2·n_layers)); norms at 1. All draws
@@ -20,6 +22,7 @@
 #include "layers/blocks/mlp.h"
 #include "layers/blocks/norm.h"
 #include "layers/blocks/parameters.h"
+#include "layers/rwkv7/channel_mix.h"
 
 #include <functional>
 #include <memory>
@@ -32,7 +35,15 @@ struct ModelBlock {
   RMSNorm mixer_norm;
   std::unique_ptr<MixerLayer> mixer;
   RMSNorm mlp_norm;
-  SwiGLU mlp;
+  SwiGLU mlp;                   // feed_forward "swiglu"
+  Rwkv7ChannelMix channel_mix;  // feed_forward "rwkv7_channel_mix" (mlp then holds nothing)
+
+  // The feed-forward of the normed x; context: the slice's halo and documents (the channel mix's token
+  // shift). result_only: see SwiGLU::forward.
+  Tensor feed_forward(const Tensor& x, const MixerLayerContext& context = {}, bool result_only = false) const;
+  // Its parameters and their prefix ("mlp." or "ffn.").
+  NamedParameters feed_forward_parameters() const;
+  const char* feed_forward_prefix() const { return channel_mix.defined() ? "ffn." : "mlp."; }
 };
 
 // How a forward reaches the rest of the sequence: the slice context every layer runs in (sequence

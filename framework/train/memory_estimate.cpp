@@ -2,6 +2,8 @@
 // layer at three lengths, the parabola through them, the table.
 #include "framework/train/memory_estimate.h"
 
+#include "layers/layer_kind.h"
+
 #include "layers/blocks/recompute.h"
 
 #include "framework/model/model.h"
@@ -233,7 +235,7 @@ MemoryEstimate estimate_memory(const RunConfig& config, std::FILE* progress) {
       auto used = measure_cpu_allocation([&] {
         AutocastScope autocast(at::kCPU, at::kBFloat16, bf16);
         auto h = x + b.mixer->forward(b.mixer_norm.forward(x), {}, {}, value_first).y;
-        y = h + b.mlp.forward(b.mlp_norm.forward(h));
+        y = h + b.feed_forward(b.mlp_norm.forward(h));
       });
       ys.push_back(used.live_bytes);
       if (progress) {
@@ -295,6 +297,10 @@ MemoryEstimate estimate_memory(const RunConfig& config, std::FILE* progress) {
     l.kept_bytes = per_kind[i % small.n_layers()];
     l.backward_bytes = backward_of_kind[i % small.n_layers()];
     l.input_bytes = input;
+    // A recomputed rwkv7 block keeps [h, v_first] (framework/model/model.cpp): its input and the first values.
+    const auto& spec = model.blocks()[i % small.n_layers()].mixer->spec();
+    if (layer_kind(spec.kind).time_mix)
+      l.input_bytes = input * static_cast<double>(d + spec.n_heads * spec.head_dim_v) / static_cast<double>(d);
     l.core_bytes = core_of_kind[i % small.n_layers()];
     m.activations_kept += l.kept_bytes;
     largest_backward = std::max(largest_backward, l.backward_bytes);

@@ -43,7 +43,7 @@
 //   (A_log = log A), dt ~ log-uniform on [1e-3, 1e-1], dt_bias = softplus⁻¹(dt): per-token decays
 //   exp(−A·dt) start in [exp(−1.6), exp(−0.001)], i.e. memories from ~1 to ~1000 tokens;
 //   Mamba-1: A_log[c, n] = log(n + 1) (S4D-real), dt as above; GLA's gate bias 0 (decay ≈ 0.96 per
-//   token at init); D = 1; norm weights = 1.
+//   token at init); D = 1; norm weights = 1. rwkv7: FLA's RWKV7Attention._initialize_weights (time_mix.h).
 //
 // Sequence parallelism: everything the layer needs from other ranks goes through MixerLayerContext —
 // the family's forward over this rank's slice (`run_mixer`, e.g. parallel::sp_mixer_forward) and the

@@ -37,19 +37,6 @@ Tensor lora(const NamedParameters& ps, const std::string& name, const Tensor& x,
 Tensor tanh_of(const Tensor& x) { return at::tanh(x); }
 Tensor sigmoid_of(const Tensor& x) { return at::sigmoid(x); }
 
-// torch.nn.init.orthogonal_ for a [rows, cols] weight: Q of a Gaussian matrix's QR (of its transpose when
-// rows < cols), columns signed by R's diagonal, times gain. Computed in fp64 from fp32 draws.
-Tensor orthogonal(ParameterInit& init, int64_t rows, int64_t cols, double gain) {
-  if (init.meta()) return init.full({rows, cols}, 0.0);
-  Tensor g = init.normal({rows, cols}, 1.0).detach().to(at::kDouble).cpu();
-  const bool wide = rows < cols;
-  if (wide) g = g.t();
-  auto [q, r] = at::linalg_qr(g);
-  q = q * at::sign(at::diagonal(r, 0, -2, -1)).unsqueeze(0);
-  if (wide) q = q.t();
-  return init.leaf((q * gain).to(at::kFloat).contiguous());
-}
-
 // FLA's profiles over n = 0..N−1 (heads of width hd): linear n/(N−1) − 1/2 and the zigzag z·|z| with
 // z = ((n mod hd) − (hd−1)/2) / ((hd−1)/2).
 Tensor linear_profile(int64_t N) {
@@ -65,6 +52,19 @@ Tensor zigzag_profile(int64_t N, int64_t hd) {
 }
 
 }  // namespace
+
+// torch.nn.init.orthogonal_ for a [rows, cols] weight: Q of a Gaussian matrix's QR (of its transpose when
+// rows < cols), columns signed by R's diagonal, times gain. Computed in fp64 from fp32 draws.
+Tensor rwkv7_orthogonal(ParameterInit& init, int64_t rows, int64_t cols, double gain) {
+  if (init.meta()) return init.full({rows, cols}, 0.0);
+  Tensor g = init.normal({rows, cols}, 1.0).detach().to(at::kDouble).cpu();
+  const bool wide = rows < cols;
+  if (wide) g = g.t();
+  auto [q, r] = at::linalg_qr(g);
+  q = q * at::sign(at::diagonal(r, 0, -2, -1)).unsqueeze(0);
+  if (wide) q = q.t();
+  return init.leaf((q * gain).to(at::kFloat).contiguous());
+}
 
 Rwkv7LowRankDims rwkv7_low_rank_dims(int64_t d_model, int64_t head_dim) {
   const double root = std::sqrt(static_cast<double>(d_model)), factor = static_cast<double>(head_dim) / 64.0;
@@ -95,15 +95,15 @@ void rwkv7_parameters(const MixerLayerSpec& spec, ParameterInit& init, NamedPara
   add("k_k", value(0.71 - linear_profile(K) * 0.1));
   add("k_a", init.full({K}, 1.02));
   add("r_k", init.full({H, dk}, -0.04));
-  add("r_proj.weight", orthogonal(init, K, d, 1.0));
-  add("k_proj.weight", orthogonal(init, K, d, 0.1));
-  add("v_proj.weight", orthogonal(init, V, d, 1.0));
+  add("r_proj.weight", rwkv7_orthogonal(init, K, d, 1.0));
+  add("k_proj.weight", rwkv7_orthogonal(init, K, d, 0.1));
+  add("v_proj.weight", rwkv7_orthogonal(init, V, d, 1.0));
   add("o_proj.weight", init.full({d, V}, 0.0));
   // FLA's LoRA init: A = 0, B orthogonal with gain 0.1·max(1, √(rank/out)), the bias as set below.
   auto lora_params = [&](const std::string& name, int64_t rank, int64_t out, const Tensor& bias) {
     add(name + ".lora.0.weight", init.full({rank, d}, 0.0));
     const double gain = rank > out ? std::sqrt(static_cast<double>(rank) / static_cast<double>(out)) : 1.0;
-    add(name + ".lora.2.weight", orthogonal(init, out, rank, 0.1 * gain));
+    add(name + ".lora.2.weight", rwkv7_orthogonal(init, out, rank, 0.1 * gain));
     if (bias.defined()) add(name + ".lora.2.bias", value(bias));
   };
   const Tensor linear_k = linear_profile(K), zigzag_k = zigzag_profile(K, dk);

@@ -38,6 +38,10 @@ struct Rwkv7LowRankDims {
 };
 Rwkv7LowRankDims rwkv7_low_rank_dims(int64_t d_model, int64_t head_dim);
 
+// torch.nn.init.orthogonal_ of a [rows, cols] weight times gain, from init's draws (shapes only on the meta
+// device).
+Tensor rwkv7_orthogonal(ParameterInit& init, int64_t rows, int64_t cols, double gain);
+
 // Appends the layer's parameters to `params`, in RWKV7Attention's order, initialized as FLA does for layer
 // spec.layer of spec.n_layers (see docs/families.md, rwkv7, for what differs).
 void rwkv7_parameters(const MixerLayerSpec& spec, ParameterInit& init, NamedParameters& params);

@@ -320,7 +320,8 @@ TEST_F(ConfigTest, NumHouseholderOption) {
 }
 
 // rwkv7 layers take no short convolutions (their token shift reads the token before each): conv_size
-// on them is one error naming the entry, and a valid rwkv7 hybrid passes.
+// on them is one error naming the entry, and a valid rwkv7 hybrid passes; feed_forward is "swiglu" or
+// "rwkv7_channel_mix".
 TEST_F(ConfigTest, Rwkv7RefusesConvolutions) {
   RunConfig c;
   ASSERT_TRUE(google::protobuf::TextFormat::ParseFromString(kValid, &c));
@@ -349,6 +350,13 @@ TEST_F(ConfigTest, Rwkv7RefusesConvolutions) {
   errors = run_config_errors(c);
   ASSERT_EQ(errors.size(), 1u);
   EXPECT_NE(errors[0].find("model.mixer_options[1].normalize: only "), std::string::npos) << errors[0];
+  all_layers->clear_normalize();
+  c.mutable_model()->set_feed_forward("rwkv7_channel_mix");
+  EXPECT_TRUE(run_config_errors(c).empty()) << run_config_errors(c)[0];
+  c.mutable_model()->set_feed_forward("channel_mix");
+  errors = run_config_errors(c);
+  ASSERT_EQ(errors.size(), 1u);
+  EXPECT_EQ(errors[0], "model.feed_forward: must be \"swiglu\" or \"rwkv7_channel_mix\", got \"channel_mix\"");
 }
 
 // Grouped value heads: a multiple of n_heads, on deltanet and gated_deltanet layers only.
@@ -457,7 +465,7 @@ TEST_F(ConfigTest, OverrideErrorsNameThePath) {
   EXPECT_EQ(error("model.d_modl=5"),
             "--set model.d_modl=5: unknown field 'd_modl' in model (ModelConfig; valid fields: vocab_size, d_model, "
             "n_layers, n_heads, head_dim_k, head_dim_v, mlp_ratio, norm_eps, tie_embeddings, mixers, mixer_options, "
-            "init_std, n_v_heads)");
+            "init_std, n_v_heads, feed_forward)");
   EXPECT_EQ(error("modle.d_model=5").rfind("--set modle.d_model=5: unknown field 'modle' in the top level (RunConfig; "
                                            "valid fields: name, seed, model_preset, model,", 0), 0u);
   EXPECT_EQ(error("optimizer.lr=fast"), "--set optimizer.lr=fast: lr expects a number, got 'fast'");

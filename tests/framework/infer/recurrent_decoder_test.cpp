@@ -111,6 +111,9 @@ TEST(RecurrentDecoder, SlidingWindowHybridAndVariants) {
   performer.mutable_mixer_options(0)->set_feature_map("performer");
   performer.mutable_mixer_options(0)->set_num_features(12);
   expect_recurrent_equals_full(performer, "performer features");
+  ModelConfig channel_mix = tiny({"rwkv7"}, 0);
+  channel_mix.set_feed_forward("rwkv7_channel_mix");
+  expect_recurrent_equals_full(channel_mix, "rwkv7 + channel mix");
   ModelConfig untied = tiny({"gla"});
   untied.set_tie_embeddings(false);
   expect_recurrent_equals_full(untied, "gla, own head");

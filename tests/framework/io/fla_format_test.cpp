@@ -342,6 +342,12 @@ TEST(FlaFormat, RefusesModelsThatDoNotMapWithTheReasons) {
   EXPECT_NE(h.find("rotary position embeddings"), std::string::npos) << h;
   EXPECT_NE(errors_of(small("hla2", 0, true)).find("Kinds carry exports to FLA: gated_deltanet, gated_deltaproduct, deltanet, gla"),
             std::string::npos);
+  ModelConfig channel_mix = small("gated_deltanet", 4, true);
+  channel_mix.set_feed_forward("rwkv7_channel_mix");
+  EXPECT_EQ(errors_of(channel_mix), "model.feed_forward: \"rwkv7_channel_mix\"; FLA's gated_deltanet models have "
+                                    "SwiGLU MLPs, so only feed_forward \"swiglu\" exports\n");
+  EXPECT_NE(errors_of(small("rwkv7", 0, true)).find("model.mixers: rwkv7: carry export does not map this kind"),
+            std::string::npos);
   ModelConfig odd = small("deltanet", 4, true);
   odd.set_d_model(30);
   odd.set_head_dim_k(7);
@@ -360,7 +366,8 @@ TEST(FlaFormat, PresetsThatExport) {
   for (const char* name : {"gated_deltanet_125m", "gated_deltanet_340m", "gla_125m", "gla_340m", "gated_deltaproduct_125m",
                            "gated_deltaproduct_340m"})
     EXPECT_TRUE(fla_export_errors(load_model_config(dir + name + ".textproto")).empty()) << name;
-  for (const char* name : {"mamba2_125m", "mamba2_340m", "hybrid_gdn_swa_125m", "hla_125m", "loglinear_gdn_125m"})
+  for (const char* name : {"mamba2_125m", "mamba2_340m", "hybrid_gdn_swa_125m", "hla_125m", "loglinear_gdn_125m",
+                           "rwkv7_125m"})
     EXPECT_FALSE(fla_export_errors(load_model_config(dir + name + ".textproto")).empty()) << name;
   // carry's Gated DeltaNet 125M preset is FLA's config of the same shapes (shared/anchors/fla_train.py).
   std::string json = fla_config_json(load_model_config(dir + "gated_deltanet_125m.textproto"));

@@ -269,6 +269,26 @@ TEST(Model, RecomputationRunsEachLayerAgainWithTheSameGradients) {
   }
 }
 
+// RWKV-7 with its channel mix (feed_forward "rwkv7_channel_mix", nonzero random parameters): the parameters
+// are named ffn.*, and recomputation, with and without the kept mixer core, gives every gradient's bits.
+TEST(Model, Rwkv7ChannelMixNamesAndRecomputation) {
+  auto cfg = tiny_config({"rwkv7"});
+  cfg.set_n_layers(3);
+  cfg.set_feed_forward("rwkv7_channel_mix");
+  auto model = build_model(cfg, 4, at::TensorOptions().dtype(at::kDouble));
+  testing::perturb_parameters(model.parameters(), 22, 0.3);
+  std::vector<std::string> ffn;
+  for (auto& [n, p] : model.parameters())
+    if (n.rfind("layers.1.ffn.", 0) == 0 || n.rfind("layers.1.mlp.", 0) == 0) ffn.push_back(n);
+  EXPECT_EQ(ffn, (std::vector<std::string>{"layers.1.ffn.x_k", "layers.1.ffn.key.weight", "layers.1.ffn.value.weight"}));
+  auto tokens = random_tokens(2, 16, 16, 5), targets = random_tokens(2, 16, 16, 6);
+  auto kept = loss_gradients(model, tokens, targets, {});
+  for (auto& g : kept) EXPECT_GT(g.abs().max().item<double>(), 0.0);
+  expect_same_bits(kept, loss_gradients(model, tokens, targets, recomputing(0)), "rwkv7 + channel mix recomputed");
+  expect_same_bits(kept, loss_gradients(model, tokens, targets, recomputing(1, true)),
+                   "rwkv7 + channel mix around kept mixer cores");
+}
+
 // ModelContext::before_block (the split update's wait for other ranks' parameters, sharded_update.h) is
 // called once per forward before each part reads its parameters, in order: -1 (the embedding), each block,
 // then the block count (the final norm and head); not again when a block is recomputed in the backward.

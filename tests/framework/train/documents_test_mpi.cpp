@@ -2,8 +2,8 @@
 // scans with document starts inside a rank's slice and exactly at a rank boundary (and, at 4 ranks, a
 // slice without one between slices with) give the losses and parameters of one rank, for Gated
 // DeltaNet with short convolutions, for a hybrid with sliding-window softmax attention (whose window and
-// convolutions reach into the previous rank's slice) and for two RWKV-7 layers (whose token shift reads the
-// previous rank's last token and restarts at a document start). Skipped unless 2 or 4 ranks.
+// convolutions reach into the previous rank's slice) and for two RWKV-7 layers with RWKV-7's channel mix (whose
+// token shifts read the previous rank's last token and restart at a document start). Skipped unless 2 or 4 ranks.
 #include "framework/data/token_file.h"
 #include "framework/train/trainer.h"
 #include "parallel/process_group.h"
@@ -46,7 +46,7 @@ TEST(DocumentsSp, ScansWithDocumentStartsEqualOneRank) {
   for (const char* mixers : {"\"gated_deltanet\" mixer_options { chunk_size: 8 conv_size: 4 }",
                              "[\"gated_deltanet\", \"softmax_attn\"] mixer_options { kind: \"softmax_attn\" window: 12 } "
                              "mixer_options { chunk_size: 8 conv_size: 4 }",
-                             "[\"rwkv7\", \"rwkv7\"] mixer_options { chunk_size: 8 }"}) {
+                             "[\"rwkv7\", \"rwkv7\"] mixer_options { chunk_size: 8 } feed_forward: \"rwkv7_channel_mix\""}) {
     auto cfg = [&](int sp) {
       return run_config_from_text(std::string(R"(
 name: "documents_sp"

@@ -168,24 +168,31 @@ TEST(Trainer, RecomputeUnderSpEqualsSerial) {
 }
 
 // RWKV-7 (three rwkv7 layers: the token shift's halo across ranks, the value residual from the first layer)
-// under every scan mode, and with per-layer recomputation: the serial run's steps.
+// under every scan mode, and with per-layer recomputation and RWKV-7's channel mix (a second token shift a
+// block): the serial run's steps.
 TEST(Trainer, Rwkv7UnderSpEqualsSerial) {
   const int P = parallel::world_info().size;
   if (P < 2) GTEST_SKIP() << "needs 2 or more ranks";
   const std::vector<std::string> rwkv7{"model.mixers=rwkv7", "model.n_layers=3", "model.mixer_options[0]={chunk_size: 16}"};
   auto serial = train(config(rwkv7), false);
+  auto channel_mix = rwkv7;
+  channel_mix.push_back("model.feed_forward=rwkv7_channel_mix");
+  auto serial_channel_mix = train(config(channel_mix), false);
   for (const char* mode : {"ordered", "tree", "allgather"})
     for (bool recompute : {false, true}) {
       if (recompute && std::string(mode) != "ordered") continue;
       auto o = rwkv7;
+      if (recompute) o.push_back("model.feed_forward=rwkv7_channel_mix");
       o.push_back("parallel.sp=" + std::to_string(P));
       o.push_back(std::string("parallel.scan_mode=") + mode);
       if (recompute) o.push_back("parallel.recompute=true");
       auto sp = train(config(o), true);
-      double err = compare(sp, serial);
+      const RunResult& reference = recompute ? serial_channel_mix : serial;
+      double err = compare(sp, reference);
       if (parallel::world_info().rank == 0)
         std::printf("[ errors   ] trainer rwkv7 x3 sp=%d %s%s vs sp=1 (fp64, 5 steps): %.3e (losses %.6f -> %.6f)\n", P,
-                    mode, recompute ? " with recomputation" : "", err, serial.losses.front(), serial.losses.back());
+                    mode, recompute ? " with recomputation and the channel mix" : "", err, reference.losses.front(),
+                    reference.losses.back());
       EXPECT_LE(err, 1e-10) << mode << (recompute ? " with recomputation" : "");
       EXPECT_NE(serial.losses.front(), serial.losses.back()) << "the run does not train";
     }
