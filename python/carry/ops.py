@@ -185,10 +185,31 @@ def _scale(scale, k):
 
 
 def _gdn_gate(g, A_log, dt_bias):
+    """FLA's in-kernel gate −exp(A_log)·softplus(g + dt_bias), A_log and dt_bias broadcast against g."""
     x = _wide(g)
     if dt_bias is not None:
         x = x + _wide(dt_bias)
     return -_wide(A_log).exp() * F.softplus(x)
+
+
+def _fla_delta_inputs(q, k, beta, use_qk_l2norm_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval, HV):
+    """FLA's in-kernel q/k l2 norm and beta logits (doubled with allow_neg_eigval), then each query/key head
+    repeated over its HV/H value heads."""
+    if use_qk_l2norm_in_kernel:
+        q, k = _l2norm(q), _l2norm(k)
+    if use_beta_sigmoid_in_kernel:
+        beta = _wide(beta).sigmoid() * (2.0 if allow_neg_eigval else 1.0)
+    H = q.shape[2]
+    if HV != H:
+        q, k = q.repeat_interleave(HV // H, dim=2), k.repeat_interleave(HV // H, dim=2)
+    return q, k, beta
+
+
+def _check_lower_bound(fn, name, g, bound):
+    """FLA's `lower_bound` contract: lower_bound <= g < 0."""
+    if bound is not None and not bool(((g >= bound) & (g < 0)).all()):
+        _fail(fn, f"lower_bound={bound}: expected lower_bound <= {name} < 0, got {name} in "
+                  f"[{float(g.min()):.4g}, {float(g.max()):.4g}]")
 
 
 @torch.compiler.disable
@@ -225,12 +246,8 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, out
             _fail(fn, "A_log must be provided when use_gate_in_kernel=True")
         g = _gdn_gate(g, kwargs["A_log"], kwargs.get("dt_bias"))
     scale = _scale(scale, k)
-    if use_qk_l2norm_in_kernel:
-        q, k = _l2norm(q), _l2norm(k)
-    if use_beta_sigmoid_in_kernel:
-        beta = _wide(beta).sigmoid() * (2.0 if allow_neg_eigval else 1.0)
-    if HV != H:
-        q, k = q.repeat_interleave(HV // H, dim=2), k.repeat_interleave(HV // H, dim=2)
+    q, k, beta = _fla_delta_inputs(q, k, beta, use_qk_l2norm_in_kernel, use_beta_sigmoid_in_kernel,
+                                   allow_neg_eigval, HV)
     return _decay_family(fn, "gated_deltanet", q, k, v, g=g, beta=beta, scale=scale, initial_state=initial_state,
                          output_final_state=output_final_state, state_v_first=state_v_first,
                          cu_seqlens=cu_seqlens, chunk_size=chunk_size, form=form)
@@ -313,20 +330,12 @@ def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_sta
     if use_gate_in_kernel:
         if kwargs.get("A_log") is None:
             _fail(fn, "A_log must be provided when use_gate_in_kernel=True")
-        x = _wide(g)
-        if kwargs.get("dt_bias") is not None:
-            x = x + _wide(kwargs["dt_bias"]).view(HV, K)
-        g = -_wide(kwargs["A_log"]).exp().view(HV, 1) * F.softplus(x)
-    if lower_bound is not None and not bool(((g >= lower_bound) & (g < 0)).all()):
-        _fail(fn, f"lower_bound={lower_bound}: expected lower_bound <= g < 0, got g in "
-                  f"[{float(g.min()):.4g}, {float(g.max()):.4g}]")
+        dt_bias = kwargs.get("dt_bias")
+        g = _gdn_gate(g, kwargs["A_log"].view(HV, 1), None if dt_bias is None else dt_bias.view(HV, K))
+    _check_lower_bound(fn, "g", g, lower_bound)
     scale = _scale(scale, k)
-    if use_qk_l2norm_in_kernel:
-        q, k = _l2norm(q), _l2norm(k)
-    if use_beta_sigmoid_in_kernel:
-        beta = _wide(beta).sigmoid() * (2.0 if allow_neg_eigval else 1.0)
-    if HV != H:
-        q, k = q.repeat_interleave(HV // H, dim=2), k.repeat_interleave(HV // H, dim=2)
+    q, k, beta = _fla_delta_inputs(q, k, beta, use_qk_l2norm_in_kernel, use_beta_sigmoid_in_kernel,
+                                   allow_neg_eigval, HV)
     return _decay_family(fn, "kda", q, k, v, gk=g, beta=beta, scale=scale, initial_state=initial_state,
                          output_final_state=output_final_state, state_v_first=state_v_first,
                          cu_seqlens=cu_seqlens, chunk_size=kwargs.get("chunk_size", 64), form=form)
@@ -363,10 +372,7 @@ def _dplr(fn, q, k, v, a, b, gk, scale, initial_state, output_final_state, cu_se
     for name, x in (("k", k), ("a", a), ("b", b), (gate_name, gk)):
         if x.shape != q.shape:
             _fail(fn, f"{name} must have {query_name}'s shape {list(q.shape)}, got {list(x.shape)}")
-    bound = kwargs.get("lower_bound")
-    if bound is not None and not bool(((gk >= bound) & (gk < 0)).all()):
-        _fail(fn, f"lower_bound={bound}: expected lower_bound <= {gate_name} < 0, got {gate_name} in "
-                  f"[{float(gk.min()):.4g}, {float(gk.max()):.4g}]")
+    _check_lower_bound(fn, gate_name, gk, kwargs.get("lower_bound"))
     return _decay_family(fn, "rwkv7", q, k, v, gk=gk, a=a, b=b, scale=scale, initial_state=initial_state,
                          output_final_state=output_final_state, state_v_first=False, cu_seqlens=cu_seqlens,
                          chunk_size=kwargs.get("chunk_size") or 64, form=form)
