@@ -445,6 +445,8 @@ void check_model(const ModelConfig& m, const std::string& p, Errors& e) {
     e.add(p + "mlp_ratio", "must lie in (0, ", kMaxMlpRatio, "], got ", m.mlp_ratio());
   if (m.feed_forward() != "swiglu" && m.feed_forward() != "rwkv7_channel_mix")
     e.add(p + "feed_forward", "must be \"swiglu\" or \"rwkv7_channel_mix\", got \"", m.feed_forward(), "\"");
+  if (m.norm() != "rms_norm" && m.norm() != "layer_norm")
+    e.add(p + "norm", "must be \"rms_norm\" or \"layer_norm\", got \"", m.norm(), "\"");
   if (std::isfinite(m.norm_eps()) && !(m.norm_eps() > 0))
     e.add(p + "norm_eps", "must be positive, got ", m.norm_eps());
   if (std::isfinite(m.init_std()) && !(m.init_std() > 0))

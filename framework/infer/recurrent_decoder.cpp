@@ -49,7 +49,6 @@ RecurrentDecoder::RecurrentDecoder(const Model& model, int64_t max_length)
   TORCH_CHECK(max_length > 0, "decoder: max_length must be positive, got ", max_length);
   auto params = model.parameters();
   embedding_ = parameter(params, "embedding.weight").detach();
-  final_norm_ = parameter(params, "norm.weight").detach();
   head_ = parameter(params, "lm_head.weight");
   head_ = head_.defined() ? head_.detach() : embedding_;
   for (const auto& b : model.blocks()) alignment_ = std::lcm(alignment_, b.mixer->spec().chunk_size);
@@ -83,6 +82,7 @@ Tensor RecurrentDecoder::feed(const Tensor& tokens) {
 Tensor RecurrentDecoder::run_piece(const Tensor& tokens, Form form) {
   const int64_t n = tokens.size(1);
   Tensor h = at::embedding(embedding_, tokens.to(embedding_.device()));
+  if (model_->pre_norm().defined()) h = model_->pre_norm().forward_in_dtype(h);
   const auto& blocks = model_->blocks();
   Tensor value_first;  // RWKV-7's value residual: the first rwkv7 layer's values over this piece
   for (size_t i = 0; i < blocks.size(); ++i) {
@@ -142,7 +142,7 @@ Tensor RecurrentDecoder::run_piece(const Tensor& tokens, Form form) {
     h = y + b.feed_forward(b.mlp_norm.forward(y), ffn);
   }
   position_ += n;
-  return at::linear(rms_norm(h, final_norm_, model_->config().norm_eps()), head_);
+  return at::linear(model_->final_norm().forward(h), head_);
 }
 
 }  // namespace carry

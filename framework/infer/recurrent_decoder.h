@@ -50,7 +50,7 @@ class RecurrentDecoder {
   int64_t position_ = 0;
   int64_t alignment_ = 1;
   std::vector<LayerCache> caches_;
-  Tensor embedding_, final_norm_, head_;
+  Tensor embedding_, head_;
 };
 
 }  // namespace carry

@@ -49,6 +49,8 @@ MixerLayerSpec mixer_layer_spec(const ModelConfig& model, int64_t layer) {
   s.head_dim_v = head_dim_v(model);
   s.chunk_size = lm.options.chunk_size();
   s.window = lm.options.window();
+  s.global_tokens = lm.options.global_tokens();
+  s.stride = lm.options.stride();
   s.conv_size = lm.options.conv_size();
   s.normalize = lm.options.normalize();
   s.levels = lm.options.levels();
@@ -79,16 +81,18 @@ Model build_model(const ModelConfig& model, uint64_t seed, at::TensorOptions opt
   const int64_t V = model.vocab_size(), d = model.d_model(), L = model.n_layers();
   const double eps = model.norm_eps(), std = model.init_std();
   m.embedding_ = init.normal({V, d}, std);
+  const bool layer_norm = model.norm() == "layer_norm";
+  if (model.pre_norm()) m.pre_norm_ = BlockNorm(d, eps, layer_norm, init);
   for (int64_t i = 0; i < L; ++i) {
     ModelBlock b;
-    b.mixer_norm = RMSNorm(d, eps, init);
+    b.mixer_norm = BlockNorm(d, eps, layer_norm, init);
     b.mixer = std::make_unique<MixerLayer>(mixer_layer_spec(model, i), init);
-    b.mlp_norm = RMSNorm(d, eps, init);
+    b.mlp_norm = BlockNorm(d, eps, layer_norm, init);
     if (model.feed_forward() == "rwkv7_channel_mix") b.channel_mix = Rwkv7ChannelMix(d, mlp_hidden_size(model), i, L, init);
     else b.mlp = SwiGLU(d, mlp_hidden_size(model), std, L, init);
     m.blocks_.push_back(std::move(b));
   }
-  m.norm_ = RMSNorm(d, eps, init);
+  m.norm_ = BlockNorm(d, eps, layer_norm, init);
   if (!model.tie_embeddings()) m.lm_head_ = init.normal({V, d}, std);
   return m;
 }
@@ -130,6 +134,8 @@ Tensor Model::hidden(const Tensor& tokens, const ModelContext& ctx,
   for (size_t i = 0; i < blocks_.size(); ++i) {
     const ModelBlock* b = &blocks_[i];
     if (ctx.before_block) ctx.before_block(static_cast<int64_t>(i));
+    // The pre-norm's output is the first block's input and residual, in the residual stream's dtype.
+    if (i == 0 && pre_norm_.defined()) h = pre_norm_.forward_in_dtype(h);
     const bool time_mix = layer_kind(b->mixer->spec().kind).time_mix;
     if (time_mix && !value_first.defined())
       value_first = b->mixer->value_first(b->mixer_norm.forward_residual(h, Tensor()).second, shared->slice);
@@ -228,6 +234,7 @@ Tensor Model::loss(const Tensor& tokens, const Tensor& targets, const Tensor& ma
 
 NamedParameters Model::parameters() const {
   NamedParameters out{{"embedding.weight", embedding_}};
+  if (pre_norm_.defined()) append_parameters(out, "layers.0.pre_norm.", pre_norm_.parameters());
   for (size_t i = 0; i < blocks_.size(); ++i) {
     std::string p = "layers." + std::to_string(i) + ".";
     const auto& b = blocks_[i];

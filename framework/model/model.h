@@ -1,18 +1,22 @@
-// The language model (README.md, Design §4): token embedding → n_layers × [RMSNorm → mixer layer → residual,
-// RMSNorm → feed-forward → residual] → RMSNorm → head tied to the embedding (or its own lm_head when
-// tie_embeddings is false). The feed-forward is the SwiGLU MLP, or RWKV-7's channel mix with
+// The language model (README.md, Design §4): token embedding → n_layers × [norm → mixer layer → residual,
+// norm → feed-forward → residual] → norm → head tied to the embedding (or its own lm_head when
+// tie_embeddings is false). The norms are RMSNorms, or LayerNorms with bias with model.norm "layer_norm";
+// with model.pre_norm the embedding goes through one more norm before the first block (FLA's RWKV-7 model:
+// the first block's input and residual are that norm's output). The feed-forward is the SwiGLU MLP, or RWKV-7's channel mix with
 // feed_forward "rwkv7_channel_mix". Layer i's mixer is the config's mixers[i % mixers_size()] with the options
 // layer_mixer() resolves (hybrids by a per-layer kind list); each kind is a MixerLayer around its
 // registered family (layers/blocks/mixer_layer.h lists the mapping).
 //
 // Parameters are ATen leaves with requires_grad, listed flat by name in a fixed order:
 //   embedding.weight [V,d]
+//   (layers.0.pre_norm.weight, layers.0.pre_norm.bias with pre_norm)
 //   layers.{i}.mixer_norm.weight, layers.{i}.mixer.<MixerLayer names>, layers.{i}.mlp_norm.weight,
 //   layers.{i}.mlp.w1.weight, layers.{i}.mlp.w3.weight, layers.{i}.mlp.w2.weight
 //     (RWKV-7's channel mix instead: layers.{i}.ffn.x_k, layers.{i}.ffn.key.weight, layers.{i}.ffn.value.weight)
 //   norm.weight, (lm_head.weight [V,d] when untied)
+//   (every norm also has its .bias after its .weight with norm "layer_norm")
 // Initialization: embedding (and an untied head) ~ N(0, init_std²); the rest as MixerLayer and SwiGLU
-// document (projections into the residual stream scaled by 1/sqrt(2·n_layers)); norms at 1. All draws
+// document (projections into the residual stream scaled by 1/sqrt(2·n_layers)); norm weights 1, biases 0. All draws
 // come from one generator seeded by build_model's seed, in the order above: same seed, same bits.
 #pragma once
 
@@ -32,9 +36,9 @@
 namespace carry {
 
 struct ModelBlock {
-  RMSNorm mixer_norm;
+  BlockNorm mixer_norm;
   std::unique_ptr<MixerLayer> mixer;
-  RMSNorm mlp_norm;
+  BlockNorm mlp_norm;
   SwiGLU mlp;                   // feed_forward "swiglu"
   Rwkv7ChannelMix channel_mix;  // feed_forward "rwkv7_channel_mix" (mlp then holds nothing)
 
@@ -119,13 +123,17 @@ class Model {
   at::TensorOptions options() const { return embedding_.options(); }
   // The head's weight [V,d]: lm_head.weight, or the embedding when tied.
   const Tensor& head_weight() const { return lm_head_.defined() ? lm_head_ : embedding_; }
+  // The norm before the first block (undefined without model.pre_norm) and the final norm.
+  const BlockNorm& pre_norm() const { return pre_norm_; }
+  const BlockNorm& final_norm() const { return norm_; }
 
  private:
   friend Model build_model(const ModelConfig&, uint64_t, at::TensorOptions);
   ModelConfig config_;
   Tensor embedding_;
   std::vector<ModelBlock> blocks_;
-  RMSNorm norm_;
+  BlockNorm pre_norm_;  // undefined without model.pre_norm
+  BlockNorm norm_;
   Tensor lm_head_;  // undefined when tied
 };
 

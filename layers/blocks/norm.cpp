@@ -84,6 +84,42 @@ std::pair<Tensor, Tensor> residual_rms_norm(const Tensor& x, const Tensor& resid
   return {h, rms_norm(h, weight, eps)};
 }
 
+Tensor layer_norm(const Tensor& x, const Tensor& weight, const Tensor& bias, double eps) {
+  check_weight("layer_norm", x, weight);
+  check_weight("layer_norm (bias)", x, bias);
+  auto dt = compute_dtype(x);
+  return at::layer_norm(x.to(dt), {x.size(-1)}, weight.to(dt), bias.to(dt), eps).to(norm_output_dtype(x));
+}
+
 RMSNorm::RMSNorm(int64_t dim, double eps_, ParameterInit& init) : weight(init.full({dim}, 1.0)), eps(eps_) {}
+
+BlockNorm::BlockNorm(int64_t dim, double eps_, bool layer_norm, ParameterInit& init)
+    : weight(init.full({dim}, 1.0)), eps(eps_) {
+  if (layer_norm) bias = init.full({dim}, 0.0);
+}
+
+Tensor BlockNorm::forward(const Tensor& x) const {
+  return bias.defined() ? layer_norm(x, weight, bias, eps) : rms_norm(x, weight, eps);
+}
+
+Tensor BlockNorm::forward_in_dtype(const Tensor& x) const {
+  check_weight("block norm", x, weight);
+  if (!bias.defined()) return rms_norm_aten(x, weight, eps, x.scalar_type());
+  auto dt = compute_dtype(x);
+  return at::layer_norm(x.to(dt), {x.size(-1)}, weight.to(dt), bias.to(dt), eps).to(x.scalar_type());
+}
+
+std::pair<Tensor, Tensor> BlockNorm::forward_residual(const Tensor& x, const Tensor& residual) const {
+  if (!bias.defined()) return residual_rms_norm(x, residual, weight, eps);
+  TORCH_CHECK(!residual.defined() || residual.sizes() == x.sizes(), "layer_norm: the residual must have the shape of x ",
+              x.sizes(), ", got ", residual.sizes());
+  Tensor h = residual.defined() ? x + residual : x;
+  return {h, layer_norm(h, weight, bias, eps)};
+}
+
+NamedParameters BlockNorm::parameters() const {
+  if (bias.defined()) return {{"weight", weight}, {"bias", bias}};
+  return {{"weight", weight}};
+}
 
 }  // namespace carry

@@ -7,6 +7,9 @@
 // On CUDA tensors (fp32 or bf16, last dimension ≤ 8192) fused kernels compute both, forward and
 // backward (layers/kernels/blocks/norm_swiglu_op.h), unless fused_ops_enabled() is false
 // (layers/core/fused_switch.h, the run config's fused_ops: false); the CPU always runs the ATen forms.
+// LayerNorm with bias, y = (x − mean(x)) / sqrt(var(x) + eps) ⊙ weight + bias (biased variance), the block
+// norm of model.norm "layer_norm" (FLA's RWKV-7 blocks): the same dtypes, always the ATen form (at::layer_norm,
+// on CUDA too).
 #pragma once
 
 #include "layers/blocks/parameters.h"
@@ -23,6 +26,8 @@ Tensor gated_rms_norm(const Tensor& x, const Tensor& z, const Tensor& weight, do
 // gradient reaching h directly into the norm's, and writes the residual's gradient in its dtype).
 std::pair<Tensor, Tensor> residual_rms_norm(const Tensor& x, const Tensor& residual, const Tensor& weight, double eps);
 
+Tensor layer_norm(const Tensor& x, const Tensor& weight, const Tensor& bias, double eps);
+
 // An RMSNorm over `dim` features; weight initialized to ones. Parameter: "weight" [dim].
 struct RMSNorm {
   RMSNorm() = default;
@@ -37,6 +42,23 @@ struct RMSNorm {
   NamedParameters parameters() const { return {{"weight", weight}}; }
 
   Tensor weight;
+  double eps = 1e-6;
+};
+
+// A model block's norm (model.norm): an RMSNorm ("weight"), or a LayerNorm with bias ("weight", "bias";
+// weight ones, bias zeros). forward_residual: {h, norm(h)} with h = x + residual (residual undefined: x).
+struct BlockNorm {
+  BlockNorm() = default;
+  BlockNorm(int64_t dim, double eps, bool layer_norm, ParameterInit& init);
+  Tensor forward(const Tensor& x) const;
+  // The norm returned in x's dtype (the ATen form): for a norm whose output is a residual stream.
+  Tensor forward_in_dtype(const Tensor& x) const;
+  std::pair<Tensor, Tensor> forward_residual(const Tensor& x, const Tensor& residual) const;
+  NamedParameters parameters() const;
+  bool defined() const { return weight.defined(); }
+  bool is_layer_norm() const { return bias.defined(); }
+
+  Tensor weight, bias;  // bias: LayerNorm only
   double eps = 1e-6;
 };
 

@@ -465,7 +465,7 @@ TEST_F(ConfigTest, OverrideErrorsNameThePath) {
   EXPECT_EQ(error("model.d_modl=5"),
             "--set model.d_modl=5: unknown field 'd_modl' in model (ModelConfig; valid fields: vocab_size, d_model, "
             "n_layers, n_heads, head_dim_k, head_dim_v, mlp_ratio, norm_eps, tie_embeddings, mixers, mixer_options, "
-            "init_std, n_v_heads, feed_forward)");
+            "init_std, n_v_heads, feed_forward, norm, pre_norm)");
   EXPECT_EQ(error("modle.d_model=5").rfind("--set modle.d_model=5: unknown field 'modle' in the top level (RunConfig; "
                                            "valid fields: name, seed, model_preset, model,", 0), 0u);
   EXPECT_EQ(error("optimizer.lr=fast"), "--set optimizer.lr=fast: lr expects a number, got 'fast'");
