@@ -313,14 +313,14 @@ MixerOutput forward_documents(const Mixer& mixer, const MixerInputs& in, const S
     std::vector<Tensor> pieces;
     for (size_t k = 0; k + 1 < cuts.size(); ++k) {
       const int64_t a = cuts[k], len = cuts[k + 1] - a;
-      if (k > 0 && stateful) s = batch(zero, b);  // a document starts here
+      if (k > 0) s = stateful ? batch(zero, b) : State{};  // a document starts here
       MixerOptions o = base;
       const bool continues = k == 0 && !f[b * T];
       o.offset = continues ? (opt.document_offsets.empty() ? opt.offset : opt.document_offsets[b]) : 0;
       const MixerInputs piece = in_b.slice(a, len);
       const int64_t whole = o.offset % C == 0 ? len / C * C : 0;
       if (!stateful) {
-        MixerOutput r = whole == len ? mixer.forward(piece, s, o) : mixer.naive(piece, s, o);
+        MixerOutput r = len % C == 0 ? mixer.forward(piece, s, o) : mixer.naive(piece, s, o);
         pieces.push_back(r.o);
         continue;
       }

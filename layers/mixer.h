@@ -72,6 +72,11 @@ struct MixerOptions {
   bool normalize = false;    // linear attention / HLA: divide by the normalizer
   double eps = 1e-6;         // normalizer epsilon
   int64_t window = 0;        // sliding-window attention: keys t-window < s <= t; 0 = full causal
+  // Softmax attention's sparse patterns beside a window (layers/softmax_attn/softmax_attn.h): the first
+  // `global_tokens` tokens of each document (Longformer), and the document positions ≡ stride−1 mod stride
+  // (the Sparse Transformer's summary columns). 0 = none.
+  int64_t global_tokens = 0;
+  int64_t stride = 0;
   int64_t chunk_size = 64;   // chunkwise form
   int64_t offset = 0;        // absolute position of the slice's first token (log-linear levels)
   int64_t num_householder = 2;  // Gated DeltaProduct: delta-rule (Householder) sub-steps a token, n_h
@@ -210,9 +215,12 @@ Tensor state_product(const Tensor& x, const Tensor& S, bool low = false);
 // runs on its own, from the zero state when it starts a document (the first piece, when the slice does
 // not start with a document, from the initial state); a piece's whole chunks run in the form that
 // opt.form / the dispatch picks, its last partial chunk in the naive form from the state the chunks
-// left (softmax attention, which has no state, runs a piece with a partial chunk in the naive form
-// whole; a piece at an offset that is not a multiple of the chunk size, which log-linear's chunkwise
-// form cannot start at, does too). The final state is the last piece's. Exact: every form is.
+// left (softmax attention, which has no recurrent state, runs a piece with a partial chunk in the naive
+// form whole, and a piece of whole chunks at any offset in the dispatched form; its initial state, the
+// keys before the slice that its sparse patterns read, goes to the first piece only, when that piece
+// continues a document; a stateful piece at an offset that is not a multiple of the chunk size, which
+// log-linear's chunkwise form cannot start at, runs in the naive form whole). The final state is the
+// last piece's. Exact: every form is.
 MixerOutput forward_documents(const Mixer& mixer, const MixerInputs& in, const State& initial_state,
                               const MixerOptions& opt);
 
