@@ -75,9 +75,10 @@ def _state_dtype(dtype):
 
 
 def _run(fn, family, q, k, v, *, g=None, gk=None, beta=None, l=None, a=None, b=None, initial_state=(), scale,
-         normalize=False, eps=1e-6, chunk_size=64, form=None, offset=0, pad_tail=True):
+         normalize=False, eps=1e-6, chunk_size=64, form=None, offset=0, pad_tail=True, num_householder=1):
     """One family on [B, T, H, D] inputs of any T; returns (o in q's dtype, final state as a list).
-    pad_tail=False: T is a multiple of chunk_size (or the form is naive) and nothing is padded."""
+    pad_tail=False: T is a multiple of chunk_size (or the form is naive) and nothing is padded.
+    num_householder > 1 (gated_deltaproduct): k, v and beta hold that many rows a token of q."""
     if form not in _FORMS:
         _fail(fn, f"form must be 'kernel', 'chunkwise' or 'naive' (or None for the dispatch's choice), got {form!r}")
     if not isinstance(chunk_size, int) or chunk_size <= 0:
@@ -88,9 +89,11 @@ def _run(fn, family, q, k, v, *, g=None, gk=None, beta=None, l=None, a=None, b=N
     out_dtype, T = q.dtype, q.shape[1]
     form = form or "automatic"
     pad = 0 if form == "naive" or not pad_tail else (-T) % chunk_size
-    q, k, v, g, gk, beta, l, a, b = (_pad_tokens(x, pad) for x in (q, k, v, g, gk, beta, l, a, b))
+    n = num_householder
+    q, g, gk, l, a, b = (_pad_tokens(x, pad) for x in (q, g, gk, l, a, b))
+    k, v, beta = (_pad_tokens(x, pad * n) for x in (k, v, beta))
     if form == "automatic":
-        form = _ops.mixer_form(family, q, k, v, g, gk, beta, l, scale, normalize, eps, chunk_size, offset, a, b)
+        form = _ops.mixer_form(family, q, k, v, g, gk, beta, l, scale, normalize, eps, chunk_size, offset, a, b, n)
     if form == "kernel":
         # The kernels read q, k, v in their dtype and the gates in theirs or fp32; the level weights l and
         # the rank-one a, b in q's dtype; the state in fp32.
@@ -105,16 +108,18 @@ def _run(fn, family, q, k, v, *, g=None, gk=None, beta=None, l=None, a=None, b=N
         sdt = cdt
     state = [s.to(sdt).contiguous() for s in initial_state]
     o, final = _ops.mixer_forward(family, q, k, v, g, gk, beta, l, state, scale, normalize, eps,
-                                  chunk_size, offset, form, a, b)
+                                  chunk_size, offset, form, a, b, n)
     if pad:
         o = o[:, :T]
     return o.to(out_dtype), [s.to(_state_dtype(s.dtype)) for s in final]
 
 
-def _varlen(fn, run, per_token, cu_seqlens, initial_state, zero_state):
+def _varlen(fn, run, per_token, cu_seqlens, initial_state, zero_state, rows=None):
     """Packed sequences: per_token maps names to [1, T, ...] tensors; run(pieces, state list) -> (o, final).
-    initial_state: a list of [N, ...] tensors or None; zero_state(): a list of [1, ...] zero tensors."""
-    any_t = next(iter(per_token.values()))
+    initial_state: a list of [N, ...] tensors or None; zero_state(): a list of [1, ...] zero tensors;
+    rows: names of tensors with that many rows a token ([1, T·rows, ...]), the others one."""
+    rows = rows or {}
+    any_t = per_token["q"] if "q" in per_token else next(iter(per_token.values()))
     if any_t.shape[0] != 1:
         _fail(fn, f"the batch size is expected to be 1 rather than {any_t.shape[0]} when using cu_seqlens; "
                   "flatten the sequences into one row first")
@@ -136,15 +141,16 @@ def _varlen(fn, run, per_token, cu_seqlens, initial_state, zero_state):
             final = init if init else zero_state()
             finals.append([s.to(_state_dtype(s.dtype)) for s in final])
             continue
-        o, final = run({name: x[:, bos:eos] for name, x in per_token.items()}, init)
+        o, final = run({name: x[:, bos * rows.get(name, 1):eos * rows.get(name, 1)]
+                        for name, x in per_token.items()}, init)
         outs.append(o)
         finals.append(final)
-    o = torch.cat(outs, 1) if outs else torch.zeros_like(per_token["v"])
+    o = torch.cat(outs, 1) if outs else per_token["v"].new_zeros(per_token["v"].shape[:1] + (T,) + per_token["v"].shape[2:])
     return o, [torch.cat(parts, 0) for parts in zip(*finals)]
 
 
 def _decay_family(fn, family, q, k, v, *, g=None, gk=None, beta=None, a=None, b=None, scale, initial_state,
-                  output_final_state, state_v_first, cu_seqlens, chunk_size, form):
+                  output_final_state, state_v_first, cu_seqlens, chunk_size, form, num_householder=1):
     """The one-state families (S [N, H, K, V]): gated/ungated delta rule, KDA, GLA, simple GLA, RWKV-7's."""
     B, _, H, K = q.shape
     V = v.shape[-1]
@@ -163,13 +169,14 @@ def _decay_family(fn, family, q, k, v, *, g=None, gk=None, beta=None, a=None, b=
     def run(t, state):
         o, final = _run(fn, family, t["q"], t["k"], t["v"], g=t.get("g"), gk=t.get("gk"), beta=t.get("beta"),
                         a=t.get("a"), b=t.get("b"), initial_state=state, scale=scale, chunk_size=chunk_size,
-                        form=form)
+                        form=form, num_householder=num_householder)
         return o, final
 
     if cu_seqlens is not None:
         zero = lambda: [q.new_zeros((1, H, K, V), dtype=_state_dtype(q.dtype))]  # noqa: E731
+        sub = {"k": num_householder, "v": num_householder, "beta": num_householder}
         o, final = _varlen(fn, run, per_token, cu_seqlens,
-                           None if initial_state is None else [initial_state], zero)
+                           None if initial_state is None else [initial_state], zero, rows=sub)
     else:
         if initial_state is not None and initial_state.shape[0] != B:
             _fail(fn, f"initial_state has {initial_state.shape[0]} states for a batch of {B}")
@@ -272,6 +279,44 @@ def chunk_delta_rule(q, k, v, beta, scale=None, initial_state=None, output_final
     return _decay_family(fn, "deltanet", q, k, v, beta=beta, scale=scale, initial_state=initial_state,
                          output_final_state=output_final_state, state_v_first=False, cu_seqlens=cu_seqlens,
                          chunk_size=kwargs.get("chunk_size", 64), form=form)
+
+
+@torch.compiler.disable
+def chunk_gated_delta_product(q, k, v, g, beta, num_householder, scale=None, initial_state=None,
+                              output_final_state=False, use_qk_l2norm_in_kernel=False, cu_seqlens=None,
+                              cu_seqlens_cpu=None, cp_context=None, *, form=None, **kwargs):
+    """Gated DeltaProduct (FLA's `chunk_gated_delta_product`): each token decays the state once and then
+    applies num_householder delta-rule steps, S_{t,j} = (I − β_{t,j} k_{t,j} k_{t,j}ᵀ)·S_{t,j−1} +
+    β_{t,j} k_{t,j} v_{t,j}ᵀ from S_{t,0} = exp(g_t)·S_{t−1}; o_t = scale·S_tᵀ q_t.
+
+    q [B, T, H, K]; k [B, T·n, H, K], v [B, T·n, H, V], beta [B, T·n, H] with token t's step j at row t·n + j
+    (n = num_householder); g [B, T, H] or None (no decay); initial_state [N, H, K, V]; cu_seqlens counts
+    tokens (the rows of q).
+    """
+    fn = "chunk_gated_delta_product"
+    _check_kwargs(fn, dict(kwargs, cp_context=cp_context), ("chunk_size",))
+    if not isinstance(num_householder, int) or isinstance(num_householder, bool) or num_householder < 1:
+        _fail(fn, f"num_householder must be a positive int, got {num_householder!r}")
+    n = num_householder
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        _check_4d(fn, name, x)
+    B, T, H, K = q.shape
+    if tuple(k.shape) != (B, T * n, H, K):
+        _fail(fn, f"k must be [B, T*num_householder, H, K] = {[B, T * n, H, K]}, got {list(k.shape)}")
+    if tuple(v.shape[:3]) != (B, T * n, H):
+        _fail(fn, f"v must be [B, T*num_householder, H, V] = {[B, T * n, H, 'V']}, got {list(v.shape)}")
+    if tuple(beta.shape) != (B, T * n, H):
+        _fail(fn, f"beta must be [B, T*num_householder, H] = {[B, T * n, H]}, got {list(beta.shape)}")
+    if g is None:
+        g = q.new_zeros((B, T, H), dtype=_wide(q).dtype)
+    elif tuple(g.shape) != (B, T, H):
+        _fail(fn, f"g must be [B, T, H] = {[B, T, H]}, got {list(g.shape)}")
+    scale = _scale(scale, k)
+    if use_qk_l2norm_in_kernel:
+        q, k = _l2norm(q), _l2norm(k)
+    return _decay_family(fn, "gated_deltaproduct", q, k, v, g=g, beta=beta, scale=scale, initial_state=initial_state,
+                         output_final_state=output_final_state, state_v_first=False, cu_seqlens=cu_seqlens,
+                         chunk_size=kwargs.get("chunk_size", 64), form=form, num_householder=n)
 
 
 @torch.compiler.disable
@@ -634,6 +679,6 @@ def chunk_log_linear_gated_delta_rule(q, k, v, g, beta, level_scales, initial_st
                        output_final_state, cu_seqlens, offset, chunk_size, form)
 
 
-__all__ = ["chunk_gated_delta_rule", "chunk_delta_rule", "chunk_gla", "chunk_simple_gla", "chunk_linear_attn",
+__all__ = ["chunk_gated_delta_rule", "chunk_delta_rule", "chunk_gated_delta_product", "chunk_gla", "chunk_simple_gla", "chunk_linear_attn",
            "chunk_kda", "chunk_dplr_delta_rule", "chunk_rwkv7",
            "chunk_hla2", "chunk_ahla", "chunk_log_linear_attn", "chunk_log_linear_gated_delta_rule"]

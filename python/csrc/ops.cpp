@@ -40,17 +40,19 @@ MixerInputs inputs(const Tensor& q, const Tensor& k, const Tensor& v, const std:
 }
 
 MixerOptions options(double scale, bool normalize, double eps, int64_t chunk_size, int64_t offset,
-                     const std::string& form) {
+                     const std::string& form, int64_t num_householder) {
   MixerOptions opt;
   TORCH_CHECK(scale >= 0, "carry: scale must be positive (0 for the default 1/sqrt(dk)), got ", scale);
   TORCH_CHECK(chunk_size > 0, "carry: chunk_size must be positive, got ", chunk_size);
   TORCH_CHECK(offset >= 0, "carry: offset must be >= 0, got ", offset);
+  TORCH_CHECK(num_householder >= 1, "carry: num_householder must be >= 1, got ", num_householder);
   opt.scale = scale;
   opt.normalize = normalize;
   opt.eps = eps;
   opt.chunk_size = chunk_size;
   opt.offset = offset;
   opt.form = parse_form(form);
+  opt.num_householder = num_householder;
   return opt;
 }
 
@@ -62,10 +64,10 @@ std::tuple<Tensor, std::vector<Tensor>> mixer_forward(
     const std::optional<Tensor>& g, const std::optional<Tensor>& gk, const std::optional<Tensor>& beta,
     const std::optional<Tensor>& l, const std::vector<Tensor>& initial_state, double scale, bool normalize,
     double eps, int64_t chunk_size, int64_t offset, const std::string& form, const std::optional<Tensor>& a,
-    const std::optional<Tensor>& b) {
+    const std::optional<Tensor>& b, int64_t num_householder) {
   const Mixer& m = get_mixer(family);
   MixerOutput out = m.forward(inputs(q, k, v, g, gk, beta, l, a, b), State(initial_state.begin(), initial_state.end()),
-                              options(scale, normalize, eps, chunk_size, offset, form));
+                              options(scale, normalize, eps, chunk_size, offset, form, num_householder));
   return {out.o, state_list(out.final_state)};
 }
 
@@ -74,10 +76,10 @@ std::string mixer_form(const std::string& family, const Tensor& q, const Tensor&
                        const std::optional<Tensor>& g, const std::optional<Tensor>& gk,
                        const std::optional<Tensor>& beta, const std::optional<Tensor>& l, double scale,
                        bool normalize, double eps, int64_t chunk_size, int64_t offset,
-                       const std::optional<Tensor>& a, const std::optional<Tensor>& b) {
+                       const std::optional<Tensor>& a, const std::optional<Tensor>& b, int64_t num_householder) {
   const Mixer& m = get_mixer(family);
   return form_name(m.resolve_form(inputs(q, k, v, g, gk, beta, l, a, b),
-                                  options(scale, normalize, eps, chunk_size, offset, "automatic")));
+                                  options(scale, normalize, eps, chunk_size, offset, "automatic", num_householder)));
 }
 
 std::vector<std::string> families() { return mixer_names(); }
@@ -95,11 +97,11 @@ std::tuple<std::vector<Tensor>, std::vector<Tensor>> mixer_summarize(
     const std::string& family, const Tensor& q, const Tensor& k, const Tensor& v,
     const std::optional<Tensor>& g, const std::optional<Tensor>& gk, const std::optional<Tensor>& beta,
     const std::optional<Tensor>& l, double scale, bool normalize, double eps, int64_t chunk_size,
-    int64_t offset, const std::optional<Tensor>& a, const std::optional<Tensor>& b) {
+    int64_t offset, const std::optional<Tensor>& a, const std::optional<Tensor>& b, int64_t num_householder) {
   const Mixer& m = get_mixer(family);
   TORCH_CHECK(m.has_summary(), "carry: ", family, " has no recurrent state, so no state summary");
   Summary s = m.summarize(inputs(q, k, v, g, gk, beta, l, a, b),
-                          options(scale, normalize, eps, chunk_size, offset, "automatic"));
+                          options(scale, normalize, eps, chunk_size, offset, "automatic", num_householder));
   return {s.transport, state_list(s.state)};
 }
 
@@ -125,19 +127,20 @@ std::vector<Tensor> mixer_apply(const std::string& family, const std::vector<Ten
 }  // namespace carry
 
 // The inputs and options every running operator takes, in MixerInputs' and MixerOptions' names; the
-// rank-one inputs a and b (RWKV-7's update) come last, with defaults, after the options.
+// rank-one inputs a and b (RWKV-7's update) and Gated DeltaProduct's sub-steps a token come last, with
+// defaults, after the options.
 #define CARRY_INPUTS "Tensor q, Tensor k, Tensor v, Tensor? g, Tensor? gk, Tensor? beta, Tensor? l"
 #define CARRY_OPTIONS "float scale, bool normalize, float eps, int chunk_size, int offset"
-#define CARRY_RANK_ONE "Tensor? a=None, Tensor? b=None"
+#define CARRY_TRAILING "Tensor? a=None, Tensor? b=None, int num_householder=2"
 
 TORCH_LIBRARY(carry, m) {
   m.def("mixer_forward(str family, " CARRY_INPUTS ", Tensor[] initial_state, " CARRY_OPTIONS
-        ", str form, " CARRY_RANK_ONE ") -> (Tensor, Tensor[])",
+        ", str form, " CARRY_TRAILING ") -> (Tensor, Tensor[])",
         &carry::mixer_forward);
-  m.def("mixer_form(str family, " CARRY_INPUTS ", " CARRY_OPTIONS ", " CARRY_RANK_ONE ") -> str", &carry::mixer_form);
+  m.def("mixer_form(str family, " CARRY_INPUTS ", " CARRY_OPTIONS ", " CARRY_TRAILING ") -> str", &carry::mixer_form);
   m.def("families() -> str[]", &carry::families);
   m.def("family_info(str family) -> (str[], str[], str[], bool)", &carry::family_info);
-  m.def("mixer_summarize(str family, " CARRY_INPUTS ", " CARRY_OPTIONS ", " CARRY_RANK_ONE
+  m.def("mixer_summarize(str family, " CARRY_INPUTS ", " CARRY_OPTIONS ", " CARRY_TRAILING
         ") -> (Tensor[], Tensor[])",
         &carry::mixer_summarize);
   m.def("mixer_compose(str family, Tensor[] first_transport, Tensor[] first_state, Tensor[] second_transport, "

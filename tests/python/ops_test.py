@@ -91,6 +91,54 @@ def test_gated_delta_rule(form):
             gdn_inputs(), names=["q", "k", "v", "g", "beta", "initial_state"])
 
 
+def deltaproduct_inputs(n, seed=40):
+    """Gated DeltaProduct's inputs with n sub-steps a token: unit keys, β in (0, 2) (negative eigenvalues
+    too), half-lives from about a token up."""
+    return [randn(B, T, H, K, seed=seed), unit_keys(B, T * n, H, K, seed=seed + 1), randn(B, T * n, H, V, seed=seed + 2),
+            F.logsigmoid(randn(B, T, H, seed=seed + 3)), 2 * torch.sigmoid(randn(B, T * n, H, seed=seed + 4)),
+            randn(B, H, K, V, seed=seed + 5)]
+
+
+@pytest.mark.parametrize("form", ["chunkwise", "naive", None])
+@pytest.mark.parametrize("n", [1, 2, 3])
+def test_gated_delta_product(form, n):
+    """chunk_gated_delta_product against reference.delta_product (FLA's naive recurrence): o, the final state
+    and the gradient of q, k, v, g, beta and the initial state, T = 10 tokens over chunks of 4."""
+    compare(lambda q, k, v, g, beta, h0: ops.chunk_gated_delta_product(
+                q, k, v, g, beta, n, initial_state=h0, output_final_state=True, chunk_size=CHUNK, form=form),
+            lambda q, k, v, g, beta, h0: ref.delta_product(q, k, v, g, beta, n, initial_state=h0),
+            deltaproduct_inputs(n), names=["q", "k", "v", "g", "beta", "initial_state"])
+
+
+def test_gated_delta_product_options():
+    """Packed sequences (cu_seqlens in tokens), no gate, l2-normalized q and k, a scale; and what is refused."""
+    n = 2
+    q, k, v, g, beta, _ = deltaproduct_inputs(n, seed=50)
+    q1, k1, v1, g1, b1 = (x[:1] for x in (q, k, v, g, beta))
+    cu = torch.tensor([0, 3, 3, 10])
+    o, S = ops.chunk_gated_delta_product(q1, k1, v1, g1, b1, n, output_final_state=True, cu_seqlens=cu,
+                                         chunk_size=CHUNK)
+    for i, (bos, eos) in enumerate([(0, 3), (3, 3), (3, 10)]):
+        want_o, want_S = ref.delta_product(q1[:, bos:eos], k1[:, bos * n:eos * n], v1[:, bos * n:eos * n],
+                                           g1[:, bos:eos], b1[:, bos * n:eos * n], n)
+        if eos > bos:
+            assert_close(o[:, bos:eos], want_o, 1e-11, f"o of sequence {i}")
+        assert_close(S[i:i + 1], want_S, 1e-11, f"final state of sequence {i}")
+    o, S = ops.chunk_gated_delta_product(q * 3, k * 2, v, None, beta, n, scale=0.3, output_final_state=True,
+                                         use_qk_l2norm_in_kernel=True, chunk_size=CHUNK)
+    want_o, want_S = ref.delta_product(ref.l2norm(q * 3), ref.l2norm(k * 2), v, None, beta, n, scale=0.3)
+    assert_close(o, want_o, 1e-11, "o without a gate")
+    assert_close(S, want_S, 1e-11, "final state without a gate")
+    with pytest.raises(ValueError, match=r"k must be \[B, T\*num_householder, H, K\]"):
+        ops.chunk_gated_delta_product(q, k[:, :T], v, g, beta, n)
+    with pytest.raises(ValueError, match=r"beta must be \[B, T\*num_householder, H\]"):
+        ops.chunk_gated_delta_product(q, k, v, g, beta[:, :T], n)
+    with pytest.raises(ValueError, match="num_householder must be a positive int"):
+        ops.chunk_gated_delta_product(q, k, v, g, beta, 0)
+    with pytest.raises(NotImplementedError, match="cp_context"):
+        ops.chunk_gated_delta_product(q, k, v, g, beta, n, cp_context=object())
+
+
 def test_gated_delta_rule_fla_options():
     """l2-normalized q and k, beta as logits with negative eigenvalues, the gate from raw g with A_log
     and dt_bias, grouped value heads (H = 2 query/key heads, each for 2 of 4 value heads), a V-first
@@ -580,6 +628,15 @@ def test_kernels(dtype, tol):
     lo = lambda x: x.to(dtype).double()  # noqa: E731  (the reference reads the rounded inputs)
     form = torch.ops.carry.mixer_form("gated_deltanet", qc, kc, vc, gc, None, betac, None, 0.0, False, 1e-6, 64, 0)
     assert form == "kernel"
+    # Gated DeltaProduct with two sub-steps a token (k, v, beta on 2·t rows).
+    k2, v2 = ref.l2norm(randn(b, 2 * t, h, d, seed=107)), randn(b, 2 * t, h, d, seed=108)
+    beta2 = torch.sigmoid(randn(b, 2 * t, h, seed=109))
+    k2c, v2c = cast(k2, v2)
+    beta2c = beta2.to(dev, torch.float32)
+    pad = lambda x, n: F.pad(x, (0, 0) * (x.dim() - 2) + (0, n))  # noqa: E731  (the chunk multiple ops pads to)
+    form = torch.ops.carry.mixer_form("gated_deltaproduct", pad(qc, 56), pad(k2c, 112), pad(v2c, 112), pad(gc, 56),
+                                      None, pad(beta2c, 112), None, 0.0, False, 1e-6, 64, 0, None, None, 2)
+    assert form == "kernel"
     cases = [
         (lambda: ops.chunk_gated_delta_rule(qc, kc, vc, gc, betac, initial_state=h0c, output_final_state=True),
          ref.delta_rule(lo(q), lo(k), lo(v), beta, g=g, initial_state=h0)),
@@ -591,6 +648,8 @@ def test_kernels(dtype, tol):
          ref.decay(lo(q), lo(k), lo(v), g=g, initial_state=h0)),
         (lambda: ops.chunk_linear_attn(qc, kc, vc, initial_state=h0c, output_final_state=True, normalize=False),
          (lambda o, s: (o, s[0]))(*ref.linear_attn(lo(q), lo(k), lo(v), initial_state=(h0, torch.zeros(b, 1, h, d, dtype=F64))))),
+        (lambda: ops.chunk_gated_delta_product(qc, k2c, v2c, gc, beta2c, 2, initial_state=h0c, output_final_state=True),
+         ref.delta_product(lo(q), lo(k2), lo(v2), g, beta2, 2, initial_state=h0)),
     ]
     for i, (run, (want_o, want_S)) in enumerate(cases):
         o, S = run()

@@ -29,6 +29,29 @@ def delta_rule(q, k, v, beta, g=None, scale=None, initial_state=None):
     return torch.stack(outs, 2).transpose(1, 2), S
 
 
+def delta_product(q, k, v, g, beta, num_householder, scale=None, initial_state=None):
+    """Gated DeltaProduct (FLA's naive_recurrent_gated_delta_product): per token S ← exp(g_t)·S, then for
+    j < n: S ← S + β_{t,j} k_{t,j} (v_{t,j} − k_{t,j}ᵀ S)ᵀ with k, v, beta [B, T·n, H, ...] (token t's step j
+    at row t·n + j); o_t = scale·S_tᵀ q_t."""
+    n = num_householder
+    q, k, v, beta = _heads(q), _heads(k), _heads(v), _heads(beta)
+    g = None if g is None else _heads(g)
+    B, H, T, K = q.shape
+    scale = K ** -0.5 if scale is None else scale
+    S = torch.zeros(B, H, K, v.shape[-1], dtype=torch.float64) if initial_state is None else initial_state.double()
+    outs = []
+    for t in range(T):
+        if g is not None:
+            S = S * g[:, :, t].exp()[..., None, None]
+        for j in range(n):
+            kt, r = k[:, :, t * n + j], t * n + j
+            err = v[:, :, r] - torch.einsum("bhk,bhkv->bhv", kt, S)
+            S = S + torch.einsum("bhk,bhv->bhkv", kt, err * beta[:, :, r][..., None])
+        outs.append(torch.einsum("bhk,bhkv->bhv", q[:, :, t] * scale, S))
+    o = torch.stack(outs, 2) if outs else torch.zeros(B, H, 0, v.shape[-1], dtype=torch.float64)
+    return o.transpose(1, 2), S
+
+
 def decay(q, k, v, g=None, gk=None, scale=None, initial_state=None):
     """S_t = exp(g_t)·S_{t-1} (g [B,T,H]) or diag(exp(gk_t))·S_{t-1} (gk [B,T,H,K]), + k_t v_tᵀ."""
     q, k, v = _heads(q), _heads(k), _heads(v)
