@@ -12,21 +12,8 @@ def _heads(x):  # [B, T, H, ...] -> [B, H, T, ...]
 
 
 def delta_rule(q, k, v, beta, g=None, scale=None, initial_state=None):
-    """S_t = exp(g_t)·(S_{t-1} − β_t k_t (k_tᵀ S_{t-1})) + β_t k_t v_tᵀ (no g: DeltaNet)."""
-    q, k, v, beta = _heads(q), _heads(k), _heads(v), _heads(beta)
-    g = None if g is None else _heads(g)
-    B, H, T, K = k.shape
-    scale = K ** -0.5 if scale is None else scale
-    S = torch.zeros(B, H, K, v.shape[-1], dtype=torch.float64) if initial_state is None else initial_state.double()
-    outs = []
-    for t in range(T):
-        if g is not None:
-            S = S * g[:, :, t].exp()[..., None, None]
-        kt = k[:, :, t]
-        err = v[:, :, t] - torch.einsum("bhk,bhkv->bhv", kt, S)
-        S = S + torch.einsum("bhk,bhv->bhkv", kt, err * beta[:, :, t][..., None])
-        outs.append(torch.einsum("bhk,bhkv->bhv", q[:, :, t] * scale, S))
-    return torch.stack(outs, 2).transpose(1, 2), S
+    """S_t = exp(g_t)·(S_{t-1} − β_t k_t (k_tᵀ S_{t-1})) + β_t k_t v_tᵀ (no g: DeltaNet): one step a token."""
+    return delta_product(q, k, v, g, beta, 1, scale=scale, initial_state=initial_state)
 
 
 def delta_product(q, k, v, g, beta, num_householder, scale=None, initial_state=None):
