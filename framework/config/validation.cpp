@@ -16,6 +16,7 @@
 #include <map>
 #include <regex>
 #include <set>
+#include <tuple>
 
 namespace carry {
 
@@ -517,6 +518,14 @@ void check_model(const ModelConfig& m, const std::string& p, Errors& e) {
     if (o.has_num_householder() && (o.num_householder() < 1 || o.num_householder() > kMaxNumHouseholder))
       e.add(q + ".num_householder", "must lie in [1, ", kMaxNumHouseholder, "], got ", o.num_householder());
     only_for(o.has_num_householder(), "num_householder", kinds_where(&LayerKind::householder));
+    for (auto [name, has, width] : {std::tuple<const char*, bool, int64_t>{"decay_low_rank_dim", o.has_decay_low_rank_dim(), o.decay_low_rank_dim()},
+                                    {"a_low_rank_dim", o.has_a_low_rank_dim(), o.a_low_rank_dim()},
+                                    {"v_low_rank_dim", o.has_v_low_rank_dim(), o.v_low_rank_dim()},
+                                    {"gate_low_rank_dim", o.has_gate_low_rank_dim(), o.gate_low_rank_dim()}}) {
+      if (has && (width < 0 || width > kMaxWidth))
+        e.add(q + "." + name, "must lie in [0, ", kMaxWidth, "] (0 = RWKV7Attention's default), got ", width);
+      only_for(has, name, kinds_where(&LayerKind::time_mix));
+    }
   }
   for (auto& k : kinds) {
     if (!is_known_kind(k) || !layer_kind(k).power_of_two_chunk) continue;

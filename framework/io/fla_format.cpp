@@ -12,6 +12,7 @@
 #include "framework/io/safetensors.h"
 #include "framework/model/model.h"
 #include "framework/version.h"
+#include "layers/rwkv7/time_mix.h"
 
 #include <google/protobuf/struct.pb.h>
 #include <google/protobuf/text_format.h>
@@ -49,6 +50,7 @@ const std::vector<FlaKind>& fla_kinds() {
       {"gated_deltaproduct", "gated_deltaproduct", "GatedDeltaProductForCausalLM"},
       {"deltanet", "delta_net", "DeltaNetForCausalLM"},
       {"gla", "gla", "GLAForCausalLM"},
+      {"rwkv7", "rwkv7", "RWKV7ForCausalLM"},
   };
   return kinds;
 }
@@ -150,6 +152,70 @@ std::string kind_reason(const std::string& kind) {
          "differently)";
 }
 
+// What FLA's RWKV7ForCausalLM cannot represent of a carry rwkv7 model (one mixer kind, validated).
+std::vector<std::string> rwkv7_export_errors(const ModelConfig& model) {
+  std::vector<std::string> errors;
+  const int64_t d = model.d_model(), H = model.n_heads(), dk = head_dim_k(model), dv = head_dim_v(model);
+  if (model.norm() != "layer_norm")
+    errors.push_back("model.norm: \"" + model.norm() + "\"; FLA's RWKV7 blocks have LayerNorms with bias, so only norm "
+                     "\"layer_norm\" exports (with model.pre_norm as FLA's norm_first)");
+  if (model.feed_forward() != "rwkv7_channel_mix")
+    errors.push_back("model.feed_forward: \"" + model.feed_forward() + "\"; FLA's RWKV7 blocks have RWKV-7's channel "
+                     "mix (RWKV7FeedForward), so only feed_forward \"rwkv7_channel_mix\" exports");
+  if (model.norm_eps() != 1e-5)
+    errors.push_back("model.norm_eps: " + json_number(model.norm_eps()) + "; FLA's RWKV7 has one norm_eps for its "
+                     "LayerNorms and its GroupNorm (eps head_dim * norm_eps), and carry's GroupNorm eps is head_dim_k * "
+                     "1e-5, so only norm_eps 1e-5 exports");
+  if (H * dk != d)
+    errors.push_back("model.head_dim_k: FLA's RWKV7Attention has keys as wide as hidden_size (" + std::to_string(d) +
+                     "), but n_heads * head_dim_k = " + std::to_string(H * dk));
+  if ((H * dv) % d != 0)
+    errors.push_back("model.head_dim_v: FLA's RWKV7 value_dim is a multiple of hidden_size (" + std::to_string(d) +
+                     "), but n_heads * head_dim_v = " + std::to_string(H * dv));
+  return errors;
+}
+
+// config.json of FLA's RWKV7Config for a carry rwkv7 model that rwkv7_export_errors accepts.
+std::string rwkv7_config_json(const ModelConfig& model, int64_t eos_token_id) {
+  const int64_t H = model.n_heads(), dk = head_dim_k(model), dv = head_dim_v(model);
+  const Rwkv7LowRankDims ranks = rwkv7_low_rank_dims(mixer_layer_spec(model, 0));
+  JsonWriter j(2);
+  j.begin_object();
+  j.key("architectures").begin_array().value("RWKV7ForCausalLM").end_array();
+  j.member("model_type", "rwkv7");
+  j.member("attn_mode", "chunk");
+  j.member("hidden_size", model.d_model());
+  j.key("hidden_ratio").null();
+  j.member("intermediate_size", mlp_hidden_size(model));
+  j.member("num_hidden_layers", model.n_layers());
+  j.member("head_dim", dk);
+  j.member("num_heads", H);
+  j.member("value_dim", H * dv);
+  j.member("decay_low_rank_dim", ranks.decay);
+  j.member("gate_low_rank_dim", ranks.gate);
+  j.member("a_low_rank_dim", ranks.a);
+  j.member("v_low_rank_dim", ranks.v);
+  j.member("hidden_act", "sqrelu");
+  j.member("norm_first", model.pre_norm());
+  j.member("norm_bias", true);
+  j.key("norm_eps").float_value(model.norm_eps());
+  j.key("attn").null();
+  j.member("vocab_size", model.vocab_size());
+  j.member("tie_word_embeddings", model.tie_embeddings());
+  j.key("initializer_range").float_value(model.init_std());
+  j.member("fuse_norm", true);
+  j.member("fuse_cross_entropy", true);
+  j.member("use_l2warp", false);  // carry's loss is the plain cross entropy
+  j.key("bos_token_id").null();
+  if (eos_token_id >= 0) j.member("eos_token_id", eos_token_id);
+  else j.key("eos_token_id").null();
+  j.key("pad_token_id").null();
+  j.member("use_cache", true);
+  j.member("torch_dtype", "float32");
+  j.end_object();
+  return j.str() + "\n";
+}
+
 }  // namespace
 
 std::vector<std::string> fla_export_errors(const ModelConfig& model) {
@@ -175,8 +241,14 @@ std::vector<std::string> fla_export_errors(const ModelConfig& model) {
                      supported_kinds_text());
     return errors;
   }
+  if (kind == "rwkv7") return rwkv7_export_errors(model);
   const auto lm = layer_mixer(model, 0);
   const int64_t d = model.d_model(), H = model.n_heads(), dk = head_dim_k(model), dv = head_dim_v(model);
+  if (model.norm() != "rms_norm")
+    errors.push_back("model.norm: \"" + model.norm() + "\"; FLA's " + kind + " models have RMSNorms, so only norm "
+                     "\"rms_norm\" exports");
+  if (model.pre_norm())
+    errors.push_back("model.pre_norm: true; FLA's " + kind + " models have no norm before the first block");
   if (model.feed_forward() != "swiglu")
     errors.push_back("model.feed_forward: \"" + model.feed_forward() + "\"; FLA's " + kind +
                      " models have SwiGLU MLPs, so only feed_forward \"swiglu\" exports");
@@ -214,6 +286,7 @@ std::string fla_config_json(const ModelConfig& model, int64_t eos_token_id) {
     throw ConfigError(msg);
   }
   const std::string kind = single_kind(model);
+  if (kind == "rwkv7") return rwkv7_config_json(model, eos_token_id);
   const FlaKind& fk = *kind_by_carry(kind);
   const auto lm = layer_mixer(model, 0);
   const int64_t d = model.d_model(), H = model.n_heads(), dk = head_dim_k(model), dv = head_dim_v(model);
@@ -292,6 +365,7 @@ namespace {
 std::string map_name(const std::string& kind, const std::string& name) {
   if (name == "embedding.weight") return "model.embeddings.weight";
   if (name == "norm.weight") return "model.norm.weight";
+  if (name == "norm.bias") return "model.norm.bias";
   if (name == "lm_head.weight") return "lm_head.weight";
   const std::string layers = "layers.";
   if (name.compare(0, layers.size(), layers) != 0) return "";
@@ -299,6 +373,12 @@ std::string map_name(const std::string& kind, const std::string& name) {
   if (dot == std::string::npos) return "";
   const std::string prefix = "model." + name.substr(0, dot + 1);  // "model.layers.3."
   const std::string rest = name.substr(dot + 1);
+  if (kind == "rwkv7") {  // RWKV7Block's names: pre_norm, attn_norm, attn, ffn_norm, ffn
+    for (auto [from, to] : {std::pair<const char*, const char*>{"pre_norm.", "pre_norm."}, {"mixer_norm.", "attn_norm."},
+                            {"mlp_norm.", "ffn_norm."}, {"mixer.", "attn."}, {"ffn.", "ffn."}})
+      if (rest.rfind(from, 0) == 0) return prefix + to + rest.substr(std::strlen(from));
+    return "";
+  }
   if (rest == "mixer_norm.weight") return prefix + "attn_norm.weight";
   if (rest == "mlp_norm.weight") return prefix + "mlp_norm.weight";
   if (rest == "mlp.w1.weight") return prefix + "mlp.gate_proj.weight";
@@ -429,6 +509,8 @@ class JsonConfig {
     auto it = root_.fields().find(key);
     return it != root_.fields().end() && it->second.kind_case() != Value::kNullValue;
   }
+  // The key is there, null or not.
+  bool present(const std::string& key) const { return root_.fields().count(key) > 0; }
   const Value* get(const std::string& key) const {
     auto it = root_.fields().find(key);
     return it == root_.fields().end() || it->second.kind_case() == Value::kNullValue ? nullptr : &it->second;
@@ -493,8 +575,88 @@ int64_t fla_intermediate_size(const JsonConfig& c, int64_t hidden) {
   return 256 * ((m + 255) / 256);
 }
 
+// FLA's RWKV7Config (its defaults where a key is missing) as carry's rwkv7 model: LayerNorm blocks, the
+// pre-norm from norm_first, RWKV-7's channel mix.
+ModelConfig rwkv7_model_from_config_json(const JsonConfig& c) {
+  const int64_t d = c.required_integer("hidden_size"), L = c.required_integer("num_hidden_layers");
+  if (d <= 0 || L <= 0) throw ConfigError(c.path() + ": hidden_size and num_hidden_layers must be positive");
+  if (c.has("attn")) c.refuse("attn", value_text(c, "attn"), "carry imports no softmax attention layers from FLA (they apply rotary positions)");
+  if (c.string("hidden_act", "sqrelu") != "sqrelu")
+    c.refuse("hidden_act", value_text(c, "hidden_act"), "carry's RWKV-7 channel mix is relu(x)² (sqrelu)");
+  if (!c.boolean("norm_bias", true))
+    c.refuse("norm_bias", "false", "carry's layer_norm blocks have a bias");
+  const double eps = c.number("norm_eps", 1e-5);
+  if (eps != 1e-5)
+    c.refuse("norm_eps", value_text(c, "norm_eps"), "FLA's GroupNorm eps is head_dim * norm_eps and carry's rwkv7 GroupNorm "
+             "eps is head_dim * 1e-5, so carry computes norm_eps 1e-5 only");
+  // RWKV7Config: head_dim 64 unless given (or null beside num_heads), num_heads = hidden_size / head_dim.
+  int64_t dk = c.has("head_dim") ? c.integer("head_dim", 64) : c.has("num_heads") ? d / std::max<int64_t>(1, c.integer("num_heads", 1)) : 64;
+  if (dk <= 0 || d % dk != 0)
+    throw ConfigError(c.path() + ": hidden_size " + std::to_string(d) + " is not a multiple of head_dim " + std::to_string(dk));
+  const int64_t H = d / dk;
+  int64_t value_dim = d;
+  if (const Value* v = c.get("value_dim")) {
+    std::vector<double> widths;
+    if (v->kind_case() == Value::kNumberValue) widths.push_back(v->number_value());
+    else if (v->kind_case() == Value::kListValue)
+      for (const auto& x : v->list_value().values()) widths.push_back(x.kind_case() == Value::kNumberValue ? x.number_value() : -1);
+    const bool same = !widths.empty() && std::all_of(widths.begin(), widths.end(), [&](double w) { return w == widths[0]; });
+    if (!same || widths[0] != std::floor(widths[0]) || widths[0] <= 0)
+      c.refuse("value_dim", value_text(c, "value_dim"), "carry's rwkv7 layers have one value width, a positive integer");
+    value_dim = static_cast<int64_t>(widths[0]);
+  }
+  if (value_dim % H != 0)
+    c.refuse("value_dim", value_text(c, "value_dim"), "the value width must be a multiple of num_heads " + std::to_string(H));
+  int64_t inter = 0;
+  if (c.has("intermediate_size")) {
+    inter = c.integer("intermediate_size", 0);
+  } else {  // RWKV7FeedForward: int(hidden * hidden_ratio) up to a multiple of 32
+    inter = static_cast<int64_t>(static_cast<double>(d) * c.number("hidden_ratio", 4));
+    inter = 32 * ((inter + 31) / 32);
+  }
+  if (inter <= 0 || inter % 64 != 0)
+    throw ConfigError(c.path() + ": the channel mix width (intermediate_size) is " + std::to_string(inter) +
+                      "; carry's feed-forward width is a multiple of 64");
+
+  ModelConfig m;
+  m.set_vocab_size(c.required_integer("vocab_size"));
+  m.set_d_model(d);
+  m.set_n_layers(L);
+  m.set_n_heads(H);
+  m.set_head_dim_k(dk);
+  m.set_head_dim_v(value_dim / H);
+  m.set_mlp_ratio(static_cast<double>(inter) / static_cast<double>(d));
+  m.set_norm_eps(eps);
+  m.set_tie_embeddings(c.boolean("tie_word_embeddings", false));
+  m.set_init_std(c.number("initializer_range", 0.02));
+  m.set_feed_forward("rwkv7_channel_mix");
+  m.set_norm("layer_norm");
+  m.set_pre_norm(c.boolean("norm_first", true));
+  m.add_mixers("rwkv7");
+  auto* o = m.add_mixer_options();
+  o->set_chunk_size(64);
+  // The LoRA widths: RWKV7Config's defaults where the key is missing; null is RWKV7Attention's own default
+  // (carry's 0).
+  auto rank = [&](const std::string& key, int64_t fallback) -> int64_t {
+    if (!c.present(key)) return fallback;
+    if (!c.has(key)) return 0;
+    const int64_t r = c.integer(key, 0);
+    if (r <= 0) c.refuse(key, value_text(c, key), "a LoRA width is a positive integer");
+    return r;
+  };
+  o->set_decay_low_rank_dim(rank("decay_low_rank_dim", 64));
+  o->set_gate_low_rank_dim(rank("gate_low_rank_dim", 128));
+  o->set_a_low_rank_dim(rank("a_low_rank_dim", 64));
+  o->set_v_low_rank_dim(rank("v_low_rank_dim", 16));
+  if (mlp_hidden_size(m) != inter)
+    throw ConfigError(c.path() + ": the channel mix width " + std::to_string(inter) + " does not come out of mlp_ratio " +
+                      json_number(m.mlp_ratio()) + " (carry rounds mlp_ratio * d_model up to a multiple of 64)");
+  return m;
+}
+
 ModelConfig model_from_config_json(const JsonConfig& c, const FlaKind& fk) {
   const std::string kind = fk.carry_kind;
+  if (kind == "rwkv7") return rwkv7_model_from_config_json(c);
   auto expect_bool = [&](const std::string& key, bool fallback, bool want, const std::string& why) {
     if (c.boolean(key, fallback) != want) c.refuse(key, value_text(c, key), why);
   };

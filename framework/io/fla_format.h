@@ -1,13 +1,19 @@
 // flash-linear-attention (FLA) / Hugging Face model folders: `config.json` + `model.safetensors` in
 // the names, layouts and config keys of FLA 0.6.0's model classes, which `import fla` registers with
 // transformers' Auto classes (so the same folder is a Hugging Face folder). carry's model maps onto
-// three of them exactly (same math, same parameters, renamed):
+// five of them exactly (same math, same parameters, renamed):
 //
 //   carry kind       FLA class (config.json model_type)          notes
 //   gated_deltanet   GatedDeltaNetForCausalLM (gated_deltanet)   head_dim = dk, expand_v = dv/dk
 //   deltanet         DeltaNetForCausalLM (delta_net)             use_gate, l2 qk_norm, silu
 //   gla              GLAForCausalLM (gla)                        conv_size must be 0 (FLA's GLA
 //                                                                applies silu after its convolution)
+//   gated_deltaproduct  GatedDeltaProductForCausalLM (gated_deltaproduct)
+//   rwkv7            RWKV7ForCausalLM (rwkv7)                    norm "layer_norm", feed_forward
+//                                                                "rwkv7_channel_mix", norm_eps 1e-5,
+//                                                                n_heads·head_dim_k = d_model; pre_norm
+//                                                                is norm_first, the LoRA widths are
+//                                                                written (decay_low_rank_dim, ...)
 //
 // Names (layer i; FLA's under "model."):
 //   embedding.weight                 model.embeddings.weight
@@ -21,11 +27,14 @@
 //   layers.i.mlp.w1 / w3 / w2        model.layers.i.mlp.gate_proj / up_proj / down_proj
 //   norm.weight                      model.norm.weight
 //   lm_head.weight                   lm_head.weight (written only when the head is not tied)
+// rwkv7 (RWKV7Block's names): layers.i.pre_norm.* -> model.layers.i.pre_norm.*, mixer_norm.* -> attn_norm.*,
+// mlp_norm.* -> ffn_norm.*, mixer.<name> -> attn.<name> (RWKV7Attention's keys, the same), ffn.* -> ffn.*,
+// norm.{weight,bias} -> model.norm.{weight,bias}.
 //
 // Every other carry model is refused with one line per reason (fla_export_errors): softmax_attn
 // layers (FLA's attention applies rotary position embeddings, carry's has none), mamba2 (FLA's Mamba-2
-// blocks have no MLP), and the kinds FLA 0.6.0 has no matching class for. Import reads the same three
-// model types back (sharded folders with model.safetensors.index.json too) and refuses config values
+// blocks have no MLP), the kinds FLA 0.6.0 has no matching class for, and block norms other than the
+// class's (RMSNorm; rwkv7: LayerNorm). Import reads the same model types back (sharded folders with model.safetensors.index.json too) and refuses config values
 // carry does not compute (named by their config.json key).
 #pragma once
 

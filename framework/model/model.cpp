@@ -62,6 +62,10 @@ MixerLayerSpec mixer_layer_spec(const ModelConfig& model, int64_t layer) {
   s.norm_eps = model.norm_eps();
   s.init_std = model.init_std();
   s.n_layers = model.n_layers();
+  s.decay_low_rank_dim = lm.options.decay_low_rank_dim();
+  s.a_low_rank_dim = lm.options.a_low_rank_dim();
+  s.v_low_rank_dim = lm.options.v_low_rank_dim();
+  s.gate_low_rank_dim = lm.options.gate_low_rank_dim();
   // RWKV-7's value residual: every rwkv7 layer after the model's first lerps toward that one's values.
   if (layer_kind(lm.kind).time_mix)
     for (int64_t j = 0; j < layer && !s.value_residual; ++j) s.value_residual = layer_kind(layer_mixer(model, j).kind).time_mix;

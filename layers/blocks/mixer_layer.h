@@ -87,6 +87,8 @@ struct MixerLayerSpec {
   // rwkv7: v is lerped toward the values of the model's first rwkv7 layer (FLA's v_first, passed to
   // forward as value_first); false: this layer's own values are those (no v_lora).
   bool value_residual = false;
+  // rwkv7: the LoRA widths (decay, in-context rate, value residual, gate); 0 = RWKV7Attention's defaults.
+  int64_t decay_low_rank_dim = 0, a_low_rank_dim = 0, v_low_rank_dim = 0, gate_low_rank_dim = 0;
 };
 
 // The config kinds a layer can be built for, and the registered family each runs ("" if unknown).

@@ -77,10 +77,19 @@ Rwkv7LowRankDims rwkv7_low_rank_dims(int64_t d_model, int64_t head_dim) {
   return r;
 }
 
+Rwkv7LowRankDims rwkv7_low_rank_dims(const MixerLayerSpec& spec) {
+  Rwkv7LowRankDims r = rwkv7_low_rank_dims(spec.d_model, spec.head_dim_k);
+  if (spec.decay_low_rank_dim > 0) r.decay = spec.decay_low_rank_dim;
+  if (spec.a_low_rank_dim > 0) r.a = spec.a_low_rank_dim;
+  if (spec.v_low_rank_dim > 0) r.v = spec.v_low_rank_dim;
+  if (spec.gate_low_rank_dim > 0) r.gate = spec.gate_low_rank_dim;
+  return r;
+}
+
 void rwkv7_parameters(const MixerLayerSpec& spec, ParameterInit& init, NamedParameters& params) {
   const int64_t d = spec.d_model, H = spec.n_heads, dk = spec.head_dim_k, dv = spec.head_dim_v;
   const int64_t K = H * dk, V = H * dv;
-  const auto ranks = rwkv7_low_rank_dims(d, dk);
+  const auto ranks = rwkv7_low_rank_dims(spec);
   const double layer = static_cast<double>(spec.layer), L = static_cast<double>(std::max<int64_t>(spec.n_layers, 1));
   const double ratio_0_to_1 = L > 1 ? layer / (L - 1) : 0.0;
   const double ratio_1_to_almost0 = 1.0 - layer / L;

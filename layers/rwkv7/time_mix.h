@@ -23,8 +23,8 @@
 // document starts of packed documents as the convolutions do.
 //
 // Parameters carry the names of RWKV7Attention's state-dict keys (x_r ... g_norm.bias) and FLA's
-// `_initialize_weights` values (rwkv7_parameters). Low-rank widths: RWKV7Attention's defaults from d_model
-// and dk (rwkv7_low_rank_dims).
+// `_initialize_weights` values (rwkv7_parameters). Low-rank widths: the spec's, where set (FLA's
+// RWKV7Config keys), else RWKV7Attention's defaults from d_model and dk (rwkv7_low_rank_dims).
 #pragma once
 
 #include "layers/blocks/mixer_layer.h"
@@ -37,6 +37,8 @@ struct Rwkv7LowRankDims {
   int64_t decay = 0, a = 0, v = 0, gate = 0;
 };
 Rwkv7LowRankDims rwkv7_low_rank_dims(int64_t d_model, int64_t head_dim);
+// The widths a layer of `spec` has: its *_low_rank_dim where > 0, the defaults above otherwise.
+Rwkv7LowRankDims rwkv7_low_rank_dims(const MixerLayerSpec& spec);
 
 // torch.nn.init.orthogonal_ of a [rows, cols] weight times gain, from init's draws (shapes only on the meta
 // device).

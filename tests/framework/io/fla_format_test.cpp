@@ -255,9 +255,9 @@ TEST(FlaFormat, ImportsAFolderAsFlaWritesIt) {
   write(dir + "/config.json", R"({"model_type": "gated_deltanet", "hidden_size": 32, "num_hidden_layers": 2,
     "num_heads": 2, "head_dim": 16, "expand_v": 1.5, "vocab_size": 40, "allow_neg_eigval": true})");
   EXPECT_NE(message_of([&] { import_fla_folder(dir); }).find("\"allow_neg_eigval\": true"), std::string::npos);
-  write(dir + "/config.json", R"({"model_type": "rwkv7", "hidden_size": 32})");
+  write(dir + "/config.json", R"({"model_type": "rwkv6", "hidden_size": 32})");
   EXPECT_NE(message_of([&] { import_fla_folder(dir); }).find("carry imports the FLA model types gated_deltanet, "
-                                                             "gated_deltaproduct, delta_net, gla"), std::string::npos);
+                                                             "gated_deltaproduct, delta_net, gla, rwkv7"), std::string::npos);
   write(dir + "/config.json", "{\"model_type\": ");
   EXPECT_NE(message_of([&] { import_fla_folder(dir); }).find("config.json: not a JSON object"), std::string::npos);
   remove_tree(dir);
@@ -346,8 +346,19 @@ TEST(FlaFormat, RefusesModelsThatDoNotMapWithTheReasons) {
   channel_mix.set_feed_forward("rwkv7_channel_mix");
   EXPECT_EQ(errors_of(channel_mix), "model.feed_forward: \"rwkv7_channel_mix\"; FLA's gated_deltanet models have "
                                     "SwiGLU MLPs, so only feed_forward \"swiglu\" exports\n");
-  EXPECT_NE(errors_of(small("rwkv7", 0, true)).find("model.mixers: rwkv7: carry export does not map this kind"),
-            std::string::npos);
+  // rwkv7 with carry's RMSNorms and the SwiGLU MLP is not FLA's RWKV7 model; nor are norms FLA's other
+  // classes do not have.
+  EXPECT_EQ(errors_of(small("rwkv7", 0, true)),
+            "model.norm: \"rms_norm\"; FLA's RWKV7 blocks have LayerNorms with bias, so only norm \"layer_norm\" exports "
+            "(with model.pre_norm as FLA's norm_first)\n"
+            "model.feed_forward: \"swiglu\"; FLA's RWKV7 blocks have RWKV-7's channel mix (RWKV7FeedForward), so only "
+            "feed_forward \"rwkv7_channel_mix\" exports\n");
+  ModelConfig layer_norm = small("gated_deltanet", 4, true);
+  layer_norm.set_norm("layer_norm");
+  layer_norm.set_pre_norm(true);
+  EXPECT_EQ(errors_of(layer_norm), "model.norm: \"layer_norm\"; FLA's gated_deltanet models have RMSNorms, so only norm "
+                                   "\"rms_norm\" exports\nmodel.pre_norm: true; FLA's gated_deltanet models have no norm "
+                                   "before the first block\n");
   ModelConfig odd = small("deltanet", 4, true);
   odd.set_d_model(30);
   odd.set_head_dim_k(7);
