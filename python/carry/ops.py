@@ -584,8 +584,22 @@ def chunk_ahla(q, k, v, g=None, scale=None, initial_state=None, output_final_sta
                 chunk_size, form)
 
 
+def _grouped_heads(fn, q, k, v):
+    """q, k [B, T, G, K] and v [B, T, H, V] with H a multiple of G (FLA's grouped heads: each query/key head
+    serves H/G consecutive value heads): q and k repeated to H heads."""
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        _check_4d(fn, name, x)
+    G, H = q.shape[2], v.shape[2]
+    if k.shape == q.shape and G != H and G > 0 and H % G == 0 and v.shape[:2] == q.shape[:2]:
+        q, k = q.repeat_interleave(H // G, dim=2), k.repeat_interleave(H // G, dim=2)
+    elif k.shape == q.shape and v.shape[:2] == q.shape[:2] and H % max(G, 1):
+        _fail(fn, f"the number of value heads H={H} must be a multiple of the query/key heads G={G}")
+    return q, k
+
+
 def _log_linear(fn, family, q, k, v, g, beta, level_scales, scale, initial_state, output_final_state, cu_seqlens,
                 offset, chunk_size, form):
+    q, k = _grouped_heads(fn, q, k, v)
     B, T, H, K, V = _qkv_dims(fn, q, k, v)
     for name, x in (("g", g), ("beta", beta)):
         if (name == "g" or family == "loglinear_gdn") and \
@@ -661,7 +675,8 @@ def chunk_log_linear_attn(q, k, v, g, level_scales, initial_state=None, output_f
     level_scales [B, T, H, L]; `scale` defaults to 1.0 as FLA's does (None: 1/sqrt(K)).
 
     The state at a position p is carry's: a tuple of L-1 tensors [N, H, K, V], one per bit of p (FLA's
-    LogLinearAttentionState is not taken); a state continues at `offset` = p. One query/key head a value head.
+    LogLinearAttentionState is not taken); a state continues at `offset` = p. q, k may have G heads for v's H
+    (H a multiple of G: each query/key head serves H/G consecutive value heads, as FLA's).
     """
     fn = "chunk_log_linear_attn"
     return _log_linear(fn, "loglinear_mamba2", q, k, v, g, None, level_scales, scale, initial_state,
@@ -672,7 +687,8 @@ def chunk_log_linear_gated_delta_rule(q, k, v, g, beta, level_scales, initial_st
                                       cu_seqlens=None, scale=None, *, offset=0, form=None, chunk_size=64):
     """Log-linear Gated DeltaNet (carry's `loglinear_gdn`, no FLA counterpart): the Fenwick levels of
     chunk_log_linear_attn over Gated DeltaNet's transition (g [B, T, H] log decays, beta [B, T, H]), read with
-    level_scales [B, T, H, L]; scale defaults to 1/sqrt(K). The state as in chunk_log_linear_attn.
+    level_scales [B, T, H, L]; scale defaults to 1/sqrt(K). The state and grouped heads as in
+    chunk_log_linear_attn.
     """
     fn = "chunk_log_linear_gated_delta_rule"
     return _log_linear(fn, "loglinear_gdn", q, k, v, g, beta, level_scales, scale, initial_state,

@@ -443,6 +443,25 @@ def test_log_linear_state_continues(family, form):
     compare(split, whole, inputs, tol=1e-10, names=names)
 
 
+@pytest.mark.parametrize("family", ["mamba2", "gdn"])
+def test_log_linear_grouped_heads(family):
+    """One query/key head for two value heads (FLA's grouped heads, q and k [B, T, G, K], v [B, T, 2G, V]): the
+    same as q and k repeated to every value head, o, final state and the gradient of every input."""
+    q, k, v, g, beta, lam = log_linear_inputs(seed=95)
+    q1, k1 = q[:, :, :1], k[:, :, :1]  # G = 1 for H = 2
+
+    def call(q, k, v, g, beta, lam):
+        if family == "mamba2":
+            return ops.chunk_log_linear_attn(q, k, v, g, lam, output_final_state=True, chunk_size=CHUNK)
+        return ops.chunk_log_linear_gated_delta_rule(q, k, v, g, beta, lam, output_final_state=True, chunk_size=CHUNK)
+
+    rep = lambda x: x.repeat_interleave(2, dim=2)  # noqa: E731
+    compare(call, lambda q, k, v, g, beta, lam: call(rep(q), rep(k), v, g, beta, lam), [q1, k1, v, g, beta, lam],
+            tol=1e-12, names=["q", "k", "v", "g", "beta", "level_scales"])
+    with pytest.raises(ValueError, match="value heads H=2 must be a multiple of the query/key heads G=3"):
+        call(rep(q1).repeat(1, 1, 2, 1)[:, :, :3], rep(k1).repeat(1, 1, 2, 1)[:, :, :3], v, g, beta, lam)
+
+
 def test_log_linear_varlen_and_errors():
     q, k, v, g, beta, lam = (t[:1] for t in log_linear_inputs(seed=90))
     cu = torch.tensor([0, 5, 13])
