@@ -5,8 +5,11 @@ through carry.ops: the kernels on CUDA tensors where this build has them, the ch
 
 Layers: Gated DeltaNet (grouped value heads included), DeltaNet and GLA, FLA's `gated_deltanet`, `delta_net`
 and `gla` model types; a block is y = x + mixer(norm(x)), out = y + mlp(norm(y)) with SwiGLU MLPs and RMS norms,
-as framework/model/model.h builds it. For evaluation and generation from Python: the weights are
-parameters (trainable), but the forward keeps no recurrent state between calls.
+as framework/model/model.h builds it. RWKV-7, FLA's `rwkv7` model type (RWKV7ForCausalLM): LayerNorms with
+bias, the first block's pre_norm (norm_first), RWKV7Attention's time mixing through carry.ops.chunk_rwkv7 and
+RWKV7FeedForward's channel mix, as carry's rwkv7 model with norm "layer_norm" computes it. For evaluation
+and generation from Python: the weights are parameters (trainable), but the forward keeps no recurrent state
+between calls.
 """
 import json
 import os
@@ -139,6 +142,122 @@ class _GlaLayer(nn.Module):
         return self.o_proj(o.reshape(B, T, self.H * self.dv))
 
 
+class _LoRA(nn.Module):
+    """FLA's LoRA: lora.2(act(lora.0(x))), lora.0 without bias (names lora.0.weight, lora.2.weight[, .bias])."""
+
+    def __init__(self, d, out, rank, act, bias=True):
+        super().__init__()
+        self.lora = nn.Sequential(nn.Linear(d, rank, bias=False), act, nn.Linear(rank, out, bias=bias))
+
+    def forward(self, x):
+        return self.lora(x)
+
+
+def _token_shift(x):
+    """x_{t-1} - x_t over [B, T, C], zero before the first token."""
+    return F.pad(x, (0, 0, 1, -1)) - x
+
+
+class _Rwkv7Attention(nn.Module):
+    """FLA's RWKV7Attention as carry's rwkv7 kind computes it (layers/rwkv7/time_mix.h): token shift, six
+    lerps, the LoRA decay w = -e^(-1/2)·sigmoid(.), the value residual (not on the first layer, whose values
+    are v_first), the in-context rate a, the gate, carry.ops.chunk_rwkv7 with a = -κ̂, b = κ̂·a, GroupNorm
+    per head (eps = head_dim·norm_eps), the bonus term and o_proj."""
+
+    DECAY_SCALE = 0.6065306597126334
+
+    def __init__(self, d, H, dk, dv, ranks, first, eps):
+        super().__init__()
+        self.H, self.dk, self.dv, self.first = H, dk, dv, first
+        K, V = H * dk, H * dv
+        for n in ("x_r", "x_w", "x_k", "x_v", "x_a", "x_g"):
+            setattr(self, n, nn.Parameter(torch.zeros(1, 1, d)))
+        self.k_k = nn.Parameter(torch.zeros(K))
+        self.k_a = nn.Parameter(torch.zeros(K))
+        self.r_k = nn.Parameter(torch.zeros(H, dk))
+        self.r_proj = nn.Linear(d, K, bias=False)
+        self.k_proj = nn.Linear(d, K, bias=False)
+        self.v_proj = nn.Linear(d, V, bias=False)
+        self.o_proj = nn.Linear(V, d, bias=False)
+        self.w_lora = _LoRA(d, K, ranks["decay"], nn.Tanh())
+        if not first:
+            self.v_lora = _LoRA(d, V, ranks["v"], nn.Identity())
+        self.a_lora = _LoRA(d, K, ranks["a"], nn.Identity())
+        self.g_lora = _LoRA(d, V, ranks["gate"], nn.Sigmoid(), bias=False)
+        self.g_norm = nn.GroupNorm(H, V, eps=dk * eps)
+
+    def forward(self, x, v_first):
+        B, T, _ = x.shape
+        delta = _token_shift(x)
+        xr, xw, xk, xv, xa, xg = (x + delta * getattr(self, n) for n in ("x_r", "x_w", "x_k", "x_v", "x_a", "x_g"))
+        r = self.r_proj(xr)
+        w = -self.DECAY_SCALE * torch.sigmoid(self.w_lora(xw))
+        k = self.k_proj(xk)
+        v = self.v_proj(xv)
+        if self.first:
+            v_first = v
+        else:
+            v = v + torch.sigmoid(self.v_lora(xv)) * (v_first - v)
+        a = torch.sigmoid(self.a_lora(xa))
+        g = self.g_lora(xg)
+        kk = F.normalize((k * self.k_k).view(B, T, self.H, self.dk), dim=-1, p=2.0)
+        k = k * (1 + (a - 1) * self.k_a)
+        heads = lambda t, n: t.reshape(B, T, self.H, n)  # noqa: E731
+        r, w, k, a, v = heads(r, self.dk), heads(w, self.dk), heads(k, self.dk), heads(a, self.dk), heads(v, self.dv)
+        o, _ = ops.chunk_rwkv7(r, w, k, v, -kk, kk * a)
+        o = self.g_norm(o.to(x.dtype).reshape(B * T, self.H * self.dv)).view(B, T, -1)
+        bonus = ((r * k * self.r_k).sum(-1, keepdim=True) * v).reshape(B, T, -1)
+        return self.o_proj((o + bonus) * g), v_first
+
+
+class _Rwkv7FeedForward(nn.Module):
+    """FLA's RWKV7FeedForward: value(relu(key(x + δ·x_k))²)."""
+
+    def __init__(self, d, inter):
+        super().__init__()
+        self.x_k = nn.Parameter(torch.zeros(d))
+        self.key = nn.Linear(d, inter, bias=False)
+        self.value = nn.Linear(inter, d, bias=False)
+
+    def forward(self, x):
+        return self.value(torch.relu(self.key(x + _token_shift(x) * self.x_k)) ** 2)
+
+
+class _Rwkv7Block(nn.Module):
+    """FLA's RWKV7Block: residual = pre_norm(x) on the first block (norm_first), else x; y = residual +
+    attn(attn_norm(residual)); out = y + ffn(ffn_norm(y)). Its parameters carry FLA's names."""
+
+    def __init__(self, d, H, dk, dv, inter, ranks, first, pre_norm, eps):
+        super().__init__()
+        if pre_norm:
+            self.pre_norm = nn.LayerNorm(d, eps=eps)
+        self.attn_norm = nn.LayerNorm(d, eps=eps)
+        self.attn = _Rwkv7Attention(d, H, dk, dv, ranks, first, eps)
+        self.ffn_norm = nn.LayerNorm(d, eps=eps)
+        self.ffn = _Rwkv7FeedForward(d, inter)
+
+    def forward(self, x, v_first):
+        residual = self.pre_norm(x) if hasattr(self, "pre_norm") else x
+        a, v_first = self.attn(self.attn_norm(residual), v_first)
+        y = residual + a
+        return y + self.ffn(self.ffn_norm(y)), v_first
+
+
+def _rwkv7_low_rank_dims(config, d, dk):
+    """The LoRA widths FLA's RWKV7Attention gets from RWKV7Config (its defaults 64, 64, 16, 128 where
+    config.json has no such key; the layer's own formula where the key is null)."""
+    factor = dk / 64
+    formula = {"decay": 2.5 * d ** 0.5 * factor, "a": 2.5 * d ** 0.5 * factor, "v": 1.7 * d ** 0.5 * factor,
+               "gate": 5 * d ** 0.5}
+    defaults = {"decay": 64, "a": 64, "v": 16, "gate": 128}
+    out = {}
+    for name in formula:
+        key = f"{name}_low_rank_dim"
+        value = config.get(key, defaults[name])
+        out[name] = value if value is not None else max(32, int(round(formula[name] / 32) * 32))
+    return out
+
+
 class _Block(nn.Module):
     def __init__(self, d, inter, eps, attn):
         super().__init__()
@@ -162,10 +281,15 @@ class CarryModel(nn.Module):
     def __init__(self, config):
         super().__init__()
         kind = config.get("model_type")
-        if kind not in ("gated_deltanet", "delta_net", "gla"):
-            _fail(f"model_type {kind!r}: carry.load builds gated_deltanet, delta_net and gla models")
+        if kind not in ("gated_deltanet", "delta_net", "gla", "rwkv7"):
+            _fail(f"model_type {kind!r}: carry.load builds gated_deltanet, delta_net, gla and rwkv7 models")
         if config.get("attn") is not None:
             _fail("config.json has an `attn` entry (softmax attention layers): not built by carry.load")
+        self.config = config
+        self.kind = kind
+        if kind == "rwkv7":
+            self._build_rwkv7(config)
+            return
         d, H, L = config["hidden_size"], config["num_heads"], config["num_hidden_layers"]
         eps = float(config.get("norm_eps", 1e-6))
         if kind == "gated_deltanet":
@@ -182,7 +306,6 @@ class CarryModel(nn.Module):
         inter = config.get("intermediate_size")
         if inter is None:
             _fail("config.json has no intermediate_size (carry writes it)")
-        self.config = config
         self.eps = eps
         self.embeddings = nn.Embedding(config["vocab_size"], d)
         def mixer():
@@ -191,6 +314,40 @@ class CarryModel(nn.Module):
             return _DeltaLayer(d, H, Hv, dk, dv, conv, eps, kind == "gated_deltanet")
         self.layers = nn.ModuleList([_Block(d, inter, eps, mixer()) for _ in range(L)])
         self.norm = nn.Parameter(torch.ones(d))
+        self.tied = bool(config.get("tie_word_embeddings", False))
+        if not self.tied:
+            self.lm_head = nn.Linear(d, config["vocab_size"], bias=False)
+
+    def _build_rwkv7(self, config):
+        """FLA's RWKV7ForCausalLM from its RWKV7Config keys (FLA's defaults where a key is missing)."""
+        d, L = config["hidden_size"], config["num_hidden_layers"]
+        dk, H = config.get("head_dim", 64), config.get("num_heads")
+        if dk is None and H is None:
+            _fail("config.json: rwkv7 needs head_dim or num_heads")
+        dk = dk if dk is not None else d // H
+        H = d // dk
+        if H * dk != d:
+            _fail(f"config.json: hidden_size {d} is not a multiple of head_dim {dk}")
+        value_dim = config.get("value_dim")
+        value_dim = [d] * L if value_dim is None else [value_dim] * L if isinstance(value_dim, int) else value_dim
+        if len(value_dim) != L or any(v % H for v in value_dim):
+            _fail(f"config.json: value_dim {config.get('value_dim')!r}: one width a layer, multiples of num_heads {H}")
+        want = {"hidden_act": "sqrelu", "norm_bias": True}
+        for key, value in want.items():
+            if config.get(key, value) != value:
+                _fail(f"config.json: {key} is {config[key]!r}; carry's rwkv7 model computes {key} = {value!r}")
+        inter = config.get("intermediate_size")
+        if inter is None:
+            inter = int(d * (config.get("hidden_ratio") or 4))
+            inter = 32 * ((inter + 31) // 32)
+        eps = float(config.get("norm_eps", 1e-5))
+        ranks = _rwkv7_low_rank_dims(config, d, dk)
+        pre_norm = bool(config.get("norm_first", True))
+        self.eps = eps
+        self.embeddings = nn.Embedding(config["vocab_size"], d)
+        self.layers = nn.ModuleList([_Rwkv7Block(d, H, dk, value_dim[i] // H, inter, ranks, i == 0, pre_norm and i == 0, eps)
+                                     for i in range(L)])
+        self.norm = nn.LayerNorm(d, eps=eps)
         self.tied = bool(config.get("tie_word_embeddings", False))
         if not self.tied:
             self.lm_head = nn.Linear(d, config["vocab_size"], bias=False)
@@ -209,6 +366,11 @@ class CarryModel(nn.Module):
 
     def _targets(self):
         """FLA's tensor names -> this module's parameters."""
+        if self.kind == "rwkv7":  # the modules carry FLA's names
+            out = {"model." + n: p for n, p in self.named_parameters() if not n.startswith("lm_head.")}
+            if not self.tied:
+                out["lm_head.weight"] = self.lm_head.weight
+            return out
         out = {"model.embeddings.weight": self.embeddings.weight, "model.norm.weight": self.norm}
         if not self.tied:
             out["lm_head.weight"] = self.lm_head.weight
@@ -255,6 +417,12 @@ class CarryModel(nn.Module):
         if input_ids.dim() != 2:
             _fail(f"input_ids must be [B, T], got {list(input_ids.shape)}")
         h = self.embeddings(input_ids)
+        if self.kind == "rwkv7":
+            v_first = None
+            for b in self.layers:
+                h, v_first = b(h, v_first)
+            h = self.norm(h)
+            return F.linear(h, self.embeddings.weight if self.tied else self.lm_head.weight)
         for b in self.layers:
             h = b(h)
         h = _rms_norm(h, self.norm, self.eps)

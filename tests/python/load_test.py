@@ -1,7 +1,8 @@
 """carry.load: a model `carry export --format hf` wrote gives, in Python, the logits `carry eval
 --dump-logits` gives for the same tokens (fp32, CPU): Gated DeltaNet with short convolutions and grouped value
-heads, DeltaNet without convolutions and with a tied head, and GLA; a folder with a missing or misshapen tensor is
-refused naming it. Needs --carry-binary."""
+heads, DeltaNet without convolutions and with a tied head, GLA, and RWKV-7 as FLA's RWKV7ForCausalLM (LayerNorms,
+the pre-norm, the channel mix, values twice the width; with and without the pre-norm); a folder with a missing or
+misshapen tensor is refused naming it. Needs --carry-binary."""
 import json
 import os
 import struct
@@ -22,6 +23,9 @@ checkpoint {{ dir: "ck" every_steps: 3 }}
 """
 
 
+RWKV7 = 'feed_forward: "rwkv7_channel_mix" norm: "layer_norm" pre_norm: true norm_eps: 1e-5 mlp_ratio: 4'
+
+
 def _write_tokens(path, ids):
     with open(path, "wb") as f:
         f.write(b"CARRYTOK" + struct.pack("<IIQ", 1, 2, len(ids)))
@@ -36,7 +40,9 @@ def _run(cmd, cwd):
 
 @pytest.mark.parametrize("kind,conv,tie,dv,extra", [("gated_deltanet", 4, "false", 24, "n_v_heads: 4"),
                                                      ("deltanet", 0, "true", 16, ""),
-                                                     ("gla", 0, "false", 24, "")])
+                                                     ("gla", 0, "false", 24, ""),
+                                                     ("rwkv7", 0, "false", 32, RWKV7),
+                                                     ("rwkv7", 0, "true", 16, RWKV7.replace("true", "false"))])
 def test_load_gives_carry_eval_logits(carry_binary, tmp_path, kind, conv, tie, dv, extra):
     gen = torch.Generator().manual_seed(1)
     _write_tokens(tmp_path / "train.tok", torch.randint(0, 256, (400,), generator=gen).tolist())
@@ -51,7 +57,7 @@ def test_load_gives_carry_eval_logits(carry_binary, tmp_path, kind, conv, tie, d
     with torch.no_grad():
         got = model(tokens[..., :want.shape[1]].long())
     err = ((got - want).abs().max() / want.abs().max()).item()
-    print(f"[ errors   ] carry.load {kind}: logits vs carry eval {err:.2e}")
+    print(f"[ errors   ] carry.load {kind} {extra}: logits vs carry eval {err:.2e}")
     assert err < 1e-5
 
 
@@ -80,6 +86,19 @@ def test_load_refuses_what_does_not_match(carry_binary, tmp_path):
 def test_load_refuses_gla_settings_carry_does_not_compute(tmp_path, key, value, match):
     config = {"model_type": "gla", "hidden_size": 32, "num_heads": 2, "num_hidden_layers": 1, "expand_k": 0.5,
               "expand_v": 1.0, "intermediate_size": 64, "vocab_size": 16, "use_short_conv": False, key: value}
+    os.makedirs(tmp_path / "hf")
+    (tmp_path / "hf" / "config.json").write_text(json.dumps(config))
+    (tmp_path / "hf" / "model.safetensors").write_bytes(b"")
+    with pytest.raises(ValueError, match=match):
+        carry.load(str(tmp_path / "hf"))
+
+
+@pytest.mark.parametrize("key,value,match", [("hidden_act", "relu", "hidden_act is 'relu'"),
+                                             ("norm_bias", False, "norm_bias is False"),
+                                             ("value_dim", [32, 33], "one width a layer, multiples of num_heads 2")])
+def test_load_refuses_rwkv7_settings_carry_does_not_compute(tmp_path, key, value, match):
+    config = {"model_type": "rwkv7", "hidden_size": 32, "head_dim": 16, "num_hidden_layers": 2, "intermediate_size": 64,
+              "vocab_size": 16, key: value}
     os.makedirs(tmp_path / "hf")
     (tmp_path / "hf" / "config.json").write_text(json.dumps(config))
     (tmp_path / "hf" / "model.safetensors").write_bytes(b"")
