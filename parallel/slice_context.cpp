@@ -4,6 +4,7 @@
 #include "layers/layout.h"
 #include "layers/core/nvtx.h"
 #include "parallel/halo.h"
+#include "parallel/relay.h"
 
 namespace carry::parallel {
 
@@ -53,6 +54,8 @@ MixerLayerContext route_over(std::shared_ptr<Communicator> sp, ScanMode mode, in
   // a sliding window at offset 0 ignores them, see MixerLayer).
   ctx.halo = [sp](const Tensor& x, int64_t n) { return halo_exchange(*sp, x, n); };
   ctx.halo_owned_gradient = [sp](const Tensor& x, int64_t n) { return halo_exchange(*sp, x, n, true); };
+  // Rows passed on from rank to rank (softmax attention's sparse patterns with their window's halo).
+  ctx.relay = [sp](const Tensor& rows, const Tensor& index, int64_t n) { return relay_exchange(*sp, rows, index, n); };
   return ctx;
 }
 

@@ -497,6 +497,12 @@ void check_model(const ModelConfig& m, const std::string& p, Errors& e) {
     if (o.has_levels() && (o.levels() < 0 || o.levels() > max_levels()))
       e.add(q + ".levels", "must lie in [0, ", max_levels(), "] (0 = as needed), got ", o.levels());
     only_for(o.has_window(), "window", kinds_where(&LayerKind::window));
+    if (o.has_global_tokens() && (o.global_tokens() < 0 || o.global_tokens() > kMaxSeqLen))
+      e.add(q + ".global_tokens", "must lie in [0, ", kMaxSeqLen, "] (0 = none), got ", o.global_tokens());
+    if (o.has_stride() && (o.stride() < 0 || o.stride() > kMaxSeqLen))
+      e.add(q + ".stride", "must lie in [0, ", kMaxSeqLen, "] (0 = none), got ", o.stride());
+    only_for(o.has_global_tokens(), "global_tokens", kinds_where(&LayerKind::window));
+    only_for(o.has_stride(), "stride", kinds_where(&LayerKind::window));
     if (o.conv_size() > 0)
       for (auto& k : applies)
         if (is_known_kind(k) && layer_kind(k).time_mix) {
@@ -525,6 +531,16 @@ void check_model(const ModelConfig& m, const std::string& p, Errors& e) {
       if (has && (width < 0 || width > kMaxWidth))
         e.add(q + "." + name, "must lie in [0, ", kMaxWidth, "] (0 = RWKV7Attention's default), got ", width);
       only_for(has, name, kinds_where(&LayerKind::time_mix));
+    }
+  }
+  for (auto& k : kinds) {
+    if (!is_known_kind(k) || !layer_kind(k).window) continue;
+    auto o = layer_mixer(m, std::find(m.mixers().begin(), m.mixers().end(), k) - m.mixers().begin()).options;
+    for (const char* f : {"global_tokens", "stride"}) {
+      const int64_t n = std::string(f) == "stride" ? o.stride() : o.global_tokens();
+      if (n > 0 && o.window() <= 0)
+        e.add(path_of_option(m, k, f), f, " ", n, " goes with a sliding window, but ", k, " layers have window ",
+              o.window(), " (full causal attention already reads every earlier token); give them a window > 0");
     }
   }
   for (auto& k : kinds) {

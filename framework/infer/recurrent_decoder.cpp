@@ -33,10 +33,21 @@ MixerOutput attend(Tensor& keys, Tensor& values, const MixerInputs& in, const Mi
   auto qpos = at::arange(position, position + n, long_opts).unsqueeze(1);
   auto kpos = at::arange(position + n - m, position + n, long_opts).unsqueeze(0);
   auto excluded = kpos > qpos;
-  if (opt.window > 0) excluded = excluded.logical_or(kpos <= qpos - opt.window);
+  // The sparse patterns (layers/softmax_attn/softmax_attn.h): global tokens and summary columns stay
+  // visible beyond the window, so their cache keeps every key.
+  const bool patterns = opt.global_tokens > 0 || opt.stride > 0;
+  if (opt.window > 0) {
+    auto outside = kpos <= qpos - opt.window;
+    if (patterns) {
+      auto key = kpos < opt.global_tokens;
+      if (opt.stride > 0) key = key.logical_or(kpos.remainder(opt.stride) == opt.stride - 1);
+      outside = outside.logical_and(key.logical_not());
+    }
+    excluded = excluded.logical_or(outside);
+  }
   scores = scores.masked_fill(excluded, -std::numeric_limits<double>::infinity());
   auto o = at::matmul(at::softmax(scores, -1), v.transpose(1, 2)).transpose(1, 2).contiguous();  // [B,n,H,dv]
-  const int64_t keep = opt.window > 0 ? std::min(m, opt.window - 1) : m;
+  const int64_t keep = opt.window > 0 && !patterns ? std::min(m, opt.window - 1) : m;
   keys = k.narrow(1, m - keep, keep).clone();
   values = v.narrow(1, m - keep, keep).clone();
   return {o, {}};

@@ -14,6 +14,7 @@
 #include "layers/linear_attn/performer.h"
 #include "layers/diag_decay/mamba1.h"
 #include "layers/rwkv7/time_mix.h"
+#include "layers/softmax_attn/softmax_attn.h"
 #include "layers/blocks/precision.h"
 
 #ifdef CARRY_WITH_CUDA
@@ -140,7 +141,8 @@ struct MixerLayer::Projected {
   Tensor z;       // output gate [B,T,H,dv] (mamba1: [B,T,D])
   Tensor skip;    // what D multiplies (Mamba-2: v [B,T,H,dv]; Mamba-1: x [B,T,D])
   int64_t kv_halo = 0;  // softmax_attn: tokens of halo prepended to q, k, v (outputs dropped)
-  Tensor unused_halo;    // softmax_attn at the sequence's start: the exchanged halo, not attended to
+  Tensor unused_halo;    // softmax_attn: an exchange kept in the graph with weight 0 (the halo at the sequence's start, the relay)
+  State memory;          // softmax_attn's sparse patterns: the keys before the slice (its initial state)
   std::shared_ptr<Rwkv7Projected> rwkv7;  // rwkv7: what its output reads (time_mix.h)
 };
 
@@ -268,6 +270,8 @@ MixerOptions MixerLayer::mixer_options(int64_t, const MixerLayerContext& ctx) co
   MixerOptions opt;
   opt.chunk_size = spec_.chunk_size;
   opt.window = spec_.window;
+  opt.global_tokens = spec_.global_tokens;
+  opt.stride = spec_.stride;
   opt.normalize = spec_.normalize;
   opt.offset = ctx.offset;
   opt.check_values = check_values_requested();
@@ -442,8 +446,36 @@ MixerLayer::Projected MixerLayer::project(const Tensor& x, const MixerLayerConte
   if (tr.gated_norm) p.z = at::linear(x, z_proj_).view({B, T, Hv, dv});
 
   // Sliding window across slices: prepend the previous slice's last keys and values (rounded up to
-  // whole chunks); their query rows are zeros and their outputs are dropped.
-  if (tr.window && spec_.window > 1 && ctx.halo) {
+  // whole chunks); their query rows are zeros and their outputs are dropped. With the sparse patterns
+  // the relay brings them, after the pattern keys before them (softmax_attn_relay_plan), which become the
+  // family's initial state.
+  if (tr.window && (spec_.global_tokens > 0 || spec_.stride > 0) && ctx.relay) {
+    const int64_t h = spec_.window > 1 ? ceil_to(spec_.window - 1, spec_.chunk_size) : 0;
+    const int64_t total = ctx.sequence_length > 0 ? ctx.sequence_length : ctx.offset + T;
+    TORCH_CHECK(T > 0 && ctx.offset % T == 0 && total % T == 0, "mixer layer '", spec_.kind, "': the sparse "
+                "patterns across slices need slices of one length; this one has ", T, " tokens at ", ctx.offset,
+                " of ", total);
+    auto plan = softmax_attn_relay_plan(ctx.document_starts, B, total, ctx.offset / T, T, h, spec_.global_tokens,
+                                        spec_.stride);
+    auto kv = at::cat({k.reshape({B, T, H * dk}), v.reshape({B, T, H * dv})}, -1);
+    auto got = ctx.relay(kv, plan.index, plan.memory_rows + plan.halo_rows);
+    if (plan.memory_rows > 0) {
+      auto mem = got.narrow(1, 0, plan.memory_rows);
+      p.memory = {mem.narrow(-1, 0, H * dk).view({B, plan.memory_rows, H, dk}),
+                  mem.narrow(-1, H * dk, H * dv).view({B, plan.memory_rows, H, dv}),
+                  plan.valid.to(k.options())};
+    }
+    if (plan.halo_rows > 0) {
+      auto halo = got.narrow(1, plan.memory_rows, plan.halo_rows);
+      k = at::cat({halo.narrow(-1, 0, H * dk).view({B, h, H, dk}), k}, 1);
+      v = at::cat({halo.narrow(-1, H * dk, H * dv).view({B, h, H, dv}), v}, 1);
+      q = at::cat({at::zeros({B, h, H, dk}, q.options()), q}, 1);
+      p.kv_halo = h;
+    }
+    // The exchange stays in the graph whatever reads it (nothing on the sequence's first slice): its backward
+    // is collective.
+    p.unused_halo = got;
+  } else if (tr.window && spec_.window > 1 && ctx.halo) {
     int64_t h = ceil_to(spec_.window - 1, spec_.chunk_size);
     auto kv = at::cat({k.reshape({B, T, H * dk}), v.reshape({B, T, H * dv})}, -1);
     auto halo = ctx.halo(kv, h);
@@ -472,6 +504,7 @@ MixerLayerOutput MixerLayer::forward(const Tensor& x, const State& initial_state
   auto p = project(x, ctx, kernel_bf16, value_first);
   const int64_t B = x.size(0), T = x.size(1);
   auto opt = mixer_options(T, ctx);
+  opt.offset -= p.kv_halo;  // the halo's first token leads the slice the family sees
   if (ctx.document_starts.defined()) {
     // This slice's document starts (with the halo's positions before it when a sliding window took
     // them), and where each sequence's first document began, for log-linear's levels.
@@ -499,6 +532,10 @@ MixerLayerOutput MixerLayer::forward(const Tensor& x, const State& initial_state
     std::optional<FullPrecisionScope> fp32;
     MixerInputs in = p.in;
     State s0 = initial_state;
+    if (!p.memory.empty()) {
+      TORCH_CHECK(initial_state.empty(), "mixer layer '", spec_.kind, "': softmax attention takes no initial state");
+      s0 = p.memory;
+    }
     if (autocast_active_for(x)) {
       fp32.emplace();
       // The kernel forms take bf16 and fp32 alike, so the form is known before any cast. With a kernel

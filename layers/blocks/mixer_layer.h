@@ -48,7 +48,8 @@
 // Sequence parallelism: everything the layer needs from other ranks goes through MixerLayerContext —
 // the family's forward over this rank's slice (`run_mixer`, e.g. parallel::sp_mixer_forward) and the
 // tokens before the slice (`halo`, e.g. parallel::halo_exchange) for the convolutions and for a
-// sliding window. By default the slice is the whole sequence.
+// sliding window, and the rows passed from slice to slice (`relay`) for softmax attention's sparse
+// patterns (global tokens, summary columns) with their window. By default the slice is the whole sequence.
 #pragma once
 
 #include "layers/mixer.h"
@@ -73,6 +74,7 @@ struct MixerLayerSpec {
   int64_t n_v_heads = 0;  // value heads (grouped values, a multiple of n_heads); 0 = n_heads
   int64_t chunk_size = 64;
   int64_t window = 0;     // softmax_attn: sliding window (0 = full causal)
+  int64_t global_tokens = 0, stride = 0;  // softmax_attn: sparse patterns beside the window (softmax_attn.h)
   int64_t conv_size = 0;  // short convolution width (0 = none)
   bool normalize = false;
   int64_t levels = 0;     // log-linear: level weights (0 = as many as the sequence needs)
@@ -117,6 +119,12 @@ struct MixerLayerContext {
   // fused convolution's input): the next slice's gradient of x's last tokens is added into it in
   // place (parallel::halo_exchange's owned_gradient). Empty: `halo`.
   std::function<Tensor(const Tensor& x, int64_t halo)> halo_owned_gradient;
+  // The rows this slice receives from the previous one when each slice passes rows on to the next
+  // (parallel::relay_exchange): this slice sends rows `index` [B, N] (CPU int64; −1 = a zero row) of
+  // cat(received, rows) and returns the received [B, incoming_rows, C]; differentiable in `rows` and the
+  // received. Softmax attention's sparse patterns carry their keys before the slice and the window's halo
+  // this way (softmax_attn_relay_plan). Empty: the slice starts the sequence.
+  std::function<Tensor(const Tensor& rows, const Tensor& index, int64_t incoming_rows)> relay;
   // Packed documents: [B, sequence length] bool on the CPU, true where a document starts (the whole
   // sequence, on every rank). The family's state restarts there (MixerOptions::document_starts), the
   // short convolutions and a sliding window see only the document's own tokens. Undefined: one

@@ -8,8 +8,12 @@
 // contract tests run the family with window 0 in mixer_test.cpp; the ranks' exchange runs under mpirun in
 // sparse_patterns_test_mpi.cpp.
 #include "layers/softmax_attn/softmax_attn.h"
+#include "framework/train/trainer.h"
+#include "layers/layout.h"
 #include "tests/helpers/mixer_testing.h"
+#include "tests/paths.h"
 
+#include <google/protobuf/text_format.h>
 #include <gtest/gtest.h>
 #include <torch/csrc/autograd/autograd.h>
 
@@ -341,6 +345,54 @@ TEST(SoftmaxAttnPatterns, RelayPlanCarriesThePatternKeysAndTheHalo) {
           got = src.gather(1, idx.clamp_min(0).unsqueeze(-1)) * (idx >= 0).unsqueeze(-1).to(at::kDouble);
         }
       }
+}
+
+// The preset with global tokens (configs/models/hybrid_gdn_global_125m.textproto), shrunk, trains a few steps
+// of MQAR on the CPU with its window narrowed to 8 so that the global tokens lie beyond it.
+TEST(SoftmaxAttnPatterns, GlobalTokensPresetTrainsOnCpu) {
+  auto cfg = run_config_from_text(std::string(R"(
+name: "hybrid_gdn_global_smoke"
+model_preset: ")") + CARRY_SOURCE_DIR + R"(/configs/models/hybrid_gdn_global_125m.textproto"
+model { vocab_size: 32 d_model: 32 n_layers: 4 n_heads: 2 }
+data { mqar { num_kv_pairs: 4 num_queries: 16 vocab_size: 32 } seq_len: 64 batch_size: 8 }
+optimizer { lr: 3e-3 warmup_steps: 0 total_steps: 6 }
+)",
+                                  "hybrid_gdn_global_smoke.textproto", {"model.mixer_options[2].window=8"});
+  auto layer = layer_mixer(cfg.model(), 3);
+  ASSERT_EQ(layer.kind, "softmax_attn");
+  EXPECT_EQ(layer.options.window(), 8);
+  EXPECT_EQ(layer.options.global_tokens(), 64);
+  TrainerOptions o;
+  o.log = nullptr;
+  o.force_cpu = true;
+  o.dtype = at::kFloat;
+  Trainer t(cfg, nullptr, o);
+  std::vector<double> losses;
+  for (int i = 0; i < 6; ++i) losses.push_back(t.train_step().loss);
+  for (double l : losses) EXPECT_TRUE(std::isfinite(l));
+  std::cout << "[ errors   ] hybrid_gdn_global preset (shrunk), 6 CPU steps of MQAR: loss " << losses.front() << " -> "
+            << losses.back() << "\n";
+  EXPECT_LT(losses.back(), losses.front());
+}
+
+// The config's global_tokens and stride (framework/config/validation.cpp): bounds, a window required, and
+// softmax_attn layers only, each a line naming the field.
+TEST(SoftmaxAttnPatterns, ConfigOptionsAreValidated) {
+  auto errors = [](const std::string& options) {
+    ModelConfig m;
+    m.set_vocab_size(32), m.set_d_model(16), m.set_n_layers(2), m.set_n_heads(2);
+    m.add_mixers("gated_deltanet"), m.add_mixers("softmax_attn");
+    EXPECT_TRUE(google::protobuf::TextFormat::MergeFromString(options, &m)) << options;
+    return join(model_config_errors(m), "\n");
+  };
+  EXPECT_EQ(errors("mixer_options { kind: \"softmax_attn\" window: 8 global_tokens: 4 stride: 16 }"), "");
+  auto e = errors("mixer_options { kind: \"softmax_attn\" global_tokens: 4 }");
+  EXPECT_NE(e.find("model.mixer_options[0].global_tokens"), std::string::npos) << e;
+  EXPECT_NE(e.find("goes with a sliding window"), std::string::npos) << e;
+  e = errors("mixer_options { kind: \"softmax_attn\" window: 8 stride: -2 }");
+  EXPECT_NE(e.find("model.mixer_options[0].stride: must lie in [0, "), std::string::npos) << e;
+  e = errors("mixer_options { kind: \"gated_deltanet\" stride: 4 }");
+  EXPECT_NE(e.find("only softmax_attn uses 'stride'"), std::string::npos) << e;
 }
 
 }  // namespace
