@@ -99,6 +99,13 @@ TEST(RecurrentDecoder, SlidingWindowHybridAndVariants) {
   ModelConfig window1 = tiny({"softmax_attn"}, 0);
   window1.mutable_mixer_options(0)->set_window(1);
   expect_recurrent_equals_full(window1, "softmax window 1");
+  ModelConfig patterns = tiny({"gated_deltanet", "softmax_attn"});
+  auto* sp = patterns.add_mixer_options();
+  sp->set_kind("softmax_attn");
+  sp->set_window(4);
+  sp->set_global_tokens(3);
+  sp->set_stride(5);
+  expect_recurrent_equals_full(patterns, "window 4, G 3, S 5");
   ModelConfig no_conv = tiny({"gated_deltanet"}, 0);
   expect_recurrent_equals_full(no_conv, "gdn without conv");
   ModelConfig conv2 = tiny({"mamba2"}, 2);
