@@ -9,6 +9,7 @@
 // sparse_patterns_test_mpi.cpp.
 #include "layers/softmax_attn/softmax_attn.h"
 #include "framework/train/trainer.h"
+#include "layers/core/device.h"
 #include "layers/layout.h"
 #include "tests/helpers/mixer_testing.h"
 #include "tests/paths.h"
@@ -393,6 +394,30 @@ TEST(SoftmaxAttnPatterns, ConfigOptionsAreValidated) {
   EXPECT_NE(e.find("model.mixer_options[0].stride: must lie in [0, "), std::string::npos) << e;
   e = errors("mixer_options { kind: \"gated_deltanet\" stride: 4 }");
   EXPECT_NE(e.find("only softmax_attn uses 'stride'"), std::string::npos) << e;
+}
+
+// On a GPU the kernel form computes the window alone: automatic dispatch runs the patterns in the chunkwise
+// form (on shapes the kernel takes otherwise), equal to the per-query loop in fp64 on the CPU to fp32
+// rounding, and a forced kernel form refuses them by name. Skipped without a GPU.
+TEST(SoftmaxAttnPatterns, CudaRunsTheChunkwiseFormAndRefusesTheKernel) {
+  if (cuda_device_count() == 0) GTEST_SKIP() << "no CUDA device: GPU tests skipped";
+  Shape s;
+  s.T = 128, s.dk = 64, s.dv = 64;
+  auto in = random_inputs(attn(), s, at::kFloat, 7, at::kCUDA);
+  auto opt = pattern_options({16, 5, 9}, 64, 0);
+#ifdef CARRY_WITH_CUDA
+  MixerOptions window_only = pattern_options({16, 0, 0}, 64, 0);
+  EXPECT_EQ(attn().resolve_form(in, window_only), Form::kernel);
+#endif
+  EXPECT_EQ(attn().resolve_form(in, opt), Form::chunkwise);
+  MixerInputs cpu;
+  cpu.q = in.q.cpu().to(at::kDouble), cpu.k = in.k.cpu().to(at::kDouble), cpu.v = in.v.cpu().to(at::kDouble);
+  auto want = pattern_definition(cpu, Memory{}, Tensor(), {0, 0}, opt);
+  const double e = rel_err(attn().forward(in, {}, opt).o.cpu().to(at::kDouble), want);
+  std::cout << "[ errors   ] softmax_attn patterns on CUDA (fp32, automatic dispatch) vs per-query loop: " << e << "\n";
+  EXPECT_LE(e, 1e-5);
+  opt.form = Form::kernel;
+  expect_error([&] { attn().forward(in, {}, opt); }, "computes the window alone");
 }
 
 }  // namespace
