@@ -4,7 +4,8 @@
 //     its summary columns on all), starts inside slices, at a rank boundary and inside a rank's halo;
 //     the output and the gradients of the input and of every parameter;
 //   - a hybrid model (Gated DeltaNet + softmax attention with global tokens and summary columns) trained 3
-//     steps on packed documents: losses and parameters at sp = P equal those of one rank (fp64), and with
+//     steps on packed documents: losses and parameters at sp = P equal those of one rank (fp64, with and
+//     without activation recomputation), and with
 //     ordered segments (whose messages run between segments of one rank, parallel/segments.h) sp = P and
 //     sp = 1 with P segments give the same bits (fp32).
 // Skipped at 1 rank where the comparison needs more than one.
@@ -140,9 +141,10 @@ optimizer { lr: 1e-2 total_steps: 3 }
     for (auto& [n, p] : t.model().parameters()) params.push_back(p.detach().clone());
     return params;
   };
-  {
+  for (const char* recompute : {"false", "true"}) {  // with recomputation the relay's messages are replayed
     std::vector<double> la, lb;
-    auto pa = run(cfg({"parallel.sp=" + std::to_string(P)}), true, at::kDouble, la);
+    auto pa = run(cfg({"parallel.sp=" + std::to_string(P), std::string("parallel.recompute=") + recompute}), true,
+                  at::kDouble, la);
     auto pb = run(cfg({}), false, at::kDouble, lb);
     double worst = 0;
     for (size_t i = 0; i < la.size(); ++i) worst = std::max(worst, std::abs(la[i] - lb[i]) / std::abs(lb[i]));
@@ -150,8 +152,8 @@ optimizer { lr: 1e-2 total_steps: 3 }
     worst = max_over_ranks(worst);
     if (parallel::world_info().rank == 0)
       std::printf("[ errors   ] gdn + softmax_attn (window 6, global_tokens 3, stride 5) sp=%d vs 1 rank, packed "
-                  "documents (fp64, 3 steps): %.3g\n", P, worst);
-    EXPECT_LT(worst, 1e-11);
+                  "documents (fp64, 3 steps, recompute %s): %.3g\n", P, recompute, worst);
+    EXPECT_LT(worst, 1e-11) << "recompute " << recompute;
     EXPECT_NE(lb.front(), lb.back()) << "the run does not train";
   }
   {
