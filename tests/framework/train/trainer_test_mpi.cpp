@@ -198,6 +198,29 @@ TEST(Trainer, Rwkv7UnderSpEqualsSerial) {
     }
 }
 
+// FLA's RWKV7ForCausalLM (LayerNorm blocks, the first block's pre-norm, the channel mix, its own head) under the
+// ordered and tree scans, the ordered one with recomputation: the serial run's steps.
+TEST(Trainer, FlaRwkv7ModelUnderSpEqualsSerial) {
+  const int P = parallel::world_info().size;
+  if (P < 2) GTEST_SKIP() << "needs 2 or more ranks";
+  const std::vector<std::string> fla{"model.mixers=rwkv7", "model.n_layers=3", "model.mixer_options[0]={chunk_size: 16}",
+                                     "model.feed_forward=rwkv7_channel_mix", "model.norm=layer_norm", "model.pre_norm=true",
+                                     "model.norm_eps=1e-5", "model.tie_embeddings=false"};
+  auto serial = train(config(fla), false);
+  for (auto [mode, recompute] : {std::pair<const char*, bool>{"ordered", false}, {"tree", false}, {"ordered", true}}) {
+    auto o = fla;
+    o.push_back("parallel.sp=" + std::to_string(P));
+    o.push_back(std::string("parallel.scan_mode=") + mode);
+    if (recompute) o.push_back("parallel.recompute=true");
+    const double err = compare(train(config(o), true), serial);
+    if (parallel::world_info().rank == 0)
+      std::printf("[ errors   ] trainer FLA rwkv7 model x3 sp=%d %s%s vs sp=1 (fp64, 5 steps): %.3e (losses %.6f -> %.6f)\n",
+                  P, mode, recompute ? " with recomputation" : "", err, serial.losses.front(), serial.losses.back());
+    EXPECT_LE(err, 1e-10) << mode << (recompute ? " with recomputation" : "");
+  }
+  EXPECT_NE(serial.losses.front(), serial.losses.back()) << "the run does not train";
+}
+
 // Ordered segments (parallel/segments.h): every layout with the same segments runs the same operations on
 // the same values, so the losses, gradient norms and parameters are equal bit for bit, not to rounding.
 // fp32, with realistic rounding; the serial runs in-process on every rank.
