@@ -203,7 +203,9 @@ std::string rwkv7_config_json(const ModelConfig& model, int64_t eos_token_id) {
   j.member("vocab_size", model.vocab_size());
   j.member("tie_word_embeddings", model.tie_embeddings());
   j.key("initializer_range").float_value(model.init_std());
-  j.member("fuse_norm", true);
+  // fuse_norm false: FLA L2-normalizes κ̂ with F.normalize, as carry does (its fused l2_norm puts an eps of
+  // 1e-6 under the root); its LayerNorms and GroupNorm compute the same either way, under the same names.
+  j.member("fuse_norm", false);
   j.member("fuse_cross_entropy", true);
   j.member("use_l2warp", false);  // carry's loss is the plain cross entropy
   j.key("bos_token_id").null();

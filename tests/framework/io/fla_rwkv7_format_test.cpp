@@ -105,7 +105,7 @@ TEST(FlaRwkv7Format, ExportImportRoundTripIsBitExact) {
     for (std::string field : {"\"architectures\": [\n    \"RWKV7ForCausalLM\"\n  ]", "\"model_type\": \"rwkv7\"",
                               "\"hidden_size\": 32", "\"intermediate_size\": 128", "\"head_dim\": 16", "\"num_heads\": 2",
                               "\"value_dim\": 64", "\"hidden_act\": \"sqrelu\"", "\"norm_bias\": true", "\"norm_eps\": 1e-05",
-                              "\"attn\": null", "\"use_l2warp\": false"})
+                              "\"attn\": null", "\"use_l2warp\": false", "\"fuse_norm\": false"})
       EXPECT_NE(json.find(field), std::string::npos) << field << " in\n" << json;
     EXPECT_NE(json.find(std::string("\"norm_first\": ") + (pre_norm ? "true" : "false")), std::string::npos) << json;
     EXPECT_NE(json.find(std::string("\"tie_word_embeddings\": ") + (tie ? "true" : "false")), std::string::npos) << json;
