@@ -37,7 +37,7 @@ struct LayerKind {
   bool selective_scan = false;  // Mamba-1 (S6): x, Δ, B, C per channel through mamba1_inputs, one head a channel
   bool gated_norm = false;  // y = o_proj(gated_rms_norm(o, z)); false: y = o_proj(o)
   bool time_mix = false;    // RWKV-7's time mixing through layers/rwkv7/time_mix.h (token shift, LoRA gates, value residual)
-  bool window = false;      // reads the `window` option (sliding-window attention; halo = window)
+  bool window = false;      // reads the `window` option (sliding-window attention; halo = window), and global_tokens, stride
   bool normalize = false;   // reads the `normalize` option
   bool power_of_two_chunk = false;  // chunk_size must be a power of two (Fenwick levels)
   // With `levels`: how many level weights a sequence of seq_len tokens needs, and the most a kind accepts.

@@ -27,7 +27,8 @@
 //   hla2, ahla        families hla2 / ahla; q, k L2-normalized; g as gated_deltanet's
 //   loglinear_mamba2  family loglinear_mamba2: mamba2's inputs plus l = softplus(W x) over L levels
 //   loglinear_gdn     family loglinear_gdn: gated_deltanet's inputs plus l = softplus(W x)
-//   softmax_attn      family softmax_attn (window from the options); q, k, v, o projections only
+//   softmax_attn      family softmax_attn (window, global_tokens and stride from the options); q, k, v, o
+//                     projections only
 //   rwkv7             family rwkv7: FLA's RWKV7Attention (layers/rwkv7/time_mix.h: token shift, six lerps,
 //                     LoRA decay, in-context rate, value residual and gate, GroupNorm, bonus term); its own
 //                     parameters, names and initialization

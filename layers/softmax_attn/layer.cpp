@@ -1,5 +1,6 @@
 // The layer kinds of this family, registered for MixerLayer and the config validation
-// (layers/layer_kind.h): softmax attention, causal or sliding-window (`window`; the halo across ranks is the window).
+// (layers/layer_kind.h): softmax attention, causal or sliding-window (`window`; the halo across ranks is the window),
+// with the window also global tokens and summary columns (`global_tokens`, `stride`: softmax_attn.h).
 #include "layers/layer_kind.h"
 
 namespace carry {
