@@ -63,24 +63,26 @@ def _rms_norm(x, weight, eps):
 
 
 class _DeltaLayer(nn.Module):
-    """FLA's GatedDeltaNet / DeltaNet layer as carry computes it (layers/blocks/mixer_layer.h)."""
+    """FLA's GatedDeltaNet / DeltaNet / GatedDeltaProduct layer as carry computes it (layers/blocks/mixer_layer.h).
+    n > 1 (GatedDeltaProduct): the key, value and beta projections give n rows a token (token t's step j at
+    row t·n + j), the betas 2·sigmoid (FLA's allow_neg_eigval, as carry's layer has them)."""
 
-    def __init__(self, d, H, Hv, dk, dv, conv, eps, gated):
+    def __init__(self, d, H, Hv, dk, dv, conv, eps, gated, n=1):
         super().__init__()
-        self.H, self.Hv, self.dk, self.dv, self.eps, self.gated = H, Hv, dk, dv, eps, gated
+        self.H, self.Hv, self.dk, self.dv, self.eps, self.gated, self.n = H, Hv, dk, dv, eps, gated, n
         self.q_proj = nn.Linear(d, H * dk, bias=False)
-        self.k_proj = nn.Linear(d, H * dk, bias=False)
-        self.v_proj = nn.Linear(d, Hv * dv, bias=False)
+        self.k_proj = nn.Linear(d, n * H * dk, bias=False)
+        self.v_proj = nn.Linear(d, n * Hv * dv, bias=False)
         self.conv = conv
         if conv:
             self.q_conv1d = nn.Parameter(torch.zeros(H * dk, 1, conv))
-            self.k_conv1d = nn.Parameter(torch.zeros(H * dk, 1, conv))
-            self.v_conv1d = nn.Parameter(torch.zeros(Hv * dv, 1, conv))
+            self.k_conv1d = nn.Parameter(torch.zeros(n * H * dk, 1, conv))
+            self.v_conv1d = nn.Parameter(torch.zeros(n * Hv * dv, 1, conv))
         if gated:
             self.a_proj = nn.Linear(d, Hv, bias=False)
             self.A_log = nn.Parameter(torch.zeros(Hv))
             self.dt_bias = nn.Parameter(torch.zeros(Hv))
-        self.b_proj = nn.Linear(d, Hv, bias=False)
+        self.b_proj = nn.Linear(d, n * Hv, bias=False)
         self.g_proj = nn.Linear(d, Hv * dv, bias=False)
         self.o_norm = nn.Parameter(torch.ones(dv))
         self.o_proj = nn.Linear(Hv * dv, d, bias=False)
@@ -97,13 +99,17 @@ class _DeltaLayer(nn.Module):
             q, k, v = (self._short_conv(t, w) for t, w in ((q, self.q_conv1d), (k, self.k_conv1d), (v, self.v_conv1d)))
         else:
             q, k, v = F.silu(q), F.silu(k), F.silu(v)
-        q, k = q.view(B, T, self.H, self.dk), k.view(B, T, self.H, self.dk)
-        v = v.view(B, T, self.Hv, self.dv)
+        n = self.n
+        q, k = q.reshape(B, T, self.H, self.dk), k.reshape(B, T * n, self.H, self.dk)
+        v = v.reshape(B, T * n, self.Hv, self.dv)
         q = q * torch.rsqrt(q.pow(2).sum(-1, keepdim=True) + 1e-6)
         k = k * torch.rsqrt(k.pow(2).sum(-1, keepdim=True) + 1e-6)
-        beta = torch.sigmoid(self.b_proj(x))
+        beta = torch.sigmoid(self.b_proj(x)).view(B, T * n, self.Hv)
         if self.gated:
             g = -torch.exp(self.A_log) * F.softplus(self.a_proj(x) + self.dt_bias)
+        if n > 1:
+            o, _ = ops.chunk_gated_delta_product(q, k, v, g, 2 * beta, n)
+        elif self.gated:
             o, _ = ops.chunk_gated_delta_rule(q, k, v, g, beta)
         else:
             o, _ = ops.chunk_delta_rule(q, k, v, beta)
@@ -281,8 +287,9 @@ class CarryModel(nn.Module):
     def __init__(self, config):
         super().__init__()
         kind = config.get("model_type")
-        if kind not in ("gated_deltanet", "delta_net", "gla", "rwkv7"):
-            _fail(f"model_type {kind!r}: carry.load builds gated_deltanet, delta_net, gla and rwkv7 models")
+        if kind not in ("gated_deltanet", "gated_deltaproduct", "delta_net", "gla", "rwkv7"):
+            _fail(f"model_type {kind!r}: carry.load builds gated_deltanet, gated_deltaproduct, delta_net, gla and "
+                  "rwkv7 models")
         if config.get("attn") is not None:
             _fail("config.json has an `attn` entry (softmax attention layers): not built by carry.load")
         self.config = config
@@ -292,10 +299,17 @@ class CarryModel(nn.Module):
             return
         d, H, L = config["hidden_size"], config["num_heads"], config["num_hidden_layers"]
         eps = float(config.get("norm_eps", 1e-6))
+        n = 1
         if kind == "gated_deltanet":
             dk = config.get("head_dim", 256)
             dv = int(dk * config.get("expand_v", 2.0))
             Hv = config.get("num_v_heads") or H
+        elif kind == "gated_deltaproduct":
+            dk = config.get("head_dim", 256)
+            dv = int(dk * config.get("expand_v", 2.0))
+            Hv = H
+            self._check_deltaproduct(config)
+            n = config.get("num_householder", 1)
         else:
             dk = round(d * config.get("expand_k", 0.5 if kind == "gla" else 1.0)) // H
             dv = round(d * config.get("expand_v", 1.0)) // H
@@ -311,7 +325,7 @@ class CarryModel(nn.Module):
         def mixer():
             if kind == "gla":
                 return _GlaLayer(d, H, dk, dv, eps)
-            return _DeltaLayer(d, H, Hv, dk, dv, conv, eps, kind == "gated_deltanet")
+            return _DeltaLayer(d, H, Hv, dk, dv, conv, eps, kind != "delta_net", n)
         self.layers = nn.ModuleList([_Block(d, inter, eps, mixer()) for _ in range(L)])
         self.norm = nn.Parameter(torch.ones(d))
         self.tied = bool(config.get("tie_word_embeddings", False))
@@ -351,6 +365,19 @@ class CarryModel(nn.Module):
         self.tied = bool(config.get("tie_word_embeddings", False))
         if not self.tied:
             self.lm_head = nn.Linear(d, config["vocab_size"], bias=False)
+
+    @staticmethod
+    def _check_deltaproduct(config):
+        """The GatedDeltaProduct settings carry's `gated_deltaproduct` kind computes; any other is refused by name."""
+        want = {"use_output_gate": True, "use_forget_gate": True, "allow_neg_eigval": True, "num_v_heads": None}
+        fla_default = {"use_output_gate": True, "use_forget_gate": False, "allow_neg_eigval": False, "num_v_heads": None}
+        for key, value in want.items():
+            if config.get(key, fla_default[key]) != value:
+                _fail(f"config.json: {key} is {config.get(key)!r}; carry's gated_deltaproduct layer computes "
+                      f"{key} = {value!r}")
+        n = config.get("num_householder", 1)
+        if not isinstance(n, int) or n < 1:
+            _fail(f"config.json: num_householder must be a positive int, got {n!r}")
 
     @staticmethod
     def _check_gla(config, conv):

@@ -1,6 +1,6 @@
 """carry.load: a model `carry export --format hf` wrote gives, in Python, the logits `carry eval
 --dump-logits` gives for the same tokens (fp32, CPU): Gated DeltaNet with short convolutions and grouped value
-heads, DeltaNet without convolutions and with a tied head, GLA, and RWKV-7 as FLA's RWKV7ForCausalLM (LayerNorms,
+heads, DeltaNet without convolutions and with a tied head, Gated DeltaProduct (two steps a token), GLA, and RWKV-7 as FLA's RWKV7ForCausalLM (LayerNorms,
 the pre-norm, the channel mix, values twice the width; with and without the pre-norm); a folder with a missing or
 misshapen tensor is refused naming it. Needs --carry-binary."""
 import json
@@ -40,6 +40,7 @@ def _run(cmd, cwd):
 
 @pytest.mark.parametrize("kind,conv,tie,dv,extra", [("gated_deltanet", 4, "false", 24, "n_v_heads: 4"),
                                                      ("deltanet", 0, "true", 16, ""),
+                                                     ("gated_deltaproduct", 4, "false", 32, ""),
                                                      ("gla", 0, "false", 24, ""),
                                                      ("rwkv7", 0, "false", 32, RWKV7),
                                                      ("rwkv7", 0, "true", 16, RWKV7.replace("true", "false"))])
