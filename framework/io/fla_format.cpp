@@ -169,9 +169,12 @@ std::vector<std::string> rwkv7_export_errors(const ModelConfig& model) {
   if (H * dk != d)
     errors.push_back("model.head_dim_k: FLA's RWKV7Attention has keys as wide as hidden_size (" + std::to_string(d) +
                      "), but n_heads * head_dim_k = " + std::to_string(H * dk));
-  if ((H * dv) % d != 0)
-    errors.push_back("model.head_dim_v: FLA's RWKV7 value_dim is a multiple of hidden_size (" + std::to_string(d) +
-                     "), but n_heads * head_dim_v = " + std::to_string(H * dv));
+  // RWKV7Config allows value_dim a multiple of hidden_size, but RWKV7Attention's _initialize_weights copies a
+  // hidden_size-long profile into v_lora's bias (value_dim long): FLA 0.6.0 builds no model with wider values.
+  if (H * dv != d)
+    errors.push_back("model.head_dim_v: FLA 0.6.0's RWKV7 model builds only with values as wide as hidden_size (" +
+                     std::to_string(d) + "; its initialization fills v_lora's bias from a hidden_size-long profile), but "
+                     "n_heads * head_dim_v = " + std::to_string(H * dv));
   return errors;
 }
 

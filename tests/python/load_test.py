@@ -1,7 +1,7 @@
 """carry.load: a model `carry export --format hf` wrote gives, in Python, the logits `carry eval
 --dump-logits` gives for the same tokens (fp32, CPU): Gated DeltaNet with short convolutions and grouped value
 heads, DeltaNet without convolutions and with a tied head, Gated DeltaProduct (two steps a token), GLA, and RWKV-7 as FLA's RWKV7ForCausalLM (LayerNorms,
-the pre-norm, the channel mix, values twice the width; with and without the pre-norm); a folder with a missing or
+the channel mix; with the pre-norm and its own head, and without, tied); a folder with a missing or
 misshapen tensor is refused naming it. Needs --carry-binary."""
 import json
 import os
@@ -42,7 +42,7 @@ def _run(cmd, cwd):
                                                      ("deltanet", 0, "true", 16, ""),
                                                      ("gated_deltaproduct", 4, "false", 32, ""),
                                                      ("gla", 0, "false", 24, ""),
-                                                     ("rwkv7", 0, "false", 32, RWKV7),
+                                                     ("rwkv7", 0, "false", 16, RWKV7),
                                                      ("rwkv7", 0, "true", 16, RWKV7.replace("true", "false"))])
 def test_load_gives_carry_eval_logits(carry_binary, tmp_path, kind, conv, tie, dv, extra):
     gen = torch.Generator().manual_seed(1)

@@ -22,7 +22,7 @@ namespace {
 using testing::make_temp_dir;
 using testing::remove_tree;
 
-// FLA's RWKV7 model at a small size: d = 32, 2 heads of 16, values 2·d wide.
+// FLA's RWKV7 model at a small size: d = 32, 2 heads of 16.
 ModelConfig fla_rwkv7(bool pre_norm, bool tie) {
   ModelConfig m;
   m.set_vocab_size(40);
@@ -30,7 +30,7 @@ ModelConfig fla_rwkv7(bool pre_norm, bool tie) {
   m.set_n_layers(2);
   m.set_n_heads(2);
   m.set_head_dim_k(16);
-  m.set_head_dim_v(32);
+  m.set_head_dim_v(16);
   m.set_mlp_ratio(4.0);
   m.set_norm_eps(1e-5);
   m.set_tie_embeddings(tie);
@@ -99,12 +99,12 @@ TEST(FlaRwkv7Format, ExportImportRoundTripIsBitExact) {
     EXPECT_EQ(tensors.count("model.layers.0.attn.v_lora.lora.0.weight"), 0u);  // the first layer's values are v_first
     EXPECT_EQ(tensors.count("lm_head.weight"), tie ? 0u : 1u);
     EXPECT_EQ(tensors["model.layers.0.attn.x_r"].sizes(), (std::vector<int64_t>{1, 1, 32}));
-    EXPECT_EQ(tensors["model.layers.0.attn.v_proj.weight"].sizes(), (std::vector<int64_t>{64, 32}));
+    EXPECT_EQ(tensors["model.layers.0.attn.v_proj.weight"].sizes(), (std::vector<int64_t>{32, 32}));
     EXPECT_EQ(tensors["model.layers.0.attn.w_lora.lora.0.weight"].sizes(), (std::vector<int64_t>{ranks ? 8 : 32, 32}));
     const std::string json = read(dir + "/config.json");
     for (std::string field : {"\"architectures\": [\n    \"RWKV7ForCausalLM\"\n  ]", "\"model_type\": \"rwkv7\"",
                               "\"hidden_size\": 32", "\"intermediate_size\": 128", "\"head_dim\": 16", "\"num_heads\": 2",
-                              "\"value_dim\": 64", "\"hidden_act\": \"sqrelu\"", "\"norm_bias\": true", "\"norm_eps\": 1e-05",
+                              "\"value_dim\": 32", "\"hidden_act\": \"sqrelu\"", "\"norm_bias\": true", "\"norm_eps\": 1e-05",
                               "\"attn\": null", "\"use_l2warp\": false", "\"fuse_norm\": false"})
       EXPECT_NE(json.find(field), std::string::npos) << field << " in\n" << json;
     EXPECT_NE(json.find(std::string("\"norm_first\": ") + (pre_norm ? "true" : "false")), std::string::npos) << json;
@@ -121,7 +121,6 @@ TEST(FlaRwkv7Format, ExportImportRoundTripIsBitExact) {
 // width keys (64, 128, 64, 16), intermediate_size null (int(32 · 4) rounded up to 32 = 128), bf16 weights.
 TEST(FlaRwkv7Format, ImportsAFolderAsFlaWritesIt) {
   ModelConfig expected = fla_rwkv7(true, false);
-  expected.set_head_dim_v(16);  // value_dim null: hidden_size
   auto* o = expected.mutable_mixer_options(0);
   o->set_chunk_size(64);
   o->set_decay_low_rank_dim(64), o->set_gate_low_rank_dim(128), o->set_a_low_rank_dim(64), o->set_v_low_rank_dim(16);
@@ -183,10 +182,11 @@ TEST(FlaRwkv7Format, RefusesWhatFlasRwkv7CannotRepresent) {
   EXPECT_NE(errors_of(eps).find("model.norm_eps: 1e-06; FLA's RWKV7 has one norm_eps"), std::string::npos) << errors_of(eps);
   ModelConfig narrow = fla_rwkv7(true, false);
   narrow.set_head_dim_k(8);
-  narrow.set_head_dim_v(12);
+  narrow.set_head_dim_v(32);
   EXPECT_EQ(errors_of(narrow),
             "model.head_dim_k: FLA's RWKV7Attention has keys as wide as hidden_size (32), but n_heads * head_dim_k = 16\n"
-            "model.head_dim_v: FLA's RWKV7 value_dim is a multiple of hidden_size (32), but n_heads * head_dim_v = 24\n");
+            "model.head_dim_v: FLA 0.6.0's RWKV7 model builds only with values as wide as hidden_size (32; its "
+            "initialization fills v_lora's bias from a hidden_size-long profile), but n_heads * head_dim_v = 64\n");
   ModelConfig hybrid = fla_rwkv7(true, false);
   hybrid.add_mixers("gla");
   EXPECT_NE(errors_of(hybrid).find("mix kinds (rwkv7, gla)"), std::string::npos) << errors_of(hybrid);
