@@ -506,6 +506,85 @@ _HLA_STATES = {"hla2": (("S", "kk"), ("C", "kv"), ("m", "k"), ("G", "kv"), ("h",
                "ahla": (("P", "kv"), ("m_K", "k"), ("E", "kv"), ("n", "k"))}
 
 
+# FLA's fused_recurrent_* functions (its token-by-token kernels, which its layers call for short inputs at
+# inference) take the same arguments as the chunk_* ones: here they are the same carry forms, the
+# dispatch's choice (the kernels on CUDA tensors, padded to whole chunks), so an FLA model's decoding path
+# swaps its import too.
+@torch.compiler.disable
+def fused_recurrent_gated_delta_rule(q, k, v, g=None, gk=None, gv=None, beta=None, scale=None, initial_state=None,
+                                     output_final_state=False, use_qk_l2norm_in_kernel=False,
+                                     use_gate_in_kernel=False, A_log=None, dt_bias=None,
+                                     use_beta_sigmoid_in_kernel=False, allow_neg_eigval=False, state_v_first=False,
+                                     cu_seqlens=None, *, form=None, **kwargs):
+    """FLA's fused_recurrent_gated_delta_rule: Gated DeltaNet with g [B, T, HV] (chunk_gated_delta_rule), or
+    with gk [B, T, HV, K] a decay per key dimension (chunk_kda; with g too, both decays); beta [B, T, HV]
+    defaults to ones as in FLA."""
+    fn = "fused_recurrent_gated_delta_rule"
+    if gv is not None:
+        _fail(fn, "gv (a decay per value dimension) is not supported: no carry family decays the value side",
+              NotImplementedError)
+    if beta is None:
+        beta = torch.ones(v.shape[:3], dtype=q.dtype, device=q.device)
+    common = dict(scale=scale, initial_state=initial_state, output_final_state=output_final_state,
+                  use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
+                  allow_neg_eigval=allow_neg_eigval, state_v_first=state_v_first, cu_seqlens=cu_seqlens, form=form)
+    if gk is not None:
+        if use_gate_in_kernel:
+            _fail(fn, "use_gate_in_kernel with gk is not supported (pass the decays gk themselves)",
+                  NotImplementedError)
+        if g is not None:
+            gk = _wide(gk) + _wide(g).unsqueeze(-1)
+        return chunk_kda(q, k, v, gk, beta, **common, **kwargs)
+    if g is None:
+        if use_gate_in_kernel:
+            _fail(fn, "`g` (raw pre-activation) must be provided when `use_gate_in_kernel=True`")
+        g = torch.zeros(v.shape[:3], dtype=_wide(q).dtype, device=q.device)
+    return chunk_gated_delta_rule(q, k, v, g, beta, use_gate_in_kernel=use_gate_in_kernel, A_log=A_log,
+                                  dt_bias=dt_bias, **common, **kwargs)
+
+
+@torch.compiler.disable
+def fused_recurrent_delta_rule(q, k, v, beta=None, scale=None, initial_state=None, output_final_state=False,
+                               use_qk_l2norm_in_kernel=False, cu_seqlens=None, *, form=None, **kwargs):
+    """FLA's fused_recurrent_delta_rule: chunk_delta_rule's arguments, beta [B, T, H] defaulting to ones."""
+    if beta is None:
+        beta = torch.ones(v.shape[:3], dtype=q.dtype, device=q.device)
+    return chunk_delta_rule(q, k, v, beta, scale=scale, initial_state=initial_state,
+                            output_final_state=output_final_state, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+                            cu_seqlens=cu_seqlens, form=form, **kwargs)
+
+
+def _no_reverse(fn, reverse, gv):
+    if reverse:
+        _fail(fn, "reverse=True (the state passed from the last token to the first) is not supported",
+              NotImplementedError)
+    if gv is not None:
+        _fail(fn, "gv (a decay per value dimension) is not supported: no carry family decays the value side",
+              NotImplementedError)
+
+
+@torch.compiler.disable
+def fused_recurrent_gla(q, k, v, gk=None, gv=None, scale=None, initial_state=None, output_final_state=False,
+                        reverse=False, state_v_first=False, cu_seqlens=None, *, form=None, **kwargs):
+    """FLA's fused_recurrent_gla: chunk_gla's arguments; gk None is no decay."""
+    _no_reverse("fused_recurrent_gla", reverse, gv)
+    if gk is None:
+        gk = torch.zeros(k.shape, dtype=_wide(q).dtype, device=q.device)
+    return chunk_gla(q, k, v, gk, scale=scale, initial_state=initial_state, output_final_state=output_final_state,
+                     state_v_first=state_v_first, cu_seqlens=cu_seqlens, form=form, **kwargs)
+
+
+@torch.compiler.disable
+def fused_recurrent_simple_gla(q, k, v, g=None, g_gamma=None, scale=None, initial_state=None,
+                               output_final_state=False, reverse=False, state_v_first=False, cu_seqlens=None, *,
+                               form=None, **kwargs):
+    """FLA's fused_recurrent_simple_gla: chunk_simple_gla's arguments."""
+    _no_reverse("fused_recurrent_simple_gla", reverse, None)
+    return chunk_simple_gla(q, k, v, g=g, g_gamma=g_gamma, scale=scale, initial_state=initial_state,
+                            output_final_state=output_final_state, state_v_first=state_v_first,
+                            cu_seqlens=cu_seqlens, form=form, **kwargs)
+
+
 def _qkv_dims(fn, q, k, v):
     """(B, T, H, K, V) of [B, T, H, K] q and k and [B, T, H, V] v, one query/key head a value head."""
     for name, x in (("q", q), ("k", k), ("v", v)):
@@ -695,6 +774,8 @@ def chunk_log_linear_gated_delta_rule(q, k, v, g, beta, level_scales, initial_st
                        output_final_state, cu_seqlens, offset, chunk_size, form)
 
 
-__all__ = ["chunk_gated_delta_rule", "chunk_delta_rule", "chunk_gated_delta_product", "chunk_gla", "chunk_simple_gla", "chunk_linear_attn",
+__all__ = ["chunk_gated_delta_rule", "chunk_delta_rule", "chunk_gated_delta_product",
+           "fused_recurrent_gated_delta_rule", "fused_recurrent_delta_rule", "fused_recurrent_gla",
+           "fused_recurrent_simple_gla", "chunk_gla", "chunk_simple_gla", "chunk_linear_attn",
            "chunk_kda", "chunk_dplr_delta_rule", "chunk_rwkv7",
            "chunk_hla2", "chunk_ahla", "chunk_log_linear_attn", "chunk_log_linear_gated_delta_rule"]

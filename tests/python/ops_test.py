@@ -139,6 +139,39 @@ def test_gated_delta_product_options():
         ops.chunk_gated_delta_product(q, k, v, g, beta, n, cp_context=object())
 
 
+def test_fused_recurrent_functions():
+    """FLA's fused_recurrent_* names: the same recurrences as the chunk_* functions (reference.py), with their
+    defaults (beta ones) and gk / g + gk for the gated delta rule; what they do not take is refused."""
+    q, k, v, g, beta, h0 = gdn_inputs(seed=60)
+    gk = F.logsigmoid(randn(B, T, H, K, seed=66))
+    o, S = ops.fused_recurrent_gated_delta_rule(q, k, v, g=g, beta=beta, initial_state=h0, output_final_state=True)
+    want_o, want_S = ref.delta_rule(q, k, v, beta, g=g, initial_state=h0)
+    assert_close(o, want_o, 1e-11, "gated delta rule, g: o")
+    assert_close(S, want_S, 1e-11, "gated delta rule, g: final state")
+    o, S = ops.fused_recurrent_gated_delta_rule(q, k, v, g=g, gk=gk, beta=beta, initial_state=h0,
+                                                output_final_state=True)
+    want_o, want_S = ref.kda(q, k, v, gk + g.unsqueeze(-1), beta, initial_state=h0)
+    assert_close(o, want_o, 1e-11, "gated delta rule, g and gk: o")
+    assert_close(S, want_S, 1e-11, "gated delta rule, g and gk: final state")
+    o, _ = ops.fused_recurrent_gated_delta_rule(q, k, v, gk=gk)
+    assert_close(o, ref.kda(q, k, v, gk, torch.ones(B, T, H, dtype=F64))[0], 1e-11, "gk, beta ones: o")
+    o, _ = ops.fused_recurrent_delta_rule(q, k, v, initial_state=h0)
+    assert_close(o, ref.delta_rule(q, k, v, torch.ones(B, T, H, dtype=F64), initial_state=h0)[0], 1e-11,
+                 "delta rule, beta ones: o")
+    o, S = ops.fused_recurrent_gla(q, k, v, gk, initial_state=h0, output_final_state=True)
+    want_o, want_S = ref.decay(q, k, v, gk=gk, initial_state=h0)
+    assert_close(o, want_o, 1e-11, "gla: o")
+    assert_close(S, want_S, 1e-11, "gla: final state")
+    o, _ = ops.fused_recurrent_simple_gla(q, k, v, g, initial_state=h0)
+    assert_close(o, ref.decay(q, k, v, g=g, initial_state=h0)[0], 1e-11, "simple gla: o")
+    with pytest.raises(NotImplementedError, match="gv"):
+        ops.fused_recurrent_gated_delta_rule(q, k, v, g=g, gv=randn(B, T, H, V, seed=67), beta=beta)
+    with pytest.raises(NotImplementedError, match="reverse=True"):
+        ops.fused_recurrent_gla(q, k, v, gk, reverse=True)
+    with pytest.raises(NotImplementedError, match="use_gate_in_kernel with gk"):
+        ops.fused_recurrent_gated_delta_rule(q, k, v, gk=gk, beta=beta, use_gate_in_kernel=True, A_log=g[0, 0])
+
+
 def test_gated_delta_rule_fla_options():
     """l2-normalized q and k, beta as logits with negative eigenvalues, the gate from raw g with A_log
     and dt_bias, grouped value heads (H = 2 query/key heads, each for 2 of 4 value heads), a V-first
