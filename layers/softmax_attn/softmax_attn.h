@@ -27,12 +27,14 @@
 // below). The final state is always empty.
 //
 // Forms: naive = the materialized masked T×T scores (plus the M keys before the slice) and one softmax;
-// chunkwise = per query block of C tokens, the reachable key blocks of the window (softmax_attn_key_blocks)
-// with the full mask where the window's edge or the diagonal cuts them, then, with G or S, the global and
-// summary keys before those blocks and the keys before the slice, all in one online softmax: a running
-// row max m (a stabilizer, detached: the result does not depend on it), a running sum l and an accumulator,
-// rescaled by exp(m_old − m_new) as key sets arrive, i.e. one log-sum-exp over the union, never a T×T
-// tensor. Work: T·(w + G + T/S) score columns. Backward: autograd through these ATen ops. kernel (CUDA
+// chunkwise = without G and S, per query block of C tokens, the reachable key blocks of the window
+// (softmax_attn_key_blocks) with the full mask where the window's edge or the diagonal cuts them, in one
+// online softmax: a running row max m (a stabilizer, detached: the result does not depend on it), a running
+// sum l and an accumulator, rescaled by exp(m_old − m_new) as key blocks arrive, never a T×T tensor; with G
+// or S, per query block of R = w rounded up to whole chunks, the keys [a − w + 1, a + R) masked, the global
+// and summary keys before them and the keys before the slice scored at once and in one softmax a row (R
+// rows × R + w + G + T/S columns a block: few large products). Work: T·(w + G + T/S) score columns
+// (2w with the patterns). Backward: autograd through these ATen ops. kernel (CUDA
 // builds) = the same online softmax fused on blocks of 64 tokens (layers/kernels/softmax_attn/api.h), for
 // the window alone: with G or S automatic dispatch takes the chunkwise form. A slice attends within itself
 // and its initial state: across sequence-parallel ranks a window needs the previous rank's last keys and
