@@ -7,8 +7,9 @@
 #   OUT/gdn  Gated DeltaNet, short convolutions, its own head (expand_v 2)
 #   OUT/dn   DeltaNet, short convolutions, tied head
 #   OUT/gla  GLA without convolutions, tied head (expand_k 0.5)
+#   OUT/rwkv7  RWKV-7 as RWKV7ForCausalLM: LayerNorms, the first block's pre-norm, the channel mix, its own head
 # usage: tests/fla/make_export_check_inputs.sh [CARRY_BINARY] [OUT]   (defaults: build/bin/carry .fla_check)
-# then:  python3 tests/fla/export_check.py OUT/gdn OUT/dn OUT/gla
+# then:  python3 tests/fla/export_check.py OUT/gdn OUT/dn OUT/gla OUT/rwkv7
 set -euo pipefail
 carry=${1:-build/bin/carry}
 out=${2:-.fla_check}
@@ -42,4 +43,7 @@ train gdn
 train dn --set model.mixers=deltanet --set model.head_dim_v=64 --set model.tie_embeddings=true
 train gla --set model.mixers=gla --set model.head_dim_k=32 --set model.head_dim_v=64 --set model.tie_embeddings=true \
   --set 'model.mixer_options[0].conv_size=0'
-echo "inputs in $out: python3 tests/fla/export_check.py $out/gdn $out/dn $out/gla"
+train rwkv7 --set model.mixers=rwkv7 --set model.head_dim_v=64 --set 'model.mixer_options[0].conv_size=0' \
+  --set model.feed_forward=rwkv7_channel_mix --set model.mlp_ratio=4 --set model.norm=layer_norm --set model.pre_norm=true \
+  --set model.norm_eps=1e-5
+echo "inputs in $out: python3 tests/fla/export_check.py $out/gdn $out/dn $out/gla $out/rwkv7"
