@@ -178,6 +178,18 @@ std::vector<std::string> rwkv7_export_errors(const ModelConfig& model) {
   return errors;
 }
 
+// The end every config.json shares: the token ids (eos_token_id null when < 0), the cache, the dtype.
+std::string close_config(JsonWriter& j, int64_t eos_token_id) {
+  j.key("bos_token_id").null();
+  if (eos_token_id >= 0) j.member("eos_token_id", eos_token_id);
+  else j.key("eos_token_id").null();
+  j.key("pad_token_id").null();
+  j.member("use_cache", true);
+  j.member("torch_dtype", "float32");
+  j.end_object();
+  return j.str() + "\n";
+}
+
 // config.json of FLA's RWKV7Config for a carry rwkv7 model that rwkv7_export_errors accepts.
 std::string rwkv7_config_json(const ModelConfig& model, int64_t eos_token_id) {
   const int64_t H = model.n_heads(), dk = head_dim_k(model), dv = head_dim_v(model);
@@ -211,14 +223,7 @@ std::string rwkv7_config_json(const ModelConfig& model, int64_t eos_token_id) {
   j.member("fuse_norm", false);
   j.member("fuse_cross_entropy", true);
   j.member("use_l2warp", false);  // carry's loss is the plain cross entropy
-  j.key("bos_token_id").null();
-  if (eos_token_id >= 0) j.member("eos_token_id", eos_token_id);
-  else j.key("eos_token_id").null();
-  j.key("pad_token_id").null();
-  j.member("use_cache", true);
-  j.member("torch_dtype", "float32");
-  j.end_object();
-  return j.str() + "\n";
+  return close_config(j, eos_token_id);
 }
 
 }  // namespace
@@ -354,14 +359,7 @@ std::string fla_config_json(const ModelConfig& model, int64_t eos_token_id) {
   j.member("fuse_norm", true);
   j.member("fuse_swiglu", true);
   j.member("fuse_cross_entropy", true);
-  j.key("bos_token_id").null();
-  if (eos_token_id >= 0) j.member("eos_token_id", eos_token_id);
-  else j.key("eos_token_id").null();
-  j.key("pad_token_id").null();
-  j.member("use_cache", true);
-  j.member("torch_dtype", "float32");
-  j.end_object();
-  return j.str() + "\n";
+  return close_config(j, eos_token_id);
 }
 
 namespace {

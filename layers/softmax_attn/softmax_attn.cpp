@@ -264,6 +264,7 @@ class SoftmaxAttention final : public Mixer {
       for (int64_t r = ((S - 1 - opt.offset) % S + S) % S; r < T; r += S)
         if (r >= global_end) summary_rows.push_back(r);
     }
+    const Tensor summary_index = at::tensor(summary_rows, at::kLong).to(kf.device());
     std::vector<Tensor> outs;
     for (int64_t a = 0; a < T; a += R) {
       const int64_t n = std::min(R, T - a), lo = std::max<int64_t>(0, a - w + 1);
@@ -279,8 +280,7 @@ class SoftmaxAttention final : public Mixer {
       }
       const int64_t n_summary = std::lower_bound(summary_rows.begin(), summary_rows.end(), lo) - summary_rows.begin();
       if (n_summary > 0) {
-        auto idx = at::tensor(std::vector<int64_t>(summary_rows.begin(), summary_rows.begin() + n_summary), at::kLong)
-                       .to(kf.device());
+        auto idx = summary_index.narrow(0, 0, n_summary);
         scores.push_back(at::matmul(qi, kf.index_select(2, idx).transpose(-1, -2)));
         values.push_back(vf.index_select(2, idx));
       }
