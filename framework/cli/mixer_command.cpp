@@ -109,6 +109,13 @@ std::string usage() {
        "  --scale S         query scale, > 0 (default 1/sqrt(dk))\n"
        "  --normalize       divide by the normalizer (families that have one)\n"
        "  --window W        sliding window, >= 0 (default 0: full causal)\n"
+       "  --global-tokens G softmax_attn: beside the window every token also attends to the earlier\n"
+       "                    tokens at positions p < G (Longformer's global tokens; row t is at position\n"
+       "                    --offset + t), >= 0 (default 0: none); needs --window > 0\n"
+       "  --stride S        softmax_attn: beside the window every token also attends to the earlier\n"
+       "                    tokens at positions p with p mod S = S-1 (the Sparse Transformer's\n"
+       "                    summary columns), >= 0 (default 0: none); needs --window > 0. Not with\n"
+       "                    --form kernel, which computes the window alone (either flag)\n"
        "  --offset P        absolute position of the first token, >= 0 (default 0)\n"
        "  --num-householder N  gated_deltaproduct: delta-rule steps a token, >= 1 (default 2); k, v\n"
        "                    and beta then have T*N rows, the steps of a token interleaved\n"
@@ -188,13 +195,15 @@ Args parse_args(int argc, char** argv) {
     if (flag != "--normalize" && flag != "--family" && flag != "--input" && flag != "--output" &&
         flag != "--chunk-size" && flag != "--form" && flag != "--dtype" && flag != "--scale" &&
         flag != "--window" && flag != "--offset" && flag != "--sp-mode" && flag != "--device" &&
-        flag != "--num-householder")
+        flag != "--num-householder" && flag != "--global-tokens" && flag != "--stride")
       throw UsageError("unknown flag '" + flag + "'");
     if (!seen.insert(flag).second) throw UsageError(flag + " given twice");
     if (flag == "--normalize") a.opt.normalize = true;
     else if (flag == "--chunk-size") a.opt.chunk_size = args.integer(flag, 1);
     else if (flag == "--window") a.opt.window = args.integer(flag, 0);
     else if (flag == "--offset") a.opt.offset = args.integer(flag, 0);
+    else if (flag == "--global-tokens") a.opt.global_tokens = args.integer(flag, 0);
+    else if (flag == "--stride") a.opt.stride = args.integer(flag, 0);
     else if (flag == "--num-householder") a.opt.num_householder = args.integer(flag, 1);
     else if (flag == "--scale") a.opt.scale = args.positive_number(flag);
     else {
@@ -239,6 +248,20 @@ Args parse_args(int argc, char** argv) {
   auto names = mixer_names();
   if (std::find(names.begin(), names.end(), a.family) == names.end())
     throw UsageError("unknown family '" + a.family + "'; known families: " + join(names));
+  // The sparse patterns of softmax attention (layers/softmax_attn/softmax_attn.h).
+  for (auto [flag, value] : {std::pair<const char*, int64_t>{"--global-tokens", a.opt.global_tokens},
+                             std::pair<const char*, int64_t>{"--stride", a.opt.stride}}) {
+    if (value == 0) continue;
+    const std::string given = std::string(flag) + " " + std::to_string(value);
+    if (a.family != "softmax_attn")
+      throw UsageError(given + ": only softmax_attn reads the sparse patterns, not " + a.family);
+    if (a.opt.window == 0)
+      throw UsageError(given + " needs --window W > 0 (the pattern's keys are added to a sliding window; "
+                       "with --window 0 every earlier key is attended already)");
+    if (a.form == "kernel")
+      throw UsageError(given + " cannot be used with --form kernel: the kernel form computes the window "
+                       "alone; the chunkwise form (the default) runs the patterns on the GPU too");
+  }
   if (a.sp_mode) {
     if (a.form != "chunkwise")
       throw UsageError("--form " + a.form +
@@ -460,6 +483,8 @@ std::map<std::string, std::string> metadata(const Args& a, const Job& j, int sp_
       {"scale", scale.str()},
       {"normalize", a.opt.normalize ? "true" : "false"},
       {"window", std::to_string(a.opt.window)},
+      {"global_tokens", std::to_string(a.opt.global_tokens)},
+      {"stride", std::to_string(a.opt.stride)},
       {"offset", std::to_string(a.opt.offset)},
   };
   if (a.form == "chunkwise") meta["chunk_size"] = std::to_string(a.opt.chunk_size);

@@ -161,6 +161,74 @@ TEST(MixerCommand, EqualsDirectCallForEveryFamily) {
   }
 }
 
+// softmax_attn's sparse patterns from the command line (--window with --global-tokens and/or --stride,
+// at offsets): both forms through the command, o and the gradients of q, k, v, against the family's naive
+// form called directly with autograd, in fp64; the metadata records the options; and the output differs
+// from the window alone, so the flags reach the mixer.
+TEST(MixerCommand, SparsePatternsEqualTheNaiveForm) {
+  const Mixer& m = get_mixer("softmax_attn");
+  struct Case {
+    int64_t window, global_tokens, stride, offset;
+  };
+  const std::vector<Case> cases = {{8, 5, 0, 0}, {8, 0, 6, 3}, {12, 4, 7, 2}, {5, 9, 4, 0}};
+  for (size_t ci = 0; ci < cases.size(); ++ci) {
+    const Case& c = cases[ci];
+    Shape s;
+    s.T = 64;
+    s.offset = c.offset;
+    auto in = random_inputs(m, s, at::kDouble, 600 + ci);
+    MixerOptions opt;
+    opt.window = c.window;
+    opt.global_tokens = c.global_tokens;
+    opt.stride = c.stride;
+    opt.offset = c.offset;
+    MixerInputs leaf_in;
+    std::vector<Tensor> xs;
+    for (auto n : {"q", "k", "v"}) xs.push_back(leaf_in.get(n) = in.get(n).clone().requires_grad_(true));
+    auto ref = m.naive(leaf_in, {}, opt);
+    auto gen = at::make_generator<at::CPUGeneratorImpl>(700 + ci);
+    Tensor d_o = at::randn(ref.o.sizes(), gen, ref.o.options());
+    auto gs = torch::autograd::grad({(ref.o * d_o).sum()}, xs);
+    MixerOptions window_only = opt;
+    window_only.global_tokens = window_only.stride = 0;
+    const Tensor o_window = m.naive(in, {}, window_only).o;
+
+    auto input = temp_path("patterns_in.safetensors"), output = temp_path("patterns_out.safetensors");
+    save_safetensors(input, {{"q", in.q}, {"k", in.k}, {"v", in.v}, {"do", d_o}});
+    for (const std::string form : {"chunkwise", "naive"}) {
+      SCOPED_TRACE("window " + std::to_string(c.window) + " global " + std::to_string(c.global_tokens) + " stride " +
+                   std::to_string(c.stride) + " offset " + std::to_string(c.offset) + " " + form);
+      std::vector<std::string> args = {"--family", "softmax_attn", "--input", input, "--output", output,
+                                       "--form", form, "--chunk-size", "16", "--window", std::to_string(c.window),
+                                       "--offset", std::to_string(c.offset)};
+      if (c.global_tokens > 0) args.insert(args.end(), {"--global-tokens", std::to_string(c.global_tokens)});
+      if (c.stride > 0) args.insert(args.end(), {"--stride=" + std::to_string(c.stride)});
+      std::string err;
+      ASSERT_EQ(run_command(args, &err), 0) << err;
+      std::map<std::string, std::string> meta;
+      auto result = load_safetensors(output, &meta);
+      EXPECT_EQ(meta["window"], std::to_string(c.window));
+      EXPECT_EQ(meta["global_tokens"], std::to_string(c.global_tokens));
+      EXPECT_EQ(meta["stride"], std::to_string(c.stride));
+      std::map<std::string, Tensor> want = {{"o", ref.o.detach()}, {"dq", gs[0]}, {"dk", gs[1]}, {"dv", gs[2]}};
+      ASSERT_EQ(result.size(), want.size());
+      double worst_out = 0, worst_grad = 0;
+      for (auto& [name, w] : want) {
+        ASSERT_TRUE(result.count(name)) << "the command did not write " << name;
+        const double e = rel_err(result.at(name), w);
+        EXPECT_LE(e, 1e-13) << name;
+        (name == "o" ? worst_out : worst_grad) = std::max(name == "o" ? worst_out : worst_grad, e);
+      }
+      const double from_window = rel_err(result.at("o"), o_window);
+      EXPECT_GT(from_window, 1e-3) << "the patterns did not change the output";
+      std::cout << "[ errors   ] carry mixer softmax_attn " << form << " window " << c.window << " global "
+                << c.global_tokens << " stride " << c.stride << " offset " << c.offset
+                << " vs naive: outputs " << worst_out << " gradients " << worst_grad
+                << " (window alone differs by " << from_window << ")\n";
+    }
+  }
+}
+
 TEST(MixerCommand, WithoutGradientsWritesOutputsOnlyInTheInputDtype) {
   const Mixer& m = get_mixer("linear_attn");
   Shape s;
@@ -191,6 +259,8 @@ TEST(MixerCommand, HelpAndUsage) {
   EXPECT_CONTAINS(out, "usage: carry mixer --family NAME");
   EXPECT_CONTAINS(out, "linear_attn: q, k, v; optional initial state initial_state.S, initial_state.z");
   EXPECT_CONTAINS(out, "--sp-mode M       sequence parallelism over the MPI ranks");
+  EXPECT_CONTAINS(out, "--global-tokens G softmax_attn:");
+  EXPECT_CONTAINS(out, "--stride S        softmax_attn:");
 }
 
 // A copy of t with one value replaced.
@@ -220,6 +290,14 @@ TEST(MixerCommand, ErrorsGiveMessageAndExitCode) {
     for (auto& n : drop) f.erase(n);
     return f;
   };
+  // softmax_attn (the sparse patterns' flags).
+  std::map<std::string, Tensor> attn_file = good;
+  attn_file["v"] = in.q;
+  auto attn = [&](std::vector<std::string> extra) {
+    std::vector<std::string> a = {"--family", "softmax_attn", "--input", input, "--output", output};
+    a.insert(a.end(), extra.begin(), extra.end());
+    return a;
+  };
   struct Case {
     std::string what;
     std::vector<std::string> args;
@@ -235,6 +313,17 @@ TEST(MixerCommand, ErrorsGiveMessageAndExitCode) {
        {"--chunk-size needs an integer >= 1, got 'abc'"}},
       {"chunk size zero", with({"--chunk-size=0"}), good, 2, {"--chunk-size needs an integer >= 1, got '0'"}},
       {"negative window", with({"--window", "-3"}), good, 2, {"--window needs an integer >= 0, got '-3'"}},
+      {"negative global tokens", with({"--global-tokens", "-1"}), good, 2,
+       {"--global-tokens needs an integer >= 0, got '-1'"}},
+      {"stride not a number", with({"--stride", "x"}), good, 2, {"--stride needs an integer >= 0, got 'x'"}},
+      {"patterns without a window", attn({"--global-tokens", "4"}), attn_file, 2,
+       {"--global-tokens 4 needs --window W > 0", "(see carry mixer --help)"}},
+      {"stride without a window", attn({"--stride", "8", "--window", "0"}), attn_file, 2,
+       {"--stride 8 needs --window W > 0"}},
+      {"patterns for another family", with({"--window", "8", "--stride", "8"}), good, 2,
+       {"--stride 8: only softmax_attn reads the sparse patterns, not linear_attn"}},
+      {"patterns with the kernel form", attn({"--window", "8", "--global-tokens", "2", "--form", "kernel"}), attn_file,
+       2, {"--global-tokens 2 cannot be used with --form kernel: the kernel form computes the window alone"}},
       {"bad scale", with({"--scale", "-1"}), good, 2, {"--scale needs a positive number, got '-1'"}},
       {"bad form", with({"--form", "fast"}), good, 2, {"--form must be naive, chunkwise or kernel, got 'fast'"}},
       {"bad dtype", with({"--dtype", "int8"}), good, 2, {"--dtype must be float64, float32 or bfloat16, got 'int8'"}},
