@@ -317,6 +317,24 @@ void check_step_tokens(const RunConfig& c, Errors& e) {
           "must fit in int64, got ", T, "*", d.batch_size(), "*", par.dp(), "*", accum);
 }
 
+// parallel.cuda_graph: what the captured step holds (one rank, one micro-batch, fixed inputs).
+void check_cuda_graph(const RunConfig& c, Errors& e) {
+  auto& par = c.parallel();
+  if (!par.cuda_graph()) return;
+  std::vector<std::string> not_ok;
+  if (par.dp() != 1 || par.sp() != 1)
+    not_ok.push_back("dp = " + std::to_string(par.dp()) + ", sp = " + std::to_string(par.sp()) + " (needs one rank)");
+  if (par.segments() > 1) not_ok.push_back("parallel.segments = " + std::to_string(par.segments()));
+  if (c.optimizer().grad_accum_steps() > 1)
+    not_ok.push_back("optimizer.grad_accum_steps = " + std::to_string(c.optimizer().grad_accum_steps()));
+  if (c.data().has_token_files() && c.data().token_files().eod_token() >= 0)
+    not_ok.push_back("data.token_files.eod_token = " + std::to_string(c.data().token_files().eod_token()) +
+                     " (packed documents: their starts change the kernels each step)");
+  if (!not_ok.empty())
+    e.add("parallel.cuda_graph", "true captures one rank's step of one micro-batch without packed documents; "
+          "this run has ", join(not_ok, "; "));
+}
+
 // One mixer kind's rules on the pieces the sequence is cut into (`pieces` of T / pieces tokens): a
 // window or a convolution's halo must come from the previous piece, a chunked form must tile a piece,
 // and log-linear levels must cover the sequence.
@@ -558,6 +576,7 @@ void check_run(const RunConfig& c, Errors& e) {
   check_data(c, e);
   check_parallel(c.parallel(), e);
   check_step_tokens(c, e);
+  check_cuda_graph(c, e);
   check_sequence_cut(c, e);
   check_optimizer(c.optimizer(), e);
   check_checkpoint(c.checkpoint(), e);

@@ -121,6 +121,7 @@ Trainer::Trainer(const RunConfig& config, std::shared_ptr<parallel::ProcessGroup
                                                   /*head_groups=*/1, config_.data().seq_len());
   }
   if (par.has_serial_states()) context_.slice.serial_states = par.serial_states();
+  if (par.cuda_graph()) graph_ = std::make_unique<StepGraph>(device_);
   // The gradients' sum during the backward (parallel.gradient_sum): BUCKETS over NCCL (slower on two
   // NVLinked H200s: its kernels take SMs from the backward; docs/benchmarks.md); COPY_ENGINES by the
   // copy engines (two GPUs of one host), falling back to one sum after the backward where the GPUs

@@ -29,6 +29,7 @@
 #include "framework/model/model.h"
 #include "framework/train/optimizer.h"
 #include "framework/train/sharded_update.h"
+#include "framework/train/step_graph.h"
 #include "layers/core/device.h"
 #include "parallel/gradient_sum.h"
 #include "parallel/process_group.h"
@@ -138,7 +139,8 @@ class Trainer {
   // With logging.comm_timing PHASES: the time of each phase of the steps since the last call, in seconds,
   // in the order the phases came: "forward", "backward", "gradient sum and clip" (the gradients' sums
   // over ranks and segments, the loss sums, the clipping), "update" (the step's host read and the
-  // optimizer) and "between steps" (from one step's end to the next one's start). Measured on the
+  // optimizer) and "between steps" (from one step's end to the next one's start); a step replayed as a
+  // CUDA graph (parallel.cuda_graph) has "forward, backward and clip" for its first three. Measured on the
   // device's stream (CUDA events at train_step's phase boundaries, read here, which waits for them) or
   // by the host clock on the CPU. Empty when the timing is off.
   std::vector<std::pair<std::string, double>> take_phase_seconds();
@@ -208,6 +210,11 @@ class Trainer {
   // the backward (parallel.deferred_head_gradient_mib: ORDERED, sp > 1, one segment a rank, sp ranks
   // after the first); 0: none.
   int64_t deferred_head_bytes_ = 0;
+  // parallel.cuda_graph: the step's forward, backward and clipping as one CUDA graph, captured at this
+  // process's second step (the first one runs eagerly and initializes what the capture cannot: the
+  // libraries' handles, the kernels' attributes); null without it.
+  std::unique_ptr<StepGraph> graph_;
+  int64_t eager_steps_ = 0;  // steps this process ran without the graph
   // logging.comm_timing PHASES: the GPU time the step's stream waits on the sp group's messages (the state
   // chain, halos, loss sums; the gradients too when they are summed after the backward) and on the
   // gradient buckets after the backward, summed since the last log line (metrics comm_wait_s,

@@ -217,7 +217,9 @@ StepStats Trainer::train_step() {
   phase_mark("between steps");
   SyncAudit audit;
   const auto& data = config_.data();
-  for (auto& [name, p] : model_.parameters()) p.mutable_grad() = at::Tensor();
+  // A captured step graph writes the gradients where its capture left them: they stay.
+  if (!graph_ || !graph_->captured())
+    for (auto& [name, p] : model_.parameters()) p.mutable_grad() = at::Tensor();
   const int64_t accum = grad_accum_steps();
   const auto stop_flag = [&](const at::TensorOptions& o) {
     return at::scalar_tensor(stop_signal() != 0 || time_is_up_ ? 1.0 : 0.0, o.dtype(at::kDouble));
@@ -228,7 +230,26 @@ StepStats Trainer::train_step() {
   // the update.
   at::Tensor sums;  // [Σ ce·mask, Σ mask, stop signals] over all ranks, fp64 on the device
   at::Tensor gradients;  // with segments: the flat gradients summed over the sp group
-  if (segments_) {
+  at::Tensor norm;
+  auto params = model_.parameters();
+  const bool graphed = graph_ && eager_steps_ > 0;  // validation: one rank, one micro-batch, no segments
+  if (graphed) {
+    auto batch = step_batches()[0];
+    const double clip = config_.optimizer().grad_clip();
+    auto out = graph_->run(batch.tokens, batch.targets, batch.loss_mask,
+                           [&](const at::Tensor& tokens, const at::Tensor& targets, const at::Tensor& mask) {
+                             Batch b{tokens, targets, mask, {}};
+                             LinearCrossEntropy ce = forward_loss(b, context(b));
+                             auto w = mask.to(ce.token_losses.options());
+                             auto s = at::stack({ce.loss.detach().to(at::kDouble), w.sum().to(at::kDouble)});
+                             backward_share(ce, s[1]);
+                             auto n = clip_grad_norm_on_device(params, clip);
+                             return StepGraph::Outputs{s, n.defined() ? n : at::zeros({}, s.options())};
+                           });
+    sums = at::cat({out.sums, stop_flag(out.sums.options()).view({1})});
+    norm = out.norm;
+    phase_mark("forward, backward and clip");
+  } else if (segments_) {
     std::vector<Batch> micro = step_batches();
     // Summed over the sp group by the segment tree; the data-parallel replicas below.
     sums = segmented_forward_backward(micro, stop_flag(at::TensorOptions().device(device_)), gradients);
@@ -274,9 +295,9 @@ StepStats Trainer::train_step() {
 
   // Sum the gradients over all ranks in one message (with segments: over the dp replicas; the sp group
   // summed them already).
-  auto params = model_.parameters();
   parallel::Communicator* grad_comm = !groups_ ? nullptr : segments_ ? groups_->dp.get() : groups_->world.get();
-  if (grad_comm && grad_comm->size() > 1) {
+  if (graphed) {
+  } else if (grad_comm && grad_comm->size() > 1) {
     if (!gradients.defined()) gradients = flat_gradients(params, grad_layout_);
     if (sharded_) {
       auto piece = sharded_->mine(gradients);  // the piece this rank updates, the same on every replica
@@ -285,8 +306,8 @@ StepStats Trainer::train_step() {
       grad_comm->all_reduce_sum(gradients);
     }
   }
-  at::Tensor norm;
-  if (sharded_) {
+  if (graphed) {
+  } else if (sharded_) {
     sharded_->set_gradients(gradients);
     norm = sharded_->clip(config_.optimizer().grad_clip());
   } else {
@@ -294,7 +315,7 @@ StepStats Trainer::train_step() {
     norm = clip_grad_norm_on_device(params, config_.optimizer().grad_clip());
   }
   if (!norm.defined()) norm = at::zeros({}, sums.options());
-  phase_mark("gradient sum and clip");
+  if (!graphed) phase_mark("gradient sum and clip");
   // The next step's batches, made on the host while the GPU still runs this step's backward. A batch
   // that cannot be made (a token id past the vocabulary) is left for the next step to report, after this
   // step's update, as without the prefetch.
@@ -317,6 +338,7 @@ StepStats Trainer::train_step() {
               " (loss ", number_text(loss_sum / count), "); the parameters were not updated. ", divergence_hint());
   const double lr = learning_rate(config_.optimizer(), step_);
   optimizer_->step(lr);
+  if (!graphed) ++eager_steps_;
   if (sharded_) sharded_->gather_parameters();
   phase_mark("update");
   ++step_;

@@ -692,6 +692,20 @@ TEST_F(ConfigTest, ValidationErrorFromAnOverrideSaysSo) {
 
 // Ordered segments: the ORDERED scan only, sp times a power of two, and the sequence cut into them
 // whole chunks (the same checks as for sp slices, naming the segments).
+// parallel.cuda_graph captures one rank's step of one micro-batch without packed documents: every
+// other layout is refused in one message listing what does not fit.
+TEST_F(ConfigTest, CudaGraphNeedsOneRankOneMicroBatch) {
+  auto path = (dir_ + "/run.textproto");
+  EXPECT_EQ(load_error(kValid, {"parallel.cuda_graph=true", "optimizer.grad_accum_steps=2"}),
+            path + ": parallel.cuda_graph: true captures one rank's step of one micro-batch without packed documents; "
+                   "this run has dp = 1, sp = 2 (needs one rank); optimizer.grad_accum_steps = 2 (set by --set "
+                   "parallel.cuda_graph=true)");
+  EXPECT_EQ(load_error(kValid, {"parallel.sp=1", "parallel.segments=2", "parallel.cuda_graph=true"}),
+            path + ": parallel.cuda_graph: true captures one rank's step of one micro-batch without packed documents; "
+                   "this run has parallel.segments = 2 (set by --set parallel.cuda_graph=true)");
+  EXPECT_NO_THROW(load_run_config(write("ok.textproto", kValid), {"parallel.sp=1", "parallel.cuda_graph=true"}));
+}
+
 TEST_F(ConfigTest, SegmentsAreCheckedLikeSlices) {
   auto path = (dir_ + "/run.textproto");
   EXPECT_EQ(load_error(kValid, {"parallel.segments=6"}),

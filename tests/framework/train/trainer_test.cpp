@@ -371,6 +371,51 @@ TEST(GpuTrainer, SteadyStepsMallocNothing) {
   }
 }
 
+// parallel.cuda_graph on a CPU (or in a build without CUDA) stops at the trainer's start, saying why.
+TEST(Trainer, CudaGraphNeedsAGpu) {
+  try {
+    Trainer t(tiny_config({"parallel.cuda_graph=true"}), nullptr, quiet());
+    ADD_FAILURE() << "a CPU trainer took parallel.cuda_graph";
+  } catch (const c10::Error& e) {
+    const std::string m = e.what_without_backtrace();
+    EXPECT_EQ(m.rfind("parallel.cuda_graph: true needs ", 0), 0u) << m;
+  }
+}
+
+// The step as a CUDA graph (parallel.cuda_graph: captured at the second step, replayed from then on)
+// computes what the eager step does: 6 steps, the same losses, gradient norms and parameters bit for
+// bit, in fp32 (ATen forms), bf16, on the kernel forms (dk = 64, chunks of 64), and with overlapped
+// recomputation (its side streams inside the capture). On a GPU; skipped without one.
+TEST(GpuTrainer, CudaGraphGivesTheSameSteps) {
+  if (cuda_device_count() == 0) GTEST_SKIP() << "no CUDA device";
+  auto on_gpu = quiet();
+  on_gpu.force_cpu = false;
+  const std::vector<std::string> kernels{"precision=BF16", "model.d_model=128", "model.mixer_options[0]={chunk_size: 64 "
+                                         "conv_size: 4}", "data.seq_len=256"};
+  std::vector<std::vector<std::string>> cases{{}, {"precision=BF16"}, kernels, kernels};
+  for (const char* s : {"parallel.recompute=true", "parallel.recompute_overlap=true", "model.n_layers=3",
+                        "parallel.recompute_keep_last=0"})
+    cases.back().push_back(s);
+  for (auto settings : cases) {
+    std::string what;
+    for (auto& e : settings) what += e + " ";
+    Trainer eager(tiny_config(settings), nullptr, on_gpu);
+    settings.push_back("parallel.cuda_graph=true");
+    Trainer graphed(tiny_config(settings), nullptr, on_gpu);
+    for (int i = 0; i < 6; ++i) {
+      auto a = eager.train_step(), b = graphed.train_step();
+      EXPECT_EQ(a.loss, b.loss) << what << "step " << i + 1;
+      EXPECT_EQ(a.grad_norm, b.grad_norm) << what << "step " << i + 1;
+    }
+    auto pa = eager.model().parameters(), pb = graphed.model().parameters();
+    int differ = 0;
+    for (size_t i = 0; i < pa.size(); ++i) differ += !at::equal(pa[i].second, pb[i].second);
+    EXPECT_EQ(differ, 0) << what << ": parameters differ after 6 steps";
+    std::printf("[ errors   ] cuda graph vs eager (%s6 steps): %d of %zu parameters differ\n", what.c_str(), differ,
+                pa.size());
+  }
+}
+
 // A stop signal during run() (here SIGUSR1 raised after step 3, as mpirun forwards it): the step
 // finishes, a checkpoint of step 3 is written, run() returns kExitStoppedBySignal and the previous
 // handler is back; running again resumes at step 3 and ends at total_steps with the losses of a run

@@ -1,0 +1,77 @@
+// StepGraph (see step_graph.h): the CUDA graph itself is layers/core/cuda_graph.h's.
+#include "framework/train/step_graph.h"
+
+#ifdef CARRY_WITH_CUDA
+#include "layers/core/cuda_graph.h"
+#endif
+
+#include <c10/util/Exception.h>
+
+namespace carry {
+
+struct StepGraph::Impl {
+  at::Device device = at::kCPU;
+  at::Tensor tokens, targets, mask;  // the static inputs
+  Outputs out;
+#ifdef CARRY_WITH_CUDA
+  std::unique_ptr<cuda::Graph> graph;
+#endif
+};
+
+StepGraph::StepGraph(const at::Device& device) : impl_(std::make_unique<Impl>()) {
+#ifdef CARRY_WITH_CUDA
+  TORCH_CHECK(device.is_cuda(), "parallel.cuda_graph: true needs a GPU, but this rank trains on ", device.str());
+  impl_->device = device;
+#else
+  TORCH_CHECK(false, "parallel.cuda_graph: true needs carry built with CUDA (CARRY_CUDA=ON); this build has no "
+              "CUDA (training on ", device.str(), ")");
+#endif
+}
+
+StepGraph::~StepGraph() = default;
+
+bool StepGraph::captured() const {
+#ifdef CARRY_WITH_CUDA
+  return impl_->graph != nullptr;
+#else
+  return false;
+#endif
+}
+
+StepGraph::Outputs StepGraph::run(const at::Tensor& tokens, const at::Tensor& targets, const at::Tensor& mask,
+                                  const Body& body) {
+#ifdef CARRY_WITH_CUDA
+  auto& s = *impl_;
+  if (!s.graph) {
+    s.tokens = tokens.clone(), s.targets = targets.clone(), s.mask = mask.clone();
+    try {
+      s.graph = std::make_unique<cuda::Graph>(s.device.index(), [&] { s.out = body(s.tokens, s.targets, s.mask); });
+    } catch (const c10::Error& e) {
+      s.out = {};
+      TORCH_CHECK(false, "parallel.cuda_graph: the training step could not be captured as a CUDA graph: ",
+                  e.what_without_backtrace(), "; run without parallel.cuda_graph");
+    } catch (const std::exception& e) {
+      s.out = {};
+      TORCH_CHECK(false, "parallel.cuda_graph: the training step could not be captured as a CUDA graph: ", e.what(),
+                  "; run without parallel.cuda_graph");
+    }
+  } else {
+    auto put = [](at::Tensor& to, const at::Tensor& from, const char* what) {
+      TORCH_CHECK(from.sizes() == to.sizes() && from.scalar_type() == to.scalar_type(), "parallel.cuda_graph: the "
+                  "step's ", what, " are ", from.sizes(), " ", from.scalar_type(), " but the graph was captured on ",
+                  to.sizes(), " ", to.scalar_type());
+      to.copy_(from, /*non_blocking=*/true);
+    };
+    put(s.tokens, tokens, "tokens");
+    put(s.targets, targets, "targets");
+    put(s.mask, mask, "loss mask");
+  }
+  s.graph->replay();
+  return s.out;
+#else
+  (void)tokens, (void)targets, (void)mask, (void)body;
+  TORCH_CHECK(false, "parallel.cuda_graph: this build has no CUDA");
+#endif
+}
+
+}  // namespace carry
