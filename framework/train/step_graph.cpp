@@ -1,6 +1,8 @@
 // StepGraph (see step_graph.h): the CUDA graph itself is layers/core/cuda_graph.h's.
 #include "framework/train/step_graph.h"
 
+#include "layers/core/device.h"
+
 #ifdef CARRY_WITH_CUDA
 #include "layers/core/cuda_graph.h"
 #endif
@@ -13,6 +15,7 @@ struct StepGraph::Impl {
   at::Device device = at::kCPU;
   at::Tensor tokens, targets, mask;  // the static inputs
   Outputs out;
+  int64_t peak = 0;
 #ifdef CARRY_WITH_CUDA
   std::unique_ptr<cuda::Graph> graph;
 #endif
@@ -29,6 +32,8 @@ StepGraph::StepGraph(const at::Device& device) : impl_(std::make_unique<Impl>())
 }
 
 StepGraph::~StepGraph() = default;
+
+int64_t StepGraph::captured_peak_bytes() const { return impl_->peak; }
 
 bool StepGraph::captured() const {
 #ifdef CARRY_WITH_CUDA
@@ -55,6 +60,7 @@ StepGraph::Outputs StepGraph::run(const at::Tensor& tokens, const at::Tensor& ta
       TORCH_CHECK(false, "parallel.cuda_graph: the training step could not be captured as a CUDA graph: ", e.what(),
                   "; run without parallel.cuda_graph");
     }
+    s.peak = cuda_peak_allocated_bytes(s.device.index());
   } else {
     auto put = [](at::Tensor& to, const at::Tensor& from, const char* what) {
       TORCH_CHECK(from.sizes() == to.sizes() && from.scalar_type() == to.scalar_type(), "parallel.cuda_graph: the "

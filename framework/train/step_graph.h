@@ -31,6 +31,9 @@ class StepGraph {
   ~StepGraph();
   // Whether the graph was captured (the parameters' .grad are then its outputs: kept, not reset).
   bool captured() const;
+  // The caching allocator's peak of allocated bytes when the capture ended (0 before): it covers the
+  // step's activations, which later replays hold in the graph's pool without allocating them again.
+  int64_t captured_peak_bytes() const;
   // The first call copies the batch into the static buffers and captures `body` on them (running
   // nothing; the parameters' .grad must be undefined then, so that the backward writes fresh ones);
   // every call then replays the graph, later calls after copying their batch into the buffers, which

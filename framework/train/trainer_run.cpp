@@ -215,8 +215,11 @@ int Trainer::run() {
       const double here = now_s() - started;
       const double elapsed = begun.elapsed_s + here;
       const double eta = here / static_cast<double>(steps_here) * static_cast<double>(total - s.step);
-      // GPU: the caching allocator's peak since the last line (this rank's device).
-      const double gpu_peak = device_.is_cuda() ? cuda_peak_allocated_bytes(device_.index()) / (1024.0 * 1024.0) : 0;
+      // GPU: the caching allocator's peak since the last line (this rank's device); a step graph's
+      // replays hold its capture's peak without allocating it again.
+      int64_t peak_bytes = device_.is_cuda() ? cuda_peak_allocated_bytes(device_.index()) : 0;
+      if (graph_) peak_bytes = std::max(peak_bytes, graph_->captured_peak_bytes());
+      const double gpu_peak = peak_bytes / (1024.0 * 1024.0);
       if (device_.is_cuda()) cuda_reset_peak_allocated(device_.index());
       // The caching allocator's cudaMallocs since the last line (the first: since the start; none once
       // the steps are steady) and its retries so far.

@@ -406,13 +406,16 @@ MixerLayer::Projected MixerLayer::project(const Tensor& x, const MixerLayerConte
   switch (tr.decay) {
     case Decay::none: break;
     case Decay::retnet: {
-      std::vector<double> g(H);
-      for (int64_t h = 0; h < H; ++h) g[h] = std::log1p(-std::pow(2.0, -5.0 - static_cast<double>(h)));
       // At least fp32: under autocast on CUDA x is the norm's bf16 output, and a log decay in bf16 loses
-      // its cumulative sum.
+      // its cumulative sum. Made once a device and dtype: no host-to-device copy in later forwards (a
+      // step captured as a CUDA graph cannot hold one).
       const auto dt = at::promote_types(x.scalar_type(), at::kFloat);
-      in.g = at::tensor(g, at::TensorOptions().dtype(at::kDouble)).to(x.options().dtype(dt)).view({1, 1, H})
-                 .expand({B, T, H});
+      if (!retnet_g_.defined() || retnet_g_.device() != x.device() || retnet_g_.scalar_type() != dt) {
+        std::vector<double> g(H);
+        for (int64_t h = 0; h < H; ++h) g[h] = std::log1p(-std::pow(2.0, -5.0 - static_cast<double>(h)));
+        retnet_g_ = at::tensor(g, at::TensorOptions().dtype(at::kDouble)).to(x.options().dtype(dt));
+      }
+      in.g = retnet_g_.view({1, 1, H}).expand({B, T, H});
       break;
     }
     case Decay::mamba: {

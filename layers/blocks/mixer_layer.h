@@ -204,6 +204,8 @@ class MixerLayer {
   Tensor gk_proj0_, gk_proj1_, gk_bias_;  // GLA's low-rank gate (KDA's f_proj: no bias)
   Tensor dt_proj0_, dt_proj1_;            // Mamba-1 low-rank Δ
   Tensor b_proj_, l_proj_;                // beta, log-linear levels
+  // RetNet's fixed log decays [H], made by the first forward on its device and dtype (no gradient).
+  mutable Tensor retnet_g_;
   // Performer: the random features ω [num_features, head_dim_k], not a parameter (regenerated from the
   // spec's seed and layer), and the keys' stabilizer (performer.h).
   Tensor performer_features_;

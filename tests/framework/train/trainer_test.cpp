@@ -384,15 +384,16 @@ TEST(Trainer, CudaGraphNeedsAGpu) {
 
 // The step as a CUDA graph (parallel.cuda_graph: captured at the second step, replayed from then on)
 // computes what the eager step does: 6 steps, the same losses, gradient norms and parameters bit for
-// bit, in fp32 (ATen forms), bf16, on the kernel forms (dk = 64, chunks of 64), and with overlapped
-// recomputation (its side streams inside the capture). On a GPU; skipped without one.
+// bit, in fp32 (ATen forms; RetNet too), bf16, on the kernel forms (dk = 64, chunks of 64), and with overlapped
+// recomputation (its side streams inside the capture), with an evaluation (eager) between two steps.
+// On a GPU; skipped without one.
 TEST(GpuTrainer, CudaGraphGivesTheSameSteps) {
   if (cuda_device_count() == 0) GTEST_SKIP() << "no CUDA device";
   auto on_gpu = quiet();
   on_gpu.force_cpu = false;
   const std::vector<std::string> kernels{"precision=BF16", "model.d_model=128", "model.mixer_options[0]={chunk_size: 64 "
                                          "conv_size: 4}", "data.seq_len=256"};
-  std::vector<std::vector<std::string>> cases{{}, {"precision=BF16"}, kernels, kernels};
+  std::vector<std::vector<std::string>> cases{{}, {"precision=BF16"}, {"model.mixers=retnet"}, kernels, kernels};
   for (const char* s : {"parallel.recompute=true", "parallel.recompute_overlap=true", "model.n_layers=3",
                         "parallel.recompute_keep_last=0"})
     cases.back().push_back(s);
@@ -406,6 +407,7 @@ TEST(GpuTrainer, CudaGraphGivesTheSameSteps) {
       auto a = eager.train_step(), b = graphed.train_step();
       EXPECT_EQ(a.loss, b.loss) << what << "step " << i + 1;
       EXPECT_EQ(a.grad_norm, b.grad_norm) << what << "step " << i + 1;
+      if (i == 3) EXPECT_EQ(eager.evaluate().loss, graphed.evaluate().loss) << what << "evaluation between steps";
     }
     auto pa = eager.model().parameters(), pb = graphed.model().parameters();
     int differ = 0;
