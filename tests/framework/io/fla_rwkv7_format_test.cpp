@@ -2,12 +2,15 @@
 // pre-norm and the channel mix exports as FLA's RWKV7ForCausalLM (its state-dict names, RWKV7Config's keys, the
 // LoRA widths written) and imports back bit for bit, with and without the pre-norm, tied or not, with LoRA
 // widths of its own; a folder as FLA writes it (no carry metadata, RWKV7Config's default LoRA widths and
-// intermediate_size from hidden_ratio) imports; what carry does not compute is refused, named.
+// intermediate_size from hidden_ratio) imports; what carry does not compute is refused, named; the shipped
+// preset configs/models/rwkv7_125m.textproto is such a model.
 #include "framework/io/fla_format.h"
 
+#include "framework/config/config.h"
 #include "framework/io/safetensors.h"
 #include "framework/model/model.h"
 #include "tests/helpers/temp_dir.h"
+#include "tests/paths.h"
 
 #include <gtest/gtest.h>
 
@@ -115,6 +118,41 @@ TEST(FlaRwkv7Format, ExportImportRoundTripIsBitExact) {
     EXPECT_NE(json.find(ranks ? "\"v_low_rank_dim\": 4" : "\"v_low_rank_dim\": 32"), std::string::npos) << json;
     remove_tree(dir);
   }
+}
+
+// The shipped preset configs/models/rwkv7_125m.textproto is FLA's RWKV7ForCausalLM: at full size it has no export
+// errors and its config.json says LayerNorms, norm_first and an untied head; at a small width (every other field the
+// preset's) it exports and imports back bit for bit.
+TEST(FlaRwkv7Format, ThePresetExports) {
+  const ModelConfig preset = load_model_config(std::string(CARRY_SOURCE_DIR) + "/configs/models/rwkv7_125m.textproto");
+  const auto errors = fla_export_errors(preset);
+  ASSERT_TRUE(errors.empty()) << errors[0];
+  const std::string json = fla_config_json(preset);
+  for (const char* field : {"\"model_type\": \"rwkv7\"", "\"hidden_size\": 768", "\"num_hidden_layers\": 12",
+                            "\"num_heads\": 12", "\"head_dim\": 64", "\"intermediate_size\": 3072", "\"norm_first\": true",
+                            "\"norm_bias\": true", "\"norm_eps\": 1e-05", "\"tie_word_embeddings\": false",
+                            "\"vocab_size\": 32000"})
+    EXPECT_NE(json.find(field), std::string::npos) << field << " in\n" << json;
+
+  ModelConfig small = preset;
+  small.set_vocab_size(40);
+  small.set_d_model(32);
+  small.set_n_layers(2);
+  small.set_n_heads(2);
+  small.set_head_dim_k(16);
+  small.set_head_dim_v(16);
+  small.mutable_mixer_options(0)->set_chunk_size(16);
+  ASSERT_TRUE(fla_export_errors(small).empty()) << fla_export_errors(small)[0];
+  Model model = build_model(small, 7);
+  auto dir = make_temp_dir("carry_fla_rwkv7_preset");
+  export_fla_folder(dir, small, model.parameters(), {});
+  expect_imports_as(dir, small, model);
+  auto tensors = load_safetensors(dir + "/model.safetensors", nullptr);
+  EXPECT_EQ(tensors.size(), model.parameters().size());
+  for (const char* name : {"model.layers.0.pre_norm.weight", "model.layers.0.pre_norm.bias", "model.layers.1.ffn_norm.bias",
+                           "model.norm.bias", "lm_head.weight"})
+    EXPECT_TRUE(tensors.count(name)) << name;
+  remove_tree(dir);
 }
 
 // A folder as FLA's RWKV7ForCausalLM.save_pretrained writes it from an RWKV7Config with its defaults: no LoRA
