@@ -236,16 +236,19 @@ StepStats Trainer::train_step() {
   if (graphed) {
     auto batch = step_batches()[0];
     const double clip = config_.optimizer().grad_clip();
-    auto out = graph_->run(batch.tokens, batch.targets, batch.loss_mask,
-                           [&](const at::Tensor& tokens, const at::Tensor& targets, const at::Tensor& mask) {
-                             Batch b{tokens, targets, mask, {}};
-                             LinearCrossEntropy ce = forward_loss(b, context(b));
-                             auto w = mask.to(ce.token_losses.options());
-                             auto s = at::stack({ce.loss.detach().to(at::kDouble), w.sum().to(at::kDouble)});
-                             backward_share(ce, s[1]);
-                             auto n = clip_grad_norm_on_device(params, clip);
-                             return StepGraph::Outputs{s, n.defined() ? n : at::zeros({}, s.options())};
-                           });
+    auto body = [&](const at::Tensor& tokens, const at::Tensor& targets, const at::Tensor& mask) {
+      Batch b{tokens, targets, mask, {}};
+      LinearCrossEntropy ce = forward_loss(b, context(b));
+      auto w = mask.to(ce.token_losses.options());
+      auto s = at::stack({ce.loss.detach().to(at::kDouble), w.sum().to(at::kDouble)});
+      backward_share(ce, s[1]);
+      auto n = clip_grad_norm_on_device(params, clip);
+      return StepGraph::Outputs{s, n.defined() ? n : at::zeros({}, s.options())};
+    };
+    auto replay = [&] { return graph_->run(batch.tokens, batch.targets, batch.loss_mask, body); };
+    // The capture waits for the device once (the allocator's cache goes back first); a host read inside
+    // the captured work fails the capture whatever the audit says.
+    auto out = graph_->captured() ? replay() : SyncAudit::allowed(replay);
     sums = at::cat({out.sums, stop_flag(out.sums.options()).view({1})});
     norm = out.norm;
     phase_mark("forward, backward and clip");

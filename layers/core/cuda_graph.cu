@@ -5,6 +5,8 @@
 #include "layers/kernels/primitives/host.h"
 
 #include <ATen/cuda/CUDAGraph.h>
+#include <c10/cuda/CUDACachingAllocator.h>
+#include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #include <cuda_runtime.h>
@@ -23,6 +25,10 @@ Graph::Graph(int device, const std::function<void()>& f) : impl_(std::make_uniqu
   const auto current = c10::cuda::getCurrentCUDAStream(dev);
   const auto stream = c10::cuda::getStreamFromPool(false, dev);  // a capture needs a stream of its own
   carry::kernels::primitives::join(current, stream);
+  // The capture allocates its tensors anew in the graph's pool: the blocks the caching allocator holds
+  // free from earlier work go back to the device first, so that the two do not both stay reserved.
+  C10_CUDA_CHECK(cudaStreamSynchronize(current.stream()));
+  c10::cuda::CUDACachingAllocator::emptyCache();
   c10::cuda::CUDAStreamGuard stream_guard(stream);
   impl_->graph.capture_begin();
   try {

@@ -10,7 +10,8 @@ namespace carry::cuda {
 class Graph {
  public:
   // Captures what f enqueues on device `device`: f runs with a stream of the device's pool as the
-  // current one, that stream first waiting for the work the current stream has queued so far. Nothing
+  // current one, that stream first waiting for the work the current stream has queued so far (and the
+  // caching allocator first returning its free blocks to the device, waiting for that work). Nothing
   // f enqueues runs then; every tensor f allocates on the device comes from the graph's own memory pool
   // and keeps its address in every replay (the tensors f leaves alive are the graph's outputs). Throws
   // when f does what a capture cannot hold (a host read of device memory, a synchronization, a copy
