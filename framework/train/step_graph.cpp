@@ -51,14 +51,10 @@ StepGraph::Outputs StepGraph::run(const at::Tensor& tokens, const at::Tensor& ta
     s.tokens = tokens.clone(), s.targets = targets.clone(), s.mask = mask.clone();
     try {
       s.graph = std::make_unique<cuda::Graph>(s.device.index(), [&] { s.out = body(s.tokens, s.targets, s.mask); });
-    } catch (const c10::Error& e) {
-      s.out = {};
-      TORCH_CHECK(false, "parallel.cuda_graph: the training step could not be captured as a CUDA graph: ",
-                  e.what_without_backtrace(), "; run without parallel.cuda_graph");
     } catch (const std::exception& e) {
-      s.out = {};
-      TORCH_CHECK(false, "parallel.cuda_graph: the training step could not be captured as a CUDA graph: ", e.what(),
-                  "; run without parallel.cuda_graph");
+      const auto* c = dynamic_cast<const c10::Error*>(&e);
+      TORCH_CHECK(false, "parallel.cuda_graph: the training step could not be captured as a CUDA graph: ",
+                  c ? c->what_without_backtrace() : e.what(), "; run without parallel.cuda_graph");
     }
     s.peak = cuda_peak_allocated_bytes(s.device.index());
   } else {

@@ -299,8 +299,7 @@ StepStats Trainer::train_step() {
   // Sum the gradients over all ranks in one message (with segments: over the dp replicas; the sp group
   // summed them already).
   parallel::Communicator* grad_comm = !groups_ ? nullptr : segments_ ? groups_->dp.get() : groups_->world.get();
-  if (graphed) {
-  } else if (grad_comm && grad_comm->size() > 1) {
+  if (!graphed && grad_comm && grad_comm->size() > 1) {
     if (!gradients.defined()) gradients = flat_gradients(params, grad_layout_);
     if (sharded_) {
       auto piece = sharded_->mine(gradients);  // the piece this rank updates, the same on every replica
@@ -309,16 +308,17 @@ StepStats Trainer::train_step() {
       grad_comm->all_reduce_sum(gradients);
     }
   }
-  if (graphed) {
-  } else if (sharded_) {
-    sharded_->set_gradients(gradients);
-    norm = sharded_->clip(config_.optimizer().grad_clip());
-  } else {
-    if (gradients.defined()) set_gradients(params, gradients, grad_layout_);
-    norm = clip_grad_norm_on_device(params, config_.optimizer().grad_clip());
+  if (!graphed) {  // the graph clipped already
+    if (sharded_) {
+      sharded_->set_gradients(gradients);
+      norm = sharded_->clip(config_.optimizer().grad_clip());
+    } else {
+      if (gradients.defined()) set_gradients(params, gradients, grad_layout_);
+      norm = clip_grad_norm_on_device(params, config_.optimizer().grad_clip());
+    }
+    if (!norm.defined()) norm = at::zeros({}, sums.options());
+    phase_mark("gradient sum and clip");
   }
-  if (!norm.defined()) norm = at::zeros({}, sums.options());
-  if (!graphed) phase_mark("gradient sum and clip");
   // The next step's batches, made on the host while the GPU still runs this step's backward. A batch
   // that cannot be made (a token id past the vocabulary) is left for the next step to report, after this
   // step's update, as without the prefetch.

@@ -75,6 +75,17 @@ void expect_imports_as(const std::string& dir, const ModelConfig& config, const 
   }
 }
 
+// A model of `config` (initialized from `seed`) exported into `dir` imports back as itself; returns the
+// exported tensors by name (one a parameter).
+std::map<std::string, at::Tensor> export_and_import(const std::string& dir, const ModelConfig& config, uint64_t seed) {
+  Model model = build_model(config, seed);
+  export_fla_folder(dir, config, model.parameters(), {});
+  expect_imports_as(dir, config, model);
+  auto tensors = load_safetensors(dir + "/model.safetensors", nullptr);
+  EXPECT_EQ(tensors.size(), model.parameters().size());
+  return tensors;
+}
+
 TEST(FlaRwkv7Format, ExportImportRoundTripIsBitExact) {
   for (auto [pre_norm, tie, ranks] : {std::tuple<bool, bool, bool>{true, false, false}, {false, true, false},
                                       {true, false, true}}) {
@@ -86,12 +97,8 @@ TEST(FlaRwkv7Format, ExportImportRoundTripIsBitExact) {
       o->set_decay_low_rank_dim(8), o->set_a_low_rank_dim(16), o->set_v_low_rank_dim(4), o->set_gate_low_rank_dim(24);
     }
     ASSERT_TRUE(fla_export_errors(config).empty()) << fla_export_errors(config)[0];
-    Model model = build_model(config, 5);
     auto dir = make_temp_dir("carry_fla_rwkv7");
-    export_fla_folder(dir, config, model.parameters(), {});
-    expect_imports_as(dir, config, model);
-    auto tensors = load_safetensors(dir + "/model.safetensors", nullptr);
-    EXPECT_EQ(tensors.size(), model.parameters().size());
+    auto tensors = export_and_import(dir, config, 5);
     for (const char* name : {"model.embeddings.weight", "model.layers.0.attn_norm.weight", "model.layers.0.attn_norm.bias",
                              "model.layers.1.ffn_norm.bias", "model.layers.0.attn.x_r", "model.layers.0.attn.w_lora.lora.0.weight",
                              "model.layers.1.attn.v_lora.lora.2.bias", "model.layers.1.attn.g_norm.bias",
@@ -143,12 +150,8 @@ TEST(FlaRwkv7Format, ThePresetExports) {
   small.set_head_dim_v(16);
   small.mutable_mixer_options(0)->set_chunk_size(16);
   ASSERT_TRUE(fla_export_errors(small).empty()) << fla_export_errors(small)[0];
-  Model model = build_model(small, 7);
   auto dir = make_temp_dir("carry_fla_rwkv7_preset");
-  export_fla_folder(dir, small, model.parameters(), {});
-  expect_imports_as(dir, small, model);
-  auto tensors = load_safetensors(dir + "/model.safetensors", nullptr);
-  EXPECT_EQ(tensors.size(), model.parameters().size());
+  auto tensors = export_and_import(dir, small, 7);
   for (const char* name : {"model.layers.0.pre_norm.weight", "model.layers.0.pre_norm.bias", "model.layers.1.ffn_norm.bias",
                            "model.norm.bias", "lm_head.weight"})
     EXPECT_TRUE(tensors.count(name)) << name;
