@@ -32,6 +32,7 @@
 #include "layers/layout.h"
 #ifdef CARRY_WITH_CUDA
 #include "layers/kernels/decay/op.h"
+#include "layers/kernels/hla/hla2_op.h"
 #endif
 
 #include <limits>
@@ -231,6 +232,7 @@ class Hla2 final : public HlaBase {
   MixerOutput kernel(const MixerInputs& in, const State& init, const MixerOptions& opt) const override {
     check(in, opt, true);
     check_kernel_supports(in, opt);
+    if (hla2_joint_kernel_supports(in, opt)) return hla2_joint_kernel_form(in, init, opt);
     // Passes 1 and 4 as one when their values [k, W] fit one kernel pass (256 columns).
     const int64_t joint = in.q.size(3) + in.v.size(3) + (opt.normalize ? kNormalizerColumns : 0);
     return hla2_by_decay_passes(in, init, opt, decay_kernel_pass(opt.serial_states), joint <= 256);

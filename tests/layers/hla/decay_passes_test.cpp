@@ -6,7 +6,7 @@
 // state. This checks the algebra of the passes (the shifted pass, the ones column) on any machine.
 //
 // GPU (skips without one): the kernel form (the decay class's kernels) against the chunkwise form in
-// fp32 on the same values, bf16 and fp32 inputs, gates with half-lives from 2 to 10^5 tokens (10^3 to
+// fp32 on the same values, bf16 and fp32 inputs, without a gate and with gates with half-lives from 2 to 10^5 tokens (10^3 to
 // 10^5 for normalized hla2, see below), the
 // initial state that 128 earlier tokens leave, outputs poisoned first: ≤ 1e-4 relative for fp32 inputs, ≤ 1e-2 for bf16. Then cuts: ahla's passes are
 // chunk-local, so with serial_states a slice cut at a chunk boundary gives the bits of the whole; hla2's
@@ -150,61 +150,62 @@ TEST_P(DecayPasses, KernelFormMatchesChunkwiseOnGpu) {
   std::vector<Case> cases{{1, 256, 2, 64, 64}, {2, 192, 1, 128, 128}, {1, 128, 3, 64, 192}};
   if (m.name() == kAhlaFamily) cases.push_back({1, 192, 2, 96, 64});
   for (const Case& c : cases)
-    for (bool normalize : {false, true})
-      for (bool serial : {true, false})
-        for (auto dt : {at::kFloat, at::kBFloat16}) {
-          Shape s;
-          s.B = c.B, s.T = c.T, s.H = c.H, s.dk = c.dk, s.dv = c.dv;
-          MixerOptions opt;
-          opt.normalize = normalize;
-          opt.serial_states = serial;
-          // hla2's normalizer with a decay is a difference of two sums that do not cancel pair by pair
-          // (hla.h): with half-lives from 2 tokens it comes near zero at some positions, and there the
-          // kernel form differed from the chunkwise form by 6.8e-3 in fp32 and 1e4 in bf16 (one H200),
-          // the final states agreeing to 2e-7 and 1e-3, while the composition is exact in fp64 (the
-          // CPU test above). Normalized hla2 is checked with half-lives from 10^3 tokens up.
-          const double min_half_life = normalize && m.name() == kHla2Family ? 1e3 : 2;
-          auto in = hla_inputs(s, at::kFloat, 17 + c.T, min_half_life, 1e5, true);
-          if (normalize) in.q = in.q.abs(), in.k = in.k.abs();
-          MixerInputs low = inputs_as(in, dt), up;
-          for (const auto& n : MixerInputs::names())
-            if (low.get(n).defined()) low.get(n) = low.get(n).to(at::kCUDA), up.get(n) = low.get(n).to(at::kFloat);
-          // The state a slice of 128 earlier tokens leaves (a random state can put the normalizer near
-          // zero, where no form is accurate).
-          Shape sp = s;
-          sp.T = 128;
-          MixerInputs pre = hla_inputs(sp, at::kFloat, 5 + c.T, min_half_life, 1e5, true);
-          if (normalize) pre.q = pre.q.abs(), pre.k = pre.k.abs();
-          for (const auto& n : MixerInputs::names())
-            if (pre.get(n).defined()) pre.get(n) = pre.get(n).to(at::kCUDA);
-          State s0 = m.chunkwise(pre, {}, opt).final_state;
-          ASSERT_TRUE(m.kernel_supports(low, opt));
-          ASSERT_EQ(m.resolve_form(low, opt), Form::kernel);
-          auto ref = outputs_then_grads(m, Form::chunkwise, up, s0, opt);
-          auto ker = outputs_then_grads(m, Form::kernel, low, s0, opt);
-          auto names = result_names(m.state_names(), low);
-          ASSERT_EQ(ref.size(), names.size());
-          ASSERT_EQ(ker.size(), names.size());
-          std::string line;
-          for (size_t i = 0; i < ref.size(); ++i) {
-            const double e = rel_err(ker[i], ref[i]);
-            EXPECT_TRUE(at::isfinite(ker[i]).all().item<bool>()) << names[i] << " has NaN (unwritten?)";
-            // Normalized hla2's bf16 output divides two differences of bf16 read-outs (SC − Gq for the
-            // numerator and for the normalizer): 1.1e-2 and 1.2e-2 measured for o on an H200 (its
-            // gradients ≤ 9.6e-3), so it gets 1.5e-2, as normalized linear attention's bf16 gradients do
-            // in the decay class's test. Everything else: 1e-2.
-            const bool cancelling = normalize && dt == at::kBFloat16 && m.name() == kHla2Family;
-            EXPECT_LE(e, dt == at::kFloat ? 1e-4 : (cancelling ? 1.5e-2 : 1e-2))
-                << m.name() << (normalize ? " normalized" : "") << (serial ? " serial" : "") << " " << dt
-                << " B=" << c.B << " T=" << c.T << " H=" << c.H << " dk=" << c.dk << " dv=" << c.dv << ": " << names[i];
-            char buf[64];
-            std::snprintf(buf, sizeof buf, " %s %.1e", names[i].c_str(), e);
-            line += buf;
+    for (bool gate : {true, false})
+      for (bool normalize : {false, true})
+        for (bool serial : {true, false})
+          for (auto dt : {at::kFloat, at::kBFloat16}) {
+            Shape s;
+            s.B = c.B, s.T = c.T, s.H = c.H, s.dk = c.dk, s.dv = c.dv;
+            MixerOptions opt;
+            opt.normalize = normalize;
+            opt.serial_states = serial;
+            // hla2's normalizer with a decay is a difference of two sums that do not cancel pair by pair
+            // (hla.h): with half-lives from 2 tokens it comes near zero at some positions, and there the
+            // kernel form differed from the chunkwise form by 6.8e-3 in fp32 and 1e4 in bf16 (one H200),
+            // the final states agreeing to 2e-7 and 1e-3, while the composition is exact in fp64 (the
+            // CPU test above). Normalized hla2 is checked with half-lives from 10^3 tokens up.
+            const double min_half_life = normalize && m.name() == kHla2Family ? 1e3 : 2;
+            auto in = hla_inputs(s, at::kFloat, 17 + c.T, min_half_life, 1e5, gate);
+            if (normalize) in.q = in.q.abs(), in.k = in.k.abs();
+            MixerInputs low = inputs_as(in, dt), up;
+            for (const auto& n : MixerInputs::names())
+              if (low.get(n).defined()) low.get(n) = low.get(n).to(at::kCUDA), up.get(n) = low.get(n).to(at::kFloat);
+            // The state a slice of 128 earlier tokens leaves (a random state can put the normalizer near
+            // zero, where no form is accurate).
+            Shape sp = s;
+            sp.T = 128;
+            MixerInputs pre = hla_inputs(sp, at::kFloat, 5 + c.T, min_half_life, 1e5, gate);
+            if (normalize) pre.q = pre.q.abs(), pre.k = pre.k.abs();
+            for (const auto& n : MixerInputs::names())
+              if (pre.get(n).defined()) pre.get(n) = pre.get(n).to(at::kCUDA);
+            State s0 = m.chunkwise(pre, {}, opt).final_state;
+            ASSERT_TRUE(m.kernel_supports(low, opt));
+            ASSERT_EQ(m.resolve_form(low, opt), Form::kernel);
+            auto ref = outputs_then_grads(m, Form::chunkwise, up, s0, opt);
+            auto ker = outputs_then_grads(m, Form::kernel, low, s0, opt);
+            auto names = result_names(m.state_names(), low);
+            ASSERT_EQ(ref.size(), names.size());
+            ASSERT_EQ(ker.size(), names.size());
+            std::string line;
+            for (size_t i = 0; i < ref.size(); ++i) {
+              const double e = rel_err(ker[i], ref[i]);
+              EXPECT_TRUE(at::isfinite(ker[i]).all().item<bool>()) << names[i] << " has NaN (unwritten?)";
+              // Normalized hla2's bf16 output divides two differences of bf16 read-outs (SC − Gq for the
+              // numerator and for the normalizer): 1.1e-2 and 1.2e-2 measured for o on an H200 (its
+              // gradients ≤ 9.6e-3), so it gets 1.5e-2, as normalized linear attention's bf16 gradients do
+              // in the decay class's test. Everything else: 1e-2.
+              const bool cancelling = normalize && dt == at::kBFloat16 && m.name() == kHla2Family;
+              EXPECT_LE(e, dt == at::kFloat ? 1e-4 : (cancelling ? 1.5e-2 : 1e-2))
+                  << m.name() << (gate ? "" : " without g") << (normalize ? " normalized" : "") << (serial ? " serial" : "") << " " << dt
+                  << " B=" << c.B << " T=" << c.T << " H=" << c.H << " dk=" << c.dk << " dv=" << c.dv << ": " << names[i];
+              char buf[64];
+              std::snprintf(buf, sizeof buf, " %s %.1e", names[i].c_str(), e);
+              line += buf;
+            }
+            std::cout << "[ errors   ] " << m.name() << (gate ? "" : " without g") << (normalize ? "(normalized)" : "") << (serial ? " serial" : "")
+                      << " " << dt << " B=" << c.B << " T=" << c.T << " H=" << c.H << " dk=" << c.dk << " dv=" << c.dv
+                      << ":" << line << "\n";
           }
-          std::cout << "[ errors   ] " << m.name() << (normalize ? "(normalized)" : "") << (serial ? " serial" : "")
-                    << " " << dt << " B=" << c.B << " T=" << c.T << " H=" << c.H << " dk=" << c.dk << " dv=" << c.dv
-                    << ":" << line << "\n";
-        }
   carry::kernels::decay::decay_set_poison(false);
 #endif
 }
