@@ -7,6 +7,7 @@
 
 #include <torch/csrc/autograd/custom_function.h>
 
+#include <algorithm>
 #include <cstdlib>
 #include <map>
 #include <numeric>
@@ -44,7 +45,7 @@ std::vector<std::string> mixer_names() {
 }
 
 const std::vector<std::string>& MixerInputs::names() {
-  static const std::vector<std::string> n{"q", "k", "v", "g", "gk", "beta", "l", "a", "b"};
+  static const std::vector<std::string> n{"q", "k", "v", "g", "gk", "beta", "l", "a", "b", "decay_rate"};
   return n;
 }
 
@@ -62,7 +63,8 @@ Tensor& MixerInputs::get(const std::string& name) {
   if (name == "l") return l;
   if (name == "a") return a;
   if (name == "b") return b;
-  TORCH_CHECK(false, "unknown mixer input '", name, "'; inputs are q, k, v, g, gk, beta, l, a, b");
+  if (name == "decay_rate") return decay_rate;
+  TORCH_CHECK(false, "unknown mixer input '", name, "'; inputs are q, k, v, g, gk, beta, l, a, b, decay_rate");
 }
 
 MixerInputs MixerInputs::slice(int64_t start, int64_t len) const {
@@ -72,10 +74,41 @@ MixerInputs MixerInputs::slice(int64_t start, int64_t len) const {
   for (const auto& n : MixerInputs::names()) {
     const Tensor& t = get(n);
     if (!t.defined()) continue;
+    if (!per_token(n)) {
+      out.get(n) = t;
+      continue;
+    }
     const int64_t rows = t.dim() >= 2 && tokens > 0 && t.size(1) > tokens && t.size(1) % tokens == 0
                              ? t.size(1) / tokens
                              : 1;
     out.get(n) = t.narrow(1, rows * start, rows * len);
+  }
+  return out;
+}
+
+MixerInputs MixerInputs::sequences(int64_t start, int64_t len) const {
+  MixerInputs out;
+  for (const auto& n : MixerInputs::names())
+    if (get(n).defined()) out.get(n) = per_token(n) ? get(n).narrow(0, start, len) : get(n);
+  return out;
+}
+
+int64_t MixerInputs::num_heads() const {
+  int64_t H = 0;
+  for (const auto& n : MixerInputs::names()) {
+    const Tensor& t = get(n);
+    if (t.defined() && t.dim() > head_dim(n)) H = std::max(H, t.size(head_dim(n)));
+  }
+  return H;
+}
+
+MixerInputs MixerInputs::head_range(int64_t start, int64_t len, int64_t heads) const {
+  MixerInputs out;
+  for (const auto& n : MixerInputs::names()) {
+    const Tensor& t = get(n);
+    if (!t.defined()) continue;
+    const int64_t d = head_dim(n);
+    out.get(n) = heads > 1 && t.size(d) == 1 ? t : t.narrow(d, start, len);
   }
   return out;
 }
@@ -93,22 +126,48 @@ void Mixer::check(const MixerInputs& in, const MixerOptions& opt, bool chunked) 
   TORCH_CHECK(q.dim() == 4, name(), ": '", names[0], "' must be [B, T, H, D], got shape ",
               shape_str(q.sizes()));
   int64_t B = q.size(0), T = q.size(1), H = q.size(2), dk = q.size(3);
+  // Where the first input has one head shared by all (Mamba-1's q), H is the first per-head input's.
+  std::string heads_from = names[0];
+  if (broadcasts_heads(names[0]))
+    for (auto& n : names)
+      if (MixerInputs::per_token(n) && !broadcasts_heads(n) && in.get(n).dim() >= 3) {
+        heads_from = n;
+        H = in.get(n).size(2);
+        break;
+      }
+  const std::string heads_note =
+      heads_from == names[0] ? "" : " (H = " + std::to_string(H) + ", the heads of '" + heads_from + "')";
   for (auto& n : optional_input_names())
     if (in.get(n).defined()) names.push_back(n);
+  const bool rate_gated = in.decay_rate.defined() &&
+                          std::find(names.begin(), names.end(), "decay_rate") != names.end();
   for (auto& n : names) {
     const Tensor& t = in.get(n);
-    if (n == "q" || n == "k" || n == "gk" || n == "a" || n == "b") check_tensor(t, name() + ": '" + n + "'", {B, T, H, dk});
-    else if (n == "v") check_tensor(t, name() + ": 'v'", {B, T, H, -1});
-    else if (n == "g" || n == "beta") check_tensor(t, name() + ": '" + n + "'", {B, T, H});
-    else if (n == "l") check_tensor(t, name() + ": 'l'", {B, T, H, -1});
+    const std::string label = name() + ": '" + n + "'" + (n == heads_from ? "" : heads_note);
+    const int64_t Hn = broadcasts_heads(n) ? 1 : H;
+    if (n == "q" || n == "k" || n == "gk" || n == "a" || n == "b") check_tensor(t, label, {B, T, Hn, dk});
+    else if (n == "v") check_tensor(t, label, {B, T, Hn, -1});
+    else if (n == "g" || n == "beta") check_tensor(t, label, {B, T, Hn});
+    else if (n == "l") check_tensor(t, label, {B, T, Hn, -1});
+    else if (n == "decay_rate")
+      check_tensor(t, name() + ": 'decay_rate' (a rate for each head of '" + heads_from + "' and key dimension)",
+                   {H, dk});
     // Gates may stay fp32 next to reduced-precision q, k, v (what the kernel forms read under autocast).
     const bool fp32_gate = MixerInputs::is_gate(n) && t.scalar_type() == at::kFloat;
     TORCH_CHECK(t.scalar_type() == q.scalar_type() || fp32_gate, name(), ": '", n, "' has dtype ",
                 t.scalar_type(), " but '", names[0], "' has ", q.scalar_type(),
-                "; all inputs must share one dtype (the gates g, gk and beta may be fp32)");
+                "; all inputs must share one dtype (the gates g, gk, beta and decay_rate may be fp32)");
     if (!opt.check_values) continue;
-    if (n == "g" || n == "gk") check_log_gate(t, name() + ": '" + n + "'");
-    else check_finite(t, name() + ": '" + n + "'");
+    if (n == "g" && rate_gated) {
+      // g scales decay_rate (gk = g ⊙ decay_rate): a step size, not a log decay.
+      check_finite(t, name() + ": 'g'");
+      TORCH_CHECK((t >= 0).all().item<bool>(), name(), ": 'g' is the step that scales decay_rate "
+                  "(gk = g ⊙ decay_rate) and must be >= 0 everywhere; min is ", t.min().item<double>());
+    } else if (n == "g" || n == "gk" || n == "decay_rate") {
+      check_log_gate(t, name() + ": '" + n + "'");
+    } else {
+      check_finite(t, name() + ": '" + n + "'");
+    }
   }
   if (chunked) {
     TORCH_CHECK(opt.chunk_size > 0, name(), ": chunk_size must be positive, got ", opt.chunk_size);
@@ -302,9 +361,7 @@ MixerOutput forward_documents(const Mixer& mixer, const MixerInputs& in, const S
   std::vector<Tensor> outputs;
   std::vector<State> finals;
   for (int64_t b = 0; b < B; ++b) {
-    MixerInputs in_b;
-    for (const auto& n : MixerInputs::names())
-      if (in.get(n).defined()) in_b.get(n) = in.get(n).narrow(0, b, 1);
+    const MixerInputs in_b = in.sequences(b, 1);
     std::vector<int64_t> cuts{0};
     for (int64_t p = 1; p < T; ++p)
       if (f[b * T + p]) cuts.push_back(p);

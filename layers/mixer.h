@@ -39,19 +39,39 @@ struct MixerInputs {
   Tensor beta;     // delta-rule write strength                  [B,T,H]
   Tensor l;        // log-linear per-level weights λ             [B,T,H,L]
   Tensor a, b;     // the low-rank part of a diagonal-plus-rank-one transition (RWKV-7) [B,T,H,dk]
+  // A per-head constant, no T dimension: gk = g ⊙ decay_rate per head and key dimension (Mamba-1's A,
+  // with g = Δ) [H,dk]. A parameter-like tensor, the same on every rank of a sequence: never cut along
+  // T or the batch, never given a halo; its gradient over a sequence split between ranks is the sum of
+  // the ranks'.
+  Tensor decay_rate;
   // Gated DeltaProduct reads n_h keys, values and betas a token, interleaved along T: k, v, beta then
-  // have T·n_h rows (token t's sub-step j at row t·n_h + j), q and g T rows.
+  // have T·n_h rows (token t's sub-step j at row t·n_h + j), q and g T rows. Mamba-1's q and k have one
+  // head, shared by all of v's (Mixer::broadcasts_heads).
 
-  // Every input name, in this order: q, k, v, g, gk, beta, l, a, b.
+  // Every input name, in this order: q, k, v, g, gk, beta, l, a, b, decay_rate.
   static const std::vector<std::string>& names();
-  // The gates (g, gk, beta): they may stay fp32 beside reduced-precision q, k, v.
-  static bool is_gate(const std::string& name) { return name == "g" || name == "gk" || name == "beta"; }
+  // The gates (g, gk, beta, decay_rate): they may stay fp32 beside reduced-precision q, k, v.
+  static bool is_gate(const std::string& name) {
+    return name == "g" || name == "gk" || name == "beta" || name == "decay_rate";
+  }
+  // Whether the input has a token dimension [B, T, ...] (all but decay_rate).
+  static bool per_token(const std::string& name) { return name != "decay_rate"; }
+  // The dimension of the input's heads: 2 for the per-token inputs [B,T,H,...], 0 for decay_rate [H,dk].
+  static int64_t head_dim(const std::string& name) { return per_token(name) ? 2 : 0; }
   const Tensor& get(const std::string& name) const;
   Tensor& get(const std::string& name);
-  // The slice of tokens [start, start+len) of every defined tensor: rows [start, start+len) along T, or
-  // [n·start, n·(start+len)) of a tensor with n rows a token (n times q's rows: Gated DeltaProduct's
-  // sub-steps).
+  // The slice of tokens [start, start+len) of every defined per-token tensor: rows [start, start+len)
+  // along T, or [n·start, n·(start+len)) of a tensor with n rows a token (n times q's rows: Gated
+  // DeltaProduct's sub-steps). decay_rate passes through unchanged.
   MixerInputs slice(int64_t start, int64_t len) const;
+  // Sequences [start, start+len) of every defined per-token tensor (dim 0); decay_rate unchanged.
+  MixerInputs sequences(int64_t start, int64_t len) const;
+  // The number of heads: the largest head dimension among the defined inputs (a head-broadcast input
+  // has one).
+  int64_t num_heads() const;
+  // Heads [start, start+len) of every defined input along its head_dim, of `heads` in all; an input
+  // with one head while heads > 1 (shared by all heads: Mamba-1's q and k) stays whole.
+  MixerInputs head_range(int64_t start, int64_t len, int64_t heads) const;
 };
 
 // The forms of a family. `automatic`: the kernel form on CUDA tensors when the family has one (and
@@ -133,6 +153,8 @@ class Mixer {
   // Rows along T that input `name` has a token: 1, but for Gated DeltaProduct's sub-step inputs (k, v,
   // beta: opt.num_householder).
   virtual int64_t rows_per_token(const std::string& /*name*/, const MixerOptions& /*opt*/) const { return 1; }
+  // Whether input `name` has one head shared by every head of v (Mamba-1's q = C and k = B: [B,T,1,dk]).
+  virtual bool broadcasts_heads(const std::string& /*name*/) const { return false; }
   // Names of the State tuple's entries, e.g. {"S"} or {"S","C","m","G","h"}; empty if stateless.
   virtual std::vector<std::string> state_names() const = 0;
   // The zero initial state for these inputs (shapes and dtype follow the inputs).

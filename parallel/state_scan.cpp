@@ -45,18 +45,23 @@ Summary detached(const Summary& s) { return {detached(s.transport), detached(s.s
 // ---- layout agreement: every rank learns every rank's slice layout and check() verdict ----
 
 // Per rank: [check ok, T, wants grad, head_groups, then per input name: defined, dtype, dim, sizes
-// without T (dims 0, 2, 3)].
+// without T (dims 0, 2, 3; a constant without T, decay_rate: dims 0, 1)].
 constexpr int64_t kFieldsPerInput = 6;
 constexpr int64_t kHeadFields = 4;
 
 std::string describe_layout(const int64_t* rec) {
   std::ostringstream s;
   bool first = true;
-  for (int i = 0; i < 7; ++i) {
+  for (size_t i = 0; i < kInputNames.size(); ++i) {
     const int64_t* f = rec + kHeadFields + i * kFieldsPerInput;
     if (!f[0]) continue;
-    s << (first ? "" : ", ") << "'" << kInputNames[i] << "' [" << f[3] << ", *";
-    for (int d = 2; d < f[2]; ++d) s << ", " << f[2 + d];
+    s << (first ? "" : ", ") << "'" << kInputNames[i] << "' [" << f[3];
+    if (MixerInputs::per_token(kInputNames[i])) {
+      s << ", *";
+      for (int d = 2; d < f[2]; ++d) s << ", " << f[2 + d];
+    } else {
+      for (int d = 1; d < f[2]; ++d) s << ", " << f[3 + d];
+    }
     s << "] " << static_cast<at::ScalarType>(f[1]);
     first = false;
   }
@@ -74,12 +79,13 @@ Agreement agree_layout(const Mixer& m, Communicator& sp, const MixerInputs& in, 
   const int P = sp.size(), r = sp.rank();
   const int64_t C = opt.chunk_size;
   TORCH_CHECK(C > 0, what, ": chunk_size must be positive, got ", C);
-  std::vector<int64_t> rec(kHeadFields + 7 * kFieldsPerInput, 0);
+  const int n_inputs = static_cast<int>(kInputNames.size());
+  std::vector<int64_t> rec(kHeadFields + n_inputs * kFieldsPerInput, 0);
   int64_t T = -1;
   bool wants_grad = false;
   if (at::GradMode::is_enabled())
     for (auto& t : init) wants_grad = wants_grad || (t.defined() && t.requires_grad());
-  for (int i = 0; i < 7; ++i) {
+  for (int i = 0; i < n_inputs; ++i) {
     const Tensor& t = in.get(kInputNames[i]);
     int64_t* f = rec.data() + kHeadFields + i * kFieldsPerInput;
     if (!t.defined()) continue;
@@ -87,6 +93,10 @@ Agreement agree_layout(const Mixer& m, Communicator& sp, const MixerInputs& in, 
     f[0] = 1;
     f[1] = static_cast<int64_t>(t.scalar_type());
     f[2] = t.dim();
+    if (!MixerInputs::per_token(kInputNames[i])) {  // no T: every size is compared
+      for (int d = 0; d < std::min<int64_t>(t.dim(), 3); ++d) f[3 + d] = t.size(d);
+      continue;
+    }
     for (int d = 0; d < std::min<int64_t>(t.dim(), 4); ++d)
       if (d != 1) f[3 + (d == 0 ? 0 : d - 1)] = t.size(d);
     if (T < 0 && t.dim() >= 2) T = t.size(1);
@@ -178,7 +188,7 @@ Agreement local_layout(const Mixer& m, const MixerInputs& in, const State& init,
   for (const auto& n : kInputNames) {
     const Tensor& t = in.get(n);
     if (!t.defined()) continue;
-    if (a.T == 0 && t.dim() >= 2) a.T = t.size(1);
+    if (a.T == 0 && t.dim() >= 2 && MixerInputs::per_token(n)) a.T = t.size(1);
     a.wants_grad = a.wants_grad || (at::GradMode::is_enabled() && t.requires_grad());
   }
   if (at::GradMode::is_enabled())
@@ -374,6 +384,9 @@ struct ScanContext {
   int64_t heads_per_group = 0;         // heads of each group (inputs: dim 2, states: dim 1)
   std::vector<HeadGroup> groups;       // ordered: G groups in order; tree / allgather: one
   std::vector<bool> input_wants_grad;  // per defined input, kInputNames order
+  // Per defined input, the dimension its head groups' gradients are concatenated along (the input's
+  // head_dim), or -1 for an input shared by all heads (Mamba-1's q, k), whose gradients are summed.
+  std::vector<int64_t> input_head_dim;
   size_t n_init = 0;                   // initial-state entries among the node's inputs (rank 0)
   Summary summary;  // tree / allgather: this rank's summary (rank 0: initial state folded)
   std::vector<Summary> all_summaries;  // allgather: every rank's
@@ -459,12 +472,8 @@ std::vector<Tensor> heads_of(const std::vector<Tensor>& ts, int64_t dim, int g, 
   return out;
 }
 
-MixerInputs heads_of(const MixerInputs& in, int g, int64_t n) {
-  MixerInputs out;
-  for (const auto& name : kInputNames)
-    if (in.get(name).defined()) out.get(name) = in.get(name).narrow(2, g * n, n);
-  return out;
-}
+// Heads [g·n, (g+1)·n) of H: inputs shared by all heads stay whole (MixerInputs::head_range).
+MixerInputs heads_of(const MixerInputs& in, int g, int64_t n, int64_t H) { return in.head_range(g * n, n, H); }
 
 // Entry i of every list, concatenated along `dim` (a single list is returned as it is).
 std::vector<Tensor> cat_entries(const std::vector<std::vector<Tensor>>& lists, int64_t dim) {
@@ -560,7 +569,11 @@ class ScanBackward final : public torch::autograd::Node {
       }
       std::vector<Tensor> parts;
       for (auto& g : in_grads) parts.push_back(g[i]);
-      out.push_back(G == 1 ? parts[0] : at::cat(parts, 2));
+      const int64_t dim = c->input_head_dim[i];
+      Tensor sum;  // a shared input: the groups' gradients summed in group order
+      if (G > 1 && dim < 0)
+        for (auto& p : parts) sum = sum.defined() ? sum + p : p;
+      out.push_back(G == 1 ? parts[0] : dim < 0 ? sum : at::cat(parts, dim));
     }
     if (c->n_init > 0) {
       State d_init = cat_entries(d_s_in, 1);
@@ -601,7 +614,7 @@ MixerInputs sp_slice(const MixerInputs& whole, int sp_rank, int sp_size, int64_t
   TORCH_CHECK(chunk_size > 0, "sp_slice: chunk_size must be positive, got ", chunk_size);
   int64_t T = -1;
   for (const auto& n : kInputNames)
-    if (whole.get(n).defined() && whole.get(n).dim() >= 2) {
+    if (whole.get(n).defined() && whole.get(n).dim() >= 2 && MixerInputs::per_token(n)) {
       T = whole.get(n).size(1);
       break;
     }
@@ -656,7 +669,7 @@ struct ForwardRun {
   // on_final_state, on_initial_state_grad: MixerOptions' hooks for this run (the ordered chain's sends).
   MixerOutput local_forward(int gi, const State& s_in, std::function<void(const State&)> on_final_state = {},
                             std::function<void(const State&)> on_initial_state_grad = {}) const {
-    const MixerInputs in_g = G > 1 ? heads_of(in, gi, n_heads) : in;
+    const MixerInputs in_g = G > 1 ? heads_of(in, gi, n_heads, G * n_heads) : in;
     MixerOptions gopt = lopt;
     gopt.on_final_state = std::move(on_final_state);
     gopt.on_initial_state_grad = std::move(on_initial_state_grad);
@@ -906,12 +919,7 @@ MixerOutput sp_mixer_forward(const Mixer& mixer, Communicator& sp, const MixerIn
 
   // Head groups. From here on every check depends only on the agreed layout and head_groups, so it
   // fails alike on every rank.
-  int64_t H = 0;
-  for (auto& x : xs)
-    if (x.dim() >= 3) {
-      H = x.size(2);
-      break;
-    }
+  const int64_t H = in.num_heads();
   TORCH_CHECK(H > 0, what, ": no input has a head dimension (dim 2 of [B, T, H, ...])");
   TORCH_CHECK(head_groups == 0 || H % head_groups == 0, what, ": head_groups=", head_groups,
               " must divide the number of heads H=", H);
@@ -921,7 +929,7 @@ MixerOutput sp_mixer_forward(const Mixer& mixer, Communicator& sp, const MixerIn
   if (G > 1) {
     // Every state entry must hold the heads at dim 1, whole: the zero state of the group's heads
     // is the zero state of all heads narrowed on dim 1.
-    State part = mixer.zero_state(heads_of(in, 0, n_heads), lopt);
+    State part = mixer.zero_state(heads_of(in, 0, n_heads, H), lopt);
     auto names = mixer.state_names();
     TORCH_CHECK(part.size() == zero.size(), what, ": head_groups=", G, ": the family's state has ",
                 zero.size(), " entries for all heads but ", part.size(), " for a group of heads");
@@ -949,6 +957,11 @@ MixerOutput sp_mixer_forward(const Mixer& mixer, Communicator& sp, const MixerIn
   c->heads_per_group = n_heads;
   c->groups.resize(G);
   for (auto& x : xs) c->input_wants_grad.push_back(x.requires_grad());
+  for (const auto& n : kInputNames)
+    if (in.get(n).defined()) {
+      const int64_t d = MixerInputs::head_dim(n);
+      c->input_head_dim.push_back(H > 1 && in.get(n).size(d) == 1 ? -1 : d);
+    }
 
   MixerInputs det;
   for (const auto& n : kInputNames)

@@ -168,15 +168,18 @@ MixerInputs bench_inputs(const Mixer& m, int64_t T, const Shape& s) {
   // Rows a token (Gated DeltaProduct's k, v and beta: its default num_householder steps a token).
   auto rows = [&](const char* n) { return T * m.rows_per_token(n, MixerOptions{}); };
   MixerInputs in;
-  in.q = rnd({1, T, s.H, s.dk});
-  in.k = rnd({1, rows("k"), s.H, s.dk});
+  auto heads = [&](const char* n) { return m.broadcasts_heads(n) ? int64_t{1} : s.H; };  // Mamba-1's q, k: one
+  in.q = rnd({1, T, heads("q"), s.dk});
+  in.k = rnd({1, rows("k"), heads("k"), s.dk});
   in.k = in.k / in.k.norm(2, -1, true);
   in.v = rnd({1, rows("v"), s.H, s.dv});
   std::vector<std::string> names = m.input_names();
   for (const auto& n : m.optional_input_names()) names.push_back(n);  // HLA's decay: timed with it
+  const bool rate = std::find(names.begin(), names.end(), "decay_rate") != names.end();
   for (const auto& n : names) {
     if (n == "beta") in.beta = at::sigmoid(rnd({1, rows("beta"), s.H}));
-    if (n == "g") in.g = decay({1, T, s.H});
+    if (n == "g") in.g = rate ? at::softplus(rnd({1, T, s.H})) : decay({1, T, s.H});  // Mamba-1: g = Δ
+    if (n == "decay_rate") in.decay_rate = -at::exp(rnd({s.H, s.dk}) * 0.5);
     if (n == "gk") in.gk = decay({1, T, s.H, s.dk});
     if (n == "l") in.l = at::softplus(rnd({1, T, s.H, levels_for(T)}));  // log-linear's level weights
   }

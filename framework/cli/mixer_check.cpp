@@ -23,11 +23,16 @@ MixerInputs random_inputs(const Mixer& m, const Shape& s, at::ScalarType dtype, 
   auto names = m.input_names();
   for (auto& n : m.optional_input_names()) names.push_back(n);
   bool delta = std::find(names.begin(), names.end(), "beta") != names.end();
+  // g scales a per-head decay rate (Mamba-1: g = Δ, decay_rate = A): a step size, softplus of a normal.
+  bool rate = std::find(names.begin(), names.end(), "decay_rate") != names.end();
   for (auto& n : names) {
     Tensor t;
     const int64_t T = s.T * m.rows_per_token(n, MixerOptions{});  // sub-step inputs: n_h rows a token
-    if (n == "q" || n == "k") t = at::randn({s.B, T, s.H, s.dk}, gen, opt);
+    const int64_t H = m.broadcasts_heads(n) ? 1 : s.H;            // Mamba-1's q, k: one shared head
+    if (n == "q" || n == "k") t = at::randn({s.B, T, H, s.dk}, gen, opt);
     else if (n == "v") t = at::randn({s.B, T, s.H, s.dv}, gen, opt);
+    else if (n == "g" && rate) t = at::softplus(at::randn({s.B, T, s.H}, gen, opt));
+    else if (n == "decay_rate") t = -at::exp(at::randn({s.H, s.dk}, gen, opt) * 0.5);
     else if (n == "g") t = at::log_sigmoid(at::randn({s.B, T, s.H}, gen, opt) + 3);
     else if (n == "gk") t = at::log_sigmoid(at::randn({s.B, T, s.H, s.dk}, gen, opt) + 3);
     else if (n == "beta") t = at::sigmoid(at::randn({s.B, T, s.H}, gen, opt));

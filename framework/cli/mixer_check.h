@@ -22,7 +22,9 @@ int64_t num_levels(const Shape& s);
 // Random inputs for the family's input_names() and optional_input_names(): q, k, v ~ N(0,1); log
 // gates log σ(x+3) (decays around 0.95); beta = σ(x); level weights σ(x)+0.1. Families that read beta
 // get L2-normalized keys. An input with several rows a token (Mixer::rows_per_token at the default
-// options: Gated DeltaProduct's k, v, beta) gets that many rows a token.
+// options: Gated DeltaProduct's k, v, beta) gets that many rows a token, and an input shared by all
+// heads (Mixer::broadcasts_heads: Mamba-1's q, k) one head. A family with a decay rate (Mamba-1) gets
+// g = softplus(x), a step size, and decay_rate = −exp(x/2) [H, dk].
 MixerInputs random_inputs(const Mixer& m, const Shape& s, at::ScalarType dtype, uint64_t seed,
                           at::Device device = at::kCPU);
 State random_state(const Mixer& m, const MixerInputs& in, const MixerOptions& opt, uint64_t seed);

@@ -92,7 +92,8 @@ std::string usage() {
        "Runs one mixer family on tensors read by name from IN and writes OUT.\n"
        "\n"
        "  --family NAME     the mixer family (listed below)\n"
-       "  --input PATH      inputs [B,T,H,D] by name: q, k, v, g, gk, beta, l (those the family reads);\n"
+       "  --input PATH      inputs [B,T,H,D] by name: q, k, v, g, gk, beta, l, and decay_rate [H,D]\n"
+       "                    (those the family reads);\n"
        "                    initial_state.<entry> (all entries, or none for the zero state; a state\n"
        "                    of one entry may be named plain initial_state); for gradients do and/or\n"
        "                    dfinal_state.<entry> (all entries): the one left out counts as zero\n"
@@ -347,7 +348,8 @@ Job prepare(const Args& a, int sp_size) {
   }
   // bf16: the gates and the states in fp32 (the kernels' inputs); everything on the chosen device.
   for (auto& [name, t] : file) {
-    const bool fp32 = j.dtype == at::kBFloat16 && (name == "g" || name == "gk" || name.rfind("initial_state", 0) == 0 ||
+    const bool fp32 = j.dtype == at::kBFloat16 && (name == "g" || name == "gk" || name == "decay_rate" ||
+                                                   name.rfind("initial_state", 0) == 0 ||
                                                    name.rfind("dfinal_state", 0) == 0);
     t = t.to(fp32 ? at::kFloat : j.dtype);
     if (cuda) t = t.to(at::kCUDA);
@@ -626,9 +628,16 @@ Outcome run_sp(parallel::Communicator& comm, int argc, char** argv) {
     result["o"] = along_t(0);
     auto final_keys = prefixed("final_state", j.entries);
     for (size_t i = 0; i < final_keys.size(); ++i) result[final_keys[i]] = parts[P - 1][n_t + i];
+    // A constant without T (decay_rate) is every rank's: its gradient is the ranks' sum, in rank order.
+    auto summed = [&](size_t i) {
+      Tensor sum = parts[0][i];
+      for (int s = 1; s < P; ++s) sum = sum + parts[s][i];
+      return sum;
+    };
     if (j.grads) {
       auto names = gradient_names(j);
-      for (size_t i = 0; i < j.inputs.size(); ++i) result[names[i]] = along_t(1 + i);
+      for (size_t i = 0; i < j.inputs.size(); ++i)
+        result[names[i]] = MixerInputs::per_token(j.inputs[i]) ? along_t(1 + i) : summed(1 + i);
       for (size_t i = 0; i < d_init.size(); ++i) result[names[j.inputs.size() + i]] = d_init[i];
     }
     save_safetensors(a.output, result, metadata(a, j, P));

@@ -67,7 +67,8 @@ State diag_decay_apply(const Summary& summary, const State& state) {
 
 namespace {
 std::vector<int64_t> diag_state_shape(const MixerInputs& in) {
-  return {in.q.size(0), in.q.size(2), in.q.size(3), in.v.size(3)};
+  // H from v: Mamba-1's q has one head shared by all (Mixer::broadcasts_heads).
+  return {in.q.size(0), in.v.size(2), in.q.size(3), in.v.size(3)};
 }
 }  // namespace
 

@@ -1,12 +1,15 @@
 // Mamba-1 (S6) / H3 diagonal SSM, family "mamba1": per channel d (a head), h_t = exp(Δ_t A) ⊙ h_{t-1}
-// + (Δ_t B_t) x_tᵀ, y_t = C_tᵀ h_t, in the contract's names q = C, k = Δ·B, v = x, gk = Δ·A (see
-// mamba1.h). State {h [B,D,N,dv]}; transport diagonal, Π_t exp(Δ_t A) per state dimension, [B,D,N].
-// Forms: naive = the selective-scan token recurrence; chunkwise, state and summary algebra = GLA's
-// DiagonalDecayMixer with scale 1 (the same exact per-chunk algorithm, not a copy). MixerOptions::scale and ::normalize are ignored.
+// + B_t (Δ_t x_t)ᵀ, y_t = C_tᵀ h_t, in the contract's names q = C and k = B (one head shared by all
+// channels), v = Δ⊙x, g = Δ, decay_rate = A (see mamba1.h). State {h [B,D,N,dv]}; transport diagonal,
+// Π_t exp(Δ_t A) per state dimension, [B,D,N]. Forms: naive = the selective-scan token recurrence on the
+// compact tensors; chunkwise, the state output and the summary = GLA's diag_decay_chunkwise with scale 1
+// on the dense view (q, k expanded to D heads, gk = Δ·A), the same exact per-chunk algorithm, not a
+// copy; compose and apply are DiagonalDecayMixer's. MixerOptions::scale and ::normalize are ignored.
 #include "layers/diag_decay/mamba1.h"
 
 #include "layers/layout.h"
 #include "layers/diag_decay/gla.h"
+#include "layers/blocks/precision.h"
 
 namespace carry {
 
@@ -34,11 +37,11 @@ MixerInputs mamba1_inputs(const Tensor& x, const Tensor& dt, const Tensor& A, co
               "(exp(Δ·A) a decay); max is ",
               A.max().item<double>());
   MixerInputs in;
-  auto dt_ = dt.unsqueeze(-1);                 // [B,T,D,1]
-  in.q = Cmat.unsqueeze(2).expand({B, T, D, N});
-  in.k = dt_ * Bmat.unsqueeze(2);              // Δ_t,d B_t
-  in.v = x.unsqueeze(-1);                      // [B,T,D,1]
-  in.gk = dt_ * A;                             // Δ_t,d A_d
+  in.q = Cmat.unsqueeze(2);              // [B,T,1,N]: one head, every channel's
+  in.k = Bmat.unsqueeze(2);              // [B,T,1,N]
+  in.v = (dt * x).unsqueeze(-1);         // [B,T,D,1]: Δ_t,d x_t,d
+  in.g = dt;                             // [B,T,D]
+  in.decay_rate = A;                     // [D,N]: gk = Δ_t,d A_d
   return in;
 }
 
@@ -47,26 +50,63 @@ namespace {
 class Mamba1 final : public DiagonalDecayMixer {
  public:
   std::string name() const override { return "mamba1"; }
+  std::vector<std::string> input_names() const override { return {"q", "k", "v", "g", "decay_rate"}; }
+  bool broadcasts_heads(const std::string& n) const override { return n == "q" || n == "k"; }
   std::vector<std::string> state_names() const override { return {"h"}; }
 
-  // The selective scan: per token, discretize (dA = exp(Δ A), dB x = Δ B x), update, read out with C.
+  // The selective scan on the compact tensors: per token, discretize (dA = exp(Δ A)), update with
+  // B (Δ x)ᵀ, read out with C.
   MixerOutput naive(const MixerInputs& in, const State& init, const MixerOptions& opt) const override {
     check(in, opt, false);
-    auto h = initial(in, init);                                // [B,D,N,dv]
-    auto Cm = to_bhtd(in.q), dBm = to_bhtd(in.k), x = to_bhtd(in.v), dtA = to_bhtd(in.gk);
+    auto h = initial(in, init);                                   // [B,D,N,dv]
     std::vector<Tensor> ys;
-    for (int64_t t = 0; t < Cm.size(2); ++t) {
-      auto dA = dtA.select(2, t).exp();                        // [B,D,N]
-      auto dBx = dBm.select(2, t).unsqueeze(-1) * x.select(2, t).unsqueeze(-2);  // [B,D,N,dv]
+    for (int64_t t = 0; t < in.v.size(1); ++t) {
+      auto dA = (in.g.select(1, t).unsqueeze(-1) * in.decay_rate).exp();             // [B,D,N]
+      auto dBx = in.k.select(1, t).unsqueeze(-1) * in.v.select(1, t).unsqueeze(-2);  // [B,D,N,dv]
       h = dA.unsqueeze(-1) * h + dBx;
-      ys.push_back((Cm.select(2, t).unsqueeze(-1) * h).sum(-2));  // Cᵀh: [B,D,dv]
+      ys.push_back((in.q.select(1, t).unsqueeze(-1) * h).sum(-2));                   // Cᵀh: [B,D,dv]
     }
-    return {from_bhtd(at::stack(ys, 2)), {h}};
+    return {at::stack(ys, 1), {h}};
   }
 
-  // y = Cᵀh exactly: no scale.
+  MixerOutput chunkwise(const MixerInputs& in, const State& init, const MixerOptions& opt) const override {
+    check(in, opt, true);
+    const Dense d = dense(in);
+    auto r = diag_decay_chunkwise(d.q, d.k, in.v, d.gk, initial(in, init), opt.chunk_size, 1.0);
+    return {r.o, {r.S}};
+  }
+
+  Summary summarize(const MixerInputs& raw, const MixerOptions& opt) const override {
+    const MixerInputs in = full_precision(raw);
+    check(in, opt, true);
+    const Dense d = dense(in);
+    auto r = diag_decay_chunkwise(d.q, d.k, in.v, d.gk, initial(in, {}), opt.chunk_size, 1.0);
+    return {{r.transport}, {r.S}};
+  }
+
+  Tensor state_output(const MixerInputs& in, const State& s_in, const MixerOptions&) const override {
+    const Dense d = dense(in);
+    return decayed_state_readout(d.q, d.gk, s_in.at(0), 1.0);
+  }
+
+  // Π_t exp(Δ_t A) = exp((Σ_t Δ_t) A), [B,D,N].
+  std::vector<Tensor> transport(const MixerInputs& in, const MixerOptions&) const override {
+    return {at::exp(in.g.sum(1).unsqueeze(-1) * in.decay_rate)};
+  }
+
  protected:
+  // y = Cᵀh exactly: no scale.
   double output_scale(const MixerInputs&, const MixerOptions&) const override { return 1.0; }
+
+ private:
+  // GLA's view of the compact inputs: q and k on every channel, gk = Δ·A.
+  struct Dense {
+    Tensor q, k, gk;  // [B,T,D,N]
+  };
+  static Dense dense(const MixerInputs& in) {
+    const int64_t B = in.v.size(0), T = in.v.size(1), D = in.v.size(2), N = in.q.size(3);
+    return {in.q.expand({B, T, D, N}), in.k.expand({B, T, D, N}), in.g.unsqueeze(-1) * in.decay_rate};
+  }
 };
 
 CARRY_REGISTER_MIXER(Mamba1);

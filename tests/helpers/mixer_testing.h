@@ -85,6 +85,7 @@ class WithKernelForm final : public Mixer {
   int64_t rows_per_token(const std::string& n, const MixerOptions& o) const override {
     return base_.rows_per_token(n, o);
   }
+  bool broadcasts_heads(const std::string& n) const override { return base_.broadcasts_heads(n); }
   std::vector<std::string> state_names() const override { return base_.state_names(); }
   State zero_state(const MixerInputs& in, const MixerOptions& o) const override { return base_.zero_state(in, o); }
   void check(const MixerInputs& in, const MixerOptions& o, bool chunked) const override { base_.check(in, o, chunked); }

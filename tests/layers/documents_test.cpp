@@ -92,9 +92,7 @@ TEST_P(Documents, EachDocumentRunsAsIfAlone) {
       std::vector<Tensor> pieces;
       State cur;
       for (size_t k = 0; k + 1 < cuts.size(); ++k) {
-        MixerInputs sequence;
-        for (const auto& n : MixerInputs::names())
-          if (x.get(n).defined()) sequence.get(n) = x.get(n).narrow(0, b, 1);
+        const MixerInputs sequence = x.sequences(b, 1);
         const MixerInputs piece = sequence.slice(cuts[k], cuts[k + 1] - cuts[k]);  // tokens (sub-step rows too)
         State init;
         if (k == 0 && !starts[b][0].item<bool>())

@@ -215,7 +215,12 @@ TEST(MixerCommandSp, WritesTheSerialFileForEveryFamilyAndMode) {
               mine = false;
               continue;
             }
-            if (std::string(mode) == "ordered") {
+            // The gradient of an input without T (decay_rate) is the ranks' sum, whose rounding
+            // depends on the cut: equal to rounding in every mode.
+            const bool summed = name[0] == 'd' &&
+                                std::find(kInputs.begin(), kInputs.end(), name.substr(1)) != kInputs.end() &&
+                                !MixerInputs::per_token(name.substr(1));
+            if (std::string(mode) == "ordered" && !summed) {
               bool eq = at::equal(t, want);
               EXPECT_TRUE(eq) << name << " differs from the serial run's (ordered must be bitwise)"
                               << "; rel err " << rel_err(t, want);

@@ -1,11 +1,16 @@
 // Tests of layers/diag_decay/mamba1.*: mamba1_inputs plus both forms against a direct per-channel selective scan
-// written with scalar loops over S6's own tensors (x, Δ, A, B, C); gradients of S6's tensors through
-// the helper, chunkwise vs naive; MixerOptions::scale has no effect; bad S6 tensors are refused. The
-// contract tests run for "mamba1" in mixer_test.cpp.
+// written with scalar loops over S6's own tensors (x, Δ, A, B, C); the compact inputs (q = C and k = B with
+// one shared head, v = Δ⊙x, g = Δ, decay_rate = A) against GLA's dense view of S6 (q = C on every channel,
+// k = Δ·B, v = x, gk = Δ·A), outputs, final states and gradients; gradients of S6's tensors and h0 through
+// the helper, chunkwise vs naive; slicing keeps decay_rate; MixerOptions::scale has no effect; bad S6
+// tensors and a decay_rate of the wrong shape are refused. The contract tests run for "mamba1" in
+// mixer_test.cpp.
 #include "layers/diag_decay/mamba1.h"
 #include "tests/helpers/mixer_testing.h"
 
 #include <torch/csrc/autograd/autograd.h>
+
+#include <functional>
 
 #include <gtest/gtest.h>
 
@@ -76,29 +81,111 @@ TEST(Mamba1, FormsEqualDirectSelectiveScan) {
   }
 }
 
-// Gradients of x, Δ, A, B, C (through mamba1_inputs, C broadcast to every channel), chunkwise vs naive.
+// Σ o·w + Σ h·w' and its gradients with respect to x, Δ, A, B, C and h0, `run` mapping leaves of those
+// (h0 [Bt,D,N,1]) to the mixer's output.
+struct S6Run {
+  std::vector<Tensor> outputs;  // o, h
+  std::vector<Tensor> grads;    // x, dt, A, B, C, h0
+};
+S6Run differentiate(const S6& s, const Tensor& h0,
+                    const std::function<MixerOutput(const std::vector<Tensor>&, const State&)>& run) {
+  std::vector<Tensor> leaves;
+  for (auto* t : {&s.x, &s.dt, &s.A, &s.B, &s.C, &h0}) leaves.push_back(t->detach().clone().requires_grad_(true));
+  auto out = run(leaves, {leaves[5]});
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(9);
+  auto loss = (out.o * at::randn(out.o.sizes(), gen, out.o.options())).sum() +
+              (out.final_state[0] * at::randn(out.final_state[0].sizes(), gen, out.o.options())).sum();
+  return {{out.o.detach(), out.final_state[0].detach()}, torch::autograd::grad({loss}, leaves)};
+}
+
+// Gradients of x, Δ, A, B, C and h0 (through mamba1_inputs: C and B shared by every channel), chunkwise vs
+// naive, with realistic Δ (softplus of a normal, never zero) and A < 0.
 TEST(Mamba1, S6GradientsChunkwiseEqualNaive) {
   auto s = random_s6(2, 64, 4, 8, 5);
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(6);
+  auto h0 = at::randn({2, 4, 8, 1}, gen, at::TensorOptions().dtype(at::kDouble));
   MixerOptions opt;
   opt.chunk_size = 16;
-  std::vector<std::vector<Tensor>> grads;
-  std::vector<Tensor> ys;
-  for (bool chunked : {false, true}) {
-    std::vector<Tensor> leaves;
-    for (auto* t : {&s.x, &s.dt, &s.A, &s.B, &s.C}) leaves.push_back(t->detach().clone().requires_grad_(true));
-    auto in = mamba1_inputs(leaves[0], leaves[1], leaves[2], leaves[3], leaves[4]);
-    auto out = chunked ? mamba1().chunkwise(in, {}, opt) : mamba1().naive(in, {}, opt);
-    auto gen = at::make_generator<at::CPUGeneratorImpl>(9);
-    auto loss = (out.o * at::randn(out.o.sizes(), gen, out.o.options())).sum() +
-                (out.final_state[0] * at::randn(out.final_state[0].sizes(), gen, out.o.options())).sum();
-    grads.push_back(torch::autograd::grad({loss}, leaves));
-    ys.push_back(out.o.detach());
-  }
-  double eg = max_rel_err(grads[1], grads[0]);
-  std::cout << "[ errors   ] mamba1 S6 gradients (x, dt, A, B, C) chunkwise vs naive: " << eg
-            << ", y " << rel_err(ys[1], ys[0]) << "\n";
+  std::vector<S6Run> runs;
+  for (bool chunked : {false, true})
+    runs.push_back(differentiate(s, h0, [&](const std::vector<Tensor>& l, const State& init) {
+      auto in = mamba1_inputs(l[0], l[1], l[2], l[3], l[4]);
+      return chunked ? mamba1().chunkwise(in, init, opt) : mamba1().naive(in, init, opt);
+    }));
+  double eg = max_rel_err(runs[1].grads, runs[0].grads), eo = max_rel_err(runs[1].outputs, runs[0].outputs);
+  std::cout << "[ errors   ] mamba1 S6 gradients (x, dt, A, B, C, h0) chunkwise vs naive: " << eg
+            << ", outputs (y, h) " << eo << "\n";
   EXPECT_LE(eg, 1e-10);
-  for (auto& g : grads[1]) EXPECT_GT(g.abs().max().item<double>(), 0);
+  EXPECT_LE(eo, 1e-12);
+  for (auto& g : runs[1].grads) EXPECT_GT(g.abs().max().item<double>(), 0);
+}
+
+// The compact inputs give what GLA's dense view of S6 gives (the mapping q = C expanded to every channel,
+// k = Δ·B, v = x, gk = Δ·A, run by GLA's forms with scale 1): outputs, final states and the gradients of
+// x, Δ, A, B, C and h0, in the naive and the chunkwise form.
+TEST(Mamba1, CompactInputsEqualTheDenseMapping) {
+  const int64_t Bt = 2, T = 48, D = 3, N = 5;
+  auto s = random_s6(Bt, T, D, N, 11);
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(12);
+  auto h0 = at::randn({Bt, D, N, 1}, gen, at::TensorOptions().dtype(at::kDouble));
+  const Mixer& gla = get_mixer("gla");
+  MixerOptions opt;
+  opt.chunk_size = 16;
+  opt.scale = 1.0;
+  for (bool chunked : {false, true}) {
+    auto compact = differentiate(s, h0, [&](const std::vector<Tensor>& l, const State& init) {
+      auto in = mamba1_inputs(l[0], l[1], l[2], l[3], l[4]);
+      return chunked ? mamba1().chunkwise(in, init, opt) : mamba1().naive(in, init, opt);
+    });
+    auto dense = differentiate(s, h0, [&](const std::vector<Tensor>& l, const State& init) {
+      MixerInputs in;
+      auto dt = l[1].unsqueeze(-1);                  // [Bt,T,D,1]
+      in.q = l[4].unsqueeze(2).expand({Bt, T, D, N});
+      in.k = dt * l[3].unsqueeze(2);
+      in.v = l[0].unsqueeze(-1);
+      in.gk = dt * l[2];
+      return chunked ? gla.chunkwise(in, init, opt) : gla.naive(in, init, opt);
+    });
+    double eo = max_rel_err(compact.outputs, dense.outputs), eg = max_rel_err(compact.grads, dense.grads);
+    std::cout << "[ errors   ] mamba1 " << (chunked ? "chunkwise" : "naive")
+              << " compact inputs vs the dense mapping: outputs (y, h) " << eo << ", gradients (x, dt, A, B, C, h0) "
+              << eg << "\n";
+    EXPECT_LE(eo, 1e-12);
+    EXPECT_LE(eg, 1e-12);
+    for (auto& g : compact.grads) EXPECT_GT(g.abs().max().item<double>(), 0);
+  }
+}
+
+// The inputs' layout: q, k one shared head, decay_rate A itself; cutting tokens, sequences or heads leaves
+// decay_rate whole where it has no such dimension and cuts its heads with the channels'.
+TEST(Mamba1, CompactInputsAndTheirSlices) {
+  const int64_t Bt = 2, T = 32, D = 4, N = 3;
+  auto s = random_s6(Bt, T, D, N, 13);
+  auto in = mamba1_inputs(s.x, s.dt, s.A, s.B, s.C);
+  EXPECT_EQ(in.q.sizes(), (std::vector<int64_t>{Bt, T, 1, N}));
+  EXPECT_EQ(in.k.sizes(), (std::vector<int64_t>{Bt, T, 1, N}));
+  EXPECT_EQ(in.v.sizes(), (std::vector<int64_t>{Bt, T, D, 1}));
+  EXPECT_EQ(in.g.sizes(), (std::vector<int64_t>{Bt, T, D}));
+  EXPECT_FALSE(in.gk.defined());
+  EXPECT_TRUE(in.decay_rate.is_same(s.A));
+  EXPECT_EQ(in.num_heads(), D);
+  auto part = in.slice(8, 16);
+  EXPECT_TRUE(part.decay_rate.is_same(s.A));
+  EXPECT_TRUE(at::equal(part.v, in.v.narrow(1, 8, 16)));
+  EXPECT_TRUE(at::equal(part.q, in.q.narrow(1, 8, 16)));
+  auto one = in.sequences(1, 1);
+  EXPECT_TRUE(one.decay_rate.is_same(s.A));
+  EXPECT_TRUE(at::equal(one.g, in.g.narrow(0, 1, 1)));
+  auto heads = in.head_range(2, 2, D);
+  EXPECT_TRUE(heads.q.is_same(in.q));
+  EXPECT_TRUE(at::equal(heads.decay_rate, s.A.narrow(0, 2, 2)));
+  EXPECT_TRUE(at::equal(heads.v, in.v.narrow(2, 2, 2)));
+  // The heads run on their own give those heads of the whole run.
+  MixerOptions opt;
+  opt.chunk_size = 16;
+  auto whole = mamba1().chunkwise(in, {}, opt), two = mamba1().chunkwise(heads, {}, opt);
+  EXPECT_LE(rel_err(two.o, whole.o.narrow(2, 2, 2)), 1e-14);
+  EXPECT_LE(rel_err(two.final_state[0], whole.final_state[0].narrow(1, 2, 2)), 1e-14);
 }
 
 TEST(Mamba1, BadS6TensorsAreRefused) {
@@ -108,6 +195,26 @@ TEST(Mamba1, BadS6TensorsAreRefused) {
   expect_error([&] { mamba1_inputs(s.x, s.dt, s.A, s.B.narrow(2, 0, 3), s.C); }, "'B'");
   expect_error([&] { mamba1_inputs(s.x, s.dt, s.A.narrow(0, 0, 2), s.B, s.C); }, "'A'");
   expect_error([&] { mamba1_inputs(s.x, s.dt, s.A, s.B, s.C.to(at::kFloat)); }, "'C'");
+  // The mixer's own checks of the compact inputs: decay_rate must be [D, N], g (Δ) >= 0, decay_rate <= 0.
+  auto in = mamba1_inputs(s.x, s.dt, s.A, s.B, s.C);
+  MixerOptions opt;
+  opt.chunk_size = 16;
+  auto bad = in;
+  bad.decay_rate = s.A.narrow(0, 0, 2);
+  for (bool chunked : {false, true})
+    expect_error([&] { chunked ? mamba1().chunkwise(bad, {}, opt) : mamba1().naive(bad, {}, opt); },
+                 "mamba1: 'decay_rate' (a rate for each head of 'v' and key dimension) must have shape [3, 4], got [2, 4]");
+  bad = in;
+  bad.q = in.q.expand({2, 16, 3, 4});  // q of every channel: the family reads one shared head
+  expect_error([&] { mamba1().chunkwise(bad, {}, opt); }, "'q' (H = 3, the heads of 'v') must have shape [2, 16, 1, 4]");
+  opt.check_values = true;
+  bad = in;
+  bad.g = -in.g;
+  expect_error([&] { mamba1().chunkwise(bad, {}, opt); }, "'g' is the step that scales decay_rate");
+  bad = in;
+  bad.decay_rate = -in.decay_rate;
+  expect_error([&] { mamba1().naive(bad, {}, opt); }, "'decay_rate' is a log decay and must be <= 0");
+  EXPECT_NO_THROW(mamba1().chunkwise(in, {}, opt));
 }
 
 }  // namespace
