@@ -291,6 +291,35 @@ TEST(Trainer, PerformerUnderSpEqualsSerial) {
                             " segments (fp32, 5 steps)"));
 }
 
+// Mamba-1 (S6; its decay rate A, a parameter every rank reads whole, its gradient the ranks' sum) under
+// every scan mode and with per-layer recomputation: the serial run's steps to rounding; with ordered
+// segments its bits.
+TEST(Trainer, Mamba1UnderSpEqualsSerial) {
+  const int P = parallel::world_info().size;
+  if (P < 2) GTEST_SKIP() << "needs 2 or more ranks";
+  const std::vector<std::string> mamba1{"model.mixers=mamba1"};
+  auto serial = train(config(mamba1), false);
+  for (const char* mode : {"ordered", "tree", "allgather"})
+    for (bool recompute : {false, true}) {
+      if (recompute && std::string(mode) != "ordered") continue;
+      auto o = mamba1;
+      o.push_back("parallel.sp=" + std::to_string(P));
+      o.push_back(std::string("parallel.scan_mode=") + mode);
+      if (recompute) o.push_back("parallel.recompute=true");
+      double err = compare(train(config(o), true), serial);
+      if (parallel::world_info().rank == 0)
+        std::printf("[ errors   ] trainer mamba1 sp=%d %s%s vs sp=1 (fp64, 5 steps): %.3e\n", P, mode,
+                    recompute ? " recomputed" : "", err);
+      EXPECT_LE(err, 1e-10) << mode;
+    }
+  auto segmented = mamba1, sp = mamba1;
+  segmented.push_back("parallel.segments=" + std::to_string(P));
+  sp.push_back("parallel.sp=" + std::to_string(P));
+  EXPECT_TRUE(same_bits(train_bits(config(sp), true), train_bits(config(segmented), false),
+                        "mamba1 sp=" + std::to_string(P) + " vs sp=1 with " + std::to_string(P) +
+                            " segments (fp32, 5 steps)"));
+}
+
 TEST(Trainer, OrderedSegmentsGiveTheSameBitsOnEveryLayout) {
   const int P = parallel::world_info().size;
   if (P < 2) GTEST_SKIP() << "needs 2 or more ranks";
