@@ -1358,8 +1358,10 @@ TEST(Timeouts, MissingPeerGivesAnErrorNamingTheOperation) {
       if (r == 0) std::cout << "[ message  ] " << msg << "\n";
     }
     world.barrier();
-    // The late contribution completes the collective the others abandoned.
-    if (r == W - 1) error_of_comm([&] { c->all_gather(at::zeros({4 + 7 * 6}, at::kLong)); });
+    // The late contribution completes the collective the others abandoned (agree_layout's record: 4
+    // fields, then 6 an input name).
+    const int64_t record = 4 + 6 * static_cast<int64_t>(MixerInputs::names().size());
+    if (r == W - 1) error_of_comm([&] { c->all_gather(at::zeros({record}, at::kLong)); });
     world.barrier();
   }
 }
