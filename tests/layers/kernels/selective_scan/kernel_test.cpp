@@ -7,7 +7,7 @@
 // each run so that unwritten elements show. With serial states (one segment) a sequence cut at any token,
 // the second piece from the first's final state, gives the bits of the whole: y, h_T, the gradients of u,
 // Δ, B, C and h0 (dA, a sum over the tokens split with the sequence, to 1e-5). Skips itself without a GPU
-// (and on builds without CUDA).
+// (and on builds without CUDA). Inputs it does not take are refused with a message that says what it takes.
 #include "framework/cli/mixer_check.h"
 #include "layers/core/device.h"
 #include "tests/layers/kernels/selective_scan/reference.h"
@@ -142,6 +142,34 @@ TEST(SelectiveScanKernel, SerialStatesGiveTheBitsOfTheWhole) {
         EXPECT_EQ(unequal, 0u) << dt << " N=" << N << " cut at " << cut << ":" << which;
       }
     }
+#endif
+}
+
+TEST(SelectiveScanKernel, RefusesInputsItDoesNotTake) {
+  if (cuda_device_count() == 0) GTEST_SKIP() << "no CUDA device: GPU tests skipped";
+#ifndef CARRY_WITH_CUDA
+  GTEST_SKIP() << "built without CUDA";
+#else
+  const ScanInputs ok = on_gpu(scan_inputs(1, 8, 5, 4, 1), at::kFloat);
+  auto refused = [&](const ScanInputs& in, const std::string& needle) {
+    try {
+      selective_scan_kernel(in.u, in.delta, in.A, in.B, in.C, in.h0);
+      ADD_FAILURE() << "accepted; expected an error naming '" << needle << "'";
+    } catch (const c10::Error& e) {
+      EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
+    }
+  };
+  ScanInputs bad = on_gpu(scan_inputs(1, 8, 5, 5, 1), at::kFloat);  // N = 5
+  refused(bad, "N in {4, 8, 16}; got u [1, 8, 5] Float on cuda:0, delta [1, 8, 5] Float, A [5, 5]");
+  bad = ok;
+  bad.delta = ok.delta.to(at::kBFloat16);  // mixed dtypes
+  refused(bad, "delta [1, 8, 5] BFloat16");
+  bad = ok;
+  bad.u = ok.u.cpu(), bad.delta = ok.delta.cpu(), bad.B = ok.B.cpu(), bad.C = ok.C.cpu();
+  refused(bad, "got u [1, 8, 5] Float on cpu");
+  bad = ok;
+  bad.h0 = ok.h0.narrow(2, 0, 2);  // [1,5,2] for N = 4
+  refused(bad, "initial_state must be contiguous fp32 [1,5,4] on cuda:0; got [1, 5, 2]");
 #endif
 }
 
