@@ -14,4 +14,10 @@ at::Tensor cat_neg(const at::Tensor& a, const at::Tensor& b);
 // [B,T,H,dc], taken one token later (c'_t = c_{t+1}, zero at the last token) when `next_token`.
 at::Tensor sum_grads(const at::Tensor& a, const at::Tensor& b, const at::Tensor& c, int64_t c_col0, bool next_token);
 
+// a − c[..., c_col0 : c_col0 + d] (d = a's last dimension), rounded once.
+at::Tensor minus_columns(const at::Tensor& a, const at::Tensor& c, int64_t c_col0);
+
+// c[..., c_col0 : c_col0 + d] as a contiguous tensor.
+at::Tensor columns(const at::Tensor& c, int64_t c_col0, int64_t d);
+
 }  // namespace carry::kernels::hla

@@ -41,9 +41,9 @@ struct Hla2JointOp : public torch::autograd::Function<Hla2JointOp> {
     auto fW = dk_::decay_fwd(kind, k, qb, vb, gb, 1.0, C0, seg);
     Tensor kW = at::cat({k, fW[0]}, -1);
     auto fJ = dk_::decay_fwd(kind, q, k, kW, g, scale, at::cat({S0, G0}, -1), seg);
-    Tensor R = fJ[0].narrow(-1, 0, dk).contiguous();
+    Tensor R = glue::columns(fJ[0], 0, dk);
     auto fS = dk_::decay_fwd(kind, R, q, v, g, 1.0, C0, seg);
-    Tensor o = at::sub(fS[0], fJ[0].narrow(-1, dk, dv));
+    Tensor o = glue::minus_columns(fS[0], fJ[0], dk);
     variable_list keep{q, k, v, g_or_empty, qb, vb, decayed ? gb : g_or_empty, kW, R};
     for (const auto* f : {&fW, &fJ, &fS}) {
       auto s = saved_of(*f);
@@ -79,7 +79,7 @@ struct Hla2JointOp : public torch::autograd::Function<Hla2JointOp> {
     auto bJ = dk_::decay_bwd(kind, q, k, kW, g, scale, Tensor(), saved(1), glue::cat_neg(bS[0], d_o),
                              at::cat({state_grad(1, dk), state_grad(3, dv)}, -1), seg);
     // W = pass(k, ←q, ←v, ←g, C_0), its final state unread.
-    auto bW = dk_::decay_bwd(kind, k, qb, vb, gb, 1.0, Tensor(), saved(0), bJ[2].narrow(-1, dk, dv).contiguous(),
+    auto bW = dk_::decay_bwd(kind, k, qb, vb, gb, 1.0, Tensor(), saved(0), glue::columns(bJ[2], dk, dv),
                              at::zeros({B, H, dk, dv}, f32), seg);
     Tensor dq = glue::sum_grads(bJ[0], bS[1], bW[1], 0, /*next_token=*/true);
     Tensor dk_in = glue::sum_grads(bJ[1], bW[0], bJ[2], 0, /*next_token=*/false);
