@@ -4,11 +4,15 @@
 // Π_t exp(Δ_t A) per state dimension, [B,D,N]. Forms: naive = the selective-scan token recurrence on the
 // compact tensors; chunkwise, the state output and the summary = GLA's diag_decay_chunkwise with scale 1
 // on the dense view (q, k expanded to D heads, gk = Δ·A), the same exact per-chunk algorithm, not a
-// copy; compose and apply are DiagonalDecayMixer's. MixerOptions::scale and ::normalize are ignored.
+// copy; kernel (CUDA builds) = the selective-scan kernels on the compact tensors; compose and apply are
+// DiagonalDecayMixer's. MixerOptions::scale and ::normalize are ignored.
 #include "layers/diag_decay/mamba1.h"
 
 #include "layers/layout.h"
 #include "layers/diag_decay/gla.h"
+#ifdef CARRY_WITH_CUDA
+#include "layers/kernels/selective_scan/op.h"
+#endif
 #include "layers/blocks/precision.h"
 
 namespace carry {
@@ -93,6 +97,35 @@ class Mamba1 final : public DiagonalDecayMixer {
   std::vector<Tensor> transport(const MixerInputs& in, const MixerOptions&) const override {
     return {at::exp(in.g.sum(1).unsqueeze(-1) * in.decay_rate)};
   }
+
+#ifdef CARRY_WITH_CUDA
+  // The kernel form: the selective-scan kernels (layers/kernels/selective_scan/) on the compact tensors,
+  // u = Δ⊙x [B,T,D], Δ [B,T,D], A [D,N], B and C [B,T,N]. Δ goes in the dtype of x (the kernels read u,
+  // Δ, B and C in one dtype; an fp32 Δ beside bf16 x is rounded to bf16).
+  bool has_kernel() const override { return true; }
+  bool kernel_supports(const MixerInputs& in, const MixerOptions&) const override {
+    if (!in.v.defined() || !in.g.defined() || !in.q.defined() || !in.k.defined() || !in.decay_rate.defined() ||
+        in.v.dim() != 4 || in.v.size(3) != 1 || in.q.dim() != 4 || in.q.size(2) != 1 || in.k.dim() != 4 ||
+        in.k.size(2) != 1)
+      return false;
+    const auto dt = in.v.scalar_type();
+    const int64_t N = in.q.size(3);
+    for (const Tensor* t : {&in.q, &in.k, &in.v, &in.g, &in.decay_rate})
+      if (!t->is_cuda() || t->device() != in.v.device()) return false;
+    return (dt == at::kBFloat16 || dt == at::kFloat) && (N == 4 || N == 8 || N == 16);
+  }
+  MixerOutput kernel(const MixerInputs& in, const State& init, const MixerOptions& opt) const override {
+    check(in, opt, /*chunked=*/false);  // the kernels take any T
+    TORCH_CHECK(kernel_supports(in, opt), name(), ": the kernel form takes CUDA tensors in bf16 or fp32 with N in {4, 8, 16} ",
+                "states a channel; got v ", shape_str(in.v.sizes()), " ", in.v.scalar_type(), " on ", in.v.device(),
+                ", q ", shape_str(in.q.sizes()));
+    const auto dt = in.v.scalar_type();
+    const Tensor h0 = init.empty() ? Tensor() : init.at(0).squeeze(-1);
+    auto [y, h] = selective_scan_kernel(in.v.squeeze(-1), in.g.to(dt), in.decay_rate, in.k.squeeze(2).to(dt),
+                                        in.q.squeeze(2).to(dt), h0, opt.serial_states);
+    return {y.unsqueeze(-1), {h.unsqueeze(-1)}};
+  }
+#endif
 
  protected:
   // y = Cᵀh exactly: no scale.

@@ -4,12 +4,15 @@
 // k = Δ·B, v = x, gk = Δ·A), outputs, final states and gradients; gradients of S6's tensors and h0 through
 // the helper, chunkwise vs naive; slicing keeps decay_rate; MixerOptions::scale has no effect; bad S6
 // tensors and a decay_rate of the wrong shape are refused. The contract tests run for "mamba1" in
-// mixer_test.cpp.
+// mixer_test.cpp. On a GPU the kernel form (the selective-scan kernels) against the naive form, and its
+// serial_states cuts bit for bit.
 #include "layers/diag_decay/mamba1.h"
+#include "layers/core/device.h"
 #include "tests/helpers/mixer_testing.h"
 
 #include <torch/csrc/autograd/autograd.h>
 
+#include <cstdio>
 #include <functional>
 
 #include <gtest/gtest.h>
@@ -215,6 +218,71 @@ TEST(Mamba1, BadS6TensorsAreRefused) {
   bad.decay_rate = -in.decay_rate;
   expect_error([&] { mamba1().naive(bad, {}, opt); }, "'decay_rate' is a log decay and must be <= 0");
   EXPECT_NO_THROW(mamba1().chunkwise(in, {}, opt));
+}
+
+// The kernel form (GPU; skips without one) against the naive form in fp32 on the same values (T need not be
+// a multiple of the chunk): fp32
+// inputs within 1e-4 relative, bf16 within 1e-2, for the output, the final state and the gradients of q
+// (C), k (B), v (Δ⊙x), g (Δ), decay_rate (A) and the initial state, from a random initial state, with and
+// without serial_states; then with serial_states a slice cut anywhere, its state passed on, gives the
+// whole slice's bits.
+TEST(Mamba1, KernelFormMatchesNaiveOnGpu) {
+  if (cuda_device_count() == 0) GTEST_SKIP() << "no CUDA device: GPU tests skipped";
+#ifndef CARRY_WITH_CUDA
+  GTEST_SKIP() << "built without CUDA";
+#else
+  const Mixer& m = mamba1();
+  ASSERT_TRUE(m.has_kernel());
+  struct Case {
+    int64_t B, T, D, N;
+  };
+  for (const Case& c : {Case{2, 200, 64, 16}, Case{1, 1000, 200, 4}, Case{2, 63, 5, 8}})
+    for (bool serial : {false, true})
+      for (auto dt : {at::kFloat, at::kBFloat16}) {
+        S6 s = random_s6(c.B, c.T, c.D, c.N, 31 + c.T);
+        MixerInputs low = inputs_as(mamba1_inputs(s.x, s.dt, s.A, s.B, s.C, false), dt), up;
+        for (const auto& n : MixerInputs::names())
+          if (low.get(n).defined()) low.get(n) = low.get(n).to(at::kCUDA), up.get(n) = low.get(n).to(at::kFloat);
+        MixerOptions opt;
+        opt.serial_states = serial;
+        State s0{at::randn({c.B, c.D, c.N, 1}, at::make_generator<at::CPUGeneratorImpl>(7), at::kDouble)
+                     .to(at::kFloat).to(at::kCUDA)};
+        ASSERT_TRUE(m.kernel_supports(low, opt));
+        ASSERT_EQ(m.resolve_form(low, opt), Form::kernel);
+        auto ref = outputs_then_grads(m, Form::naive, up, s0, opt);
+        auto ker = outputs_then_grads(m, Form::kernel, low, s0, opt);
+        auto names = result_names(m.state_names(), low);
+        ASSERT_EQ(ref.size(), names.size());
+        ASSERT_EQ(ker.size(), names.size());
+        std::string line;
+        for (size_t i = 0; i < ref.size(); ++i) {
+          const double e = rel_err(ker[i], ref[i]);
+          EXPECT_TRUE(at::isfinite(ker[i]).all().item<bool>()) << names[i] << " is not finite";
+          EXPECT_LE(e, dt == at::kFloat ? 1e-4 : 1e-2) << (serial ? "serial " : "") << dt << " B=" << c.B
+                                                       << " T=" << c.T << " D=" << c.D << " N=" << c.N << ": " << names[i];
+          char buf[64];
+          std::snprintf(buf, sizeof buf, " %s %.1e", names[i].c_str(), e);
+          line += buf;
+        }
+        std::cout << "[ errors   ] mamba1" << (serial ? " serial" : "") << " " << dt << " B=" << c.B << " T=" << c.T
+                  << " D=" << c.D << " N=" << c.N << ":" << line << "\n";
+      }
+  // Cuts under serial_states: bit for bit.
+  S6 s = random_s6(1, 300, 48, 16, 91);
+  MixerInputs in = inputs_as(mamba1_inputs(s.x, s.dt, s.A, s.B, s.C, false), at::kBFloat16);
+  for (const auto& n : MixerInputs::names())
+    if (in.get(n).defined()) in.get(n) = in.get(n).to(at::kCUDA);
+  MixerOptions opt;
+  opt.serial_states = true;
+  opt.form = Form::kernel;
+  auto whole = m.forward(in, {}, opt);
+  for (int64_t cut : {1, 64, 157}) {
+    auto first = m.forward(in.slice(0, cut), {}, opt);
+    auto second = m.forward(in.slice(cut, 300 - cut), first.final_state, opt);
+    EXPECT_TRUE(at::equal(at::cat({first.o, second.o}, 1), whole.o)) << "cut at " << cut << ": outputs differ";
+    EXPECT_TRUE(at::equal(second.final_state[0], whole.final_state[0])) << "cut at " << cut << ": final state differs";
+  }
+#endif
 }
 
 }  // namespace

@@ -1,6 +1,7 @@
 // The selective-scan kernels (layers/kernels/selective_scan/, through the autograd op of op.h) against the
 // token recurrence in fp64 on the GPU (reference.h) on the same inputs rounded to the kernel's dtype: y, h_T
-// and the gradients of u, Δ, A, B, C and h0 for the loss Σ y·dy + Σ h_T·dh_T with random dy, dh_T.
+// and the gradients of u, Δ, A, B, C and h0 for the loss Σ y·dy + Σ h_T·dh_T with random dy, dh_T (rounded
+// to y's dtype and to fp32, as the kernel receives them).
 // Max-norm relative error ≤ 1e-4 for fp32 inputs, ≤ 1e-2 for bf16. B = 2, T ∈ {1, 63, 200, 1000},
 // D ∈ {5, 64, 200}, N ∈ {4, 16}; the segments chosen by the grid, one segment, and 3 asked for. Realistic
 // inputs (Δ a softplus, A = −exp(·), a nonzero h0). Outputs and intermediates are poisoned (NaN) before
@@ -74,10 +75,12 @@ TEST(SelectiveScanKernel, MatchesTheTokenRecurrence) {
         for (auto dt : {at::kFloat, at::kBFloat16}) {
           const ScanInputs low = on_gpu(in, dt);
           ASSERT_TRUE(selective_scan_kernel_supports(low.u, low.delta, low.A, low.B, low.C));
-          const auto ref = run(low, dy, dh, /*kernel=*/false);
+          // The output gradients as the kernel receives them (y's in its dtype, h_T's in fp32).
+          const at::Tensor dyr = dy.to(dt).to(at::kDouble), dhr = dh.to(at::kFloat).to(at::kDouble);
+          const auto ref = run(low, dyr, dhr, /*kernel=*/false);
           for (int segments : {0, 1, 3}) {
             ss::selective_scan_set_segments(segments);
-            const auto ker = run(low, dy, dh, /*kernel=*/true);
+            const auto ker = run(low, dyr, dhr, /*kernel=*/true);
             ASSERT_EQ(ker.size(), ref.size());
             const double bound = dt == at::kFloat ? 1e-4 : 1e-2;
             std::string line;
