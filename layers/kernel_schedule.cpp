@@ -4,6 +4,7 @@
 #ifdef CARRY_WITH_CUDA
 #include "layers/kernels/decay/api.h"
 #include "layers/kernels/delta_rule/api.h"
+#include "layers/kernels/selective_scan/api.h"
 #endif
 
 namespace carry {
@@ -13,6 +14,7 @@ void set_kernel_schedule(const KernelSchedule& s) {
   kernels::delta_rule::gdn_set_pieces(s.delta_rule_pieces, s.delta_rule_ramp);
   kernels::decay::decay_set_segments(s.decay_segments);
   kernels::decay::decay_set_pieces(s.decay_pieces);
+  kernels::selective_scan::selective_scan_set_segments(s.scan_segments);
 #else
   (void)s;
 #endif

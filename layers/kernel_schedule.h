@@ -13,6 +13,7 @@ struct KernelSchedule {
   bool delta_rule_ramp = false;  // forced pieces with shorter end pieces (needs delta_rule_pieces > 0)
   int decay_segments = 0;        // 1: the chunks in order; 0: automatic
   int decay_pieces = 0;          // 1: one walk; 0: automatic
+  int scan_segments = 0;         // the selective scan's segments (Mamba-1): 1: in order; 0: automatic
 };
 
 void set_kernel_schedule(const KernelSchedule& schedule);

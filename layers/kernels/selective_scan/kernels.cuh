@@ -27,6 +27,17 @@ __device__ __forceinline__ __nv_bfloat16 from_f<__nv_bfloat16>(float x) { return
 
 __device__ __forceinline__ int imin(int a, int b) { return a < b ? a : b; }
 
+// A read of an input through the read-only path: the walks' stores cannot alias it, so the compiler may
+// issue the reads of several tokens before their arithmetic (on the CPU emulation, a plain read).
+template <typename T>
+__device__ __forceinline__ T ro(const T* p) {
+#if defined(__CUDA_ARCH__)
+  return __ldg(p);
+#else
+  return *p;
+#endif
+}
+
 struct Dims {
   int Bs, T, D, N, L, S, P;  // sequences, tokens, channels, states, segment length, segments, channel blocks
 };
@@ -37,16 +48,16 @@ struct Tokens {
   const In *u_, *delta_, *B_, *C_, *dy_;
   long D, N;
   int d, n0;
-  __device__ float delta(int t) const { return to_f(delta_[t * D + d]); }
-  __device__ float u(int t) const { return to_f(u_[t * D + d]); }
-  __device__ float dy(int t) const { return to_f(dy_[t * D + d]); }
+  __device__ float delta(int t) const { return to_f(ro(delta_ + t * D + d)); }
+  __device__ float u(int t) const { return to_f(ro(u_ + t * D + d)); }
+  __device__ float dy(int t) const { return to_f(ro(dy_ + t * D + d)); }
   __device__ void b(int t, float (&out)[kGroup]) const {
 #pragma unroll
-    for (int g = 0; g < kGroup; ++g) out[g] = to_f(B_[t * N + n0 + g]);
+    for (int g = 0; g < kGroup; ++g) out[g] = to_f(ro(B_ + t * N + n0 + g));
   }
   __device__ void c(int t, float (&out)[kGroup]) const {
 #pragma unroll
-    for (int g = 0; g < kGroup; ++g) out[g] = to_f(C_[t * N + n0 + g]);
+    for (int g = 0; g < kGroup; ++g) out[g] = to_f(ro(C_ + t * N + n0 + g));
   }
 };
 

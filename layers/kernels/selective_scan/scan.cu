@@ -24,7 +24,9 @@
 // Floor. Forward: reads u, Δ (2·B·T·D elements) twice with S > 1 and writes y; B, C are B·T·N. Backward: reads
 // u, Δ, dy three to four times and writes du, dΔ; the checkpoints are 4·B·T·D·N/16 bytes each way, the dB/dC
 // partials 8·B·T·N·⌈D·N/512⌉ bytes. The arithmetic is one exp and a few FMAs a (token, d, n): memory and the
-// exp bound it. ptxas (sm_90a): bwd_main 231 to 255 registers, no spills (2 blocks an SM); the others 32 to 40.
+// exp bound it. The walks read each input kTile tokens ahead of the arithmetic, through the read-only path, so
+// those loads are in flight together. ptxas (sm_90a): bwd_main 164 to 168 registers (3 blocks an SM), the
+// walks 71 to 80 (6 blocks an SM), no spills; the scans 32.
 #include "layers/kernels/selective_scan/api.h"
 #include "layers/kernels/selective_scan/kernels.cuh"
 #include "layers/kernels/selective_scan/scan.cuh"
@@ -89,13 +91,24 @@ Dims dims_of(const at::Tensor& u, const at::Tensor& A, int L) {
   return m;
 }
 
-// The segments asked for: the call's, else the forced one, else by the grid: about 8 blocks an SM, at
-// least 64 tokens a segment.
-int segments_asked(int segments, int Bs, int T, int D, int N) {
+// The blocks of the forward's output kernel that one SM holds at once (its registers bound it).
+template <typename In, int N>
+int output_blocks_per_sm() {
+  static const int n = [] {
+    int k = 0;
+    C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&k, fwd_output_kernel<In, N>, kThreads, 0));
+    return std::max(1, k);
+  }();
+  return n;
+}
+
+// The segments asked for: the call's, else the forced one, else by the grid: as many blocks as the SMs
+// hold at once (`per_sm` each, one wave: rounded down), at least 64 tokens a segment.
+int segments_asked(int segments, int Bs, int T, int D, int N, int per_sm) {
   if (segments <= 0) segments = g_segments.load();
   if (segments > 0) return std::min(segments, T);
   const long row = (long)Bs * channel_blocks(D, N);
-  const long fill = (8L * carry::kernels::primitives::sm_count() + row - 1) / row;
+  const long fill = (long)per_sm * carry::kernels::primitives::sm_count() / row;
   return (int)std::max<long>(1, std::min<long>(fill, (T + 63) / 64));
 }
 
@@ -199,7 +212,12 @@ std::vector<at::Tensor> selective_scan_fwd(const at::Tensor& u, const at::Tensor
   check_inputs(u, delta, A, B, C);
   const c10::cuda::CUDAGuard guard(u.device());
   const int Bs = (int)u.size(0), T = (int)u.size(1), D = (int)u.size(2), N = (int)A.size(1);
-  const Dims m = dims_of(u, A, segment_length(T, segments_asked(segments, Bs, T, D, N)));
+  int per_sm = 1;
+  by_dtype(u.scalar_type(), [&](auto in) {
+    using In = decltype(in);
+    by_state_size<In>(N, [&](auto n) { per_sm = output_blocks_per_sm<In, decltype(n)::value>(); });
+  });
+  const Dims m = dims_of(u, A, segment_length(T, segments_asked(segments, Bs, T, D, N, per_sm)));
   TORCH_CHECK(m.S <= 65535, "selective_scan: ", m.S, " segments; at most 65535");
   const auto f32 = u.options().dtype(at::kFloat);
   at::Tensor h0 = initial_state.defined() ? initial_state : at::zeros({Bs, D, N}, f32);

@@ -42,6 +42,7 @@ namespace carry::kernels::selective_scan::core {
 constexpr int kThreads = 128;  // threads a block
 constexpr int kGroup = 4;      // states a thread carries (N ∈ {4, 8, 16}: 1, 2 or 4 threads a channel)
 constexpr int kSub = 16;       // tokens of a backward sub-chunk: its recomputed states stay in registers
+constexpr int kTile = 8;       // tokens whose inputs a walk reads before their arithmetic, all in flight at once
 
 CARRY_SS_HD int threads_per_channel(int N) { return N / kGroup; }
 CARRY_SS_HD int channels_per_block(int N) { return kThreads / threads_per_channel(N); }
@@ -84,34 +85,56 @@ CARRY_SS_HD R scan_step(R a, R delta_sum, R x, R local) {
 }
 
 // Tokens [t0, t1) forward from h (updated in place), emit(t, h) after each token. Returns ΣΔ over them.
-// Ld reads the thread's inputs: delta(t), u(t), b(t, out[kGroup]), c(t, out[kGroup]), dy(t).
+// Ld reads the thread's inputs: delta(t), u(t), b(t, out[kGroup]), c(t, out[kGroup]), dy(t). The inputs
+// of kTile tokens are read before their arithmetic, which is the same token by token.
 CARRY_SS_ANY_CALLER
 template <class R, class Ld, class Emit>
 CARRY_SS_HD R walk_forward(R (&h)[kGroup], const R (&A)[kGroup], const Ld& ld, int t0, int t1, Emit&& emit) {
   R delta_sum = 0;
-  for (int t = t0; t < t1; ++t) {
-    const R delta = ld.delta(t);
-    R b[kGroup];
-    ld.b(t, b);
-    token_step(h, A, delta, ld.u(t), b);
-    delta_sum += delta;
-    emit(t, h);
+  for (int c0 = t0; c0 < t1; c0 += kTile) {
+    const int n = t1 - c0;
+    R delta[kTile], u[kTile], b[kTile][kGroup];
+    CARRY_SS_UNROLL
+    for (int k = 0; k < kTile; ++k)
+      if (k < n) {
+        delta[k] = ld.delta(c0 + k);
+        u[k] = ld.u(c0 + k);
+        ld.b(c0 + k, b[k]);
+      }
+    CARRY_SS_UNROLL
+    for (int k = 0; k < kTile; ++k)
+      if (k < n) {
+        token_step(h, A, delta[k], u[k], b[k]);
+        delta_sum += delta[k];
+        emit(c0 + k, h);
+      }
   }
   return delta_sum;
 }
 
 // Tokens [t0, t1), last to first, carrying the gradient from `carry` (the gradient arriving at h_{t1−1}
-// from later tokens; updated in place to exp(Δ_{t0}A)·g_{t0}, what reaches h_{t0−1}). Returns ΣΔ.
+// from later tokens; updated in place to exp(Δ_{t0}A)·g_{t0}, what reaches h_{t0−1}). Returns ΣΔ. The
+// inputs are read kTile tokens at a time, as in walk_forward.
 template <class R, class Ld>
 CARRY_SS_HD R walk_gradient(R (&carry)[kGroup], const R (&A)[kGroup], const Ld& ld, int t0, int t1) {
   R delta_sum = 0;
-  for (int t = t1 - 1; t >= t0; --t) {
-    const R delta = ld.delta(t), dy = ld.dy(t);
-    R c[kGroup];
-    ld.c(t, c);
+  for (int e = t1; e > t0; e -= kTile) {  // tokens e − 1, e − 2, … down to max(t0, e − kTile)
+    const int n = e - t0;
+    R delta[kTile], dy[kTile], c[kTile][kGroup];
     CARRY_SS_UNROLL
-    for (int g = 0; g < kGroup; ++g) carry[g] = ss_exp(delta * A[g]) * ss_fma(c[g], dy, carry[g]);
-    delta_sum += delta;
+    for (int k = 0; k < kTile; ++k)
+      if (k < n) {
+        delta[k] = ld.delta(e - 1 - k);
+        dy[k] = ld.dy(e - 1 - k);
+        ld.c(e - 1 - k, c[k]);
+      }
+    CARRY_SS_UNROLL
+    for (int k = 0; k < kTile; ++k)
+      if (k < n) {
+        CARRY_SS_UNROLL
+        for (int g = 0; g < kGroup; ++g) carry[g] = ss_exp(delta[k] * A[g]) * ss_fma(c[k][g], dy[k], carry[g]);
+        delta_sum += delta[k];
+      }
   }
   return delta_sum;
 }
