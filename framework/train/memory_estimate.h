@@ -37,6 +37,7 @@ namespace carry {
 struct MemoryEstimate {
   int64_t parameters = 0;
   double parameter_bytes = 0, gradient_bytes = 0, optimizer_bytes = 0;
+  bool moments_split = false;  // optimizer_bytes is one sp rank's piece (parallel.shard_update)
   int64_t batch = 0, slice_tokens = 0;  // per rank: sequences a micro-batch, tokens of each (seq_len / sp)
   std::vector<int64_t> measured_at;     // slice lengths measured
   struct Layer {

@@ -109,6 +109,8 @@ void AdamW::step(double lr) {
     at::Tensor p = params_[i].second;
     auto& m = exp_avg_[i];
     auto& v = exp_avg_sq_[i];
+    TORCH_CHECK(m.defined(), "AdamW::step: parameter '", params_[i].first, "' is updated here but its moments are "
+                "held by another rank (update_only and place_state disagree)");
     at::Tensor g = p.grad().defined() ? p.grad() : at::zeros_like(p);
     if (g.scalar_type() != p.scalar_type()) g = g.to(p.scalar_type());
     if (fused_ && p.is_cuda()) {
@@ -145,14 +147,29 @@ void AdamW::update_only(int first, int last) {
 }
 
 void AdamW::place_state(const at::Tensor& exp_avg, const at::Tensor& exp_avg_sq, const std::vector<int64_t>& offset) {
+  place_state(exp_avg, exp_avg_sq, offset, 0, static_cast<int>(params_.size()), 0);
+}
+
+void AdamW::place_state(const at::Tensor& exp_avg, const at::Tensor& exp_avg_sq, const std::vector<int64_t>& offset,
+                        int first, int last, int64_t base) {
   TORCH_CHECK(offset.size() == params_.size(), "AdamW::place_state: expected ", params_.size(), " offsets, got ",
               offset.size());
+  TORCH_CHECK(first >= 0 && first <= last && last <= static_cast<int>(params_.size()), "AdamW::place_state: expected ",
+              "0 <= first <= last <= ", params_.size(), ", got [", first, ", ", last, ")");
   at::NoGradGuard no_grad;
-  for (size_t i = 0; i < params_.size(); ++i) {
+  for (int i = 0; i < static_cast<int>(params_.size()); ++i) {
+    if (i < first || i >= last) {
+      exp_avg_[i] = at::Tensor(), exp_avg_sq_[i] = at::Tensor();
+      continue;
+    }
     const auto& p = params_[i].second;
-    auto m = exp_avg.narrow(0, offset[i], p.numel()).view(p.sizes());
-    auto v = exp_avg_sq.narrow(0, offset[i], p.numel()).view(p.sizes());
-    m.copy_(exp_avg_[i]), v.copy_(exp_avg_sq_[i]);
+    TORCH_CHECK(offset[i] >= base && offset[i] - base + p.numel() <= exp_avg.numel() && exp_avg.numel() == exp_avg_sq.numel(),
+                "AdamW::place_state: parameter '", params_[i].first, "' (", p.numel(), " elements at ", offset[i],
+                ") lies outside the buffers (", exp_avg.numel(), " elements from ", base, ")");
+    auto m = exp_avg.narrow(0, offset[i] - base, p.numel()).view(p.sizes());
+    auto v = exp_avg_sq.narrow(0, offset[i] - base, p.numel()).view(p.sizes());
+    if (exp_avg_[i].defined()) m.copy_(exp_avg_[i]), v.copy_(exp_avg_sq_[i]);
+    else m.zero_(), v.zero_();
     exp_avg_[i] = m, exp_avg_sq_[i] = v;
   }
 }
@@ -173,14 +190,16 @@ void AdamW::load_state(const std::vector<std::pair<std::string, at::Tensor>>& st
               " optimizer tensors (exp_avg.* and exp_avg_sq.* for ", params_.size(), " parameters), found ",
               by_name.size());
   at::NoGradGuard no_grad;
+  std::vector<int64_t> shape;  // the parameter's
   auto restore = [&](const std::string& name, at::Tensor& into) {
     auto it = by_name.find(name);
     TORCH_CHECK(it != by_name.end(), "AdamW::load_state: optimizer tensor '", name, "' is missing");
-    TORCH_CHECK(it->second.sizes() == into.sizes(), "AdamW::load_state: optimizer tensor '", name,
-                "' has shape ", it->second.sizes(), ", expected ", into.sizes());
-    into.copy_(it->second);
+    TORCH_CHECK(it->second.sizes() == at::IntArrayRef(shape), "AdamW::load_state: optimizer tensor '", name,
+                "' has shape ", it->second.sizes(), ", expected ", at::IntArrayRef(shape));
+    if (into.defined()) into.copy_(it->second);  // else another rank holds it
   };
   for (size_t i = 0; i < params_.size(); ++i) {
+    shape = params_[i].second.sizes().vec();
     restore("exp_avg." + params_[i].first, exp_avg_[i]);
     restore("exp_avg_sq." + params_[i].first, exp_avg_sq_[i]);
   }

@@ -74,10 +74,12 @@ class AdamW {
   int64_t steps() const { return steps_; }
 
   // The state as named tensors: "exp_avg.<param>" for every parameter in order, then
-  // "exp_avg_sq.<param>". Shares storage with the optimizer (copy before mutating).
+  // "exp_avg_sq.<param>". Shares storage with the optimizer (copy before mutating). A moment this
+  // optimizer does not hold (place_state with a range) is an undefined tensor.
   std::vector<std::pair<std::string, at::Tensor>> state() const;
   // Restores state() output (any order; every name required, shapes must match; values are copied
-  // into the optimizer's tensors, converting dtype and device) and the step count.
+  // into the optimizer's tensors, converting dtype and device) and the step count. The moments it does
+  // not hold are checked (name and shape) and not kept.
   void load_state(const std::vector<std::pair<std::string, at::Tensor>>& state, int64_t steps);
 
   const NamedParameters& parameters() const { return params_; }
@@ -88,6 +90,13 @@ class AdamW {
   // The moments move into `exp_avg` and `exp_avg_sq` (flat buffers of the parameters' dtype and device):
   // parameter i's at element offset[i], their values kept. state() still names one tensor a parameter.
   void place_state(const at::Tensor& exp_avg, const at::Tensor& exp_avg_sq, const std::vector<int64_t>& offset);
+  // Only parameters [first, last) keep moments, in `exp_avg` and `exp_avg_sq` at element offset[i] − base
+  // (buffers of that piece alone), their values kept; the others' moments are released: another rank
+  // holds and updates them. step() must then update only [first, last) (update_only).
+  void place_state(const at::Tensor& exp_avg, const at::Tensor& exp_avg_sq, const std::vector<int64_t>& offset,
+                   int first, int last, int64_t base);
+  // Whether this optimizer holds parameter i's moments.
+  bool holds(size_t i) const { return exp_avg_.at(i).defined(); }
 
  private:
   NamedParameters params_;

@@ -123,9 +123,10 @@ ShardedUpdate::ShardedUpdate(NamedParameters params, AdamW& optimizer, parallel:
     view.copy_(p.detach());
     p.set_data(view);  // every holder of the parameter (its module, the optimizer) now reads the buffer
   }
-  exp_avg_flat_ = at::zeros({layout_.numel}, options);
-  exp_avg_sq_flat_ = at::zeros({layout_.numel}, options);
-  optimizer.place_state(exp_avg_flat_, exp_avg_sq_flat_, layout_.offset);
+  // The moments of this rank's piece only.
+  exp_avg_flat_ = at::zeros({layout_.piece_numel}, options);
+  exp_avg_sq_flat_ = at::zeros({layout_.piece_numel}, options);
+  optimizer.place_state(exp_avg_flat_, exp_avg_sq_flat_, layout_.offset, first_, last_, piece_ * layout_.piece_numel);
   optimizer.update_only(first_, last_);
   // The first part of the forward that reads another rank's parameter. The block count comes from the
   // names (the largest layer index + 1); a tied head reads the embedding at the end, after every part.
@@ -218,11 +219,21 @@ void ShardedUpdate::before_block(int64_t part) const {
   if (overlap_->pending && part >= first_foreign_part_) wait_parameters();
 }
 
-void ShardedUpdate::gather_optimizer_state() {
+std::vector<std::pair<std::string, at::Tensor>> ShardedUpdate::whole_optimizer_state() const {
   at::NoGradGuard no_grad;
   wait_parameters();
-  parallel::tree_all_gather(exp_avg_flat_, sp_);
-  parallel::tree_all_gather(exp_avg_sq_flat_, sp_);
+  std::vector<std::pair<std::string, at::Tensor>> out;
+  for (const auto* piece : {&exp_avg_flat_, &exp_avg_sq_flat_}) {
+    auto whole = at::zeros({layout_.numel}, piece->options());
+    mine(whole).copy_(*piece);
+    parallel::tree_all_gather(whole, sp_);
+    const std::string prefix = piece == &exp_avg_flat_ ? "exp_avg." : "exp_avg_sq.";
+    for (size_t i = 0; i < params_.size(); ++i) {
+      const auto& p = params_[i].second;
+      out.emplace_back(prefix + params_[i].first, whole.narrow(0, layout_.offset[i], p.numel()).view(p.sizes()));
+    }
+  }
+  return out;
 }
 
 }  // namespace carry

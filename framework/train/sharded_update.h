@@ -15,10 +15,11 @@
 // its own parameters' parts into a zero vector of all of them, the vectors summed over the group (each
 // entry one part and zeros: exact) and added up as clip_grad_norm_on_device adds them.
 //
-// The parameters and AdamW's moments live in flat buffers of the layout (every parameter a view, rebound
-// with set_data, every moment a view), so that a gather is one collective. Between checkpoints a rank's
-// copies of another rank's moments are stale: gather_optimizer_state() refreshes them before a
-// checkpoint is written.
+// The parameters live in a flat buffer of the layout (every parameter a view, rebound with set_data), so
+// that a gather is one collective. AdamW's moments are held only for this rank's piece (a flat buffer of
+// the piece, every moment a view): each rank keeps 1/P of the moments, which are twice the parameters'
+// size in their dtype. whole_optimizer_state() gathers them when a checkpoint is written; a resumed run
+// hands each rank the whole moments and it keeps its piece (AdamW::load_state).
 //
 // On CUDA the parameters' all-gather runs on a side stream and the next step does not wait for it at
 // once: its forward waits (before_block, ModelContext::before_block) at the first block that reads a
@@ -85,8 +86,9 @@ class ShardedUpdate {
   void before_block(int64_t part) const;
   // The first part whose parameters include another rank's (for the log and tests).
   int64_t first_foreign_part() const { return first_foreign_part_; }
-  // Collective over sp: every rank's moments from the rank that updates them (before a checkpoint).
-  void gather_optimizer_state();
+  // Collective over sp: every parameter's moments, gathered from the ranks that hold them, named and ordered
+  // as AdamW::state() names them (for a checkpoint; new tensors, this rank's piece copied).
+  std::vector<std::pair<std::string, at::Tensor>> whole_optimizer_state() const;
 
  private:
   NamedParameters params_;

@@ -52,8 +52,9 @@ using namespace trainer_util;
 void Trainer::save_checkpoint() {
   const auto& ck = config_.checkpoint();
   if (!ck.has_dir() || ck.dir().empty()) return;
-  // Every rank's moments from the rank that updates them: rank 0 writes them all.
-  if (sharded_) sharded_->gather_optimizer_state();
+  // Every rank's moments from the rank that holds them: rank 0 writes them all.
+  std::vector<std::pair<std::string, at::Tensor>> moments;
+  if (sharded_) moments = sharded_->whole_optimizer_state();
   // Never write a checkpoint with a non-finite parameter: it would become `latest` and every resume
   // would start from it. One reduction, here only (not every step): a not-finite flag per parameter
   // tensor, stacked, summed over the ranks (so that every rank refuses alike) and copied to the host
@@ -96,7 +97,7 @@ void Trainer::save_checkpoint() {
     d.rng_seed = config_.seed();
     d.config_text = config_to_text(config_);
     for (auto& [name, p] : model_.parameters()) d.model.emplace_back(name, p.detach());
-    d.optimizer = optimizer_->state();
+    d.optimizer = sharded_ ? std::move(moments) : optimizer_->state();
     d.extra["layout"] = layout_text();
     d.extra["global_batch"] = std::to_string(dp_ * grad_accum_steps() * config_.data().batch_size());
     // The environment variables of layers/core/knobs.h set for this run (`carry env` lists them).
@@ -225,6 +226,7 @@ bool Trainer::start(bool whole_run) {
   enum Status : int64_t { kNone = 0, kLoaded = 1, kFailed = 2, kInitialized = 3 };
   int64_t status = kNone, step = 0, tokens = 0;
   std::string error, init_source;
+  std::vector<std::pair<std::string, at::Tensor>> whole_moments;  // rank 0, a split update: the checkpoint's
   if (rank() == 0) {
     try {
       std::optional<CheckpointData> loaded;
@@ -267,6 +269,7 @@ bool Trainer::start(bool whole_run) {
       }
       if (loaded) {
         apply_checkpoint(*loaded);
+        if (sharded_) whole_moments = loaded->optimizer;  // each rank keeps its piece of them (below)
         status = kLoaded, step = loaded->step, tokens = loaded->tokens_seen;
         run_id_ = loaded->run_id;
       } else if (init) {  // no checkpoint to continue: the weights of init_from, step 0
@@ -308,9 +311,25 @@ bool Trainer::start(bool whole_run) {
       auto data = p.detach();
       groups_->world->broadcast(data, 0);
     }
-    auto state = optimizer_->state();
+    std::vector<std::pair<std::string, at::Tensor>> state;
+    if (sharded_) {
+      // Each rank holds only its piece's moments: the checkpoint's whole moments travel from rank 0 and
+      // every rank keeps its piece of them.
+      std::map<std::string, at::Tensor> from(whole_moments.begin(), whole_moments.end());
+      for (const char* prefix : {"exp_avg.", "exp_avg_sq."})
+        for (auto& [name, p] : model_.parameters()) {
+          const std::string key = prefix + name;
+          auto it = from.find(key);
+          state.emplace_back(key, rank() == 0 && it != from.end() ? it->second.to(p.options()).contiguous()
+                                                                  : at::zeros(p.sizes(), p.options()));
+        }
+    } else {
+      state = optimizer_->state();
+    }
     for (auto& [name, t] : state) groups_->world->broadcast(t, 0);
-    if (rank() != 0) optimizer_->load_state(state, step);  // sets the step count (the values are in place)
+    // The step count on every rank; the values where this rank holds them (without a split update, rank
+    // 0's are in place already).
+    if (sharded_ || rank() != 0) optimizer_->load_state(state, step);
   }
   step_ = step;
   tokens_seen_ = tokens;
@@ -321,8 +340,8 @@ void Trainer::check_checkpoint_dir() const {
   const auto& ck = config_.checkpoint();
   // Room for one more checkpoint (the previous ones are deleted only after it is complete).
   double bytes = 1 << 20;
-  for (auto& [name, p] : model_.parameters()) bytes += static_cast<double>(p.nbytes());
-  for (auto& [name, t] : optimizer_->state()) bytes += static_cast<double>(t.nbytes());
+  // The parameters and AdamW's two moments a parameter, in the parameters' dtype.
+  for (auto& [name, p] : model_.parameters()) bytes += 3.0 * static_cast<double>(p.nbytes());
   check_output_dir(ck.dir(), static_cast<uint64_t>(bytes), "checkpoint.dir");
   const int64_t free = free_bytes(ck.dir());
   if (ck.keep_last() > 1 && free >= 0 && static_cast<double>(free) < bytes * static_cast<double>(ck.keep_last()))

@@ -99,6 +99,16 @@ TEST(MemoryEstimate, ExtrapolationMatchesADirectMeasurement) {
   EXPECT_EQ(m.parameters, full.num_parameters());
   EXPECT_EQ(m.parameter_bytes, 4.0 * full.num_parameters());
   EXPECT_EQ(m.optimizer_bytes, 2 * m.parameter_bytes);
+  EXPECT_FALSE(m.moments_split);
+  // At sp = 2 under the ordered scan each rank holds the moments of half the parameters (shard_update).
+  auto sp2 = cfg;
+  sp2.mutable_parallel()->set_sp(2);
+  sp2.mutable_parallel()->set_scan_mode(config::ParallelConfig::ORDERED);
+  auto half = estimate_memory(sp2);
+  EXPECT_TRUE(half.moments_split);
+  EXPECT_EQ(half.optimizer_bytes, m.parameter_bytes);
+  sp2.mutable_parallel()->set_shard_update(false);
+  EXPECT_EQ(estimate_memory(sp2).optimizer_bytes, 2 * m.parameter_bytes);
   ASSERT_EQ(m.layers.size(), 3u);
   EXPECT_EQ(m.slice_tokens, 512);
   ASSERT_EQ(m.measured_at.size(), 3u);

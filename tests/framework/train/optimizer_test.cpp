@@ -223,9 +223,11 @@ TEST(Optimizer, FusedAdamWOnCudaEqualsTheLoop) {
 
 // The update split over two ranks as the trainer splits it (sharded_update.h), in one process: two
 // copies of the parameters moved into flat buffers of a two-piece layout, each copy's optimizer limited
-// to one piece, the clipping norm assembled from each piece's parts; after every step the second copy's
-// piece is copied into the first (the all-gather). Parameters, moments and norms equal the whole update's
-// bit for bit, over steps with clipping active and not.
+// to one piece and holding that piece's moments only (buffers of the piece), the clipping norm assembled
+// from each piece's parts; after every step the second copy's piece of the parameters is copied into the
+// first (the all-gather). Parameters, the held moments and norms equal the whole update's bit for bit,
+// over steps with clipping active and not; the moments not held stay absent, and loading the whole
+// update's state keeps only the piece's.
 void split_update_equals_the_whole(at::Device device) {
   const int64_t sizes[][2] = {{96, 40}, {6, 1}, {40, 1}, {3, 5}, {64, 33}, {7, 1}, {130, 1}};
   auto make = [&] {
@@ -246,10 +248,11 @@ void split_update_equals_the_whole(at::Device device) {
   ASSERT_GT(cut, 0);
   ASSERT_LT(cut, n);
   AdamW opt_whole(whole, adam_config()), opt_a(a, adam_config()), opt_b(b, adam_config());
-  std::vector<Tensor> flat_a, flat_b;  // parameters, exp_avg, exp_avg_sq
+  std::vector<Tensor> flat_a, flat_b;  // parameters (the whole layout), exp_avg and exp_avg_sq (one piece)
   for (auto* ps : {&a, &b}) {
     auto& flats = ps == &a ? flat_a : flat_b;
-    for (int k = 0; k < 3; ++k) flats.push_back(at::zeros({layout.numel}, (*ps)[0].second.options()));
+    flats.push_back(at::zeros({layout.numel}, (*ps)[0].second.options()));
+    for (int k = 1; k < 3; ++k) flats.push_back(at::zeros({layout.piece_numel}, (*ps)[0].second.options()));
     at::NoGradGuard no_grad;
     for (int i = 0; i < n; ++i) {
       auto& p = (*ps)[i].second;
@@ -257,7 +260,12 @@ void split_update_equals_the_whole(at::Device device) {
       v.copy_(p.detach());
       p.set_data(v);
     }
-    (ps == &a ? opt_a : opt_b).place_state(flats[1], flats[2], layout.offset);
+    if (ps == &a) opt_a.place_state(flats[1], flats[2], layout.offset, 0, cut, 0);
+    else opt_b.place_state(flats[1], flats[2], layout.offset, cut, n, layout.piece_numel);
+  }
+  for (int i = 0; i < n; ++i) {
+    EXPECT_EQ(opt_a.holds(i), i < cut) << i;
+    EXPECT_EQ(opt_b.holds(i), i >= cut) << i;
   }
   opt_a.update_only(0, cut), opt_b.update_only(cut, n);
   for (int t = 1; t <= 5; ++t) {
@@ -282,13 +290,34 @@ void split_update_equals_the_whole(at::Device device) {
     opt_whole.step(0.01), opt_a.step(0.01), opt_b.step(0.01);
     // The all-gather: the second piece from b.
     const auto piece = [&](const Tensor& f) { return f.narrow(0, layout.piece_numel, layout.piece_numel); };
-    for (int k = 0; k < 3; ++k) piece(flat_a[k]).copy_(piece(flat_b[k]));
+    piece(flat_a[0]).copy_(piece(flat_b[0]));
     for (int i = 0; i < n; ++i)
       EXPECT_TRUE(at::equal(a[i].second, whole[i].second)) << "step " << t << ", parameter " << i;
-    auto sa = opt_a.state(), sw = opt_whole.state();
-    for (size_t i = 0; i < sw.size(); ++i)
-      EXPECT_TRUE(at::equal(sa[i].second, sw[i].second)) << "step " << t << ", " << sw[i].first;
+    auto sa = opt_a.state(), sb = opt_b.state(), sw = opt_whole.state();
+    ASSERT_EQ(sa.size(), sw.size());
+    for (size_t j = 0; j < sw.size(); ++j) {
+      const bool in_a = static_cast<int>(j % n) < cut;
+      const auto& held = in_a ? sa[j].second : sb[j].second;
+      const auto& absent = in_a ? sb[j].second : sa[j].second;
+      ASSERT_TRUE(held.defined()) << sw[j].first;
+      EXPECT_FALSE(absent.defined()) << sw[j].first;
+      EXPECT_TRUE(at::equal(held, sw[j].second)) << "step " << t << ", " << sw[j].first;
+    }
   }
+  // The whole state loaded: each optimizer keeps its piece's moments, checks the others, holds nothing more.
+  auto again = make();
+  AdamW opt_again(again, adam_config());
+  auto moments = at::zeros({layout.piece_numel}, again[0].second.options()), squares = at::zeros_like(moments);
+  opt_again.place_state(moments, squares, layout.offset, 0, cut, 0);
+  opt_again.load_state(opt_whole.state(), opt_whole.steps());
+  auto sg = opt_again.state(), sw = opt_whole.state();
+  for (size_t j = 0; j < sw.size(); ++j) {
+    if (static_cast<int>(j % n) < cut) EXPECT_TRUE(at::equal(sg[j].second, sw[j].second)) << sw[j].first;
+    else EXPECT_FALSE(sg[j].second.defined()) << sw[j].first;
+  }
+  auto wrong = opt_whole.state();
+  wrong.back().second = at::zeros({3}, wrong.back().second.options());  // a piece this optimizer does not hold
+  EXPECT_THROW(opt_again.load_state(wrong, 1), c10::Error);
 }
 
 TEST(Optimizer, SplitUpdateEqualsTheWholeOnTheCpu) { split_update_equals_the_whole(at::kCPU); }

@@ -231,6 +231,8 @@ struct BitRun {
   bool sharded = false;             // the update split over the sp ranks (Trainer::sharded_update)
   int64_t first_foreign_part = -2;  // where its forward first reads another rank's parameters
   std::vector<at::Tensor> state;    // AdamW's moments after the 5 steps (gathered from their ranks first)
+  int64_t held_moments = 0;         // the moment elements this rank holds
+  int64_t all_moments = 0;          // two a parameter element
 };
 
 BitRun train_bits(const RunConfig& cfg, bool distributed) {
@@ -244,8 +246,15 @@ BitRun train_bits(const RunConfig& cfg, bool distributed) {
   for (auto& [n, p] : t->model().parameters()) r.params.push_back(p.detach().clone());
   r.sharded = t->sharded_update() != nullptr;
   if (r.sharded) r.first_foreign_part = t->sharded_update()->first_foreign_part();
-  if (r.sharded) t->sharded_update()->gather_optimizer_state();
-  for (auto& [n, m] : t->optimizer().state()) r.state.push_back(m.clone());
+  for (auto& [n, m] : t->optimizer().state()) {
+    r.held_moments += m.defined() ? m.numel() : 0;
+    r.all_moments += t->model().parameters()[r.state.size() % t->model().parameters().size()].second.numel();
+    r.state.push_back(m.defined() ? m.clone() : at::Tensor());
+  }
+  if (r.sharded) {
+    r.state.clear();
+    for (auto& [n, m] : t->sharded_update()->whole_optimizer_state()) r.state.push_back(m.clone());
+  }
   return r;
 }
 
@@ -346,9 +355,16 @@ TEST(Trainer, OrderedSegmentsGiveTheSameBitsOnEveryLayout) {
       // The ranks after the first left their head's weight gradient to the end of the backward (the default).
       EXPECT_EQ(sp.deferred_head_bytes, parallel::world_info().rank > 0 ? int64_t{2560} << 20 : 0);
       EXPECT_EQ(serial.deferred_head_bytes, 0);
-      // And each rank updated its piece of the parameters (the default, parallel.shard_update).
+      // And each rank updated its piece of the parameters (the default, parallel.shard_update), holding
+      // the moments of that piece only.
       EXPECT_TRUE(sp.sharded);
       EXPECT_FALSE(serial.sharded);
+      EXPECT_EQ(serial.held_moments, serial.all_moments);
+      EXPECT_GT(sp.held_moments, 0);
+      EXPECT_LT(sp.held_moments, sp.all_moments);
+      int64_t held_sum = 0;
+      MPI_Allreduce(&sp.held_moments, &held_sum, 1, MPI_INT64_T, MPI_SUM, MPI_COMM_WORLD);
+      EXPECT_EQ(held_sum, sp.all_moments) << "the ranks' pieces of the moments cover every parameter once";
       // The first rank holds the embedding and the first blocks: its forward reads another rank's
       // parameters only at a later part (a block or the head); every other rank at the embedding.
       if (parallel::world_info().rank == 0) EXPECT_GE(sp.first_foreign_part, 0);
