@@ -75,10 +75,12 @@ def _state_dtype(dtype):
 
 
 def _run(fn, family, q, k, v, *, g=None, gk=None, beta=None, l=None, a=None, b=None, initial_state=(), scale,
-         normalize=False, eps=1e-6, chunk_size=64, form=None, offset=0, pad_tail=True, num_householder=1):
+         normalize=False, eps=1e-6, chunk_size=64, form=None, offset=0, pad_tail=True, num_householder=1,
+         decay_rate=None):
     """One family on [B, T, H, D] inputs of any T; returns (o in q's dtype, final state as a list).
     pad_tail=False: T is a multiple of chunk_size (or the form is naive) and nothing is padded.
-    num_householder > 1 (gated_deltaproduct): k, v and beta hold that many rows a token of q."""
+    num_householder > 1 (gated_deltaproduct): k, v and beta hold that many rows a token of q.
+    decay_rate (mamba1's A, [H, dk], no token dimension) is never padded; the kernels read it in fp32."""
     if form not in _FORMS:
         _fail(fn, f"form must be 'kernel', 'chunkwise' or 'naive' (or None for the dispatch's choice), got {form!r}")
     if not isinstance(chunk_size, int) or chunk_size <= 0:
@@ -93,7 +95,8 @@ def _run(fn, family, q, k, v, *, g=None, gk=None, beta=None, l=None, a=None, b=N
     q, g, gk, l, a, b = (_pad_tokens(x, pad) for x in (q, g, gk, l, a, b))
     k, v, beta = (_pad_tokens(x, pad * n) for x in (k, v, beta))
     if form == "automatic":
-        form = _ops.mixer_form(family, q, k, v, g, gk, beta, l, scale, normalize, eps, chunk_size, offset, a, b, n)
+        form = _ops.mixer_form(family, q, k, v, g, gk, beta, l, scale, normalize, eps, chunk_size, offset, a, b, n,
+                               decay_rate)
     if form == "kernel":
         # The kernels read q, k, v in their dtype and the gates in theirs or fp32; the level weights l and
         # the rank-one a, b in q's dtype; the state in fp32.
@@ -101,14 +104,16 @@ def _run(fn, family, q, k, v, *, g=None, gk=None, beta=None, l=None, a=None, b=N
         g, gk, beta = (None if x is None else x.contiguous() if x.dtype in (q.dtype, torch.float32)
                        else x.float().contiguous() for x in (g, gk, beta))
         l, a, b = (None if x is None else x.to(q.dtype).contiguous() for x in (l, a, b))
+        decay_rate = None if decay_rate is None else decay_rate.float().contiguous()
         sdt = torch.float32
     else:
         cdt = _state_dtype(q.dtype)
-        q, k, v, g, gk, beta, l, a, b = (None if x is None else x.to(cdt) for x in (q, k, v, g, gk, beta, l, a, b))
+        q, k, v, g, gk, beta, l, a, b, decay_rate = (None if x is None else x.to(cdt)
+                                                     for x in (q, k, v, g, gk, beta, l, a, b, decay_rate))
         sdt = cdt
     state = [s.to(sdt).contiguous() for s in initial_state]
     o, final = _ops.mixer_forward(family, q, k, v, g, gk, beta, l, state, scale, normalize, eps,
-                                  chunk_size, offset, form, a, b, n)
+                                  chunk_size, offset, form, a, b, n, decay_rate)
     if pad:
         o = o[:, :T]
     return o.to(out_dtype), [s.to(_state_dtype(s.dtype)) for s in final]
@@ -774,8 +779,67 @@ def chunk_log_linear_gated_delta_rule(q, k, v, g, beta, level_scales, initial_st
                        output_final_state, cu_seqlens, offset, chunk_size, form)
 
 
+def selective_scan_fn(u, delta, A, B, C, D=None, z=None, delta_bias=None, delta_softplus=False,
+                      return_last_state=False, *, initial_state=None, chunk_size=64, form=None):
+    """Mamba-1's selective scan (S6) with mamba_ssm's arguments (mamba_ssm.ops.selective_scan_interface.
+    selective_scan_fn), on carry's mamba1 family: the selective-scan kernels on CUDA tensors they take,
+    the chunkwise form elsewhere.
+
+    u, delta, z: [B, D, L]; A: [D, N] real (negative for a decay); B, C: [B, N, L] or [B, 1, N, L] (one
+    group); D, delta_bias: [D]. delta ← softplus(delta + delta_bias) as the flags say; per channel d and
+    state n, h_t = exp(delta_t A) h_{t−1} + delta_t B_t u_t and y_t = C_tᵀ h_t; out = y + D ⊙ u, times silu(z)
+    when z is given, in u's dtype. return_last_state: also the final state [B, D, N] in fp32 (fp64 for
+    fp64 inputs). Beyond mamba_ssm: initial_state [B, D, N], `form` and `chunk_size` as the FLA-style
+    functions take them. The kernels take N ∈ {4, 8, 16}."""
+    fn = "selective_scan_fn"
+    for name, x in (("u", u), ("delta", delta)):
+        if not isinstance(x, torch.Tensor) or x.dim() != 3:
+            _fail(fn, f"{name} must be a [B, D, L] tensor, got {None if not isinstance(x, torch.Tensor) else list(x.shape)}")
+    if delta.shape != u.shape:
+        _fail(fn, f"delta must have u's shape {list(u.shape)}, got {list(delta.shape)}")
+    Bs, Dm, L = u.shape
+    if not isinstance(A, torch.Tensor) or A.dim() != 2 or A.shape[0] != Dm or A.is_complex():
+        _fail(fn, f"A must be a real [D, N] tensor with D = {Dm} (complex A is not supported), got "
+                  f"{None if not isinstance(A, torch.Tensor) else (list(A.shape), A.dtype)}")
+    N = A.shape[1]
+
+    def rows(name, x):  # B or C as [B, L, 1, N]
+        if isinstance(x, torch.Tensor) and x.dim() == 4 and x.shape[1] == 1:
+            x = x[:, 0]
+        if not isinstance(x, torch.Tensor) or x.dim() != 3 or tuple(x.shape) != (Bs, N, L):
+            _fail(fn, f"{name} must be an input-dependent [B, N, L] = {[Bs, N, L]} tensor (or [B, 1, N, L]; "
+                      f"a fixed [D, N] {name} and several groups are not supported), got "
+                      f"{None if not isinstance(x, torch.Tensor) else list(x.shape)}")
+        return x.transpose(1, 2).unsqueeze(2)
+
+    for name, x, shape in (("D", D, (Dm,)), ("delta_bias", delta_bias, (Dm,)), ("z", z, tuple(u.shape)),
+                           ("initial_state", initial_state, (Bs, Dm, N))):
+        if x is not None and (not isinstance(x, torch.Tensor) or tuple(x.shape) != shape):
+            _fail(fn, f"{name} must be a {list(shape)} tensor, got {None if not isinstance(x, torch.Tensor) else list(x.shape)}")
+    wide = _wide(u)
+    dt = delta.to(wide)
+    if delta_bias is not None:
+        dt = dt + delta_bias.to(wide)[:, None]
+    if delta_softplus:
+        dt = F.softplus(dt)
+    dt = dt.transpose(1, 2)  # [B, L, D]
+    v = (dt * u.to(wide).transpose(1, 2)).to(u.dtype).unsqueeze(-1)  # Δ⊙x [B, L, D, 1]
+    q, k = rows("C", C).to(u.dtype), rows("B", B).to(u.dtype)
+    state = () if initial_state is None else [initial_state.unsqueeze(-1)]
+    o, final = _run(fn, "mamba1", q, k, v, g=dt, decay_rate=A, initial_state=state, scale=1.0,
+                    chunk_size=chunk_size, form=form)
+    out = o[..., 0].transpose(1, 2).to(wide)
+    if D is not None:
+        out = out + u.to(wide) * D.to(wide)[:, None]
+    if z is not None:
+        out = out * F.silu(z.to(wide))
+    out = out.to(u.dtype)
+    return (out, final[0][..., 0]) if return_last_state else out
+
+
 __all__ = ["chunk_gated_delta_rule", "chunk_delta_rule", "chunk_gated_delta_product",
            "fused_recurrent_gated_delta_rule", "fused_recurrent_delta_rule", "fused_recurrent_gla",
            "fused_recurrent_simple_gla", "chunk_gla", "chunk_simple_gla", "chunk_linear_attn",
            "chunk_kda", "chunk_dplr_delta_rule", "chunk_rwkv7",
-           "chunk_hla2", "chunk_ahla", "chunk_log_linear_attn", "chunk_log_linear_gated_delta_rule"]
+           "chunk_hla2", "chunk_ahla", "chunk_log_linear_attn", "chunk_log_linear_gated_delta_rule",
+           "selective_scan_fn"]

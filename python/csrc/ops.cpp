@@ -25,7 +25,8 @@ namespace {
 MixerInputs inputs(const Tensor& q, const Tensor& k, const Tensor& v, const std::optional<Tensor>& g,
                    const std::optional<Tensor>& gk, const std::optional<Tensor>& beta,
                    const std::optional<Tensor>& l, const std::optional<Tensor>& a = std::nullopt,
-                   const std::optional<Tensor>& b = std::nullopt) {
+                   const std::optional<Tensor>& b = std::nullopt,
+                   const std::optional<Tensor>& decay_rate = std::nullopt) {
   MixerInputs in;
   in.q = q;
   in.k = k;
@@ -36,6 +37,7 @@ MixerInputs inputs(const Tensor& q, const Tensor& k, const Tensor& v, const std:
   if (l) in.l = *l;
   if (a) in.a = *a;
   if (b) in.b = *b;
+  if (decay_rate) in.decay_rate = *decay_rate;
   return in;
 }
 
@@ -64,9 +66,9 @@ std::tuple<Tensor, std::vector<Tensor>> mixer_forward(
     const std::optional<Tensor>& g, const std::optional<Tensor>& gk, const std::optional<Tensor>& beta,
     const std::optional<Tensor>& l, const std::vector<Tensor>& initial_state, double scale, bool normalize,
     double eps, int64_t chunk_size, int64_t offset, const std::string& form, const std::optional<Tensor>& a,
-    const std::optional<Tensor>& b, int64_t num_householder) {
+    const std::optional<Tensor>& b, int64_t num_householder, const std::optional<Tensor>& decay_rate) {
   const Mixer& m = get_mixer(family);
-  MixerOutput out = m.forward(inputs(q, k, v, g, gk, beta, l, a, b), State(initial_state.begin(), initial_state.end()),
+  MixerOutput out = m.forward(inputs(q, k, v, g, gk, beta, l, a, b, decay_rate), State(initial_state.begin(), initial_state.end()),
                               options(scale, normalize, eps, chunk_size, offset, form, num_householder));
   return {out.o, state_list(out.final_state)};
 }
@@ -76,9 +78,10 @@ std::string mixer_form(const std::string& family, const Tensor& q, const Tensor&
                        const std::optional<Tensor>& g, const std::optional<Tensor>& gk,
                        const std::optional<Tensor>& beta, const std::optional<Tensor>& l, double scale,
                        bool normalize, double eps, int64_t chunk_size, int64_t offset,
-                       const std::optional<Tensor>& a, const std::optional<Tensor>& b, int64_t num_householder) {
+                       const std::optional<Tensor>& a, const std::optional<Tensor>& b, int64_t num_householder,
+                       const std::optional<Tensor>& decay_rate) {
   const Mixer& m = get_mixer(family);
-  return form_name(m.resolve_form(inputs(q, k, v, g, gk, beta, l, a, b),
+  return form_name(m.resolve_form(inputs(q, k, v, g, gk, beta, l, a, b, decay_rate),
                                   options(scale, normalize, eps, chunk_size, offset, "automatic", num_householder)));
 }
 
@@ -97,10 +100,11 @@ std::tuple<std::vector<Tensor>, std::vector<Tensor>> mixer_summarize(
     const std::string& family, const Tensor& q, const Tensor& k, const Tensor& v,
     const std::optional<Tensor>& g, const std::optional<Tensor>& gk, const std::optional<Tensor>& beta,
     const std::optional<Tensor>& l, double scale, bool normalize, double eps, int64_t chunk_size,
-    int64_t offset, const std::optional<Tensor>& a, const std::optional<Tensor>& b, int64_t num_householder) {
+    int64_t offset, const std::optional<Tensor>& a, const std::optional<Tensor>& b, int64_t num_householder,
+    const std::optional<Tensor>& decay_rate) {
   const Mixer& m = get_mixer(family);
   TORCH_CHECK(m.has_summary(), "carry: ", family, " has no recurrent state, so no state summary");
-  Summary s = m.summarize(inputs(q, k, v, g, gk, beta, l, a, b),
+  Summary s = m.summarize(inputs(q, k, v, g, gk, beta, l, a, b, decay_rate),
                           options(scale, normalize, eps, chunk_size, offset, "automatic", num_householder));
   return {s.transport, state_list(s.state)};
 }
@@ -127,11 +131,11 @@ std::vector<Tensor> mixer_apply(const std::string& family, const std::vector<Ten
 }  // namespace carry
 
 // The inputs and options every running operator takes, in MixerInputs' and MixerOptions' names; the
-// rank-one inputs a and b (RWKV-7's update) and Gated DeltaProduct's sub-steps a token come last, with
-// defaults, after the options.
+// rank-one inputs a and b (RWKV-7's update), Gated DeltaProduct's sub-steps a token and Mamba-1's
+// per-channel decay_rate (A) come last, with defaults, after the options.
 #define CARRY_INPUTS "Tensor q, Tensor k, Tensor v, Tensor? g, Tensor? gk, Tensor? beta, Tensor? l"
 #define CARRY_OPTIONS "float scale, bool normalize, float eps, int chunk_size, int offset"
-#define CARRY_TRAILING "Tensor? a=None, Tensor? b=None, int num_householder=2"
+#define CARRY_TRAILING "Tensor? a=None, Tensor? b=None, int num_householder=2, Tensor? decay_rate=None"
 
 TORCH_LIBRARY(carry, m) {
   m.def("mixer_forward(str family, " CARRY_INPUTS ", Tensor[] initial_state, " CARRY_OPTIONS

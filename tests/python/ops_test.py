@@ -770,6 +770,38 @@ def test_hla_log_linear_kernels(family, dtype):
         assert_close(x, y, 2e-2, f"{family} bf16: output {i}")
 
 
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_selective_scan_kernels(dtype):
+    """selective_scan_fn on the selective-scan kernels (CUDA, the automatic form) against its chunkwise form
+    on the same GPU in fp32 on the same rounded inputs, D = 24, N = 16, L = 300: fp32 inputs, the output,
+    the final state and every gradient within 1e-3 of the largest reference entry; bf16, the output and
+    the final state within 2e-2."""
+    xs = [x.to("cuda", torch.float32) for x in scan_inputs(seed=150, Bs=1, Dm=24, N=16, L=300)]
+    q = xs[4].to(dtype).transpose(1, 2).unsqueeze(2).contiguous()
+    form = torch.ops.carry.mixer_form("mamba1", q, q.clone(), xs[0].to(dtype).transpose(1, 2).unsqueeze(-1).contiguous(),
+                                      F.softplus(xs[1]).transpose(1, 2).contiguous(), None, None, None, 1.0, False,
+                                      1e-6, 64, 0, None, None, 2, xs[2])
+    assert form == "kernel", f"mamba1 {dtype}: the automatic form is {form}"
+
+    def run(form):
+        def f(u, d, A, Bm, Cm, D, z, db, h0):
+            if form is not None:  # the reference: the rounded values in fp32
+                u, d, Bm, Cm = (x.to(dtype).float() for x in (u, d, Bm, Cm))
+            else:
+                u, d, Bm, Cm = (x.to(dtype) for x in (u, d, Bm, Cm))
+            return ops.selective_scan_fn(u, d, A, Bm, Cm, D, z, db, delta_softplus=True, return_last_state=True,
+                                         initial_state=h0, form=form)
+        return f
+
+    if dtype == torch.float32:
+        compare(run(None), run("chunkwise"), xs, tol=1e-3, names=SCAN_NAMES)
+        return
+    got, want = flat(run(None)(*xs)), flat(run("chunkwise")(*xs))
+    for i, (x, y) in enumerate(zip(got, want)):
+        assert_close(x, y, 2e-2, f"mamba1 bf16: output {i}")
+
+
 # ---- carry.scan: a sequence split in two, stitched by its summaries ----
 
 @pytest.mark.parametrize("family", ["gated_deltanet", "gla", "linear_attn"])
@@ -798,3 +830,46 @@ def test_scan_summaries(family):
         _, (S_ref, z_ref) = ref.linear_attn(q, k, v, initial_state=(h0, state0[1].unsqueeze(1)))
         assert_close(final[1], z_ref.squeeze(1), 1e-11, "final z")
     assert_close(final[0], S_ref, 1e-11, "final state")
+
+
+def scan_inputs(seed=90, Bs=2, Dm=5, N=4, L=T):
+    """Mamba-1's selective scan: u, the raw delta (softplus'd with its bias), A < 0, B, C, D, z, delta_bias,
+    an initial state."""
+    return [randn(Bs, Dm, L, seed=seed), randn(Bs, Dm, L, seed=seed + 1) * 0.5 - 1.0,
+            -torch.exp(randn(Dm, N, seed=seed + 2) * 0.5), randn(Bs, N, L, seed=seed + 3),
+            randn(Bs, N, L, seed=seed + 4), randn(Dm, seed=seed + 5), randn(Bs, Dm, L, seed=seed + 6),
+            randn(Dm, seed=seed + 7) * 0.3, randn(Bs, Dm, N, seed=seed + 8)]
+
+
+SCAN_NAMES = ["u", "delta", "A", "B", "C", "D", "z", "delta_bias", "initial_state"]
+
+
+@pytest.mark.parametrize("form", ["chunkwise", "naive", None])
+def test_selective_scan_fn(form):
+    compare(lambda u, d, A, Bm, Cm, D, z, db, h0: ops.selective_scan_fn(
+                u, d, A, Bm, Cm, D, z, db, delta_softplus=True, return_last_state=True, initial_state=h0,
+                chunk_size=CHUNK, form=form),
+            lambda u, d, A, Bm, Cm, D, z, db, h0: ref.selective_scan(u, d, A, Bm, Cm, D, z, db, True, h0),
+            scan_inputs(), names=SCAN_NAMES)
+
+
+def test_selective_scan_fn_plain_and_one_group():
+    """No D, z, bias or softplus (delta given positive), B and C as [B, 1, N, L], no final state asked."""
+    u, d, A, Bm, Cm = scan_inputs(seed=120)[:5]
+    d = F.softplus(d)
+    compare(lambda u, d, A, Bm, Cm: ops.selective_scan_fn(u, d, A, Bm.unsqueeze(1), Cm.unsqueeze(1),
+                                                           chunk_size=CHUNK),
+            lambda u, d, A, Bm, Cm: ref.selective_scan(u, d, A, Bm, Cm)[0],
+            [u, d, A, Bm, Cm], names=SCAN_NAMES[:5])
+
+
+def test_selective_scan_fn_refuses_what_it_does_not_take():
+    u, d, A, Bm, Cm = scan_inputs()[:5]
+    with pytest.raises(ValueError, match="complex A is not supported"):
+        ops.selective_scan_fn(u, d, torch.complex(A, A), Bm, Cm)
+    with pytest.raises(ValueError, match="a fixed \\[D, N\\] B"):
+        ops.selective_scan_fn(u, d, A, torch.ones(A.shape, dtype=A.dtype), Cm)
+    with pytest.raises(ValueError, match="delta must have u's shape"):
+        ops.selective_scan_fn(u, d[:, :, :3], A, Bm, Cm)
+    with pytest.raises(ValueError, match="initial_state must be a"):
+        ops.selective_scan_fn(u, d, A, Bm, Cm, initial_state=torch.zeros(2, 3))

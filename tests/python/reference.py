@@ -199,3 +199,25 @@ def log_linear_mamba2(q, k, v, g, level_scales, scale=1.0, offset=0):
             w = (G[:, :, t] - G[:, :, s]).exp() * lh[:, :, t, level] * (qh[:, :, t] * kh[:, :, s]).sum(-1)
             out[:, :, t] = out[:, :, t] + w[..., None] * vh[:, :, s]
     return (out * scale).transpose(1, 2)
+
+
+def selective_scan(u, delta, A, B, C, D=None, z=None, delta_bias=None, delta_softplus=False, initial_state=None):
+    """Mamba-1's selective scan token by token in fp64, as mamba_ssm's selective_scan_ref states it:
+    u, delta, z [B, D, L], A [D, N], B, C [B, N, L], D and delta_bias [D]; returns (out [B, D, L], h_L)."""
+    u, delta, A, B, C = (x.double() for x in (u, delta, A, B, C))
+    if delta_bias is not None:
+        delta = delta + delta_bias.double()[:, None]
+    if delta_softplus:
+        delta = torch.nn.functional.softplus(delta)
+    Bs, Dm, L = u.shape
+    h = torch.zeros(Bs, Dm, A.shape[1], dtype=torch.float64) if initial_state is None else initial_state.double()
+    ys = []
+    for t in range(L):
+        h = torch.exp(delta[:, :, t, None] * A) * h + (delta[:, :, t] * u[:, :, t])[:, :, None] * B[:, None, :, t]
+        ys.append((h * C[:, None, :, t]).sum(-1))
+    out = torch.stack(ys, dim=-1)
+    if D is not None:
+        out = out + u * D.double()[:, None]
+    if z is not None:
+        out = out * torch.nn.functional.silu(z.double())
+    return out, h
