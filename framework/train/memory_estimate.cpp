@@ -186,13 +186,16 @@ MemoryEstimate estimate_memory(const RunConfig& config, std::FILE* progress) {
   m.gradient_bytes = m.parameter_bytes;
   // With the update split over the sp ranks (parallel.shard_update where it applies: the ordered scan at a
   // power-of-two sp, the gradients summed after the backward or several segments a rank), a rank holds
-  // the moments of its 1/sp piece of the parameters (whole tensors: about 1/sp).
+  // the moments of its piece of the parameters (whole tensors: about 1/sp, and 1/(sp·dp) at a
+  // power-of-two dp, the pieces split over the replicas too).
   const auto& pc = config.parallel();
   const int64_t per_rank = pc.segments() > 0 ? pc.segments() / sp : 1;
   m.moments_split = pc.scan_mode() == config::ParallelConfig::ORDERED && sp > 1 && (sp & (sp - 1)) == 0 &&
                     pc.shard_update() &&
                     (pc.gradient_sum() == config::ParallelConfig::AFTER_BACKWARD || per_rank > 1);
-  m.optimizer_bytes = 2 * m.parameter_bytes / static_cast<double>(m.moments_split ? sp : 1);
+  const int64_t dp = pc.dp();
+  m.moment_ranks = !m.moments_split ? 1 : sp * (dp > 1 && (dp & (dp - 1)) == 0 ? dp : 1);
+  m.optimizer_bytes = 2 * m.parameter_bytes / static_cast<double>(m.moment_ranks);
 
   // Slice lengths: multiples of every layer's chunk size, past every sliding window (a windowed
   // attention layer's cost is quadratic up to its window, linear after it).
@@ -368,7 +371,7 @@ std::string memory_report(const MemoryEstimate& m, const RunConfig& config) {
   row("parameters (fp32)", m.parameter_bytes, std::to_string(m.parameters) + " parameters");
   row("gradients (fp32)", m.gradient_bytes);
   row("AdamW moments (fp32, 2 a parameter)", m.optimizer_bytes,
-      m.moments_split ? "this rank's piece, about 1/" + std::to_string(par.sp()) + " (parallel.shard_update)" : "");
+      m.moments_split ? "this rank's piece, about 1/" + std::to_string(m.moment_ranks) + " (parallel.shard_update)" : "");
   std::string at;
   for (size_t i = 0; i < m.measured_at.size(); ++i) at += (i ? ", " : "") + std::to_string(m.measured_at[i]);
   os << "  activations kept for the backward, per layer (measured on the CPU at " << at << " tokens"

@@ -37,7 +37,8 @@ namespace carry {
 struct MemoryEstimate {
   int64_t parameters = 0;
   double parameter_bytes = 0, gradient_bytes = 0, optimizer_bytes = 0;
-  bool moments_split = false;  // optimizer_bytes is one sp rank's piece (parallel.shard_update)
+  bool moments_split = false;  // optimizer_bytes is one rank's piece (parallel.shard_update)
+  int64_t moment_ranks = 1;    // the ranks the moments are split over (sp, times dp at a power-of-two dp)
   int64_t batch = 0, slice_tokens = 0;  // per rank: sequences a micro-batch, tokens of each (seq_len / sp)
   std::vector<int64_t> measured_at;     // slice lengths measured
   struct Layer {

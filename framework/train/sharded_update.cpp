@@ -104,15 +104,25 @@ std::string ShardedUpdate::unavailable(const NamedParameters& params, const para
   return "";
 }
 
+std::string ShardedUpdate::dp_unavailable(const parallel::Communicator* dp, const parallel::Communicator* world) {
+  if (!dp || dp->size() < 2) return "one replica";
+  const int P = dp->size();
+  if ((P & (P - 1)) != 0) return "dp = " + std::to_string(P) + " is not a power of two";
+  if (!world) return "no world communicator";
+  return "";
+}
+
 ShardedUpdate::ShardedUpdate(NamedParameters params, AdamW& optimizer, parallel::Communicator* sp,
-                             bool gather_overlap)
+                             bool gather_overlap, parallel::Communicator* dp, parallel::Communicator* world)
     : params_(std::move(params)), sp_(sp) {
   const std::string why = unavailable(params_, sp_);
   TORCH_CHECK(why.empty(), "sharded update: not available (", why, ")");
+  if (dp_unavailable(dp, world).empty()) dp_ = dp, world_ = world, sub_pieces_ = dp->size();
   std::vector<int64_t> numels;
   for (auto& [name, p] : params_) numels.push_back(p.numel());
-  layout_ = parallel::FlatLayout::make(numels, sp_->size());
-  piece_ = parallel::tree_piece(sp_->rank(), sp_->size());
+  layout_ = parallel::FlatLayout::make(numels, sp_->size() * sub_pieces_);
+  sp_piece_ = parallel::tree_piece(sp_->rank(), sp_->size());
+  piece_ = sp_piece_ * sub_pieces_ + (dp_ ? parallel::tree_piece(dp_->rank(), sub_pieces_) : 0);
   first_ = layout_.piece_first[piece_], last_ = layout_.piece_first[piece_ + 1];
   at::NoGradGuard no_grad;
   const auto options = params_[0].second.options();
@@ -157,6 +167,11 @@ at::Tensor ShardedUpdate::mine(const at::Tensor& flat) const {
   return flat.narrow(0, piece_ * layout_.piece_numel, layout_.piece_numel);
 }
 
+at::Tensor ShardedUpdate::sp_piece(const at::Tensor& flat) const {
+  const int64_t n = layout_.piece_numel * sub_pieces_;
+  return flat.narrow(0, sp_piece_ * n, n);
+}
+
 void ShardedUpdate::set_gradients(const at::Tensor& flat) const {
   for (auto& [name, p] : params_) p.mutable_grad() = at::Tensor();
   carry::set_gradients(params_, flat, layout_, first_, last_);
@@ -170,7 +185,7 @@ at::Tensor ShardedUpdate::clip(double max_norm) const {
   if (!grads.empty()) parts.narrow(0, first_, last_ - first_).copy_(gradient_norm_parts(grads));
   {
     parallel::CommContext ctx("the gradient norm's parts from every rank's piece");
-    sp_->all_reduce_sum(parts);
+    (world_ ? world_ : sp_)->all_reduce_sum(parts);
   }
   auto norm = parts.sum().sqrt();
   scale_gradients(grads, norm, max_norm);
@@ -197,14 +212,22 @@ void ShardedUpdate::gather_parameters() {
     overlap_->updated.block(*overlap_->side);
     {
       c10::cuda::CUDAStreamGuard on_side(*overlap_->side);
-      parallel::tree_all_gather(params_flat_, sp_);
+      gather_pieces(params_flat_);
       overlap_->gathered.record(*overlap_->side);
     }
     overlap_->pending = true;
     return;
   }
 #endif
-  parallel::tree_all_gather(params_flat_, sp_);
+  gather_pieces(params_flat_);
+}
+
+void ShardedUpdate::gather_pieces(at::Tensor& flat) const {
+  if (dp_) {  // the sub-pieces of this rank's sp piece from its replicas, then the sp pieces
+    at::Tensor mine_sp = sp_piece(flat);
+    parallel::tree_all_gather(mine_sp, dp_);
+  }
+  parallel::tree_all_gather(flat, sp_);
 }
 
 void ShardedUpdate::wait_parameters() const {
@@ -226,7 +249,7 @@ std::vector<std::pair<std::string, at::Tensor>> ShardedUpdate::whole_optimizer_s
   for (const auto* piece : {&exp_avg_flat_, &exp_avg_sq_flat_}) {
     auto whole = at::zeros({layout_.numel}, piece->options());
     mine(whole).copy_(*piece);
-    parallel::tree_all_gather(whole, sp_);
+    gather_pieces(whole);
     const std::string prefix = piece == &exp_avg_flat_ ? "exp_avg." : "exp_avg_sq.";
     for (size_t i = 0; i < params_.size(); ++i) {
       const auto& p = params_[i].second;

@@ -21,6 +21,13 @@
 // size in their dtype. whole_optimizer_state() gathers them when a checkpoint is written; a resumed run
 // hands each rank the whole moments and it keeps its piece (AdamW::load_state).
 //
+// With data-parallel replicas (a dp communicator of a power of two of ranks), each sp piece is split
+// again over the replicas: the layout has sp·dp pieces, sp piece j being pieces [j·dp, (j+1)·dp). The
+// replicas sum their sp piece's gradients as before (the same bits), each rank clips and updates its
+// dp sub-piece only and holds only its moments (1/(sp·dp) of them), the updated sub-pieces are
+// all-gathered over dp, then the sp pieces over sp. The clipping norm's parts come from every rank of
+// the world (each parameter's from the one rank that updates it).
+//
 // On CUDA the parameters' all-gather runs on a side stream and the next step does not wait for it at
 // once: its forward waits (before_block, ModelContext::before_block) at the first block that reads a
 // parameter of another rank's piece. At sp = 2 the first rank's piece holds the embedding and the first
@@ -56,7 +63,12 @@ class ShardedUpdate {
   // to this rank's piece. `sp` must outlive this object. gather_overlap: on CUDA, the gather runs on a
   // side stream and the next forward waits where it needs another rank's parameters (else the step waits
   // for it at its end).
-  ShardedUpdate(NamedParameters params, AdamW& optimizer, parallel::Communicator* sp, bool gather_overlap = true);
+  // dp (may be null, or of one rank): the data-parallel replicas of this rank's sp group, the same sp
+  // rank in each; world: every rank (sp × dp) when dp has more than one.
+  ShardedUpdate(NamedParameters params, AdamW& optimizer, parallel::Communicator* sp, bool gather_overlap = true,
+                parallel::Communicator* dp = nullptr, parallel::Communicator* world = nullptr);
+  // Whether the pieces are split over dp too: "" if so, else why not.
+  static std::string dp_unavailable(const parallel::Communicator* dp, const parallel::Communicator* world);
   ~ShardedUpdate();  // waits for a gather in flight (its buffer goes with this object)
   ShardedUpdate(const ShardedUpdate&) = delete;
   ShardedUpdate& operator=(const ShardedUpdate&) = delete;
@@ -66,18 +78,24 @@ class ShardedUpdate {
   int piece() const { return piece_; }
   int first() const { return first_; }
   int last() const { return last_; }
+  // The ranks over which the moments are split (sp, times dp where split over it too).
+  int ranks() const { return layout_.pieces; }
   // This rank's piece of a flat buffer of the layout.
   at::Tensor mine(const at::Tensor& flat) const;
+  // This rank's sp piece of a flat buffer (its piece when not split over dp): what the dp replicas sum.
+  at::Tensor sp_piece(const at::Tensor& flat) const;
 
   // After the gradients' reduce-scatter (tree_reduce_scatter into `flat`; the dp replicas' sum of the
-  // piece after it, if any): this rank's parameters take their gradients from the piece; the others
+  // sp piece after it, if any): this rank's parameters take their gradients from its piece; the others
   // have none.
   void set_gradients(const at::Tensor& flat) const;
-  // Collective over sp: the global gradient norm (clip_grad_norm_on_device's bits, a 0-dim fp64 tensor
-  // on the device), this rank's gradients scaled as it scales them.
+  // Collective over sp (over every rank when split over dp): the global gradient norm
+  // (clip_grad_norm_on_device's bits, a 0-dim fp64 tensor on the device), this rank's gradients scaled as
+  // it scales them.
   at::Tensor clip(double max_norm) const;
-  // Collective over sp, after the update: every rank's parameters from the rank that updated them (on
-  // CUDA with gather_overlap, finished only for what is enqueued after wait_parameters()).
+  // Collective over sp (and dp when split over it), after the update: every rank's parameters from the
+  // rank that updated them (on CUDA with gather_overlap, finished only for what is enqueued after
+  // wait_parameters()).
   void gather_parameters();
   // The current stream waits for the last gather, if it has not yet (const: it only orders streams).
   void wait_parameters() const;
@@ -86,14 +104,20 @@ class ShardedUpdate {
   void before_block(int64_t part) const;
   // The first part whose parameters include another rank's (for the log and tests).
   int64_t first_foreign_part() const { return first_foreign_part_; }
-  // Collective over sp: every parameter's moments, gathered from the ranks that hold them, named and ordered
+  // Collective as gather_parameters: every parameter's moments, gathered from the ranks that hold them, named and ordered
   // as AdamW::state() names them (for a checkpoint; new tensors, this rank's piece copied).
   std::vector<std::pair<std::string, at::Tensor>> whole_optimizer_state() const;
 
  private:
+  // Every rank's piece of `flat` from the rank holding it: over dp (the sub-pieces), then over sp.
+  void gather_pieces(at::Tensor& flat) const;
+
   NamedParameters params_;
   parallel::Communicator* sp_;
+  parallel::Communicator* dp_ = nullptr;     // non-null: the pieces are split over it too
+  parallel::Communicator* world_ = nullptr;  // with dp_: every rank, for the clipping norm's parts
   parallel::FlatLayout layout_;
+  int sp_piece_ = 0, sub_pieces_ = 1;  // the sp piece and the dp sub-pieces in it
   int piece_ = 0, first_ = 0, last_ = 0;
   int64_t first_foreign_part_ = 0;
   at::Tensor params_flat_, exp_avg_flat_, exp_avg_sq_flat_;

@@ -146,8 +146,14 @@ Trainer::Trainer(const RunConfig& config, std::shared_ptr<parallel::ProcessGroup
   if (segments_ && sp_ > 1 && !gradient_sum_ && par.shard_update()) {
     const std::string why = ShardedUpdate::unavailable(model_.parameters(), segments_->sp());
     if (why.empty()) {
-      sharded_ = std::make_unique<ShardedUpdate>(model_.parameters(), *optimizer_, segments_->sp(), par.gather_overlap());
-      update_line_ = "update: split over the " + std::to_string(sp_) + " sp ranks (parallel.shard_update)";
+      sharded_ = std::make_unique<ShardedUpdate>(model_.parameters(), *optimizer_, segments_->sp(), par.gather_overlap(),
+                                                 dp_ > 1 ? groups_->dp.get() : nullptr, groups_->world.get());
+      update_line_ = sharded_->ranks() > sp_
+                         ? "update: split over the " + std::to_string(sharded_->ranks()) + " ranks, " + std::to_string(sp_) +
+                               " sp x " + std::to_string(dp_) + " dp (parallel.shard_update)"
+                         : "update: split over the " + std::to_string(sp_) + " sp ranks (parallel.shard_update)";
+      if (dp_ > 1 && sharded_->ranks() == sp_)
+        update_line_ += "; not over dp (" + ShardedUpdate::dp_unavailable(groups_->dp.get(), groups_->world.get()) + ")";
     } else {
       update_line_ = "update: on every sp rank (parallel.shard_update does not apply: " + why + ")";
     }

@@ -302,7 +302,7 @@ StepStats Trainer::train_step() {
   if (!graphed && grad_comm && grad_comm->size() > 1) {
     if (!gradients.defined()) gradients = flat_gradients(params, grad_layout_);
     if (sharded_) {
-      auto piece = sharded_->mine(gradients);  // the piece this rank updates, the same on every replica
+      auto piece = sharded_->sp_piece(gradients);  // this rank's sp piece, the same on every replica
       grad_comm->all_reduce_sum(piece);
     } else {
       grad_comm->all_reduce_sum(gradients);

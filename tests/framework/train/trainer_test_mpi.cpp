@@ -405,6 +405,27 @@ TEST(Trainer, OrderedSegmentsGiveTheSameBitsOnEveryLayout) {
   EXPECT_FALSE(same_bits(plain, serial, "sp=1 without segments vs sp=1 with 4 (fp32, 5 steps)"));
 }
 
+// dp = 2 × sp = 2: the update and AdamW's moments split over all four ranks (each sp piece again over the
+// two replicas) give the bits of every rank updating every parameter, and each parameter's moments live on
+// one rank of the four.
+TEST(Trainer, UpdateSplitOverEveryRankKeepsTheBits) {
+  if (parallel::world_info().size != 4) GTEST_SKIP() << "needs 4 ranks (dp=2 x sp=2)";
+  const std::vector<std::string> layout{"parallel.dp=2", "parallel.sp=2", "data.batch_size=2"};
+  auto split = train_bits(config(layout), true);
+  auto o = layout;
+  o.push_back("parallel.shard_update=false");
+  auto whole = train_bits(config(o), true);
+  EXPECT_TRUE(split.sharded);
+  EXPECT_FALSE(whole.sharded);
+  EXPECT_TRUE(same_bits(split, whole, "dp=2 x sp=2 with the update split over the 4 ranks vs every rank updating "
+                                      "every parameter (fp32, 5 steps)"));
+  int64_t held_sum = 0;
+  MPI_Allreduce(&split.held_moments, &held_sum, 1, MPI_INT64_T, MPI_SUM, MPI_COMM_WORLD);
+  EXPECT_EQ(held_sum, split.all_moments) << "each parameter's moments on one rank of the four";
+  EXPECT_LT(split.held_moments, split.all_moments);
+  EXPECT_EQ(whole.held_moments, whole.all_moments);
+}
+
 // A layout: the overrides that give it (dp, sp, per-rank batch for the same global batch of 4).
 struct Layout {
   std::string name;
