@@ -245,11 +245,30 @@ void ShardedUpdate::before_block(int64_t part) const {
 std::vector<std::pair<std::string, at::Tensor>> ShardedUpdate::whole_optimizer_state() const {
   at::NoGradGuard no_grad;
   wait_parameters();
+  parallel::Communicator* comm = world_ ? world_ : sp_;
+  const bool root = comm->rank() == 0;
+  // Which rank holds which piece.
+  auto mine_index = at::full({1}, static_cast<int64_t>(piece_), exp_avg_flat_.options().dtype(at::kLong));
+  std::vector<int> holder(layout_.pieces, -1);
+  {
+    parallel::CommContext ctx("which rank holds which piece of the optimizer's moments");
+    auto all = comm->all_gather(mine_index);
+    for (int r = 0; r < static_cast<int>(all.size()); ++r) holder.at(all[r].cpu().item<int64_t>()) = r;
+  }
   std::vector<std::pair<std::string, at::Tensor>> out;
   for (const auto* piece : {&exp_avg_flat_, &exp_avg_sq_flat_}) {
-    auto whole = at::zeros({layout_.numel}, piece->options());
-    mine(whole).copy_(*piece);
-    gather_pieces(whole);
+    at::Tensor whole = root ? at::zeros({layout_.numel}, piece->options().device(at::kCPU)) : at::Tensor();
+    at::Tensor buffer = at::empty_like(*piece);
+    for (int j = 0; j < layout_.pieces; ++j) {
+      TORCH_INTERNAL_ASSERT(holder[j] >= 0, "sharded update: no rank holds piece ", j, " of the moments");
+      if (comm->rank() == holder[j]) buffer.copy_(*piece);
+      {
+        parallel::CommContext ctx("a piece of the optimizer's moments to the checkpoint's writer");
+        comm->broadcast(buffer, holder[j]);
+      }
+      if (root) whole.narrow(0, j * layout_.piece_numel, layout_.piece_numel).copy_(buffer);
+    }
+    if (!root) continue;
     const std::string prefix = piece == &exp_avg_flat_ ? "exp_avg." : "exp_avg_sq.";
     for (size_t i = 0; i < params_.size(); ++i) {
       const auto& p = params_[i].second;

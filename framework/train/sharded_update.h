@@ -18,8 +18,9 @@
 // The parameters live in a flat buffer of the layout (every parameter a view, rebound with set_data), so
 // that a gather is one collective. AdamW's moments are held only for this rank's piece (a flat buffer of
 // the piece, every moment a view): each rank keeps 1/P of the moments, which are twice the parameters'
-// size in their dtype. whole_optimizer_state() gathers them when a checkpoint is written; a resumed run
-// hands each rank the whole moments and it keeps its piece (AdamW::load_state).
+// size in their dtype. whole_optimizer_state() gathers them to rank 0's host memory, a piece at a time,
+// when a checkpoint is written; a resumed run hands each rank the whole moments and it keeps its piece
+// (AdamW::load_state).
 //
 // With data-parallel replicas (a dp communicator of a power of two of ranks), each sp piece is split
 // again over the replicas: the layout has sp·dp pieces, sp piece j being pieces [j·dp, (j+1)·dp). The
@@ -104,8 +105,10 @@ class ShardedUpdate {
   void before_block(int64_t part) const;
   // The first part whose parameters include another rank's (for the log and tests).
   int64_t first_foreign_part() const { return first_foreign_part_; }
-  // Collective as gather_parameters: every parameter's moments, gathered from the ranks that hold them, named and ordered
-  // as AdamW::state() names them (for a checkpoint; new tensors, this rank's piece copied).
+  // Collective over the ranks the moments are split over (sp, or every rank when split over dp): every
+  // parameter's moments on the rank of rank 0's group that is its rank 0 (world rank 0 writes the
+  // checkpoint), in host memory, named and ordered as AdamW::state() names them; empty on the others. The
+  // pieces travel one at a time: a rank needs one more piece of device memory meanwhile.
   std::vector<std::pair<std::string, at::Tensor>> whole_optimizer_state() const;
 
  private:

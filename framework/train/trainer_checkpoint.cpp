@@ -52,7 +52,7 @@ using namespace trainer_util;
 void Trainer::save_checkpoint() {
   const auto& ck = config_.checkpoint();
   if (!ck.has_dir() || ck.dir().empty()) return;
-  // Every rank's moments from the rank that holds them: rank 0 writes them all.
+  // Every rank's moments from the rank that holds them, to rank 0 (in host memory): it writes them all.
   std::vector<std::pair<std::string, at::Tensor>> moments;
   if (sharded_) moments = sharded_->whole_optimizer_state();
   // Never write a checkpoint with a non-finite parameter: it would become `latest` and every resume
@@ -97,6 +97,8 @@ void Trainer::save_checkpoint() {
     d.rng_seed = config_.seed();
     d.config_text = config_to_text(config_);
     for (auto& [name, p] : model_.parameters()) d.model.emplace_back(name, p.detach());
+    TORCH_INTERNAL_ASSERT(!sharded_ || !moments.empty(), "trainer: world rank 0 did not receive the gathered "
+                          "optimizer moments (it is not rank 0 of the ranks they are split over)");
     d.optimizer = sharded_ ? std::move(moments) : optimizer_->state();
     d.extra["layout"] = layout_text();
     d.extra["global_batch"] = std::to_string(dp_ * grad_accum_steps() * config_.data().batch_size());

@@ -230,7 +230,7 @@ struct BitRun {
   int64_t deferred_head_bytes = 0;  // this rank's budget (Trainer::deferred_head_bytes)
   bool sharded = false;             // the update split over the sp ranks (Trainer::sharded_update)
   int64_t first_foreign_part = -2;  // where its forward first reads another rank's parameters
-  std::vector<at::Tensor> state;    // AdamW's moments after the 5 steps (gathered from their ranks first)
+  std::vector<at::Tensor> state;    // AdamW's moments after the 5 steps, on world rank 0 (gathered there first)
   int64_t held_moments = 0;         // the moment elements this rank holds
   int64_t all_moments = 0;          // two a parameter element
 };
@@ -255,6 +255,7 @@ BitRun train_bits(const RunConfig& cfg, bool distributed) {
     r.state.clear();
     for (auto& [n, m] : t->sharded_update()->whole_optimizer_state()) r.state.push_back(m.clone());
   }
+  if (parallel::world_info().rank != 0) r.state.clear();  // the whole moments reach rank 0 only
   return r;
 }
 
