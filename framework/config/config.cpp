@@ -384,6 +384,16 @@ bool recompute_overlap_applies(const RunConfig& config, bool if_recomputed) {
   return (if_recomputed || par.recompute()) && on && !par.recompute_keeps_mixer();
 }
 
+int64_t update_split_ranks(const RunConfig& config) {
+  const auto& par = config.parallel();
+  const int64_t sp = par.sp(), dp = par.dp();
+  auto power_of_two = [](int64_t n) { return n > 1 && (n & (n - 1)) == 0; };
+  const int64_t per_rank = par.segments() > 0 ? par.segments() / sp : 1;
+  const bool split = par.scan_mode() == config::ParallelConfig::ORDERED && power_of_two(sp) && par.shard_update() &&
+                     (par.gradient_sum() == config::ParallelConfig::AFTER_BACKWARD || per_rank > 1);
+  return !split ? 1 : sp * (power_of_two(dp) ? dp : 1);
+}
+
 int64_t head_dim_k(const ModelConfig& model) {
   return model.has_head_dim_k() ? model.head_dim_k() : model.d_model() / std::max<int64_t>(model.n_heads(), 1);
 }

@@ -114,4 +114,10 @@ int64_t mlp_hidden_size(const ModelConfig& model);  // mlp_ratio * d_model round
 // `if_recomputed`, as if parallel.recompute were on (the memory estimate's recomputed peak).
 bool recompute_overlap_applies(const RunConfig& config, bool if_recomputed = false);
 
+// The ranks a run splits the optimizer's update and AdamW's moments over (parallel.shard_update,
+// framework/train/sharded_update.h), as the config says: sp under the ordered scan at a power-of-two
+// sp > 1 with the gradients summed after the backward or several segments a rank, times dp at a
+// power-of-two dp; else 1. (The trainer also needs every parameter of one dtype.)
+int64_t update_split_ranks(const RunConfig& config);
+
 }  // namespace carry

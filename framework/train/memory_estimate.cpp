@@ -184,17 +184,10 @@ MemoryEstimate estimate_memory(const RunConfig& config, std::FILE* progress) {
   for (int64_t i = 0; i < L; ++i) m.parameters += layer_params[i % small.n_layers()];
   m.parameter_bytes = 4.0 * static_cast<double>(m.parameters);
   m.gradient_bytes = m.parameter_bytes;
-  // With the update split over the sp ranks (parallel.shard_update where it applies: the ordered scan at a
-  // power-of-two sp, the gradients summed after the backward or several segments a rank), a rank holds
-  // the moments of its piece of the parameters (whole tensors: about 1/sp, and 1/(sp·dp) at a
-  // power-of-two dp, the pieces split over the replicas too).
-  const auto& pc = config.parallel();
-  const int64_t per_rank = pc.segments() > 0 ? pc.segments() / sp : 1;
-  m.moments_split = pc.scan_mode() == config::ParallelConfig::ORDERED && sp > 1 && (sp & (sp - 1)) == 0 &&
-                    pc.shard_update() &&
-                    (pc.gradient_sum() == config::ParallelConfig::AFTER_BACKWARD || per_rank > 1);
-  const int64_t dp = pc.dp();
-  m.moment_ranks = !m.moments_split ? 1 : sp * (dp > 1 && (dp & (dp - 1)) == 0 ? dp : 1);
+  // With the update split over ranks (parallel.shard_update where it applies), a rank holds the moments
+  // of its piece of the parameters (whole tensors: about 1/ranks).
+  m.moment_ranks = update_split_ranks(config);
+  m.moments_split = m.moment_ranks > 1;
   m.optimizer_bytes = 2 * m.parameter_bytes / static_cast<double>(m.moment_ranks);
 
   // Slice lengths: multiples of every layer's chunk size, past every sliding window (a windowed

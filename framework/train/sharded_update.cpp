@@ -252,8 +252,8 @@ std::vector<std::pair<std::string, at::Tensor>> ShardedUpdate::whole_optimizer_s
   std::vector<int> holder(layout_.pieces, -1);
   {
     parallel::CommContext ctx("which rank holds which piece of the optimizer's moments");
-    auto all = comm->all_gather(mine_index);
-    for (int r = 0; r < static_cast<int>(all.size()); ++r) holder.at(all[r].cpu().item<int64_t>()) = r;
+    const auto all = at::cat(comm->all_gather(mine_index)).cpu();
+    for (int r = 0; r < static_cast<int>(all.numel()); ++r) holder.at(all[r].item<int64_t>()) = r;
   }
   std::vector<std::pair<std::string, at::Tensor>> out;
   for (const auto* piece : {&exp_avg_flat_, &exp_avg_sq_flat_}) {

@@ -24,8 +24,8 @@
 // Floor. Forward: reads u, Δ (2·B·T·D elements) twice with S > 1 and writes y; B, C are B·T·N. Backward: reads
 // u, Δ, dy three to four times and writes du, dΔ; the checkpoints are 4·B·T·D·N/16 bytes each way, the dB/dC
 // partials 8·B·T·N·⌈D·N/512⌉ bytes. The arithmetic is one exp and a few FMAs a (token, d, n): memory and the
-// exp bound it. The walks read each input kTile tokens ahead of the arithmetic, through the read-only path, so
-// those loads are in flight together. ptxas (sm_90a): bwd_main 164 to 168 registers (3 blocks an SM), the
+// exp bound it. The walks read the inputs of kTile tokens before their arithmetic, through the read-only path,
+// so those loads are in flight together. ptxas (sm_90a): bwd_main 164 to 168 registers (3 blocks an SM), the
 // walks 71 to 80 (6 blocks an SM), no spills; the scans 32.
 #include "layers/kernels/selective_scan/api.h"
 #include "layers/kernels/selective_scan/kernels.cuh"
