@@ -3,10 +3,11 @@
 // dynamic shared memory of the backward's block sums), so their indexing, warp shuffles and block
 // reductions are checked on every build, GPU or not. Against the token recurrence and its backward written
 // as plain loops in double on the same (rounded) inputs: y, h_T, du, dΔ, dA, dB, dC, dh0 for random dy,
-// dh_T. Realistic inputs (Δ a softplus, A = −exp(·), a nonzero h0), B = 2, T = 40 (three 16-token
-// sub-chunks), D = 37 (for N = 16 two channel blocks, the second mostly past D), N ∈ {4, 8, 16} in three segments
-// (the last 8 tokens) and N = 16 in one; outputs and intermediates poisoned (NaN) first. fp32 inputs: max-norm
-// relative error ≤ 1e-5; bf16 inputs (N = 16): ≤ 1e-2 (y, du, dΔ, dB, dC rounded to bf16).
+// dh_T. Realistic inputs (Δ a softplus, A = −exp(·), a nonzero h0), B = 2, T = 40 (five 8-token
+// sub-chunks), D = 37 (odd: the channels read one by one) and 70 (read in pairs; for N = 16 two channel blocks,
+// the second mostly past D), N ∈ {4, 8, 16} in three segments (the last 8 tokens) and in one; outputs and
+// intermediates poisoned (NaN) first. fp32 inputs: max-norm relative error ≤ 1e-5; bf16 inputs (N = 16 and 8):
+// ≤ 1e-2 (y, du, dΔ, dB, dC rounded to bf16).
 #include "tests/emulation/warp_emulation.h"
 
 #include "layers/kernels/selective_scan/kernels.cuh"
@@ -96,7 +97,7 @@ Outputs run_kernels(int Bs, int T, int D, int segments, const std::vector<In>& u
   std::vector<float> h_in = h0, end_state(bsdn, kNaN), delta_sum((size_t)Bs * S * D, kNaN);
   if (S > 1) {
     h_in.assign(bsdn, kNaN);
-    carry_emu::launch(P, S - 1, Bs, core::kThreads, 0, [&] {
+    carry_emu::launch(P, S - 1, Bs, core::kThreads, ss::stage_smem<In, N>(), [&] {
       ss::fwd_local_kernel<In, N>(u.data(), dl.data(), A.data(), B.data(), C.data(), m, end_state.data(),
                                   delta_sum.data());
     });
@@ -106,7 +107,7 @@ Outputs run_kernels(int Bs, int T, int D, int segments, const std::vector<In>& u
   }
   std::vector<In> y((size_t)Bs * T * D, In(kNaN));
   std::vector<float> h_final(bdn, kNaN);
-  carry_emu::launch(P, S, Bs, core::kThreads, 0, [&] {
+  carry_emu::launch(P, S, Bs, core::kThreads, ss::stage_smem<In, N>(), [&] {
     ss::fwd_output_kernel<In, N>(u.data(), dl.data(), A.data(), B.data(), C.data(), m, h_in.data(), y.data(),
                                  h_final.data());
   });
@@ -114,7 +115,7 @@ Outputs run_kernels(int Bs, int T, int D, int segments, const std::vector<In>& u
   std::vector<float> g_in = dh, out_grad(bsdn, kNaN), delta_sum_b((size_t)Bs * S * D, kNaN);
   if (S > 1) {
     g_in.assign(bsdn, kNaN);
-    carry_emu::launch(P, S - 1, Bs, core::kThreads, 0, [&] {
+    carry_emu::launch(P, S - 1, Bs, core::kThreads, ss::stage_smem<In, N>(), [&] {
       ss::bwd_local_kernel<In, N>(u.data(), dl.data(), A.data(), B.data(), C.data(), dy.data(), m, out_grad.data(),
                                   delta_sum_b.data());
     });
@@ -123,12 +124,12 @@ Outputs run_kernels(int Bs, int T, int D, int segments, const std::vector<In>& u
     });
   }
   std::vector<float> ck((size_t)Bs * nk * D * N, kNaN);
-  carry_emu::launch(P, S, Bs, core::kThreads, 0, [&] {
+  carry_emu::launch(P, S, Bs, core::kThreads, ss::stage_smem<In, N>(), [&] {
     ss::checkpoint_kernel<In, N>(u.data(), dl.data(), A.data(), B.data(), C.data(), m, h_in.data(), ck.data());
   });
   std::vector<In> du((size_t)Bs * T * D, In(kNaN)), ddelta = du;
   std::vector<float> part((size_t)P * 2 * Bs * T * N, kNaN), dA_part(bsdn, kNaN), dh0(bdn, kNaN);
-  carry_emu::launch(P, S, Bs, core::kThreads, ss::bwd_main_smem(N), [&] {
+  carry_emu::launch(P, S, Bs, core::kThreads, ss::bwd_main_smem<In, N>(), [&] {
     ss::bwd_main_kernel<In, N>(u.data(), dl.data(), A.data(), B.data(), C.data(), dy.data(), m, g_in.data(),
                                ck.data(), du.data(), ddelta.data(), part.data(), dA_part.data(), dh0.data());
   });
@@ -147,8 +148,8 @@ Outputs run_kernels(int Bs, int T, int D, int segments, const std::vector<In>& u
 }
 
 template <class In, int N>
-void check(int segments, double bound) {
-  const int Bs = 2, T = 40, D = 37;
+void check(int segments, double bound, int D = 37) {
+  const int Bs = 2, T = 40;
   std::mt19937_64 rng(17 + N + segments);
   std::normal_distribution<double> normal;
   auto draw = [&](size_t n, auto f) {
@@ -174,12 +175,13 @@ void check(int segments, double bound) {
   std::string line;
   for (int i = 0; i < 8; ++i) {
     const double e = carry_emu::rel_err(*g[i], *w[i]);
-    EXPECT_LE(e, bound) << names[i] << " N " << N << " segments " << segments;
+    EXPECT_LE(e, bound) << names[i] << " N " << N << " D " << D << " segments " << segments;
     char buf[48];
     std::snprintf(buf, sizeof buf, " %s %.1e", names[i], e);
     line += buf;
   }
-  std::printf("[ errors   ] %s N=%d segments %d:%s\n", sizeof(In) == 2 ? "bf16" : "fp32", N, segments, line.c_str());
+  std::printf("[ errors   ] %s N=%d D=%d segments %d:%s\n", sizeof(In) == 2 ? "bf16" : "fp32", N, D, segments,
+              line.c_str());
 }
 
 TEST(SelectiveScanEmulation, Fp32MatchesTheTokenRecurrence) {
@@ -187,8 +189,13 @@ TEST(SelectiveScanEmulation, Fp32MatchesTheTokenRecurrence) {
   check<float, 8>(3, 1e-5);
   check<float, 16>(1, 1e-5);
   check<float, 16>(3, 1e-5);
+  check<float, 16>(3, 1e-5, 70);
+  check<float, 4>(1, 1e-5, 70);
 }
 
-TEST(SelectiveScanEmulation, Bf16MatchesTheTokenRecurrence) { check<__nv_bfloat16, 16>(3, 1e-2); }
+TEST(SelectiveScanEmulation, Bf16MatchesTheTokenRecurrence) {
+  check<__nv_bfloat16, 16>(3, 1e-2);
+  check<__nv_bfloat16, 8>(2, 1e-2, 70);
+}
 
 }  // namespace

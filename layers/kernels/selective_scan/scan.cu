@@ -1,32 +1,32 @@
 // Mamba-1's selective scan (S6) on the GPU (api.h): the segment algorithm of scan.cuh, in plain fp32 FMAs.
 // The kernels are kernels.cuh's; this file checks the inputs, plans the segments and launches them.
 //
-// Tiling. A block is 128 threads; a thread owns one channel d of one sequence b and kGroup = 4 consecutive
-// states (N/4 threads a channel, 128·4/N channels a block: 128 for N = 4, 32 for N = 16), for one segment
-// of L tokens (L a multiple of kSub = 16). Grid (⌈D/channels⌉, S, B). The thread's states, its A entries
-// and, in the backward, its gradient carry and one sub-chunk's 16 recomputed states stay in registers.
-// Per token a thread reads u_t[d], Δ_t[d] (and dy_t[d]): consecutive threads read consecutive channels;
-// B_t, C_t (4 entries) are the same address for every thread of a warp with the same state group.
-// Sums over n (y, du, dΔ) are warp shuffles over the channel's threads; sums over d (dB, dC) are warp
-// shuffles over the warp's channels, then the block's 4 warps in order through shared memory, written as
-// one row a block of a [blocks, 2·B·T·N] fp32 buffer that primitives::column_sum adds in order. dA is one
-// row a (b, segment) of a [B·S, D·N] buffer, added the same way. No atomics: the bits repeat.
+// Tiling. A block is 128 threads; a thread owns a tile of kChan = 2 consecutive channels of one sequence and
+// kGroup = 4 consecutive states of each (N/4 threads a tile, 256·4/N channels a block: 64 for N = 16), for one
+// segment of L tokens (L a multiple of kSub = 8). Grid (⌈D/channels⌉, S, B). The tile's states, its A entries
+// (times log2 e: the exponentials are ex2) and, in the backward, its gradient carry and one sub-chunk's 8
+// recomputed states stay in registers. Per token a thread reads u_t, Δ_t (and dy_t) of its two channels as one
+// pair, consecutive tiles consecutive pairs; B_t, C_t (4 entries) are one read, the same address for every
+// tile of a warp's state group. Sums over n (y, du, dΔ) and over the warp's channels (dB, dC, each thread's
+// two channels summed first) are transposing warp shuffles: at each level a lane keeps half of its values
+// and adds its partner's share of them, so a sum of v values over w lanes costs about v shuffles. The
+// block's 4 warps are then added in order through shared memory, written as one row a block of a
+// [blocks, 2·B·T·N] fp32 buffer that primitives::column_sum adds in order. dA is one row a (b, segment) of a
+// [B·S, D·N] buffer, added the same way. No atomics: the bits repeat.
 //
 // Kernels. Forward: local (segments 0..S−2 from zero: end state, ΣΔ) → scan (one thread a (b,d,n), the S
 // segments in order: the state entering each, saved for the backward) → output (every segment from its
 // incoming state: y; the last one writes h_T). With one segment only the output kernel runs, from h0.
 // Backward: local (segments 1..S−1 from a zero gradient: outgoing gradient, ΣΔ) → reverse scan (the gradient
-// arriving at each segment's last state) → checkpoints (the state entering every 16-token sub-chunk, the
-// forward again from the segment states: fp32 [B,⌈T/16⌉,D,N], freed after the call) → main (every segment,
+// arriving at each segment's last state) → checkpoints (the state entering every 8-token sub-chunk, the
+// forward again from the segment states: fp32 [B,⌈T/8⌉,D,N], freed after the call) → main (every segment,
 // sub-chunk by sub-chunk from the last: du, dΔ, the dB/dC and dA partials; segment 0 writes dh0) → the two
 // column sums.
 //
 // Floor. Forward: reads u, Δ (2·B·T·D elements) twice with S > 1 and writes y; B, C are B·T·N. Backward: reads
-// u, Δ, dy three to four times and writes du, dΔ; the checkpoints are 4·B·T·D·N/16 bytes each way, the dB/dC
-// partials 8·B·T·N·⌈D·N/512⌉ bytes. The arithmetic is one exp and a few FMAs a (token, d, n): memory and the
-// exp bound it. The walks read the inputs of kTile tokens before their arithmetic, through the read-only path,
-// so those loads are in flight together. ptxas (sm_90a): bwd_main 164 to 168 registers (3 blocks an SM), the
-// walks 71 to 80 (6 blocks an SM), no spills; the scans 32.
+// u, Δ, dy three to four times and writes du, dΔ; the checkpoints are 4·B·T·D·N/8 bytes each way, the dB/dC
+// partials 8·B·T·N·⌈D·N/1024⌉ bytes. The arithmetic is one exp and a few FMAs a (token, d, n) a pass (six
+// passes with an exp: two forward, four backward): the exp unit and the issue rate bound it.
 #include "layers/kernels/selective_scan/api.h"
 #include "layers/kernels/selective_scan/kernels.cuh"
 #include "layers/kernels/selective_scan/scan.cuh"
@@ -53,6 +53,12 @@ std::atomic<int> g_segments{0};
 
 at::Tensor alloc(at::IntArrayRef sizes, const at::TensorOptions& opt) {
   return carry::kernels::primitives::alloc_poisoned(sizes, opt, g_poison.load());
+}
+
+// The kernels read their inputs as 16-byte vectors and pairs: a tensor whose data does not start on a
+// 16-byte boundary (a view into a larger one) is copied.
+at::Tensor aligned(const at::Tensor& t) {
+  return reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0 ? t : t.clone();
 }
 
 void check_inputs(const at::Tensor& u, const at::Tensor& delta, const at::Tensor& A, const at::Tensor& B,
@@ -96,10 +102,17 @@ template <typename In, int N>
 int output_blocks_per_sm() {
   static const int n = [] {
     int k = 0;
-    C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&k, fwd_output_kernel<In, N>, kThreads, 0));
+    C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&k, fwd_output_kernel<In, N>, kThreads,
+                                                                 stage_smem<In, N>()));
     return std::max(1, k);
   }();
   return n;
+}
+
+// Lets kernel k take `bytes` of dynamic shared memory (above 48 KiB it must ask), once.
+template <class K>
+void allow_smem(K* k, size_t bytes) {
+  if (bytes > 48 * 1024) C10_CUDA_CHECK(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)bytes));
 }
 
 // The segments asked for: the call's, else the forced one, else by the grid: as many blocks as the SMs
@@ -125,7 +138,8 @@ void launch_fwd(const at::Tensor& u, const at::Tensor& delta, const at::Tensor& 
   const auto f32 = u.options().dtype(at::kFloat);
   if (m.S > 1) {
     at::Tensor end_state = alloc({m.Bs, m.S, m.D, m.N}, f32), delta_sum = alloc({m.Bs, m.S, m.D}, f32);
-    fwd_local_kernel<In, N><<<dim3(m.P, m.S - 1, m.Bs), kThreads, 0, stream>>>(
+    allow_smem(fwd_local_kernel<In, N>, stage_smem<In, N>());
+    fwd_local_kernel<In, N><<<dim3(m.P, m.S - 1, m.Bs), kThreads, stage_smem<In, N>(), stream>>>(
         pu, pd, pa, pb, pc, m, end_state.data_ptr<float>(), delta_sum.data_ptr<float>());
     C10_CUDA_KERNEL_LAUNCH_CHECK();
     const long n = (long)m.Bs * m.D * m.N;
@@ -134,7 +148,8 @@ void launch_fwd(const at::Tensor& u, const at::Tensor& delta, const at::Tensor& 
         h_in.data_ptr<float>());
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   }
-  fwd_output_kernel<In, N><<<dim3(m.P, m.S, m.Bs), kThreads, 0, stream>>>(
+  allow_smem(fwd_output_kernel<In, N>, stage_smem<In, N>());
+  fwd_output_kernel<In, N><<<dim3(m.P, m.S, m.Bs), kThreads, stage_smem<In, N>(), stream>>>(
       pu, pd, pa, pb, pc, m, h_in.data_ptr<float>(), reinterpret_cast<In*>(y.data_ptr()),
       h_final.data_ptr<float>());
   C10_CUDA_KERNEL_LAUNCH_CHECK();
@@ -155,7 +170,8 @@ void launch_bwd(const at::Tensor& u, const at::Tensor& delta, const at::Tensor& 
   at::Tensor g_in = dh_final.view({m.Bs, 1, m.D, m.N});
   if (m.S > 1) {
     at::Tensor out_grad = alloc({m.Bs, m.S, m.D, m.N}, f32), delta_sum = alloc({m.Bs, m.S, m.D}, f32);
-    bwd_local_kernel<In, N><<<dim3(m.P, m.S - 1, m.Bs), kThreads, 0, stream>>>(
+    allow_smem(bwd_local_kernel<In, N>, stage_smem<In, N>());
+    bwd_local_kernel<In, N><<<dim3(m.P, m.S - 1, m.Bs), kThreads, stage_smem<In, N>(), stream>>>(
         pu, pd, pa, pb, pc, pdy, m, out_grad.data_ptr<float>(), delta_sum.data_ptr<float>());
     C10_CUDA_KERNEL_LAUNCH_CHECK();
     g_in = alloc({m.Bs, m.S, m.D, m.N}, f32);
@@ -167,14 +183,16 @@ void launch_bwd(const at::Tensor& u, const at::Tensor& delta, const at::Tensor& 
   }
   const long nk = (m.T + kSub - 1) / kSub;
   at::Tensor ck = alloc({m.Bs, nk, m.D, m.N}, f32);
-  checkpoint_kernel<In, N><<<dim3(m.P, m.S, m.Bs), kThreads, 0, stream>>>(pu, pd, pa, pb, pc, m,
+  allow_smem(checkpoint_kernel<In, N>, stage_smem<In, N>());
+  checkpoint_kernel<In, N><<<dim3(m.P, m.S, m.Bs), kThreads, stage_smem<In, N>(), stream>>>(pu, pd, pa, pb, pc, m,
                                                                           h_in.data_ptr<float>(),
                                                                           ck.data_ptr<float>());
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   at::Tensor du = alloc(u.sizes(), u.options()), ddelta = alloc(u.sizes(), u.options());
   at::Tensor part = alloc({m.P, 2, m.Bs, m.T, m.N}, f32), dA_part = alloc({m.Bs, m.S, m.D, m.N}, f32);
   at::Tensor dh0 = alloc({m.Bs, m.D, m.N}, f32);
-  bwd_main_kernel<In, N><<<dim3(m.P, m.S, m.Bs), kThreads, bwd_main_smem(N), stream>>>(
+  allow_smem(bwd_main_kernel<In, N>, bwd_main_smem<In, N>());
+  bwd_main_kernel<In, N><<<dim3(m.P, m.S, m.Bs), kThreads, bwd_main_smem<In, N>(), stream>>>(
       pu, pd, pa, pb, pc, pdy, m, g_in.data_ptr<float>(), ck.data_ptr<float>(),
       reinterpret_cast<In*>(du.data_ptr()), reinterpret_cast<In*>(ddelta.data_ptr()), part.data_ptr<float>(),
       dA_part.data_ptr<float>(), dh0.data_ptr<float>());
@@ -206,10 +224,11 @@ void by_dtype(at::ScalarType dt, F&& f) {
 
 }  // namespace
 
-std::vector<at::Tensor> selective_scan_fwd(const at::Tensor& u, const at::Tensor& delta, const at::Tensor& A,
-                                           const at::Tensor& B, const at::Tensor& C,
+std::vector<at::Tensor> selective_scan_fwd(const at::Tensor& u_, const at::Tensor& delta_, const at::Tensor& A_,
+                                           const at::Tensor& B_, const at::Tensor& C_,
                                            const at::Tensor& initial_state, int segments) {
-  check_inputs(u, delta, A, B, C);
+  check_inputs(u_, delta_, A_, B_, C_);
+  const at::Tensor u = aligned(u_), delta = aligned(delta_), A = aligned(A_), B = aligned(B_), C = aligned(C_);
   const c10::cuda::CUDAGuard guard(u.device());
   const int Bs = (int)u.size(0), T = (int)u.size(1), D = (int)u.size(2), N = (int)A.size(1);
   int per_sm = 1;
@@ -220,7 +239,7 @@ std::vector<at::Tensor> selective_scan_fwd(const at::Tensor& u, const at::Tensor
   const Dims m = dims_of(u, A, segment_length(T, segments_asked(segments, Bs, T, D, N, per_sm)));
   TORCH_CHECK(m.S <= 65535, "selective_scan: ", m.S, " segments; at most 65535");
   const auto f32 = u.options().dtype(at::kFloat);
-  at::Tensor h0 = initial_state.defined() ? initial_state : at::zeros({Bs, D, N}, f32);
+  at::Tensor h0 = initial_state.defined() ? aligned(initial_state) : at::zeros({Bs, D, N}, f32);
   TORCH_CHECK(h0.sizes() == at::IntArrayRef({Bs, D, N}) && h0.scalar_type() == at::kFloat && h0.is_contiguous() &&
                   h0.device() == u.device(),
               "selective_scan: initial_state must be contiguous fp32 [", Bs, ",", D, ",", N, "] on ", u.device(),
@@ -234,11 +253,13 @@ std::vector<at::Tensor> selective_scan_fwd(const at::Tensor& u, const at::Tensor
   return {y, h_final, h_in};
 }
 
-std::vector<at::Tensor> selective_scan_bwd(const at::Tensor& u, const at::Tensor& delta, const at::Tensor& A,
-                                           const at::Tensor& B, const at::Tensor& C,
-                                           const at::Tensor& segment_states, const at::Tensor& dy,
-                                           const at::Tensor& d_final_state) {
-  check_inputs(u, delta, A, B, C);
+std::vector<at::Tensor> selective_scan_bwd(const at::Tensor& u_, const at::Tensor& delta_, const at::Tensor& A_,
+                                           const at::Tensor& B_, const at::Tensor& C_,
+                                           const at::Tensor& segment_states_, const at::Tensor& dy_,
+                                           const at::Tensor& d_final_state_) {
+  check_inputs(u_, delta_, A_, B_, C_);
+  const at::Tensor u = aligned(u_), delta = aligned(delta_), A = aligned(A_), B = aligned(B_), C = aligned(C_);
+  const at::Tensor segment_states = aligned(segment_states_), dy = aligned(dy_), d_final_state = aligned(d_final_state_);
   const c10::cuda::CUDAGuard guard(u.device());
   const int Bs = (int)u.size(0), T = (int)u.size(1), D = (int)u.size(2), N = (int)A.size(1);
   TORCH_CHECK(segment_states.dim() == 4 && segment_states.size(0) == Bs && segment_states.size(2) == D &&

@@ -2,9 +2,11 @@
 // and for the CPU check in double (tests/layers/kernels/selective_scan/segments_test.cpp). Per channel d and
 // state n:
 //   h_t[d,n] = exp(Δ_t[d]·A[d,n]) · h_{t−1}[d,n] + B_t[n] · u_t[d],   y_t[d] = Σ_n C_t[n] · h_t[d,n].
-// A thread owns one channel d of one sequence and kGroup consecutive states n0..n0+kGroup−1, over one segment
-// of tokens [t0, t1); what crosses threads (the sums over n for y, du, dΔ, the sums over d for dB, dC) is the
-// caller's: these functions hand each thread's share to an `emit` callback.
+// A thread owns a tile of kChan consecutive channels d0.. of one sequence and kGroup consecutive states
+// n0.. of each, over one segment of tokens [t0, t1). The exponentials are base 2: the walks take
+// A2 = A·log2(e), so exp(Δ·A) = 2^(Δ·A2). What crosses threads (the sums over n for y, du, dΔ, the sums over
+// d for dB, dC) is the caller's: these functions hand each thread's share to an `emit` callback, the dB, dC
+// shares already summed over the thread's channels.
 //
 // The segment algorithm (scan.cu's plan says which kernel runs which step):
 //   forward   pass 1: each segment from the zero state: its end state and ΣΔ over it (its transport is
@@ -16,8 +18,8 @@
 //                     (G_in[S−1] = dh_T); checkpoints: the state entering every kSub-token sub-chunk, by the
 //                     forward from h_in[s]; pass 2: each sub-chunk, last to first, its states recomputed from
 //                     its checkpoint into registers, then per token (last to first)
-//                       du_t = Σ_n B_t g_t,  dΔ_t = Σ_n A·e_t·h_{t−1}·g_t,  dA += Δ_t·e_t·h_{t−1}·g_t,
-//                       dB_t[n] = Σ_d u_t g_t,  dC_t[n] = Σ_d h_t dy_t,  with e_t = exp(Δ_t A);
+//                       du_t = Σ_n B_t g_t,  dΔ_t = ln2·Σ_n A2·e_t·h_{t−1}·g_t,  dA += Δ_t·e_t·h_{t−1}·g_t,
+//                       dB_t[n] = Σ_d u_t g_t,  dC_t[n] = Σ_d h_t dy_t,  with e_t = 2^(Δ_t A2);
 //                     segment 0's outgoing gradient is dh0.
 // Every token step is the same function wherever the token falls (token_step), so the checkpoints and the
 // recomputed states are the forward's bits, and one segment (the serial form) gives the bits of the whole
@@ -40,12 +42,15 @@
 namespace carry::kernels::selective_scan::core {
 
 constexpr int kThreads = 128;  // threads a block
-constexpr int kGroup = 4;      // states a thread carries (N ∈ {4, 8, 16}: 1, 2 or 4 threads a channel)
-constexpr int kSub = 16;       // tokens of a backward sub-chunk: its recomputed states stay in registers
-constexpr int kTile = 8;       // tokens whose inputs a walk reads before their arithmetic, all in flight at once
+constexpr int kGroup = 4;      // states a thread carries (N ∈ {4, 8, 16}: 1, 2 or 4 threads a channel tile)
+constexpr int kChan = 2;       // channels a thread carries
+constexpr int kSub = 8;        // tokens of a backward sub-chunk: its recomputed states stay in registers
+constexpr int kStage = kSub;   // tokens a walk's reader stages at a time (the next stage's arrive during this one's)
+constexpr double kLog2e = 1.4426950408889634074;
+constexpr double kLn2 = 0.69314718055994530942;
 
-CARRY_SS_HD int threads_per_channel(int N) { return N / kGroup; }
-CARRY_SS_HD int channels_per_block(int N) { return kThreads / threads_per_channel(N); }
+CARRY_SS_HD constexpr int threads_per_channel(int N) { return N / kGroup; }
+CARRY_SS_HD constexpr int channels_per_block(int N) { return kChan * kThreads / threads_per_channel(N); }
 CARRY_SS_HD int channel_blocks(int D, int N) { return (D + channels_per_block(N) - 1) / channels_per_block(N); }
 
 // The length of the segments when `segments` (≥ 1) are asked for over T tokens: ⌈T/segments⌉ rounded up to
@@ -57,165 +62,218 @@ CARRY_SS_HD int segment_length(int T, int segments) {
 }
 CARRY_SS_HD int segment_count(int T, int L) { return (T + L - 1) / L; }
 
-CARRY_SS_HD float ss_exp(float x) { return expf(x); }
-CARRY_SS_HD double ss_exp(double x) { return exp(x); }
+// 2^x: the GPU's ex2.approx (one MUFU operation; flushes results below 2^−126 to zero), the CPU's exp2.
+CARRY_SS_HD float ss_exp2(float x) {
+#if defined(__CUDA_ARCH__)
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+#else
+  return exp2f(x);
+#endif
+}
+CARRY_SS_HD double ss_exp2(double x) { return exp2(x); }
 CARRY_SS_HD float ss_fma(float a, float b, float c) { return fmaf(a, b, c); }
 CARRY_SS_HD double ss_fma(double a, double b, double c) { return fma(a, b, c); }
 
-// One token for the thread's states: h ← exp(Δ·A) ⊙ h + B·u.
 template <class R>
-CARRY_SS_HD void token_step(R (&h)[kGroup], const R (&A)[kGroup], R delta, R u, const R (&b)[kGroup]) {
+using Tile = R[kChan][kGroup];
+
+// One token for the thread's tile: h ← 2^(Δ·A2) ⊙ h + B·u.
+template <class R>
+CARRY_SS_HD void token_step(Tile<R>& h, const Tile<R>& A2, const R (&delta)[kChan], const R (&u)[kChan],
+                            const R (&b)[kGroup]) {
   CARRY_SS_UNROLL
-  for (int g = 0; g < kGroup; ++g) h[g] = ss_fma(ss_exp(delta * A[g]), h[g], b[g] * u);
+  for (int c = 0; c < kChan; ++c)
+    CARRY_SS_UNROLL
+    for (int g = 0; g < kGroup; ++g) h[c][g] = ss_fma(ss_exp2(delta[c] * A2[c][g]), h[c][g], b[g] * u[c]);
 }
 
-// The thread's share of y_t[d]: Σ_g C_t[n0+g] h_t[n0+g], in order.
+// The thread's shares of y_t[d0 + c]: Σ_g C_t[n0+g] h_t[c][n0+g], in order.
 template <class R>
-CARRY_SS_HD R output_share(const R (&h)[kGroup], const R (&c)[kGroup]) {
-  R y = c[0] * h[0];
+CARRY_SS_HD void output_share(const Tile<R>& h, const R (&cv)[kGroup], R (&y)[kChan]) {
   CARRY_SS_UNROLL
-  for (int g = 1; g < kGroup; ++g) y = ss_fma(c[g], h[g], y);
-  return y;
+  for (int c = 0; c < kChan; ++c) {
+    R v = cv[0] * h[c][0];
+    CARRY_SS_UNROLL
+    for (int g = 1; g < kGroup; ++g) v = ss_fma(cv[g], h[c][g], v);
+    y[c] = v;
+  }
 }
 
-// The segment scan's step, forward and backward alike: exp(A·ΣΔ) · x + local (one state entry).
+// The segment scan's step, forward and backward alike: 2^(A2·ΣΔ) · x + local (one state entry).
 template <class R>
-CARRY_SS_HD R scan_step(R a, R delta_sum, R x, R local) {
-  return ss_fma(ss_exp(a * delta_sum), x, local);
+CARRY_SS_HD R scan_step(R a2, R delta_sum, R x, R local) {
+  return ss_fma(ss_exp2(a2 * delta_sum), x, local);
 }
 
-// Tokens [t0, t1) forward from h (updated in place), emit(t, h) after each token. Returns ΣΔ over them.
-// Ld reads the thread's inputs: delta(t), u(t), b(t, out[kGroup]), c(t, out[kGroup]), dy(t). The inputs
-// of kTile tokens are read before their arithmetic, which is the same token by token.
+// Tokens [t0, t1) forward from h (updated in place), emit(t, h, view) after each token; delta_sum gets ΣΔ over
+// them. Ld stages the inputs kStage tokens at a time: start(c0, c1) asks for the first stage, and
+// stage(buf, c0, c1, n0, n1) returns a view of tokens [c0, c1) (in buffer buf) while asking for [n0, n1)
+// next (empty: none); every thread of a block walks the same tokens. A view reads the thread's inputs:
+// delta(t, out[kChan]), u(t, out[kChan]), dy(t, out[kChan]), b(t, out[kGroup]), c(t, out[kGroup]).
 CARRY_SS_ANY_CALLER
 template <class R, class Ld, class Emit>
-CARRY_SS_HD R walk_forward(R (&h)[kGroup], const R (&A)[kGroup], const Ld& ld, int t0, int t1, Emit&& emit) {
-  R delta_sum = 0;
-  for (int c0 = t0; c0 < t1; c0 += kTile) {
-    const int n = t1 - c0;
-    R delta[kTile], u[kTile], b[kTile][kGroup];
+CARRY_SS_HD void walk_forward(Tile<R>& h, const Tile<R>& A2, const Ld& ld, int t0, int t1, R (&delta_sum)[kChan],
+                              Emit&& emit) {
+  CARRY_SS_UNROLL
+  for (int c = 0; c < kChan; ++c) delta_sum[c] = 0;
+  ld.start(t0, t1 < t0 + kStage ? t1 : t0 + kStage);
+  int i = 0;
+  for (int c0 = t0; c0 < t1; c0 += kStage, ++i) {
+    const int c1 = c0 + kStage < t1 ? c0 + kStage : t1, n1 = c1 + kStage < t1 ? c1 + kStage : t1;
+    const auto v = ld.stage(i & 1, c0, c1, c1, n1);
     CARRY_SS_UNROLL
-    for (int k = 0; k < kTile; ++k)
-      if (k < n) {
-        delta[k] = ld.delta(c0 + k);
-        u[k] = ld.u(c0 + k);
-        ld.b(c0 + k, b[k]);
-      }
-    CARRY_SS_UNROLL
-    for (int k = 0; k < kTile; ++k)
-      if (k < n) {
-        token_step(h, A, delta[k], u[k], b[k]);
-        delta_sum += delta[k];
-        emit(c0 + k, h);
-      }
-  }
-  return delta_sum;
-}
-
-// Tokens [t0, t1), last to first, carrying the gradient from `carry` (the gradient arriving at h_{t1−1}
-// from later tokens; updated in place to exp(Δ_{t0}A)·g_{t0}, what reaches h_{t0−1}). Returns ΣΔ. The
-// inputs are read kTile tokens at a time, as in walk_forward.
-template <class R, class Ld>
-CARRY_SS_HD R walk_gradient(R (&carry)[kGroup], const R (&A)[kGroup], const Ld& ld, int t0, int t1) {
-  R delta_sum = 0;
-  for (int e = t1; e > t0; e -= kTile) {  // tokens e − 1, e − 2, … down to max(t0, e − kTile)
-    const int n = e - t0;
-    R delta[kTile], dy[kTile], c[kTile][kGroup];
-    CARRY_SS_UNROLL
-    for (int k = 0; k < kTile; ++k)
-      if (k < n) {
-        delta[k] = ld.delta(e - 1 - k);
-        dy[k] = ld.dy(e - 1 - k);
-        ld.c(e - 1 - k, c[k]);
-      }
-    CARRY_SS_UNROLL
-    for (int k = 0; k < kTile; ++k)
-      if (k < n) {
+    for (int k = 0; k < kStage; ++k)
+      if (c0 + k < c1) {
+        R delta[kChan], u[kChan], b[kGroup];
+        v.delta(c0 + k, delta);
+        v.u(c0 + k, u);
+        v.b(c0 + k, b);
+        token_step(h, A2, delta, u, b);
         CARRY_SS_UNROLL
-        for (int g = 0; g < kGroup; ++g) carry[g] = ss_exp(delta[k] * A[g]) * ss_fma(c[k][g], dy[k], carry[g]);
-        delta_sum += delta[k];
+        for (int c = 0; c < kChan; ++c) delta_sum[c] += delta[c];
+        emit(c0 + k, h, v);
       }
   }
-  return delta_sum;
 }
 
-// One token's gradients for the thread: du and dΔ are its shares of sums over n, db and dc its entries
-// of sums over d.
+// The stages of [t0, t1) from the last (t0 a multiple of kStage): f(view, c0, c1) for each, last to first.
+CARRY_SS_ANY_CALLER
+template <class Ld, class F>
+CARRY_SS_HD void stages_backward(const Ld& ld, int t0, int t1, F&& f) {
+  int c0 = t0 + (t1 - 1 - t0) / kStage * kStage;
+  ld.start(c0, t1);
+  for (int i = 0; c0 >= t0; c0 -= kStage, ++i) {
+    const int c1 = c0 + kStage < t1 ? c0 + kStage : t1;
+    const auto v = ld.stage(i & 1, c0, c1, c0 > t0 ? c0 - kStage : c0, c0);
+    f(v, c0, c1);
+  }
+}
+
+// Tokens [t0, t1) (t0 a multiple of kStage), last to first, carrying the gradient from `carry` (the gradient
+// arriving at h_{t1−1} from later tokens; updated in place to 2^(Δ_{t0}A2)·g_{t0}, what reaches h_{t0−1});
+// delta_sum gets ΣΔ. The inputs are staged as in walk_forward.
+CARRY_SS_ANY_CALLER
+template <class R, class Ld>
+CARRY_SS_HD void walk_gradient(Tile<R>& carry, const Tile<R>& A2, const Ld& ld, int t0, int t1,
+                               R (&delta_sum)[kChan]) {
+  CARRY_SS_UNROLL
+  for (int c = 0; c < kChan; ++c) delta_sum[c] = 0;
+  stages_backward(ld, t0, t1, [&](const auto& v, int c0, int c1) {
+    CARRY_SS_UNROLL
+    for (int k = kStage - 1; k >= 0; --k)
+      if (c0 + k < c1) {
+        R delta[kChan], dy[kChan], cv[kGroup];
+        v.delta(c0 + k, delta);
+        v.dy(c0 + k, dy);
+        v.c(c0 + k, cv);
+        CARRY_SS_UNROLL
+        for (int c = 0; c < kChan; ++c) {
+          CARRY_SS_UNROLL
+          for (int g = 0; g < kGroup; ++g)
+            carry[c][g] = ss_exp2(delta[c] * A2[c][g]) * ss_fma(cv[g], dy[c], carry[c][g]);
+          delta_sum[c] += delta[c];
+        }
+      }
+  });
+}
+
+// One token's gradients for the thread: du and dΔ are its shares of sums over n (one a channel), db and dc
+// its shares of sums over d (one a state, summed over the thread's channels in order).
 template <class R>
 struct TokenGrads {
-  R du, ddelta;
+  R du[kChan], ddelta[kChan];
   R db[kGroup], dc[kGroup];
 };
 
 // Token t's gradients from the gradient arriving from later tokens (carry, updated in place to what
 // reaches h_{t−1}), the state before it (h_prev) and after it (h); dA accumulates Δ·e·h_{t−1}·g.
 template <class R>
-CARRY_SS_HD void token_grads(R (&carry)[kGroup], R (&dA)[kGroup], const R (&A)[kGroup], const R* h_prev,
-                             const R* h, R delta, R u, R dy, const R (&b)[kGroup], const R (&c)[kGroup],
-                             TokenGrads<R>& out) {
-  out.du = 0;
-  out.ddelta = 0;
+CARRY_SS_HD void token_grads(Tile<R>& carry, Tile<R>& dA, const Tile<R>& A2, const Tile<R>& h_prev, const Tile<R>& h,
+                             const R (&delta)[kChan], const R (&u)[kChan], const R (&dy)[kChan],
+                             const R (&b)[kGroup], const R (&cv)[kGroup], TokenGrads<R>& out) {
   CARRY_SS_UNROLL
-  for (int g = 0; g < kGroup; ++g) {
-    const R e = ss_exp(delta * A[g]);
-    const R grad = ss_fma(c[g], dy, carry[g]);  // ∂L/∂h_t
-    const R w = e * h_prev[g] * grad;
-    out.du = ss_fma(b[g], grad, out.du);
-    out.ddelta = ss_fma(A[g], w, out.ddelta);
-    dA[g] = ss_fma(delta, w, dA[g]);
-    out.db[g] = u * grad;
-    out.dc[g] = h[g] * dy;
-    carry[g] = e * grad;
+  for (int c = 0; c < kChan; ++c) {
+    R du = 0, dd = 0;
+    CARRY_SS_UNROLL
+    for (int g = 0; g < kGroup; ++g) {
+      const R e = ss_exp2(delta[c] * A2[c][g]);
+      const R grad = ss_fma(cv[g], dy[c], carry[c][g]);  // ∂L/∂h_t
+      const R w = e * h_prev[c][g] * grad;
+      du = ss_fma(b[g], grad, du);
+      dd = ss_fma(A2[c][g], w, dd);
+      dA[c][g] = ss_fma(delta[c], w, dA[c][g]);
+      if (c == 0) {
+        out.db[g] = u[c] * grad;
+        out.dc[g] = h[c][g] * dy[c];
+      } else {
+        out.db[g] = ss_fma(u[c], grad, out.db[g]);
+        out.dc[g] = ss_fma(h[c][g], dy[c], out.dc[g]);
+      }
+      carry[c][g] = e * grad;
+    }
+    out.du[c] = du;
+    out.ddelta[c] = dd * R(kLn2);
   }
 }
 
-// One sub-chunk [c0, c1) (at most kSub tokens), last token to first: its states recomputed from h_start
-// (the state before c0) into registers, then token_grads for each token, emit(t, grads) after each.
+// One sub-chunk [c0, c1) (at most kSub tokens, read through the view `ld`), last token to first: its states
+// recomputed from h_start (the state before c0) into registers, then token_grads for each token, emit(t,
+// grads) after each.
 CARRY_SS_ANY_CALLER
-template <class R, class Ld, class Emit>
-CARRY_SS_HD void walk_backward_sub(R (&carry)[kGroup], R (&dA)[kGroup], const R (&A)[kGroup],
-                                   const R (&h_start)[kGroup], const Ld& ld, int c0, int c1, Emit&& emit) {
+template <class R, class V, class Emit>
+CARRY_SS_HD void walk_backward_sub(Tile<R>& carry, Tile<R>& dA, const Tile<R>& A2, const Tile<R>& h_start,
+                                   const V& ld, int c0, int c1, Emit&& emit) {
   const int n = c1 - c0;
-  R hs[kSub][kGroup];
-  R h[kGroup];
+  R hs[kSub + 1][kChan][kGroup];  // hs[k + 1] after token c0 + k; hs[0] = h_start
   CARRY_SS_UNROLL
-  for (int g = 0; g < kGroup; ++g) h[g] = h_start[g];
+  for (int c = 0; c < kChan; ++c)
+    CARRY_SS_UNROLL
+    for (int g = 0; g < kGroup; ++g) hs[0][c][g] = h_start[c][g];
   CARRY_SS_UNROLL
   for (int k = 0; k < kSub; ++k)
     if (k < n) {
-      R b[kGroup];
+      R delta[kChan], u[kChan], b[kGroup];
+      ld.delta(c0 + k, delta);
+      ld.u(c0 + k, u);
       ld.b(c0 + k, b);
-      token_step(h, A, ld.delta(c0 + k), ld.u(c0 + k), b);
       CARRY_SS_UNROLL
-      for (int g = 0; g < kGroup; ++g) hs[k][g] = h[g];
+      for (int c = 0; c < kChan; ++c)
+        CARRY_SS_UNROLL
+        for (int g = 0; g < kGroup; ++g) hs[k + 1][c][g] = hs[k][c][g];
+      token_step(hs[k + 1], A2, delta, u, b);
     }
   CARRY_SS_UNROLL
   for (int k = kSub - 1; k >= 0; --k)
     if (k < n) {
       const int t = c0 + k;
-      R b[kGroup], c[kGroup];
+      R delta[kChan], u[kChan], dy[kChan], b[kGroup], cv[kGroup];
+      ld.delta(t, delta);
+      ld.u(t, u);
+      ld.dy(t, dy);
       ld.b(t, b);
-      ld.c(t, c);
+      ld.c(t, cv);
       TokenGrads<R> gr;
-      token_grads(carry, dA, A, k > 0 ? hs[k - 1] : h_start, hs[k], ld.delta(t), ld.u(t), ld.dy(t), b, c, gr);
+      token_grads(carry, dA, A2, hs[k], hs[k + 1], delta, u, dy, b, cv, gr);
       emit(t, gr);
     }
 }
 
-// The segment [t0, t1) (t0 a multiple of kSub), sub-chunk by sub-chunk from the last: checkpoint(j, h)
-// gives the state entering sub-chunk j (tokens [j·kSub, (j+1)·kSub)); emit(t, grads) after each token,
-// sub_done(c0, c1) after each sub-chunk.
+// The segment [t0, t1) (t0 a multiple of kSub), sub-chunk by sub-chunk from the last (a sub-chunk is a
+// stage): checkpoint(j, h) gives the state entering sub-chunk j (tokens [j·kSub, (j+1)·kSub)); emit(t, grads)
+// after each token, sub_done(c0, c1) after each sub-chunk.
 CARRY_SS_ANY_CALLER
 template <class R, class Ld, class Ck, class Emit, class Done>
-CARRY_SS_HD void walk_backward(R (&carry)[kGroup], R (&dA)[kGroup], const R (&A)[kGroup], const Ld& ld, int t0,
-                               int t1, Ck&& checkpoint, Emit&& emit, Done&& sub_done) {
-  for (int c0 = t0 + (t1 - 1 - t0) / kSub * kSub; c0 >= t0; c0 -= kSub) {
-    const int c1 = c0 + kSub < t1 ? c0 + kSub : t1;
-    R h_start[kGroup];
+CARRY_SS_HD void walk_backward(Tile<R>& carry, Tile<R>& dA, const Tile<R>& A2, const Ld& ld, int t0, int t1,
+                               Ck&& checkpoint, Emit&& emit, Done&& sub_done) {
+  static_assert(kStage == kSub, "a backward sub-chunk is one stage");
+  stages_backward(ld, t0, t1, [&](const auto& v, int c0, int c1) {
+    R h_start[kChan][kGroup];
     checkpoint(c0 / kSub, h_start);
-    walk_backward_sub(carry, dA, A, h_start, ld, c0, c1, emit);
+    walk_backward_sub(carry, dA, A2, h_start, v, c0, c1, emit);
     sub_done(c0, c1);
-  }
+  });
 }
 
 }  // namespace carry::kernels::selective_scan::core

@@ -1,12 +1,12 @@
 // The selective-scan kernels' segment algorithm (layers/kernels/selective_scan/scan.cuh) run on the CPU in
-// double, with the kernels' own per-thread functions and their layout (threads of kGroup states, blocks of
-// channels with the last one part empty, the dB/dC partials a block, the dA partials a segment): forward pass 1,
+// double, with the kernels' own per-thread functions and their layout (threads of kChan channels × kGroup
+// states, blocks of channels with the last one part empty, the dB/dC partials a block, the dA partials a segment): forward pass 1,
 // the segment scan, pass 2; backward pass 1, the reverse scan, the checkpoints and pass 2, and the fixed-order
 // sums. Against the token recurrence (a plain loop) and autograd of the ATen token recurrence
 // (reference.h): y, h_T and the gradients of u, Δ, A, B, C and h0 for the loss Σ y·dy + Σ h_T·dh_T with random
 // dy, dh_T, to 1e-12 (max-norm relative). Realistic inputs (Δ a softplus, A = −exp(·), a nonzero h0); 1, 2, 3
-// and 5 segments asked for, uneven last segments, T = 1 to 100 (several 16-token sub-chunks a segment),
-// N ∈ {4, 8, 16}, D = 3 and 37 (two channel blocks for N = 16). One segment cut at any token, the second
+// and 5 segments asked for, uneven last segments, T = 1 to 100 (several 8-token sub-chunks a segment),
+// N ∈ {4, 8, 16}, D = 3, 37 and 70 (two channel blocks for N = 16). One segment cut at any token, the second
 // piece from the first's state (and its initial-state gradient as the first's final-state gradient), gives
 // the same bits as the whole, dA (a sum over tokens split with the sequence) to rounding.
 #include "layers/kernels/selective_scan/scan.cuh"
@@ -24,6 +24,7 @@ namespace carry::testing::selective_scan {
 namespace {
 
 namespace core = carry::kernels::selective_scan::core;
+using core::kChan;
 using core::kGroup;
 using core::kSub;
 
@@ -42,18 +43,35 @@ std::vector<double> values(const at::Tensor& t) {
   return std::vector<double>(c.data_ptr<double>(), c.data_ptr<double>() + c.numel());
 }
 
-// The thread's reads, as scan.cu's Tokens.
+using Tile = core::Tile<double>;
+
+// A thread's tile, as kernels.cuh's Place: channels d0, d0 + 1 (clamped to D − 1 past D), states n0.. .
+struct Place {
+  int d0, n0;
+  int d[kChan];
+  bool valid[kChan];
+};
+
+// The thread's reads, as kernels.cuh's Tokens (u and dy zero past D).
 struct Ld {
   const Problem* p;
-  int seq, d, n0;
-  double delta(int t) const { return p->delta[((size_t)seq * p->T + t) * p->D + d]; }
-  double u(int t) const { return p->u[((size_t)seq * p->T + t) * p->D + d]; }
-  double dy(int t) const { return p->dy[((size_t)seq * p->T + t) * p->D + d]; }
+  int seq;
+  Place pl;
+  void chans(const std::vector<double>& v, int t, double (&out)[kChan], bool zero_past) const {
+    for (int c = 0; c < kChan; ++c)
+      out[c] = zero_past && !pl.valid[c] ? 0.0 : v[((size_t)seq * p->T + t) * p->D + pl.d[c]];
+  }
+  void delta(int t, double (&out)[kChan]) const { chans(p->delta, t, out, false); }
+  void u(int t, double (&out)[kChan]) const { chans(p->u, t, out, true); }
+  void dy(int t, double (&out)[kChan]) const { chans(p->dy, t, out, true); }
   void states(int t, const std::vector<double>& m, double (&out)[kGroup]) const {
-    for (int g = 0; g < kGroup; ++g) out[g] = m[((size_t)seq * p->T + t) * p->N + n0 + g];
+    for (int g = 0; g < kGroup; ++g) out[g] = m[((size_t)seq * p->T + t) * p->N + pl.n0 + g];
   }
   void b(int t, double (&out)[kGroup]) const { states(t, p->B, out); }
   void c(int t, double (&out)[kGroup]) const { states(t, p->C, out); }
+  // The stages are the whole problem, read in place.
+  void start(int, int) const {}
+  const Ld& stage(int, int, int, int, int) const { return *this; }
 };
 
 // The kernels' launches, thread by thread in order.
@@ -63,28 +81,51 @@ Result segment_algorithm(const Problem& p, int segments) {
   const int NT = core::threads_per_channel(N), CPB = core::channels_per_block(N), P = core::channel_blocks(D, N);
   const int nk = (T + kSub - 1) / kSub;
   auto bsdn = [&](int b, int s, int d, int n) { return (((size_t)b * S + s) * D + d) * N + n; };
-  auto load = [](double (&x)[kGroup], const double* src) { std::copy(src, src + kGroup, x); };
-  auto store = [](double* dst, const double (&x)[kGroup]) { std::copy(x, x + kGroup, dst); };
-  // Every (b, segment, channel, state group) a kernel's grid covers, valid channels only (as the kernels
-  // without cross-thread sums return early).
-  auto each = [&](int s_from, int s_to, auto&& f) {
+  // A [B?, ·, D, N] buffer's tile at `base` (the start of its (b, s) or (b, j) block).
+  auto load = [&](Tile& x, const double* base, const Place& pl) {
+    for (int c = 0; c < kChan; ++c)
+      for (int g = 0; g < kGroup; ++g) x[c][g] = base[(size_t)pl.d[c] * N + pl.n0 + g];
+  };
+  auto store = [&](double* base, const Tile& x, const Place& pl) {
+    for (int c = 0; c < kChan; ++c)
+      if (pl.valid[c])
+        for (int g = 0; g < kGroup; ++g) base[(size_t)pl.d[c] * N + pl.n0 + g] = x[c][g];
+  };
+  struct A2 {
+    Tile v;
+  };
+  auto a2_of = [&](const Place& pl) {
+    A2 a2;
+    load(a2.v, p.A.data(), pl);
+    for (auto& row : a2.v)
+      for (double& x : row) x *= core::kLog2e;
+    return a2;
+  };
+  // Every (b, segment, block, thread) of a kernel's grid; kernels without cross-thread sums skip the tiles
+  // past D (they return early).
+  auto each = [&](int s_from, int s_to, bool all, auto&& f) {
     for (int b = 0; b < Bs; ++b)
       for (int s = s_from; s < s_to; ++s)
-        for (int d = 0; d < D; ++d)
-          for (int grp = 0; grp < NT; ++grp) {
-            double a[kGroup];
-            load(a, &p.A[(size_t)d * N + grp * kGroup]);
-            f(b, s, d, grp, Ld{&p, b, d, grp * kGroup}, a, s * L, std::min(T, s * L + L));
+        for (int x = 0; x < P; ++x)
+          for (int th = 0; th < core::kThreads; ++th) {
+            Place pl;
+            pl.n0 = th % NT * kGroup;
+            pl.d0 = x * CPB + th / NT * kChan;
+            for (int c = 0; c < kChan; ++c) pl.valid[c] = pl.d0 + c < D, pl.d[c] = std::min(pl.d0 + c, D - 1);
+            if (!all && !pl.valid[0]) continue;
+            f(b, s, x, pl, Ld{&p, b, pl}, s * L, std::min(T, s * L + L));
           }
   };
   Result r;
   // Forward pass 1 and the segment scan.
   std::vector<double> end_state((size_t)Bs * S * D * N), delta_sum((size_t)Bs * S * D);
-  each(0, S - 1, [&](int b, int s, int d, int grp, const Ld& ld, const double (&a)[kGroup], int t0, int t1) {
-    double h[kGroup] = {};
-    const double ds = core::walk_forward(h, a, ld, t0, t1, [](int, const double (&)[kGroup]) {});
-    store(&end_state[bsdn(b, s, d, grp * kGroup)], h);
-    if (grp == 0) delta_sum[((size_t)b * S + s) * D + d] = ds;
+  each(0, S - 1, false, [&](int b, int s, int, const Place& pl, const Ld& ld, int t0, int t1) {
+    Tile h = {};
+    double ds[kChan];
+    core::walk_forward(h, a2_of(pl).v, ld, t0, t1, ds, [](int, const Tile&, const Ld&) {});
+    store(&end_state[bsdn(b, s, 0, 0)], h, pl);
+    for (int c = 0; c < kChan; ++c)
+      if (pl.valid[c]) delta_sum[((size_t)b * S + s) * D + pl.d[c]] = ds[c];
   });
   auto scan = [&](const std::vector<double>& x0, const std::vector<double>& local, const std::vector<double>& dsum,
                   bool reverse) {
@@ -96,8 +137,9 @@ Result segment_algorithm(const Problem& p, int segments) {
           for (int k = 0; k < S; ++k) {
             const int s = reverse ? S - 1 - k : k;
             x_in[bsdn(b, s, d, n)] = x;
-            if (k + 1 < S) x = core::scan_step(p.A[(size_t)d * N + n], dsum[((size_t)b * S + s) * D + d], x,
-                                               local[bsdn(b, s, d, n)]);
+            if (k + 1 < S)
+              x = core::scan_step(p.A[(size_t)d * N + n] * core::kLog2e, dsum[((size_t)b * S + s) * D + d], x,
+                                  local[bsdn(b, s, d, n)]);
           }
         }
     return x_in;
@@ -106,66 +148,65 @@ Result segment_algorithm(const Problem& p, int segments) {
   // Forward pass 2.
   r.y.assign((size_t)Bs * T * D, 0.0);
   r.h_final.assign((size_t)Bs * D * N, 0.0);
-  each(0, S, [&](int b, int s, int d, int grp, const Ld& ld, const double (&a)[kGroup], int t0, int t1) {
-    double h[kGroup];
-    load(h, &h_in[bsdn(b, s, d, grp * kGroup)]);
-    core::walk_forward(h, a, ld, t0, t1, [&](int t, const double (&hh)[kGroup]) {
-      double c[kGroup];
-      ld.c(t, c);
-      r.y[((size_t)b * T + t) * D + d] += core::output_share(hh, c);
+  each(0, S, false, [&](int b, int s, int, const Place& pl, const Ld& ld, int t0, int t1) {
+    Tile h;
+    load(h, &h_in[bsdn(b, s, 0, 0)], pl);
+    double ds[kChan];
+    core::walk_forward(h, a2_of(pl).v, ld, t0, t1, ds, [&](int t, const Tile& hh, const Ld& v) {
+      double c[kGroup], y[kChan];
+      v.c(t, c);
+      core::output_share(hh, c, y);
+      for (int ch = 0; ch < kChan; ++ch)
+        if (pl.valid[ch]) r.y[((size_t)b * T + t) * D + pl.d[ch]] += y[ch];
     });
-    if (s == S - 1) store(&r.h_final[((size_t)b * D + d) * N + grp * kGroup], h);
+    if (s == S - 1) store(&r.h_final[(size_t)b * D * N], h, pl);
   });
   // Backward pass 1 and the reverse scan.
   std::vector<double> out_grad((size_t)Bs * S * D * N), delta_sum_b((size_t)Bs * S * D);
-  each(1, S, [&](int b, int s, int d, int grp, const Ld& ld, const double (&a)[kGroup], int t0, int t1) {
-    double g[kGroup] = {};
-    const double ds = core::walk_gradient(g, a, ld, t0, t1);
-    store(&out_grad[bsdn(b, s, d, grp * kGroup)], g);
-    if (grp == 0) delta_sum_b[((size_t)b * S + s) * D + d] = ds;
+  each(1, S, false, [&](int b, int s, int, const Place& pl, const Ld& ld, int t0, int t1) {
+    Tile g = {};
+    double ds[kChan];
+    core::walk_gradient(g, a2_of(pl).v, ld, t0, t1, ds);
+    store(&out_grad[bsdn(b, s, 0, 0)], g, pl);
+    for (int c = 0; c < kChan; ++c)
+      if (pl.valid[c]) delta_sum_b[((size_t)b * S + s) * D + pl.d[c]] = ds[c];
   });
   const std::vector<double> g_in = scan(p.dh, out_grad, delta_sum_b, true);
   // Checkpoints.
   std::vector<double> ck((size_t)Bs * nk * D * N, std::nan(""));
-  auto ck_at = [&](int b, int j, int d, int n0) { return &ck[(((size_t)b * nk + j) * D + d) * N + n0]; };
-  each(0, S, [&](int b, int s, int d, int grp, const Ld& ld, const double (&a)[kGroup], int t0, int t1) {
-    double h[kGroup];
-    load(h, &h_in[bsdn(b, s, d, grp * kGroup)]);
-    store(ck_at(b, t0 / kSub, d, grp * kGroup), h);
-    core::walk_forward(h, a, ld, t0, t1, [&](int t, const double (&hh)[kGroup]) {
-      if ((t + 1) % kSub == 0 && t + 1 < t1) store(ck_at(b, (t + 1) / kSub, d, grp * kGroup), hh);
+  auto ck_at = [&](int b, int j) { return &ck[((size_t)b * nk + j) * D * N]; };
+  each(0, S, false, [&](int b, int s, int, const Place& pl, const Ld& ld, int t0, int t1) {
+    Tile h;
+    load(h, &h_in[bsdn(b, s, 0, 0)], pl);
+    store(ck_at(b, t0 / kSub), h, pl);
+    double ds[kChan];
+    core::walk_forward(h, a2_of(pl).v, ld, t0, t1, ds, [&](int t, const Tile& hh, const Ld&) {
+      if ((t + 1) % kSub == 0 && t + 1 < t1) store(ck_at(b, (t + 1) / kSub), hh, pl);
     });
   });
-  // Backward pass 2 over the blocks' threads, the channels past D included (clamped, contributing nothing).
+  // Backward pass 2 over the blocks' threads, the tiles past D included (clamped, contributing nothing).
   r.du.assign((size_t)Bs * T * D, 0.0);
   r.ddelta = r.du;
   r.dh0.assign((size_t)Bs * D * N, 0.0);
   std::vector<double> part((size_t)P * 2 * Bs * T * N, 0.0), dA_part((size_t)Bs * S * D * N, std::nan(""));
-  for (int b = 0; b < Bs; ++b)
-    for (int s = 0; s < S; ++s)
-      for (int x = 0; x < P; ++x)
-        for (int lane = 0; lane < core::kThreads; ++lane) {
-          const int ch = x * CPB + lane / NT, grp = lane % NT, n0 = grp * kGroup;
-          const bool valid = ch < D;
-          const int d = valid ? ch : D - 1, t0 = s * L, t1 = std::min(T, t0 + L);
-          const Ld ld{&p, b, d, n0};
-          double a[kGroup], carry[kGroup], dA[kGroup] = {};
-          load(a, &p.A[(size_t)d * N + n0]);
-          load(carry, &g_in[bsdn(b, s, d, n0)]);
-          auto checkpoint = [&](int j, double (&h)[kGroup]) { load(h, ck_at(b, j, d, n0)); };
-          auto emit = [&](int t, const core::TokenGrads<double>& gr) {
-            if (!valid) return;
-            r.du[((size_t)b * T + t) * D + d] += gr.du;
-            r.ddelta[((size_t)b * T + t) * D + d] += gr.ddelta;
-            for (int g = 0; g < kGroup; ++g)
-              for (int q = 0; q < 2; ++q)
-                part[((((size_t)x * 2 + q) * Bs + b) * T + t) * N + n0 + g] += q == 0 ? gr.db[g] : gr.dc[g];
-          };
-          core::walk_backward(carry, dA, a, ld, t0, t1, checkpoint, emit, [](int, int) {});
-          if (!valid) continue;
-          store(&dA_part[bsdn(b, s, d, n0)], dA);
-          if (s == 0) store(&r.dh0[((size_t)b * D + d) * N + n0], carry);
+  each(0, S, true, [&](int b, int s, int x, const Place& pl, const Ld& ld, int t0, int t1) {
+    Tile carry, dA = {};
+    load(carry, &g_in[bsdn(b, s, 0, 0)], pl);
+    auto checkpoint = [&](int j, Tile& h) { load(h, ck_at(b, j), pl); };
+    auto emit = [&](int t, const core::TokenGrads<double>& gr) {
+      for (int c = 0; c < kChan; ++c)
+        if (pl.valid[c]) {
+          r.du[((size_t)b * T + t) * D + pl.d[c]] += gr.du[c];
+          r.ddelta[((size_t)b * T + t) * D + pl.d[c]] += gr.ddelta[c];
         }
+      for (int g = 0; g < kGroup; ++g)
+        for (int q = 0; q < 2; ++q)
+          part[((((size_t)x * 2 + q) * Bs + b) * T + t) * N + pl.n0 + g] += q == 0 ? gr.db[g] : gr.dc[g];
+    };
+    core::walk_backward(carry, dA, a2_of(pl).v, ld, t0, t1, checkpoint, emit, [](int, int) {});
+    store(&dA_part[bsdn(b, s, 0, 0)], dA, pl);
+    if (s == 0) store(&r.dh0[(size_t)b * D * N], carry, pl);
+  });
   // The fixed-order sums: dB, dC over the channel blocks, dA over (b, segment).
   r.dB.assign((size_t)Bs * T * N, 0.0);
   r.dC = r.dB;
@@ -244,7 +285,7 @@ TEST(SelectiveScanSegments, SegmentLengthsRoundTrip) {
 TEST(SelectiveScanSegments, MatchTheTokenRecurrenceAndAutograd) {
   const char* names[] = {"y", "h_final", "du", "ddelta", "dA", "dB", "dC", "dh0"};
   for (int T : {1, 7, 40, 100})
-    for (int D : {3, 37})
+    for (int D : {3, 37, 70})
       for (int N : {4, 8, 16}) {
         const Reference ref = reference(2, T, D, N, 100 + T * 7 + D + N);
         EXPECT_LE(rel(ref.plain.y, ref.grads.y), 1e-13);
@@ -264,7 +305,7 @@ TEST(SelectiveScanSegments, MatchTheTokenRecurrenceAndAutograd) {
           }
           EXPECT_LE(rel(r.y, ref.plain.y), 1e-12);
           EXPECT_LE(rel(r.h_final, ref.plain.h_final), 1e-12);
-          if (D == 37 && N == 16)
+          if (D == 70 && N == 16)
             std::cout << "[ errors   ] T=" << T << " D=" << D << " N=" << N << " segments " << segments << " ("
                       << S << " made): worst " << worst << "\n";
         }
