@@ -127,7 +127,9 @@ Trainer::Trainer(const RunConfig& config, std::shared_ptr<parallel::ProcessGroup
   // copy engines (two GPUs of one host), falling back to one sum after the backward where the GPUs
   // cannot map each other's memory. AFTER_BACKWARD: one sum after the backward.
   const auto overlap = par.gradient_sum();
-  if (segments_ && segments_->per_rank() == 1 && sp_ > 1 && groups_->sp_gradients &&
+  // With dp replicas the gradients are summed over them before the sp group's tree (segmented_forward_backward),
+  // so after the backward.
+  if (segments_ && segments_->per_rank() == 1 && sp_ > 1 && dp_ == 1 && groups_->sp_gradients &&
       overlap != config::ParallelConfig::AFTER_BACKWARD) {
     gradient_sum_ = std::make_unique<parallel::OverlappedGradientSum>(model_.parameters(), groups_->sp_gradients,
                                                                       /*bucket_bytes=*/int64_t{64} << 20);

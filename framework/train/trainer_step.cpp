@@ -176,7 +176,10 @@ at::Tensor Trainer::segmented_forward_backward(const std::vector<Batch>& micro, 
   for (auto& b : micro) masked += b.loss_mask.to(at::kDouble).sum();
   all_reduce(masked);
   // Per local segment: [Σ ce·mask, stop signals] and the gradients, each summed over the micro-batches in order (the
-  // same order on every layout), then over the segments by the tree.
+  // same order on every layout), then over the data-parallel replicas (a replica's micro-batches come after
+  // the one before it, as one rank's would: dp = 2 replicas of one micro-batch give the bits of one rank with
+  // two), then over the segments by the tree.
+  parallel::Communicator* dp = dp_ > 1 && groups_ ? groups_->dp.get() : nullptr;
   std::vector<at::Tensor> losses(k), grads(k);
   for (auto& batch : micro) {
     std::vector<LinearCrossEntropy> ce(k);
@@ -186,8 +189,8 @@ at::Tensor Trainer::segmented_forward_backward(const std::vector<Batch>& micro, 
       auto l = at::stack({ce[j].loss.detach().to(at::kDouble), at::zeros({}, masked.options())});
       losses[j] = losses[j].defined() ? losses[j] + l : l;
     }
-    // One segment and one micro-batch: the gradients' sum goes in buckets while the backward runs.
-    const bool overlap = gradient_sum_ && micro.size() == 1;
+    // One segment, one micro-batch and no replicas: the gradients' sum goes in buckets while the backward runs.
+    const bool overlap = gradient_sum_ && micro.size() == 1 && !dp;
     phase_mark("forward");
     for (int j = k - 1; j >= 0; --j) {  // the state gradients flow right to left
       segments_->set_segment(j);
@@ -204,10 +207,14 @@ at::Tensor Trainer::segmented_forward_backward(const std::vector<Batch>& micro, 
     phase_mark("backward");
   }
   auto* sp = segments_->sp();
+  losses[0] = losses[0] + at::stack({at::zeros({}, stop.options()), stop});  // the stop signals ride along
+  if (dp) {
+    for (auto& g : grads) dp->all_reduce_sum(g);
+    for (auto& l : losses) dp->all_reduce_sum(l);
+  }
   // Split over the sp ranks: each holds its piece's sum (sharded_update.h).
   if (!gradients.defined()) gradients = sharded_ ? parallel::tree_reduce_scatter(grads, sp) : parallel::tree_sum(grads, sp);
   grads.clear();
-  losses[0] = losses[0] + at::stack({at::zeros({}, stop.options()), stop});  // the stop signals ride along
   auto loss = parallel::tree_sum(losses, sp);
   return at::stack({loss[0], masked[0], loss[1]});
 }
@@ -254,13 +261,8 @@ StepStats Trainer::train_step() {
     phase_mark("forward, backward and clip");
   } else if (segments_) {
     std::vector<Batch> micro = step_batches();
-    // Summed over the sp group by the segment tree; the data-parallel replicas below.
+    // Summed over the data-parallel replicas, then over the sp group by the segment tree.
     sums = segmented_forward_backward(micro, stop_flag(at::TensorOptions().device(device_)), gradients);
-    if (dp_ > 1) {
-      auto dp_sums = at::stack({sums[0], sums[2]});
-      groups_->dp->all_reduce_sum(dp_sums);
-      sums = at::stack({dp_sums[0], sums[1], dp_sums[1]});
-    }
   } else if (accum == 1) {
     auto batch = step_batches()[0];
     // The head and cross entropy run chunk by chunk (chunked_loss.h): Σ ce·mask, never the logits.
@@ -296,17 +298,12 @@ StepStats Trainer::train_step() {
     sums = at::stack({local[0], masked[0], local[1]});
   }
 
-  // Sum the gradients over all ranks in one message (with segments: over the dp replicas; the sp group
-  // summed them already).
-  parallel::Communicator* grad_comm = !groups_ ? nullptr : segments_ ? groups_->dp.get() : groups_->world.get();
+  // Sum the gradients over all ranks in one message (with segments the replicas and the sp group summed them
+  // already).
+  parallel::Communicator* grad_comm = !groups_ || segments_ ? nullptr : groups_->world.get();
   if (!graphed && grad_comm && grad_comm->size() > 1) {
     if (!gradients.defined()) gradients = flat_gradients(params, grad_layout_);
-    if (sharded_) {
-      auto piece = sharded_->sp_piece(gradients);  // this rank's sp piece, the same on every replica
-      grad_comm->all_reduce_sum(piece);
-    } else {
-      grad_comm->all_reduce_sum(gradients);
-    }
+    grad_comm->all_reduce_sum(gradients);
   }
   if (!graphed) {  // the graph clipped already
     if (sharded_) {

@@ -427,6 +427,21 @@ TEST(Trainer, UpdateSplitOverEveryRankKeepsTheBits) {
   EXPECT_EQ(whole.held_moments, whole.all_moments);
 }
 
+// dp = 2 × sp = 2 (ordered): the bits of one rank with two segments and two micro-batches of the same
+// sequences (replica d's batch is micro-batch d): each segment's gradients and loss are summed over the
+// replicas as one rank sums its micro-batches, before the segments' tree.
+TEST(Trainer, DataAndSequenceParallelGiveTheBitsOfOneRank) {
+  if (parallel::world_info().size != 4) GTEST_SKIP() << "needs 4 ranks (dp=2 x sp=2)";
+  auto serial = train_bits(config({"parallel.segments=2", "optimizer.grad_accum_steps=2", "data.batch_size=2"}), false);
+  auto both = train_bits(config({"parallel.dp=2", "parallel.sp=2", "data.batch_size=2"}), true);
+  EXPECT_TRUE(both.sharded);
+  EXPECT_TRUE(same_bits(both, serial, "dp=2 x sp=2 vs sp=1 with 2 segments and 2 micro-batches (fp32, 5 steps)"));
+  auto whole = train_bits(config({"parallel.dp=2", "parallel.sp=2", "data.batch_size=2", "parallel.shard_update=false"}),
+                          true);
+  EXPECT_TRUE(same_bits(whole, serial, "dp=2 x sp=2, every rank updating every parameter, vs sp=1 with 2 segments "
+                                       "and 2 micro-batches (fp32, 5 steps)"));
+}
+
 // A layout: the overrides that give it (dp, sp, per-rank batch for the same global batch of 4).
 struct Layout {
   std::string name;
