@@ -5,9 +5,11 @@
 // kGroup = 4 consecutive states of each (N/4 threads a tile, 256·4/N channels a block: 64 for N = 16), for one
 // segment of L tokens (L a multiple of kSub = 8). Grid (⌈D/channels⌉, S, B). The tile's states, its A entries
 // (times log2 e: the exponentials are ex2) and, in the backward, its gradient carry and one sub-chunk's 8
-// recomputed states stay in registers. Per token a thread reads u_t, Δ_t (and dy_t) of its two channels as one
-// pair, consecutive tiles consecutive pairs; B_t, C_t (4 entries) are one read, the same address for every
-// tile of a warp's state group. Sums over n (y, du, dΔ) and over the warp's channels (dB, dC, each thread's
+// recomputed states stay in registers. A block stages its inputs in shared memory 8 tokens at a time
+// (kernels.cuh's Stager: cp.async into two buffers, the next 8 tokens in flight while the block walks the
+// current ones; the block's channels of u, Δ, dy, zero past D, and the rows of B, C). Per token a thread reads
+// u_t, Δ_t (and dy_t) of its two channels as one pair and B_t, C_t of its 4 states as one read, the same
+// address for every tile of a warp's state group. Sums over n (y, du, dΔ) and over the warp's channels (dB, dC, each thread's
 // two channels summed first) are transposing warp shuffles: at each level a lane keeps half of its values
 // and adds its partner's share of them, so a sum of v values over w lanes costs about v shuffles. The
 // block's 4 warps are then added in order through shared memory, written as one row a block of a
