@@ -210,7 +210,9 @@ at::Tensor Trainer::segmented_forward_backward(const std::vector<Batch>& micro, 
   losses[0] = losses[0] + at::stack({at::zeros({}, stop.options()), stop});  // the stop signals ride along
   if (dp) {
     for (auto& g : grads) dp->all_reduce_sum(g);
-    for (auto& l : losses) dp->all_reduce_sum(l);
+    auto all = at::stack(losses);  // the segments' loss sums in one message
+    dp->all_reduce_sum(all);
+    for (int j = 0; j < k; ++j) losses[j] = all[j];
   }
   // Split over the sp ranks: each holds its piece's sum (sharded_update.h).
   if (!gradients.defined()) gradients = sharded_ ? parallel::tree_reduce_scatter(grads, sp) : parallel::tree_sum(grads, sp);

@@ -8,6 +8,10 @@
 
 #include <cuda_bf16.h>
 
+#if defined(CARRY_LA_EMU)
+#include <cstring>
+#endif
+
 #ifndef CARRY_LA_EMU
 #define SMEM_DECL extern __shared__ __align__(128) unsigned char smem[]
 #endif
@@ -16,8 +20,6 @@ namespace carry::kernels::selective_scan::kernels {
 
 using namespace core;
 
-__device__ __forceinline__ float to_f(float x) { return x; }
-__device__ __forceinline__ float to_f(__nv_bfloat16 x) { return __bfloat162float(x); }
 template <typename T>
 __device__ __forceinline__ T from_f(float x);
 template <>
@@ -41,7 +43,6 @@ struct Place {
   int d0, grp, n0, lane, warp;
   int d[kChan];
   bool valid[kChan];
-  bool any, pair;  // a real channel; both channels real and D even (the pair reads as one)
   __device__ Place(int D) {
     grp = threadIdx.x % NT;
     n0 = grp * kGroup;
@@ -53,13 +54,10 @@ struct Place {
       valid[c] = d0 + c < D;
       d[c] = valid[c] ? d0 + c : D - 1;
     }
-    any = valid[0];
-    pair = valid[kChan - 1] && D % 2 == 0;
   }
 };
 
 #if defined(CARRY_LA_EMU)
-#include <cstring>
 inline void ss_cp4(void* dst, const void* src) { std::memcpy(dst, src, 4); }
 inline void ss_commit() {}
 inline void ss_wait_one() {}
@@ -168,10 +166,9 @@ struct Stager {
     copy(0, c0, c1);
     ss_commit();
   }
-  // Tokens [c0, c1) in buffer buf, once every thread's copies of them have landed; [n0_, n1_) (if not
+  // The stage from token c0 in buffer buf, once every thread's copies of it have landed; [n0_, n1_) (if not
   // empty) goes into the other buffer meanwhile, after every thread is done with what it held.
-  __device__ StageView<In, N> stage(int buf, int c0, int c1, int n0_, int n1_) const {
-    (void)c1;
+  __device__ StageView<In, N> stage(int buf, int c0, int n0_, int n1_) const {
     __syncthreads();
     if (n1_ > n0_) copy(buf ^ 1, n0_, n1_);
     ss_commit();
@@ -286,6 +283,16 @@ struct Noop {
 // Start of (b, s) in a [B, S, D, N] fp32 buffer.
 __device__ __forceinline__ long bs0(const Dims& m, int b, int s) { return ((long)b * m.S + s) * m.D * m.N; }
 
+// A segment's ΣΔ of the thread's channels into delta_sum [B, S, D] (once a channel: state group 0 writes).
+template <int N>
+__device__ __forceinline__ void store_delta_sum(float* delta_sum, const Dims& m, int b, int s, const Place<N>& p,
+                                                const float (&ds)[kChan]) {
+  if (p.grp != 0) return;
+#pragma unroll
+  for (int c = 0; c < kChan; ++c)
+    if (p.valid[c]) delta_sum[((long)b * m.S + s) * m.D + p.d[c]] = ds[c];
+}
+
 // Forward pass 1: segment s (< S − 1) from zero: its end state and ΣΔ.
 template <typename In, int N>
 __global__ void __launch_bounds__(kThreads) fwd_local_kernel(const In* u, const In* delta, const float* A,
@@ -300,10 +307,7 @@ __global__ void __launch_bounds__(kThreads) fwd_local_kernel(const In* u, const 
   float ds[kChan];
   walk_forward(h, a2, ld, t0, t1, ds, Noop{});
   store_tile(end_state + bs0(m, b, s), h, p, N);
-  if (p.grp == 0)
-#pragma unroll
-    for (int c = 0; c < kChan; ++c)
-      if (p.valid[c]) delta_sum[((long)b * m.S + s) * m.D + p.d[c]] = ds[c];
+  store_delta_sum(delta_sum, m, b, s, p, ds);
 }
 
 // The segment scan over s, one thread a (b, d, n): forward, x_in[s] the state entering segment s from
@@ -368,10 +372,7 @@ __global__ void __launch_bounds__(kThreads) bwd_local_kernel(const In* u, const 
   float ds[kChan];
   walk_gradient(g, a2, ld, t0, t1, ds);
   store_tile(out_grad + bs0(m, b, s), g, p, N);
-  if (p.grp == 0)
-#pragma unroll
-    for (int c = 0; c < kChan; ++c)
-      if (p.valid[c]) delta_sum[((long)b * m.S + s) * m.D + p.d[c]] = ds[c];
+  store_delta_sum(delta_sum, m, b, s, p, ds);
 }
 
 // The state entering every sub-chunk of segment s, from the segment's state: ck [B, ⌈T/kSub⌉, D, N].

@@ -111,10 +111,24 @@ int output_blocks_per_sm() {
   return n;
 }
 
-// Lets kernel k take `bytes` of dynamic shared memory (above 48 KiB it must ask), once.
+// Lets kernel k take `bytes` of dynamic shared memory (above 48 KiB it must ask).
 template <class K>
 void allow_smem(K* k, size_t bytes) {
   if (bytes > 48 * 1024) C10_CUDA_CHECK(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)bytes));
+}
+
+// The kernels of <In, N> allowed their shared memory, once a process.
+template <typename In, int N>
+void allow_kernels_smem() {
+  static const bool done = [] {
+    allow_smem(fwd_local_kernel<In, N>, stage_smem<In, N>());
+    allow_smem(fwd_output_kernel<In, N>, stage_smem<In, N>());
+    allow_smem(checkpoint_kernel<In, N>, stage_smem<In, N>());
+    allow_smem(bwd_local_kernel<In, N>, stage_smem<In, N>());
+    allow_smem(bwd_main_kernel<In, N>, bwd_main_smem<In, N>());
+    return true;
+  }();
+  (void)done;
 }
 
 // The segments asked for: the call's, else the forced one, else by the grid: as many blocks as the SMs
@@ -131,6 +145,7 @@ template <typename In, int N>
 void launch_fwd(const at::Tensor& u, const at::Tensor& delta, const at::Tensor& A, const at::Tensor& B,
                 const at::Tensor& C, const Dims& m, const at::Tensor& h0, at::Tensor& y, at::Tensor& h_final,
                 at::Tensor& h_in) {
+  allow_kernels_smem<In, N>();
   auto stream = at::cuda::getCurrentCUDAStream();
   const auto* pu = reinterpret_cast<const In*>(u.data_ptr());
   const auto* pd = reinterpret_cast<const In*>(delta.data_ptr());
@@ -140,8 +155,7 @@ void launch_fwd(const at::Tensor& u, const at::Tensor& delta, const at::Tensor& 
   const auto f32 = u.options().dtype(at::kFloat);
   if (m.S > 1) {
     at::Tensor end_state = alloc({m.Bs, m.S, m.D, m.N}, f32), delta_sum = alloc({m.Bs, m.S, m.D}, f32);
-    allow_smem(fwd_local_kernel<In, N>, stage_smem<In, N>());
-    fwd_local_kernel<In, N><<<dim3(m.P, m.S - 1, m.Bs), kThreads, stage_smem<In, N>(), stream>>>(
+      fwd_local_kernel<In, N><<<dim3(m.P, m.S - 1, m.Bs), kThreads, stage_smem<In, N>(), stream>>>(
         pu, pd, pa, pb, pc, m, end_state.data_ptr<float>(), delta_sum.data_ptr<float>());
     C10_CUDA_KERNEL_LAUNCH_CHECK();
     const long n = (long)m.Bs * m.D * m.N;
@@ -150,7 +164,6 @@ void launch_fwd(const at::Tensor& u, const at::Tensor& delta, const at::Tensor& 
         h_in.data_ptr<float>());
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   }
-  allow_smem(fwd_output_kernel<In, N>, stage_smem<In, N>());
   fwd_output_kernel<In, N><<<dim3(m.P, m.S, m.Bs), kThreads, stage_smem<In, N>(), stream>>>(
       pu, pd, pa, pb, pc, m, h_in.data_ptr<float>(), reinterpret_cast<In*>(y.data_ptr()),
       h_final.data_ptr<float>());
@@ -161,6 +174,7 @@ template <typename In, int N>
 void launch_bwd(const at::Tensor& u, const at::Tensor& delta, const at::Tensor& A, const at::Tensor& B,
                 const at::Tensor& C, const Dims& m, const at::Tensor& h_in, const at::Tensor& dy,
                 const at::Tensor& dh_final, std::vector<at::Tensor>& out) {
+  allow_kernels_smem<In, N>();
   auto stream = at::cuda::getCurrentCUDAStream();
   const auto* pu = reinterpret_cast<const In*>(u.data_ptr());
   const auto* pd = reinterpret_cast<const In*>(delta.data_ptr());
@@ -172,8 +186,7 @@ void launch_bwd(const at::Tensor& u, const at::Tensor& delta, const at::Tensor& 
   at::Tensor g_in = dh_final.view({m.Bs, 1, m.D, m.N});
   if (m.S > 1) {
     at::Tensor out_grad = alloc({m.Bs, m.S, m.D, m.N}, f32), delta_sum = alloc({m.Bs, m.S, m.D}, f32);
-    allow_smem(bwd_local_kernel<In, N>, stage_smem<In, N>());
-    bwd_local_kernel<In, N><<<dim3(m.P, m.S - 1, m.Bs), kThreads, stage_smem<In, N>(), stream>>>(
+      bwd_local_kernel<In, N><<<dim3(m.P, m.S - 1, m.Bs), kThreads, stage_smem<In, N>(), stream>>>(
         pu, pd, pa, pb, pc, pdy, m, out_grad.data_ptr<float>(), delta_sum.data_ptr<float>());
     C10_CUDA_KERNEL_LAUNCH_CHECK();
     g_in = alloc({m.Bs, m.S, m.D, m.N}, f32);
@@ -185,7 +198,6 @@ void launch_bwd(const at::Tensor& u, const at::Tensor& delta, const at::Tensor& 
   }
   const long nk = (m.T + kSub - 1) / kSub;
   at::Tensor ck = alloc({m.Bs, nk, m.D, m.N}, f32);
-  allow_smem(checkpoint_kernel<In, N>, stage_smem<In, N>());
   checkpoint_kernel<In, N><<<dim3(m.P, m.S, m.Bs), kThreads, stage_smem<In, N>(), stream>>>(pu, pd, pa, pb, pc, m,
                                                                           h_in.data_ptr<float>(),
                                                                           ck.data_ptr<float>());
@@ -193,7 +205,6 @@ void launch_bwd(const at::Tensor& u, const at::Tensor& delta, const at::Tensor& 
   at::Tensor du = alloc(u.sizes(), u.options()), ddelta = alloc(u.sizes(), u.options());
   at::Tensor part = alloc({m.P, 2, m.Bs, m.T, m.N}, f32), dA_part = alloc({m.Bs, m.S, m.D, m.N}, f32);
   at::Tensor dh0 = alloc({m.Bs, m.D, m.N}, f32);
-  allow_smem(bwd_main_kernel<In, N>, bwd_main_smem<In, N>());
   bwd_main_kernel<In, N><<<dim3(m.P, m.S, m.Bs), kThreads, bwd_main_smem<In, N>(), stream>>>(
       pu, pd, pa, pb, pc, pdy, m, g_in.data_ptr<float>(), ck.data_ptr<float>(),
       reinterpret_cast<In*>(du.data_ptr()), reinterpret_cast<In*>(ddelta.data_ptr()), part.data_ptr<float>(),

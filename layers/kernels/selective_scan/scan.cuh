@@ -109,7 +109,7 @@ CARRY_SS_HD R scan_step(R a2, R delta_sum, R x, R local) {
 
 // Tokens [t0, t1) forward from h (updated in place), emit(t, h, view) after each token; delta_sum gets ΣΔ over
 // them. Ld stages the inputs kStage tokens at a time: start(c0, c1) asks for the first stage, and
-// stage(buf, c0, c1, n0, n1) returns a view of tokens [c0, c1) (in buffer buf) while asking for [n0, n1)
+// stage(buf, c0, n0, n1) returns a view of the stage from token c0 (in buffer buf) while asking for [n0, n1)
 // next (empty: none); every thread of a block walks the same tokens. A view reads the thread's inputs:
 // delta(t, out[kChan]), u(t, out[kChan]), dy(t, out[kChan]), b(t, out[kGroup]), c(t, out[kGroup]).
 CARRY_SS_ANY_CALLER
@@ -122,7 +122,7 @@ CARRY_SS_HD void walk_forward(Tile<R>& h, const Tile<R>& A2, const Ld& ld, int t
   int i = 0;
   for (int c0 = t0; c0 < t1; c0 += kStage, ++i) {
     const int c1 = c0 + kStage < t1 ? c0 + kStage : t1, n1 = c1 + kStage < t1 ? c1 + kStage : t1;
-    const auto v = ld.stage(i & 1, c0, c1, c1, n1);
+    const auto v = ld.stage(i & 1, c0, c1, n1);
     CARRY_SS_UNROLL
     for (int k = 0; k < kStage; ++k)
       if (c0 + k < c1) {
@@ -146,7 +146,7 @@ CARRY_SS_HD void stages_backward(const Ld& ld, int t0, int t1, F&& f) {
   ld.start(c0, t1);
   for (int i = 0; c0 >= t0; c0 -= kStage, ++i) {
     const int c1 = c0 + kStage < t1 ? c0 + kStage : t1;
-    const auto v = ld.stage(i & 1, c0, c1, c0 > t0 ? c0 - kStage : c0, c0);
+    const auto v = ld.stage(i & 1, c0, c0 > t0 ? c0 - kStage : c0, c0);
     f(v, c0, c1);
   }
 }

@@ -71,7 +71,7 @@ struct Ld {
   void c(int t, double (&out)[kGroup]) const { states(t, p->C, out); }
   // The stages are the whole problem, read in place.
   void start(int, int) const {}
-  const Ld& stage(int, int, int, int, int) const { return *this; }
+  const Ld& stage(int, int, int, int) const { return *this; }
 };
 
 // The kernels' launches, thread by thread in order.
