@@ -36,6 +36,8 @@ struct LayerKind {
   bool mamba2 = false;      // k = B·dt, scale 1, skip o += D·v
   bool selective_scan = false;  // Mamba-1 (S6): x, Δ, B, C per channel through mamba1_inputs, one head a channel
   bool gated_norm = false;  // y = o_proj(gated_rms_norm(o, z)); false: y = o_proj(o)
+  bool low_rank_gate = false;  // with gated_norm: z = W₂(W₁ x) + b, rank head_dim_v (KDA's g_proj); else z = W x
+  bool sigmoid_gate = false;   // with gated_norm: the norm's gate is sigmoid(z) (KDA); else silu(z)
   bool time_mix = false;    // RWKV-7's time mixing through layers/rwkv7/time_mix.h (token shift, LoRA gates, value residual)
   bool window = false;      // reads the `window` option (sliding-window attention; halo = window), and global_tokens, stride
   bool normalize = false;   // reads the `normalize` option

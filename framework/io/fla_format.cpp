@@ -51,6 +51,7 @@ const std::vector<FlaKind>& fla_kinds() {
       {"deltanet", "delta_net", "DeltaNetForCausalLM"},
       {"gla", "gla", "GLAForCausalLM"},
       {"rwkv7", "rwkv7", "RWKV7ForCausalLM"},
+      {"kda", "kda", "KDAForCausalLM"},
   };
   return kinds;
 }
@@ -262,14 +263,14 @@ std::vector<std::string> fla_export_errors(const ModelConfig& model) {
   if (model.feed_forward() != "swiglu")
     errors.push_back("model.feed_forward: \"" + model.feed_forward() + "\"; FLA's " + kind +
                      " models have SwiGLU MLPs, so only feed_forward \"swiglu\" exports");
-  if (kind != "gated_deltanet" && model.has_n_v_heads() && model.n_v_heads() != H)
+  if (kind != "gated_deltanet" && kind != "kda" && model.has_n_v_heads() && model.n_v_heads() != H)
     errors.push_back("model.n_v_heads: " + std::to_string(model.n_v_heads()) + " value heads for " + std::to_string(H) +
                      " query/key heads; FLA's " + kind + " has no grouped value heads (its gated_deltanet does)");
   if (kind == "gla" && lm.options.conv_size() > 0)
     errors.push_back("model.mixer_options.conv_size: " + std::to_string(lm.options.conv_size()) +
                      " for gla; FLA's GLA applies silu after its short convolutions and carry's gla does "
                      "not, so only gla without convolutions (conv_size 0) exports");
-  if (kind == "gated_deltanet" || kind == "gated_deltaproduct") {
+  if (kind == "gated_deltanet" || kind == "gated_deltaproduct" || kind == "kda") {
     double expand_v = static_cast<double>(dv) / static_cast<double>(dk);
     if (!python_int_product_is(static_cast<double>(dk), expand_v, dv))
       errors.push_back("model.head_dim_v: FLA derives the value width as int(head_dim * expand_v) = int(" +
@@ -317,6 +318,14 @@ std::string fla_config_json(const ModelConfig& model, int64_t eos_token_id) {
     j.member("allow_neg_eigval", true);
     j.member("num_householder", lm.options.num_householder());
   }
+  if (kind == "kda") {  // sigmoid betas in (0, 1), FLA's exponential gate (no lower bound)
+    j.member("head_dim", dk);
+    j.key("expand_v").float_value(static_cast<double>(dv) / static_cast<double>(dk));
+    j.key("num_v_heads").null();
+    j.member("allow_neg_eigval", false);
+    j.member("safe_gate", false);
+    j.key("lower_bound").null();
+  }
   if (kind == "gated_deltanet") {
     j.member("head_dim", dk);
     j.key("expand_v").float_value(static_cast<double>(dv) / static_cast<double>(dk));
@@ -325,7 +334,7 @@ std::string fla_config_json(const ModelConfig& model, int64_t eos_token_id) {
     j.member("use_gate", true);
     j.member("output_gate_activation", "swish");
     j.member("allow_neg_eigval", false);
-  } else if (kind != "gated_deltaproduct") {
+  } else if (kind != "gated_deltaproduct" && kind != "kda") {
     j.key("expand_k").float_value(static_cast<double>(H * dk) / static_cast<double>(d));
     j.key("expand_v").float_value(static_cast<double>(H * dv) / static_cast<double>(d));
   }
@@ -392,10 +401,13 @@ std::string map_name(const std::string& kind, const std::string& name) {
   std::string p = rest.substr(mixer.size());
   if (p == "q_conv.weight" || p == "k_conv.weight" || p == "v_conv.weight") p = p.substr(0, 1) + "_conv1d.weight";
   else if (p == "z_proj.weight") p = "g_proj.weight";
+  else if (p.rfind("z_proj.", 0) == 0) p = "g_proj." + p.substr(std::strlen("z_proj."));  // KDA's low-rank gate
   else if (p == "o_norm.weight") p = kind == "gla" ? "g_norm_swish_gate.weight" : "o_norm.weight";
   static const std::set<std::string> same = {"q_proj.weight", "k_proj.weight", "v_proj.weight", "o_proj.weight",
                                              "a_proj.weight", "b_proj.weight", "A_log", "dt_bias",
                                              "gk_proj.0.weight", "gk_proj.1.weight", "gk_proj.1.bias",
+                                             "f_proj.0.weight", "f_proj.1.weight", "g_proj.0.weight",
+                                             "g_proj.1.weight", "g_proj.1.bias",
                                              "q_conv1d.weight", "k_conv1d.weight", "v_conv1d.weight",
                                              "g_proj.weight", "o_norm.weight", "g_norm_swish_gate.weight"};
   if (!same.count(p)) return "";
@@ -684,6 +696,15 @@ ModelConfig model_from_config_json(const JsonConfig& c, const FlaKind& fk) {
     householder = c.integer("num_householder", 1);
     if (householder < 1 || householder > 16)
       c.refuse("num_householder", value_text(c, "num_householder"), "carry takes 1 to 16 Householder steps a token");
+  } else if (kind == "kda") {
+    dk = c.integer("head_dim", 128);
+    dv = static_cast<int64_t>(static_cast<double>(dk) * c.number("expand_v", 1.0));
+    if (c.has("num_v_heads") && c.integer("num_v_heads", H) != H)
+      c.refuse("num_v_heads", value_text(c, "num_v_heads"), "carry's kda layer has no grouped value heads");
+    expect_bool("allow_neg_eigval", false, false, "carry's kda beta is sigmoid(W x) in (0, 1)");
+    expect_null("lower_bound", "carry's kda gate is -exp(A_log)·softplus(f + dt_bias), unclamped (FLA's "
+                "lower_bound replaces it with a bounded sigmoid gate)");
+    expect_bool("safe_gate", false, false, "safe_gate needs lower_bound, which carry's kda gate does not have");
   } else if (kind == "gated_deltanet") {
     dk = c.integer("head_dim", 256);
     double expand_v = c.number("expand_v", 2.0);

@@ -1,7 +1,7 @@
 // flash-linear-attention (FLA) / Hugging Face model folders: `config.json` + `model.safetensors` in
 // the names, layouts and config keys of FLA 0.6.0's model classes, which `import fla` registers with
 // transformers' Auto classes (so the same folder is a Hugging Face folder). carry's model maps onto
-// five of them exactly (same math, same parameters, renamed):
+// six of them exactly (same math, same parameters, renamed):
 //
 //   carry kind       FLA class (config.json model_type)          notes
 //   gated_deltanet   GatedDeltaNetForCausalLM (gated_deltanet)   head_dim = dk, expand_v = dv/dk
@@ -9,6 +9,8 @@
 //   gla              GLAForCausalLM (gla)                        conv_size must be 0 (FLA's GLA
 //                                                                applies silu after its convolution)
 //   gated_deltaproduct  GatedDeltaProductForCausalLM (gated_deltaproduct)
+//   kda              KDAForCausalLM (kda)                        head_dim = dk, expand_v = dv/dk; no
+//                                                                lower_bound, allow_neg_eigval false
 //   rwkv7            RWKV7ForCausalLM (rwkv7)                    norm "layer_norm", feed_forward
 //                                                                "rwkv7_channel_mix", norm_eps 1e-5,
 //                                                                n_heads·head_dim_k = d_model; pre_norm
@@ -20,9 +22,11 @@
 //   layers.i.mixer_norm.weight       model.layers.i.attn_norm.weight
 //   layers.i.mixer.{q,k,v}_conv.weight [C,K]   model.layers.i.attn.{q,k,v}_conv1d.weight [C,1,K]
 //   layers.i.mixer.z_proj.weight     model.layers.i.attn.g_proj.weight (the output gate)
+//   layers.i.mixer.z_proj.{0,1}.*    ...attn.g_proj.{0,1}.* (KDA's low-rank output gate)
 //   layers.i.mixer.o_norm.weight     ...attn.o_norm.weight (GLA: ...attn.g_norm_swish_gate.weight)
 //   layers.i.mixer.<other>           ...attn.<other> (q_proj, k_proj, v_proj, o_proj, a_proj, b_proj,
-//                                    A_log, dt_bias, gk_proj.0.weight, gk_proj.1.{weight,bias})
+//                                    A_log, dt_bias, gk_proj.0.weight, gk_proj.1.{weight,bias},
+//                                    KDA's f_proj.{0,1}.weight)
 //   layers.i.mlp_norm.weight         model.layers.i.mlp_norm.weight
 //   layers.i.mlp.w1 / w3 / w2        model.layers.i.mlp.gate_proj / up_proj / down_proj
 //   norm.weight                      model.norm.weight

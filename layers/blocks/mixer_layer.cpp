@@ -242,8 +242,14 @@ MixerLayer::MixerLayer(const MixerLayerSpec& spec, ParameterInit& init) : spec_(
     l_proj_ = add("l_proj.weight", init.normal({H * L, d}, std));
   }
   if (tr.mamba2) D_ = add("D", init.full({H}, 1.0));
-  if (tr.gated_norm) {
+  if (tr.gated_norm && tr.low_rank_gate) {
+    z_proj_ = add("z_proj.0.weight", init.normal({dv, d}, std));
+    z_proj1_ = add("z_proj.1.weight", init.normal({Hv * dv, dv}, std));
+    z_bias_ = add("z_proj.1.bias", init.full({Hv * dv}, 0.0));
+  } else if (tr.gated_norm) {
     z_proj_ = add("z_proj.weight", init.normal({Hv * dv, d}, std));
+  }
+  if (tr.gated_norm) {
     o_norm_ = RMSNorm(dv, spec.norm_eps, init);
     add("o_norm.weight", o_norm_.weight);
     has_o_norm_ = true;
@@ -446,7 +452,9 @@ MixerLayer::Projected MixerLayer::project(const Tensor& x, const MixerLayerConte
     in.l = at::softplus(at::linear(x, w)).view({B, T, H, L});
   }
   if (tr.mamba2) p.skip = v;
-  if (tr.gated_norm) p.z = at::linear(x, z_proj_).view({B, T, Hv, dv});
+  if (tr.gated_norm)
+    p.z = (tr.low_rank_gate ? at::linear(at::linear(x, z_proj_), z_proj1_, z_bias_) : at::linear(x, z_proj_))
+              .view({B, T, Hv, dv});
 
   // Sliding window across slices: prepend the previous slice's last keys and values (rounded up to
   // whole chunks); their query rows are zeros and their outputs are dropped. With the sparse patterns
@@ -565,7 +573,8 @@ MixerLayerOutput MixerLayer::forward(const Tensor& x, const State& initial_state
     return {at::linear(y * at::silu(p.z), o_proj_), out.final_state};
   }
   if (p.skip.defined()) o = o + D_.view({1, 1, -1, 1}) * p.skip;
-  if (has_o_norm_) o = o_norm_.forward_gated(o, p.z);
+  if (has_o_norm_)
+    o = o_norm_.forward_gated(o, p.z, layer_kind(spec_.kind).sigmoid_gate ? GateActivation::sigmoid : GateActivation::silu);
   return {at::linear(o.reshape({B, T, -1}), o_proj_), out.final_state};
 }
 

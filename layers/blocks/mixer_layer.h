@@ -199,6 +199,7 @@ class MixerLayer {
   const Mixer* mixer_ = nullptr;
   NamedParameters params_;  // every parameter, by name; the members below alias them
   Tensor q_proj_, k_proj_, v_proj_, o_proj_, z_proj_;
+  Tensor z_proj1_, z_bias_;               // the low-rank output gate's second factor and bias (KDA)
   Tensor q_conv_, k_conv_, v_conv_;
   Tensor a_proj_, dt_bias_, A_log_, D_;   // Mamba-style decays, Mamba-2/1 skip
   Tensor gk_proj0_, gk_proj1_, gk_bias_;  // GLA's low-rank gate (KDA's f_proj: no bias)

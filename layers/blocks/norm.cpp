@@ -53,17 +53,25 @@ Tensor rms_norm(const Tensor& x, const Tensor& weight, double eps) {
   return rms_norm_aten(x, weight, eps, out);
 }
 
-Tensor gated_rms_norm(const Tensor& x, const Tensor& z, const Tensor& weight, double eps) {
+Tensor gated_rms_norm(const Tensor& x, const Tensor& z, const Tensor& weight, double eps, GateActivation act) {
   TORCH_CHECK(z.sizes() == x.sizes(), "gated_rms_norm: the gate z must have the shape of x ", x.sizes(),
               ", got ", z.sizes());
   check_weight("gated_rms_norm", x, weight);
   const auto out = norm_output_dtype(x);
+  auto dt = compute_dtype(x);
+  if (act == GateActivation::sigmoid) {
+#ifdef CARRY_WITH_CUDA
+    // The fused norm in the compute dtype, then the gate: one product, the norm read exactly.
+    if (use_fused(x) && z.device() == x.device() && (dt == at::kFloat || dt == at::kBFloat16))
+      return (fused_rms_norm(x, weight, eps, dt) * at::sigmoid(z.to(dt))).to(out);
+#endif
+    return (rms_norm_aten(x.to(dt), weight.to(dt), eps, dt) * at::sigmoid(z.to(dt))).to(out);
+  }
 #ifdef CARRY_WITH_CUDA
   if (use_fused(x) && fused_norm_supports(z) && z.device() == x.device() &&
       (out == at::kFloat || out == at::kBFloat16))
     return fused_gated_rms_norm(x, z, weight, eps, out);
 #endif
-  auto dt = compute_dtype(x);
   auto y = rms_norm_aten(x.to(dt), weight.to(dt), eps, dt) * at::silu(z.to(dt));
   return y.to(out);
 }

@@ -3,8 +3,8 @@ folder of the same classes): `carry.load(DIR)` reads config.json and model.safet
 module whose forward(input_ids) gives the logits, computed as carry's model computes them (the mixers
 through carry.ops: the kernels on CUDA tensors where this build has them, the chunkwise forms otherwise).
 
-Layers: Gated DeltaNet (grouped value heads included), DeltaNet and GLA, FLA's `gated_deltanet`, `delta_net`
-and `gla` model types; a block is y = x + mixer(norm(x)), out = y + mlp(norm(y)) with SwiGLU MLPs and RMS norms,
+Layers: Gated DeltaNet (grouped value heads included), DeltaNet, GLA and KDA, FLA's `gated_deltanet`, `delta_net`,
+`gla` and `kda` model types; a block is y = x + mixer(norm(x)), out = y + mlp(norm(y)) with SwiGLU MLPs and RMS norms,
 as framework/model/model.h builds it. RWKV-7, FLA's `rwkv7` model type (RWKV7ForCausalLM): LayerNorms with
 bias, the first block's pre_norm (norm_first), RWKV7Attention's time mixing through carry.ops.chunk_rwkv7 and
 RWKV7FeedForward's channel mix, as carry's rwkv7 model with norm "layer_norm" computes it. For evaluation
@@ -62,6 +62,12 @@ def _rms_norm(x, weight, eps):
     return (y * weight.to(y.dtype)).to(x.dtype)
 
 
+def _short_conv(x, w):  # causal depthwise, then silu; x [B, T, C], w [C, 1, K]
+    K = w.shape[-1]
+    y = F.conv1d(F.pad(x.transpose(1, 2), (K - 1, 0)), w.to(x.dtype), groups=x.shape[-1])
+    return F.silu(y.transpose(1, 2))
+
+
 class _DeltaLayer(nn.Module):
     """FLA's GatedDeltaNet / DeltaNet / GatedDeltaProduct layer as carry computes it (layers/blocks/mixer_layer.h).
     n > 1 (GatedDeltaProduct): the key, value and beta projections give n rows a token (token t's step j at
@@ -87,16 +93,11 @@ class _DeltaLayer(nn.Module):
         self.o_norm = nn.Parameter(torch.ones(dv))
         self.o_proj = nn.Linear(Hv * dv, d, bias=False)
 
-    def _short_conv(self, x, w):  # causal depthwise, then silu; x [B, T, C], w [C, 1, K]
-        K = w.shape[-1]
-        y = F.conv1d(F.pad(x.transpose(1, 2), (K - 1, 0)), w.to(x.dtype), groups=x.shape[-1])
-        return F.silu(y.transpose(1, 2))
-
     def forward(self, x):
         B, T, _ = x.shape
         q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         if self.conv:
-            q, k, v = (self._short_conv(t, w) for t, w in ((q, self.q_conv1d), (k, self.k_conv1d), (v, self.v_conv1d)))
+            q, k, v = (_short_conv(t, w) for t, w in ((q, self.q_conv1d), (k, self.k_conv1d), (v, self.v_conv1d)))
         else:
             q, k, v = F.silu(q), F.silu(k), F.silu(v)
         n = self.n
@@ -116,6 +117,48 @@ class _DeltaLayer(nn.Module):
         z = self.g_proj(x).view(B, T, self.Hv, self.dv)
         o = _rms_norm(o.to(x.dtype), self.o_norm, self.eps) * F.silu(z)
         return self.o_proj(o.reshape(B, T, self.Hv * self.dv))
+
+
+class _KdaLayer(nn.Module):
+    """FLA's KimiDeltaAttention layer as carry's `kda` kind computes it: short convolutions (or silu) on q, k, v,
+    L2-normalized q and k, beta = sigmoid(b_proj x), the gate g = −exp(A_log)·softplus(f_proj x + dt_bias) per key
+    dimension (f_proj of rank dv), the output RMS-normed and gated by sigmoid(g_proj x) (g_proj of rank dv, with
+    a bias)."""
+
+    def __init__(self, d, H, dk, dv, conv, eps):
+        super().__init__()
+        self.H, self.dk, self.dv, self.eps, self.conv = H, dk, dv, eps, conv
+        self.q_proj = nn.Linear(d, H * dk, bias=False)
+        self.k_proj = nn.Linear(d, H * dk, bias=False)
+        self.v_proj = nn.Linear(d, H * dv, bias=False)
+        if conv:
+            self.q_conv1d = nn.Parameter(torch.zeros(H * dk, 1, conv))
+            self.k_conv1d = nn.Parameter(torch.zeros(H * dk, 1, conv))
+            self.v_conv1d = nn.Parameter(torch.zeros(H * dv, 1, conv))
+        self.f_proj = nn.Sequential(nn.Linear(d, dv, bias=False), nn.Linear(dv, H * dk, bias=False))
+        self.b_proj = nn.Linear(d, H, bias=False)
+        self.A_log = nn.Parameter(torch.zeros(H))
+        self.dt_bias = nn.Parameter(torch.zeros(H * dk))
+        self.g_proj = nn.Sequential(nn.Linear(d, dv, bias=False), nn.Linear(dv, H * dv, bias=True))
+        self.o_norm = nn.Parameter(torch.ones(dv))
+        self.o_proj = nn.Linear(H * dv, d, bias=False)
+
+    def forward(self, x):
+        B, T, _ = x.shape
+        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        if self.conv:
+            q, k, v = (_short_conv(t, w)
+                       for t, w in ((q, self.q_conv1d), (k, self.k_conv1d), (v, self.v_conv1d)))
+        else:
+            q, k, v = F.silu(q), F.silu(k), F.silu(v)
+        q, k = q.reshape(B, T, self.H, self.dk), k.reshape(B, T, self.H, self.dk)
+        v = v.reshape(B, T, self.H, self.dv)
+        g = self.f_proj(x).view(B, T, self.H, self.dk)
+        o, _ = ops.chunk_kda(q, k, v, g, self.b_proj(x), use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
+                             use_beta_sigmoid_in_kernel=True, A_log=self.A_log, dt_bias=self.dt_bias)
+        z = self.g_proj(x).view(B, T, self.H, self.dv)
+        o = _rms_norm(o.to(x.dtype), self.o_norm, self.eps) * torch.sigmoid(z)
+        return self.o_proj(o.reshape(B, T, self.H * self.dv))
 
 
 class _GlaLayer(nn.Module):
@@ -287,9 +330,9 @@ class CarryModel(nn.Module):
     def __init__(self, config):
         super().__init__()
         kind = config.get("model_type")
-        if kind not in ("gated_deltanet", "gated_deltaproduct", "delta_net", "gla", "rwkv7"):
-            _fail(f"model_type {kind!r}: carry.load builds gated_deltanet, gated_deltaproduct, delta_net, gla and "
-                  "rwkv7 models")
+        if kind not in ("gated_deltanet", "gated_deltaproduct", "delta_net", "gla", "kda", "rwkv7"):
+            _fail(f"model_type {kind!r}: carry.load builds gated_deltanet, gated_deltaproduct, delta_net, gla, kda "
+                  "and rwkv7 models")
         if config.get("attn") is not None:
             _fail("config.json has an `attn` entry (softmax attention layers): not built by carry.load")
         self.config = config
@@ -310,6 +353,11 @@ class CarryModel(nn.Module):
             Hv = H
             self._check_deltaproduct(config)
             n = config.get("num_householder", 1)
+        elif kind == "kda":
+            dk = config.get("head_dim", 128)
+            dv = int(dk * config.get("expand_v", 1.0))
+            Hv = H
+            self._check_kda(config, H)
         else:
             dk = round(d * config.get("expand_k", 0.5 if kind == "gla" else 1.0)) // H
             dv = round(d * config.get("expand_v", 1.0)) // H
@@ -325,6 +373,8 @@ class CarryModel(nn.Module):
         def mixer():
             if kind == "gla":
                 return _GlaLayer(d, H, dk, dv, eps)
+            if kind == "kda":
+                return _KdaLayer(d, H, dk, dv, conv, eps)
             return _DeltaLayer(d, H, Hv, dk, dv, conv, eps, kind != "delta_net", n)
         self.layers = nn.ModuleList([_Block(d, inter, eps, mixer()) for _ in range(L)])
         self.norm = nn.Parameter(torch.ones(d))
@@ -380,6 +430,16 @@ class CarryModel(nn.Module):
             _fail(f"config.json: num_householder must be a positive int, got {n!r}")
 
     @staticmethod
+    def _check_kda(config, H):
+        """The KDA settings carry's `kda` kind computes; any other is refused by name."""
+        want = {"allow_neg_eigval": False, "lower_bound": None, "safe_gate": False}
+        for key, value in want.items():
+            if config.get(key, value) != value:
+                _fail(f"config.json: {key} is {config[key]!r}; carry's kda layer computes {key} = {value!r}")
+        if config.get("num_v_heads") not in (None, H):
+            _fail(f"config.json: num_v_heads is {config['num_v_heads']!r}; carry's kda layer has no grouped value heads")
+
+    @staticmethod
     def _check_gla(config, conv):
         """The GLA settings carry's `gla` kind computes; any other is refused by name."""
         want = {"use_output_gate": True, "use_gk": True, "use_gv": False, "feature_map": None, "clamp_min": None,
@@ -413,6 +473,13 @@ class CarryModel(nn.Module):
                 out[p + "attn.gk_proj.1.weight"] = a.gk_proj[1].weight
                 out[p + "attn.gk_proj.1.bias"] = a.gk_proj[1].bias
                 out[p + "attn.g_norm_swish_gate.weight"] = a.g_norm_swish_gate
+                continue
+            if isinstance(a, _KdaLayer):  # the module carries FLA's names
+                out.update({p + "attn." + n: t for n, t in a.named_parameters()})
+                for n in ("q_conv1d", "k_conv1d", "v_conv1d"):
+                    if a.conv:
+                        out[p + f"attn.{n}.weight"] = out.pop(p + f"attn.{n}")
+                out[p + "attn.o_norm.weight"] = out.pop(p + "attn.o_norm")
                 continue
             for n in ("q_proj", "k_proj", "v_proj", "b_proj", "g_proj", "o_proj") + (("a_proj",) if a.gated else ()):
                 out[p + f"attn.{n}.weight"] = getattr(a, n).weight

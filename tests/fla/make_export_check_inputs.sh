@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The inputs of tests/fla/export_check.py: three small byte-level models trained 40 steps on this
+# The inputs of tests/fla/export_check.py: five small byte-level models trained 40 steps on this
 # repository's README.md (on the CPU: GPUs hidden), each exported to an FLA folder holding carry's
 # fp32 logits on two 256-token sequences (carry_logits.safetensors), the byte tokenizer's Hugging Face files
 # (carry export --tokenizer byte) and carry's greedy continuation of a prompt (carry_generate.txt: the prompt's
@@ -8,8 +8,9 @@
 #   OUT/dn   DeltaNet, short convolutions, tied head
 #   OUT/gla  GLA without convolutions, tied head (expand_k 0.5)
 #   OUT/rwkv7  RWKV-7 as RWKV7ForCausalLM: LayerNorms, the first block's pre-norm, the channel mix, its own head
+#   OUT/kda  KDA as KDAForCausalLM: short convolutions, its own head (head_dim 64, expand_v 1)
 # usage: tests/fla/make_export_check_inputs.sh [CARRY_BINARY] [OUT]   (defaults: build/bin/carry .fla_check)
-# then:  python3 tests/fla/export_check.py OUT/gdn OUT/dn OUT/gla OUT/rwkv7
+# then:  python3 tests/fla/export_check.py OUT/gdn OUT/dn OUT/gla OUT/rwkv7 OUT/kda
 set -euo pipefail
 carry=${1:-build/bin/carry}
 out=${2:-.fla_check}
@@ -46,4 +47,5 @@ train gla --set model.mixers=gla --set model.head_dim_k=32 --set model.head_dim_
 train rwkv7 --set model.mixers=rwkv7 --set model.head_dim_v=64 --set 'model.mixer_options[0].conv_size=0' \
   --set model.feed_forward=rwkv7_channel_mix --set model.mlp_ratio=4 --set model.norm=layer_norm --set model.pre_norm=true \
   --set model.norm_eps=1e-5
-echo "inputs in $out: python3 tests/fla/export_check.py $out/gdn $out/dn $out/gla $out/rwkv7"
+train kda --set model.mixers=kda --set model.head_dim_v=64
+echo "inputs in $out: python3 tests/fla/export_check.py $out/gdn $out/dn $out/gla $out/rwkv7 $out/kda"

@@ -1,6 +1,6 @@
 """carry.load: a model `carry export --format hf` wrote gives, in Python, the logits `carry eval
 --dump-logits` gives for the same tokens (fp32, CPU): Gated DeltaNet with short convolutions and grouped value
-heads, DeltaNet without convolutions and with a tied head, Gated DeltaProduct (two steps a token), GLA, and RWKV-7 as FLA's RWKV7ForCausalLM (LayerNorms,
+heads, DeltaNet without convolutions and with a tied head, Gated DeltaProduct (two steps a token), GLA, KDA (with and without convolutions), and RWKV-7 as FLA's RWKV7ForCausalLM (LayerNorms,
 the channel mix; with the pre-norm and its own head, and without, tied); a folder with a missing or
 misshapen tensor is refused naming it. Needs --carry-binary."""
 import json
@@ -42,6 +42,8 @@ def _run(cmd, cwd):
                                                      ("deltanet", 0, "true", 16, ""),
                                                      ("gated_deltaproduct", 4, "false", 32, ""),
                                                      ("gla", 0, "false", 24, ""),
+                                                     ("kda", 4, "false", 24, ""),
+                                                     ("kda", 0, "true", 16, ""),
                                                      ("rwkv7", 0, "false", 16, RWKV7),
                                                      ("rwkv7", 0, "true", 16, RWKV7.replace("true", "false"))])
 def test_load_gives_carry_eval_logits(carry_binary, tmp_path, kind, conv, tie, dv, extra):
@@ -87,6 +89,19 @@ def test_load_refuses_what_does_not_match(carry_binary, tmp_path):
 def test_load_refuses_gla_settings_carry_does_not_compute(tmp_path, key, value, match):
     config = {"model_type": "gla", "hidden_size": 32, "num_heads": 2, "num_hidden_layers": 1, "expand_k": 0.5,
               "expand_v": 1.0, "intermediate_size": 64, "vocab_size": 16, "use_short_conv": False, key: value}
+    os.makedirs(tmp_path / "hf")
+    (tmp_path / "hf" / "config.json").write_text(json.dumps(config))
+    (tmp_path / "hf" / "model.safetensors").write_bytes(b"")
+    with pytest.raises(ValueError, match=match):
+        carry.load(str(tmp_path / "hf"))
+
+
+@pytest.mark.parametrize("key,value,match", [("lower_bound", -5.0, "lower_bound is -5.0"),
+                                             ("allow_neg_eigval", True, "allow_neg_eigval is True"),
+                                             ("num_v_heads", 4, "no grouped value heads")])
+def test_load_refuses_kda_settings_carry_does_not_compute(tmp_path, key, value, match):
+    config = {"model_type": "kda", "hidden_size": 32, "num_heads": 2, "head_dim": 16, "num_hidden_layers": 1,
+              "intermediate_size": 64, "vocab_size": 16, key: value}
     os.makedirs(tmp_path / "hf")
     (tmp_path / "hf" / "config.json").write_text(json.dumps(config))
     (tmp_path / "hf" / "model.safetensors").write_bytes(b"")

@@ -16,6 +16,7 @@
 #include <gtest/gtest.h>
 
 #include <cstdio>
+#include <cstring>
 #include <fstream>
 #include <functional>
 #include <sstream>
@@ -203,6 +204,51 @@ TEST(FlaFormat, GatedDeltaProductRoundTrip) {
   remove_tree(dir);
 }
 
+// KDA is FLA's KDAForCausalLM: a layer's tensors are KimiDeltaAttention's (fla/layers/kda.py: the low-rank
+// f_proj of the gate, A_log a head, dt_bias a key dimension, the low-rank g_proj with its bias), nothing
+// more; the config says what carry's layer computes and an FLA config that asks for more is refused.
+TEST(FlaFormat, KdaRoundTrip) {
+  ModelConfig config = small("kda", 4, false);
+  config.set_head_dim_v(24);
+  Model model = build_model(config, 6);
+  auto dir = make_temp_dir("carry_fla_kda");
+  export_fla_folder(dir, config, model.parameters(), {});
+  std::string json = read(dir + "/config.json");
+  for (const char* want : {"\"model_type\": \"kda\"", "\"KDAForCausalLM\"", "\"head_dim\": 16", "\"expand_v\": 1.5",
+                           "\"num_v_heads\": null", "\"allow_neg_eigval\": false", "\"lower_bound\": null",
+                           "\"conv_size\": 4"})
+    EXPECT_NE(json.find(want), std::string::npos) << want << "\n" << json;
+  auto tensors = load_safetensors(dir + "/model.safetensors", nullptr);
+  const std::map<std::string, std::vector<int64_t>> layer = {
+      {"q_proj.weight", {32, 32}},   {"k_proj.weight", {32, 32}},     {"v_proj.weight", {48, 32}},
+      {"q_conv1d.weight", {32, 1, 4}}, {"k_conv1d.weight", {32, 1, 4}}, {"v_conv1d.weight", {48, 1, 4}},
+      {"f_proj.0.weight", {24, 32}}, {"f_proj.1.weight", {32, 24}},   {"b_proj.weight", {2, 32}},
+      {"A_log", {2}},                {"dt_bias", {32}},               {"g_proj.0.weight", {24, 32}},
+      {"g_proj.1.weight", {48, 24}}, {"g_proj.1.bias", {48}},         {"o_norm.weight", {24}},
+      {"o_proj.weight", {32, 48}}};
+  size_t attn = 0;
+  for (auto& [name, t] : tensors)
+    if (name.rfind("model.layers.0.attn.", 0) == 0) ++attn;
+  EXPECT_EQ(attn, layer.size());
+  for (auto& [name, shape] : layer) {
+    auto it = tensors.find("model.layers.0.attn." + name);
+    ASSERT_TRUE(it != tensors.end()) << name;
+    EXPECT_EQ(it->second.sizes(), shape) << name;
+  }
+  expect_imports_as(dir, config, model);
+  for (auto [from, to, why] : {std::tuple<const char*, const char*, const char*>{
+                                   "\"lower_bound\": null", "\"lower_bound\": -5.0", "\"lower_bound\": -5: carry's kda gate"},
+                               {"\"num_v_heads\": null", "\"num_v_heads\": 4", "\"num_v_heads\": 4: carry's kda layer has no grouped"},
+                               {"\"allow_neg_eigval\": false", "\"allow_neg_eigval\": true", "\"allow_neg_eigval\": true: carry's kda beta"}}) {
+    std::string changed = json;
+    changed.replace(changed.find(from), std::strlen(from), to);
+    write(dir + "/config.json", changed);
+    std::string msg = message_of([&] { import_fla_folder(dir); });
+    EXPECT_NE(msg.find(why), std::string::npos) << msg;
+  }
+  remove_tree(dir);
+}
+
 TEST(FlaFormat, ImportsAFolderAsFlaWritesIt) {
   // An FLA-written folder: bf16 weights, no carry metadata, intermediate_size from hidden_ratio
   // (int(32 * 4 * 2/3) = 85, rounded up to 256), head_dim and expand_v.
@@ -340,7 +386,7 @@ TEST(FlaFormat, RefusesModelsThatDoNotMapWithTheReasons) {
   std::string h = errors_of(hybrid);
   EXPECT_NE(h.find("mix kinds (gated_deltanet, softmax_attn)"), std::string::npos) << h;
   EXPECT_NE(h.find("rotary position embeddings"), std::string::npos) << h;
-  EXPECT_NE(errors_of(small("hla2", 0, true)).find("Kinds carry exports to FLA: gated_deltanet, gated_deltaproduct, deltanet, gla"),
+  EXPECT_NE(errors_of(small("hla2", 0, true)).find("Kinds carry exports to FLA: gated_deltanet, gated_deltaproduct, deltanet, gla, rwkv7, kda"),
             std::string::npos);
   ModelConfig channel_mix = small("gated_deltanet", 4, true);
   channel_mix.set_feed_forward("rwkv7_channel_mix");
@@ -375,7 +421,7 @@ TEST(FlaFormat, RefusesModelsThatDoNotMapWithTheReasons) {
 TEST(FlaFormat, PresetsThatExport) {
   const std::string dir = std::string(CARRY_SOURCE_DIR) + "/configs/models/";
   for (const char* name : {"gated_deltanet_125m", "gated_deltanet_340m", "gla_125m", "gla_340m", "gated_deltaproduct_125m",
-                           "gated_deltaproduct_340m", "rwkv7_125m"})
+                           "gated_deltaproduct_340m", "rwkv7_125m", "kda_125m"})
     EXPECT_TRUE(fla_export_errors(load_model_config(dir + name + ".textproto")).empty()) << name;
   for (const char* name : {"mamba2_125m", "mamba2_340m", "hybrid_gdn_swa_125m", "hla_125m", "loglinear_gdn_125m"})
     EXPECT_FALSE(fla_export_errors(load_model_config(dir + name + ".textproto")).empty()) << name;
