@@ -421,7 +421,7 @@ TEST(FlaFormat, RefusesModelsThatDoNotMapWithTheReasons) {
 TEST(FlaFormat, PresetsThatExport) {
   const std::string dir = std::string(CARRY_SOURCE_DIR) + "/configs/models/";
   for (const char* name : {"gated_deltanet_125m", "gated_deltanet_340m", "gla_125m", "gla_340m", "gated_deltaproduct_125m",
-                           "gated_deltaproduct_340m", "rwkv7_125m", "kda_125m"})
+                           "gated_deltaproduct_340m", "rwkv7_125m", "rwkv7_340m", "kda_125m", "kda_340m"})
     EXPECT_TRUE(fla_export_errors(load_model_config(dir + name + ".textproto")).empty()) << name;
   for (const char* name : {"mamba2_125m", "mamba2_340m", "hybrid_gdn_swa_125m", "hla_125m", "loglinear_gdn_125m"})
     EXPECT_FALSE(fla_export_errors(load_model_config(dir + name + ".textproto")).empty()) << name;
