@@ -112,6 +112,13 @@ double parabola_at(const std::vector<double>& xs, const std::vector<double>& ys,
 
 }  // namespace
 
+double extrapolate_bytes(const std::vector<double>& xs, const std::vector<double>& ys, double length) {
+  TORCH_CHECK(xs.size() == 3 && ys.size() == 3 && xs[0] < xs[1] && xs[1] < xs[2],
+              "extrapolate_bytes: three measurements at ascending lengths expected");
+  const double line = ys[2] + (ys[2] - ys[1]) / (xs[2] - xs[1]) * (length - xs[2]);
+  return std::max({ys[2], line, parabola_at(xs, ys, length)});
+}
+
 double available_memory_bytes() {
   std::ifstream in("/proc/meminfo");
   std::string key;
@@ -210,7 +217,7 @@ MemoryEstimate estimate_memory(const RunConfig& config, std::FILE* progress) {
   auto extrapolate = [&](const std::vector<double>& ys) {
     if (ys.size() == 1) return ys[0];
     std::vector<double> xs(lengths.begin(), lengths.end());
-    return std::max(ys[2], parabola_at(xs, ys, static_cast<double>(m.slice_tokens)));
+    return extrapolate_bytes(xs, ys, static_cast<double>(m.slice_tokens));
   };
   at::manual_seed(0);
   std::vector<double> per_kind(small.n_layers(), 0), backward_of_kind(small.n_layers(), 0), core_of_kind(small.n_layers(), 0);

@@ -70,4 +70,10 @@ CpuAllocation measure_cpu_allocation(const std::function<void()>& f);
 // MemAvailable of /proc/meminfo in bytes, or -1 when unknown.
 double available_memory_bytes();
 
+// The bytes at `length` tokens from measurements ys at three lengths xs (ascending): the parabola through
+// them, but never below the line through the last two (memory grows at least linearly with the slice; a
+// parabola bent down by measurement noise would fall far below it hundreds of times past the points) nor
+// below the last measurement.
+double extrapolate_bytes(const std::vector<double>& xs, const std::vector<double>& ys, double length);
+
 }  // namespace carry

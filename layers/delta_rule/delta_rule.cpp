@@ -6,7 +6,8 @@
 // token on the left), dense. Forms: naive = the token recurrence; chunkwise = the WY/UT form of
 // Yang et al. (DeltaNet) with the gated extension of Gated DeltaNet: per chunk the pieces of
 // delta_rule_chunk (gate cumulative sums restart at every chunk), o = M·V + P·S_in and
-// S_out = A_chunk·S_in + B_chunk, the state carried chunk to chunk in order. summarize chains the same
+// S_out = A_chunk·S_in + B_chunk: the pieces of every chunk at once, the state carried chunk to chunk in
+// order. summarize chains the same
 // chunk transports in order. Everything runs in the input dtype promoted to at least fp32, so dense
 // transport chains and states are never formed below fp32.
 #include "layers/delta_rule/delta_rule.h"
@@ -189,13 +190,18 @@ class DeltaRule : public Mixer {
     check(in, opt, /*chunked=*/true);
     auto S = initial(in, init);
     auto c = chunks(in, opt);
-    std::vector<Tensor> outs;
-    for (int64_t n = 0; n < c.q.size(2); ++n) {
-      auto p = piece(c, n, opt);
-      outs.push_back(at::matmul(p.mixing, c.v.select(2, n)) + at::matmul(p.query_state, S));
-      S = at::matmul(p.transport, S) + p.state;
+    // Every chunk's pieces at once (they do not depend on the state), then the state chunk to chunk in
+    // order (one product and one sum a chunk), then every chunk's output at once.
+    const int64_t N = c.q.size(2);
+    DeltaChunkPieces p = pieces(c, opt);
+    std::vector<Tensor> incoming;
+    incoming.reserve(N);
+    for (int64_t n = 0; n < N; ++n) {
+      incoming.push_back(S);
+      S = at::matmul(p.transport.select(2, n), S) + p.state.select(2, n);
     }
-    return {from_bhtd(merge_chunks(at::stack(outs, 2))).to(in.q.scalar_type()), {S}};
+    Tensor o = at::matmul(p.mixing, c.v) + at::matmul(p.query_state, at::stack(incoming, 2));  // [B,H,N,C,dv]
+    return {from_bhtd(merge_chunks(o)).to(in.q.scalar_type()), {S}};
   }
 
   // transport {A} [B,H,dk,dk], state {B}: B is the slice run from the zero state, A the slice run from
@@ -296,16 +302,30 @@ class DeltaRule : public Mixer {
             gated_ ? split(in.g) : diag ? split(in.gk) : Tensor(),
             gate_ == Gate::dplr ? split(in.a) : Tensor(), gate_ == Gate::dplr ? split(in.b) : Tensor()};
   }
-  DeltaChunkPieces piece(const Chunks& c, int64_t n, const MixerOptions& opt) const {
-    if (gate_ == Gate::dplr)
-      return dplr_chunk(c.q.select(2, n), c.k.select(2, n), c.v.select(2, n), c.a.select(2, n), c.b.select(2, n),
-                        c.g.select(2, n), opt.scale_for(c.q.size(-1)));
-    if (gate_ == Gate::diag)
-      return kda_chunk(c.q.select(2, n), c.k.select(2, n), c.v.select(2, n), c.beta.select(2, n), c.g.select(2, n),
-                       opt.scale_for(c.q.size(-1)));
-    return delta_rule_chunk(c.q.select(2, n), c.k.select(2, n), c.v.select(2, n),
-                            c.beta.select(2, n), c.g.defined() ? c.g.select(2, n) : Tensor(),
-                            opt.scale_for(c.q.size(-1)));
+  // The pieces of every chunk, [B,H,N,·]: the chunk functions see the N chunks of a head as N more heads.
+  DeltaChunkPieces pieces(const Chunks& c, const MixerOptions& opt) const {
+    const int64_t H = c.q.size(1), N = c.q.size(2);
+    auto heads = [&](const Tensor& x) {  // [B,H,N,C,·] -> [B,H·N,C,·]
+      if (!x.defined()) return x;
+      auto s = x.sizes().vec();
+      s.erase(s.begin() + 1, s.begin() + 3);
+      s.insert(s.begin() + 1, H * N);
+      return x.reshape(s);
+    };
+    const double scale = opt.scale_for(c.q.size(-1));
+    DeltaChunkPieces p =
+        gate_ == Gate::dplr ? dplr_chunk(heads(c.q), heads(c.k), heads(c.v), heads(c.a), heads(c.b), heads(c.g), scale)
+        : gate_ == Gate::diag ? kda_chunk(heads(c.q), heads(c.k), heads(c.v), heads(c.beta), heads(c.g), scale)
+                              : delta_rule_chunk(heads(c.q), heads(c.k), heads(c.v), heads(c.beta), heads(c.g), scale);
+    auto chunked = [&](Tensor& x) {  // [B,H·N,·] -> [B,H,N,·]
+      if (!x.defined()) return;
+      auto s = x.sizes().vec();
+      s.erase(s.begin() + 1);
+      s.insert(s.begin() + 1, {H, N});
+      x = x.reshape(s);
+    };
+    for (Tensor* x : {&p.mixing, &p.query_state, &p.transport, &p.state, &p.value_state}) chunked(*x);
+    return p;
   }
 
   std::vector<int64_t> state_shape(const MixerInputs& in) const {

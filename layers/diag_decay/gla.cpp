@@ -7,6 +7,8 @@
 // used by this family.
 #include "layers/diag_decay/gla.h"
 
+#include "layers/diag_decay/decayed_pairs.h"
+
 #include "layers/layout.h"
 #include "layers/blocks/precision.h"
 #ifdef CARRY_WITH_CUDA
@@ -26,9 +28,6 @@ DiagDecayResult diag_decay_chunkwise(const Tensor& q_in, const Tensor& k_in, con
   auto k = split_chunks(to_bhtd(k_in), C);
   auto v = split_chunks(to_bhtd(v_in), C);          // [B,H,N,C,dv]
   auto gk = split_chunks(to_bhtd(gk_in), C);
-  // [C(t), C(s), 1]: true where s > t (outside the causal mixing).
-  auto future = causal_mask(C, false, q.options()).logical_not().unsqueeze(-1);
-  const double neg_inf = -std::numeric_limits<double>::infinity();
 
   Tensor S = initial_state;
   Tensor transport;
@@ -36,9 +35,8 @@ DiagDecayResult diag_decay_chunkwise(const Tensor& q_in, const Tensor& k_in, con
   for (int64_t n = 0; n < q.size(2); ++n) {
     auto qc = q.select(2, n), kc = k.select(2, n), vc = v.select(2, n);  // [B,H,C,D]
     auto G = gk.select(2, n).cumsum(-2);                                // restarts every chunk
-    // Intra-chunk: A[t,s] = Σ_d q_td k_sd exp(G_td − G_sd), s ≤ t; the difference is masked first.
-    auto diff = (G.unsqueeze(-2) - G.unsqueeze(-3)).masked_fill(future, neg_inf);
-    auto att = (qc.unsqueeze(-2) * kc.unsqueeze(-3) * diff.exp()).sum(-1);  // [B,H,C,C]
+    // Intra-chunk: A[t,s] = Σ_d q_td k_sd exp(G_td − G_sd), s ≤ t (layers/diag_decay/decayed_pairs.h).
+    auto att = decayed_pairs(qc, G, kc, G, /*strict=*/false);  // [B,H,C,C]
     // Inter-chunk: the incoming state decayed to each position.
     outs.push_back(at::matmul(att, vc) + at::matmul(qc * G.exp(), S));
     auto G_last = G.select(-2, C - 1);  // [B,H,dk]

@@ -17,8 +17,8 @@ struct DiagDecayResult {
 // The chunkwise form of the diagonal-decay recurrence S_t = diag(exp(gk_t)) S_{t-1} + k_t v_tᵀ,
 // o_t = scale · q_tᵀ S_t, from `initial_state` S [B,H,dk,dv]. Inputs [B,T,H,·], T a multiple of
 // chunk_size (the caller checks). Chunk by chunk, in order: cumulative gates G restart per chunk; the
-// intra-chunk C×C mixing Σ_d q_td k_sd exp(G_td − G_sd) is built through a [C,C,dk] tensor of gate
-// differences masked to s ≤ t before exp (every factor ≤ 1, no overflow for any decay); the state
+// intra-chunk C×C mixing Σ_d q_td k_sd exp(G_td − G_sd) on s ≤ t is decayed_pairs' (pairwise inside
+// 8-token blocks, matrix products across them; every factor ≤ 1, no overflow for any decay); the state
 // enters as (q ⊙ exp(G)) S and leaves as exp(G_C) ⊙ S + (k ⊙ exp(G_C − G))ᵀ V.
 DiagDecayResult diag_decay_chunkwise(const Tensor& q, const Tensor& k, const Tensor& v,
                                      const Tensor& gk, const Tensor& initial_state,

@@ -1,9 +1,8 @@
 // KDA's chunk in closed form (kda.h states it).
 #include "layers/kda/kda.h"
 
+#include "layers/diag_decay/decayed_pairs.h"
 #include "layers/layout.h"
-
-#include <limits>
 
 namespace carry {
 
@@ -19,12 +18,9 @@ DeltaChunkPieces kda_chunk(const Tensor& q, const Tensor& k, const Tensor& v, co
               "], got ", shape_str(beta.sizes()));
   const auto opt = q.options();
   Tensor G = gk.cumsum(2);                                                            // [B,H,C,dk]
-  // E[t,s,d] = e^{G_td − G_sd} for s ≤ t, 0 above the diagonal (−inf before the exp: no inf, no NaN).
-  auto above = causal_mask(C, /*strict=*/false, opt).logical_not().unsqueeze(-1);      // [C,C,1]
-  auto E = (G.unsqueeze(3) - G.unsqueeze(2)).masked_fill(above, -std::numeric_limits<double>::infinity()).exp();
-  auto pairs = [&](const Tensor& x) { return (x.unsqueeze(3) * k.unsqueeze(2) * E).sum(-1); };  // [B,H,C,C]
-  Tensor QA = pairs(q) * scale;
-  Tensor KA = pairs(k).tril(-1);
+  // Σ_d x_td k_sd e^{G_td − G_sd} on s ≤ t (s < t for KA): layers/diag_decay/decayed_pairs.h.
+  Tensor QA = decayed_pairs(q, G, k, G, /*strict=*/false) * scale;
+  Tensor KA = decayed_pairs(k, G, k, G, /*strict=*/true);
   auto eye_c = at::eye(C, opt);
   auto L = KA * beta.unsqueeze(-1);
   auto T = at::linalg_solve_triangular(eye_c + L, eye_c.expand_as(L), /*upper=*/false, /*left=*/true,

@@ -1,9 +1,8 @@
 // The diagonal-plus-rank-one chunk in closed form (rwkv7.h states it).
 #include "layers/rwkv7/rwkv7.h"
 
+#include "layers/diag_decay/decayed_pairs.h"
 #include "layers/layout.h"
-
-#include <limits>
 
 namespace carry {
 
@@ -18,20 +17,13 @@ DeltaChunkPieces dplr_chunk(const Tensor& q, const Tensor& k, const Tensor& v, c
   TORCH_CHECK(v.dim() == 4 && v.size(0) == B && v.size(1) == H && v.size(2) == C,
               "dplr_chunk: v must be [", B, ", ", H, ", ", C, ", dv], got ", shape_str(v.sizes()));
   const auto opt = q.options();
-  const double inf = std::numeric_limits<double>::infinity();
   Tensor G = gk.cumsum(2);  // through t            [B,H,C,dk]
   Tensor Gm = G - gk;       // through t − 1
-  // Pairwise decays e^{X_td − G_sd} on the kept pairs (−inf elsewhere before the exp: no inf, no NaN).
-  auto decays = [&](const Tensor& X, bool strict) {
-    auto drop = causal_mask(C, strict, opt).logical_not().unsqueeze(-1);  // [C,C,1]
-    return (X.unsqueeze(3) - G.unsqueeze(2)).masked_fill(drop, -inf).exp();  // [B,H,C,C,dk]
-  };
-  Tensor Eq = decays(G, /*strict=*/false), Ea = decays(Gm, /*strict=*/true);
-  auto pairs = [](const Tensor& x, const Tensor& y, const Tensor& E) {  // Σ_d x_td y_sd E[t,s,d]
-    return (x.unsqueeze(3) * y.unsqueeze(2) * E).sum(-1);
-  };
-  Tensor AB = pairs(a, b, Ea), AK = pairs(a, k, Ea);
-  Tensor QB = pairs(q, b, Eq) * scale, QK = pairs(q, k, Eq) * scale;
+  // Σ_d x_td y_sd e^{X_td − G_sd} on the kept pairs: layers/diag_decay/decayed_pairs.h.
+  auto from_a = decayed_pairs(a, Gm, {b, k}, G, /*strict=*/true);
+  auto from_q = decayed_pairs(q, G, {b, k}, G, /*strict=*/false);
+  Tensor AB = from_a[0], AK = from_a[1];
+  Tensor QB = from_q[0] * scale, QK = from_q[1] * scale;
   auto eye_c = at::eye(C, opt);
   Tensor T = at::linalg_solve_triangular(eye_c - AB, eye_c.expand_as(AB), /*upper=*/false, /*left=*/true,
                                          /*unitriangular=*/true);

@@ -173,3 +173,45 @@ TEST(MemoryEstimate, ExtrapolationMatchesADirectMeasurement) {
 
 }  // namespace
 }  // namespace carry
+
+namespace carry {
+namespace {
+
+// Three measurements of a linear layer, the middle one 0.4 MiB high (allocator rounding, bf16 casts): the
+// parabola through them bends down and at 131072 tokens (341 times the last length) would be negative;
+// the estimate stays on the line. A quadratic cost still extrapolates as its parabola.
+TEST(MemoryEstimate, NearlyCollinearPointsExtrapolateOnTheLine) {
+  const double MiB = 1024.0 * 1024;
+  const std::vector<double> xs = {128, 256, 384};
+  const double line = 170.7 * MiB + 52.2 * MiB / 128 * (131072 - 384);
+  EXPECT_NEAR(extrapolate_bytes(xs, {65.9 * MiB, 118.5 * MiB, 170.7 * MiB}, 131072), line, 1e-9 * line);
+  // y = t²: the parabola itself.
+  EXPECT_NEAR(extrapolate_bytes(xs, {128.0 * 128, 256.0 * 256, 384.0 * 384}, 4096), 4096.0 * 4096, 1e-3);
+}
+
+// Far past the measured lengths (32 times the last) a layer whose cost is linear stays on its line:
+// KDA and RWKV-7 layers at 8192 tokens against a direct measurement (three nearly collinear points
+// must not give a parabola bent below the line).
+TEST(MemoryEstimate, LinearLayersExtrapolateFarOnTheirLine) {
+  OneCpuThread one_thread;
+  for (const char* kind : {"kda", "rwkv7"}) {
+    auto cfg = run_config_from_text(std::string(R"(
+name: "memory"
+model { vocab_size: 96 d_model: 32 n_layers: 1 n_heads: 2 head_dim_k: 16 head_dim_v: 16 mixers: ")") + kind +
+                                    R"(" mixer_options { chunk_size: 32 } }
+data { mqar { num_kv_pairs: 4 num_queries: 4 vocab_size: 96 } seq_len: 8192 batch_size: 1 }
+)", "memory.textproto");
+    auto m = estimate_memory(cfg);
+    ASSERT_EQ(m.measured_at.size(), 3u);
+    Model full = build_model(cfg.model(), cfg.seed());
+    const double direct = block_bytes(full, 0, 1, 8192);
+    const double rel = std::abs(m.layers[0].kept_bytes - direct) / direct;
+    std::printf("[ errors   ] memory estimate, %s layer at T=8192 (measured at %ld..%ld): %.3g (%.0f vs %.0f bytes)\n", kind,
+                static_cast<long>(m.measured_at.front()), static_cast<long>(m.measured_at.back()), rel,
+                m.layers[0].kept_bytes, direct);
+    EXPECT_LT(rel, 0.05) << kind;
+  }
+}
+
+}  // namespace
+}  // namespace carry
