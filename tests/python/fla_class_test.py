@@ -1,19 +1,21 @@
 """carry's exported models in flash-linear-attention's own classes, on the CPU: a small model of each kind that
-exports to FLA (Gated DeltaNet with grouped value heads, DeltaNet, GLA, Gated DeltaProduct, KDA) is trained by
+exports to FLA (Gated DeltaNet with grouped value heads, DeltaNet, GLA, Gated DeltaProduct, KDA, and RWKV-7
+with its channel mix, LayerNorms and pre-norm) is trained by
 `carry train`, written by `carry export`, loaded strictly into FLA 0.6.0's model class (`from_pretrained`'s
 config, `load_state_dict(strict=True)`), and FLA's model gives the logits `carry eval --dump-logits` gives
 for the same tokens (fp32). FLA's layers, blocks and model wiring run as FLA wrote them; what FLA computes
 with Triton kernels (which need a GPU) is replaced by FLA's own references: its token recurrences
 (`naive_recurrent_gated_delta_rule`, `delta_rule_recurrence`, `naive_recurrent_gla`,
-`naive_recurrent_kda`, `naive_recurrent_gated_delta_product`) with the in-kernel options applied as FLA's
-kernels apply them (`naive_gdn_gate`, `naive_kda_gate`), and plain torch for the short convolution, the
-RMS norms and the SwiGLU MLP. Skipped where `fla` does not import (launcher/python_env installs it).
+`naive_recurrent_kda`, `naive_recurrent_gated_delta_product`, `dplr_recurrence`) with the in-kernel options
+applied as FLA's kernels apply them (`naive_gdn_gate`, `naive_kda_gate`), RWKV-7's references
+(`torch_addcmul_rwkv7`, `k_update_ref`, `gate_output_correction_ref`), and plain torch for the short
+convolution, the token shift, the RMS norms, the SwiGLU MLP and the squared ReLU. Skipped where `fla` does not import (launcher/python_env installs it).
 Needs --carry-binary."""
 import pytest
 import torch
 import torch.nn.functional as F
 
-from load_test import RUN, _run, _write_tokens
+from load_test import RUN, RWKV7, _run, _write_tokens
 
 fla = pytest.importorskip("fla", reason="flash-linear-attention is not installed (launcher/python_env installs it)")
 
@@ -79,6 +81,20 @@ def _gated_delta_product(q, k, v, g, beta, num_householder, scale=None, initial_
                                                num_householder=num_householder)
 
 
+def _rwkv7(r, w, k, v, a, b, scale=1.0, initial_state=None, output_final_state=False, **kw):
+    from fla.ops.generalized_delta_rule.dplr.naive import dplr_recurrence
+    K = r.shape[-1]  # dplr_recurrence reads q·K^-1/2: q·K^1/2·scale in, q·scale read (powers of two here)
+    t = [x.transpose(1, 2) for x in (r * (K ** 0.5 * scale), k, v, a, b, w)]
+    o, s = dplr_recurrence(*t, initial_state=initial_state, output_final_state=output_final_state)
+    return o.transpose(1, 2), s
+
+
+def _token_shift(x, cu_seqlens=None, cache=None, output_cache=False, **kw):
+    assert cu_seqlens is None and cache is None
+    delta = F.pad(x, (0, 0, 1, -1)) - x
+    return (delta, x[:, -1:]) if output_cache else delta
+
+
 def _rms(x, weight, eps):
     return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
 
@@ -91,6 +107,12 @@ def fla_on_cpu(monkeypatch):
     import fla.layers.gated_deltaproduct as gdp
     import fla.layers.gla as gla
     import fla.layers.kda as kda
+    import fla.layers.rwkv7 as rwkv7
+    import fla.models.rwkv7.modeling_rwkv7 as rwkv7_model
+    from fla.modules.activations import ACT2FN
+    from fla.ops.rwkv7.fused_addcmul import torch_addcmul_rwkv7
+    from fla.ops.rwkv7.fused_k_update import k_update_ref
+    from fla.ops.rwkv7.gate_output_correction import gate_output_correction_ref
     from fla.modules import FusedRMSNormGated, GatedMLP, RMSNorm, ShortConvolution
 
     for module, names, fn in ((gdn, ("chunk_gated_delta_rule", "fused_recurrent_gated_delta_rule"), _gated_delta_rule),
@@ -98,7 +120,12 @@ def fla_on_cpu(monkeypatch):
                               (gla, ("chunk_gla", "fused_recurrent_gla", "fused_chunk_gla"), _gla),
                               (kda, ("chunk_kda", "fused_recurrent_kda"), _kda),
                               (gdp, ("chunk_gated_delta_product",), _gated_delta_product),
-                              (gdp, ("fused_recurrent_gated_delta_rule",), _gated_delta_rule)):
+                              (gdp, ("fused_recurrent_gated_delta_rule",), _gated_delta_rule),
+                              (rwkv7, ("chunk_rwkv7",), _rwkv7), (rwkv7, ("token_shift",), _token_shift),
+                              (rwkv7_model, ("token_shift",), _token_shift),
+                              (rwkv7, ("fused_addcmul_rwkv7",), torch_addcmul_rwkv7),
+                              (rwkv7, ("fused_k_rwkv7",), lambda k, a, ka, **kw: k_update_ref(k, a, ka)),
+                              (rwkv7, ("gate_output_correction",), gate_output_correction_ref)):
         for name in names:
             monkeypatch.setattr(module, name, fn)
 
@@ -118,6 +145,7 @@ def fla_on_cpu(monkeypatch):
         y = _rms(x, self.weight, self.eps)
         return (y, x) if prenorm else y
 
+    monkeypatch.setitem(ACT2FN, "sqrelu", lambda x: F.relu(x).square())
     monkeypatch.setattr(ShortConvolution, "forward", conv)
     monkeypatch.setattr(FusedRMSNormGated, "forward", gated_norm)
     monkeypatch.setattr(RMSNorm, "forward", norm)
@@ -130,7 +158,9 @@ def fla_on_cpu(monkeypatch):
                                                      ("gated_deltaproduct", 4, "false", 32,
                                                       "mixer_options { chunk_size: 16 conv_size: 4 num_householder: 2 }"),
                                                      ("kda", 4, "false", 24, ""),
-                                                     ("kda", 0, "true", 16, "")])
+                                                     ("kda", 0, "true", 16, ""),
+                                                     ("rwkv7", 0, "false", 16, RWKV7),
+                                                     ("rwkv7", 0, "true", 16, RWKV7.replace("true", "false"))])
 def test_fla_class_gives_carry_eval_logits(carry_binary, tmp_path, fla_on_cpu, kind, conv, tie, dv, extra):
     import json
 
