@@ -68,6 +68,15 @@ def _short_conv(x, w):  # causal depthwise, then silu; x [B, T, C], w [C, 1, K]
     return F.silu(y.transpose(1, 2))
 
 
+def _project_qkv(layer, x):
+    """q, k, v of a layer with q_proj, k_proj, v_proj: through the short convolutions (then silu) when the
+    layer has them (layer.conv), else silu."""
+    q, k, v = layer.q_proj(x), layer.k_proj(x), layer.v_proj(x)
+    if layer.conv:
+        return tuple(_short_conv(t, w) for t, w in ((q, layer.q_conv1d), (k, layer.k_conv1d), (v, layer.v_conv1d)))
+    return F.silu(q), F.silu(k), F.silu(v)
+
+
 class _DeltaLayer(nn.Module):
     """FLA's GatedDeltaNet / DeltaNet / GatedDeltaProduct layer as carry computes it (layers/blocks/mixer_layer.h).
     n > 1 (GatedDeltaProduct): the key, value and beta projections give n rows a token (token t's step j at
@@ -95,11 +104,7 @@ class _DeltaLayer(nn.Module):
 
     def forward(self, x):
         B, T, _ = x.shape
-        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
-        if self.conv:
-            q, k, v = (_short_conv(t, w) for t, w in ((q, self.q_conv1d), (k, self.k_conv1d), (v, self.v_conv1d)))
-        else:
-            q, k, v = F.silu(q), F.silu(k), F.silu(v)
+        q, k, v = _project_qkv(self, x)
         n = self.n
         q, k = q.reshape(B, T, self.H, self.dk), k.reshape(B, T * n, self.H, self.dk)
         v = v.reshape(B, T * n, self.Hv, self.dv)
@@ -145,12 +150,7 @@ class _KdaLayer(nn.Module):
 
     def forward(self, x):
         B, T, _ = x.shape
-        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
-        if self.conv:
-            q, k, v = (_short_conv(t, w)
-                       for t, w in ((q, self.q_conv1d), (k, self.k_conv1d), (v, self.v_conv1d)))
-        else:
-            q, k, v = F.silu(q), F.silu(k), F.silu(v)
+        q, k, v = _project_qkv(self, x)
         q, k = q.reshape(B, T, self.H, self.dk), k.reshape(B, T, self.H, self.dk)
         v = v.reshape(B, T, self.H, self.dv)
         g = self.f_proj(x).view(B, T, self.H, self.dk)

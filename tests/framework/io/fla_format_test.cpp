@@ -22,6 +22,7 @@
 #include <sstream>
 #include <string>
 #include <tuple>
+#include <utility>
 
 #include <sys/stat.h>
 #include <unistd.h>
@@ -67,6 +68,13 @@ std::string message_of(const std::function<void()>& f) {
     return e.what();
   }
   return "(no error)";
+}
+
+// `model` of `config` exported into a new temporary folder: the folder and its config.json.
+std::pair<std::string, std::string> export_to_temp(const ModelConfig& config, const Model& model, const char* name) {
+  auto dir = make_temp_dir(name);
+  export_fla_folder(dir, config, model.parameters(), {});
+  return {dir, read(dir + "/config.json")};
 }
 
 // The folder `dir` imports back as `config` with `model`'s weights, name for name and bit for bit.
@@ -120,9 +128,8 @@ TEST(FlaFormat, GroupedValueHeadsRoundTrip) {
   ModelConfig config = small("gated_deltanet", 4, false);
   config.set_n_v_heads(4);
   Model model = build_model(config, 9);
-  auto dir = make_temp_dir("carry_fla_gva");
-  export_fla_folder(dir, config, model.parameters(), {});
-  std::string json = read(dir + "/config.json");
+  std::string dir, json;
+  std::tie(dir, json) = export_to_temp(config, model, "carry_fla_gva");
   EXPECT_NE(json.find("\"num_v_heads\": 4"), std::string::npos) << json;
   auto tensors = load_safetensors(dir + "/model.safetensors", nullptr);
   EXPECT_EQ(tensors["model.layers.0.attn.q_proj.weight"].sizes(), (std::vector<int64_t>{32, 32}));
@@ -183,9 +190,8 @@ TEST(FlaFormat, GatedDeltaProductRoundTrip) {
   ModelConfig config = small("gated_deltaproduct", 4, false);
   config.mutable_mixer_options(0)->set_num_householder(3);
   Model model = build_model(config, 5);
-  auto dir = make_temp_dir("carry_fla_gdp");
-  export_fla_folder(dir, config, model.parameters(), {});
-  std::string json = read(dir + "/config.json");
+  std::string dir, json;
+  std::tie(dir, json) = export_to_temp(config, model, "carry_fla_gdp");
   for (const char* want : {"\"model_type\": \"gated_deltaproduct\"", "\"GatedDeltaProductForCausalLM\"",
                            "\"num_householder\": 3", "\"use_forget_gate\": true", "\"allow_neg_eigval\": true",
                            "\"head_dim\": 16"})
@@ -211,9 +217,8 @@ TEST(FlaFormat, KdaRoundTrip) {
   ModelConfig config = small("kda", 4, false);
   config.set_head_dim_v(24);
   Model model = build_model(config, 6);
-  auto dir = make_temp_dir("carry_fla_kda");
-  export_fla_folder(dir, config, model.parameters(), {});
-  std::string json = read(dir + "/config.json");
+  std::string dir, json;
+  std::tie(dir, json) = export_to_temp(config, model, "carry_fla_kda");
   for (const char* want : {"\"model_type\": \"kda\"", "\"KDAForCausalLM\"", "\"head_dim\": 16", "\"expand_v\": 1.5",
                            "\"num_v_heads\": null", "\"allow_neg_eigval\": false", "\"lower_bound\": null",
                            "\"conv_size\": 4"})
