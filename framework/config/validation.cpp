@@ -94,6 +94,14 @@ std::set<std::string> kinds_where(bool LayerKind::*flag) {
   return out;
 }
 
+// The kinds whose decay is `d`.
+std::set<std::string> kinds_with_decay(Decay d) {
+  std::set<std::string> out;
+  for (auto& n : layer_kind_names())
+    if (layer_kind(n).decay == d) out.insert(n);
+  return out;
+}
+
 bool is_known_kind(const std::string& kind) { return find_layer_kind(kind) != nullptr; }
 
 
@@ -542,6 +550,9 @@ void check_model(const ModelConfig& m, const std::string& p, Errors& e) {
     if (o.has_num_householder() && (o.num_householder() < 1 || o.num_householder() > kMaxNumHouseholder))
       e.add(q + ".num_householder", "must lie in [1, ", kMaxNumHouseholder, "], got ", o.num_householder());
     only_for(o.has_num_householder(), "num_householder", kinds_where(&LayerKind::householder));
+    if (o.has_lower_bound() && std::isfinite(o.lower_bound()) && !(o.lower_bound() <= 0 && o.lower_bound() >= -1e3))
+      e.add(q + ".lower_bound", "must lie in [-1000, 0] (0 = the softplus gate), got ", o.lower_bound());
+    only_for(o.has_lower_bound(), "lower_bound", kinds_with_decay(Decay::kda));
     for (auto [name, has, width] : {std::tuple<const char*, bool, int64_t>{"decay_low_rank_dim", o.has_decay_low_rank_dim(), o.decay_low_rank_dim()},
                                     {"a_low_rank_dim", o.has_a_low_rank_dim(), o.a_low_rank_dim()},
                                     {"v_low_rank_dim", o.has_v_low_rank_dim(), o.v_low_rank_dim()},

@@ -318,13 +318,14 @@ std::string fla_config_json(const ModelConfig& model, int64_t eos_token_id) {
     j.member("allow_neg_eigval", true);
     j.member("num_householder", lm.options.num_householder());
   }
-  if (kind == "kda") {  // sigmoid betas in (0, 1), FLA's exponential gate (no lower bound)
+  if (kind == "kda") {  // sigmoid betas in (0, 1); the softplus gate, or the bounded one with lower_bound
     j.member("head_dim", dk);
     j.key("expand_v").float_value(static_cast<double>(dv) / static_cast<double>(dk));
     j.key("num_v_heads").null();
     j.member("allow_neg_eigval", false);
     j.member("safe_gate", false);
-    j.key("lower_bound").null();
+    if (lm.options.lower_bound() < 0) j.key("lower_bound").float_value(lm.options.lower_bound());
+    else j.key("lower_bound").null();
   }
   if (kind == "gated_deltanet") {
     j.member("head_dim", dk);
@@ -682,6 +683,7 @@ ModelConfig model_from_config_json(const JsonConfig& c, const FlaKind& fk) {
   const int64_t H = c.required_integer("num_heads");
   if (d <= 0 || L <= 0 || H <= 0) throw ConfigError(c.path() + ": hidden_size, num_hidden_layers and num_heads must be positive");
   int64_t dk = 0, dv = 0, Hv = H, householder = 0;
+  double lower_bound = 0;
   expect_null("attn", "carry imports no softmax attention layers from FLA (they apply rotary positions)");
   expect_null("attnres_block_size", "attention residuals are not part of carry's model");
   if (c.string("hidden_act", "swish") != "swish")
@@ -702,9 +704,10 @@ ModelConfig model_from_config_json(const JsonConfig& c, const FlaKind& fk) {
     if (c.has("num_v_heads") && c.integer("num_v_heads", H) != H)
       c.refuse("num_v_heads", value_text(c, "num_v_heads"), "carry's kda layer has no grouped value heads");
     expect_bool("allow_neg_eigval", false, false, "carry's kda beta is sigmoid(W x) in (0, 1)");
-    expect_null("lower_bound", "carry's kda gate is -exp(A_log)·softplus(f + dt_bias), unclamped (FLA's "
-                "lower_bound replaces it with a bounded sigmoid gate)");
-    expect_bool("safe_gate", false, false, "safe_gate needs lower_bound, which carry's kda gate does not have");
+    // safe_gate changes only FLA's kernels (and its A_log initialization): the math is the lower_bound's.
+    lower_bound = c.number("lower_bound", 0);
+    if (!(lower_bound < 0 && lower_bound >= -1e3) && c.has("lower_bound"))
+      c.refuse("lower_bound", value_text(c, "lower_bound"), "carry's kda takes a lower bound in [-1000, 0)");
   } else if (kind == "gated_deltanet") {
     dk = c.integer("head_dim", 256);
     double expand_v = c.number("expand_v", 2.0);
@@ -776,6 +779,7 @@ ModelConfig model_from_config_json(const JsonConfig& c, const FlaKind& fk) {
   o->set_chunk_size(64);
   o->set_conv_size(conv_size);
   if (householder > 0) o->set_num_householder(householder);
+  if (lower_bound < 0) o->set_lower_bound(lower_bound);
   if (mlp_hidden_size(m) != inter)
     throw ConfigError(c.path() + ": the MLP width " + std::to_string(inter) + " does not come out of mlp_ratio " +
                       json_number(m.mlp_ratio()) + " (carry rounds mlp_ratio * d_model up to a multiple of 64)");

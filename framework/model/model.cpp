@@ -55,6 +55,7 @@ MixerLayerSpec mixer_layer_spec(const ModelConfig& model, int64_t layer) {
   s.normalize = lm.options.normalize();
   s.levels = lm.options.levels();
   s.num_householder = lm.options.num_householder();
+  s.lower_bound = lm.options.lower_bound();
   s.feature_map = lm.options.feature_map();
   s.num_features = lm.options.num_features();
   s.feature_seed = static_cast<uint64_t>(lm.options.feature_seed());

@@ -433,7 +433,8 @@ MixerLayer::Projected MixerLayer::project(const Tensor& x, const MixerLayerConte
     case Decay::kda: {  // in fp32 at least: the chunk sums gk
       const auto dt = at::promote_types(x.scalar_type(), at::kFloat);
       auto f = at::linear(at::linear(x, gk_proj0_), gk_proj1_).to(dt) + dt_bias_.to(dt);  // [B,T,H·dk]
-      in.gk = (-at::exp(A_log_.to(dt)).repeat_interleave(dk) * at::softplus(f)).view({B, T, H, dk});
+      const Tensor A = at::exp(A_log_.to(dt)).repeat_interleave(dk);
+      in.gk = (spec_.lower_bound < 0 ? spec_.lower_bound * at::sigmoid(A * f) : -A * at::softplus(f)).view({B, T, H, dk});
       break;
     }
     case Decay::gla:

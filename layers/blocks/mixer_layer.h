@@ -80,6 +80,7 @@ struct MixerLayerSpec {
   bool normalize = false;
   int64_t levels = 0;     // log-linear: level weights (0 = as many as the sequence needs)
   int64_t num_householder = 2;  // gated_deltaproduct: keys, values and betas a token (n_h)
+  double lower_bound = 0;       // kda: < 0 for the bounded gate lower_bound·σ(e^{A_log}(W x + dt_bias))
   std::string feature_map = "elu";  // linear_attn: "elu" (elu + 1) or "performer"
   int64_t num_features = 128;       // performer: random features m (the family's dk)
   uint64_t feature_seed = 0;        // performer: with `layer`, the seed of the random features

@@ -127,12 +127,12 @@ class _DeltaLayer(nn.Module):
 class _KdaLayer(nn.Module):
     """FLA's KimiDeltaAttention layer as carry's `kda` kind computes it: short convolutions (or silu) on q, k, v,
     L2-normalized q and k, beta = sigmoid(b_proj x), the gate g = −exp(A_log)·softplus(f_proj x + dt_bias) per key
-    dimension (f_proj of rank dv), the output RMS-normed and gated by sigmoid(g_proj x) (g_proj of rank dv, with
-    a bias)."""
+    dimension (f_proj of rank dv; with lower_bound, FLA's bounded gate lower_bound·sigmoid(exp(A_log)·(f_proj x +
+    dt_bias))), the output RMS-normed and gated by sigmoid(g_proj x) (g_proj of rank dv, with a bias)."""
 
-    def __init__(self, d, H, dk, dv, conv, eps):
+    def __init__(self, d, H, dk, dv, conv, eps, lower_bound=None):
         super().__init__()
-        self.H, self.dk, self.dv, self.eps, self.conv = H, dk, dv, eps, conv
+        self.H, self.dk, self.dv, self.eps, self.conv, self.lower_bound = H, dk, dv, eps, conv, lower_bound
         self.q_proj = nn.Linear(d, H * dk, bias=False)
         self.k_proj = nn.Linear(d, H * dk, bias=False)
         self.v_proj = nn.Linear(d, H * dv, bias=False)
@@ -155,7 +155,8 @@ class _KdaLayer(nn.Module):
         v = v.reshape(B, T, self.H, self.dv)
         g = self.f_proj(x).view(B, T, self.H, self.dk)
         o, _ = ops.chunk_kda(q, k, v, g, self.b_proj(x), use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
-                             use_beta_sigmoid_in_kernel=True, A_log=self.A_log, dt_bias=self.dt_bias)
+                             use_beta_sigmoid_in_kernel=True, A_log=self.A_log, dt_bias=self.dt_bias,
+                             lower_bound=self.lower_bound)
         z = self.g_proj(x).view(B, T, self.H, self.dv)
         o = _rms_norm(o.to(x.dtype), self.o_norm, self.eps) * torch.sigmoid(z)
         return self.o_proj(o.reshape(B, T, self.H * self.dv))
@@ -374,7 +375,7 @@ class CarryModel(nn.Module):
             if kind == "gla":
                 return _GlaLayer(d, H, dk, dv, eps)
             if kind == "kda":
-                return _KdaLayer(d, H, dk, dv, conv, eps)
+                return _KdaLayer(d, H, dk, dv, conv, eps, config.get("lower_bound"))
             return _DeltaLayer(d, H, Hv, dk, dv, conv, eps, kind != "delta_net", n)
         self.layers = nn.ModuleList([_Block(d, inter, eps, mixer()) for _ in range(L)])
         self.norm = nn.Parameter(torch.ones(d))
@@ -432,10 +433,11 @@ class CarryModel(nn.Module):
     @staticmethod
     def _check_kda(config, H):
         """The KDA settings carry's `kda` kind computes; any other is refused by name."""
-        want = {"allow_neg_eigval": False, "lower_bound": None, "safe_gate": False}
-        for key, value in want.items():
-            if config.get(key, value) != value:
-                _fail(f"config.json: {key} is {config[key]!r}; carry's kda layer computes {key} = {value!r}")
+        if config.get("allow_neg_eigval", False):
+            _fail("config.json: allow_neg_eigval is True; carry's kda layer computes allow_neg_eigval = False")
+        lb = config.get("lower_bound")
+        if lb is not None and not (isinstance(lb, (int, float)) and -1e3 <= lb < 0):
+            _fail(f"config.json: lower_bound is {lb!r}; carry's kda layer takes a lower bound in [-1000, 0) or none")
         if config.get("num_v_heads") not in (None, H):
             _fail(f"config.json: num_v_heads is {config['num_v_heads']!r}; carry's kda layer has no grouped value heads")
 

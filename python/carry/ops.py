@@ -353,16 +353,15 @@ def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_sta
     q, k [B, T, H, K]; v [B, T, HV, V] (HV a multiple of H: grouped value heads); g [B, T, HV, K]; beta
     [B, T, HV]; initial_state [N, HV, K, V]. As FLA: `use_qk_l2norm_in_kernel`, `use_beta_sigmoid_in_kernel`
     (doubled with `allow_neg_eigval`), and `use_gate_in_kernel` with `A_log` [HV] and optional `dt_bias`
-    [HV·K] (g = −exp(A_log)·softplus(g + dt_bias)). `safe_gate` and `disable_recompute` change nothing here.
+    [HV·K] (g = −exp(A_log)·softplus(g + dt_bias); with `lower_bound`, FLA's bounded gate
+    lower_bound·sigmoid(exp(A_log)·(g + dt_bias)), A_log optional). `safe_gate` and `disable_recompute` change
+    nothing here.
     """
     fn = "chunk_kda"
     _check_kwargs(fn, dict(kwargs, cp_context=cp_context), ("chunk_size", "A_log", "dt_bias"))
     for name, on in (("return_intermediate_states", return_intermediate_states), ("use_graph", use_graph)):
         if on:
             _fail(fn, f"{name} is not supported (FLA's inference and CUDA-graph paths)", NotImplementedError)
-    if use_gate_in_kernel and lower_bound is not None:
-        _fail(fn, "use_gate_in_kernel with lower_bound (FLA's sigmoid gate) is not supported; pass the gate "
-                  "computed, or use_gate_in_kernel without lower_bound", NotImplementedError)
     for name, x in (("q", q), ("k", k), ("v", v), ("g", g)):
         _check_4d(fn, name, x)
     if q.shape != k.shape:
@@ -378,10 +377,15 @@ def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_sta
     if allow_neg_eigval and not use_beta_sigmoid_in_kernel:
         _fail(fn, "allow_neg_eigval=True requires use_beta_sigmoid_in_kernel=True")
     if use_gate_in_kernel:
-        if kwargs.get("A_log") is None:
-            _fail(fn, "A_log must be provided when use_gate_in_kernel=True")
-        dt_bias = kwargs.get("dt_bias")
-        g = _gdn_gate(g, kwargs["A_log"].view(HV, 1), None if dt_bias is None else dt_bias.view(HV, K))
+        A_log, dt_bias = kwargs.get("A_log"), kwargs.get("dt_bias")
+        if A_log is None and lower_bound is None:
+            _fail(fn, "A_log must be provided when use_gate_in_kernel=True and lower_bound is not set")
+        dt_bias = None if dt_bias is None else dt_bias.view(HV, K)
+        if lower_bound is None:
+            g = _gdn_gate(g, A_log.view(HV, 1), dt_bias)
+        else:  # FLA's bounded gate: lower_bound·sigmoid(exp(A_log)·(g + dt_bias)), in [lower_bound, 0)
+            x = _wide(g) if dt_bias is None else _wide(g) + _wide(dt_bias)
+            g = lower_bound * torch.sigmoid(x if A_log is None else _wide(A_log).view(HV, 1).exp() * x)
     _check_lower_bound(fn, "g", g, lower_bound)
     scale = _scale(scale, k)
     q, k, beta = _fla_delta_inputs(q, k, beta, use_qk_l2norm_in_kernel, use_beta_sigmoid_in_kernel,

@@ -63,10 +63,12 @@ def _gla(q, k, v, g=None, gk=None, scale=None, initial_state=None, output_final_
 
 
 def _kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False, **kw):
-    from fla.ops.kda.gate import naive_kda_gate
+    from fla.ops.kda.gate import naive_kda_gate, naive_kda_lowerbound_gate
     from fla.ops.kda.naive import naive_recurrent_kda
     q, k, beta = _delta_inputs(q, k, v, beta, kw)
-    if kw.get("use_gate_in_kernel"):
+    if kw.get("use_gate_in_kernel") and kw.get("lower_bound") is not None:
+        g = naive_kda_lowerbound_gate(g, kw["A_log"], kw.get("dt_bias"), kw["lower_bound"])
+    elif kw.get("use_gate_in_kernel"):
         g = naive_kda_gate(g, kw["A_log"], kw.get("dt_bias"))
     return naive_recurrent_kda(q, k, v, g, beta, scale, initial_state, output_final_state)
 
@@ -159,6 +161,7 @@ def fla_on_cpu(monkeypatch):
                                                       "mixer_options { chunk_size: 16 conv_size: 4 num_householder: 2 }"),
                                                      ("kda", 4, "false", 24, ""),
                                                      ("kda", 0, "true", 16, ""),
+                                                     ("kda", 4, "false", 16, "mixer_options { chunk_size: 16 conv_size: 4 lower_bound: -3.5 }"),
                                                      ("rwkv7", 0, "false", 16, RWKV7),
                                                      ("rwkv7", 0, "true", 16, RWKV7.replace("true", "false"))])
 def test_fla_class_gives_carry_eval_logits(carry_binary, tmp_path, fla_on_cpu, kind, conv, tie, dv, extra):

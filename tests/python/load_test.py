@@ -44,6 +44,7 @@ def _run(cmd, cwd):
                                                      ("gla", 0, "false", 24, ""),
                                                      ("kda", 4, "false", 24, ""),
                                                      ("kda", 0, "true", 16, ""),
+                                                     ("kda", 4, "false", 16, "mixer_options { kind: \"kda\" lower_bound: -3.5 }"),
                                                      ("rwkv7", 0, "false", 16, RWKV7),
                                                      ("rwkv7", 0, "true", 16, RWKV7.replace("true", "false"))])
 def test_load_gives_carry_eval_logits(carry_binary, tmp_path, kind, conv, tie, dv, extra):
@@ -96,7 +97,7 @@ def test_load_refuses_gla_settings_carry_does_not_compute(tmp_path, key, value, 
         carry.load(str(tmp_path / "hf"))
 
 
-@pytest.mark.parametrize("key,value,match", [("lower_bound", -5.0, "lower_bound is -5.0"),
+@pytest.mark.parametrize("key,value,match", [("lower_bound", 0.5, "lower_bound is 0.5"),
                                              ("allow_neg_eigval", True, "allow_neg_eigval is True"),
                                              ("num_v_heads", 4, "no grouped value heads")])
 def test_load_refuses_kda_settings_carry_does_not_compute(tmp_path, key, value, match):

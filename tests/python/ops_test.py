@@ -298,8 +298,8 @@ def test_kda(form):
 
 
 def test_kda_fla_options():
-    """FLA's in-kernel options: the gate from A_log and dt_bias, beta from logits (doubled with
-    allow_neg_eigval), l2-normalized q and k, grouped value heads; and what is refused."""
+    """FLA's in-kernel options: the gate from A_log and dt_bias (and the bounded gate of lower_bound), beta from
+    logits (doubled with allow_neg_eigval), l2-normalized q and k, grouped value heads; and what is refused."""
     q, k = randn(1, T, 1, K, seed=26), randn(1, T, 1, K, seed=27)
     v = randn(1, T, 2, V, seed=28)  # two value heads a query/key head
     raw, logit = randn(1, T, 2, K, seed=29), randn(1, T, 2, seed=30)
@@ -312,8 +312,18 @@ def test_kda_fla_options():
     want_o, want_S = ref.kda(rep(q), rep(k), v, g, 2 * torch.sigmoid(logit))
     assert_close(o, want_o, 1e-10, "o")
     assert_close(S, want_S, 1e-10, "final state")
-    with pytest.raises(NotImplementedError, match="use_gate_in_kernel with lower_bound"):
-        ops.chunk_kda(q, k, v, raw, logit, use_gate_in_kernel=True, A_log=A_log, lower_bound=-5.0)
+    # FLA's bounded gate (lower_bound): lower_bound·sigmoid(exp(A_log)·(g + dt_bias)), and without A_log.
+    for a in (A_log, None):
+        o, S = ops.chunk_kda(q, k, v, raw, logit, output_final_state=True, use_qk_l2norm_in_kernel=True,
+                             use_gate_in_kernel=True, A_log=a, dt_bias=dt_bias, lower_bound=-4.0,
+                             use_beta_sigmoid_in_kernel=True, chunk_size=CHUNK)
+        x = raw + dt_bias.view(2, K)
+        g_lb = -4.0 * torch.sigmoid(x if a is None else a.exp().view(2, 1) * x)
+        want_o, want_S = ref.kda(rep(q), rep(k), v, g_lb, torch.sigmoid(logit))
+        assert_close(o, want_o, 1e-10, "o, lower_bound")
+        assert_close(S, want_S, 1e-10, "final state, lower_bound")
+    with pytest.raises(ValueError, match="A_log must be provided when use_gate_in_kernel=True and lower_bound"):
+        ops.chunk_kda(q, k, v, raw, logit, use_gate_in_kernel=True)
     with pytest.raises(NotImplementedError, match="return_intermediate_states is not supported"):
         ops.chunk_kda(q, k, v, g, logit, return_intermediate_states=True)
     with pytest.raises(ValueError, match=r"g must be \[B, T, HV, K\]"):

@@ -2,6 +2,7 @@
 // enum values, validation errors naming field paths and locations, the parallel layout, --set
 // overrides and their errors, model presets, printing and re-reading the resolved config, and every
 // file under configs/ loading and validating.
+#include <cmath>
 #include "tests/paths.h"
 #include "framework/config/config.h"
 
@@ -317,6 +318,36 @@ TEST_F(ConfigTest, NumHouseholderOption) {
                            "model.mixer_options[1].num_householder: only gated_deltaproduct uses 'num_householder', "
                            "but this entry applies to gated_deltanet layers (give the entry a kind)"})
     EXPECT_NE(all.find(want), std::string::npos) << "missing: " << want << "\nerrors:\n" << all;
+}
+
+// KDA's bounded gate: lower_bound in [-1000, 0], NaN refused, and only on kda layers.
+TEST_F(ConfigTest, LowerBoundOption) {
+  RunConfig c;
+  ASSERT_TRUE(google::protobuf::TextFormat::ParseFromString(kValid, &c));
+  c.mutable_model()->clear_mixers();
+  c.mutable_model()->add_mixers("kda");
+  c.mutable_model()->add_mixers("gated_deltanet");
+  auto* o = c.mutable_model()->add_mixer_options();
+  o->set_kind("kda");
+  o->set_lower_bound(-3.5);
+  EXPECT_TRUE(run_config_errors(c).empty()) << run_config_errors(c)[0];
+  EXPECT_EQ(layer_mixer(c.model(), 0).options.lower_bound(), -3.5);
+  for (double bad : {0.5, -2000.0, std::nan("")}) {
+    o->set_lower_bound(bad);
+    auto errors = run_config_errors(c);
+    ASSERT_EQ(errors.size(), 1u) << bad;
+    const char* want = std::isnan(bad) ? "model.mixer_options[0].lower_bound: must be a finite number"
+                                       : "model.mixer_options[0].lower_bound: must lie in [-1000, 0]";
+    EXPECT_NE(errors[0].find(want), std::string::npos) << errors[0];
+  }
+  o->set_lower_bound(-3.5);
+  c.mutable_model()->add_mixer_options()->set_lower_bound(-1);
+  auto errors = run_config_errors(c);
+  ASSERT_EQ(errors.size(), 1u);
+  EXPECT_NE(errors[0].find("model.mixer_options[1].lower_bound: only kda uses 'lower_bound', but this entry "
+                           "applies to gated_deltanet layers"),
+            std::string::npos)
+      << errors[0];
 }
 
 // rwkv7 layers take no short convolutions (their token shift reads the token before each): conv_size

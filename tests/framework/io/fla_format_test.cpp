@@ -242,7 +242,7 @@ TEST(FlaFormat, KdaRoundTrip) {
   }
   expect_imports_as(dir, config, model);
   for (auto [from, to, why] : {std::tuple<const char*, const char*, const char*>{
-                                   "\"lower_bound\": null", "\"lower_bound\": -5.0", "\"lower_bound\": -5: carry's kda gate"},
+                                   "\"lower_bound\": null", "\"lower_bound\": 0.5", "\"lower_bound\": 0.5: carry's kda takes a lower bound"},
                                {"\"num_v_heads\": null", "\"num_v_heads\": 4", "\"num_v_heads\": 4: carry's kda layer has no grouped"},
                                {"\"allow_neg_eigval\": false", "\"allow_neg_eigval\": true", "\"allow_neg_eigval\": true: carry's kda beta"}}) {
     std::string changed = json;
@@ -251,6 +251,13 @@ TEST(FlaFormat, KdaRoundTrip) {
     std::string msg = message_of([&] { import_fla_folder(dir); });
     EXPECT_NE(msg.find(why), std::string::npos) << msg;
   }
+  remove_tree(dir);
+  // FLA's bounded gate (lower_bound) goes out and comes back.
+  config.mutable_mixer_options(0)->set_lower_bound(-3.5);
+  Model bounded = build_model(config, 8);
+  std::tie(dir, json) = export_to_temp(config, bounded, "carry_fla_kda_lb");
+  EXPECT_NE(json.find("\"lower_bound\": -3.5"), std::string::npos) << json;
+  expect_imports_as(dir, config, bounded);
   remove_tree(dir);
 }
 
