@@ -37,8 +37,8 @@ const char* kUsage =
     "usage: carry bench kernels [--families gla,scalar_decay,linear_attn,deltanet,gated_deltanet,softmax_attn]\n"
     "                           (also hla2, ahla, loglinear_mamba2, loglinear_gdn, mamba1)\n"
     "                           [--T 16384,65536] [--heads 16] [--dk 128] [--dv 128] [--window 2048] [--reps 20]\n"
-    "                           [--timer events|wall] [--serial] [--pieces N [--ramp]] [--decay-segments N]\n"
-    "                           [--decay-pieces N] [--scan-segments N] [--checksum]\n"
+    "                           [--timer events|wall] [--serial] [--pieces N [--ramp]] [--delta-segments N]\n"
+    "                           [--decay-segments N] [--decay-pieces N] [--scan-segments N] [--checksum]\n"
     "  Times the kernel forms on the GPU (bf16, B = 1): forward and forward+backward ms, tokens/s,\n"
     "  GB/s and TFLOP/s against counted floors, and the MiB one forward+backward adds at its peak above its\n"
     "  inputs and the output's gradient (saved tensors, outputs, workspaces, the inputs' gradients). Without --T/--heads/--dk/--dv it runs the issue's shapes:\n"
@@ -47,6 +47,8 @@ const char* kUsage =
     "  state pass in order (MixerOptions::serial_states: no segments, as the ordered scan runs them).\n"
     "  --pieces N cuts the delta rule's state walks into N pieces (1: one walk; without it: automatic);\n"
     "  with --ramp the end pieces are shorter (a quarter and a half of the others, from 5 pieces).\n"
+    "  --delta-segments N walks the delta rule's chunks (bf16, dk = 128) in N segments at once, each from\n"
+    "  its exact incoming state (1: one walk; N must divide the chunks; without it: automatic).\n"
     "  --decay-segments N cuts the decay class's state recurrence into N segments (1: in order; without\n"
     "  it: automatic). --decay-pieces N walks the decay class's bf16 recurrence in N pieces, the output\n"
     "  and gradient kernels of each finished piece on a second stream beside the next (1: one walk;\n"
@@ -75,6 +77,7 @@ struct Args {
   bool serial = false;  // MixerOptions::serial_states
   int pieces = 0;       // the delta rule's walk pieces (KernelSchedule::delta_rule_pieces)
   bool ramp = false;    // and whether forced pieces ramp
+  int delta_segments = 0;  // the delta rule's walk segments (KernelSchedule::delta_rule_segments)
   int decay_segments = 0;  // the decay class's state segments (KernelSchedule::decay_segments)
   int scan_segments = 0;   // the selective scan's segments (KernelSchedule::scan_segments)
   int decay_pieces = 0;    // the decay class's walk pieces (KernelSchedule::decay_pieces)
@@ -105,6 +108,7 @@ Args parse(CommandArgs& args) {
     else if (f == "--pieces") a.pieces = (int)args.integer(f, 1);
     else if (f == "--ramp") a.ramp = true;
     else if (f == "--decay-segments") a.decay_segments = (int)args.integer(f, 1);
+    else if (f == "--delta-segments") a.delta_segments = (int)args.integer(f, 1);
     else if (f == "--scan-segments") a.scan_segments = (int)args.integer(f, 1);
     else if (f == "--decay-pieces") a.decay_pieces = (int)args.integer(f, 1);
     else if (f == "--checksum") a.checksum = true;
@@ -235,7 +239,7 @@ Floors floors(const Mixer& m, int64_t T, const Shape& s, int64_t window) {
 }
 
 int run(const Args& a) {
-  set_kernel_schedule({a.pieces, a.ramp, a.decay_segments, a.decay_pieces, a.scan_segments});
+  set_kernel_schedule({a.pieces, a.ramp, a.decay_segments, a.decay_pieces, a.scan_segments, a.delta_segments});
   std::printf("carry bench kernels: %s, bf16, B = 1, median of %d (after 3 warm-ups; %s)%s\n",
               cuda_device_name(0).c_str(), a.reps,
               a.wall ? "host clock, a synchronize a rep" : "CUDA events, L2 flushed before each rep, as do_bench",

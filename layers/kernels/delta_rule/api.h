@@ -17,13 +17,21 @@ namespace carry::kernels::delta_rule {  // the delta rule's kernels (layers/delt
 
 // Saved for backward, in order: G (gate cumsums per chunk, fp32 [B,H,T]), Tinv ((I+L)⁻¹ per chunk,
 // fp32 [B,H,N,64,64]), W ([B,H,T,dk], input dtype), H (state entering each chunk, input dtype
-// [B,H,N,dk,dv]), V_new (U − W·S per chunk, input dtype [B,H,T,dv]).
+// [B,H,N,dk,dv]), V_new (U − W·S per chunk, input dtype [B,H,T,dv]), A (the maps of the walk's
+// P segments, fp32 [P,B,H,dk,dk], where the backward walks them too; else empty): the backward walks the same segments.
 // on_final_state, when set, is called with the final state (fp32 [B,H,dk,dv]) right after its walk is
 // enqueued, before the output kernel: what it enqueues on the stream (a send) runs beside the output.
+// segments (bf16, dk = 128): 1 walks the chunks in order, so every chunk runs the same operations
+// wherever the sequence is cut (MixerOptions::serial_states: the ordered scan gives the bits of the
+// whole); 0 chooses (launch.h, plan_segments), n > 1 walks n segments of the chunks at once, each from its
+// exact incoming state (the segments' maps S ↦ A·S + B scanned in order; bits depend on n, and agree
+// with the one walk to rounding). Where the segments are forced (n > 1, or gdn_set_segments), the backward
+// walks them too, from the segments' maps A saved after V_new.
 std::vector<at::Tensor> gdn_fwd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                 const at::Tensor& g, const at::Tensor& beta, double scale,
                                 const at::Tensor& initial_state, int64_t chunk_size = 64,
-                                const std::function<void(const at::Tensor&)>& on_final_state = {});
+                                const std::function<void(const at::Tensor&)>& on_final_state = {},
+                                int segments = 0);
 
 std::vector<at::Tensor> gdn_bwd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                 const at::Tensor& g, const at::Tensor& beta, double scale,
@@ -31,6 +39,10 @@ std::vector<at::Tensor> gdn_bwd(const at::Tensor& q, const at::Tensor& k, const 
                                 const at::Tensor& d_o, const at::Tensor& d_final_state,
                                 int64_t chunk_size = 64,
                                 const std::function<void(const at::Tensor&)>& on_initial_state_grad = {});
+
+// Tests and `carry bench kernels --delta-segments`: the segments of the bf16 walks at dk = 128 where
+// gdn_fwd is asked for 0 (automatic): 0 automatic (the default), 1 one walk, n > 1 n segments.
+void gdn_set_segments(int n);
 
 // The forward's chunk preparation alone, for bf16 k [B,T,H,dk], v [B,T,H,dv], g (undefined: DeltaNet) and beta
 // [B,T,H]: {G [B,H,T] fp32, T [B,H,N,64,64], W [B,H,T,dk], U [B,H,T,dv] bf16} as gdn_fwd saves them (G the gate's

@@ -68,6 +68,7 @@ struct BwdArgs {
   const float* dSfin;
   at::Tensor dVl, dHs, dVn, dS0;        // recurrence outputs
   at::Tensor dq, dk, dv, dg, dbeta;     // chunk-kernel outputs (dg undefined: DeltaNet)
+  at::Tensor As;                        // the forward's segment maps (gdn_fwd; empty: one walk)
   // MixerOptions::on_initial_state_grad: called with dS0 once the reverse walk is enqueued.
   std::function<void(const at::Tensor&)> on_s0_grad;
 };
@@ -142,7 +143,7 @@ bool bwd_pieces(BwdArgs& a, bool own_dv = false) {
   auto walk = [&](int c0, int c1, const float* from, float* to) {
     if constexpr (WG) {
       wkern<<<dim3(DV / (BV * nwg), d.H, d.B), 128 * nwg, ssm, wst>>>(
-          tmQ, tmK, tmW, tmdO, tmdVl, tmG, tmH, tmV, from, P(a.dHs), P(a.dVn), to, d.T, d.H, c0, c1);
+          tmQ, tmK, tmW, tmdO, tmdVl, tmG, tmH, tmV, from, P(a.dHs), P(a.dVn), to, d.T, d.H, c0, c1, 1, 0);
     } else
       bwd_state_mma_kernel<DK, DV, BV, NW, kBwdStateStages><<<dim3(DV / BV, d.H, d.B), NW * 32, ssm, wst>>>(
           P(a.q), P(a.k), P(a.W), a.Gc.data_ptr<float>(), P(a.dO), a.dVl.data_ptr<float>(), from, P(a.dHs),
@@ -156,6 +157,46 @@ bool bwd_pieces(BwdArgs& a, bool own_dv = false) {
         a.dg.defined() ? a.dg.data_ptr<float>() : nullptr, a.dbeta.data_ptr<float>(), a.scale, d.T, d.H, c0);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   };
+  if constexpr (WG) {
+    // The segmented reverse walk, over the forward's P segments: segments 1..P−1 give their summaries b
+    // (the gradient entering each from its own chunks, from a zero gradient at its end; no stores); in
+    // order from the end, dS_end(P−1) = dSfin, dS_end(p−1) = A(p)ᵀ·dS_end(p) + b(p) (fp32, cuBLAS); then
+    // every segment walks at once from its dS_end, writing dH_c and dV_new as the one walk does.
+    const int NS = a.As.numel() > 0 ? (int)a.As.size(0) : 1;
+    if (NS > 1) {
+      const int L = d.N / NS;
+      constexpr int kNwg = 2;
+      const size_t wsm = wg::BwdSmem<kNwg, 2>::bytes;
+      auto k0 = gate ? wg::bwd_walk_wg<DV, kNwg, 2, true, true> : wg::bwd_walk_wg<DV, kNwg, 2, false, true>;
+      auto k1 = gate ? wg::bwd_walk_wg<DV, kNwg, 2, true, false> : wg::bwd_walk_wg<DV, kNwg, 2, false, false>;
+      carry::kernels::primitives::allow_smem(k0, wsm);
+      carry::kernels::primitives::allow_smem(k1, wsm);
+      const auto f32 = a.dS0.options();
+      const long bh = (long)d.B * d.H;
+      at::Tensor bs = at::empty({NS - 1, d.B, d.H, DK, DV}, f32);
+      at::Tensor dEnd = at::empty({NS, d.B, d.H, DK, DV}, f32), dStart = at::empty({NS, d.B, d.H, DK, DV}, f32);
+      if (own_dv) dv_local_reg<DK, DV>(a, stream, 0, d.N, WG);
+      k1<<<dim3(DV / (BV * kNwg), d.H, d.B * (NS - 1)), 128 * kNwg, wsm, stream>>>(
+          tmQ, tmK, tmW, tmdO, tmdVl, tmG, tmH, tmV, nullptr, P(a.dHs), P(a.dVn), bs.data_ptr<float>(), d.T, d.H, L,
+          d.N, NS - 1, L);
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+      if (a.dSfin) dEnd[NS - 1].view({bh, DK, DV}).copy_(at::from_blob(const_cast<float*>(a.dSfin), {bh, DK, DV}, f32));
+      else dEnd[NS - 1].zero_();
+      for (int p = NS - 1; p >= 1; --p) {
+        at::Tensor out_p = dEnd[p - 1].view({bh, DK, DV});
+        at::baddbmm_out(out_p, bs[p - 1].view({bh, DK, DV}), a.As[p].view({bh, DK, DK}).transpose(1, 2),
+                        dEnd[p].view({bh, DK, DV}));
+      }
+      k0<<<dim3(DV / (BV * kNwg), d.H, d.B * NS), 128 * kNwg, wsm, stream>>>(
+          tmQ, tmK, tmW, tmdO, tmdVl, tmG, tmH, tmV, dEnd.data_ptr<float>(), P(a.dHs), P(a.dVn),
+          dStart.data_ptr<float>(), d.T, d.H, 0, d.N, NS, L);
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+      a.dS0.copy_(dStart[0]);
+      if (a.on_s0_grad) a.on_s0_grad(a.dS0);  // before the chunk kernels: a send runs beside them
+      chunks(stream, 0, d.N);
+      return true;
+    }
+  }
   const Pieces pc = plan_pieces(d, (DV / (BV * nwg)) * d.H * d.B);
   // Narrow state tiles (H=4, dv=256) take the intra-chunk dV beside the walk only where the pieces ramp
   // (from 1216 chunks): at 32768 tokens beside it Gated DeltaNet ran 1.987 / 1.921 ms against 1.868 /
@@ -382,7 +423,7 @@ std::vector<at::Tensor> gdn_bwd(const at::Tensor& q_, const at::Tensor& k_, cons
                                 const at::Tensor& d_o, const at::Tensor& dSfin_, int64_t chunk_size,
                                 const std::function<void(const at::Tensor&)>& on_initial_state_grad) {
   const Dims d = check_inputs("gdn_bwd", q_, k_, v_, g_, beta_, chunk_size);
-  TORCH_CHECK(saved.size() == 5, "gdn_bwd: saved must be the 5 tensors gdn_fwd returned after o and final_state");
+  TORCH_CHECK(saved.size() == 6, "gdn_bwd: saved must be the 6 tensors gdn_fwd returned after o and final_state");
   TORCH_CHECK(d_o.sizes() == v_.sizes(), "gdn_bwd: d_o must have v's shape ", v_.sizes(), ", got ", d_o.sizes());
   c10::cuda::CUDAGuard guard(q_.device());
   auto q = dense(q_), k = dense(k_), v = dense(v_);
@@ -407,6 +448,9 @@ std::vector<at::Tensor> gdn_bwd(const at::Tensor& q_, const at::Tensor& k_, cons
   if (g_.defined()) a.dg = alloc({d.B, d.T, d.H}, f32);
   a.dbeta = alloc({d.B, d.T, d.H}, f32);
   a.on_s0_grad = on_initial_state_grad;
+  a.As = saved[5];
+  TORCH_CHECK(a.As.numel() == 0 || (a.As.size(0) > 1 && d.N % a.As.size(0) == 0),
+              "gdn_bwd: the saved segment maps must be empty or [P,B,H,dk,dk] with P dividing the chunks");
   const bool fused = q.scalar_type() == at::kBFloat16 ? bwd_dispatch<bf16>(d.DK, d.DV, a)
                                                       : bwd_dispatch<float>(d.DK, d.DV, a);
   std::vector<at::Tensor> gr;

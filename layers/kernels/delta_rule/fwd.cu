@@ -88,6 +88,11 @@ void gdn_set_pieces(int n, bool ramp) {
   g_pieces.store(n < 0 ? 0 : n);
   g_ramp_forced.store(ramp);
 }
+namespace {
+std::atomic<int> g_segments{0};
+}
+int forced_segments() { return g_segments.load(); }
+void gdn_set_segments(int n) { g_segments.store(n < 0 ? 0 : n); }
 
 namespace {
 
@@ -870,7 +875,8 @@ OutKernel<DK, DV> out_kernel(const Dims& d) {
 template <int DK, int DV, int BV = 16, int NW = 4, bool WG = false>
 void fwd_pieces(const Dims& d, const bf16* kp, const bf16* vp, const float* g, const float* beta, at::Tensor& Gc,
                 at::Tensor& Tm, bf16* Wp, bf16* Up, const float* S0, bf16* Hp, bf16* Vnp, at::Tensor& Sfin,
-                const bf16* qp, bf16* Op, float scale, const std::function<void(const at::Tensor&)>& on_final_state) {
+                const bf16* qp, bf16* Op, float scale, const std::function<void(const at::Tensor&)>& on_final_state,
+                int segments, at::Tensor& As) {
   static_assert(!WG || (DK == wg::kDK && BV == wg::kBV), "the warpgroup walk takes dk = 128 in 32-column tiles");
   auto stream = at::cuda::getCurrentCUDAStream();
   const OutKernel<DK, DV> ok = out_kernel<DK, DV>(d);
@@ -915,7 +921,7 @@ void fwd_pieces(const Dims& d, const bf16* kp, const bf16* vp, const float* g, c
   auto walk = [&](int c0, int c1, const float* from, float* to) {
     if constexpr (WG) {
       wkern<<<dim3(DV / (BV * nwg), d.H, d.B), 128 * nwg, ssm, wst>>>(tmW, tmK, tmU, tmG, tmH, tmV, from, Hp, Vnp, to,
-                                                                      d.T, d.H, c0, c1);
+                                                                      d.T, d.H, c0, c1, 1, 0);
     } else
       fwd_state_mma_kernel<DK, DV, BV, NW, kStateStages><<<dim3(DV / BV, d.H, d.B), NW * 32, ssm, wst>>>(
           kp, Wp, Up, Gc.data_ptr<float>(), from, Hp, Vnp, to, d.T, d.H, c0, c1);
@@ -925,6 +931,54 @@ void fwd_pieces(const Dims& d, const bf16* kp, const bf16* vp, const float* g, c
     okern<<<dim3(c1 - c0, d.H, d.B), 256, osm, st>>>(qp, kp, Gc.data_ptr<float>(), Hp, Vnp, Op, scale, d.T, d.H, c0);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   };
+  if constexpr (WG) {
+    // The segmented walk: P segments of L chunks. Segments 0..P−2 give their summaries B from zero over
+    // the dv columns and (beside it, on a second stream) their maps A from the identity over dk columns
+    // (every segment's, saved, where the backward walks the segments too: it reads A of 1..P−1);
+    // S_in(0) = S0, S_in(p) = A(p−1)·S_in(p−1) + B(p−1) in fp32 (cuBLAS), in order; then every segment
+    // walks at once from its S_in, writing H_c and V_new as the one walk does.
+    const int P = plan_segments(d, segments);
+    if (P > 1) {
+      const int L = d.N / P;
+      const auto f32 = Sfin.options();
+      constexpr int kNwg = 2;
+      const size_t wsm = wg::FwdSmem<kNwg, S>::bytes;
+      auto k0 = g ? wg::fwd_walk_wg<DV, kNwg, S, true, 0> : wg::fwd_walk_wg<DV, kNwg, S, false, 0>;
+      auto k1 = g ? wg::fwd_walk_wg<DV, kNwg, S, true, 1> : wg::fwd_walk_wg<DV, kNwg, S, false, 1>;
+      auto k2 = g ? wg::fwd_walk_wg<DK, kNwg, S, true, 2> : wg::fwd_walk_wg<DK, kNwg, S, false, 2>;
+      for (auto kern : {k0, k1}) carry::kernels::primitives::allow_smem(kern, wsm);
+      carry::kernels::primitives::allow_smem(k2, wsm);
+      at::Tensor Bs = at::empty({P - 1, d.B, d.H, DK, DV}, f32);
+      const int NA = segmented_backward(segments) ? P : P - 1;  // the segments whose maps are formed
+      at::Tensor A = at::empty({NA, d.B, d.H, DK, DK}, f32);
+      at::Tensor Sin = at::empty({P, d.B, d.H, DK, DV}, f32), Sf = at::empty({P, d.B, d.H, DK, DV}, f32);
+      prep(stream, 0, d.N);
+      auto side = at::cuda::getStreamFromPool(false, Sfin.device().index());
+      join(stream, side);
+      k2<<<dim3(DK / (BV * kNwg), d.H, d.B * NA), 128 * kNwg, wsm, side>>>(
+          tmW, tmK, tmU, tmG, tmH, tmV, nullptr, Hp, Vnp, A.data_ptr<float>(), d.T, d.H, 0, NA * L, NA, L);
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+      k1<<<dim3(DV / (BV * kNwg), d.H, d.B * (P - 1)), 128 * kNwg, wsm, stream>>>(
+          tmW, tmK, tmU, tmG, tmH, tmV, nullptr, Hp, Vnp, Bs.data_ptr<float>(), d.T, d.H, 0, (P - 1) * L, P - 1, L);
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+      join(side, stream);
+      const long bh = (long)d.B * d.H;
+      if (S0) Sin[0].view({bh, DK, DV}).copy_(at::from_blob(const_cast<float*>(S0), {bh, DK, DV}, f32));
+      else Sin[0].zero_();
+      for (int p = 1; p < P; ++p) {
+        at::Tensor out_p = Sin[p].view({bh, DK, DV});
+        at::baddbmm_out(out_p, Bs[p - 1].view({bh, DK, DV}), A[p - 1].view({bh, DK, DK}), Sin[p - 1].view({bh, DK, DV}));
+      }
+      k0<<<dim3(DV / (BV * kNwg), d.H, d.B * P), 128 * kNwg, wsm, stream>>>(
+          tmW, tmK, tmU, tmG, tmH, tmV, Sin.data_ptr<float>(), Hp, Vnp, Sf.data_ptr<float>(), d.T, d.H, 0, d.N, P, L);
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+      Sfin.copy_(Sf[P - 1]);
+      if (NA == P) As = A;
+      if (on_final_state) on_final_state(Sfin);  // before the output kernel: a send runs beside it
+      out(stream, 0, d.N);
+      return;
+    }
+  }
   if (pc.n == 1) {
     prep(stream, 0, d.N);
     walk(0, d.N, S0, Sfin.data_ptr<float>());
@@ -968,7 +1022,7 @@ template <typename T, int DK, int DV>
 void fwd_impl(const Dims& d, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const float* g,
               const float* beta, float scale, const float* S0, at::Tensor& Gc, at::Tensor& Tm, at::Tensor& W,
               at::Tensor& U, at::Tensor& Hs, at::Tensor& Vn, at::Tensor& Sfin, at::Tensor& O,
-              const std::function<void(const at::Tensor&)>& on_final_state) {
+              const std::function<void(const at::Tensor&)>& on_final_state, int segments, at::Tensor& As) {
   const T* qp = reinterpret_cast<const T*>(q.data_ptr());
   const T* kp = reinterpret_cast<const T*>(k.data_ptr());
   const T* vp = reinterpret_cast<const T*>(v.data_ptr());
@@ -984,12 +1038,13 @@ void fwd_impl(const Dims& d, const at::Tensor& q, const at::Tensor& k, const at:
     // at dk = 128, H=16, 131k tokens on an H200: 14.43 ms with 4 warps against 13.86).
     if constexpr (DK == wg::kDK)
       return fwd_pieces<DK, DV, wg::kBV, 4, true>(d, kp, vp, g, beta, Gc, Tm, Wp, Up, S0, Hp, Vnp, Sfin, qp, Op, scale,
-                                                  on_final_state);
+                                                  on_final_state, segments, As);
     else if (!wide_state_tiles(d))
-      return fwd_pieces<DK, DV>(d, kp, vp, g, beta, Gc, Tm, Wp, Up, S0, Hp, Vnp, Sfin, qp, Op, scale, on_final_state);
+      return fwd_pieces<DK, DV>(d, kp, vp, g, beta, Gc, Tm, Wp, Up, S0, Hp, Vnp, Sfin, qp, Op, scale, on_final_state,
+                                segments, As);
     else
       return fwd_pieces<DK, DV, 32, 8>(d, kp, vp, g, beta, Gc, Tm, Wp, Up, S0, Hp, Vnp, Sfin, qp, Op, scale,
-                                       on_final_state);
+                                       on_final_state, segments, As);
   } else {
     // fp32: the generic kernels on shared tiles, one walk (16-column tiles, 4 warps).
     auto stream = at::cuda::getCurrentCUDAStream();
@@ -1067,7 +1122,7 @@ bool gdn_poison_enabled() { return poison_enabled(); }
 std::vector<at::Tensor> gdn_fwd(const at::Tensor& q_, const at::Tensor& k_, const at::Tensor& v_,
                                 const at::Tensor& g_, const at::Tensor& beta_, double scale,
                                 const at::Tensor& S0_, int64_t chunk_size,
-                                const std::function<void(const at::Tensor&)>& on_final_state) {
+                                const std::function<void(const at::Tensor&)>& on_final_state, int segments) {
   const Dims d = check_inputs("gdn_fwd", q_, k_, v_, g_, beta_, chunk_size);
   c10::cuda::CUDAGuard guard(q_.device());
   auto q = dense(q_), k = dense(k_), v = dense(v_);
@@ -1087,13 +1142,14 @@ std::vector<at::Tensor> gdn_fwd(const at::Tensor& q_, const at::Tensor& k_, cons
   at::Tensor Sfin = alloc({d.B, d.H, d.DK, d.DV}, f32), O = alloc({d.B, d.T, d.H, d.DV}, io);
   const float* gp = g.defined() ? g.data_ptr<float>() : nullptr;
   const float* S0p = S0.defined() ? S0.data_ptr<float>() : nullptr;
+  at::Tensor As = at::empty({0}, f32);  // the segments' maps (the segmented walk), else empty
   if (q.scalar_type() == at::kBFloat16)
     fwd_dispatch<bf16>(d.DK, d.DV, d, q, k, v, gp, beta.data_ptr<float>(), (float)scale, S0p, Gc, Tm, W, U, Hs, Vn,
-                       Sfin, O, on_final_state);
+                       Sfin, O, on_final_state, segments, As);
   else
     fwd_dispatch<float>(d.DK, d.DV, d, q, k, v, gp, beta.data_ptr<float>(), (float)scale, S0p, Gc, Tm, W, U, Hs,
-                        Vn, Sfin, O, on_final_state);
-  return {O, Sfin, Gc, Tm, W, Hs, Vn};
+                        Vn, Sfin, O, on_final_state, segments, As);
+  return {O, Sfin, Gc, Tm, W, Hs, Vn, As};
 }
 
 }  // namespace carry::kernels::delta_rule

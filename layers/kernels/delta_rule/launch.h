@@ -21,6 +21,7 @@ namespace carry::kernels::delta_rule {
 bool poison_enabled();
 int forced_pieces();  // gdn_set_pieces' value
 bool ramp_pieces();  // whether the pieces may ramp (gdn_set_pieces' flag for forced pieces)
+int forced_segments();  // gdn_set_segments' value
 
 // at::empty, filled with NaN when the debug poison is on.
 inline at::Tensor alloc(at::IntArrayRef sizes, const at::TensorOptions& opt) {
@@ -65,6 +66,39 @@ using carry::kernels::primitives::sm_count;
 // of a sequence runs the same tiles.
 // (The warpgroup walks, 32 columns, use it to tell the many-head shapes from the few-head ones.)
 inline bool wide_state_tiles(const Dims& d) { return 2 * (d.DV / 16) * d.H * d.B > sm_count(); }
+
+// The segments of the segmented bf16 walk at dk = 128 (fwd.cu, bwd.cu): the chunks cut into P segments
+// of N/P that walk at once, each from its exact incoming state (segment summaries S ↦ A·S + B, scanned in
+// order). `asked` is gdn_fwd's segments: 1 walks the chunks in order (serial_states: the bits then do not
+// depend on where a sequence is cut); n > 1 that many; 0 gdn_set_segments' value, else automatic: where
+// the walk's 32-column tiles take at most a quarter of the SMs, the largest power of two P with P times
+// the tiles within two an SM, segments of at least kMinSegmentChunks chunks, P dividing N; else one walk.
+// The summaries cost two more walks' work (B over dv columns, A over dk) and the output kernel no longer
+// runs beside the walk, so the segments pay only where the one walk leaves most SMs idle and the
+// segments are long. Gated DeltaNet forward / forward+backward ms on an H200, one walk → automatic
+// (4 segments forward): H=4, dk=128, dv=256 at 32768 tokens 0.728 / 1.620 → 0.579 / 1.474, at 131072
+// 2.293 / 5.076 → 1.837 / 4.614; H=8, dk=dv=128 at 32768 1.818 → 1.714 f+b, at 131072 5.663 → 5.615;
+// at 8192 tokens (segments of 32 chunks) slower, 0.515 → 0.740 (hence 128 chunks at least); on an H100
+// two segments at H=16, dk=dv=128 were slower too (16384 tokens 1.553 → 1.807). The backward walks the
+// forward's segments only where they were forced (segmented_backward): on an H100 it ran 0.982 → 0.970 ms
+// at H=4, 32768 tokens, and 2.899 → 3.420 at 131072.
+constexpr int kMinSegmentChunks = 128;
+inline int plan_segments(const Dims& d, int asked) {
+  if (asked == 1) return 1;
+  const int forced = asked > 1 ? asked : forced_segments();
+  if (forced > 0) {
+    TORCH_CHECK(d.N % forced == 0, "delta rule: ", forced, " walk segments do not divide the ", d.N, " chunks");
+    return forced;
+  }
+  const int tiles = (d.DV / 32) * d.H * d.B;
+  if (4 * tiles > sm_count()) return 1;
+  int P = 1;
+  while (2 * P * tiles <= 2 * sm_count() && d.N % (2 * P) == 0 && d.N / (2 * P) >= kMinSegmentChunks) P *= 2;
+  return P;
+}
+// Whether the backward walks the forward's segments too (the forward then saves every segment's map):
+// where the segments were forced, not chosen.
+inline bool segmented_backward(int asked) { return asked > 1 || (asked == 0 && forced_segments() > 1); }
 
 inline Pieces plan_pieces(const Dims& d, int value_blocks) {
   const bool idle = 2 * value_blocks <= sm_count();

@@ -27,9 +27,9 @@ struct DeltaRuleKernelOp : public torch::autograd::Function<DeltaRuleKernelOp> {
   static variable_list forward(AutogradContext* ctx, const Tensor& q, const Tensor& k, const Tensor& v,
                                const Tensor& g_or_empty, const Tensor& beta, const Tensor& s0, double scale,
                                int64_t chunk, const std::function<void(const Tensor&)>& on_final_state,
-                               const std::function<void(const Tensor&)>& on_initial_state_grad) {
+                               const std::function<void(const Tensor&)>& on_initial_state_grad, bool serial) {
     const Tensor g = empty_as_absent(g_or_empty);
-    auto out = carry::kernels::delta_rule::gdn_fwd(q, k, v, g, beta, scale, s0, chunk, on_final_state);
+    auto out = carry::kernels::delta_rule::gdn_fwd(q, k, v, g, beta, scale, s0, chunk, on_final_state, serial ? 1 : 0);
     variable_list keep{q, k, v, g_or_empty, beta, s0};
     keep.insert(keep.end(), out.begin() + 2, out.end());
     ctx->save_for_backward(keep);
@@ -51,7 +51,7 @@ struct DeltaRuleKernelOp : public torch::autograd::Function<DeltaRuleKernelOp> {
     const std::function<void(const Tensor&)> hook = carry::kernels::primitives::state_grad_hook(ctx);
     auto d = carry::kernels::delta_rule::gdn_bwd(q, k, v, g, beta, ctx->saved_data["scale"].toDouble(), s0, saved, d_o, d_s,
                                 ctx->saved_data["chunk"].toInt(), hook);
-    return {d[0], d[1], d[2], g.defined() ? d[3] : Tensor(), d[4], d[5], Tensor(), Tensor(), Tensor(), Tensor()};
+    return {d[0], d[1], d[2], g.defined() ? d[3] : Tensor(), d[4], d[5], Tensor(), Tensor(), Tensor(), Tensor(), Tensor()};
   }
 };
 
@@ -75,7 +75,7 @@ MixerOutput delta_rule_kernel_forward(const MixerInputs& in, const Tensor& initi
   if (opt.on_initial_state_grad) on_s0_grad = [f = opt.on_initial_state_grad](const Tensor& d) { f({d}); };
   auto out = DeltaRuleKernelOp::apply(dense(in.q), dense(in.k), dense(in.v), absent_as_empty(in.g, in.q),
                                       dense(in.beta), s0, opt.scale_for(in.q.size(3)), opt.chunk_size, on_state,
-                                      on_s0_grad);
+                                      on_s0_grad, opt.serial_states);
   return {out[0], {out[1]}};
 }
 

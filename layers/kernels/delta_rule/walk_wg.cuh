@@ -133,11 +133,13 @@ __device__ __forceinline__ void chunk_start(const float (&s)[2][16], unsigned ch
 // The barrier before the state update, over the warpgroup alone (its tiles are its own; a block of two
 // warpgroups syncs both only at chunk_start): the V tiles written and visible; thread 0 waits for the
 // state's bulk store to have read its tile, then, after the barrier, sends the V tile to row vrow.
+// STORE = false (a walk that writes only its final state): no V tile leaves.
+template <bool STORE = true>
 __device__ __forceinline__ void chunk_middle(const CUtensorMap* tmV, int v0, int vrow, const unsigned char* sVt) {
   fence_async();
-  if (wg_leader()) store_wait_read();
+  if (STORE && wg_leader()) store_wait_read();
   asm volatile("bar.sync %0, 128;\n" ::"r"(1 + (int)(threadIdx.x >> 7)) : "memory");
-  if (wg_leader()) tma_store2(tmV, v0, vrow, sVt);
+  if (STORE && wg_leader()) tma_store2(tmV, v0, vrow, sVt);
 }
 // d (m64n32) = A·S over dk = 128, A [64 tokens][128] in a swizzled tile (W·S, K·dS), S the B operand at
 // descriptor db; issued, not waited for.
@@ -188,22 +190,31 @@ struct FwdSmem {
 // A warpgroup's operations on its columns are the same whatever NWG: the same bits.
 // GATE = false (DeltaNet: G is zero): no gate is read and no factor e^0 = 1 applied (the same bits);
 // the V_new tile the bulk store reads is then the update's B operand as it is.
-template <int DV, int NWG, int S, bool GATE>
+// Segments (the segmented walk, fwd.cu): grid z is B·nseg, block z = b·nseg + seg walks chunks
+// [c_begin + seg·seg_len, min(c_begin + (seg + 1)·seg_len, c_end)) with its states at slot
+// seg·B·H + b·H + h of S0 and Sfin (nseg = 1: the one walk above). MODE 0 writes H_c and V_new; MODE 1
+// (a segment's summary) writes only the final state; MODE 2 (a segment's transport, DV = dk) starts from
+// the identity with U ≡ 0 (not read), so its final state is the segment's map A in S ↦ A·S + B.
+template <int DV, int NWG, int S, bool GATE, int MODE = 0>
 __global__ void __launch_bounds__(128 * NWG)
     fwd_walk_wg(const __grid_constant__ CUtensorMap tmW, const __grid_constant__ CUtensorMap tmK,
                 const __grid_constant__ CUtensorMap tmU, const __grid_constant__ CUtensorMap tmG,
                 const __grid_constant__ CUtensorMap tmH, const __grid_constant__ CUtensorMap tmV,
                 const float* __restrict__ S0, bf16* __restrict__ Hs, bf16* __restrict__ Vn, float* __restrict__ Sfin,
-                int T_, int H, int c_begin, int c_end) {
+                int T_, int H, int c_first, int c_last, int nseg = 1, int seg_len = 0) {
+  static_assert(MODE != 2 || DV == kDK, "a transport walk's state is dk × dk");
+  constexpr bool STORE = MODE == 0, READ_U = MODE != 2;
   using L = FwdSmem<NWG, S>;
   extern __shared__ unsigned char smem_raw[];
   unsigned char* sm = smem_1k(smem_raw);
   // the warpgroup (a constant with one: its private tiles' descriptors then stay in uniform registers)
   const int wgi = NWG == 1 ? 0 : threadIdx.x >> 7, vb = blockIdx.x * NWG * kBV, v0 = vb + wgi * kBV;
-  const int h = blockIdx.y, b = blockIdx.z, tid = threadIdx.x;
+  const int h = blockIdx.y, seg = blockIdx.z % nseg, b = blockIdx.z / nseg, tid = threadIdx.x;
   const int warp = (tid >> 5) & 3, lane = tid & 31, g = lane >> 2, t4 = lane & 3;
   const int N = T_ / kC;
-  const long bh = (long)b * H + h;
+  const int c_begin = nseg == 1 ? c_first : c_first + seg * seg_len;
+  const int c_end = nseg == 1 ? c_last : min(c_begin + seg_len, c_last);
+  const long bh = (long)b * H + h, slot = (long)seg * (gridDim.z / nseg) * H + bh;
   unsigned char* sW = sm + L::oW;
   unsigned char* sK = sm + L::oK;
   unsigned char* sU = sm + L::oU;
@@ -216,22 +227,36 @@ __global__ void __launch_bounds__(128 * NWG)
   init_stages<S>(bar);
   auto issue = [&](int c, int buf) {  // one thread
     const int row = (int)(bh * T_ + (long)c * kC), trow = b * T_ + c * kC;
-    mbar_expect(bar + buf, 2 * 16384 + NWG * 4096 + (GATE ? 256 : 0));
+    mbar_expect(bar + buf, 2 * 16384 + (READ_U ? NWG * 4096 : 0) + (GATE ? 256 : 0));
     load_rows(sW + buf * 16384, &tmW, row, bar + buf);
     load_tokens(sK + buf * 16384, &tmK, h, trow, bar + buf);
+    if constexpr (READ_U) {
 #pragma unroll
-    for (int w = 0; w < NWG; ++w) tma2(sU + (buf * NWG + w) * 4096, &tmU, vb + w * kBV, row, bar + buf);
+      for (int w = 0; w < NWG; ++w) tma2(sU + (buf * NWG + w) * 4096, &tmU, vb + w * kBV, row, bar + buf);
+    }
     if constexpr (GATE) tma2(sG + buf * 64, &tmG, 0, row / kC, bar + buf);
   };
   float s[2][16];
-  state_io<false>(s, const_cast<float*>(S0 ? S0 + bh * kDK * DV : nullptr), DV, v0);
+  if constexpr (MODE == 2) {  // the identity's columns v0.. of this warpgroup
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh)
+#pragma unroll
+      for (int j = 0; j < 4; ++j)
+#pragma unroll
+        for (int hf = 0; hf < 2; ++hf)
+#pragma unroll
+          for (int e = 0; e < 2; ++e)
+            s[hh][4 * j + 2 * hf + e] = (64 * hh + 16 * warp + g + 8 * hf == v0 + 8 * j + 2 * t4 + e) ? 1.f : 0.f;
+  } else {
+    state_io<false>(s, const_cast<float*>(S0 ? S0 + slot * kDK * DV : nullptr), DV, v0);
+  }
   if (tid == 0)
     for (int i = 0; i < S - 1 && c_begin + i < c_end; ++i) issue(c_begin + i, i);
   for (int c = c_begin; c < c_end; ++c) {
     const int it = c - c_begin, buf = it % S;
     chunk_start(s, sHt);
     if (tid == 0 && c + S - 1 < c_end) issue(c + S - 1, (it + S - 1) % S);
-    if (wg_leader()) tma_store2(&tmH, v0, (int)((bh * N + c) * kDK), sHt);
+    if (STORE && wg_leader()) tma_store2(&tmH, v0, (int)((bh * N + c) * kDK), sHt);
     mbar_wait(bar + buf, (it / S) & 1);
     const unsigned char* cW = sW + buf * 16384;
     const unsigned char* cK = sK + buf * 16384;
@@ -248,7 +273,8 @@ __global__ void __launch_bounds__(128 * NWG)
       const int r = 16 * warp + g + 8 * hf;
       if constexpr (GATE) e[hf] = __expf(gl - G[r]);
 #pragma unroll
-      for (int j = 0; j < 4; ++j) uu[hf][j] = *reinterpret_cast<const unsigned*>(cU + r * 64 + (8 * j + 2 * t4) * 2);
+      for (int j = 0; j < 4; ++j)
+        uu[hf][j] = READ_U ? *reinterpret_cast<const unsigned*>(cU + r * 64 + (8 * j + 2 * t4) * 2) : 0u;
     }
     wg_wait<0>();
     unsigned x[2][4], xb[2][4];  // V_new and Vb = e^{G_C−G} V_new, bf16 pairs
@@ -268,7 +294,7 @@ __global__ void __launch_bounds__(128 * NWG)
     frag_to_sw64(x, 16 * warp, sVt);
     if constexpr (GATE) frag_to_sw64(xb, 16 * warp, sVb);
     const Desc vdesc = desc_sw64(GATE ? sVb : sVt);  // Vb's B descriptor
-    chunk_middle(&tmV, v0, (int)(bh * T_ + (long)c * kC), sVt);
+    chunk_middle<STORE>(&tmV, v0, (int)(bh * T_ + (long)c * kC), sVt);
     // S ← e^{G_C} S + Kᵀ·(e^{G_C−G} V_new)
     if constexpr (GATE) {
       const float egl = __expf(gl);
@@ -279,7 +305,7 @@ __global__ void __launch_bounds__(128 * NWG)
     }
     update_state(s, cK, vdesc);
   }
-  walk_end(s, Sfin + bh * kDK * DV, DV, v0);
+  walk_end(s, Sfin + slot * kDK * DV, DV, v0);
 }
 
 // ---- reverse walk ----------------------------------------------------------------------------
@@ -303,24 +329,27 @@ struct BwdSmem {
 // matrices), dV_local fp32 [B·H·T][DV] (32 × 64, swizzled), G.
 // dH_c and dV_new leave by bulk tensor stores (tmH, tmV as in fwd_walk_wg: dHs and dVn are written only
 // through them), and their tiles are the products' B operands (dV_new's negated by the product).
-// GATE = false: as in fwd_walk_wg.
-template <int DV, int NWG, int S, bool GATE>
+// GATE = false: as in fwd_walk_wg. Segments as in fwd_walk_wg (dSfin and dS0 at the segment's slot);
+// STORE = false (a segment's summary): only dS0 is written.
+template <int DV, int NWG, int S, bool GATE, bool STORE = true>
 __global__ void __launch_bounds__(128 * NWG) bwd_walk_wg(
     const __grid_constant__ CUtensorMap tmQ, const __grid_constant__ CUtensorMap tmK,
     const __grid_constant__ CUtensorMap tmW, const __grid_constant__ CUtensorMap tmdO,
     const __grid_constant__ CUtensorMap tmdVl, const __grid_constant__ CUtensorMap tmG,
     const __grid_constant__ CUtensorMap tmH, const __grid_constant__ CUtensorMap tmV, const float* __restrict__ dSfin,
-    bf16* __restrict__ dHs, bf16* __restrict__ dVn, float* __restrict__ dS0, int T_, int H, int c_begin,
-    int c_end) {
+    bf16* __restrict__ dHs, bf16* __restrict__ dVn, float* __restrict__ dS0, int T_, int H, int c_first,
+    int c_last, int nseg = 1, int seg_len = 0) {
   using L = BwdSmem<NWG, S>;
   extern __shared__ unsigned char smem_raw[];
   unsigned char* sm = smem_1k(smem_raw);
   // the warpgroup (a constant with one: its private tiles' descriptors then stay in uniform registers)
   const int wgi = NWG == 1 ? 0 : threadIdx.x >> 7, vb = blockIdx.x * NWG * kBV, v0 = vb + wgi * kBV;
-  const int h = blockIdx.y, b = blockIdx.z, tid = threadIdx.x;
+  const int h = blockIdx.y, seg = blockIdx.z % nseg, b = blockIdx.z / nseg, tid = threadIdx.x;
   const int warp = (tid >> 5) & 3, lane = tid & 31, g = lane >> 2, t4 = lane & 3;
   const int N = T_ / kC;
-  const long bh = (long)b * H + h;
+  const int c_begin = nseg == 1 ? c_first : c_first + seg * seg_len;
+  const int c_end = nseg == 1 ? c_last : min(c_begin + seg_len, c_last);
+  const long bh = (long)b * H + h, slot = (long)seg * (gridDim.z / nseg) * H + bh;
   unsigned char* sQ = sm + L::oQ;
   unsigned char* sK = sm + L::oK;
   unsigned char* sW = sm + L::oW;
@@ -346,7 +375,7 @@ __global__ void __launch_bounds__(128 * NWG) bwd_walk_wg(
     if constexpr (GATE) tma2(sG + buf * 64, &tmG, 0, row / kC, bar + buf);
   };
   float s[2][16];
-  state_io<false>(s, const_cast<float*>(dSfin ? dSfin + bh * kDK * DV : nullptr), DV, v0);
+  state_io<false>(s, const_cast<float*>(dSfin ? dSfin + slot * kDK * DV : nullptr), DV, v0);
   const int count = c_end - c_begin;
   if (tid == 0)
     for (int i = 0; i < S - 1 && i < count; ++i) issue(c_end - 1 - i, i);
@@ -354,7 +383,7 @@ __global__ void __launch_bounds__(128 * NWG) bwd_walk_wg(
     const int c = c_end - 1 - it, buf = it % S;
     chunk_start(s, sHt);
     if (tid == 0 && it + S - 1 < count) issue(c - (S - 1), (it + S - 1) % S);
-    if (wg_leader()) tma_store2(&tmH, v0, (int)((bh * N + c) * kDK), sHt);
+    if (STORE && wg_leader()) tma_store2(&tmH, v0, (int)((bh * N + c) * kDK), sHt);
     mbar_wait(bar + buf, (it / S) & 1);
     const unsigned char* cQ = sQ + buf * 16384;
     const unsigned char* cK = sK + buf * 16384;
@@ -401,10 +430,10 @@ __global__ void __launch_bounds__(128 * NWG) bwd_walk_wg(
                         : pk(d[4 * j + 2 * hf] + l[hf][j].x, d[4 * j + 2 * hf + 1] + l[hf][j].y);
     frag_to_sw64(x, 16 * warp, sVt);  // dV_new, the bulk store's tile and (negated) the update's B
     wg_wait<0>();
-    chunk_middle(&tmV, v0, (int)(bh * T_ + (long)c * kC), sVt);
+    chunk_middle<STORE>(&tmV, v0, (int)(bh * T_ + (long)c * kC), sVt);
     update_state<-1>(s, cW, desc_sw64(sVt));  // − Wᵀ dV_new
   }
-  walk_end(s, dS0 + bh * kDK * DV, DV, v0);
+  walk_end(s, dS0 + slot * kDK * DV, DV, v0);
 }
 
 

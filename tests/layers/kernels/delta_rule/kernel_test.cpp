@@ -93,6 +93,65 @@ TEST(DeltaRuleKernel, MatchesChunkwise) {
 #endif
 }
 
+// The segmented bf16 walk at dk = 128 (the chunks in P segments walked at once, each from its exact
+// incoming state through the segments' maps; launch.h, plan_segments) against the chunkwise form in fp32
+// (≤ 1e-2, every output and gradient, NaN-poisoned outputs) and against the one walk (≤ 1e-2), P = 2, 3
+// (not a power of two) and 4, segments of 4 to 8 chunks, with dv = 64, 128, 256 and B = 2 (forced:
+// the backward walks the segments too); the automatic choice at H=1, dv=128, 256 chunks (two segments
+// forward, the backward one walk); and MixerOptions::serial_states walks once whatever segments are asked
+// for: the one walk's bits.
+TEST(DeltaRuleKernel, SegmentedWalkMatchesChunkwise) {
+  if (cuda_device_count() == 0) GTEST_SKIP() << "no CUDA device: GPU tests skipped";
+#ifndef CARRY_WITH_CUDA
+  GTEST_SKIP() << "built without CUDA";
+#else
+  carry::kernels::delta_rule::gdn_set_poison(true);
+  const char* names[] = {"o", "final_state", "dq", "dk", "dv", "dg", "dbeta", "dinitial_state"};
+  for (bool gated : {true, false}) {
+    const Mixer& m = get_mixer(gated ? "gated_deltanet" : "deltanet");
+    for (const Case& c : {Case{1, 1024, 2, 128, 128}, Case{2, 768, 1, 128, 256}, Case{1, 1536, 3, 128, 64},
+                          Case{1, 16384, 1, 128, 128}}) {
+      auto in = gdn_inputs(c, gated, 131 + c.dv);
+      auto s0 = at::randn({c.B, c.H, c.dk, c.dv}, at::kFloat).to(at::kCUDA) * 0.5;
+      const MixerInputs low = inputs_as(in, at::kBFloat16);
+      const MixerInputs up = inputs_as(low, at::kFloat);
+      auto ref = run(m, Form::chunkwise, up, s0);
+      carry::kernels::delta_rule::gdn_set_segments(1);
+      auto whole = run(m, Form::kernel, low, s0);
+      const int64_t N = c.T / 64;
+      for (int P : c.T == 16384 ? std::vector<int>{0} : std::vector<int>{2, 3, 4}) {
+        if (P > 0 && N % P != 0) continue;
+        carry::kernels::delta_rule::gdn_set_segments(P);
+        auto seg = run(m, Form::kernel, low, s0);
+        ASSERT_EQ(seg.size(), ref.size());
+        std::string line;
+        for (size_t i = 0; i < ref.size(); ++i) {
+          const size_t label = gated || i < 5 ? i : i + 1;  // DeltaNet has no dg
+          const double e = rel_err(seg[i], ref[i]), ew = rel_err(seg[i], whole[i]);
+          EXPECT_TRUE(at::isfinite(seg[i]).all().item<bool>()) << names[label] << " has NaN (unwritten?)";
+          EXPECT_LE(e, 1e-2) << m.name() << " B=" << c.B << " T=" << c.T << " H=" << c.H << " dv=" << c.dv
+                             << " segments " << P << ": " << names[label] << " against the chunkwise form";
+          EXPECT_LE(ew, 1e-2) << m.name() << " segments " << P << ": " << names[label] << " against one walk";
+          line += std::string(" ") + names[label] + " " + std::to_string(e);
+        }
+        std::cout << "[ errors   ] " << m.name() << " B=" << c.B << " T=" << c.T << " H=" << c.H << " dv=" << c.dv
+                  << " segments " << P << ":" << line << "\n";
+        MixerOptions serial;
+        serial.serial_states = true;
+        auto r = run_with_grads(m, Form::kernel, low, {s0}, serial, /*seed=*/5);
+        r.outputs.insert(r.outputs.end(), r.grads.begin(), r.grads.end());
+        ASSERT_EQ(r.outputs.size(), whole.size());
+        for (size_t i = 0; i < whole.size(); ++i)
+          EXPECT_TRUE(at::equal(r.outputs[i].to(at::kFloat), whole[i]))
+              << m.name() << " serial_states with " << P << " segments asked: output " << i << " is not one walk's";
+      }
+    }
+  }
+  carry::kernels::delta_rule::gdn_set_segments(0);
+  carry::kernels::delta_rule::gdn_set_poison(false);
+#endif
+}
+
 // The bf16 state walks cut into pieces (the chunk-local kernels of finished pieces on a second
 // stream) give the bits of one walk: outputs, final state and every gradient, with a nonzero initial
 // state and final-state gradient; 7 chunks in pieces of 3 (three pieces, the last shorter) and of 1,
@@ -104,6 +163,7 @@ TEST(DeltaRuleKernel, PiecesGiveTheBitsOfOneWalk) {
 #ifndef CARRY_WITH_CUDA
   GTEST_SKIP() << "built without CUDA";
 #else
+  carry::kernels::delta_rule::gdn_set_segments(1);  // one walk: the pieces are what is tested
   carry::kernels::delta_rule::gdn_set_poison(true);
   for (bool gated : {true, false}) {
     const Mixer& m = get_mixer(gated ? "gated_deltanet" : "deltanet");
@@ -129,6 +189,7 @@ TEST(DeltaRuleKernel, PiecesGiveTheBitsOfOneWalk) {
   }
   carry::kernels::delta_rule::gdn_set_pieces(0);
   carry::kernels::delta_rule::gdn_set_poison(false);
+  carry::kernels::delta_rule::gdn_set_segments(0);
 #endif
 }
 
@@ -140,6 +201,7 @@ TEST(DeltaRuleKernel, TwoWarpgroupsGiveTheBitsOfOne) {
 #ifndef CARRY_WITH_CUDA
   GTEST_SKIP() << "built without CUDA";
 #else
+  carry::kernels::delta_rule::gdn_set_segments(1);  // one walk: the pieces are what is tested
   carry::kernels::delta_rule::gdn_set_poison(true);
   for (bool gated : {true, false}) {
     const Mixer& m = get_mixer(gated ? "gated_deltanet" : "deltanet");
@@ -164,6 +226,7 @@ TEST(DeltaRuleKernel, TwoWarpgroupsGiveTheBitsOfOne) {
   carry::kernels::delta_rule::gdn_set_pieces(0);
   carry::kernels::delta_rule::gdn_set_walk_warpgroups(0);
   carry::kernels::delta_rule::gdn_set_poison(false);
+  carry::kernels::delta_rule::gdn_set_segments(0);
 #endif
 }
 
@@ -176,6 +239,7 @@ TEST(DeltaRuleKernel, UngatedWalksGiveTheBitsOfAZeroGate) {
 #ifndef CARRY_WITH_CUDA
   GTEST_SKIP() << "built without CUDA";
 #else
+  carry::kernels::delta_rule::gdn_set_segments(1);  // one walk: the pieces are what is tested
   carry::kernels::delta_rule::gdn_set_poison(true);
   const Mixer& dn = get_mixer("deltanet");
   const Mixer& gdn = get_mixer("gated_deltanet");
@@ -203,13 +267,15 @@ TEST(DeltaRuleKernel, UngatedWalksGiveTheBitsOfAZeroGate) {
   carry::kernels::delta_rule::gdn_set_pieces(0);
   carry::kernels::delta_rule::gdn_set_walk_warpgroups(0);
   carry::kernels::delta_rule::gdn_set_poison(false);
+  carry::kernels::delta_rule::gdn_set_segments(0);
 #endif
 }
 
 // MixerOptions::on_final_state in the kernel form: called once, from inside the forward right after the
 // state walk is enqueued (the ordered scan's send then runs beside the output kernel). A clone taken in
 // the hook, on the stream at that point, must already hold the returned final state's bits: the hook
-// runs after the walk, not before it. One walk and three pieces, bf16 and fp32.
+// runs after the walk, not before it. One walk, three pieces and seven segments (bf16; fp32 walks once),
+// bf16 and fp32.
 TEST(DeltaRuleKernel, FinalStateHookSeesTheFinishedState) {
   if (cuda_device_count() == 0) GTEST_SKIP() << "no CUDA device: GPU tests skipped";
 #ifndef CARRY_WITH_CUDA
@@ -221,16 +287,19 @@ TEST(DeltaRuleKernel, FinalStateHookSeesTheFinishedState) {
     auto in = gdn_inputs(c, gated, 77);
     auto s0 = at::randn({c.B, c.H, c.dk, c.dv}, at::kFloat).to(at::kCUDA) * 0.5;
     for (auto dt : {at::kBFloat16, at::kFloat})
-      for (int pieces : {1, 3}) {
+      for (auto [pieces, segments] : {std::pair{1, 1}, std::pair{3, 1}, std::pair{1, 7}}) {
         carry::kernels::delta_rule::gdn_set_pieces(pieces);
+        carry::kernels::delta_rule::gdn_set_segments(segments);
         const MixerInputs low = inputs_as(in, dt);
         MixerOptions opt;
         opt.form = Form::kernel;
         check_state_hooks(m, low, {s0}, opt, /*grad_hook_calls=*/1,
-                          m.name() + " " + c10::toString(dt) + " pieces " + std::to_string(pieces));
+                          m.name() + " " + c10::toString(dt) + " pieces " + std::to_string(pieces) + " segments " +
+                              std::to_string(segments));
       }
   }
   carry::kernels::delta_rule::gdn_set_pieces(0);
+  carry::kernels::delta_rule::gdn_set_segments(0);
 #endif
 }
 
