@@ -51,13 +51,29 @@ std::vector<Tensor> run(const Mixer& m, Form form, const MixerInputs& in, const 
   return r.outputs;
 }
 
+// Every output of `got` finite and within `bound` of `ref` (relative max error), labelled by `what`;
+// prints the errors as one "[ errors   ]" line.
+void expect_close(const std::vector<Tensor>& got, const std::vector<Tensor>& ref, bool gated, double bound,
+                  const std::string& what) {
+  static const char* names[] = {"o", "final_state", "dq", "dk", "dv", "dg", "dbeta", "dinitial_state"};
+  ASSERT_EQ(got.size(), ref.size()) << what;
+  std::string line;
+  for (size_t i = 0; i < ref.size(); ++i) {
+    const size_t label = gated || i < 5 ? i : i + 1;  // DeltaNet has no dg
+    const double e = rel_err(got[i], ref[i]);
+    EXPECT_TRUE(at::isfinite(got[i]).all().item<bool>()) << what << ": " << names[label] << " has NaN (unwritten?)";
+    EXPECT_LE(e, bound) << what << ": " << names[label];
+    line += std::string(" ") + names[label] + " " + std::to_string(e);
+  }
+  std::cout << "[ errors   ] " << what << ":" << line << "\n";
+}
+
 TEST(DeltaRuleKernel, MatchesChunkwise) {
   if (cuda_device_count() == 0) GTEST_SKIP() << "no CUDA device: GPU tests skipped";
 #ifndef CARRY_WITH_CUDA
   GTEST_SKIP() << "built without CUDA";
 #else
   carry::kernels::delta_rule::gdn_set_poison(true);
-  const char* names[] = {"o", "final_state", "dq", "dk", "dv", "dg", "dbeta", "dinitial_state"};
   for (bool gated : {true, false}) {
     const Mixer& m = get_mixer(gated ? "gated_deltanet" : "deltanet");
     // dk = 128: the warpgroup walks (32-column tiles); dk = 64: the mma.sync walks, at H=16, dv=128 in
@@ -73,19 +89,9 @@ TEST(DeltaRuleKernel, MatchesChunkwise) {
         ASSERT_EQ(m.resolve_form(low, MixerOptions{}), Form::kernel);
         auto ref = run(m, Form::chunkwise, up, s0);
         auto ker = run(m, Form::kernel, low, s0);
-        ASSERT_EQ(ref.size(), ker.size());
-        const double bound = dt == at::kFloat ? 1e-4 : 1e-2;
-        std::string line;
-        for (size_t i = 0; i < ref.size(); ++i) {
-          size_t label = gated || i < 5 ? i : i + 1;  // DeltaNet has no dg
-          double e = rel_err(ker[i], ref[i]);
-          EXPECT_TRUE(at::isfinite(ker[i]).all().item<bool>()) << names[label] << " has NaN (unwritten?)";
-          EXPECT_LE(e, bound) << m.name() << " " << dt << " B=" << c.B << " T=" << c.T << " H=" << c.H
-                              << " dk=" << c.dk << " dv=" << c.dv << ": " << names[label];
-          line += std::string(" ") + names[label] + " " + std::to_string(e);
-        }
-        std::cout << "[ errors   ] " << m.name() << " " << dt << " B=" << c.B << " T=" << c.T << " H=" << c.H
-                  << " dk=" << c.dk << " dv=" << c.dv << ":" << line << "\n";
+        expect_close(ker, ref, gated, dt == at::kFloat ? 1e-4 : 1e-2,
+                     m.name() + " " + c10::toString(dt) + " B=" + std::to_string(c.B) + " T=" + std::to_string(c.T) +
+                         " H=" + std::to_string(c.H) + " dk=" + std::to_string(c.dk) + " dv=" + std::to_string(c.dv));
       }
     }
   }
@@ -106,7 +112,6 @@ TEST(DeltaRuleKernel, SegmentedWalkMatchesChunkwise) {
   GTEST_SKIP() << "built without CUDA";
 #else
   carry::kernels::delta_rule::gdn_set_poison(true);
-  const char* names[] = {"o", "final_state", "dq", "dk", "dv", "dg", "dbeta", "dinitial_state"};
   for (bool gated : {true, false}) {
     const Mixer& m = get_mixer(gated ? "gated_deltanet" : "deltanet");
     for (const Case& c : {Case{1, 1024, 2, 128, 128}, Case{2, 768, 1, 128, 256}, Case{1, 1536, 3, 128, 64},
@@ -123,19 +128,10 @@ TEST(DeltaRuleKernel, SegmentedWalkMatchesChunkwise) {
         if (P > 0 && N % P != 0) continue;
         carry::kernels::delta_rule::gdn_set_segments(P);
         auto seg = run(m, Form::kernel, low, s0);
-        ASSERT_EQ(seg.size(), ref.size());
-        std::string line;
-        for (size_t i = 0; i < ref.size(); ++i) {
-          const size_t label = gated || i < 5 ? i : i + 1;  // DeltaNet has no dg
-          const double e = rel_err(seg[i], ref[i]), ew = rel_err(seg[i], whole[i]);
-          EXPECT_TRUE(at::isfinite(seg[i]).all().item<bool>()) << names[label] << " has NaN (unwritten?)";
-          EXPECT_LE(e, 1e-2) << m.name() << " B=" << c.B << " T=" << c.T << " H=" << c.H << " dv=" << c.dv
-                             << " segments " << P << ": " << names[label] << " against the chunkwise form";
-          EXPECT_LE(ew, 1e-2) << m.name() << " segments " << P << ": " << names[label] << " against one walk";
-          line += std::string(" ") + names[label] + " " + std::to_string(e);
-        }
-        std::cout << "[ errors   ] " << m.name() << " B=" << c.B << " T=" << c.T << " H=" << c.H << " dv=" << c.dv
-                  << " segments " << P << ":" << line << "\n";
+        const std::string what = m.name() + " B=" + std::to_string(c.B) + " T=" + std::to_string(c.T) + " H=" +
+                                 std::to_string(c.H) + " dv=" + std::to_string(c.dv) + " segments " + std::to_string(P);
+        expect_close(seg, ref, gated, 1e-2, what);
+        expect_close(seg, whole, gated, 1e-2, what + " against one walk");
         MixerOptions serial;
         serial.serial_states = true;
         auto r = run_with_grads(m, Form::kernel, low, {s0}, serial, /*seed=*/5);
