@@ -524,17 +524,16 @@ TEST_P(SequenceParallel, ScanOverNcclOnGpus) {
   check_scan_against_serial(m, g, at::Device(at::kCUDA, world_info().local_rank), " nccl/cuda");
 }
 
-// The kernel forms over NCCL, one GPU a rank: bf16 q, k, v with dk = dv = 128 and chunks of 64, where
+// The kernel forms on `dev` over the groups `g`: bf16 q, k, v with dk = dv = 128 and chunks of 64, where
 // every rank runs linear attention's and the scalar decay's fused kernels (no per-chunk states), GLA's
 // decay-class kernels, the delta rule's (DeltaNet, Gated DeltaNet) and HLA's passes of the decay class's
 // kernels (hla2, ahla, with a decay), each scan mode against the serial
 // chunkwise run in fp32 on the same (upcast) inputs: the outputs, the final state and every gradient, the
 // initial state's included, within 1e-2 (the bf16 products' rounding, as the one-GPU kernel tests bound).
-TEST(KernelForms, ScanOverNcclMatchesSerial) {
-  if (!gpus_for_every_rank()) GTEST_SKIP() << "needs NCCL and one CUDA device a rank";
-  ProcessGroups& g = nccl_groups(1, world_size());
+// At 3 ranks and more the ranks between the ends of tree and allgather run the one-pass form (the slice
+// from the zero state, then S_in's share added) where the family has it.
+void check_kernel_forms(ProcessGroups& g, at::Device dev, const std::string& where) {
   const int P = g.layout.sp;
-  const at::Device dev(at::kCUDA, world_info().local_rank);
   for (const char* name :
        {"linear_attn", "scalar_decay", "gla", "deltanet", "gated_deltanet", "gated_deltaproduct", "hla2", "ahla"}) {
     const Mixer& m = get_mixer(name);
@@ -561,16 +560,45 @@ TEST(KernelForms, ScanOverNcclMatchesSerial) {
         ScanRun ser = serial_run(m, up, init, opt, w, P);
         e_out = max_err(par.outputs, ser.outputs);
         e_grad = max_err(par.grads, ser.grads);
+        if (e_grad > 1e-2)  // which gradient, and on which rank's tokens
+          for (size_t i = 0; i < par.grads.size() && i < ser.grads.size(); ++i) {
+            std::cout << "[ errors   ]   " << name << " " << scan_mode_name(mode) << " gradient " << i << ": "
+                      << carry::testing::rel_err(par.grads[i], ser.grads[i]);
+            if (par.grads[i].dim() > 1 && par.grads[i].size(1) == s.T)
+              for (int j = 0; j < P; ++j)
+                std::cout << (j ? ", " : " (by rank: ")
+                          << carry::testing::rel_err(par.grads[i].narrow(1, j * (s.T / P), s.T / P),
+                                                     ser.grads[i].narrow(1, j * (s.T / P), s.T / P))
+                          << (j == P - 1 ? ")" : "");
+            std::cout << "\n";
+          }
       }
       e_out = max_over_world(e_out);
       e_grad = max_over_world(e_grad);
-      const std::string tag = std::string(name) + " " + scan_mode_name(mode) + " bf16 kernels sp=" + std::to_string(P);
+      const std::string tag =
+          std::string(name) + " " + scan_mode_name(mode) + " bf16 kernels sp=" + std::to_string(P) + where;
       if (world_rank() == 0)
         std::cout << "[ errors   ] " << tag << ": forward " << e_out << " gradients " << e_grad << "\n";
       EXPECT_LE(e_out, 1e-2) << tag;
       EXPECT_LE(e_grad, 1e-2) << tag;
     }
   }
+}
+
+// Over NCCL, one GPU a rank.
+TEST(KernelForms, ScanOverNcclMatchesSerial) {
+  if (!gpus_for_every_rank()) GTEST_SKIP() << "needs NCCL and one CUDA device a rank";
+  check_kernel_forms(nccl_groups(1, world_size()), at::Device(at::kCUDA, world_info().local_rank), " nccl");
+}
+
+// Over MPI with the ranks sharing the host's GPUs (rank r on device r mod the device count): the same
+// kernels and scans on a machine with fewer GPUs than ranks (NCCL takes one GPU a rank).
+TEST(KernelForms, ScanOverMpiOnSharedGpusMatchesSerial) {
+  double none = torch::cuda::device_count() == 0 ? 1 : 0, any_none = 0;
+  MPI_Allreduce(&none, &any_none, 1, MPI_DOUBLE, MPI_MAX, MPI_COMM_WORLD);
+  if (any_none > 0) GTEST_SKIP() << "needs a CUDA device on every rank";
+  const auto device = static_cast<c10::DeviceIndex>(world_info().local_rank % torch::cuda::device_count());
+  check_kernel_forms(groups(1, world_size()), at::Device(at::kCUDA, device), " mpi/shared gpu");
 }
 
 // ordered pipelined over G head groups (H = 4 heads; G = 1, 2, 4): outputs, final state and every
