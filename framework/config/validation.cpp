@@ -204,6 +204,9 @@ void check_mqar(const RunConfig& c, Errors& e) {
   else if (T_ok && N > T) e.add("data.mqar.num_kv_pairs", "must not exceed data.seq_len (", T, "), got ", N);
   if (Q <= 0) e.add("data.mqar.num_queries", "must be positive, got ", Q);
   else if (T_ok && Q > T) e.add("data.mqar.num_queries", "must not exceed data.seq_len (", T, "), got ", Q);
+  if (q.min_kv_pairs() < 0 || (N > 0 && q.min_kv_pairs() > N))
+    e.add("data.mqar.min_kv_pairs", "must be 0 (every sequence holds num_kv_pairs) or in [1, num_kv_pairs = ", N,
+          "], got ", q.min_kv_pairs());
   if (V < 3) e.add("data.mqar.vocab_size", "must be at least 3 (pad, one key, one value), got ", V);
   else if ((V - 1) / 2 < N)
     e.add("data.mqar.vocab_size", V, " gives ", (V - 1) / 2, " key tokens, fewer than num_kv_pairs (", N, ")");

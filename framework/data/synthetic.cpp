@@ -39,6 +39,8 @@ void check_mqar(const MqarSpec& s) {
               s.num_kv_pairs, " and ", s.num_queries);
   TORCH_CHECK(s.vocab_size >= 3 && (s.vocab_size - 1) / 2 >= s.num_kv_pairs, "mqar: vocab_size ", s.vocab_size,
               " gives ", (s.vocab_size - 1) / 2, " key tokens, fewer than num_kv_pairs ", s.num_kv_pairs);
+  TORCH_CHECK(s.min_kv_pairs >= 0 && s.min_kv_pairs <= s.num_kv_pairs, "mqar: min_kv_pairs must be in [0, ",
+              s.num_kv_pairs, "], got ", s.min_kv_pairs);
   TORCH_CHECK(2 * (s.num_kv_pairs + s.num_queries) <= s.seq_len, "mqar: 2*(num_kv_pairs + num_queries) = ",
               2 * (s.num_kv_pairs + s.num_queries), " tokens do not fit in seq_len ", s.seq_len);
 }
@@ -54,7 +56,10 @@ void check_needle(const NeedleSpec& s) {
 }
 
 void mqar_sequence(const MqarSpec& s, CounterRng& rng, int64_t* x, int64_t* y, bool* m) {
-  const int64_t T = s.seq_len, N = s.num_kv_pairs, Q = s.num_queries, K = (s.vocab_size - 1) / 2;
+  const int64_t T = s.seq_len, Q = s.num_queries, K = (s.vocab_size - 1) / 2;
+  const int64_t N = s.min_kv_pairs > 0 ? s.min_kv_pairs + static_cast<int64_t>(rng.below(static_cast<uint64_t>(
+                                                               s.num_kv_pairs - s.min_kv_pairs + 1)))
+                                       : s.num_kv_pairs;
   const int64_t value_base = 1 + K, num_values = s.vocab_size - value_base;
   std::fill(x, x + T, 0);
   std::fill(y, y + T, kIgnoreIndex);
@@ -163,7 +168,8 @@ uint64_t CounterRng::below(uint64_t n) {
 
 MqarSpec mqar_spec(const config::DataConfig& data) {
   TORCH_CHECK(data.has_mqar(), "data: the source is not mqar");
-  return {data.seq_len(), data.mqar().num_kv_pairs(), data.mqar().num_queries(), data.mqar().vocab_size()};
+  return {data.seq_len(), data.mqar().num_kv_pairs(), data.mqar().num_queries(), data.mqar().vocab_size(),
+          data.mqar().min_kv_pairs()};
 }
 
 NeedleSpec needle_spec(const config::DataConfig& data) {

@@ -53,6 +53,7 @@ struct MqarSpec {
   int64_t num_kv_pairs = 16;
   int64_t num_queries = 16;
   int64_t vocab_size = 8192;
+  int64_t min_kv_pairs = 0;  // > 0: a sequence's pair count is uniform in [min_kv_pairs, num_kv_pairs]
 };
 
 struct NeedleSpec {

@@ -243,6 +243,7 @@ TEST_F(ConfigTest, BadValuesOfManyKinds) {
   c.mutable_model()->add_mixers("glaa");
   c.mutable_model()->add_mixer_options()->set_window(128);
   c.mutable_data()->mutable_mqar()->set_num_queries(100);
+  c.mutable_data()->mutable_mqar()->set_min_kv_pairs(c.data().mqar().num_kv_pairs() + 1);
   c.mutable_optimizer()->set_beta2(1.0);
   c.mutable_checkpoint()->set_every_steps(10);
   c.set_name("a b");
@@ -262,6 +263,8 @@ TEST_F(ConfigTest, BadValuesOfManyKinds) {
   EXPECT_TRUE(has("model.mixer_options[0].window: only softmax_attn uses 'window', but this entry applies to gla "
                   "layers (give the entry a kind)")) << all;
   EXPECT_TRUE(has("data.mqar: 2*(num_kv_pairs + num_queries) = 208 tokens do not fit in data.seq_len (128)")) << all;
+  EXPECT_TRUE(has("data.mqar.min_kv_pairs: must be 0 (every sequence holds num_kv_pairs) or in [1, num_kv_pairs "
+                  "= 4], got 5")) << all;
   EXPECT_TRUE(has("optimizer.beta2: must lie in [0, 1), got 1")) << all;
   EXPECT_TRUE(has("checkpoint.dir: is needed when checkpoint.every_steps > 0 (10)")) << all;
 }

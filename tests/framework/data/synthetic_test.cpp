@@ -104,9 +104,53 @@ TEST(Mqar, QueriesAskDistinctKeysWhenTheyCan) {
   }
 }
 
+// min_kv_pairs: each sequence's pair count is drawn from [min_kv_pairs, num_kv_pairs]. The pairs are the
+// leading run of distinct keys each followed by a value; every query asks one of them and is answered.
+TEST(Mqar, PairCountsDrawnFromTheRange) {
+  const MqarSpec spec{/*seq_len=*/96, /*num_kv_pairs=*/16, /*num_queries=*/8, /*vocab_size=*/101, /*min_kv_pairs=*/4};
+  const int64_t K = (spec.vocab_size - 1) / 2;
+  auto b = mqar_batch(spec, 7, 0, 0, 64);
+  EXPECT_TRUE(equal(b, mqar_batch(spec, 7, 0, 0, 64)));
+  auto x = b.tokens.accessor<int64_t, 2>();
+  auto y = b.targets.accessor<int64_t, 2>();
+  auto m = b.loss_mask.accessor<bool, 2>();
+  std::set<int64_t> counts;
+  for (int64_t r = 0; r < 64; ++r) {
+    std::map<int64_t, int64_t> value_of;
+    int64_t n = 0;
+    while (n < spec.num_kv_pairs && x[r][2 * n] >= 1 && x[r][2 * n] < 1 + K && !m[r][2 * n] &&
+           !value_of.count(x[r][2 * n])) {
+      ASSERT_GE(x[r][2 * n + 1], 1 + K);
+      value_of[x[r][2 * n]] = x[r][2 * n + 1];
+      ++n;
+    }
+    ASSERT_GE(n, spec.min_kv_pairs);
+    ASSERT_LE(n, spec.num_kv_pairs);
+    counts.insert(n);
+    int64_t queries = 0;
+    for (int64_t t = 2 * n; t < spec.seq_len; ++t) {
+      if (!m[r][t]) continue;
+      ++queries;
+      ASSERT_TRUE(value_of.count(x[r][t])) << "row " << r << ": query " << x[r][t] << " asks no pair";
+      ASSERT_EQ(y[r][t], value_of[x[r][t]]);
+    }
+    ASSERT_EQ(queries, spec.num_queries);
+  }
+  // 64 draws from 13 counts: both ends and most counts between are met.
+  EXPECT_GE(counts.size(), 10u);
+  EXPECT_EQ(*counts.begin(), spec.min_kv_pairs);
+  EXPECT_EQ(*counts.rbegin(), spec.num_kv_pairs);
+  // min_kv_pairs = 0 keeps the fixed count and the batches generated without it.
+  MqarSpec fixed = spec;
+  fixed.min_kv_pairs = 0;
+  EXPECT_TRUE(equal(mqar_batch(fixed, 7, 0, 0, 4), mqar_batch(MqarSpec{96, 16, 8, 101}, 7, 0, 0, 4)));
+  EXPECT_FALSE(mqar_batch(fixed, 7, 0, 0, 4).tokens.equal(mqar_batch(spec, 7, 0, 0, 4).tokens));
+}
+
 TEST(Mqar, SpecErrors) {
   EXPECT_THROW(mqar_batch(MqarSpec{30, 8, 8, 101}, 1, 0, 0, 1), c10::Error);  // 2*(8+8) > 30
   EXPECT_THROW(mqar_batch(MqarSpec{64, 8, 8, 15}, 1, 0, 0, 1), c10::Error);   // 7 keys < 8 pairs
+  EXPECT_THROW(mqar_batch(MqarSpec{64, 8, 8, 101, 9}, 1, 0, 0, 1), c10::Error);  // min_kv_pairs > num_kv_pairs
 }
 
 const NeedleSpec kNeedle{/*seq_len=*/512, /*vocab_size=*/403, /*value_len=*/3, /*num_distractors=*/4};
