@@ -5,7 +5,9 @@
 # the test reports itself skipped (exit 77).
 set -u
 root=$(cd "$(dirname "$0")/../.." && pwd)
-py=${CARRY_PYTHON:-python3}
+# The project's .venv (launcher/python_env installs pyarrow there) when it exists, else python3.
+py=${CARRY_PYTHON:-$root/.venv/bin/python3}
+[ -x "$py" ] || py=python3
 dir=$(mktemp -d /tmp/carry_parquet_XXXXXX)
 trap 'rm -rf "$dir"' EXIT
 if ! "$py" -c 'import pyarrow' 2>/dev/null; then
