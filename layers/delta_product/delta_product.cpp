@@ -132,7 +132,7 @@ class GatedDeltaProduct final : public Mixer {
   MixerOutput kernel(const MixerInputs& in, const State& init, const MixerOptions& opt) const override {
     check(in, opt, /*chunked=*/true);
     TORCH_CHECK(kernel_supports(in, opt), name(), ": the kernel form (Gated DeltaNet's kernels on the sub-tokens) "
-                "takes CUDA tensors in bf16 or fp32, dk in {64, 128}, dv in {64, 128, 256} and chunk_size 64; got q ",
+                "takes CUDA tensors in bf16 or fp32, dk in {64, 128}, dv in {64, 128, 256} and chunk_size 64, on a Hopper GPU; got q ",
                 shape_str(in.q.sizes()), " ", in.q.scalar_type(), " on ", in.q.device(), ", v ",
                 shape_str(in.v.sizes()), ", chunk_size ", opt.chunk_size);
     const int64_t nh = opt.num_householder;

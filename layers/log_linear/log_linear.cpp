@@ -22,6 +22,7 @@
 // chunks' transports; compose and apply transport, merge and add (log_linear.h gives the layout).
 #include "layers/log_linear/log_linear.h"
 
+#include "layers/core/fused_switch.h"
 #include "layers/layout.h"
 #include "layers/delta_rule/delta_rule.h"
 #include "layers/log_linear/fenwick.h"
@@ -190,12 +191,13 @@ class LogLinear : public Mixer {
     const int64_t dk = in.q.size(3), dv = in.v.size(3);
     if (dt != at::kBFloat16 && dt != at::kFloat) return false;
     if (base_ == Base::mamba2) return true;  // matrix products: any width, any chunk
-    return (dk == 64 || dk == 128) && (dv == 64 || dv == 128 || dv == 256) && opt.chunk_size == 64;
+    return (dk == 64 || dk == 128) && (dv == 64 || dv == 128 || dv == 256) && opt.chunk_size == 64 &&
+           gpu_runs_hopper_kernels();  // the walk and the chunk preparation are wgmma kernels
   }
   MixerOutput kernel(const MixerInputs& in, const State& init, const MixerOptions& opt) const override {
     check(in, opt, true);
     TORCH_CHECK(kernel_supports(in, opt), name(), ": the kernel form takes CUDA tensors in bf16 or fp32",
-                base_ == Base::mamba2 ? "" : ", dk in {64, 128}, dv in {64, 128, 256} and chunk_size 64",
+                base_ == Base::mamba2 ? "" : ", dk in {64, 128}, dv in {64, 128, 256} and chunk_size 64 on a Hopper GPU",
                 "; got q ", shape_str(in.q.sizes()), " ", in.q.scalar_type(), " on ", in.q.device(), ", v ",
                 shape_str(in.v.sizes()), ", chunk_size ", opt.chunk_size);
     if (base_ == Base::mamba2)
