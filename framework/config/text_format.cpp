@@ -166,22 +166,23 @@ void place_at_line_end(const std::string& text, CollectErrors::Item& e) {
 }  // namespace
 
 std::string read_text_file(const std::string& path) {
+  const std::string shown = printable(path, false);  // a path from a damaged file may hold any byte
   struct stat st;
   if (::stat(path.c_str(), &st) != 0)
-    throw ConfigError("cannot read config file '" + path + "': " + std::strerror(errno));
+    throw ConfigError("cannot read config file '" + shown + "': " + std::strerror(errno));
   if (S_ISDIR(st.st_mode))
-    throw ConfigError("cannot read config file '" + path + "': it is a directory; expected a .textproto file");
+    throw ConfigError("cannot read config file '" + shown + "': it is a directory; expected a .textproto file");
   std::ifstream in(path, std::ios::binary);
-  if (!in) throw ConfigError("cannot read config file '" + path + "': " + std::strerror(errno));
+  if (!in) throw ConfigError("cannot read config file '" + shown + "': " + std::strerror(errno));
   std::string text;
   char buf[65536];
   while (in.read(buf, sizeof buf) || in.gcount() > 0) {
     text.append(buf, static_cast<size_t>(in.gcount()));
     if (text.size() > kMaxConfigBytes)
-      throw ConfigError("config file '" + path + "' is larger than " + std::to_string(kMaxConfigBytes >> 20) +
+      throw ConfigError("config file '" + shown + "' is larger than " + std::to_string(kMaxConfigBytes >> 20) +
                         " MiB; a config is a short textproto file");
   }
-  if (in.bad()) throw ConfigError("cannot read config file '" + path + "': " + std::strerror(errno));
+  if (in.bad()) throw ConfigError("cannot read config file '" + shown + "': " + std::strerror(errno));
   return text;
 }
 

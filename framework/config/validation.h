@@ -4,6 +4,7 @@
 #pragma once
 
 #include "framework/config/config.h"
+#include "framework/printable.h"
 
 #include <sstream>
 #include <string>
@@ -30,7 +31,7 @@ class Errors {
     }
     std::ostringstream os;
     (os << ... << args);
-    list.push_back({path, os.str()});
+    list.push_back({path, printable(os.str())});  // values echoed from a file: no raw control bytes
   }
   std::vector<FieldError> list;
   size_t more = 0;
