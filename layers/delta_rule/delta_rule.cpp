@@ -12,6 +12,7 @@
 // transport chains and states are never formed below fp32.
 #include "layers/delta_rule/delta_rule.h"
 
+#include "layers/core/fused_switch.h"
 #include "layers/kda/kda.h"
 #include "layers/rwkv7/rwkv7.h"
 #include "layers/layout.h"
@@ -171,7 +172,8 @@ class DeltaRule : public Mixer {
 #ifdef CARRY_WITH_CUDA
   // The kernel form: layers/kernels/delta_rule/{fwd,bwd}.cu through the autograd op of layers/kernels/delta_rule/op.cpp
   // (DeltaNet and Gated DeltaNet; KDA and RWKV-7 have none yet).
-  bool has_kernel() const override { return gate_ == Gate::none || gate_ == Gate::scalar; }
+  // The kernels are Hopper's (wgmma): on another GPU the layer has no kernel form (fused_switch.h).
+  bool has_kernel() const override { return (gate_ == Gate::none || gate_ == Gate::scalar) && gpu_runs_hopper_kernels(); }
   bool kernel_supports(const MixerInputs& in, const MixerOptions& opt) const override {
     return has_kernel() && delta_rule_kernel_supports(in, opt);
   }

@@ -184,7 +184,8 @@ class LogLinear : public Mixer {
 #ifdef CARRY_WITH_CUDA
   // The kernel forms (level_passes.h): Mamba-2's levels above the chunk as matrix products (cuBLAS);
   // Gated DeltaNet every level above the chunk in one walk (level_walk.h, its kernels for bf16).
-  bool has_kernel() const override { return true; }
+  // Gated DeltaNet's walk is a Hopper kernel (wgmma): on another GPU only the Mamba-2 base has a kernel form.
+  bool has_kernel() const override { return base_ == Base::mamba2 || gpu_runs_hopper_kernels(); }
   bool kernel_supports(const MixerInputs& in, const MixerOptions& opt) const override {
     if (!in.q.defined() || !in.v.defined() || !in.q.is_cuda() || in.q.dim() != 4 || in.v.dim() != 4) return false;
     const auto dt = in.q.scalar_type();
