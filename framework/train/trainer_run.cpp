@@ -97,7 +97,7 @@ std::string Trainer::data_description() const {
     const auto& q = d.mqar();
     source = "MQAR (" + (q.min_kv_pairs() > 0 ? std::to_string(q.min_kv_pairs()) + " to " : std::string()) +
              std::to_string(q.num_kv_pairs()) + " key-value pairs, " +
-             std::to_string(d.mqar().num_queries()) + " queries)";
+             std::to_string(q.num_queries()) + " queries)";
   } else if (d.has_needle()) {
     source = "needle in a haystack (vocabulary " + std::to_string(d.needle().vocab_size()) + ")";
   } else if (d.has_token_files()) {

@@ -28,8 +28,8 @@ bool fused_ops_run_on(int major, int minor);
 bool hopper_kernels_run_on(int major, int minor);
 
 // The first CUDA device runs the Hopper-only kernels (true without a CUDA device): the delta rule's
-// kernel_supports checks it, so its automatic dispatch takes the chunkwise form elsewhere and an explicit
-// kernel form says why it cannot run.
+// layers have a kernel form (has_kernel) only where it does, so elsewhere their automatic dispatch takes
+// the chunkwise form and an explicit kernel form says why it cannot run.
 bool gpu_runs_hopper_kernels();
 
 }  // namespace carry

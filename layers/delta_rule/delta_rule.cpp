@@ -179,7 +179,7 @@ class DeltaRule : public Mixer {
   }
   MixerOutput kernel(const MixerInputs& in, const State& init, const MixerOptions& opt) const override {
     check(in, opt, /*chunked=*/true);
-    TORCH_CHECK(delta_rule_kernel_supports(in, opt), name(), ": the kernel form takes CUDA tensors in bf16 or "
+    TORCH_CHECK(kernel_supports(in, opt), name(), ": the kernel form takes CUDA tensors in bf16 or "
                 "fp32, dk in {64, 128}, dv in {64, 128, 256} and chunk_size 64, on a Hopper GPU; got q ", shape_str(in.q.sizes()),
                 " ", in.q.scalar_type(), " on ", in.q.device(), ", v ", shape_str(in.v.sizes()),
                 ", chunk_size ", opt.chunk_size);

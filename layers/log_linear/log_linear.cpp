@@ -187,13 +187,13 @@ class LogLinear : public Mixer {
   // Gated DeltaNet's walk is a Hopper kernel (wgmma): on another GPU only the Mamba-2 base has a kernel form.
   bool has_kernel() const override { return base_ == Base::mamba2 || gpu_runs_hopper_kernels(); }
   bool kernel_supports(const MixerInputs& in, const MixerOptions& opt) const override {
-    if (!in.q.defined() || !in.v.defined() || !in.q.is_cuda() || in.q.dim() != 4 || in.v.dim() != 4) return false;
+    if (!has_kernel() || !in.q.defined() || !in.v.defined() || !in.q.is_cuda() || in.q.dim() != 4 || in.v.dim() != 4)
+      return false;
     const auto dt = in.q.scalar_type();
     const int64_t dk = in.q.size(3), dv = in.v.size(3);
     if (dt != at::kBFloat16 && dt != at::kFloat) return false;
     if (base_ == Base::mamba2) return true;  // matrix products: any width, any chunk
-    return (dk == 64 || dk == 128) && (dv == 64 || dv == 128 || dv == 256) && opt.chunk_size == 64 &&
-           gpu_runs_hopper_kernels();  // the walk and the chunk preparation are wgmma kernels
+    return (dk == 64 || dk == 128) && (dv == 64 || dv == 128 || dv == 256) && opt.chunk_size == 64;
   }
   MixerOutput kernel(const MixerInputs& in, const State& init, const MixerOptions& opt) const override {
     check(in, opt, true);

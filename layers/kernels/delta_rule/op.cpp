@@ -4,7 +4,6 @@
 
 #include "layers/kernels/primitives/state_grad_hook.h"
 #include "layers/kernels/delta_rule/api.h"
-#include "layers/core/fused_switch.h"
 
 #include <torch/csrc/autograd/custom_function.h>
 
@@ -63,7 +62,7 @@ bool delta_rule_kernel_supports(const MixerInputs& in, const MixerOptions& opt) 
   const auto dt = in.q.scalar_type();
   const int64_t dk = in.q.size(3), dv = in.v.size(3);
   return (dt == at::kBFloat16 || dt == at::kFloat) && (dk == 64 || dk == 128) &&
-         (dv == 64 || dv == 128 || dv == 256) && opt.chunk_size == 64 && gpu_runs_hopper_kernels();
+         (dv == 64 || dv == 128 || dv == 256) && opt.chunk_size == 64;
 }
 
 MixerOutput delta_rule_kernel_forward(const MixerInputs& in, const Tensor& initial_state, const MixerOptions& opt) {
