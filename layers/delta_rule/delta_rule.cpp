@@ -14,6 +14,7 @@
 
 #include "layers/core/fused_switch.h"
 #include "layers/kda/kda.h"
+#include "layers/kda/kernel_form.h"
 #include "layers/rwkv7/rwkv7.h"
 #include "layers/layout.h"
 #ifdef CARRY_WITH_CUDA
@@ -170,15 +171,26 @@ class DeltaRule : public Mixer {
   }
 
 #ifdef CARRY_WITH_CUDA
-  // The kernel form: layers/kernels/delta_rule/{fwd,bwd}.cu through the autograd op of layers/kernels/delta_rule/op.cpp
-  // (DeltaNet and Gated DeltaNet; KDA and RWKV-7 have none yet).
-  // The kernels are Hopper's (wgmma): on another GPU the layer has no kernel form (fused_switch.h).
-  bool has_kernel() const override { return (gate_ == Gate::none || gate_ == Gate::scalar) && gpu_runs_hopper_kernels(); }
+  // The kernel forms: DeltaNet and Gated DeltaNet through layers/kernels/delta_rule/{fwd,bwd}.cu and the
+  // autograd op of layers/kernels/delta_rule/op.cpp, Hopper's kernels (wgmma: on another GPU those layers
+  // have no kernel form, fused_switch.h); KDA through layers/kda/kernel_form.h (its walks run on any GPU).
+  // RWKV-7 has none yet.
+  bool has_kernel() const override {
+    return gate_ == Gate::diag || ((gate_ == Gate::none || gate_ == Gate::scalar) && gpu_runs_hopper_kernels());
+  }
   bool kernel_supports(const MixerInputs& in, const MixerOptions& opt) const override {
+    if (gate_ == Gate::diag) return kda_kernel_supports(in, opt);
     return has_kernel() && delta_rule_kernel_supports(in, opt);
   }
   MixerOutput kernel(const MixerInputs& in, const State& init, const MixerOptions& opt) const override {
     check(in, opt, /*chunked=*/true);
+    if (gate_ == Gate::diag) {
+      TORCH_CHECK(kernel_supports(in, opt), name(), ": the kernel form takes CUDA tensors in bf16 or fp32, dk in "
+                  "{64, 128}, dv a multiple of 16 up to 256 and chunk_size 64; got q ", shape_str(in.q.sizes()), " ",
+                  in.q.scalar_type(), " on ", in.q.device(), ", v ", shape_str(in.v.sizes()), ", chunk_size ",
+                  opt.chunk_size);
+      return kda_kernel_form(in, init.empty() ? Tensor() : init[0], opt);
+    }
     TORCH_CHECK(kernel_supports(in, opt), name(), ": the kernel form takes CUDA tensors in bf16 or "
                 "fp32, dk in {64, 128}, dv in {64, 128, 256} and chunk_size 64, on a Hopper GPU; got q ", shape_str(in.q.sizes()),
                 " ", in.q.scalar_type(), " on ", in.q.device(), ", v ", shape_str(in.v.sizes()),
