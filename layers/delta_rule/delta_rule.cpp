@@ -15,6 +15,7 @@
 #include "layers/core/fused_switch.h"
 #include "layers/kda/kda.h"
 #include "layers/kda/kernel_form.h"
+#include "layers/rwkv7/kernel_form.h"
 #include "layers/rwkv7/rwkv7.h"
 #include "layers/layout.h"
 #ifdef CARRY_WITH_CUDA
@@ -173,23 +174,26 @@ class DeltaRule : public Mixer {
 #ifdef CARRY_WITH_CUDA
   // The kernel forms: DeltaNet and Gated DeltaNet through layers/kernels/delta_rule/{fwd,bwd}.cu and the
   // autograd op of layers/kernels/delta_rule/op.cpp, Hopper's kernels (wgmma: on another GPU those layers
-  // have no kernel form, fused_switch.h); KDA through layers/kda/kernel_form.h (its walks run on any GPU).
-  // RWKV-7 has none yet.
+  // have no kernel form, fused_switch.h); KDA and RWKV-7 through layers/kda/kernel_form.h and
+  // layers/rwkv7/kernel_form.h (their walks run on any GPU).
   bool has_kernel() const override {
-    return gate_ == Gate::diag || ((gate_ == Gate::none || gate_ == Gate::scalar) && gpu_runs_hopper_kernels());
+    return gate_ == Gate::diag || gate_ == Gate::dplr ||
+           ((gate_ == Gate::none || gate_ == Gate::scalar) && gpu_runs_hopper_kernels());
   }
   bool kernel_supports(const MixerInputs& in, const MixerOptions& opt) const override {
     if (gate_ == Gate::diag) return kda_kernel_supports(in, opt);
+    if (gate_ == Gate::dplr) return rwkv7_kernel_supports(in, opt);
     return has_kernel() && delta_rule_kernel_supports(in, opt);
   }
   MixerOutput kernel(const MixerInputs& in, const State& init, const MixerOptions& opt) const override {
     check(in, opt, /*chunked=*/true);
-    if (gate_ == Gate::diag) {
+    if (gate_ == Gate::diag || gate_ == Gate::dplr) {
       TORCH_CHECK(kernel_supports(in, opt), name(), ": the kernel form takes CUDA tensors in bf16 or fp32, dk in "
                   "{64, 128}, dv a multiple of 16 up to 256 and chunk_size 64; got q ", shape_str(in.q.sizes()), " ",
                   in.q.scalar_type(), " on ", in.q.device(), ", v ", shape_str(in.v.sizes()), ", chunk_size ",
                   opt.chunk_size);
-      return kda_kernel_form(in, init.empty() ? Tensor() : init[0], opt);
+      return gate_ == Gate::diag ? kda_kernel_form(in, init.empty() ? Tensor() : init[0], opt)
+                                 : rwkv7_kernel_form(in, init.empty() ? Tensor() : init[0], opt);
     }
     TORCH_CHECK(kernel_supports(in, opt), name(), ": the kernel form takes CUDA tensors in bf16 or "
                 "fp32, dk in {64, 128}, dv in {64, 128, 256} and chunk_size 64, on a Hopper GPU; got q ", shape_str(in.q.sizes()),
