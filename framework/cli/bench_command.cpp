@@ -35,7 +35,7 @@ namespace {
 
 const char* kUsage =
     "usage: carry bench kernels [--families gla,scalar_decay,linear_attn,deltanet,gated_deltanet,softmax_attn]\n"
-    "                           (also hla2, ahla, loglinear_mamba2, loglinear_gdn, mamba1, kda)\n"
+    "                           (also hla2, ahla, loglinear_mamba2, loglinear_gdn, mamba1)\n"
     "                           [--T 16384,65536] [--heads 16] [--dk 128] [--dv 128] [--window 2048] [--reps 20]\n"
     "                           [--timer events|wall] [--serial] [--pieces N [--ramp]] [--delta-segments N]\n"
     "                           [--decay-segments N] [--decay-pieces N] [--scan-segments N] [--checksum]\n"
@@ -228,7 +228,7 @@ Floors floors(const Mixer& m, int64_t T, const Shape& s, int64_t window) {
     return {fwd_bytes, fb_bytes, flops, 3.5 * flops};
   }
   double flops = 2 * C * (s.dk + s.dv) + 4.0 * s.dk * s.dv;
-  if (m.name() == "deltanet" || m.name() == "gated_deltanet" || m.name() == "kda") flops += 2 * C * (2 * s.dk + s.dv);
+  if (m.name() == "deltanet" || m.name() == "gated_deltanet") flops += 2 * C * (2 * s.dk + s.dv);
   // HLA, per token, the products of its chunkwise form (layers/hla/hla.cpp): hla2 three C-wide products
   // on dk and on dv, two dk×dk (Q S, the S update) and five dk×dv; ahla one on dk, two on dv, four dk×dv.
   if (m.name() == "hla2") flops = 2 * (3 * C * s.dk + 3 * C * s.dv + 2.0 * s.dk * s.dk + 5.0 * s.dk * s.dv);

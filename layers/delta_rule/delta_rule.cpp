@@ -174,11 +174,11 @@ class DeltaRule : public Mixer {
 #ifdef CARRY_WITH_CUDA
   // The kernel forms: DeltaNet and Gated DeltaNet through layers/kernels/delta_rule/{fwd,bwd}.cu and the
   // autograd op of layers/kernels/delta_rule/op.cpp, Hopper's kernels (wgmma: on another GPU those layers
-  // have no kernel form, fused_switch.h); KDA and RWKV-7 through layers/kda/kernel_form.h and
-  // layers/rwkv7/kernel_form.h (their walks run on any GPU).
+  // have no kernel form, fused_switch.h). KDA's and RWKV-7's kernel forms (layers/kda/kernel_form.h,
+  // layers/rwkv7/kernel_form.h: their state walks run on any GPU) are reached through kernel() but not
+  // chosen by has_kernel() until their GPU tests (KdaKernelForm.*, Rwkv7KernelForm.*) have passed on a GPU.
   bool has_kernel() const override {
-    return gate_ == Gate::diag || gate_ == Gate::dplr ||
-           ((gate_ == Gate::none || gate_ == Gate::scalar) && gpu_runs_hopper_kernels());
+    return (gate_ == Gate::none || gate_ == Gate::scalar) && gpu_runs_hopper_kernels();
   }
   bool kernel_supports(const MixerInputs& in, const MixerOptions& opt) const override {
     if (gate_ == Gate::diag) return kda_kernel_supports(in, opt);
