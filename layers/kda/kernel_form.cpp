@@ -2,6 +2,7 @@
 #include "layers/kda/kernel_form.h"
 
 #include "layers/diag_decay/decayed_pairs.h"
+#include "layers/kda/chunk_layout.h"
 #include "layers/kernels/primitives/state_grad_hook.h"
 #include "layers/layout.h"
 
@@ -18,14 +19,7 @@ namespace {
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 
-at::ScalarType work_dtype(const Tensor& x) { return at::promote_types(x.scalar_type(), at::kFloat); }
-
-// [B,T,H,·] (or [B,T,H]) -> [B,H,N,C,·] in dtype dt.
-Tensor chunked(const Tensor& x, int64_t C, at::ScalarType dt) { return split_chunks(to_bhtd(x).to(dt), C); }
-// [B,H,N,C,·] -> [B,T,H,·] in dtype dt.
-Tensor unchunked(const Tensor& x, at::ScalarType dt) { return from_bhtd(merge_chunks(x)).to(dt); }
-
-Tensor t_(const Tensor& x) { return x.transpose(-1, -2); }
+using namespace chunk_layout;
 
 // The chunk pieces of kernel_form.h from chunked q, k, gk [B,H,N,C,dk], v [B,H,N,C,dv], beta [B,H,N,C].
 struct Pieces {

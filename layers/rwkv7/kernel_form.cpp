@@ -2,6 +2,7 @@
 #include "layers/rwkv7/kernel_form.h"
 
 #include "layers/diag_decay/decayed_pairs.h"
+#include "layers/kda/chunk_layout.h"
 #include "layers/kda/kernel_form.h"
 #include "layers/kernels/primitives/state_grad_hook.h"
 #include "layers/layout.h"
@@ -15,10 +16,7 @@ namespace {
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 
-at::ScalarType work_dtype(const Tensor& x) { return at::promote_types(x.scalar_type(), at::kFloat); }
-Tensor chunked(const Tensor& x, int64_t C, at::ScalarType dt) { return split_chunks(to_bhtd(x).to(dt), C); }
-Tensor unchunked(const Tensor& x, at::ScalarType dt) { return from_bhtd(merge_chunks(x)).to(dt); }
-Tensor t_(const Tensor& x) { return x.transpose(-1, -2); }
+using namespace chunk_layout;
 
 // The walk's pieces of every chunk from chunked q, k, a, b, gk [B,H,N,C,dk], v [B,H,N,C,dv]: W', U', K_out'
 // [.., 2C, ·], the decay [B,H,N,dk], Q_s [.., C, dk], QA' [.., C, 2C].
