@@ -2,11 +2,12 @@
 without a download: the Python, Perl, PostgreSQL, Git, Sphinx, CMake, SQLAlchemy, Django, Node.js,
 SciPy, Octave and Boost manuals, the Debian Administrator's Handbook and Debian Reference, the common
 licenses, and the Python standard library's and Perl's modules (code with their documentation). Every
-document is one line {"text": ...} of train.jsonl or val.jsonl (every 40th document, in path order, is held out; the training
-documents follow in a fixed pseudo-random order), and train.txt holds the training text for a tokenizer
-to learn from.
+document is one line {"text": ...} of train.jsonl or val.jsonl (every 40th document, in path order, is
+held out; the training documents follow in a fixed pseudo-random order), and train.txt holds the
+training text for a tokenizer to learn from.
 
   python3 tools/docs_corpus.py --output data/docs [--root /]
+  python3 tools/docs_corpus.py --packages       (the Debian packages it reads, one a line)
   (tools/docs_corpus_build installs the packages, runs this, trains the tokenizer and tokenizes)
 
 Sources are read in sorted path order, reST/Markdown/POD/plain files as they are (gzip-compressed ones
@@ -23,7 +24,7 @@ import os
 import random
 import sys
 
-# (package, directory under the root, suffixes read, how): the packages tools/docs_corpus_build installs.
+# (package, directory under the root, suffixes read, how); --packages lists them for tools/docs_corpus_build.
 SOURCES = [
     ('python3.11-doc', 'usr/share/doc/python3.11/html/_sources', ('.rst.txt',), 'text'),
     ('perl-doc', 'usr/share/perl/5.36/pod', ('.pod',), 'text'),
@@ -111,7 +112,7 @@ def documents(root):
         for d, dirs, files in os.walk(base):
             dirs[:] = sorted(x for x in dirs
                              if os.path.relpath(os.path.join(d, x), root).replace(os.sep, '/') not in SKIP_DIRS)
-            for n in sorted(files):
+            for n in files:
                 if any(n.endswith(s) for s in suffixes):
                     paths.append(os.path.join(d, n))
         paths.sort()
@@ -128,9 +129,15 @@ def documents(root):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
-    ap.add_argument('--output', required=True, help='folder for train.jsonl, val.jsonl, train.txt')
+    ap.add_argument('--output', help='folder for train.jsonl, val.jsonl, train.txt')
     ap.add_argument('--root', default='/', help='where the packages are installed (default /)')
+    ap.add_argument('--packages', action='store_true', help='print the Debian packages read, one a line, and exit')
     a = ap.parse_args()
+    if a.packages:
+        print('\n'.join(p for p, _, _, _ in SOURCES))
+        return
+    if not a.output:
+        ap.error('--output is required')
     os.makedirs(a.output, exist_ok=True)
     seen = set()
     counts = {}
