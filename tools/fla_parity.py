@@ -31,7 +31,8 @@ config describes, so that its loss curve can be laid over carry's.
       difference |carry - fla| / fla over the steps after --skip, and at the end (the last window); each
       program's tokens/s (the median over the second half of the steps).
 
-Data files: carry's token files (`carry tokenize`: the 24-byte CARRYTOK header, then 2- or 4-byte ids).
+--device cpu runs FLA's model with its Triton ops replaced by FLA's references (tools/fla_reference.py;
+slow, for tests). Data files: carry's token files (`carry tokenize`: the 24-byte CARRYTOK header, then 2- or 4-byte ids).
 """
 import argparse
 import glob
@@ -190,12 +191,21 @@ def make_model(shape, fuse):
     return GatedDeltaNetForCausalLM(config)
 
 
+def on_device(device):
+    """On the CPU, FLA's Triton ops are replaced by FLA's references (tools/fla_reference.py)."""
+    if device == "cpu":
+        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+        import fla_reference
+        fla_reference.use_references()
+
+
 def load_model(folder, device):
     import torch
     from transformers import AutoModelForCausalLM
     import fla  # noqa: F401  (registers FLA's classes with transformers)
     if not os.path.isfile(os.path.join(folder, "config.json")):
         fail(f"{folder}: expected a model folder (config.json + model.safetensors), found no config.json")
+    on_device(device)
     fuse = device != "cpu"
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, fuse_cross_entropy=fuse,
                                                  fuse_norm=fuse, fuse_swiglu=fuse)

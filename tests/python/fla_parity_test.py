@@ -126,3 +126,43 @@ def test_refuses_what_it_cannot_follow(carry_binary, tmp_path):
     (tmp_path / "b.jsonl").write_text('{"step": 2, "loss": 2.0}\n')
     r = _tool("compare", "a.jsonl", "b.jsonl", cwd=tmp_path)
     assert r.returncode == 1 and "share no logged step" in r.stderr
+
+
+def test_parity_run_on_the_cpu(carry_binary, tmp_path):
+    """launcher/parity_run end to end at the small shape (fp32, FLA's references on the CPU): the carry, fla,
+    sp2 and report phases; the curves agree, sp = 2 gives one GPU's two-segment bits, every eval is run."""
+    root = os.path.join(os.path.dirname(TOOL), "..")
+    _write_tokens(tmp_path / "train.tok", _markov_tokens(9 * 128 + 1, 256, 5))
+    _write_tokens(tmp_path / "val.tok", _markov_tokens(3 * 128 + 1, 256, 6))
+    r = _tool("init", "w/init", "--shape", "tiny", "--seed", "3", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    _run([carry_binary, "import", "w/init", "--model-out", "tiny.textproto"], tmp_path)
+    t = str(tmp_path)
+    (tmp_path / "run.textproto").write_text(f"""name: "parity_run_test"
+seed: 1
+model_preset: "tiny.textproto"
+init_from: "{t}/w/init"
+data {{ token_files {{ paths: "{t}/train.tok" eval_paths: "{t}/val.tok" shuffle: false eod_token: -1 }}
+        seq_len: 128 batch_size: 1 }}
+optimizer {{ lr: 3e-3 grad_clip: 0.5 warmup_steps: 2 total_steps: 12 }}
+checkpoint {{ dir: "{t}/w/carry/checkpoints" every_steps: 100 }}
+logging {{ every_steps: 1 metrics_file: "{t}/w/carry/metrics.jsonl" }}
+""")
+    env = dict(os.environ, PARITY_DEVICE="cpu", PYTHON=sys.executable, OMP_NUM_THREADS="1",
+               CARRY_BUILD_DIR=os.path.dirname(os.path.dirname(os.path.abspath(carry_binary))))
+    env.pop("OUT", None)
+    r = subprocess.run([os.path.join(root, "launcher", "parity_run"), "--run", str(tmp_path / "run.textproto"),
+                        "--no-plot", "carry", "fla", "sp2", "report"], cwd=root, env=env, capture_output=True,
+                       text=True)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "the same loss bits at all 12 steps" in r.stdout, r.stdout
+    assert "not run" not in r.stdout and "| trained by FLA |" in r.stdout, r.stdout
+    results = tmp_path / "w" / "results"
+    compare = json.loads((results / "compare.json").read_text())
+    evals = {n: json.loads((results / f"eval_{n}.json").read_text())["loss"]
+             for n in ("carry_by_carry", "carry_by_fla", "fla_by_carry", "fla_by_fla")}
+    print(f"[ errors   ] launcher/parity_run on the CPU: curves {compare['max_rel_diff']:.2e}, evals {evals}")
+    assert compare["steps"] == 12 and compare["max_rel_diff"] < 1e-5
+    assert abs(evals["carry_by_carry"] - evals["carry_by_fla"]) / evals["carry_by_carry"] < 1e-5
+    assert abs(evals["fla_by_carry"] - evals["fla_by_fla"]) / evals["fla_by_fla"] < 1e-5
+    assert abs(evals["carry_by_carry"] - evals["fla_by_fla"]) / evals["fla_by_fla"] < 1e-4
