@@ -6,7 +6,7 @@ config describes, so that its loss curve can be laid over carry's.
   fla_parity.py init OUT [--seed S] [--shape 125m|tiny]
       FLA's model initialised by FLA (GatedDeltaNetForCausalLM(config) after torch.manual_seed(S), on the
       CPU), written to OUT in fp32 with save_pretrained: `carry import OUT` reads it, a run's init_from
-      starts from it. 125m is carry's configs/models/gated_deltanet_125m (hidden 768, 12 layers, 4 heads,
+      starts from it. 125m is carry's configs/models/gated_deltanet_125m.textproto (hidden 768, 12 layers, 4 heads,
       key width 128, value width 256, short convolutions of 4, vocabulary 32000, tied head).
   fla_parity.py train INIT --run RUN.textproto --out DIR [--carry BIN] [--device cuda|cpu] [--steps N]
                      [--set field.path=value ...]
