@@ -58,8 +58,8 @@ def fail(message):
 
 
 def read_tokens(path):
-    """The ids of a carry token file as a numpy array (memory-mapped)."""
-    import numpy as np
+    """The ids of a carry token file: (a memory map of the file, the id width in bytes, the id count)."""
+    import mmap
     try:
         with open(path, "rb") as f:
             header = f.read(24)
@@ -74,7 +74,8 @@ def read_tokens(path):
     size = os.path.getsize(path)
     if size != 24 + width * count:
         fail(f"{path}: the header says {count} ids of {width} bytes ({24 + width * count} bytes), the file has {size}")
-    return np.memmap(path, dtype=np.uint16 if width == 2 else np.uint32, mode="r", offset=24, shape=(count,))
+    with open(path, "rb") as f:
+        return mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ), width, count
 
 
 def expand(patterns):
@@ -95,9 +96,12 @@ class Stream:
     """Token files read one after another as one stream, cut into windows of T+1 tokens at stride T."""
 
     def __init__(self, paths, seq_len):
-        import numpy as np
+        import bisect
         self.parts = [read_tokens(p) for p in paths]
-        self.starts = np.cumsum([0] + [len(p) for p in self.parts])
+        self.starts = [0]
+        for _, _, count in self.parts:
+            self.starts.append(self.starts[-1] + count)
+        self._bisect = bisect.bisect_right
         self.size = int(self.starts[-1])
         self.T = seq_len
         self.windows = (self.size - 1) // seq_len
@@ -105,15 +109,19 @@ class Stream:
             fail(f"{', '.join(paths)}: {self.size} tokens hold no window of seq_len + 1 = {seq_len + 1} tokens")
 
     def read(self, begin, n):
-        import numpy as np
+        """Tokens [begin, begin + n) of the stream as an int64 tensor."""
+        import torch
         out, at = [], begin
         while at < begin + n:
-            i = int(np.searchsorted(self.starts, at, side="right")) - 1
-            local = at - int(self.starts[i])
-            take = min(begin + n - at, len(self.parts[i]) - local)
-            out.append(np.asarray(self.parts[i][local:local + take], dtype=np.int64))
+            i = self._bisect(self.starts, at) - 1
+            data, width, count = self.parts[i]
+            local = at - self.starts[i]
+            take = min(begin + n - at, count - local)
+            ids = torch.frombuffer(data, dtype=torch.int16 if width == 2 else torch.int32, count=take,
+                                   offset=24 + local * width).to(torch.int64)
+            out.append(ids % (1 << (8 * width)))  # the ids are unsigned
             at += take
-        return np.concatenate(out)
+        return torch.cat(out)
 
     def window(self, j):
         return self.read((j % self.windows) * self.T, self.T + 1)
@@ -291,7 +299,6 @@ def cmd_init(a):
 
 
 def cmd_train(a):
-    import numpy as np
     import torch
     config = parse_textproto(resolved_config(a.carry, a.run, a.set))
     opt, data = field(config, "optimizer"), field(config, "data")
@@ -338,8 +345,7 @@ def cmd_train(a):
     start = last = time.perf_counter()
     rates = []
     for step in range(steps):
-        batch = np.stack([stream.window(step * B + b) for b in range(B)])
-        x = torch.from_numpy(batch).to(device)
+        x = torch.stack([stream.window(step * B + b) for b in range(B)]).to(device)
         lr = learning_rate(opt, step)
         for g in adamw.param_groups:
             g["lr"] = lr
@@ -376,7 +382,6 @@ def cmd_train(a):
 
 
 def cmd_eval(a):
-    import numpy as np
     import torch
     model = load_model(a.model, a.device).eval()
     stream = Stream(a.tokens, a.seq_len)
@@ -384,7 +389,7 @@ def cmd_eval(a):
     total, count = 0.0, 0
     with torch.no_grad():
         for j in range(n):
-            x = torch.from_numpy(np.stack([stream.window(j)])).to(a.device)
+            x = stream.window(j)[None].to(a.device)
             total += sequence_loss(model, x).item() * a.seq_len
             count += a.seq_len
     loss = total / count
