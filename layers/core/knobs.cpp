@@ -51,7 +51,7 @@ const std::vector<Knob>& knobs() {
       // launcher
       {"CARRY_BUILD_DIR", "build", A::launcher, "the build directory of the launcher scripts"},
       {"CARRY_JOBS", "nproc", A::launcher, "parallel build jobs (launcher/setup)"},
-      {"CARRY_PYTHON", "found", A::launcher, "a python3 with torch 2.11 whose libtorch to build against instead of .venv"},
+      {"CARRY_PYTHON", "found", A::launcher, "a python3 with torch 2.11 whose libtorch to build against instead of .venv; launcher/parity_run: the python3 that runs FLA's side"},
       {"CARRY_CUDA", "detected", A::launcher, "ON or OFF: build the CUDA kernels and NCCL backend, overriding the GPU detection"},
       {"CARRY_SKIP_SETUP", "0", A::launcher, "1: launcher/train uses the build as it is"},
       {"CARRY_MPIRUN_ARGS", "none", A::launcher, "extra arguments for launcher/train's mpirun"},
@@ -69,6 +69,7 @@ const std::vector<Knob>& knobs() {
       {"CARRY_BENCH_SET", "none", A::launcher, "launcher/train_bench: key=value ... added as --set to every row"},
       {"CARRY_BENCH_TAG", "none", A::launcher, "launcher/train_bench: a suffix for the rows' names and metrics files"},
       {"CARRY_BENCH_TIMEOUT", "200", A::launcher, "launcher/train_bench: seconds a row may take"},
+      {"CARRY_PARITY_DEVICE", "cuda", A::launcher, "launcher/parity_run: where FLA's side runs (cpu: FLA's references, for the tests)"},
       {"CARRY_BENCH_MPIRUN_ARGS", "none", A::launcher, "launcher/train_bench: extra arguments for every row's mpirun"},
   };
   return all;

@@ -148,7 +148,7 @@ optimizer {{ lr: 3e-3 grad_clip: 0.5 warmup_steps: 2 total_steps: 12 }}
 checkpoint {{ dir: "{t}/w/carry/checkpoints" every_steps: 100 }}
 logging {{ every_steps: 1 metrics_file: "{t}/w/carry/metrics.jsonl" }}
 """)
-    env = dict(os.environ, PARITY_DEVICE="cpu", PYTHON=sys.executable, OMP_NUM_THREADS="1",
+    env = dict(os.environ, CARRY_PARITY_DEVICE="cpu", CARRY_PYTHON=sys.executable, OMP_NUM_THREADS="1",
                CARRY_BUILD_DIR=os.path.dirname(os.path.dirname(os.path.abspath(carry_binary))))
     env.pop("OUT", None)
     r = subprocess.run([os.path.join(root, "launcher", "parity_run"), "--run", str(tmp_path / "run.textproto"),
