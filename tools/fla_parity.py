@@ -9,7 +9,7 @@ config describes, so that its loss curve can be laid over carry's.
       starts from it. 125m is carry's configs/models/gated_deltanet_125m.textproto (hidden 768, 12 layers, 4 heads,
       key width 128, value width 256, short convolutions of 4, vocabulary 32000, tied head).
   fla_parity.py train INIT --run RUN.textproto --out DIR [--carry BIN] [--device cuda|cpu] [--steps N]
-                     [--set field.path=value ...]
+                     [--set field.path=value ...] [--config RESOLVED.textproto]
       Trains INIT (a folder FLA loads) as carry trains RUN: the resolved config (`carry train RUN
       --print-config`) gives the data (data.token_files.paths read as one stream, unshuffled, windows of
       seq_len+1 tokens at stride seq_len; step s takes the sequences s*B ... s*B+B-1, window g mod W, as
@@ -18,7 +18,8 @@ config describes, so that its loss curve can be laid over carry's.
       (BF16: torch.autocast to bfloat16 over fp32 weights, fused AdamW on the GPU). Writes
       DIR/metrics.jsonl (carry's metrics format: launcher/plot reads it), prints a line every
       logging.every_steps steps, and saves the final weights to DIR/model (fp32, a folder FLA and
-      carry read). --set changes the config as `carry train --set` does. On the GPU it runs `check` first.
+      carry read). --set changes the config as `carry train --set` does; --config FILE reads the resolved
+      config from FILE (what `carry train RUN --print-config` printed) instead of running carry. On the GPU it runs `check` first.
   fla_parity.py check [--T N]
       FLA's chunk_gated_delta_rule on this GPU against FLA's token recurrence in fp32 (outputs and every
       gradient, fp32 and bf16 inputs): FLA 0.6.0 guards this backward on Hopper under Triton < 3.7.1 (its
@@ -300,7 +301,13 @@ def cmd_init(a):
 
 def cmd_train(a):
     import torch
-    config = parse_textproto(resolved_config(a.carry, a.run, a.set))
+    if a.config:
+        try:
+            config = parse_textproto(open(a.config, encoding="utf-8").read())
+        except OSError as e:
+            fail(f"cannot read --config {a.config}: {e.strerror}")
+    else:
+        config = parse_textproto(resolved_config(a.carry, a.run, a.set))
     opt, data = field(config, "optimizer"), field(config, "data")
     files = field(config, "data.token_files")
     if field(config, "data.token_files.shuffle") != "false":
@@ -472,6 +479,7 @@ def main(argv=None):
     t = sub.add_parser("train")
     t.add_argument("init")
     t.add_argument("--run", required=True)
+    t.add_argument("--config", help="RUN as `carry train RUN --print-config` printed it (then carry is not run)")
     t.add_argument("--out", required=True)
     t.add_argument("--carry", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "build-gpu",
                                                    "bin", "carry"))
