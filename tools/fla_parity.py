@@ -19,7 +19,9 @@ config describes, so that its loss curve can be laid over carry's.
       DIR/metrics.jsonl (carry's metrics format: launcher/plot reads it), prints a line every
       logging.every_steps steps, and saves the final weights to DIR/model (fp32, a folder FLA and
       carry read). --set changes the config as `carry train --set` does; --config FILE reads the resolved
-      config from FILE (what `carry train RUN --print-config` printed) instead of running carry. On the GPU it runs `check` first.
+      config from FILE (what `carry train RUN --print-config` printed) instead of running carry. On the GPU
+      it runs `check` first (in a process of its own, so that FLA's autotuner tunes the training's kernels
+      afresh).
   fla_parity.py check [--T N]
       FLA's chunk_gated_delta_rule on this GPU against FLA's token recurrence in fp32 (outputs and every
       gradient, fp32 and bf16 inputs): FLA 0.6.0 guards this backward on Hopper under Triton < 3.7.1 (its
@@ -333,7 +335,14 @@ def cmd_train(a):
         fail("--device cuda: no GPU is visible to PyTorch")
 
     if device == "cuda":
-        check_gated_delta_rule()
+        # In a process of its own, with its own Triton cache: the autotuner keeps the first configs it picks
+        # for a shape key (which leaves out T and the dtype), and the training should pick its own.
+        import tempfile
+        with tempfile.TemporaryDirectory() as cache:
+            r = subprocess.run([sys.executable, os.path.abspath(__file__), "check"],
+                               env=dict(os.environ, TRITON_CACHE_DIR=cache))
+        if r.returncode != 0:
+            sys.exit(r.returncode)
     model = load_model(a.init, device).train()
     decay = [p for p in model.parameters() if p.dim() >= 2]
     other = [p for p in model.parameters() if p.dim() < 2]
