@@ -21,7 +21,7 @@ config describes, so that its loss curve can be laid over carry's.
       carry read). --set changes the config as `carry train --set` does; --config FILE reads the resolved
       config from FILE (what `carry train RUN --print-config` printed) instead of running carry. On the GPU
       it runs `check` first (in a process of its own, so that FLA's autotuner tunes the training's kernels
-      afresh).
+      afresh) and records whether it passed in DIR/summary.json.
   fla_parity.py check [--T N]
       FLA's chunk_gated_delta_rule on this GPU against FLA's token recurrence in fp32 (outputs and every
       gradient, fp32 and bf16 inputs): FLA 0.6.0 guards this backward on Hopper under Triton < 3.7.1 (its
@@ -269,7 +269,7 @@ def check_gated_delta_rule(T=1024, H=4, K=128, V=256, seed=0):
 
     want = grads(reference, torch.float32)
     worst = {}
-    for dtype, limit in ((torch.float32, 5e-3), (torch.bfloat16, 5e-2)):
+    for dtype, limit in ((torch.float32, 2e-2), (torch.bfloat16, 5e-2)):  # the miscompile of #640: ~0.5
         got = grads(kernel, dtype)
         errors = {n: ((got[n] - want[n]).norm() / want[n].norm()).item() for n in want}
         name = str(dtype).replace("torch.", "")
@@ -341,8 +341,12 @@ def cmd_train(a):
         with tempfile.TemporaryDirectory() as cache:
             r = subprocess.run([sys.executable, os.path.abspath(__file__), "check"],
                                env=dict(os.environ, TRITON_CACHE_DIR=cache))
-        if r.returncode != 0:
-            sys.exit(r.returncode)
+        check_passed = r.returncode == 0
+        if not check_passed:  # trained all the same: the curve then shows what FLA's kernel does on this GPU
+            print("fla_parity: warning: FLA's kernel check failed (above); training anyway, its summary says so",
+                  flush=True)
+    else:
+        check_passed = None
     model = load_model(a.init, device).train()
     decay = [p for p in model.parameters() if p.dim() >= 2]
     other = [p for p in model.parameters() if p.dim() < 2]
@@ -389,7 +393,7 @@ def cmd_train(a):
     metrics.close()
     median = sorted(rates)[len(rates) // 2] if rates else float("nan")
     model.save_pretrained(os.path.join(a.out, "model"), safe_serialization=True)
-    summary = {"steps": steps, "tokens_per_s_median": median, "elapsed_s": last - start, "final_loss": value,
+    summary = {"kernel_check_passed": check_passed, "steps": steps, "tokens_per_s_median": median, "elapsed_s": last - start, "final_loss": value,
                "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else None}
     with open(os.path.join(a.out, "summary.json"), "w", encoding="utf-8") as f:
         json.dump(summary, f)
