@@ -393,7 +393,8 @@ def cmd_train(a):
     metrics.close()
     median = sorted(rates)[len(rates) // 2] if rates else float("nan")
     model.save_pretrained(os.path.join(a.out, "model"), safe_serialization=True)
-    summary = {"kernel_check_passed": check_passed, "steps": steps, "tokens_per_s_median": median, "elapsed_s": last - start, "final_loss": value,
+    summary = {"kernel_check_passed": check_passed, "steps": steps, "tokens_per_s_median": median,
+               "elapsed_s": last - start, "final_loss": value,
                "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else None}
     with open(os.path.join(a.out, "summary.json"), "w", encoding="utf-8") as f:
         json.dump(summary, f)
