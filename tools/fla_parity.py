@@ -9,7 +9,7 @@ config describes, so that its loss curve can be laid over carry's.
       starts from it. 125m is carry's configs/models/gated_deltanet_125m.textproto (hidden 768, 12 layers, 4 heads,
       key width 128, value width 256, short convolutions of 4, vocabulary 32000, tied head).
   fla_parity.py train INIT --run RUN.textproto --out DIR [--carry BIN] [--device cuda|cpu] [--steps N]
-                     [--set field.path=value ...] [--config RESOLVED.textproto]
+                     [--set field.path=value ...] [--config RESOLVED.textproto] [--max-minutes M]
       Trains INIT (a folder FLA loads) as carry trains RUN: the resolved config (`carry train RUN
       --print-config`) gives the data (data.token_files.paths read as one stream, unshuffled, windows of
       seq_len+1 tokens at stride seq_len; step s takes the sequences s*B ... s*B+B-1, window g mod W, as
@@ -19,9 +19,10 @@ config describes, so that its loss curve can be laid over carry's.
       DIR/metrics.jsonl (carry's metrics format: launcher/plot reads it), prints a line every
       logging.every_steps steps, and saves the final weights to DIR/model (fp32, a folder FLA and
       carry read). --set changes the config as `carry train --set` does; --config FILE reads the resolved
-      config from FILE (what `carry train RUN --print-config` printed) instead of running carry. On the GPU
-      it runs `check` first (in a process of its own, so that FLA's autotuner tunes the training's kernels
-      afresh) and records whether it passed in DIR/summary.json.
+      config from FILE (what `carry train RUN --print-config` printed) instead of running carry.
+      --max-minutes M stops after the first step past M minutes (the weights saved, the steps done in
+      DIR/summary.json). On the GPU it runs `check` after the training, in the same process (so on the
+      kernel configs FLA's autotuner chose for the training), and records whether it passed in the summary.
   fla_parity.py check [--T N]
       FLA's chunk_gated_delta_rule on this GPU against FLA's token recurrence in fp32 (outputs and every
       gradient, fp32 and bf16 inputs): FLA 0.6.0 guards this backward on Hopper under Triton < 3.7.1 (its
@@ -334,19 +335,6 @@ def cmd_train(a):
     if device == "cuda" and not torch.cuda.is_available():
         fail("--device cuda: no GPU is visible to PyTorch")
 
-    if device == "cuda":
-        # In a process of its own, with its own Triton cache: the autotuner keeps the first configs it picks
-        # for a shape key (which leaves out T and the dtype), and the training should pick its own.
-        import tempfile
-        with tempfile.TemporaryDirectory() as cache:
-            r = subprocess.run([sys.executable, os.path.abspath(__file__), "check"],
-                               env=dict(os.environ, TRITON_CACHE_DIR=cache))
-        check_passed = r.returncode == 0
-        if not check_passed:  # trained all the same: the curve then shows what FLA's kernel does on this GPU
-            print("fla_parity: warning: FLA's kernel check failed (above); training anyway, its summary says so",
-                  flush=True)
-    else:
-        check_passed = None
     model = load_model(a.init, device).train()
     decay = [p for p in model.parameters() if p.dim() >= 2]
     other = [p for p in model.parameters() if p.dim() < 2]
@@ -364,7 +352,11 @@ def cmd_train(a):
           f"{', '.join(paths)}", flush=True)
     start = last = time.perf_counter()
     rates = []
+    done = 0
     for step in range(steps):
+        if a.max_minutes and last - start > 60 * a.max_minutes:
+            print(f"fla_parity: stopping after {step} steps (--max-minutes {a.max_minutes:g})", flush=True)
+            break
         x = torch.stack([stream.window(step * B + b) for b in range(B)]).to(device)
         lr = learning_rate(opt, step)
         for g in adamw.param_groups:
@@ -379,8 +371,12 @@ def cmd_train(a):
         now = time.perf_counter()
         rate = B * T / (now - last)
         last = now
+        done = step + 1
         if step > 0:
             rates.append(rate)
+        else:
+            print(f"fla_parity: the first step took {now - start:.1f} s (FLA's kernels compiled and autotuned)",
+                  flush=True)
         if not math.isfinite(value):
             fail(f"step {step + 1}: the loss is {value}")
         metrics.write(json.dumps({"step": step + 1, "elapsed_s": now - start, "loss": value,
@@ -393,12 +389,24 @@ def cmd_train(a):
     metrics.close()
     median = sorted(rates)[len(rates) // 2] if rates else float("nan")
     model.save_pretrained(os.path.join(a.out, "model"), safe_serialization=True)
-    summary = {"kernel_check_passed": check_passed, "steps": steps, "tokens_per_s_median": median,
+    check_passed = None
+    if device == "cuda":
+        # After the training, in the same process: the kernels checked are the ones its autotuning chose
+        # (FLA's autotuner keys leave out T and the dtype, so a check first would have picked them).
+        del adamw, x, loss
+        torch.cuda.empty_cache()
+        try:
+            check_gated_delta_rule()
+            check_passed = True
+        except SystemExit as e:  # the weights and curve are kept; the summary says the kernel was wrong
+            print(e, flush=True)
+            check_passed = False
+    summary = {"kernel_check_passed": check_passed, "steps": done, "tokens_per_s_median": median,
                "elapsed_s": last - start, "final_loss": value,
                "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else None}
     with open(os.path.join(a.out, "summary.json"), "w", encoding="utf-8") as f:
         json.dump(summary, f)
-    print(f"fla_parity: {steps} steps in {last - start:.1f} s, median {median:.0f} tok/s; weights in "
+    print(f"fla_parity: {done} steps in {last - start:.1f} s, median {median:.0f} tok/s; weights in "
           f"{os.path.join(a.out, 'model')}", flush=True)
 
 
@@ -499,6 +507,8 @@ def main(argv=None):
                                                    "bin", "carry"))
     t.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     t.add_argument("--steps", type=int, default=0, help="stop after this many steps (default: total_steps)")
+    t.add_argument("--max-minutes", type=float, default=0,
+                   help="stop after the first step past this many minutes, saving the weights (0: no limit)")
     t.add_argument("--set", action="append", default=[], help="a config override, as carry train --set takes it")
     k = sub.add_parser("check")
     k.add_argument("--T", type=int, default=1024)

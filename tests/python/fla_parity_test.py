@@ -78,6 +78,13 @@ def test_fla_training_follows_carry_step_for_step(carry_binary, tmp_path, fla_on
     assert f[6] < f[1] - 0.05  # it learns
     assert rel < 1e-5
 
+    # --max-minutes: stopped after the first step past the limit, with the weights and the steps done saved.
+    fla_parity.main(["train", "ck0", "--run", "run.textproto", "--out", "fla_short", "--carry", carry_binary,
+                     "--device", "cpu", "--max-minutes", "1e-9"])
+    assert json.loads((tmp_path / "fla_short" / "summary.json").read_text())["steps"] == 1
+    assert _losses(tmp_path / "fla_short" / "metrics.jsonl") == {1: f[1]}
+    assert (tmp_path / "fla_short" / "model" / "config.json").is_file()
+
     # FLA's model reads carry's final weights and scores them as carry eval does.
     _run([carry_binary, "export", "ck", "--format", "fla", "--out", "carry_final"], tmp_path)
     r = _run([carry_binary, "eval", "ck", "--data", "train.tok", "--seq-len", "64", "--batch-size", "1", "--cpu",
