@@ -3,11 +3,12 @@
 GatedDeltaNetForCausalLM trained in PyTorch on the token stream, schedule and optimizer a carry run
 config describes, so that its loss curve can be laid over carry's.
 
-  fla_parity.py init OUT [--seed S] [--shape 125m|tiny]
+  fla_parity.py init OUT [--seed S] [--shape 125m|small|tiny]
       FLA's model initialised by FLA (GatedDeltaNetForCausalLM(config) after torch.manual_seed(S), on the
       CPU), written to OUT in fp32 with save_pretrained: `carry import OUT` reads it, a run's init_from
       starts from it. 125m is carry's configs/models/gated_deltanet_125m.textproto (hidden 768, 12 layers, 4 heads,
-      key width 128, value width 256, short convolutions of 4, vocabulary 32000, tied head).
+      key width 128, value width 256, short convolutions of 4, vocabulary 32000, tied head); small has its
+      vocabulary at hidden 128, 2 layers, 2 heads of key width 64 (a CPU run); tiny is the tests' (vocabulary 256).
   fla_parity.py train INIT --run RUN.textproto --out DIR [--carry BIN] [--device cuda|cpu] [--steps N]
                      [--set field.path=value ...] [--config RESOLVED.textproto] [--max-minutes M]
       Trains INIT (a folder FLA loads) as carry trains RUN: the resolved config (`carry train RUN
@@ -52,6 +53,8 @@ import time
 SHAPES = {
     "125m": dict(hidden_size=768, num_hidden_layers=12, num_heads=4, head_dim=128, expand_v=2, conv_size=4,
                  vocab_size=32000, hidden_ratio=4),
+    "small": dict(hidden_size=128, num_hidden_layers=2, num_heads=2, head_dim=64, expand_v=2, conv_size=4,
+                  vocab_size=32000, hidden_ratio=4),
     "tiny": dict(hidden_size=64, num_hidden_layers=2, num_heads=2, head_dim=16, expand_v=2, conv_size=4,
                  vocab_size=256, hidden_ratio=4),
 }
