@@ -49,6 +49,7 @@ import struct
 import subprocess
 import sys
 import time
+import warnings
 
 SHAPES = {
     "125m": dict(hidden_size=768, num_hidden_layers=12, num_heads=4, head_dim=128, expand_v=2, conv_size=4,
@@ -124,8 +125,10 @@ class Stream:
             data, width, count = self.parts[i]
             local = at - self.starts[i]
             take = min(begin + n - at, count - local)
-            ids = torch.frombuffer(data, dtype=torch.int16 if width == 2 else torch.int32, count=take,
-                                   offset=24 + local * width).to(torch.int64)
+            with warnings.catch_warnings():  # read only, and copied at once by .to
+                warnings.simplefilter("ignore", UserWarning)
+                ids = torch.frombuffer(data, dtype=torch.int16 if width == 2 else torch.int32, count=take,
+                                       offset=24 + local * width).to(torch.int64)
             out.append(ids % (1 << (8 * width)))  # the ids are unsigned
             at += take
         return torch.cat(out)
@@ -378,8 +381,8 @@ def cmd_train(a):
         if step > 0:
             rates.append(rate)
         else:
-            print(f"fla_parity: the first step took {now - start:.1f} s (FLA's kernels compiled and autotuned)",
-                  flush=True)
+            print(f"fla_parity: the first step took {now - start:.1f} s"
+                  f"{' (FLA compiles and autotunes its kernels in it)' if device == 'cuda' else ''}", flush=True)
         if not math.isfinite(value):
             fail(f"step {step + 1}: the loss is {value}")
         metrics.write(json.dumps({"step": step + 1, "elapsed_s": now - start, "loss": value,
