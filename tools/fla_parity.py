@@ -40,11 +40,11 @@ config describes, so that its loss curve can be laid over carry's.
 slow, for tests). Data files: carry's token files (`carry tokenize`: the 24-byte CARRYTOK header, then 2- or 4-byte ids).
 """
 import argparse
+import bisect
 import glob
 import json
 import math
 import os
-import re
 import struct
 import subprocess
 import sys
@@ -70,20 +70,20 @@ def read_tokens(path):
     import mmap
     try:
         with open(path, "rb") as f:
-            header = f.read(24)
+            data = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) if os.path.getsize(path) else b""
     except OSError as e:
         fail(f"cannot read token file {path}: {e.strerror}")
+    header = data[:24]
     if len(header) < 24 or header[:8] != b"CARRYTOK":
         fail(f"{path}: expected a carry token file (the CARRYTOK header that `carry tokenize` writes), "
              f"found {header[:8]!r}")
     version, width, count = struct.unpack("<IIQ", header[8:])
     if version != 1 or width not in (2, 4):
         fail(f"{path}: expected CARRYTOK version 1 with 2- or 4-byte ids, found version {version}, width {width}")
-    size = os.path.getsize(path)
-    if size != 24 + width * count:
-        fail(f"{path}: the header says {count} ids of {width} bytes ({24 + width * count} bytes), the file has {size}")
-    with open(path, "rb") as f:
-        return mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ), width, count
+    if len(data) != 24 + width * count:
+        fail(f"{path}: the header says {count} ids of {width} bytes ({24 + width * count} bytes), the file has "
+             f"{len(data)}")
+    return data, width, count
 
 
 def expand(patterns):
@@ -104,13 +104,11 @@ class Stream:
     """Token files read one after another as one stream, cut into windows of T+1 tokens at stride T."""
 
     def __init__(self, paths, seq_len):
-        import bisect
         self.parts = [read_tokens(p) for p in paths]
         self.starts = [0]
         for _, _, count in self.parts:
             self.starts.append(self.starts[-1] + count)
-        self._bisect = bisect.bisect_right
-        self.size = int(self.starts[-1])
+        self.size = self.starts[-1]
         self.T = seq_len
         self.windows = (self.size - 1) // seq_len
         if self.windows < 1:
@@ -121,7 +119,7 @@ class Stream:
         import torch
         out, at = [], begin
         while at < begin + n:
-            i = self._bisect(self.starts, at) - 1
+            i = bisect.bisect_right(self.starts, at) - 1
             data, width, count = self.parts[i]
             local = at - self.starts[i]
             take = min(begin + n - at, count - local)
@@ -436,7 +434,8 @@ def cmd_eval(a):
             json.dump(result, f)
 
 
-def losses(path, key="loss"):
+def read_metrics(path):
+    """A metrics file's step records by step (carry's format: event lines left out)."""
     out = {}
     try:
         with open(path, encoding="utf-8") as f:
@@ -447,8 +446,8 @@ def losses(path, key="loss"):
                     r = json.loads(line)
                 except json.JSONDecodeError:
                     fail(f"{path}:{n}: expected a JSON line, found {line.strip()[:60]!r}")
-                if "event" not in r and key in r:
-                    out[int(r["step"])] = float(r[key])
+                if "event" not in r and "loss" in r:
+                    out[int(r["step"])] = r
     except OSError as e:
         fail(f"cannot read {path}: {e.strerror}")
     return out
@@ -465,7 +464,9 @@ def smoothed(curve, steps, window):
 
 
 def cmd_compare(a):
-    c, f = losses(a.carry_metrics), losses(a.fla_metrics)
+    carry, fla = read_metrics(a.carry_metrics), read_metrics(a.fla_metrics)
+    c = {s: float(r["loss"]) for s, r in carry.items()}
+    f = {s: float(r["loss"]) for s, r in fla.items()}
     steps = sorted(set(c) & set(f))
     if not steps:
         fail(f"{a.carry_metrics} and {a.fla_metrics} share no logged step")
@@ -474,11 +475,10 @@ def cmd_compare(a):
              f"{len(steps)} in common)")
     sc, sf = smoothed(c, steps, a.window), smoothed(f, steps, a.window)
 
-    def rate(path):  # the median tokens/s of the second half of the steps
-        r = losses(path, "tokens_per_s")
-        half = sorted(r[s] for s in steps[len(steps) // 2:] if s in r)
+    def rate(records):  # the median tokens/s of the second half of the steps
+        half = sorted(records[s]["tokens_per_s"] for s in steps[len(steps) // 2:] if "tokens_per_s" in records[s])
         return half[len(half) // 2] if half else float("nan")
-    rc, rf = rate(a.carry_metrics), rate(a.fla_metrics)
+    rc, rf = rate(carry), rate(fla)
     rel = [abs(x - y) / abs(y) for x, y in zip(sc, sf)]
     after = [(r, s) for r, s in zip(rel, steps) if s > a.skip] or list(zip(rel, steps))
     worst, at = max(after)

@@ -87,8 +87,8 @@ def test_fla_training_follows_carry_step_for_step(carry_binary, tmp_path, fla_on
 
     # FLA's model reads carry's final weights and scores them as carry eval does.
     _run([carry_binary, "export", "ck", "--format", "fla", "--out", "carry_final"], tmp_path)
-    r = _run([carry_binary, "eval", "ck", "--data", "train.tok", "--seq-len", "64", "--batch-size", "1", "--cpu",
-              "--max-sequences", "5", "--json", "carry_eval.json"], tmp_path)
+    _run([carry_binary, "eval", "ck", "--data", "train.tok", "--seq-len", "64", "--batch-size", "1", "--cpu",
+          "--max-sequences", "5", "--json", "carry_eval.json"], tmp_path)
     want = json.loads((tmp_path / "carry_eval.json").read_text())["loss"]
     fla_parity.main(["eval", "carry_final", "--tokens", "train.tok", "--seq-len", "64", "--max-sequences", "5",
                      "--device", "cpu", "--json", "fla_eval.json"])
@@ -98,8 +98,8 @@ def test_fla_training_follows_carry_step_for_step(carry_binary, tmp_path, fla_on
     assert got["sequences"] == 5 and abs(got["loss"] - want) / want < 1e-5
 
     # FLA's final model, read by carry eval.
-    r = _run([carry_binary, "eval", "fla/model", "--data", "train.tok", "--seq-len", "64", "--cpu",
-              "--max-sequences", "5", "--json", "carry_eval_fla.json"], tmp_path)
+    _run([carry_binary, "eval", "fla/model", "--data", "train.tok", "--seq-len", "64", "--cpu",
+          "--max-sequences", "5", "--json", "carry_eval_fla.json"], tmp_path)
     fla_parity.main(["eval", "fla/model", "--tokens", "train.tok", "--seq-len", "64", "--max-sequences", "5",
                      "--device", "cpu", "--json", "fla_eval_fla.json"])
     a = json.loads((tmp_path / "carry_eval_fla.json").read_text())["loss"]
